@@ -1,0 +1,150 @@
+"""Benchmark the ops: attention_with_lse (every backend that accepts the call) vs torch SDPA, and merge_states
+(fused DeepSpeed op vs torch).
+
+    python benchmarks/bench_ops.py                       # CPU, fp32, the default grid
+    python benchmarks/bench_ops.py --device cuda --dtype bf16
+    python benchmarks/bench_ops.py --sk 4096 --sq 1 --repeats 20
+
+SDPA is the honest baseline for the *same* attention: no mask for decode (Sq=1, the query sees every key) and
+a boolean bottom-right causal mask for Sq < Sk (``is_causal=True`` would align the mask top-left: wrong).
+SDPA does not return the log-sum-exp, so it does strictly less work than attention_with_lse.
+Prints a table, then one JSON line with every measurement (times are medians, in milliseconds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from magnetar.ops import attention_with_lse, merge_states
+from magnetar.ops.attention import AttentionCall, _classify
+from magnetar.ops.backends import explain
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn()`` in ms (device-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def peak_mb(device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return None
+
+
+def bench_attention(args, device, dtype):
+    rows = []
+    for sk in args.sk:
+        for sq in args.sq:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q = torch.randn(1, args.heads, sq, args.head_dim, generator=g).to(device, dtype)
+            k = torch.randn(1, args.kv_heads, sk, args.head_dim, generator=g).to(device, dtype)
+            v = torch.randn(1, args.kv_heads, sk, args.head_dim, generator=g).to(device, dtype)
+            group = args.heads // args.kv_heads
+            kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # SDPA's GQA input
+            if sq == 1:
+                mask = None
+            else:
+                pos_q, pos_k = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
+                mask = pos_k[None, :] <= pos_q[:, None]
+            repeats = args.repeats if sk * sq <= 4096 * 128 else max(3, args.repeats // 2)
+            base = timed(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask), device, args.warmup, repeats)
+            rows.append({"op": "attention", "impl": "sdpa", "sq": sq, "sk": sk, "ms": base, "x_sdpa": 1.0})
+            call = AttentionCall(q, k, v, torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device),
+                                 1.0, _classify(None, None, sq, sk, True))
+            for name, reasons in sorted(explain(call).items()):
+                if reasons:
+                    continue
+                if name == "torch" and sq * sk * args.heads > 2**26 and device.type == "cpu":
+                    continue  # the reference materialises the full score matrix; skip where it would be silly
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                ms = timed(lambda: attention_with_lse(q, k, v, backend=name), device, args.warmup, repeats)
+                rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms, "x_sdpa": ms / base,
+                             "peak_mb": peak_mb(device)})
+    return rows
+
+
+def bench_merge(args, device, dtype):
+    rows = []
+    for s in args.merge_s:
+        for n in args.merge_n:
+            g = torch.Generator(device="cpu").manual_seed(1)
+            outs = torch.randn(n, 1, args.heads, s, args.head_dim, generator=g).to(device, dtype)
+            lses = torch.randn(n, 1, args.heads, s, generator=g).to(device)
+            ref = timed(lambda: merge_states(outs, lses, backend="torch"), device, args.warmup, args.repeats)
+            rows.append({"op": "merge", "impl": "torch", "n": n, "s": s, "ms": ref, "x_torch": 1.0})
+            try:
+                ms = timed(lambda: merge_states(outs, lses, backend="fused"), device, args.warmup, args.repeats)
+                rows.append({"op": "merge", "impl": "fused", "n": n, "s": s, "ms": ms, "x_torch": ms / ref})
+            except RuntimeError as e:
+                rows.append({"op": "merge", "impl": "fused", "n": n, "s": s, "error": str(e)[:200]})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--sq", type=int, nargs="+", default=[1, 128])
+    p.add_argument("--sk", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--merge-n", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--merge-s", type=int, nargs="+", default=[1, 128, 4096])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+
+    attn = bench_attention(args, device, dtype)
+    merge = bench_merge(args, device, dtype)
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {machine})")
+    print(f"{'impl':<11}{'Sq':>6}{'Sk':>8}{'ms':>11}{'x SDPA':>9}")
+    for r in attn:
+        print(f"{r['impl']:<11}{r['sq']:>6}{r['sk']:>8}{r['ms']:>11.3f}{r['x_sdpa']:>9.2f}")
+    print(f"\n# merge_states (B=1, H={args.heads}, D={args.head_dim}, {args.dtype})")
+    print(f"{'impl':<8}{'N':>4}{'S':>7}{'ms':>11}{'x torch':>9}")
+    for r in merge:
+        if "error" in r:
+            print(f"{r['impl']:<8}{r['n']:>4}{r['s']:>7}   unavailable: {r['error']}")
+        else:
+            print(f"{r['impl']:<8}{r['n']:>4}{r['s']:>7}{r['ms']:>11.4f}{r['x_torch']:>9.2f}")
+    summary = {
+        "bench": "ops", "device": str(device), "machine": machine, "dtype": args.dtype, "torch": torch.__version__,
+        "attention": attn, "merge": merge,
+        "fast_backend_worst_x_sdpa": max((r["x_sdpa"] for r in attn if r["impl"] in ("cpu_flash", "flash_attn")),
+                                         default=None),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

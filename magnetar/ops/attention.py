@@ -1,0 +1,194 @@
+"""``attention_with_lse``: softmax attention that also returns the log-sum-exp, with position-based causality.
+
+This is the one attention entry point of Magnetar. Every strategy (dense, Star, Pulsar, Ring, sparse
+decoding) computes partial results with it and combines them with :func:`magnetar.ops.merge.merge_states`.
+
+Layouts (the whole project uses them):
+    q        (B, Hq,  Sq, D)   fp32 / bf16 / fp16
+    k, v     (B, Hkv, Sk, D)   same dtype and device as q; Hq % Hkv == 0 (MHA, GQA, MQA).
+                               Query head h reads KV head h // (Hq // Hkv) (transformers' repeat_kv order).
+    q_pos    (Sq,) or (B, Sq)  integer positions of the queries; default arange(Sk - Sq, Sk)
+    k_pos    (Sk,) or (B, Sk)  integer positions of the keys;    default arange(Sk)
+    out      (B, Hq, Sq, D)    q's dtype
+    lse      (B, Hq, Sq)       float32, natural log
+
+Causality is defined by positions, not by index: key j is visible to query i iff ``k_pos[j] <= q_pos[i]``.
+Positions may be gapped and unsorted (Star anchors and Pulsar summaries keep their original positions).
+``causal=False`` makes every key visible. A query with no visible key gets ``out = 0, lse = -inf``.
+
+The work is done by a backend from :mod:`magnetar.ops.backends`; this module validates the inputs, classifies
+the mask once (so backends can take a mask-free fast path) and fixes up rows with no visible key.
+It knows nothing about ranks, blocks or models.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from magnetar.utils.nvtx import nvtx_range
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# Mask kinds, from cheapest to most general:
+FULL = "full"  # every key visible to every query: no mask at all
+CAUSAL_BOTTOM_RIGHT = "causal_bottom_right"  # keys 0..Sk-1, queries are the last Sq of them (Sq <= Sk)
+POSITIONS = "positions"  # general: build the mask from q_pos / k_pos
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention request, as backends see it.
+
+    ``q_pos``/``k_pos`` are int64 on q's device, 1-D ``(S,)`` (shared by the batch) or 2-D ``(B, S)``.
+    ``mask_kind`` is one of FULL, CAUSAL_BOTTOM_RIGHT, POSITIONS (see module docstring); for FULL and
+    CAUSAL_BOTTOM_RIGHT no query row is empty, and the positions are the defaults.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    scale: float
+    mask_kind: str
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def visible(self, q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Boolean visibility ``(1 or B, 1, Sq', Sk')`` for the given (default: all) positions."""
+        qp = self.q_pos if q_pos is None else q_pos
+        kp = self.k_pos if k_pos is None else k_pos
+        vis = kp.unsqueeze(-2) <= qp.unsqueeze(-1)  # (.., Sq, Sk)
+        return vis.unsqueeze(-3) if vis.dim() == 3 else vis.view(1, 1, *vis.shape)
+
+
+def _check_positions(pos: Optional[torch.Tensor], name: str, length: int, batch: int, device) -> Optional[torch.Tensor]:
+    if pos is None:
+        return None
+    if not isinstance(pos, torch.Tensor):
+        pos = torch.as_tensor(pos)
+    if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
+        raise ValueError(f"attention_with_lse: {name} must hold integer positions, got dtype {pos.dtype}")
+    if pos.dim() == 1:
+        if pos.shape[0] != length:
+            raise ValueError(
+                f"attention_with_lse: {name} has {pos.shape[0]} positions but the tensor it describes has "
+                f"length {length}; pass one position per token"
+            )
+    elif pos.dim() == 2:
+        if tuple(pos.shape) != (batch, length):
+            raise ValueError(
+                f"attention_with_lse: {name} has shape {tuple(pos.shape)}; per-sequence positions must be "
+                f"(B, S) = ({batch}, {length})"
+            )
+    else:
+        raise ValueError(f"attention_with_lse: {name} must be 1-D (S,) or 2-D (B, S), got shape {tuple(pos.shape)}")
+    return pos.to(device=device, dtype=torch.long)
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"attention_with_lse: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "(B, Hq, Sq, D)" if name == "q" else "(B, Hkv, Sk, D)"
+            raise ValueError(f"attention_with_lse: {name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"attention_with_lse: dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"attention_with_lse: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast k and v to "
+            f"q's dtype"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention_with_lse: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention_with_lse: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention_with_lse: batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention_with_lse: head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"attention_with_lse: query heads Hq={hq} must be a multiple of KV heads Hkv={hkv} (MHA, GQA or MQA); "
+            f"check the head axis (dim 1) of q and k"
+        )
+
+
+def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool) -> str:
+    if not causal:
+        return FULL
+    if q_pos is None and k_pos is None:
+        if sq == 1 and sk >= 1:
+            return FULL  # the single query sits at the last position: it sees every key
+        return CAUSAL_BOTTOM_RIGHT if sq <= sk else POSITIONS
+    # Explicit positions: one reduction tells whether any key lies in the future of any query.
+    qp = q_pos if q_pos is not None else torch.arange(sk - sq, sk, device=k_pos.device)
+    kp = k_pos if k_pos is not None else torch.arange(sk, device=qp.device)
+    if bool(kp.max() <= qp.min()):
+        return FULL
+    return POSITIONS
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_pos: Optional[torch.Tensor] = None,
+    k_pos: Optional[torch.Tensor] = None,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over ``k, v`` returning ``(out, lse)``; see the module docstring for the contract.
+
+    Args:
+        q, k, v: ``(B, Hq, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, D)``.
+        q_pos, k_pos: integer positions ``(S,)`` or ``(B, S)``; defaults place the queries at the end.
+        causal: mask keys whose position is greater than the query's.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        backend: ``"auto"`` or a registered backend name (``magnetar.ops.backends.list_backends()``);
+            a forced backend that cannot serve the call raises ``ValueError`` with its reasons.
+
+    Returns:
+        ``out (B, Hq, Sq, D)`` in q's dtype, ``lse (B, Hq, Sq)`` float32; rows with no visible key are
+        ``(0, -inf)``.
+    """
+    from magnetar.ops.backends import select_backend
+
+    _validate(q, k, v)
+    B, Hq, Sq, D = q.shape
+    Sk = k.shape[2]
+    q_pos_t = _check_positions(q_pos, "q_pos", Sq, B, q.device)
+    k_pos_t = _check_positions(k_pos, "k_pos", Sk, B, q.device)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    if Sq == 0 or Sk == 0:  # nothing to attend to (kernels crash on Sk = 0)
+        out = torch.zeros(B, Hq, Sq, D, dtype=q.dtype, device=q.device)
+        return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+
+    kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal)
+    if q_pos_t is None:
+        q_pos_t = torch.arange(Sk - Sq, Sk, device=q.device)
+    if k_pos_t is None:
+        k_pos_t = torch.arange(Sk, device=q.device)
+    call = AttentionCall(q=q, k=k, v=v, q_pos=q_pos_t, k_pos=k_pos_t, scale=scale, mask_kind=kind)
+
+    impl = select_backend(call, backend)
+    with nvtx_range(f"attention_with_lse[{impl.name}]"):
+        out, lse = impl.forward(call)
+    if kind == POSITIONS:
+        # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.
+        kmin = k_pos_t.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
+        empty = q_pos_t < kmin  # (Sq,) or (B, Sq)
+        empty = empty.view(1, 1, Sq) if empty.dim() == 1 else empty.unsqueeze(1)
+        lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
+        out = out.masked_fill(empty.unsqueeze(-1), 0)
+    return out, lse

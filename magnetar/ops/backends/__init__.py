@@ -1,0 +1,83 @@
+"""Registry of attention backends behind :func:`magnetar.ops.attention_with_lse`.
+
+A backend is an object with ``name``, ``validate(call) -> list[str]`` (the reasons it refuses this call;
+empty means it accepts) and ``forward(call) -> (out, lse)``. Backends are registered by module path and
+imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend in
+``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
+
+Built-in backends:
+    flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only)
+    cpu_flash   torch's fused CPU flash kernel with a float mask for position-based causality
+    tiled       pure torch, online softmax over key tiles: any device, bounded memory (GPU fallback)
+    torch       pure torch reference: full score matrix in float32
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Protocol
+
+import torch
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def validate(self, call) -> list[str]: ...
+
+    def forward(self, call) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
+_INSTANCES: dict[str, AttentionBackend] = {}
+AUTO_ORDER = ["flash_attn", "cpu_flash", "tiled", "torch"]
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Register ``factory`` (called once, lazily) under ``name``; replaces an existing registration."""
+    _REGISTRY[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def _lazy(module: str, cls: str) -> Callable[[], AttentionBackend]:
+    return lambda: getattr(importlib.import_module(module, __name__), cls)()
+
+
+register_backend("torch", _lazy(".reference", "ReferenceBackend"))
+register_backend("tiled", _lazy(".tiled", "TiledBackend"))
+register_backend("cpu_flash", _lazy(".cpu_flash", "CpuFlashBackend"))
+register_backend("flash_attn", _lazy(".flash_attn", "FlashAttnBackend"))
+
+
+def list_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; choose 'auto' or one of {list_backends()}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _REGISTRY[name]()
+    return _INSTANCES[name]
+
+
+def select_backend(call, name: str = "auto") -> AttentionBackend:
+    """The backend that will run ``call``: the forced one (if it accepts) or the first accepting in AUTO_ORDER."""
+    if name != "auto":
+        backend = get_backend(name)
+        reasons = backend.validate(call)
+        if reasons:
+            raise ValueError(f"attention backend {name!r} cannot run this call: " + "; ".join(reasons))
+        return backend
+    refusals = []
+    for candidate in AUTO_ORDER + [n for n in list_backends() if n not in AUTO_ORDER]:
+        backend = get_backend(candidate)
+        reasons = backend.validate(call)
+        if not reasons:
+            return backend
+        refusals.append(f"{candidate}: {'; '.join(reasons)}")
+    raise ValueError("no attention backend accepts this call:\n  " + "\n  ".join(refusals))
+
+
+def explain(call) -> dict[str, list[str]]:
+    """For every registered backend, the reasons it refuses ``call`` (empty list: it accepts)."""
+    return {name: get_backend(name).validate(call) for name in list_backends()}

@@ -1,0 +1,92 @@
+"""Fast CPU backend: torch's fused flash-attention kernel for CPU, which also returns the log-sum-exp.
+
+``aten::_scaled_dot_product_flash_attention_for_cpu`` handles GQA natively and takes an additive float
+mask, but (a) it returns ``lse = 0`` and ``out = 0`` for rows with no visible key (the front end rewrites
+those rows to ``-inf``), (b) it crashes on ``Sk = 0`` (the front end never sends that), and (c) a float
+mask costs ``Sq x Sk`` memory. So masks are avoided where the structure allows:
+
+* FULL: no mask;
+* bottom-right causal with ``Sq == Sk``: the kernel's own ``is_causal``;
+* bottom-right causal with ``Sq < Sk``: the visible prefix ``[0, Sk-Sq)`` without a mask, merged with the
+  causal ``Sq x Sq`` square;
+* general positions: query chunks with a float mask of at most ``_MASK_BUDGET`` elements each, and, when the
+  key positions are sorted, each chunk only reads keys up to its last visible one.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from magnetar.ops.merge import merge_states_torch
+
+_MASK_BUDGET = int(os.environ.get("MAGNETAR_CPU_MASK_BUDGET", str(1 << 23)))  # 8M floats = 32 MiB per chunk
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return _KERNEL
+
+
+def _run(q, k, v, scale, *, causal=False, mask=None):
+    out, lse = _kernel()(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse.float()
+
+
+class CpuFlashBackend:
+    name = "cpu_flash"
+
+    def validate(self, call) -> list[str]:
+        reasons = []
+        if call.q.device.type != "cpu":
+            reasons.append(f"needs CPU tensors, got {call.q.device}")
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            reasons.append(f"torch {torch.__version__} has no _scaled_dot_product_flash_attention_for_cpu")
+        return reasons
+
+    def forward(self, call):
+        from magnetar.ops.attention import CAUSAL_BOTTOM_RIGHT, FULL
+
+        q, k, v, scale = call.q, call.k, call.v, call.scale
+        Sq, Sk = q.shape[2], k.shape[2]
+        if call.mask_kind == FULL:
+            return _run(q, k, v, scale)
+        if call.mask_kind == CAUSAL_BOTTOM_RIGHT:
+            if Sq == Sk:
+                return _run(q, k, v, scale, causal=True)
+            p = Sk - Sq
+            o1, l1 = _run(q, k[:, :, :p], v[:, :, :p], scale)
+            o2, l2 = _run(q, k[:, :, p:], v[:, :, p:], scale, causal=True)
+            return merge_states_torch(torch.stack((o1, o2)), torch.stack((l1, l2)))
+        return self._positions(call)
+
+    def _positions(self, call):
+        q, k, v = call.q, call.k, call.v
+        B, Hq, Sq, D = q.shape
+        Sk = k.shape[2]
+        mask_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        kp1 = call.k_pos if call.k_pos.dim() == 1 else None
+        sorted_keys = kp1 is not None and bool((kp1[1:] >= kp1[:-1]).all())
+        rows = max(1, min(Sq, _MASK_BUDGET // max(1, Sk * (B if call.q_pos.dim() == 2 or call.k_pos.dim() == 2 else 1))))
+        outs, lses = [], []
+        for r0 in range(0, Sq, rows):
+            qc = q[:, :, r0 : r0 + rows]
+            qp = call.q_pos[..., r0 : r0 + rows]
+            end = Sk
+            if sorted_keys:
+                # keys after the chunk's largest query position are invisible to the whole chunk
+                end = int(torch.searchsorted(kp1, qp.max(), right=True))
+            if end == 0:
+                outs.append(torch.zeros_like(qc))
+                lses.append(torch.full(qc.shape[:3], float("-inf"), device=q.device))
+                continue
+            kp = call.k_pos[..., :end]
+            vis = call.visible(q_pos=qp, k_pos=kp)  # (1|B, 1, rows, end)
+            mask = torch.zeros(vis.shape, dtype=mask_dtype, device=q.device).masked_fill_(~vis, float("-inf"))
+            o, l = _run(qc, k[:, :, :end], v[:, :, :end], call.scale, mask=mask)
+            outs.append(o)
+            lses.append(l)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

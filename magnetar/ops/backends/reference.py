@@ -1,0 +1,68 @@
+"""Pure-torch reference backend: the whole score matrix in float32, any device, any mask.
+
+Also holds the GQA folding used by every torch path: the G = Hq/Hkv query heads that share a KV head are
+folded into the row axis, ``q (B, Hq, Sq, D) -> (B, Hkv, G*Sq, D)``, so K/V are never repeated in memory.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def fold_gqa(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``(B, Hq, Sq, D) -> (B, Hkv, G*Sq, D)``; rows ordered (g, i) so head h = kv*G + g."""
+    B, Hq, Sq, D = q.shape
+    return q.reshape(B, hkv, (Hq // hkv) * Sq, D)
+
+
+def unfold_gqa(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """Inverse of :func:`fold_gqa` for outputs ``(B, Hkv, G*Sq, *rest)`` -> ``(B, Hq, Sq, *rest)``."""
+    B, Hkv, GS = x.shape[:3]
+    return x.reshape(B, hq, GS * Hkv // hq, *x.shape[3:])
+
+
+def fold_positions(q_pos: torch.Tensor, group: int) -> torch.Tensor:
+    """Query positions for the folded rows: ``(Sq,) -> (G*Sq,)``, ``(B, Sq) -> (B, G*Sq)``."""
+    return q_pos.repeat(group) if q_pos.dim() == 1 else q_pos.repeat(1, group)
+
+
+def attend_block(
+    qf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of folded queries ``(B, Hkv, M, D)`` over ``k, v (B, Hkv, N, D)`` in float32.
+
+    ``visible``: bool broadcastable to ``(B, Hkv, M, N)`` or None (all visible).
+    Returns ``out (B, Hkv, M, D)`` and ``lse (B, Hkv, M)`` in float32 (float64 for float64 inputs);
+    empty rows ``(0, -inf)``.
+    """
+    acc = torch.float64 if qf.dtype == torch.float64 else torch.float32
+    s = torch.matmul(qf.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(dim=-1)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe.unsqueeze(-1))
+    z = p.sum(dim=-1)
+    out = torch.matmul(p, v.to(acc)) / torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)
+    lse = torch.where(z > 0, m_safe + torch.log(z), torch.full_like(z, float("-inf")))
+    return out, lse
+
+
+class ReferenceBackend:
+    name = "torch"
+
+    def validate(self, call) -> list[str]:
+        return []
+
+    def forward(self, call):
+        from magnetar.ops.attention import FULL
+
+        hkv = call.k.shape[1]
+        qf = fold_gqa(call.q, hkv)
+        visible = None
+        if call.mask_kind != FULL:
+            visible = call.visible(q_pos=fold_positions(call.q_pos, call.group))
+        out, lse = attend_block(qf, call.k, call.v, call.scale, visible)
+        hq = call.q.shape[1]
+        return unfold_gqa(out, hq).to(call.q.dtype), unfold_gqa(lse, hq).float()

@@ -1,0 +1,108 @@
+"""Merge partial attention states ``(out, lse)`` computed over disjoint key sets of the same queries.
+
+Every combination of partial results in Magnetar (ring steps, Star/Pulsar Phase 2, sparse selections) goes
+through :func:`merge_states`. Given N parts with outputs ``o_n`` and log-sum-exps ``l_n`` (natural log,
+float32), the exact softmax over the union of their keys is::
+
+    m   = max_n l_n                     (over non-empty parts)
+    w_n = exp(l_n - m)
+    out = sum_n w_n * o_n / sum_n w_n
+    lse = m + log(sum_n w_n)
+
+Numerics: accumulation is float32 whatever the input dtype; ``-inf``, ``+inf`` and NaN lse mark an empty part
+(FlashAttention reports ``+inf`` for fully masked rows, torch's CPU flash kernel ``0``; backends normalise
+to ``-inf`` but merge does not trust its inputs) and the output behind an empty part is never read, even if it
+is NaN; a row empty in every part gives ``out = 0, lse = -inf``.
+Never ``lse + log1p(exp(delta))``: that overflows for large ``delta``.
+
+The fused implementation (a DeepSpeed op builder, :mod:`magnetar.ops.fused_merge`) is used when it is
+available; this module's torch code is the fallback and the reference it is tested against.
+This module does not know where the parts came from (ranks, ring steps or sparse subsets).
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence, Union
+
+import torch
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_MERGE_BACKENDS = ("auto", "torch", "fused")
+
+
+def _stack(xs: Tensors, name: str) -> torch.Tensor:
+    if isinstance(xs, torch.Tensor):
+        return xs
+    xs = list(xs)
+    if not xs:
+        raise ValueError(f"merge_states: {name} is empty; pass at least one partial state")
+    return torch.stack(xs, dim=0)
+
+
+def _validate(outs: torch.Tensor, lses: torch.Tensor) -> None:
+    if outs.dim() != 5:
+        raise ValueError(
+            f"merge_states: outs must be a list of (B, H, S, D) tensors or one stacked (N, B, H, S, D) tensor; "
+            f"got shape {tuple(outs.shape)}"
+        )
+    if lses.shape != outs.shape[:-1]:
+        raise ValueError(
+            f"merge_states: lses must have shape (N, B, H, S) = {tuple(outs.shape[:-1])} to match outs "
+            f"{tuple(outs.shape)}; got {tuple(lses.shape)}"
+        )
+    if outs.shape[0] == 0:
+        raise ValueError("merge_states: got N = 0 partial states; pass at least one")
+    if outs.device != lses.device:
+        raise ValueError(f"merge_states: outs on {outs.device} but lses on {lses.device}; move both to one device")
+    if not outs.is_floating_point():
+        raise ValueError(f"merge_states: outs must be a floating dtype, got {outs.dtype}")
+
+
+def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference merge of stacked states: ``outs (N, B, H, S, D)``, ``lses (N, B, H, S)``.
+
+    Returns ``out (B, H, S, D)`` in ``outs.dtype`` and ``lse (B, H, S)`` float32.
+    """
+    lse = lses.float()
+    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))  # +inf / NaN -> empty
+    m = lse.amax(dim=0)  # (B, H, S); -inf where every part is empty
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # empty parts -> exp(-inf) = 0
+    denom = w.sum(dim=0)
+    w = w.unsqueeze(-1)
+    # outputs behind empty parts may hold garbage (NaN from a masked kernel row): never let them in
+    acc = torch.where(w > 0, w * outs.float(), torch.zeros((), device=outs.device)).sum(dim=0)
+    empty = denom == 0
+    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(acc), acc / torch.where(empty, 1.0, denom).unsqueeze(-1))
+    lse_out = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    return out.to(outs.dtype), lse_out
+
+
+def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge N partial attention results of the same queries into the exact result over all their keys.
+
+    Args:
+        outs: list of N tensors ``(B, H, S, D)`` or one stacked ``(N, B, H, S, D)`` tensor (fp32/bf16/fp16).
+        lses: list of N tensors ``(B, H, S)`` or one stacked ``(N, B, H, S)`` tensor; natural-log
+            log-sum-exp of each part, float32 (other float dtypes are upcast).
+        backend: ``"auto"`` (fused op when available, else torch), ``"torch"`` or ``"fused"`` (raises if the
+            op cannot be built). ``MAGNETAR_FUSED_MERGE=0`` makes ``auto`` use torch.
+
+    Returns:
+        ``(out, lse)``: ``out (B, H, S, D)`` in the dtype of ``outs``, ``lse (B, H, S)`` float32;
+        rows empty in every part give ``out = 0`` and ``lse = -inf``.
+    """
+    if backend not in _MERGE_BACKENDS:
+        raise ValueError(f"merge_states: backend must be one of {_MERGE_BACKENDS}, got {backend!r}")
+    outs_t, lses_t = _stack(outs, "outs"), _stack(lses, "lses")
+    _validate(outs_t, lses_t)
+    if backend == "torch":
+        return merge_states_torch(outs_t, lses_t)
+    from magnetar.ops import fused_merge  # local import: keeps the builder out of import time
+
+    if backend == "fused":
+        return fused_merge.fused_merge_states(outs_t, lses_t)
+    if os.environ.get("MAGNETAR_FUSED_MERGE", "1") != "0" and fused_merge.fused_merge_available(outs_t.device):
+        return fused_merge.fused_merge_states(outs_t, lses_t)
+    return merge_states_torch(outs_t, lses_t)

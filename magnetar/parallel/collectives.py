@@ -1,0 +1,80 @@
+"""Collectives on (out, lse) attention states, each on an explicit group with a timeout.
+
+``all_gather_states`` packs ``out`` and ``lse`` into one byte buffer so a Phase-2 merge costs one
+collective per layer, whatever the dtype of ``out`` (bf16 ``out`` is not inflated to float32).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from magnetar.parallel.groups import DEFAULT_TIMEOUT, group_size
+from magnetar.utils.nvtx import nvtx_range
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); support both.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wait_all(works, timeout: Optional[timedelta], what: str) -> None:
+    """Wait for async work handles; raise a TimeoutError naming the operation instead of hanging."""
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    for w in works if isinstance(works, (list, tuple)) else [works]:
+        if w is None:
+            continue
+        try:
+            ok = w.wait(timeout=timeout)
+        except RuntimeError as e:  # gloo raises on timeout / peer failure
+            raise TimeoutError(f"{what} did not complete within {timeout} ({e}); is every rank calling it?") from e
+        if ok is False:
+            raise TimeoutError(f"{what} did not complete within {timeout}; is every rank calling it?")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def all_gather_states(
+    out: torch.Tensor, lse: torch.Tensor, group: Optional[dist.ProcessGroup], *, timeout: Optional[timedelta] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather every rank's partial state for the *same* queries: one collective on ``group``.
+
+    Args:
+        out: ``(B, H, S, D)`` any float dtype; lse: ``(B, H, S)`` (cast to float32). Shapes and dtype must be
+            equal on every rank of ``group``.
+        group: the process group (e.g. ``ParallelGroups.cp_group``); None means a group of one.
+    Returns:
+        ``outs (W, B, H, S, D)`` in out's dtype and ``lses (W, B, H, S)`` float32, in group-rank order,
+        ready for :func:`magnetar.ops.merge_states`.
+    """
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"all_gather_states: lse shape {tuple(lse.shape)} must be out's shape without D {tuple(out.shape[:-1])}")
+    lse = lse.float()
+    world = group_size(group)
+    if world == 1:
+        return out.unsqueeze(0), lse.unsqueeze(0)
+    packed = torch.cat((_as_bytes(out), _as_bytes(lse)))
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    with nvtx_range("all_gather_states"):
+        work = _all_gather_flat(gathered, packed, group=group, async_op=True)
+        wait_all(work, timeout, f"all_gather_states over {world} ranks")
+    gathered = gathered.view(world, packed.numel())
+    n_out = out.numel() * out.element_size()
+    outs = gathered[:, :n_out].contiguous().view(out.dtype).view(world, *out.shape)
+    lses = gathered[:, n_out:].contiguous().view(torch.float32).view(world, *lse.shape)
+    return outs, lses
+
+
+def all_gather_ints(values: list[int], group: Optional[dist.ProcessGroup], device, *, timeout=None) -> torch.Tensor:
+    """Gather a short list of ints from every rank: ``(W, len(values))`` int64 (on CPU)."""
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    world = group_size(group)
+    if world == 1:
+        return t.unsqueeze(0).cpu()
+    gathered = torch.empty(world * t.numel(), dtype=torch.long, device=device)
+    work = _all_gather_flat(gathered, t, group=group, async_op=True)
+    wait_all(work, timeout, f"metadata all_gather over {world} ranks")
+    return gathered.view(world, -1).cpu()

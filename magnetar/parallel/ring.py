@@ -1,0 +1,160 @@
+"""Ring attention: exact attention of every rank's queries over the KV shards of all ranks of a group.
+
+Each of the W ranks of ``group`` holds a shard of q and of k/v with their global positions (any lengths,
+uneven or empty). KV shards travel the ring (rank i sends to i+1 and receives from i-1, with
+``batch_isend_irecv``); the transfer of the next shard is in flight while the current one is attended to.
+After W steps every query has seen every key, and the partial ``(out, lse)`` of each step are folded with
+:func:`magnetar.ops.merge_states`. Causality comes from positions, so any sharding (contiguous, zigzag,
+Star-style blocks) gives the same result as :func:`magnetar.ops.attention_with_lse` over the concatenation.
+
+Step t on rank i attends to the shard that started on rank (i - t) mod W. A shard whose smallest key
+position exceeds every local query position is skipped (no compute), which is where zigzag sharding pays
+off: it gives every rank the same amount of visible work.
+
+Zigzag sharding: the sequence is cut into 2W near-equal chunks and rank r takes chunks r and 2W-1-r, e.g.
+W = 2, 8 tokens: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from magnetar.ops import attention_with_lse, merge_states
+from magnetar.parallel.collectives import all_gather_ints, wait_all
+from magnetar.parallel.groups import group_rank, group_ranks, group_size
+from magnetar.utils.nvtx import nvtx_range
+
+_NO_KEYS = torch.iinfo(torch.long).max  # min position of an empty shard: never visible
+
+
+def _check_shard(q, k, v, q_pos, k_pos):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("ring_attention: q, k, v must be 4-D (B, H, S, D)")
+    for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
+        if not isinstance(pos, torch.Tensor):
+            raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard)")
+        if pos.shape[-1] != t.shape[2] or pos.dim() not in (1, 2):
+            raise ValueError(
+                f"ring_attention: {name} must be (S,) or (B, S) with S = {t.shape[2]} tokens of this shard, "
+                f"got shape {tuple(pos.shape)}"
+            )
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup],
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    timeout: Optional[timedelta] = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of the local queries over the KV shards of every rank in ``group``.
+
+    Args:
+        q: ``(B, Hq, Sq_r, D)`` this rank's queries; k, v: ``(B, Hkv, Sk_r, D)`` this rank's KV shard.
+        group: the CP group (None: a group of one). Every rank of it must call with the same B, Hkv, D, dtype.
+        q_pos, k_pos: global positions of the local queries / keys, ``(S,)`` or ``(B, S)``.
+        causal, scale, backend: as in :func:`magnetar.ops.attention_with_lse`.
+        timeout: per-step limit for the KV exchange (default: ``MAGNETAR_COLLECTIVE_TIMEOUT_S``).
+    Returns:
+        ``out (B, Hq, Sq_r, D)`` in q's dtype and ``lse (B, Hq, Sq_r)`` float32, equal to attention over the
+        concatenation of all shards.
+    """
+    _check_shard(q, k, v, q_pos, k_pos)
+    world = group_size(group)
+    if world == 1:  # gloo cannot send to itself; nothing to exchange anyway
+        return attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, backend=backend)
+
+    me = group_rank(group)
+    peers = group_ranks(group)
+    send_to, recv_from = peers[(me + 1) % world], peers[(me - 1) % world]
+    B, Hkv, _, D = k.shape
+    k_pos = k_pos.to(device=k.device, dtype=torch.long).contiguous()
+    kmin = int(k_pos.min()) if k_pos.numel() else _NO_KEYS
+    meta = all_gather_ints([k.shape[2], kmin, B, Hkv, D, k_pos.dim()], group, k.device, timeout=timeout)
+    if not bool((meta[:, 2:] == meta[me, 2:]).all()):
+        raise ValueError(
+            f"ring_attention: every rank must pass k/v with the same (B, Hkv, D) and k_pos rank; got per rank "
+            f"(B, Hkv, D, k_pos.dim) = {meta[:, 2:].tolist()}"
+        )
+    lengths, mins = meta[:, 0].tolist(), meta[:, 1].tolist()
+    qmax = int(q_pos.max()) if q_pos.numel() else None
+
+    kv = torch.stack((k, v)).contiguous()  # one message per step for K and V
+    pos = k_pos
+    acc_out, acc_lse = None, None
+    for step in range(world):
+        src = (me - step) % world
+        works = []
+        if step < world - 1:  # start moving the next shard before computing on this one
+            nxt = (me - step - 1) % world
+            new_kv = kv.new_empty((2, B, Hkv, lengths[nxt], D))
+            new_pos = pos.new_empty((*pos.shape[:-1], lengths[nxt]))
+            ops = []
+            if lengths[src] > 0:  # what I send now started on rank src; peers know its length too
+                ops += [dist.P2POp(dist.isend, kv, send_to, group), dist.P2POp(dist.isend, pos, send_to, group)]
+            if lengths[nxt] > 0:
+                ops += [dist.P2POp(dist.irecv, new_kv, recv_from, group), dist.P2POp(dist.irecv, new_pos, recv_from, group)]
+            if ops:
+                works = dist.batch_isend_irecv(ops)
+        skip = lengths[src] == 0 or (causal and (qmax is None or mins[src] > qmax))
+        if not skip:
+            with nvtx_range(f"ring_attention/step{step}"):
+                out, lse = attention_with_lse(
+                    q, kv[0], kv[1], q_pos=q_pos, k_pos=pos, causal=causal, scale=scale, backend=backend
+                )
+            out = out.float()  # accumulate across steps in float32, round once at the end
+            if acc_out is None:
+                acc_out, acc_lse = out, lse
+            else:
+                acc_out, acc_lse = merge_states([acc_out, out], [acc_lse, lse])
+        if step < world - 1:
+            wait_all(works, timeout, f"ring_attention KV exchange (step {step} of {world})")
+            kv, pos = new_kv, new_pos
+    if acc_out is None:  # no key visible to any local query
+        Hq, Sq = q.shape[1], q.shape[2]
+        return torch.zeros_like(q), torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    return acc_out.to(q.dtype), acc_lse
+
+
+def _chunk_bounds(seq_len: int, parts: int) -> list[int]:
+    base, extra = divmod(seq_len, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def contiguous_indices(seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+    """Global token indices of ``rank``'s contiguous shard (near-equal sizes, the first shards 1 longer)."""
+    b = _chunk_bounds(seq_len, world_size)
+    return torch.arange(b[rank], b[rank + 1])
+
+
+def zigzag_indices(seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+    """Global token indices of ``rank``'s zigzag shard: chunks ``rank`` and ``2W-1-rank`` of 2W."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    b = _chunk_bounds(seq_len, 2 * world_size)
+    j = 2 * world_size - 1 - rank
+    return torch.cat((torch.arange(b[rank], b[rank + 1]), torch.arange(b[j], b[j + 1])))
+
+
+def shard(x: torch.Tensor, indices: torch.Tensor, dim: int) -> torch.Tensor:
+    """Select ``indices`` (from :func:`zigzag_indices` / :func:`contiguous_indices`) along ``dim``."""
+    return x.index_select(dim, indices.to(x.device))
+
+
+def unshard(shards: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Reassemble per-rank shards into the full sequence along ``dim`` (inverse of :func:`shard`)."""
+    order = torch.cat([i.to(shards[0].device) for i in indices])
+    full = torch.cat(list(shards), dim=dim)
+    return full.index_select(dim, torch.argsort(order))

@@ -1,0 +1,1 @@
+"""Small shared utilities: NVTX ranges, logging, timing."""

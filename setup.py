@@ -1,0 +1,45 @@
+"""Magnetar: a long-context LLM inference engine (context-parallel prefill, distributed decode).
+
+Install torch first (``pip install torch==2.13.0``; the Makefile does it), then ``pip install -e .[test]``.
+torch is deliberately *not* an install requirement here: an unpinned torch requirement resolved before the
+local CPU build would pull a multi-GB CUDA wheel.
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+version = {}
+exec((HERE / "magnetar" / "version.py").read_text(), version)
+
+setup(
+    name="magnetar",
+    version=version["__version__"],
+    description="Long-context LLM inference: Star/Pulsar/Ring context parallelism, sparse decoding, evaluation",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["magnetar", "magnetar.*"]),
+    # C++/CUDA sources of the DeepSpeed op builders are JIT-compiled from the installed package.
+    package_data={"magnetar.ops": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.h"]},
+    include_package_data=True,
+    install_requires=[
+        "deepspeed==0.19.8",
+        "transformers>=4.56,<5.24",
+        "nvtx>=0.2.10",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        "pyyaml>=6.0",
+        "ninja",  # DeepSpeed JIT op builds
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "gpu": ["flash-attn>=2.6"],
+        "mpi": ["mpi4py>=3.1"],
+    },
+    entry_points={
+        "console_scripts": [
+            "magnetar-demo=magnetar.launch.demo:main",
+        ]
+    },
+)

@@ -1,0 +1,41 @@
+"""Run a test body on W CPU processes over gloo (loopback, free port), as ordinary pytest tests do.
+
+``run_distributed(fn, world_size, *args)`` spawns W processes; each initialises the default group with a
+short timeout and calls ``fn(rank, world_size, *args)``. An exception in any rank fails the test with that
+rank's traceback; a rank that hangs is killed by the timeout instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TEST_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # W ranks share 2 cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=TEST_TIMEOUT)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
+                       start_method="spawn")

@@ -1,0 +1,172 @@
+"""attention_with_lse, every CPU backend, against the fp64 reference in tests/reference.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magnetar.ops import attention_with_lse
+from magnetar.ops.backends import explain, list_backends
+from tests.conftest import assert_close
+from tests.reference import dense_attention_fp64
+
+CPU_BACKENDS = ["torch", "tiled", "cpu_flash"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, gen, scale=1.0):
+    q = (torch.randn(B, Hq, Sq, D, generator=gen) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, Sk, D, generator=gen) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _check(q, k, v, backend, msg="", **kw):
+    out, lse = attention_with_lse(q, k, v, backend=backend, **kw)
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape, msg
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3], msg
+    assert_close(out, ref_out, q.dtype, "out", msg)
+    assert_close(lse, ref_lse, q.dtype, "lse", msg)
+    return out, lse
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_random_shapes_default_positions(backend, dtype, group, seeded):
+    # decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk) and Sq>Sk (leading rows see nothing)
+    for Sq, Sk in [(1, 37), (23, 23), (9, 40), (12, 5)]:
+        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
+        _check(q, k, v, backend, f"Sq={Sq} Sk={Sk} G={group}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gapped_unsorted_positions_and_empty_rows(backend, dtype, seeded):
+    B, Hq, Hkv, Sq, Sk, D = 2, 8, 2, 11, 29, 32
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seeded)
+    k_pos = torch.randperm(Sk, generator=seeded) * 3 + 5  # gapped, unsorted, starting at 5
+    q_pos = torch.randint(5, 3 * Sk + 10, (Sq,), generator=seeded)  # every row sees key 5
+    q_pos[:3] = torch.tensor([0, 4, 2])  # below every key position: rows with no visible key
+    out, lse = _check(q, k, v, backend, q_pos=q_pos, k_pos=k_pos)
+    assert torch.isneginf(lse[:, :, :3]).all() and (out[:, :, :3] == 0).all()
+    assert torch.isfinite(lse[:, :, 3:]).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_per_sequence_positions(backend, seeded):
+    B, Hq, Hkv, Sq, Sk, D = 3, 4, 2, 6, 14, 8
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, torch.float32, seeded)
+    k_pos = torch.stack([torch.randperm(Sk, generator=seeded) for _ in range(B)])
+    q_pos = torch.randint(-2, Sk + 2, (B, Sq), generator=seeded)
+    _check(q, k, v, backend, q_pos=q_pos, k_pos=k_pos)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_star_like_anchor_prefix(backend, seeded):
+    # a Star block: anchor tokens 0..7 then block tokens 32..47, queries are the block itself
+    q, k, v = _inputs(1, 6, 3, 16, 24, 16, torch.float32, seeded)
+    k_pos = torch.cat((torch.arange(8), torch.arange(32, 48)))
+    q_pos = torch.arange(32, 48)
+    _check(q, k, v, backend, q_pos=q_pos, k_pos=k_pos)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_causal(backend, dtype, seeded):
+    q, k, v = _inputs(1, 4, 1, 7, 19, 16, dtype, seeded)
+    _check(q, k, v, backend, causal=False, q_pos=torch.zeros(7, dtype=torch.long))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(backend, dtype, seeded):
+    # Integer-valued q, k make every score exact in every dtype, so the comparison tests the softmax /
+    # lse numerics at |q.k| ~ 1e4 rather than input rounding.
+    B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 8, 33, 16
+    q = torch.randint(-30, 31, (B, Hq, Sq, D), generator=seeded).to(dtype)
+    k = torch.randint(-30, 31, (B, Hkv, Sk, D), generator=seeded).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=seeded).to(dtype)
+    out, lse = _check(q, k, v, backend, scale=1.0)
+    assert lse.abs().max() > 2e3, "test must actually exercise extreme logits"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_custom_scale_and_fp64(backend, seeded):
+    q, k, v = _inputs(2, 4, 4, 5, 9, 8, torch.float64, seeded)
+    _check(q, k, v, backend, scale=0.37)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_query_or_keys(backend, seeded):
+    q, k, v = _inputs(1, 4, 2, 3, 0, 8, torch.float32, seeded)
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert (out == 0).all() and torch.isneginf(lse).all() and lse.shape == (1, 4, 3)
+    q, k, v = _inputs(1, 4, 2, 0, 5, 8, torch.float32, seeded)
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert out.shape == (1, 4, 0, 8) and lse.shape == (1, 4, 0)
+
+
+def test_backends_agree_on_long_sorted_and_chunked_inputs(seeded, monkeypatch):
+    # force the chunked code paths (mask budget / tiles far smaller than the problem)
+    import magnetar.ops.backends.cpu_flash as cpu_flash
+    import magnetar.ops.backends.tiled as tiled
+
+    monkeypatch.setattr(cpu_flash, "_MASK_BUDGET", 300)
+    monkeypatch.setattr(tiled, "_SCORE_BUDGET", 2000)
+    q, k, v = _inputs(1, 4, 2, 40, 200, 16, torch.float32, seeded)
+    k_pos = torch.cat((torch.arange(0, 50), torch.arange(100, 250)))  # sorted with a gap
+    q_pos = torch.arange(210, 250)
+    for backend in CPU_BACKENDS:
+        _check(q, k, v, backend, f"chunked {backend}", q_pos=q_pos, k_pos=k_pos)
+
+
+def test_auto_picks_cpu_flash_on_cpu_and_flash_attn_refuses(seeded):
+    from magnetar.ops.attention import AttentionCall, FULL
+    from magnetar.ops.backends import select_backend
+
+    q, k, v = _inputs(1, 2, 2, 1, 4, 8, torch.float32, seeded)
+    call = AttentionCall(q, k, v, torch.tensor([3]), torch.arange(4), 1.0, FULL)
+    assert select_backend(call).name == "cpu_flash"
+    reasons = explain(call)
+    assert set(reasons) == set(list_backends())
+    assert any("CUDA" in r for r in reasons["flash_attn"])
+    with pytest.raises(ValueError, match="flash_attn.*CUDA"):
+        attention_with_lse(q, k, v, backend="flash_attn")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention_with_lse(q, k, v, backend="nope")
+
+
+BAD_INPUTS = [
+    # (description, builder, expected message fragment)
+    ("heads not divisible", lambda: (torch.randn(1, 6, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), {}), "multiple of KV heads"),
+    ("head dim mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), {}), "head dims differ"),
+    ("k/v shape mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 2, 8), {}), "same shape"),
+    ("batch mismatch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), {}), "batch sizes differ"),
+    ("dtype mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8).bfloat16(), torch.randn(1, 2, 2, 8), {}), "share a dtype"),
+    ("int dtype", lambda: (torch.ones(1, 4, 2, 8, dtype=torch.long),) * 3 + ({},), "not supported"),
+    ("3-D q", lambda: (torch.randn(4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), {}), "must be 4-D"),
+    ("q_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"q_pos": torch.arange(3)}), "q_pos has 3 positions"),
+    ("k_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"k_pos": torch.arange(4)}), "k_pos has 4 positions"),
+    ("k_pos batch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), {"k_pos": torch.zeros(3, 5, dtype=torch.long)}), r"\(B, S\) = \(2, 5\)"),
+    ("float positions", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"k_pos": torch.arange(5.0)}), "integer positions"),
+]
+
+
+@pytest.mark.parametrize("desc,build,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_value_error(desc, build, match):
+    q, k, v, kw = build()
+    with pytest.raises(ValueError, match=match):
+        attention_with_lse(q, k, v, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_mismatch_raises():
+    with pytest.raises(ValueError, match="one device"):
+        attention_with_lse(torch.randn(1, 2, 2, 8, device="cuda"), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8))
+
+
+def test_device_mismatch_message_on_cpu_via_meta():
+    # the meta device lets the device check be exercised on a CPU-only machine
+    with pytest.raises(ValueError, match="one device"):
+        attention_with_lse(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8, device="meta"), torch.randn(1, 2, 2, 8))
