@@ -87,7 +87,8 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
         lses: list of N tensors ``(B, H, S)`` or one stacked ``(N, B, H, S)`` tensor; natural-log
             log-sum-exp of each part, float32 (other float dtypes are upcast).
         backend: ``"auto"`` (fused op when available, else torch), ``"torch"`` or ``"fused"`` (raises if the
-            op cannot be built). ``MAGNETAR_FUSED_MERGE=0`` makes ``auto`` use torch.
+            op cannot be built). ``MAGNETAR_FUSED_MERGE=0`` makes ``auto`` use torch, and so do inputs
+            that require grad (the fused op has no backward).
 
     Returns:
         ``(out, lse)``: ``out (B, H, S, D)`` in the dtype of ``outs``, ``lse (B, H, S)`` float32;
@@ -103,6 +104,10 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
 
     if backend == "fused":
         return fused_merge.fused_merge_states(outs_t, lses_t)
-    if os.environ.get("MAGNETAR_FUSED_MERGE", "1") != "0" and fused_merge.fused_merge_available(outs_t.device):
+    if (
+        os.environ.get("MAGNETAR_FUSED_MERGE", "1") != "0"
+        and not (outs_t.requires_grad or lses_t.requires_grad)  # the fused op has no backward
+        and fused_merge.fused_merge_available(outs_t.device)
+    ):
         return fused_merge.fused_merge_states(outs_t, lses_t)
     return merge_states_torch(outs_t, lses_t)

@@ -1,0 +1,137 @@
+"""DeepSpeed op builders for Magnetar's C++/CUDA ops (currently the fused ``merge_states``).
+
+Both builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
+:class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through
+``builder.jit_load()`` (:mod:`magnetar.ops.fused_merge` does that lazily; importing this module builds nothing).
+
+Build cache: DeepSpeed's ``jit_load`` calls ``torch.utils.cpp_extension.load(name=NAME, ...)``, so the compiled
+extension lives in ``$TORCH_EXTENSIONS_DIR/<NAME>/`` (default ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>/<NAME>/``)
+and is reused by every later process: ninja only recompiles when a source file or a flag changed. Concurrent
+first builds are serialised by torch's file lock ``<build dir>/lock``; if a build process was killed while holding
+it, later loads wait forever -- delete that ``lock`` file (or the whole directory) to recover.
+
+The sources are resolved to absolute paths from this file, so the builders work from a source checkout and from
+an installed package (``setup.py`` ships ``magnetar/ops/csrc/*``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+
+
+def _cxx_compiler() -> str:
+    """The C++ compiler torch's cpp_extension will invoke (``$CXX`` or ``c++``; ``cl`` on Windows)."""
+    if sys.platform == "win32":
+        return os.environ.get("CXX", "cl")
+    return os.environ.get("CXX", "c++")
+
+
+def _use_openmp() -> bool:
+    # at::parallel_for only runs in parallel when the extension itself is compiled with OpenMP (the CPU wheels'
+    # ATen uses the OpenMP backend, whose invoke_parallel is a header template). Linux only: linking -fopenmp
+    # with GCC resolves to the libgomp.so.1 torch already loaded, so there is a single OpenMP runtime.
+    # Without it the op is still correct, just single-threaded.
+    return sys.platform.startswith("linux") and torch.backends.openmp.is_available()
+
+
+class MergeStatesBuilder(OpBuilder):
+    """CPU build of the fused merge of partial attention states (``csrc/merge_states.cpp``)."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_MERGE_STATES"
+    NAME = "magnetar_merge_states"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"magnetar.ops.{self.NAME}_op"
+
+    def sources(self):
+        return [str(CSRC_DIR / "merge_states.cpp")]
+
+    def include_paths(self):
+        return [str(CSRC_DIR)]
+
+    def cxx_args(self):
+        # No -march=native (the cached .so may be shared across machines) and no -std=: torch's cpp_extension
+        # already passes the C++ standard its headers need (C++20 for torch >= 2.12).
+        args = ["-O3", "-g0", "-Wno-reorder"]
+        if _use_openmp():
+            args.append("-fopenmp")
+        return args
+
+    def extra_ldflags(self):
+        return ["-fopenmp"] if _use_openmp() else []
+
+    def is_compatible(self, verbose=False):
+        compiler = _cxx_compiler()
+        exe = compiler.split()[0] if compiler.strip() else ""
+        if not exe or shutil.which(exe) is None:
+            self.error_log = (
+                f"{self.NAME} needs a C++ compiler to JIT-build, but {compiler!r} (from $CXX or the default 'c++') "
+                f"was not found on PATH; install g++ or clang++, or set CXX"
+            )
+            if verbose:
+                print(f"[magnetar] {self.error_log}")
+            return False
+        return super().is_compatible(verbose)
+
+
+class MergeStatesCUDABuilder(CUDAOpBuilder):
+    """CUDA build of the fused merge (``csrc/merge_states_cuda.cpp`` + ``csrc/merge_states_kernel.cu``).
+
+    Not yet compiled on a GPU: see the header of ``merge_states_kernel.cu``.
+    """
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_MERGE_STATES_CUDA"
+    NAME = "magnetar_merge_states_cuda"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"magnetar.ops.{self.NAME}_op"
+
+    def sources(self):
+        return [str(CSRC_DIR / "merge_states_cuda.cpp"), str(CSRC_DIR / "merge_states_kernel.cu")]
+
+    def include_paths(self):
+        return [str(CSRC_DIR)]
+
+    def nvcc_args(self):
+        # Keep IEEE expf/logf and division: the op must agree with the torch reference to fp32 tolerance.
+        return [a for a in super().nvcc_args() if a != "--use_fast_math"]
+
+    def _incompatible_reason(self) -> str | None:
+        if torch.version.hip is not None:
+            return f"{self.NAME} is not supported on ROCm builds of torch ({torch.version.hip})"
+        if not torch.version.cuda:
+            return f"{self.NAME} needs a CUDA build of torch; this torch ({torch.__version__}) is CPU-only"
+        if not torch.cuda.is_available():
+            return f"{self.NAME} needs a visible CUDA device; torch.cuda.is_available() is False"
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None:
+            return f"{self.NAME} needs the CUDA toolkit (nvcc) to JIT-build, but CUDA_HOME was not found; set CUDA_HOME"
+        nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+        if not os.path.exists(nvcc) and shutil.which("nvcc") is None:
+            return f"{self.NAME} needs nvcc to JIT-build, but {nvcc} does not exist (CUDA_HOME={CUDA_HOME})"
+        if shutil.which(_cxx_compiler().split()[0]) is None:
+            return f"{self.NAME} needs a host C++ compiler ({_cxx_compiler()!r}), not found on PATH"
+        return None
+
+    def is_compatible(self, verbose=False):
+        reason = self._incompatible_reason()
+        if reason is not None:
+            self.error_log = reason
+            if verbose:
+                print(f"[magnetar] {reason}")
+            return False
+        return super().is_compatible(verbose)
