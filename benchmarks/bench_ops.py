@@ -33,24 +33,28 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms (device-synchronised)."""
-    for _ in range(warmup):
-        fn()
+def timed(fns: dict, device, warmup: int, repeats: int, min_seconds: float = 0.5) -> dict:
+    """Median wall time in ms of each ``fns[name]()``, device-synchronised.
+
+    The implementations are timed interleaved, round by round, so drift in the machine's speed (other
+    processes, frequency scaling) hits all of them alike; rounds continue until ``repeats`` rounds and at least
+    ``min_seconds`` have passed.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     _sync(device)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
-def peak_mb(device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return None
+    samples = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or (time.perf_counter() - start < min_seconds and rounds < 50 * repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+        rounds += 1
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def bench_attention(args, device, dtype):
@@ -69,20 +73,18 @@ def bench_attention(args, device, dtype):
                 pos_q, pos_k = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
                 mask = pos_k[None, :] <= pos_q[:, None]
             repeats = args.repeats if sk * sq <= 4096 * 128 else max(3, args.repeats // 2)
-            base = timed(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask), device, args.warmup, repeats)
-            rows.append({"op": "attention", "impl": "sdpa", "sq": sq, "sk": sk, "ms": base, "x_sdpa": 1.0})
-            call = AttentionCall(q, k, v, torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device),
-                                 1.0, _classify(None, None, sq, sk, True))
+            fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)}
+            call = AttentionCall(q, k, v, None, None, 1.0, _classify(None, None, sq, sk, True))
             for name, reasons in sorted(explain(call).items()):
                 if reasons:
                     continue
                 if name == "torch" and sq * sk * args.heads > 2**26 and device.type == "cpu":
                     continue  # the reference materialises the full score matrix; skip where it would be silly
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                ms = timed(lambda: attention_with_lse(q, k, v, backend=name), device, args.warmup, repeats)
-                rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms, "x_sdpa": ms / base,
-                             "peak_mb": peak_mb(device)})
+                fns[name] = lambda name=name: attention_with_lse(q, k, v, backend=name)
+            times = timed(fns, device, args.warmup, repeats)
+            for name, ms in times.items():
+                rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms,
+                             "x_sdpa": ms / times["sdpa"]})
     return rows
 
 
@@ -93,13 +95,15 @@ def bench_merge(args, device, dtype):
             g = torch.Generator(device="cpu").manual_seed(1)
             outs = torch.randn(n, 1, args.heads, s, args.head_dim, generator=g).to(device, dtype)
             lses = torch.randn(n, 1, args.heads, s, generator=g).to(device)
-            ref = timed(lambda: merge_states(outs, lses, backend="torch"), device, args.warmup, args.repeats)
-            rows.append({"op": "merge", "impl": "torch", "n": n, "s": s, "ms": ref, "x_torch": 1.0})
+            fns = {"torch": lambda: merge_states(outs, lses, backend="torch")}
             try:
-                ms = timed(lambda: merge_states(outs, lses, backend="fused"), device, args.warmup, args.repeats)
-                rows.append({"op": "merge", "impl": "fused", "n": n, "s": s, "ms": ms, "x_torch": ms / ref})
+                merge_states(outs, lses, backend="fused")
+                fns["fused"] = lambda: merge_states(outs, lses, backend="fused")
             except RuntimeError as e:
                 rows.append({"op": "merge", "impl": "fused", "n": n, "s": s, "error": str(e)[:200]})
+            times = timed(fns, device, args.warmup, args.repeats)
+            for name, ms in times.items():
+                rows.append({"op": "merge", "impl": name, "n": n, "s": s, "ms": ms, "x_torch": ms / times["torch"]})
     return rows
 
 

@@ -23,7 +23,6 @@ It knows nothing about ranks, blocks or models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -38,22 +37,35 @@ CAUSAL_BOTTOM_RIGHT = "causal_bottom_right"  # keys 0..Sk-1, queries are the las
 POSITIONS = "positions"  # general: build the mask from q_pos / k_pos
 
 
-@dataclass(frozen=True)
 class AttentionCall:
-    """A validated attention request, as backends see it.
+    """A validated attention request, as backends see it (treat as read-only).
 
-    ``q_pos``/``k_pos`` are int64 on q's device, 1-D ``(S,)`` (shared by the batch) or 2-D ``(B, S)``.
+    ``q_pos``/``k_pos`` are int64 on q's device, 1-D ``(S,)`` (shared by the batch) or 2-D ``(B, S)``; when the
+    caller gave none they are created on first access (the mask-free fast paths never touch them).
     ``mask_kind`` is one of FULL, CAUSAL_BOTTOM_RIGHT, POSITIONS (see module docstring); for FULL and
-    CAUSAL_BOTTOM_RIGHT no query row is empty, and the positions are the defaults.
+    CAUSAL_BOTTOM_RIGHT no query row is empty, and for CAUSAL_BOTTOM_RIGHT the positions are the defaults.
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    q_pos: torch.Tensor
-    k_pos: torch.Tensor
-    scale: float
-    mask_kind: str
+    __slots__ = ("q", "k", "v", "scale", "mask_kind", "_q_pos", "_k_pos")
+
+    def __init__(self, q, k, v, q_pos: Optional[torch.Tensor], k_pos: Optional[torch.Tensor], scale: float,
+                 mask_kind: str):
+        self.q, self.k, self.v = q, k, v
+        self._q_pos, self._k_pos = q_pos, k_pos
+        self.scale, self.mask_kind = scale, mask_kind
+
+    @property
+    def q_pos(self) -> torch.Tensor:
+        if self._q_pos is None:
+            sq, sk = self.q.shape[2], self.k.shape[2]
+            self._q_pos = torch.arange(sk - sq, sk, device=self.q.device)
+        return self._q_pos
+
+    @property
+    def k_pos(self) -> torch.Tensor:
+        if self._k_pos is None:
+            self._k_pos = torch.arange(self.k.shape[2], device=self.q.device)
+        return self._k_pos
 
     @property
     def group(self) -> int:
@@ -175,19 +187,15 @@ def attention_with_lse(
         return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
 
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal)
-    if q_pos_t is None:
-        q_pos_t = torch.arange(Sk - Sq, Sk, device=q.device)
-    if k_pos_t is None:
-        k_pos_t = torch.arange(Sk, device=q.device)
-    call = AttentionCall(q=q, k=k, v=v, q_pos=q_pos_t, k_pos=k_pos_t, scale=scale, mask_kind=kind)
+    call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind)
 
     impl = select_backend(call, backend)
     with nvtx_range(f"attention_with_lse[{impl.name}]"):
         out, lse = impl.forward(call)
     if kind == POSITIONS:
         # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.
-        kmin = k_pos_t.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
-        empty = q_pos_t < kmin  # (Sq,) or (B, Sq)
+        kmin = call.k_pos.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
+        empty = call.q_pos < kmin  # (Sq,) or (B, Sq)
         empty = empty.view(1, 1, Sq) if empty.dim() == 1 else empty.unsqueeze(1)
         lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
         out = out.masked_fill(empty.unsqueeze(-1), 0)

@@ -14,13 +14,14 @@ Built-in backends:
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
 
 class AttentionBackend(Protocol):
     name: str
+    device_types: Optional[tuple[str, ...]]  # devices it can ever serve (None: any); auto skips the rest cheaply
 
     def validate(self, call) -> list[str]: ...
 
@@ -69,8 +70,13 @@ def select_backend(call, name: str = "auto") -> AttentionBackend:
             raise ValueError(f"attention backend {name!r} cannot run this call: " + "; ".join(reasons))
         return backend
     refusals = []
+    device_type = call.q.device.type
     for candidate in AUTO_ORDER + [n for n in list_backends() if n not in AUTO_ORDER]:
         backend = get_backend(candidate)
+        devices = getattr(backend, "device_types", None)
+        if devices is not None and device_type not in devices:
+            refusals.append(f"{candidate}: needs a {'/'.join(devices)} device, got {device_type}")
+            continue
         reasons = backend.validate(call)
         if not reasons:
             return backend

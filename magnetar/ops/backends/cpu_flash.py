@@ -38,6 +38,7 @@ def _run(q, k, v, scale, *, causal=False, mask=None):
 
 class CpuFlashBackend:
     name = "cpu_flash"
+    device_types = ("cpu",)
 
     def validate(self, call) -> list[str]:
         reasons = []

@@ -47,6 +47,7 @@ def _is_bottom_right(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 
 class FlashAttnBackend:
     name = "flash_attn"
+    device_types = ("cuda",)
 
     def validate(self, call) -> list[str]:
         from magnetar.ops.attention import FULL, POSITIONS

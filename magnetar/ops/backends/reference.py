@@ -51,6 +51,7 @@ def attend_block(
 
 class ReferenceBackend:
     name = "torch"
+    device_types = None
 
     def validate(self, call) -> list[str]:
         return []

@@ -20,6 +20,7 @@ _SCORE_BUDGET = int(os.environ.get("MAGNETAR_TILED_SCORE_BUDGET", str(1 << 24)))
 
 class TiledBackend:
     name = "tiled"
+    device_types = None
 
     def validate(self, call) -> list[str]:
         return []
