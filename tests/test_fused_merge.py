@@ -309,7 +309,7 @@ def test_input_validation(cpu_op):
         fused_merge.fused_merge_states(outs[0], lses[0])
     with pytest.raises(ValueError, match="N = 0"):
         fused_merge.fused_merge_states(outs[:0], lses[:0])
-    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, float16 or float64"):
         fused_merge.fused_merge_states(outs.to(torch.int32), lses)
     with pytest.raises(ValueError, match="no backward"):
         fused_merge.fused_merge_states(outs.requires_grad_(), lses)
