@@ -170,3 +170,40 @@ def test_device_mismatch_message_on_cpu_via_meta():
     # the meta device lets the device check be exercised on a CPU-only machine
     with pytest.raises(ValueError, match="one device"):
         attention_with_lse(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8, device="meta"), torch.randn(1, 2, 2, 8))
+
+
+def test_plan_pieces_star_block():
+    from magnetar.ops.runs import Piece, plan_pieces
+
+    k_pos = torch.cat((torch.arange(4), torch.arange(8, 12)))
+    assert plan_pieces(torch.arange(8, 12), k_pos) == [Piece(0, 4, 0, 4, False), Piece(0, 4, 4, 8, True)]
+    # zigzag shard of 8 tokens on 2 ranks, rank 0 holds [0, 1, 6, 7] for both q and k
+    z = torch.tensor([0, 1, 6, 7])
+    assert plan_pieces(z, z) == [Piece(0, 2, 0, 2, True), Piece(2, 4, 0, 2, False), Piece(2, 4, 2, 4, True)]
+    assert plan_pieces(torch.tensor([5]), torch.arange(9, 12)) == []  # every key in the future
+    assert plan_pieces(torch.arange(10).view(2, 5), torch.arange(5)) is None  # per-sequence: mask path
+
+
+def _random_runs(gen, n_runs, max_len, span):
+    parts = []
+    for _ in range(n_runs):
+        start = int(torch.randint(0, span, (1,), generator=gen))
+        length = int(torch.randint(1, max_len + 1, (1,), generator=gen))
+        parts.append(torch.arange(start, start + length))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("planned", [True, False], ids=["pieces", "mask"])
+def test_run_structured_positions_both_paths(backend, planned, seeded, monkeypatch):
+    # positions made of a few contiguous runs (unsorted, overlapping, gaps): the piece planner and the mask
+    # path must both equal the reference
+    import magnetar.ops.runs as runs
+
+    if not planned:
+        monkeypatch.setattr(runs, "MAX_RUN_PAIRS", 0)
+    for trial in range(6):
+        k_pos = _random_runs(seeded, 1 + trial % 3, 12, 40)
+        q_pos = _random_runs(seeded, 1 + trial % 2, 9, 50)
+        q, k, v = _inputs(1, 4, 2, q_pos.numel(), k_pos.numel(), 8, torch.float32, seeded)
+        _check(q, k, v, backend, f"trial {trial}", q_pos=q_pos, k_pos=k_pos)

@@ -27,7 +27,9 @@ from magnetar.ops import attention_with_lse, merge_states
 from magnetar.parallel import all_gather_states, contiguous_indices, init_groups, ring_attention, shard, zigzag_indices
 
 
-def _timed(fn):
+def _timed(fn, group=None):
+    if dist.is_initialized():
+        dist.barrier(group=group)  # start every rank's clock together
     t0 = time.perf_counter()
     res = fn()
     return res, time.perf_counter() - t0
@@ -64,7 +66,7 @@ def main(argv=None):
     idx = zigzag_indices(S, W, r).to(device)
     (ring_out, _), t_ring = _timed(lambda: ring_attention(
         shard(q_ctx, idx, 2), shard(k, idx, 2), shard(v, idx, 2), group=groups.cp_group, q_pos=idx, k_pos=idx,
-        timeout=groups.timeout))
+        timeout=groups.timeout), groups.cp_group)
     # 2. Phase-2-style decode: local attention over the contiguous shard, one gather, one merge
     cidx = contiguous_indices(S, W, r).to(device)
     q_pos = torch.tensor([S], device=device)
@@ -74,7 +76,7 @@ def main(argv=None):
         outs, lses = all_gather_states(out, lse, groups.cp_group, timeout=groups.timeout)
         return merge_states(outs, lses)
 
-    (dec_out, _), t_dec = _timed(phase2)
+    (dec_out, _), t_dec = _timed(phase2, groups.cp_group)
 
     # dense references on every rank (each checks its own piece)
     (dense_ctx, _), t_dense = _timed(lambda: attention_with_lse(q_ctx, k, v))

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from magnetar.ops.merge import merge_states
+from magnetar.ops.runs import Piece, plan_pieces
 from magnetar.utils.nvtx import nvtx_range
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -148,6 +150,32 @@ def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool) -> str:
     return POSITIONS
 
 
+def _attend_pieces(call: AttentionCall, pieces: list[Piece], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run each mask-free piece on the chosen backend and merge the pieces of every query row."""
+    from magnetar.ops.backends import select_backend
+
+    q, k, v = call.q, call.k, call.v
+    B, Hq, Sq, D = q.shape
+    out = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
+    seen = torch.zeros(Sq, dtype=torch.bool)  # rows written at least once (first write needs no merge)
+    for p in pieces:
+        sub = AttentionCall(q[:, :, p.q0 : p.q1], k[:, :, p.k0 : p.k1], v[:, :, p.k0 : p.k1], None, None, call.scale,
+                            CAUSAL_BOTTOM_RIGHT if p.causal else FULL)
+        impl = select_backend(sub, backend)
+        with nvtx_range(f"attention_with_lse[{impl.name}]"):
+            o, l = impl.forward(sub)
+        rows = slice(p.q0, p.q1)
+        if not bool(seen[rows].any()):
+            out[:, :, rows], lse[:, :, rows] = o, l
+        else:
+            out[:, :, rows], lse[:, :, rows] = merge_states(
+                torch.stack((out[:, :, rows], o.float())), torch.stack((lse[:, :, rows], l))
+            )
+        seen[rows] = True
+    return out.to(q.dtype), lse
+
+
 def attention_with_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -188,6 +216,10 @@ def attention_with_lse(
 
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal)
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind)
+    if kind == POSITIONS:
+        pieces = plan_pieces(call.q_pos, call.k_pos)
+        if pieces is not None:  # a few contiguous runs: mask-free pieces, merged
+            return _attend_pieces(call, pieces, backend)
 
     impl = select_backend(call, backend)
     with nvtx_range(f"attention_with_lse[{impl.name}]"):
