@@ -1,5 +1,8 @@
-"""The inference engine (tokenize/template -> block plan -> Phase 1 -> KV shard -> Phase 2 -> decode).
+"""The inference engine: template -> block plan -> Phase 1 -> KV shard -> Phase 2 -> decode loop.
 
-Not built yet: it is the next issue (Star, Pulsar, Ring and dense inference for Hugging Face models). It will
-be composed from ``magnetar.parallel`` and ``magnetar.ops`` only.
+Built from ``magnetar.parallel`` and ``magnetar.ops`` only; Hugging Face models are driven through
+transformers' ``AttentionInterface`` (:mod:`magnetar.engine.hf`), never modified.
 """
+from magnetar.engine.engine import Engine, GenerationResult, init_inference
+
+__all__ = ["Engine", "GenerationResult", "init_inference"]

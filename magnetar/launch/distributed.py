@@ -33,6 +33,15 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def import_deepspeed():
+    """Import deepspeed with its CPU shm comm op disabled (its first JIT build takes ~65 s and gloo suffices)."""
+    import deepspeed
+
+    if not torch.cuda.is_available() or os.environ.get("MAGNETAR_DISABLE_DS_SHM") == "1":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
 def init_distributed(
     backend: Optional[str] = None, *, timeout: timedelta = DEFAULT_TIMEOUT, use_deepspeed: bool = True
 ) -> bool:
@@ -55,10 +64,7 @@ def init_distributed(
             raise ValueError("backend 'nccl' needs CUDA; use backend='gloo' on CPU ranks")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if use_deepspeed:
-        import deepspeed
-
-        if not torch.cuda.is_available() or os.environ.get("MAGNETAR_DISABLE_DS_SHM") == "1":
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed = import_deepspeed()
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, auto_mpi_discovery=False, verbose=False)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)

@@ -1,0 +1,248 @@
+"""Engine configuration: a tree of frozen, keyword-only dataclasses, validated once, never mutated.
+
+    EngineConfig
+      method          dense | ring | star | pulsar | streaming
+      parallel        cp_size, timeout_s, zigzag
+      blocks          block_size, anchor_size                     (star, pulsar)
+      pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
+      streaming       sink_tokens, window_size
+      decode          temperature, top_k, top_p, seed
+      runtime         dtype, attention_backend, deepspeed_inference
+
+Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
+(``EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25")``), from a JSON/YAML file
+(:meth:`EngineConfig.from_file`, nested or flat keys) or from CLI flags (:func:`add_cli_args` /
+:meth:`EngineConfig.from_cli`). Every error names the field (and the flag) to change.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+METHODS = ("dense", "ring", "star", "pulsar", "streaming")
+SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
+POSITION_MODES = ("sparse", "contiguous")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} ({_flag(name)}): {msg}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    cp_size: int = 1  # ranks sharing one context (CP group size); world = cp_size x dp_size
+    timeout_s: float = 600.0  # every collective of the engine gives up (and raises) after this long
+    zigzag: bool = True  # ring: load-balanced zigzag sharding of the context
+
+    def __post_init__(self):
+        _require(isinstance(self.cp_size, int) and self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {self.cp_size!r}")
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    block_size: Optional[int] = None  # tokens per context block; default: context length / cp_size (one block per rank)
+    anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
+
+    def __post_init__(self):
+        _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size", f"must be >= 0, got {self.anchor_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PulsarConfig:
+    sink_size: int = 64  # first tokens of block 0 prefixed to every later block
+    chunk_size: int = 32  # summary granularity
+    summary_budget: float = 0.125  # fraction of each earlier block kept as its summary
+    scorer: str = "max_idf"
+    positions: str = "sparse"  # sparse: original position ids; contiguous: renumbered (Pulsar App. E)
+    discard_summary_kv: bool = True  # drop sink and summary KV after Phase 1
+
+    def __post_init__(self):
+        _require(self.sink_size >= 0, "sink_size", f"must be >= 0, got {self.sink_size}")
+        _require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
+        _require(0 < self.summary_budget <= 1, "summary_budget", f"must be in (0, 1], got {self.summary_budget}")
+        _require(self.scorer in SCORERS, "scorer", f"unknown scorer {self.scorer!r}; choose one of {SCORERS}")
+        _require(self.positions in POSITION_MODES, "positions", f"must be one of {POSITION_MODES}, got {self.positions!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingConfig:
+    sink_tokens: int = 4  # StreamingLLM attention sinks
+    window_size: int = 1024  # recent tokens kept besides the sinks
+
+    def __post_init__(self):
+        _require(self.sink_tokens >= 0, "sink_tokens", f"must be >= 0, got {self.sink_tokens}")
+        _require(self.window_size >= 1, "window_size", f"must be >= 1, got {self.window_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed (the token is drawn on one rank and broadcast)
+
+    def __post_init__(self):
+        _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    dtype: str = "float32"
+    attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
+    deepspeed_inference: bool = True  # wrap the model with deepspeed.init_inference (tp_size 1)
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+
+
+SECTIONS = {
+    "parallel": ParallelConfig,
+    "blocks": BlockConfig,
+    "pulsar": PulsarConfig,
+    "streaming": StreamingConfig,
+    "decode": DecodeConfig,
+    "runtime": RuntimeConfig,
+}
+FLAT_FIELDS = {f.name: sec for sec, cls in SECTIONS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    method: str = "dense"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    blocks: BlockConfig = field(default_factory=BlockConfig)
+    pulsar: PulsarConfig = field(default_factory=PulsarConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self):
+        _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {METHODS}")
+        if self.method in ("dense", "streaming"):
+            _require(self.parallel.cp_size == 1, "cp_size",
+                     f"method {self.method!r} runs on one rank; use cp_size=1 (or method ring/star/pulsar to spread it)")
+
+    # -- flat access to the names used throughout the docs ------------------------------------------------
+    def __getattr__(self, name):  # only called when normal lookup fails: config.cp_size, config.scorer, ...
+        section = FLAT_FIELDS.get(name)
+        if section is None:
+            raise AttributeError(f"EngineConfig has no field {name!r}")
+        return getattr(object.__getattribute__(self, section), name)
+
+    @classmethod
+    def create(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword names (``cp_size=4, scorer="bm25"``) and/or section dicts/objects."""
+        return cls.from_dict(kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """Nested (``{"pulsar": {"scorer": ...}}``) or flat (``{"scorer": ...}``) keys; unknown keys are errors."""
+        top: dict[str, Any] = {}
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for key, value in data.items():
+            if key == "method":
+                top["method"] = value
+            elif key in SECTIONS:
+                if isinstance(value, SECTIONS[key]):
+                    value = dataclasses.asdict(value)
+                if not isinstance(value, dict):
+                    raise ValueError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
+                for k, v in value.items():
+                    if k not in {f.name for f in fields(SECTIONS[key])}:
+                        raise ValueError(f"unknown field {k!r} in config section {key!r}; "
+                                         f"known: {[f.name for f in fields(SECTIONS[key])]}")
+                    per_section[key][k] = v
+            elif key in FLAT_FIELDS:
+                per_section[FLAT_FIELDS[key]][key] = value
+            else:
+                raise ValueError(f"unknown config field {key!r}; known: ['method'] + {sorted(FLAT_FIELDS)} "
+                                 f"(or sections {sorted(SECTIONS)})")
+        sections = {s: SECTIONS[s](**vals) for s, vals in per_section.items()}
+        return cls(**top, **sections)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "EngineConfig":
+        """Load a ``.json`` or ``.yaml``/``.yml`` file (nested or flat keys)."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"config file {path} must end in .json, .yaml or .yml")
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **flat) -> "EngineConfig":
+        """A copy with flat fields changed (the original is never mutated)."""
+        merged = self.to_dict()
+        for key, value in flat.items():
+            if key == "method":
+                merged["method"] = value
+            elif key in FLAT_FIELDS:
+                merged[FLAT_FIELDS[key]][key] = value
+            else:
+                raise ValueError(f"unknown config field {key!r}")
+        return EngineConfig.from_dict(merged)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
+        """From flags added by :func:`add_cli_args`; ``--config FILE`` values are overridden by explicit flags."""
+        base = cls.from_file(args.config).to_dict() if getattr(args, "config", None) else {}
+        flat = {}
+        for name in ["method", *FLAT_FIELDS]:
+            value = getattr(args, name, None)
+            if value is not None:
+                flat[name] = value
+        if base:
+            return cls.from_dict(base).replace(**flat)
+        return cls.from_dict(flat)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per config field (``--cp-size``, ``--summary-budget``, ...) plus ``--config FILE``."""
+    g = parser.add_argument_group("engine config (defaults in magnetar/config.py)")
+    g.add_argument("--config", help="JSON/YAML file with config fields (flags override it)")
+    g.add_argument("--method", choices=METHODS)
+    for name, section in FLAT_FIELDS.items():
+        f = next(f for f in fields(SECTIONS[section]) if f.name == name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if "bool" in kind:
+            g.add_argument(_flag(name), type=_parse_bool, metavar="{true,false}")
+        elif "int" in kind:
+            g.add_argument(_flag(name), type=int)
+        elif "float" in kind:
+            g.add_argument(_flag(name), type=float)
+        else:
+            choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES}.get(name)
+            g.add_argument(_flag(name), choices=choices)
+    return parser
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

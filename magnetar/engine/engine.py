@@ -1,0 +1,219 @@
+"""The engine API: ``init_inference(model, config) -> Engine`` and ``Engine.generate(context, query)``.
+
+Data flow of one request (each step its own module)::
+
+    template.split_prompt   context / query strings -> Phase-1 ids, Phase-2 ids        (or token tensors)
+    plan.plan_rank          which tokens this rank encodes, with which prefix/positions
+    phase1.run_phase1       encode them, keep the KV shard                              (per rank)
+    phase2.run_phase2       query + decode over the distributed KV (gather + merge per layer)
+
+Every rank of a CP group calls ``generate`` with the same arguments (the launcher starts one process per
+rank); the result, with every rank's measurements, is returned on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+from datetime import timedelta
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from magnetar.config import EngineConfig
+from magnetar.engine import hf
+from magnetar.engine.phase1 import run_phase1
+from magnetar.engine.phase2 import run_phase2
+from magnetar.engine.plan import kept_token_count, plan_rank
+from magnetar.engine.template import split_prompt
+from magnetar.parallel import ParallelGroups, init_groups
+from magnetar.utils.nvtx import nvtx_range
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationResult:
+    """The answer and where the time and memory went (lists are indexed by CP rank)."""
+
+    text: str
+    token_ids: list[int]
+    method: str
+    context_tokens: int
+    query_tokens: int
+    stop_reason: str
+    phase1_seconds: list[float]
+    ttft_seconds: float  # Phase 2: query forward over the distributed KV + first token
+    decode_seconds_per_token: Optional[float]  # mean over tokens after the first (None if only one)
+    kv_tokens_per_rank: list[int]  # context KV held per rank after Phase 1 (+ query/generated on rank 0)
+    context_kv_tokens_per_rank: list[int]
+    kv_bytes_per_rank: list[int]
+    peak_memory_bytes_per_rank: list[int]
+    first_token_logits: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def phase1_critical_path_seconds(self) -> float:
+        return max(self.phase1_seconds)
+
+    def summary(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "first_token_logits"}
+        d["phase1_critical_path_seconds"] = self.phase1_critical_path_seconds
+        return d
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class Engine:
+    """Long-context inference with one method (``config.method``) over one CP group."""
+
+    def __init__(self, model, config: EngineConfig, groups: ParallelGroups, tokenizer=None):
+        self.model = model
+        self.config = config
+        self.groups = groups
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.window = hf.sliding_window(model.config)
+
+    # -- request preparation ------------------------------------------------------------------------------
+    def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(context, torch.Tensor) or isinstance(query, torch.Tensor):
+            if not (isinstance(context, torch.Tensor) and isinstance(query, torch.Tensor)):
+                raise ValueError("pass context and query both as strings or both as token-id tensors")
+            c, q = context.reshape(-1).long().cpu(), query.reshape(-1).long().cpu()
+            if q.numel() == 0:
+                raise ValueError("the query is empty: Phase 2 needs at least one query token")
+            return c, q
+        if self.tokenizer is None:
+            raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
+        p = split_prompt(self.tokenizer, context, query)
+        return p.context_ids, p.query_ids
+
+    def _check_lengths(self, L: int, Q: int, max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        total = L + Q + max_new_tokens
+        if self.max_positions is not None and total > self.max_positions:
+            raise ValueError(
+                f"context ({L}) + query ({Q}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
+                f"model's {self.max_positions} positions (max_position_embeddings); shorten the context")
+        if self.window is not None and total > self.window:
+            raise ValueError(f"{total} tokens exceed the model's sliding window ({self.window}); Magnetar does not "
+                             f"apply sliding-window attention yet: use contexts within the window")
+
+    def _eos_ids(self) -> list[int]:
+        ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if ids is None and self.tokenizer is not None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return []
+        return [ids] if isinstance(ids, int) else list(ids)
+
+    def _gather(self, value):
+        if self.groups.cp_size == 1:
+            return [value]
+        out = [None] * self.groups.cp_size
+        dist.all_gather_object(out, value, group=self.groups.cp_group)
+        return out
+
+    # -- the request --------------------------------------------------------------------------------------
+    def generate(self, context: Union[str, torch.Tensor], query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
+                 stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
+        """Answer ``query`` about ``context`` with ``config.method``; see :class:`GenerationResult`."""
+        context_ids, query_ids = self._tokens(context, query)
+        L, Q = int(context_ids.numel()), int(query_ids.numel())
+        self._check_lengths(L, Q, max_new_tokens)
+        cfg, groups = self.config, self.groups
+        plan = plan_rank(cfg, context_ids, groups.cp_rank)
+
+        with nvtx_range("magnetar/generate"):
+            p1 = run_phase1(self.model, cfg, plan, context_ids, groups, self.device)
+            kept = self._gather(kept_token_count(plan))
+            if sum(kept) != L:  # the KV shards must partition the context exactly
+                raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a {L}-token "
+                                   f"context; the block plan is inconsistent")
+            stop_check = self._stop_checker(stop)
+            dec = run_phase2(self.model, cfg, p1.shard, query_ids, plan.query_position, groups, self.device,
+                             max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(), stop_check=stop_check,
+                             keep_logits=return_logits)
+
+        local = (p1.seconds, p1.shard.tokens(), p1.shard.tokens() + dec.gen_kv_tokens, p1.shard.nbytes(),
+                 _peak_memory(self.device))
+        stats = self._gather(local)
+        tokens = dec.token_ids
+        text = self._decode_text(tokens, stop)
+        return GenerationResult(
+            text=text, token_ids=tokens, method=cfg.method, context_tokens=L, query_tokens=Q,
+            stop_reason=dec.stop_reason, phase1_seconds=[s[0] for s in stats], ttft_seconds=dec.ttft_seconds,
+            decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds else None,
+            context_kv_tokens_per_rank=[s[1] for s in stats], kv_tokens_per_rank=[s[2] for s in stats],
+            kv_bytes_per_rank=[s[3] for s in stats], peak_memory_bytes_per_rank=[s[4] for s in stats],
+            first_token_logits=dec.first_logits,
+        )
+
+    def _stop_checker(self, stop):
+        if not stop:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: init_inference(model, config, tokenizer=...)")
+        stops = list(stop)
+        return lambda ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
+
+    def _decode_text(self, ids: list[int], stop) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode([i for i in ids if i not in self._eos_ids()], skip_special_tokens=True)
+        for s in stop or ():
+            if s in text:
+                text = text[: text.index(s)]
+        return text
+
+
+def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,
+                   groups: Optional[ParallelGroups] = None, **flat) -> Engine:
+    """Prepare ``model`` (a loaded HF causal LM, a local directory or a ``magnetar.models`` name) for Magnetar.
+
+    ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
+    process group is started here if needed; the CP/DP groups come from :func:`magnetar.parallel.init_groups`.
+    With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
+    (tensor-parallel size 1) and its module is used.
+    """
+    from magnetar.launch.distributed import device_for_rank, init_distributed
+
+    if config is None:
+        config = EngineConfig.create(**flat)
+    elif flat:
+        config = config.replace(**flat)
+    dtype = _TORCH_DTYPES[config.runtime.dtype]
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        from magnetar.models import load_model
+
+        model, loaded_tok = load_model(str(model), dtype=dtype)
+        tokenizer = tokenizer or loaded_tok
+    hf.check_supported(model.config)
+    init_distributed(timeout=_timedelta(config.parallel.timeout_s))
+    if groups is None:
+        groups = init_groups(config.parallel.cp_size, timeout=_timedelta(config.parallel.timeout_s))
+    elif groups.cp_size != config.parallel.cp_size:
+        raise ValueError(f"groups.cp_size ({groups.cp_size}) != config cp_size ({config.parallel.cp_size})")
+    device = device_for_rank()
+    model = model.to(device=device, dtype=dtype)
+    if config.runtime.deepspeed_inference:
+        from magnetar.launch.distributed import import_deepspeed
+
+        deepspeed = import_deepspeed()
+        model = deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=dtype,
+                                         replace_with_kernel_inject=False).module
+    hf.prepare_model(model)
+    return Engine(model, config, groups, tokenizer)
+
+
+def _timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)

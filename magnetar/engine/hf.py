@@ -1,0 +1,176 @@
+"""Hugging Face integration: Magnetar's attention plugged in through transformers' ``AttentionInterface``.
+
+The model's modelling code is untouched. :func:`prepare_model` registers the attention function
+``"magnetar"`` and switches the model to it; the engine then calls the model with one extra keyword,
+``magnetar=ForwardContext(...)``, which transformers passes through every decoder layer to the attention
+function. The context says what this forward is:
+
+* ``prefill_local`` -- Phase 1 of dense/Star/Pulsar: the input is ``[prefix ‖ block]`` with the
+  tokens' own positions; causal attention by position; the KV of the ``keep`` slice is stored.
+* ``prefill_stream`` -- Phase 1 of the StreamingLLM baseline: a chunk attends to the attention sinks and the
+  cached KV of the last ``window`` tokens, plus itself causally.
+* ``prefill_ring``  -- Phase 1 of Ring: the input is this rank's shard; attention is ring attention over the
+  CP group; all of the shard's KV is stored.
+* ``phase2``        -- query tokens or a generated token: attention over this rank's context shard (and, on
+  the query rank, over the query/generated KV, causally), then one packed all-gather of ``(out, lse)`` and
+  the merge. Every rank ends with the same output, so every rank runs the same model forward.
+
+The model never sees an attention mask (mask creation is skipped for unregistered mask types):
+causality comes from positions. Queries/keys reach us post-RoPE as ``(B, H, S, D)``; the output goes back
+as ``(B, S, Hq, D)`` as transformers expects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from magnetar.engine.kv import KVShard
+from magnetar.ops import attention_with_lse, merge_states
+from magnetar.parallel import all_gather_states, ring_attention
+from magnetar.utils.nvtx import nvtx_range
+
+ATTN_NAME = "magnetar"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MODES = ("prefill_local", "prefill_ring", "prefill_stream", "phase2")
+
+
+@dataclass
+class ForwardContext:
+    """What one model forward computes; read by :func:`magnetar_attention` in every layer.
+
+    ``positions (S,)``: the RoPE positions of the input tokens (also passed to the model as position_ids).
+    ``keep``: prefill_local only, the input slice whose KV is stored (the block, not its prefix).
+    ``shard``: this rank's context KV (written in Phase 1, read in Phase 2).
+    ``gen``: the query rank's store of query/generated KV; None on the other ranks.
+    """
+
+    mode: str
+    positions: torch.Tensor
+    shard: KVShard
+    keep: Optional[slice] = None
+    gen: Optional[KVShard] = None
+    group: Optional[torch.distributed.ProcessGroup] = None
+    timeout: Optional[timedelta] = None
+    backend: str = "auto"
+    stream: Optional[tuple[int, int]] = None  # prefill_stream: (sink tokens, window size)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        pos = self.positions
+        if self.mode == "prefill_local":
+            out, _ = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=self.backend)
+            keep = self.keep if self.keep is not None else slice(None)
+            self.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep])
+            return out
+        if self.mode == "prefill_ring":
+            out, _ = ring_attention(q, k, v, group=self.group, q_pos=pos, k_pos=pos, scale=scale,
+                                    timeout=self.timeout, backend=self.backend)
+            self.shard.layers[layer].append(k, v, pos)
+            return out
+        if self.mode == "phase2":
+            return self._phase2(layer, q, k, v, scale)
+        if self.mode == "prefill_stream":
+            return self._stream(layer, q, k, v, scale)
+        raise ValueError(f"unknown forward mode {self.mode!r}; expected one of {MODES}")
+
+    def _stream(self, layer, q, k, v, scale):
+        # StreamingLLM prefill of one chunk: the sinks and the previous `window` tokens' cached KV, plus the
+        # chunk itself causally. The cache (frozen store) keeps everything until Phase 1 ends.
+        sinks, window = self.stream
+        pos = self.positions
+        cache = self.shard.layers[layer]
+        out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=self.backend)
+        if len(cache):
+            start = int(pos[0])
+            sel = (cache.pos < sinks) | (cache.pos >= start - window)
+            o2, l2 = attention_with_lse(q, cache.k[:, :, sel], cache.v[:, :, sel], q_pos=pos, k_pos=cache.pos[sel],
+                                        scale=scale, backend=self.backend)
+            out, lse = merge_states([out, o2], [lse, l2])
+        cache.append(k, v, pos)
+        return out
+
+    def _phase2(self, layer, q, k, v, scale):
+        B, Hq, S, D = q.shape
+        parts_o, parts_l = [], []
+        ctx = self.shard.layers[layer]
+        if len(ctx):
+            # context KV precedes the query: visible to every query token (positions decide)
+            o, l = attention_with_lse(q, ctx.k, ctx.v, q_pos=self.positions, k_pos=ctx.pos, scale=scale,
+                                      backend=self.backend)
+            parts_o.append(o)
+            parts_l.append(l)
+        if self.gen is not None:  # the query rank: its own query/generated tokens, causally
+            g = self.gen.layers[layer]
+            g.append(k, v, self.positions)
+            o, l = attention_with_lse(q, g.k, g.v, q_pos=self.positions, k_pos=g.pos, scale=scale,
+                                      backend=self.backend)
+            parts_o.append(o)
+            parts_l.append(l)
+        if not parts_o:
+            local_o = torch.zeros_like(q)
+            local_l = torch.full((B, Hq, S), float("-inf"), device=q.device)
+        elif len(parts_o) == 1:
+            local_o, local_l = parts_o[0], parts_l[0]
+        else:
+            local_o, local_l = merge_states(parts_o, parts_l)
+        with nvtx_range(f"phase2/merge/layer{layer}"):
+            outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
+            out, _ = merge_states(outs, lses)
+        return out
+
+
+def magnetar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The function registered as transformers attention ``"magnetar"``; returns ``(out (B,S,Hq,D), None)``."""
+    ctx: Optional[ForwardContext] = kwargs.get(ATTN_NAME)
+    if ctx is None:
+        # Called outside the engine (e.g. plain model.generate with a DynamicCache): ordinary causal attention,
+        # the query tokens being the last ones of the keys.
+        out, _ = attention_with_lse(query, key, value, scale=scaling)
+    else:
+        with nvtx_range(f"{ctx.mode}/layer{module.layer_idx}"):
+            out = ctx.attend(module.layer_idx, query, key, value, scaling)
+    return out.transpose(1, 2), None
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, magnetar_attention)
+        _REGISTERED = True
+
+
+def check_supported(config) -> None:
+    """Raise a ValueError naming the supported architectures if ``config`` is not one of them."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = ""
+        if model_type and model_type.startswith("gemma"):
+            hint = (" Gemma-3 interleaves sliding-window (local) and global layers; Magnetar's context-parallel "
+                    "methods do not handle the local layers' window yet (docs/engine.md).")
+        raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+                         + hint)
+
+
+def sliding_window(config) -> Optional[int]:
+    """The model's attention window if it uses one (Mistral v0.1, Qwen2 with use_sliding_window), else None."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def prepare_model(model) -> None:
+    """Check the architecture and switch the model's attention to Magnetar's (in place, weights untouched)."""
+    check_supported(model.config)
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+    model.eval()

@@ -1,0 +1,71 @@
+"""The KV a rank holds: its context shard (from Phase 1) and, on the query rank only, the query's and the
+generated tokens' KV (from Phase 2).
+
+Per layer: ``k, v (B, Hkv, n, D)`` post-RoPE, exactly what the model's attention received, and the position
+of every entry ``pos (n,)`` (the RoPE position, used for causality). Phase 1 appends pieces and
+:meth:`KVShard.freeze` concatenates them once; Phase 2 appends one step at a time to a separate store so the
+context tensors are never copied during decoding.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class LayerKV:
+    """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
+
+    __slots__ = ("_k", "_v", "_pos", "frozen", "k", "v", "pos")
+
+    def __init__(self):
+        self._k, self._v, self._pos = [], [], []
+        self.frozen = False
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.pos: Optional[torch.Tensor] = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        if not self.frozen:
+            self._k.append(k)
+            self._v.append(v)
+            self._pos.append(pos)
+        elif self.k is None:
+            self.k, self.v, self.pos = k, v, pos
+        else:  # decode path: one step at a time
+            self.k = torch.cat((self.k, k), dim=2)
+            self.v = torch.cat((self.v, v), dim=2)
+            self.pos = torch.cat((self.pos, pos))
+
+    def freeze(self) -> None:
+        if not self.frozen and self._k:
+            self.k, self.v, self.pos = torch.cat(self._k, 2), torch.cat(self._v, 2), torch.cat(self._pos)
+        self._k, self._v, self._pos = [], [], []
+        self.frozen = True
+
+    def __len__(self) -> int:
+        if self.frozen:
+            return 0 if self.k is None else self.k.shape[2]
+        return sum(t.shape[2] for t in self._k)
+
+    def nbytes(self) -> int:
+        ts = ([self.k, self.v] if self.k is not None else []) if self.frozen else self._k + self._v
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class KVShard:
+    """One rank's KV for every layer."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [LayerKV() for _ in range(num_layers)]
+
+    def freeze(self) -> None:
+        for layer in self.layers:
+            layer.freeze()
+
+    def tokens(self) -> int:
+        """KV entries held per layer (the same for every layer)."""
+        return len(self.layers[0]) if self.layers else 0
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
