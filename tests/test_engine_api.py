@@ -1,0 +1,138 @@
+"""Single-process engine tests: config, plan, prompt split, streaming, and the errors users see."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import pytest
+import torch
+
+import magnetar
+from magnetar.config import EngineConfig, add_cli_args
+from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count, plan_rank
+from tests.tiny_models import reference, tiny_model
+
+
+# ------------------------------------------------------------------------------------------------- config
+def test_config_flat_nested_file_and_cli(tmp_path):
+    c = EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25", block_size=128)
+    assert (c.method, c.cp_size, c.scorer, c.block_size) == ("pulsar", 4, "bm25", 128)
+    assert c.parallel.cp_size == 4 and c.pulsar.scorer == "bm25"
+    nested = EngineConfig.from_dict({"method": "pulsar", "parallel": {"cp_size": 4}, "pulsar": {"scorer": "bm25"},
+                                     "blocks": {"block_size": 128}})
+    assert nested == c
+    (tmp_path / "c.json").write_text(json.dumps(c.to_dict()))
+    (tmp_path / "c.yaml").write_text("method: pulsar\ncp_size: 4\nscorer: bm25\nblock_size: 128\n")
+    assert EngineConfig.from_file(tmp_path / "c.json") == c == EngineConfig.from_file(tmp_path / "c.yaml")
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--config", str(tmp_path / "c.yaml"), "--summary-budget", "0.25", "--discard-summary-kv", "false"])
+    cli = EngineConfig.from_cli(args)
+    assert cli.summary_budget == 0.25 and cli.discard_summary_kv is False and cli.scorer == "bm25"
+    with pytest.raises(dataclasses_frozen_error()):
+        c.method = "dense"
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"method": "sparse"}, "unknown method 'sparse'.*dense"),
+    ({"scorer": "idf"}, r"scorer \(--scorer\): unknown scorer 'idf'"),
+    ({"summary_budget": 0.0}, r"summary_budget \(--summary-budget\)"),
+    ({"method": "dense", "cp_size": 2}, "runs on one rank"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"no_such_field": 1}, "unknown config field 'no_such_field'"),
+])
+def test_config_errors_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.create(**kw)
+
+
+# --------------------------------------------------------------------------------------------------- plan
+def test_plan_worked_example_from_docstring():
+    assert block_bounds(10, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert assign_blocks(4, 2) == [[0, 1], [2, 3]] and assign_blocks(5, 2) == [[0, 1, 2], [3, 4]]
+    cfg = EngineConfig.create(method="star", cp_size=2, block_size=3, anchor_size=3)
+    ids = torch.arange(10)
+    p0, p1 = plan_rank(cfg, ids, 0), plan_rank(cfg, ids, 1)
+    assert [s.indices.tolist() for s in p0.segments] == [[0, 1, 2], [0, 1, 2, 3, 4, 5]]
+    assert [s.indices.tolist() for s in p1.segments] == [[0, 1, 2, 6, 7, 8], [0, 1, 2, 9]]
+    assert kept_token_count(p0) + kept_token_count(p1) == 10
+    ring = EngineConfig.create(method="ring", cp_size=2)
+    assert plan_rank(ring, ids, 0).ring_shard.tolist() == [0, 1, 2, 8, 9]  # zigzag chunks 0 and 3
+
+
+@pytest.mark.parametrize("kw,L,match", [
+    ({"method": "star", "cp_size": 4}, 3, "shorter than the number of blocks"),
+    ({"method": "star", "cp_size": 2, "block_size": 50}, 20, "larger than the context"),
+    ({"method": "pulsar", "cp_size": 2}, 0, "context is empty|shorter"),
+])
+def test_plan_errors(kw, L, match):
+    with pytest.raises(ValueError, match=match):
+        plan_rank(EngineConfig.create(**kw), torch.arange(L), 0)
+
+
+# ------------------------------------------------------------------------------------------------- engine
+def _engine(model, **kw):
+    return magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, **kw)
+
+
+def test_streaming_with_window_covering_the_context_equals_dense():
+    model = tiny_model("llama", seed=3)
+    ctx, q = torch.randint(0, 256, (50,)), torch.randint(0, 256, (4,))
+    ref_logits, ref_tokens = reference(model, ctx, q, 5)
+    res = _engine(model, method="streaming", window_size=64, sink_tokens=4).generate(ctx, q, max_new_tokens=5,
+                                                                                   return_logits=True)
+    assert (res.first_token_logits - ref_logits).abs().max() < 1e-4 and res.token_ids == ref_tokens
+    # a short window really evicts: 4 sinks + 8 recent tokens stay, and the answer changes
+    res = _engine(model, method="streaming", window_size=8, sink_tokens=4).generate(ctx, q, max_new_tokens=5,
+                                                                                  return_logits=True)
+    assert res.context_kv_tokens_per_rank == [12]
+    assert (res.first_token_logits - ref_logits).abs().max() > 1e-3
+
+
+def test_sampling_is_seeded_and_stop_reasons():
+    model = tiny_model("qwen2", seed=4)
+    ctx, q = torch.randint(0, 256, (30,)), torch.randint(0, 256, (3,))
+    a = _engine(model, temperature=1.0, seed=5, top_k=20).generate(ctx, q, max_new_tokens=8)
+    b = _engine(model, temperature=1.0, seed=5, top_k=20).generate(ctx, q, max_new_tokens=8)
+    c = _engine(model, temperature=1.0, seed=6, top_k=20).generate(ctx, q, max_new_tokens=8)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids and a.stop_reason == "max_new_tokens"
+    eos_model = copy.deepcopy(model)
+    eos_model.generation_config.eos_token_id = a.token_ids[2]
+    d = _engine(eos_model, temperature=1.0, seed=5, top_k=20).generate(ctx, q, max_new_tokens=8)
+    assert d.token_ids == a.token_ids[:3] and d.stop_reason == "eos"
+
+
+def test_engine_input_errors():
+    model = tiny_model("mistral", seed=1)
+    eng = _engine(model)
+    with pytest.raises(ValueError, match="query is empty"):
+        eng.generate(torch.arange(10), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds the model's 1024 positions"):
+        eng.generate(torch.zeros(1020, dtype=torch.long), torch.arange(3), max_new_tokens=8)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        eng.generate("some context", "a question?")
+    with pytest.raises(ValueError, match="needs torch.distributed"):
+        _engine(model, method="star", cp_size=2)
+
+
+def test_unsupported_architecture_lists_supported():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported; supported: llama, qwen2, qwen3, mistral"):
+        magnetar.init_inference(gpt2, deepspeed_inference=False)
+
+
+def test_deepspeed_init_inference_wraps_the_model():
+    model = tiny_model("qwen3", seed=2)
+    ctx, q = torch.randint(0, 256, (20,)), torch.randint(0, 256, (3,))
+    ref_logits, ref_tokens = reference(model, ctx, q, 3)
+    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=True)
+    res = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
+    assert res.token_ids == ref_tokens and (res.first_token_logits - ref_logits).abs().max() < 1e-4
