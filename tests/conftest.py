@@ -55,3 +55,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def seeded():
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model: needs a real model prepared from a PyPI package (slow)")
