@@ -85,3 +85,24 @@ def _spread_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_phase2_over_spread_kv_equals_single_rank(world):
     run_distributed(_spread_worker, world)
+
+
+def _dead_peer_worker(rank, world):
+    # rank 1 never joins the request (as if it had crashed): rank 0 must fail fast, not hang
+    import time
+
+    model = tiny_model("llama", seed=9)
+    ctx, q = _ids(9)
+    eng = magnetar.init_inference(copy.deepcopy(model), method="star", cp_size=world, timeout_s=3,
+                                  deepspeed_inference=False)
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises((TimeoutError, RuntimeError)):
+            eng.generate(ctx, q, max_new_tokens=2)
+        assert time.monotonic() - t0 < 30
+    else:
+        time.sleep(6)
+
+
+def test_dead_peer_times_out():
+    run_distributed(_dead_peer_worker, 2)
