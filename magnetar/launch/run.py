@@ -1,6 +1,6 @@
 """Answer a question about a long context with one method, on one or many ranks.
 
-    deepspeed --num_gpus 4 -m magnetar.launch.run --model smollm2-135m-instruct --method pulsar \\
+    deepspeed --num_gpus 4 --module magnetar.launch.run --model smollm2-135m-instruct --method pulsar \\
         --context-file essay.txt --query "What is the special magic number?" --max-new-tokens 32
     torchrun --nproc-per-node 4 -m magnetar.launch.run ...        # the same under torchrun
     python -m magnetar.launch.run --method dense ...                # one process
