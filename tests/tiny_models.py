@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # mistral and gemma3 with short sliding windows
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=None,
               bos_token_id=None, pad_token_id=None)
@@ -20,7 +20,11 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     elif arch == "qwen3":
         cfg, cls = tf.Qwen3Config(use_sliding_window=False, **kw), tf.Qwen3ForCausalLM
     elif arch == "mistral":
-        cfg, cls = tf.MistralConfig(sliding_window=None, **kw), tf.MistralForCausalLM
+        cfg, cls = tf.MistralConfig(**dict(dict(sliding_window=24), **kw)), tf.MistralForCausalLM
+    elif arch == "gemma3":
+        # 5 local (sliding window 8) : 1 global layers, as in Gemma-3, with one KV head
+        kw = dict(kw, num_hidden_layers=6, num_key_value_heads=1, query_pre_attn_scalar=16)
+        cfg, cls = tf.Gemma3TextConfig(**dict(dict(sliding_window=8), **kw)), tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -31,9 +35,15 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
 
 @torch.no_grad()
 def reference(model, context_ids: torch.Tensor, query_ids: torch.Tensor, max_new_tokens: int):
-    """HF's own dense greedy decoding (sdpa attention, DynamicCache): (first-token logits, tokens)."""
+    """HF's own dense greedy decoding, (first-token logits, tokens): every step is a full forward of the whole
+    sequence with the model's own (sdpa) attention and masks, no KV cache. (HF's sliding-window cache in
+    ``generate`` drops keys that its own mask keeps visible, so cached generation is not the reference for
+    windowed models.)"""
     ids = torch.cat((context_ids, query_ids))[None]
-    logits = model(ids).logits[0, -1]
-    out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0)
-    return logits, out[0, ids.shape[1]:].tolist()
+    first, tokens = None, []
+    for _ in range(max_new_tokens):
+        logits = model(ids, use_cache=False).logits[0, -1]
+        first = logits if first is None else first
+        tokens.append(int(logits.argmax()))
+        ids = torch.cat((ids, torch.tensor([[tokens[-1]]])), dim=1)
+    return first, tokens

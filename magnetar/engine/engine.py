@@ -80,7 +80,6 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.window = hf.sliding_window(model.config)
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,9 +103,6 @@ class Engine:
             raise ValueError(
                 f"context ({L}) + query ({Q}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
                 f"model's {self.max_positions} positions (max_position_embeddings); shorten the context")
-        if self.window is not None and total > self.window:
-            raise ValueError(f"{total} tokens exceed the model's sliding window ({self.window}); Magnetar does not "
-                             f"apply sliding-window attention yet: use contexts within the window")
 
     def _eos_ids(self) -> list[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)

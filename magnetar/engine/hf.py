@@ -33,7 +33,7 @@ from magnetar.parallel import all_gather_states, ring_attention
 from magnetar.utils.nvtx import nvtx_range
 
 ATTN_NAME = "magnetar"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 MODES = ("prefill_local", "prefill_ring", "prefill_stream", "phase2")
 
 
@@ -56,16 +56,21 @@ class ForwardContext:
     timeout: Optional[timedelta] = None
     backend: str = "auto"
     stream: Optional[tuple[int, int]] = None  # prefill_stream: (sink tokens, window size)
+    window: Optional[int] = None  # the current layer's sliding window (set by attend)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int] = None) -> torch.Tensor:
+        """Attention of one layer; ``window``: the layer's sliding window (None for global layers)."""
+        self.window = window
         pos = self.positions
         if self.mode == "prefill_local":
-            out, _ = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=self.backend)
+            out, _ = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                                        backend=self.backend)
             keep = self.keep if self.keep is not None else slice(None)
             self.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep])
             return out
         if self.mode == "prefill_ring":
-            out, _ = ring_attention(q, k, v, group=self.group, q_pos=pos, k_pos=pos, scale=scale,
+            out, _ = ring_attention(q, k, v, group=self.group, q_pos=pos, k_pos=pos, scale=scale, window=window,
                                     timeout=self.timeout, backend=self.backend)
             self.shard.layers[layer].append(k, v, pos)
             return out
@@ -81,12 +86,13 @@ class ForwardContext:
         sinks, window = self.stream
         pos = self.positions
         cache = self.shard.layers[layer]
-        out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=self.backend)
+        out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=self.window,
+                                      backend=self.backend)
         if len(cache):
             start = int(pos[0])
             sel = (cache.pos < sinks) | (cache.pos >= start - window)
             o2, l2 = attention_with_lse(q, cache.k[:, :, sel], cache.v[:, :, sel], q_pos=pos, k_pos=cache.pos[sel],
-                                        scale=scale, backend=self.backend)
+                                        scale=scale, window=self.window, backend=self.backend)
             out, lse = merge_states([out, o2], [lse, l2])
         cache.append(k, v, pos)
         return out
@@ -98,14 +104,14 @@ class ForwardContext:
         if len(ctx):
             # context KV precedes the query: visible to every query token (positions decide)
             o, l = attention_with_lse(q, ctx.k, ctx.v, q_pos=self.positions, k_pos=ctx.pos, scale=scale,
-                                      backend=self.backend)
+                                      window=self.window, backend=self.backend)
             parts_o.append(o)
             parts_l.append(l)
         if self.gen is not None:  # the query rank: its own query/generated tokens, causally
             g = self.gen.layers[layer]
             g.append(k, v, self.positions)
             o, l = attention_with_lse(q, g.k, g.v, q_pos=self.positions, k_pos=g.pos, scale=scale,
-                                      backend=self.backend)
+                                      window=self.window, backend=self.backend)
             parts_o.append(o)
             parts_l.append(l)
         if not parts_o:
@@ -124,13 +130,14 @@ class ForwardContext:
 def magnetar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered as transformers attention ``"magnetar"``; returns ``(out (B,S,Hq,D), None)``."""
     ctx: Optional[ForwardContext] = kwargs.get(ATTN_NAME)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or None
     if ctx is None:
         # Called outside the engine (e.g. plain model.generate with a DynamicCache): ordinary causal attention,
         # the query tokens being the last ones of the keys.
-        out, _ = attention_with_lse(query, key, value, scale=scaling)
+        out, _ = attention_with_lse(query, key, value, scale=scaling, window=window)
     else:
         with nvtx_range(f"{ctx.mode}/layer{module.layer_idx}"):
-            out = ctx.attend(module.layer_idx, query, key, value, scaling)
+            out = ctx.attend(module.layer_idx, query, key, value, scaling, window)
     return out.transpose(1, 2), None
 
 
@@ -150,22 +157,9 @@ def check_supported(config) -> None:
     """Raise a ValueError naming the supported architectures if ``config`` is not one of them."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        hint = ""
-        if model_type and model_type.startswith("gemma"):
-            hint = (" Gemma-3 interleaves sliding-window (local) and global layers; Magnetar's context-parallel "
-                    "methods do not handle the local layers' window yet (docs/engine.md).")
-        raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-                         + hint)
-
-
-def sliding_window(config) -> Optional[int]:
-    """The model's attention window if it uses one (Mistral v0.1, Qwen2 with use_sliding_window), else None."""
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
-    if getattr(config, "model_type", "") in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-        return None
-    return int(window)
+        raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"{model_type}: attention logit soft-capping is not supported by Magnetar's attention")
 
 
 def prepare_model(model) -> None:

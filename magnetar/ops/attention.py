@@ -48,13 +48,14 @@ class AttentionCall:
     CAUSAL_BOTTOM_RIGHT no query row is empty, and for CAUSAL_BOTTOM_RIGHT the positions are the defaults.
     """
 
-    __slots__ = ("q", "k", "v", "scale", "mask_kind", "_q_pos", "_k_pos")
+    __slots__ = ("q", "k", "v", "scale", "mask_kind", "window", "_q_pos", "_k_pos")
 
     def __init__(self, q, k, v, q_pos: Optional[torch.Tensor], k_pos: Optional[torch.Tensor], scale: float,
-                 mask_kind: str):
+                 mask_kind: str, window: Optional[int] = None):
         self.q, self.k, self.v = q, k, v
         self._q_pos, self._k_pos = q_pos, k_pos
         self.scale, self.mask_kind = scale, mask_kind
+        self.window = window  # sliding window (POSITIONS kind only): also require k_pos > q_pos - window
 
     @property
     def q_pos(self) -> torch.Tensor:
@@ -78,6 +79,8 @@ class AttentionCall:
         qp = self.q_pos if q_pos is None else q_pos
         kp = self.k_pos if k_pos is None else k_pos
         vis = kp.unsqueeze(-2) <= qp.unsqueeze(-1)  # (.., Sq, Sk)
+        if self.window is not None:
+            vis &= kp.unsqueeze(-2) > qp.unsqueeze(-1) - self.window
         return vis.unsqueeze(-3) if vis.dim() == 3 else vis.view(1, 1, *vis.shape)
 
 
@@ -135,9 +138,15 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool) -> str:
+def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool, window: Optional[int] = None) -> str:
     if not causal:
         return FULL
+    if window is not None:  # FULL only if every key lies in every query's window; else the position mask
+        qp = q_pos if q_pos is not None else torch.arange(sk - sq, sk)
+        kp = k_pos if k_pos is not None else torch.arange(sk)
+        if bool(kp.max() <= qp.min()) and bool(kp.min() > qp.max() - window):
+            return FULL
+        return POSITIONS
     if q_pos is None and k_pos is None:
         if sq == 1 and sk >= 1:
             return FULL  # the single query sits at the last position: it sees every key
@@ -185,6 +194,7 @@ def attention_with_lse(
     k_pos: Optional[torch.Tensor] = None,
     causal: bool = True,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over ``k, v`` returning ``(out, lse)``; see the module docstring for the contract.
@@ -194,6 +204,8 @@ def attention_with_lse(
         q_pos, k_pos: integer positions ``(S,)`` or ``(B, S)``; defaults place the queries at the end.
         causal: mask keys whose position is greater than the query's.
         scale: softmax scale, default ``1/sqrt(D)``.
+        window: sliding-window attention (Gemma-3 local layers, Mistral): key j is visible to query i only if
+            also ``k_pos[j] > q_pos[i] - window`` (transformers' convention). Needs ``causal=True``.
         backend: ``"auto"`` or a registered backend name (``magnetar.ops.backends.list_backends()``);
             a forced backend that cannot serve the call raises ``ValueError`` with its reasons.
 
@@ -214,9 +226,11 @@ def attention_with_lse(
         out = torch.zeros(B, Hq, Sq, D, dtype=q.dtype, device=q.device)
         return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
 
-    kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal)
-    call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind)
-    if kind == POSITIONS:
+    if window is not None and (not causal or int(window) < 1):
+        raise ValueError(f"attention_with_lse: window={window} needs causal=True and window >= 1")
+    kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal, window)
+    call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
+    if kind == POSITIONS and call.window is None:
         pieces = plan_pieces(call.q_pos, call.k_pos)
         if pieces is not None:  # a few contiguous runs: mask-free pieces, merged
             return _attend_pieces(call, pieces, backend)
@@ -226,9 +240,12 @@ def attention_with_lse(
         out, lse = impl.forward(call)
     if kind == POSITIONS:
         # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.
-        kmin = call.k_pos.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
-        empty = call.q_pos < kmin  # (Sq,) or (B, Sq)
-        empty = empty.view(1, 1, Sq) if empty.dim() == 1 else empty.unsqueeze(1)
+        if call.window is None:
+            kmin = call.k_pos.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
+            empty = call.q_pos < kmin  # (Sq,) or (B, Sq)
+            empty = empty.view(1, 1, Sq) if empty.dim() == 1 else empty.unsqueeze(1)
+        else:
+            empty = ~call.visible().any(dim=-1)  # (1|B, 1, Sq)
         lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
         out = out.masked_fill(empty.unsqueeze(-1), 0)
     return out, lse

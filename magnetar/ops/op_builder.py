@@ -4,8 +4,11 @@ Both builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpB
 :class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through
 ``builder.jit_load()`` (:mod:`magnetar.ops.fused_merge` does that lazily; importing this module builds nothing).
 
-Build cache: DeepSpeed's ``jit_load`` calls ``torch.utils.cpp_extension.load(name=NAME, ...)``, so the compiled
-extension lives in ``$TORCH_EXTENSIONS_DIR/<NAME>/`` (default ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>/<NAME>/``)
+Build cache: DeepSpeed's ``jit_load`` calls ``torch.utils.cpp_extension.load(name=<name>, ...)``, so the compiled
+extension lives in ``$TORCH_EXTENSIONS_DIR/<name>/`` (default ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>/<name>/``).
+``<name>`` is ``NAME`` plus a short hash of this checkout's source directory: the generated ninja file holds
+absolute source paths, so two checkouts (or virtualenvs) sharing one build directory would rebuild each
+other's op on every switch; with the hash each keeps its own cached build
 and is reused by every later process: ninja only recompiles when a source file or a flag changed. Concurrent
 first builds are serialised by torch's file lock ``<build dir>/lock``; if a build process was killed while holding
 it, later loads wait forever -- delete that ``lock`` file (or the whole directory) to recover.
@@ -15,6 +18,7 @@ an installed package (``setup.py`` ships ``magnetar/ops/csrc/*``).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -24,6 +28,11 @@ import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+
+
+def _build_name(base: str) -> str:
+    """``base`` + a hash of the source location, so separate checkouts keep separate cached builds."""
+    return f"{base}_{hashlib.sha1(str(CSRC_DIR).encode()).hexdigest()[:8]}"
 
 
 def _cxx_compiler() -> str:
@@ -48,7 +57,7 @@ class MergeStatesBuilder(OpBuilder):
     NAME = "magnetar_merge_states"
 
     def __init__(self):
-        super().__init__(name=self.NAME)
+        super().__init__(name=_build_name(self.NAME))
 
     def absolute_name(self):
         return f"magnetar.ops.{self.NAME}_op"
@@ -94,7 +103,7 @@ class MergeStatesCUDABuilder(CUDAOpBuilder):
     NAME = "magnetar_merge_states_cuda"
 
     def __init__(self):
-        super().__init__(name=self.NAME)
+        super().__init__(name=_build_name(self.NAME))
 
     def absolute_name(self):
         return f"magnetar.ops.{self.NAME}_op"

@@ -53,6 +53,7 @@ def ring_attention(
     k_pos: torch.Tensor,
     causal: bool = True,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
     timeout: Optional[timedelta] = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ def ring_attention(
         q: ``(B, Hq, Sq_r, D)`` this rank's queries; k, v: ``(B, Hkv, Sk_r, D)`` this rank's KV shard.
         group: the CP group (None: a group of one). Every rank of it must call with the same B, Hkv, D, dtype.
         q_pos, k_pos: global positions of the local queries / keys, ``(S,)`` or ``(B, S)``.
-        causal, scale, backend: as in :func:`magnetar.ops.attention_with_lse`.
+        causal, scale, window, backend: as in :func:`magnetar.ops.attention_with_lse`.
         timeout: per-step limit for the KV exchange (default: ``MAGNETAR_COLLECTIVE_TIMEOUT_S``).
     Returns:
         ``out (B, Hq, Sq_r, D)`` in q's dtype and ``lse (B, Hq, Sq_r)`` float32, equal to attention over the
@@ -71,7 +72,8 @@ def ring_attention(
     _check_shard(q, k, v, q_pos, k_pos)
     world = group_size(group)
     if world == 1:  # gloo cannot send to itself; nothing to exchange anyway
-        return attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, backend=backend)
+        return attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window,
+                                  backend=backend)
 
     me = group_rank(group)
     peers = group_ranks(group)
@@ -79,14 +81,16 @@ def ring_attention(
     B, Hkv, _, D = k.shape
     k_pos = k_pos.to(device=k.device, dtype=torch.long).contiguous()
     kmin = int(k_pos.min()) if k_pos.numel() else _NO_KEYS
-    meta = all_gather_ints([k.shape[2], kmin, B, Hkv, D, k_pos.dim()], group, k.device, timeout=timeout)
-    if not bool((meta[:, 2:] == meta[me, 2:]).all()):
+    kmax = int(k_pos.max()) if k_pos.numel() else -_NO_KEYS
+    meta = all_gather_ints([k.shape[2], kmin, kmax, B, Hkv, D, k_pos.dim()], group, k.device, timeout=timeout)
+    if not bool((meta[:, 3:] == meta[me, 3:]).all()):
         raise ValueError(
             f"ring_attention: every rank must pass k/v with the same (B, Hkv, D) and k_pos rank; got per rank "
-            f"(B, Hkv, D, k_pos.dim) = {meta[:, 2:].tolist()}"
+            f"(B, Hkv, D, k_pos.dim) = {meta[:, 3:].tolist()}"
         )
-    lengths, mins = meta[:, 0].tolist(), meta[:, 1].tolist()
+    lengths, mins, maxs = meta[:, 0].tolist(), meta[:, 1].tolist(), meta[:, 2].tolist()
     qmax = int(q_pos.max()) if q_pos.numel() else None
+    qmin = int(q_pos.min()) if q_pos.numel() else None
 
     kv = torch.stack((k, v)).contiguous()  # one message per step for K and V
     pos = k_pos
@@ -106,10 +110,13 @@ def ring_attention(
             if ops:
                 works = dist.batch_isend_irecv(ops)
         skip = lengths[src] == 0 or (causal and (qmax is None or mins[src] > qmax))
+        if window is not None and not skip:  # every key of the shard is older than every query's window
+            skip = maxs[src] <= qmin - window
         if not skip:
             with nvtx_range(f"ring_attention/step{step}"):
                 out, lse = attention_with_lse(
-                    q, kv[0], kv[1], q_pos=q_pos, k_pos=pos, causal=causal, scale=scale, backend=backend
+                    q, kv[0], kv[1], q_pos=q_pos, k_pos=pos, causal=causal, scale=scale, window=window,
+                    backend=backend,
                 )
             out = out.float()  # accumulate across steps in float32, round once at the end
             if acc_out is None:

@@ -76,18 +76,21 @@ class CpuFlashBackend:
         for r0 in range(0, Sq, rows):
             qc = q[:, :, r0 : r0 + rows]
             qp = call.q_pos[..., r0 : r0 + rows]
-            end = Sk
+            begin, end = 0, Sk
             if sorted_keys:
-                # keys after the chunk's largest query position are invisible to the whole chunk
+                # keys after the chunk's largest query position are invisible to the whole chunk, and with a
+                # sliding window so are keys at or before its smallest query position minus the window
                 end = int(torch.searchsorted(kp1, qp.max(), right=True))
-            if end == 0:
+                if call.window is not None:
+                    begin = min(end, int(torch.searchsorted(kp1, qp.min() - call.window, right=True)))
+            if end == begin:
                 outs.append(torch.zeros_like(qc))
                 lses.append(torch.full(qc.shape[:3], float("-inf"), device=q.device))
                 continue
-            kp = call.k_pos[..., :end]
-            vis = call.visible(q_pos=qp, k_pos=kp)  # (1|B, 1, rows, end)
+            kp = call.k_pos[..., begin:end]
+            vis = call.visible(q_pos=qp, k_pos=kp)  # (1|B, 1, rows, end - begin)
             mask = torch.zeros(vis.shape, dtype=mask_dtype, device=q.device).masked_fill_(~vis, float("-inf"))
-            o, l = _run(qc, k[:, :, :end], v[:, :, :end], call.scale, mask=mask)
+            o, l = _run(qc, k[:, :, begin:end], v[:, :, begin:end], call.scale, mask=mask)
             outs.append(o)
             lses.append(l)
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

@@ -65,7 +65,9 @@ class FlashAttnBackend:
         fa = _load()
         if isinstance(fa, str):
             return [fa]
-        if call.mask_kind == POSITIONS and not _is_bottom_right(call.q_pos, call.k_pos):
+        if call.window is not None:
+            reasons.append("sliding-window position masks are not mapped to flash-attn's window_size yet")
+        elif call.mask_kind == POSITIONS and not _is_bottom_right(call.q_pos, call.k_pos):
             reasons.append("position mask is not full or bottom-right causal")
         elif call.mask_kind not in (FULL, POSITIONS) and q.shape[2] > call.k.shape[2]:
             reasons.append("causal with Sq > Sk")
