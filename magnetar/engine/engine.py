@@ -119,40 +119,63 @@ class Engine:
         dist.all_gather_object(out, value, group=self.groups.cp_group)
         return out
 
-    # -- the request --------------------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------------------
     def generate(self, context: Union[str, torch.Tensor], query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
                  stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
         """Answer ``query`` about ``context`` with ``config.method``; see :class:`GenerationResult`."""
-        context_ids, query_ids = self._tokens(context, query)
-        L, Q = int(context_ids.numel()), int(query_ids.numel())
-        self._check_lengths(L, Q, max_new_tokens)
+        return self.generate_batch([(context, query)], max_new_tokens=max_new_tokens, stop=stop,
+                                   return_logits=return_logits)[0]
+
+    def generate_batch(self, requests: Sequence[tuple[Union[str, torch.Tensor], Union[str, torch.Tensor]]], *,
+                       max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
+                       return_logits: bool = False) -> list[GenerationResult]:
+        """Several independent ``(context, query)`` requests of any lengths; one result each.
+
+        Phase 1 encodes the requests one after another (each has its own block plan and KV shard); Phase 2
+        and decoding run them as one batch (one model forward and one collective per layer per step for
+        all unfinished requests). Results equal those of separate :meth:`generate` calls.
+        """
+        if not requests:
+            raise ValueError("generate_batch needs at least one (context, query) request")
         cfg, groups = self.config, self.groups
-        plan = plan_rank(cfg, context_ids, groups.cp_rank)
-
+        toks = [self._tokens(c, q) for c, q in requests]
+        for c, q in toks:
+            self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
+        plans, phase1 = [], []
         with nvtx_range("magnetar/generate"):
-            p1 = run_phase1(self.model, cfg, plan, context_ids, groups, self.device)
-            kept = self._gather(kept_token_count(plan))
-            if sum(kept) != L:  # the KV shards must partition the context exactly
-                raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a {L}-token "
-                                   f"context; the block plan is inconsistent")
-            stop_check = self._stop_checker(stop)
-            dec = run_phase2(self.model, cfg, p1.shard, query_ids, plan.query_position, groups, self.device,
-                             max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(), stop_check=stop_check,
-                             keep_logits=return_logits)
+            for context_ids, _ in toks:
+                plan = plan_rank(cfg, context_ids, groups.cp_rank)
+                p1 = run_phase1(self.model, cfg, plan, context_ids, groups, self.device)
+                kept = self._gather(kept_token_count(plan))
+                if sum(kept) != context_ids.numel():  # the KV shards must partition the context exactly
+                    raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
+                                       f"{context_ids.numel()}-token context; the block plan is inconsistent")
+                plans.append(plan)
+                phase1.append(p1)
+            checker = self._stop_checker(stop)
+            decs = run_phase2(self.model, cfg, [p.shard for p in phase1], [q for _, q in toks],
+                              [plan.query_position for plan in plans], groups, self.device,
+                              max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(),
+                              stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits)
 
-        local = (p1.seconds, p1.shard.tokens(), p1.shard.tokens() + dec.gen_kv_tokens, p1.shard.nbytes(),
-                 _peak_memory(self.device))
-        stats = self._gather(local)
-        tokens = dec.token_ids
-        text = self._decode_text(tokens, stop)
-        return GenerationResult(
-            text=text, token_ids=tokens, method=cfg.method, context_tokens=L, query_tokens=Q,
-            stop_reason=dec.stop_reason, phase1_seconds=[s[0] for s in stats], ttft_seconds=dec.ttft_seconds,
-            decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds else None,
-            context_kv_tokens_per_rank=[s[1] for s in stats], kv_tokens_per_rank=[s[2] for s in stats],
-            kv_bytes_per_rank=[s[3] for s in stats], peak_memory_bytes_per_rank=[s[4] for s in stats],
-            first_token_logits=dec.first_logits,
-        )
+        peak = _peak_memory(self.device)
+        local = [(p1.seconds, p1.shard.tokens(), p1.shard.tokens() + d.gen_kv_tokens, p1.shard.nbytes(), peak)
+                 for p1, d in zip(phase1, decs)]
+        stats = self._gather(local)  # stats[rank][request]
+        results = []
+        for i, ((c, q), dec) in enumerate(zip(toks, decs)):
+            per_rank = [s[i] for s in stats]
+            results.append(GenerationResult(
+                text=self._decode_text(dec.token_ids, stop), token_ids=dec.token_ids, method=cfg.method,
+                context_tokens=int(c.numel()), query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
+                phase1_seconds=[s[0] for s in per_rank], ttft_seconds=dec.ttft_seconds,
+                decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds
+                else None,
+                context_kv_tokens_per_rank=[s[1] for s in per_rank], kv_tokens_per_rank=[s[2] for s in per_rank],
+                kv_bytes_per_rank=[s[3] for s in per_rank], peak_memory_bytes_per_rank=[s[4] for s in per_rank],
+                first_token_logits=dec.first_logits,
+            ))
+        return results
 
     def _stop_checker(self, stop):
         if not stop:

@@ -41,17 +41,24 @@ MODES = ("prefill_local", "prefill_ring", "prefill_stream", "phase2")
 class ForwardContext:
     """What one model forward computes; read by :func:`magnetar_attention` in every layer.
 
-    ``positions (S,)``: the RoPE positions of the input tokens (also passed to the model as position_ids).
-    ``keep``: prefill_local only, the input slice whose KV is stored (the block, not its prefix).
-    ``shard``: this rank's context KV (written in Phase 1, read in Phase 2).
-    ``gen``: the query rank's store of query/generated KV; None on the other ranks.
+    Prefill modes (one request): ``positions (S,)`` are the RoPE positions of the input tokens (also passed
+    to the model as position_ids), ``shard`` receives the KV, ``keep`` (prefill_local) is the input slice
+    whose KV is stored (the block, not its prefix).
+
+    ``phase2`` (a batch of B requests, each with its own KV): ``positions (B, S)``; ``shards[b]`` is this
+    rank's context KV of request b; ``gens[b]`` the query rank's store of request b's query/generated KV
+    (None on the other ranks); ``valid[b]`` how many of the S input tokens of request b are real (queries
+    of different lengths are right-padded; padding sits after the real tokens, so no real token sees it,
+    and its KV is never stored).
     """
 
     mode: str
     positions: torch.Tensor
-    shard: KVShard
+    shard: Optional[KVShard] = None
     keep: Optional[slice] = None
-    gen: Optional[KVShard] = None
+    shards: Optional[list[KVShard]] = None
+    gens: Optional[list[KVShard]] = None
+    valid: Optional[list[int]] = None
     group: Optional[torch.distributed.ProcessGroup] = None
     timeout: Optional[timedelta] = None
     backend: str = "auto"
@@ -99,29 +106,36 @@ class ForwardContext:
 
     def _phase2(self, layer, q, k, v, scale):
         B, Hq, S, D = q.shape
-        parts_o, parts_l = [], []
-        ctx = self.shard.layers[layer]
-        if len(ctx):
-            # context KV precedes the query: visible to every query token (positions decide)
-            o, l = attention_with_lse(q, ctx.k, ctx.v, q_pos=self.positions, k_pos=ctx.pos, scale=scale,
-                                      window=self.window, backend=self.backend)
-            parts_o.append(o)
-            parts_l.append(l)
-        if self.gen is not None:  # the query rank: its own query/generated tokens, causally
-            g = self.gen.layers[layer]
-            g.append(k, v, self.positions)
-            o, l = attention_with_lse(q, g.k, g.v, q_pos=self.positions, k_pos=g.pos, scale=scale,
-                                      window=self.window, backend=self.backend)
-            parts_o.append(o)
-            parts_l.append(l)
-        if not parts_o:
-            local_o = torch.zeros_like(q)
-            local_l = torch.full((B, Hq, S), float("-inf"), device=q.device)
-        elif len(parts_o) == 1:
-            local_o, local_l = parts_o[0], parts_l[0]
-        else:
-            local_o, local_l = merge_states(parts_o, parts_l)
-        with nvtx_range(f"phase2/merge/layer{layer}"):
+        local_o, local_l = [], []
+        for b in range(B):  # requests hold KV of different lengths: attend each to its own
+            qb, pos = q[b : b + 1], self.positions[b]
+            parts_o, parts_l = [], []
+            ctx = self.shards[b].layers[layer]
+            if len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
+                o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=self.window,
+                                          backend=self.backend)
+                parts_o.append(o)
+                parts_l.append(l)
+            if self.gens is not None:  # the query rank: its own query/generated tokens, causally
+                g = self.gens[b].layers[layer]
+                n = S if self.valid is None else self.valid[b]
+                g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
+                o, l = attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=self.window,
+                                          backend=self.backend)
+                parts_o.append(o)
+                parts_l.append(l)
+            if not parts_o:
+                local_o.append(torch.zeros_like(qb))
+                local_l.append(torch.full((1, Hq, S), float("-inf"), device=q.device))
+            elif len(parts_o) == 1:
+                local_o.append(parts_o[0])
+                local_l.append(parts_l[0])
+            else:
+                o, l = merge_states(parts_o, parts_l)
+                local_o.append(o)
+                local_l.append(l)
+        local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
+        with nvtx_range(f"phase2/merge/layer{layer}"):  # one collective per layer for the whole batch
             outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
             out, _ = merge_states(outs, lses)
         return out

@@ -5,6 +5,10 @@ over its own context shard, and on the query rank (cp_rank 0, the only one that 
 over those tokens causally; one packed all-gather of ``(out, lse)`` per layer and the merge make every
 rank's output identical. The next token is chosen on the query rank (greedy or seeded sampling) and
 broadcast, so all ranks decode the same sequence. Stops at EOS, a stop string or ``max_new_tokens``.
+
+Several independent requests decode as one batch: each has its own KV (attention runs per request inside
+the layer, everything else batched, one collective per layer for the batch); queries of different lengths
+are right-padded and the padding never reaches a KV store.
 """
 from __future__ import annotations
 
@@ -49,57 +53,87 @@ def choose_token(logits: torch.Tensor, cfg: DecodeConfig, generator: Optional[to
     return int(torch.multinomial(probs.cpu() / probs.sum(), 1, generator=generator))
 
 
-def _broadcast_token(token: int, groups: ParallelGroups, device) -> int:
+def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
     if groups.cp_size == 1:
-        return token
-    t = torch.tensor([token], dtype=torch.long, device=device)
+        return tokens
+    t = torch.tensor(tokens, dtype=torch.long, device=device)
     work = dist.broadcast(t, src=groups.cp_ranks[0], group=groups.cp_group, async_op=True)
     wait_all(work, groups.timeout, "next-token broadcast")
-    return int(t.item())
+    return t.tolist()
 
 
 @torch.inference_mode()
-def run_phase2(model, config: EngineConfig, shard: KVShard, query_ids: torch.Tensor, query_position: int,
-               groups: ParallelGroups, device, *, max_new_tokens: int, eos_ids: Sequence[int] = (),
-               stop_check=None, keep_logits: bool = False) -> DecodeResult:
-    """Run the query through the model over the distributed KV, then decode up to ``max_new_tokens``."""
+def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list[torch.Tensor],
+               query_positions: list[int], groups: ParallelGroups, device, *, max_new_tokens: int,
+               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False) -> list[DecodeResult]:
+    """Run a batch of queries through the model over their distributed KV, then decode each up to
+    ``max_new_tokens``. Request b has context KV ``shards[b]``, query ids ``queries[b]`` starting at RoPE
+    position ``query_positions[b]``; ``stop_checks[b](token_ids) -> bool`` (optional) ends it early.
+    Finished requests leave the batch; the others go on. One result per request.
+    """
+    B = len(shards)
     leader = groups.is_cp_leader
-    gen = KVShard(model.config.num_hidden_layers) if leader else None
-    if gen is not None:
-        gen.freeze()
-    generator = torch.Generator().manual_seed(config.decode.seed) if config.decode.temperature > 0 else None
+    gens = None
+    if leader:
+        gens = [KVShard(model.config.num_hidden_layers) for _ in range(B)]
+        for g in gens:
+            g.freeze()
+    generators = [torch.Generator().manual_seed(config.decode.seed + b) if config.decode.temperature > 0 else None
+                  for b in range(B)]
     backend = config.runtime.attention_backend
 
-    def step(ids: torch.Tensor, start: int) -> torch.Tensor:
-        pos = torch.arange(start, start + ids.numel(), device=device)
-        ctx = ForwardContext("phase2", pos, shard, gen=gen, group=groups.cp_group, timeout=groups.timeout,
-                             backend=backend)
-        out = model(input_ids=ids.to(device)[None], position_ids=pos[None], use_cache=False, logits_to_keep=1,
-                    magnetar=ctx)
-        return out.logits[0, -1]
+    def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int]) -> torch.Tensor:
+        S = ids.shape[1]
+        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
+        ctx = ForwardContext("phase2", pos, shards=[shards[b] for b in active],
+                             gens=[gens[b] for b in active] if gens is not None else None, valid=valid,
+                             group=groups.cp_group, timeout=groups.timeout, backend=backend)
+        logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
+                       logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
+        last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
+        return logits[torch.arange(len(valid), device=device), last]  # (B_active, V): each request's last real token
 
+    def choose(active, logits) -> list[int]:
+        picked = [choose_token(logits[i], config.decode, generators[b]) for i, b in enumerate(active)] if leader \
+            else [-1] * len(active)
+        return _broadcast_tokens(picked, groups, device)
+
+    lengths = [int(q.numel()) for q in queries]
+    padded = torch.zeros(B, max(lengths), dtype=torch.long)
+    for b, q in enumerate(queries):
+        padded[b, : lengths[b]] = q  # right padding: after the real tokens, so none of them sees it
     t0 = time.perf_counter()
     with nvtx_range("phase2/query"):
-        logits = step(query_ids, query_position)
-        token = _broadcast_token(choose_token(logits, config.decode, generator) if leader else -1, groups, device)
-    result = DecodeResult([token], time.perf_counter() - t0,
-                          first_logits=logits.float().cpu() if keep_logits else None)
-    next_pos = query_position + int(query_ids.numel())
+        logits = forward(list(range(B)), padded, list(query_positions), lengths)
+        tokens = choose(list(range(B)), logits)
+    ttft = time.perf_counter() - t0
+    results = [DecodeResult([tokens[b]], ttft, first_logits=logits[b].float().cpu() if keep_logits else None)
+               for b in range(B)]
+    next_pos = [query_positions[b] + lengths[b] for b in range(B)]
+    active = list(range(B))
     while True:
-        if token in eos_ids:
-            result.stop_reason = "eos"
-            break
-        if stop_check is not None and stop_check(result.token_ids):
-            result.stop_reason = "stop_string"
-            break
-        if len(result.token_ids) >= max_new_tokens:
+        still = []
+        for b in active:
+            r = results[b]
+            if r.token_ids[-1] in eos_ids:
+                r.stop_reason = "eos"
+            elif stop_checks is not None and stop_checks[b] is not None and stop_checks[b](r.token_ids):
+                r.stop_reason = "stop_string"
+            elif len(r.token_ids) < max_new_tokens:
+                still.append(b)
+        active = still
+        if not active:
             break
         t1 = time.perf_counter()
         with nvtx_range("phase2/decode_step"):
-            logits = step(torch.tensor([token]), next_pos)
-            token = _broadcast_token(choose_token(logits, config.decode, generator) if leader else -1, groups, device)
-        result.decode_seconds.append(time.perf_counter() - t1)
-        result.token_ids.append(token)
-        next_pos += 1
-    result.gen_kv_tokens = gen.tokens() if gen is not None else 0
-    return result
+            ids = torch.tensor([[results[b].token_ids[-1]] for b in active])
+            logits = forward(active, ids, [next_pos[b] for b in active], [1] * len(active))
+            tokens = choose(active, logits)
+        dt = time.perf_counter() - t1
+        for b, t in zip(active, tokens):
+            results[b].token_ids.append(t)
+            results[b].decode_seconds.append(dt)
+            next_pos[b] += 1
+    for b in range(B):
+        results[b].gen_kv_tokens = gens[b].tokens() if gens is not None else 0
+    return results
