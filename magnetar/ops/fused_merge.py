@@ -136,21 +136,11 @@ def load_fused_merge_op(device: DeviceLike) -> ModuleType:
 
 
 def _check(outs: torch.Tensor, lses: torch.Tensor) -> None:
+    from magnetar.ops.merge import _validate  # the shape/device checks every merge shares
+
     if not isinstance(outs, torch.Tensor) or not isinstance(lses, torch.Tensor):
         raise TypeError("fused_merge_states: outs and lses must be stacked tensors (N, B, H, S, D) and (N, B, H, S)")
-    if outs.dim() != 5:
-        raise ValueError(f"fused_merge_states: outs must have shape (N, B, H, S, D); got {tuple(outs.shape)}")
-    if lses.shape != outs.shape[:-1]:
-        raise ValueError(
-            f"fused_merge_states: lses must have shape (N, B, H, S) = {tuple(outs.shape[:-1])} to match outs "
-            f"{tuple(outs.shape)}; got {tuple(lses.shape)}"
-        )
-    if outs.shape[0] == 0:
-        raise ValueError("fused_merge_states: got N = 0 partial states; pass at least one")
-    if outs.device != lses.device:
-        raise ValueError(
-            f"fused_merge_states: outs on {outs.device} but lses on {lses.device}; move both to one device"
-        )
+    _validate(outs, lses)
     if outs.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"fused_merge_states: outs must be float32, bfloat16, float16 or float64, got {outs.dtype}")
     if not lses.is_floating_point():

@@ -56,7 +56,9 @@ def _validate(outs: torch.Tensor, lses: torch.Tensor) -> None:
     if outs.device != lses.device:
         raise ValueError(f"merge_states: outs on {outs.device} but lses on {lses.device}; move both to one device")
     if not outs.is_floating_point():
-        raise ValueError(f"merge_states: outs must be a floating dtype, got {outs.dtype}")
+        raise ValueError(
+            f"merge_states: outs must be a floating dtype (float32, bfloat16, float16 or float64), got {outs.dtype}"
+        )
 
 
 def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
