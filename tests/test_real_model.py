@@ -92,3 +92,28 @@ def test_run_cli_prints_answer_table_and_json(prepared, tmp_path, capsys):
     assert "answer:" in printed and "phase-1 critical path" in printed
     res = json.loads(out.read_text())
     assert "Onhava" in res["text"] and res["method"] == "dense" and res["context_kv_tokens_per_rank"][0] > 40
+
+
+def test_prompt_split_chat_template_and_plain(prepared):
+    import copy
+
+    from magnetar.engine.template import split_prompt
+    from magnetar.models import load_model
+
+    _, tok = load_model(MODEL)
+    context, query = "Alpha beta gamma. The key is 42.", " What is the key?"
+    p = split_prompt(tok, context, query)
+    rendered = tok.apply_chat_template([{"role": "user", "content": context + query}], tokenize=False,
+                                       add_generation_prompt=True)
+    # Phase 1 ends with the context; Phase 2 holds the question and the assistant header; together: the turn
+    head = tok.decode(p.context_ids)
+    assert head.endswith(context) and "<|im_start|>assistant" not in head
+    assert tok.decode(p.query_ids).startswith(query) and tok.decode(p.query_ids).rstrip().endswith("assistant")
+    assert tok.decode(torch.cat((p.context_ids, p.query_ids))) == rendered
+    # base model (no chat template): plain {context}{query}
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    p2 = split_prompt(plain, context, query)
+    assert tok.decode(p2.context_ids).endswith(context) and tok.decode(p2.query_ids) == query
+    with pytest.raises(ValueError, match="query is empty"):
+        split_prompt(tok, context, "  ")
