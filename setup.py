@@ -49,6 +49,7 @@ setup(
             "magnetar-demo=magnetar.launch.niah_demo:main",
             "magnetar-run=magnetar.launch.run:main",
             "magnetar-ops-demo=magnetar.launch.demo:main",
+            "magnetar-eval=magnetar.eval.runner:main",
         ]
     },
 )
