@@ -50,6 +50,7 @@ setup(
             "magnetar-run=magnetar.launch.run:main",
             "magnetar-ops-demo=magnetar.launch.demo:main",
             "magnetar-eval=magnetar.eval.runner:main",
+            "magnetar-bench=magnetar.eval.bench:main",
         ]
     },
 )

@@ -1,0 +1,312 @@
+"""Benchmark the engine's methods end to end, beside the analytic cost model (magnetar.eval.cost).
+
+    magnetar-bench --tiny --methods dense,star,pulsar --lengths 512 --cp 4 --simulate-ranks 4
+    magnetar-bench --methods star,pulsar --lengths 4096 --simulate-ranks 4       # SmolLM2-135M-Instruct
+    torchrun --nproc-per-node 4 -m magnetar.eval.bench --methods ring,star,pulsar --cp 4   # real ranks
+
+Per (method, length): Phase-1 seconds per rank and the critical path (the slowest rank), Phase-2 TTFT,
+decode ms/token, context KV bytes per rank and peak memory, medians over ``--repeats`` after ``--warmup``.
+
+Two ways to get several ranks:
+
+* under a launcher (``torchrun``/``deepspeed``, world size = ``--cp``): every rank runs ``Engine.generate``
+  and the numbers are the engine's own ``GenerationResult`` (rank 0 prints);
+* ``--simulate-ranks W`` in ONE process on one device: the Phase-1 plan of every CP rank is built with
+  ``plan_rank`` and run with ``run_phase1`` one rank after another (single-rank groups), each timed on its
+  own, so one device stands in for W: the critical path is the max of the per-rank times (what W devices
+  would take, with no contention between them). Phase 2 is then run on the query rank's (rank 0's) shard
+  alone: its local attention and decode, without the per-layer gather/merge of the other ranks' partial
+  results. **Ring is not simulated** (its Phase 1 exchanges KV between ranks every layer); it is skipped
+  under ``--simulate-ranks`` (run it under a launcher). Dense and streaming run on one rank as usual.
+
+Each row also shows the cost model's prediction (critical-path Phase-1 FLOPs, KV bytes) and
+``s/PFLOP norm``: measured seconds per predicted FLOP, normalised to the dense row of the same length
+(or the first row), i.e. 1.0 = "as fast per FLOP as dense". Inputs are random token ids (speed does not
+depend on the text) or, with ``--text``, Paul Graham essays tokenised with the model's tokenizer.
+Prints a table, then one JSON line with every measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+
+METHODS = ("dense", "ring", "star", "pulsar", "streaming")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_model(max_positions: int, seed: int = 0):
+    """A small random Llama (2 layers, h=64): quick checks of the benchmark itself."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=max_positions, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="magnetar-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="magnetar.models name or local HF folder")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of --model (quick runs)")
+    p.add_argument("--methods", default="dense,star,pulsar", help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--lengths", default="4096,8192", help="context lengths in tokens, comma-separated")
+    p.add_argument("--cp", type=int, default=None, help="CP size for ring/star/pulsar (default: "
+                                                         "--simulate-ranks, or the launcher's world size)")
+    p.add_argument("--simulate-ranks", type=int, default=None, metavar="W",
+                   help="run the W ranks' Phase 1 one after another in this process (see the module doc)")
+    p.add_argument("--query-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--text", action="store_true", help="Paul Graham essays instead of random token ids")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--anchor-size", type=int, default=None)
+    p.add_argument("--sink-size", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--summary-budget", type=float, default=None)
+    p.add_argument("--window-size", type=int, default=None, help="streaming window")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--deepspeed", action="store_true", help="wrap the model with deepspeed.init_inference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or not args.methods:
+        p.error(f"--methods: unknown {bad}; choose from {METHODS}")
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated ints, got {args.lengths!r}")
+    if not args.lengths or min(args.lengths) < 1:
+        p.error("--lengths must be positive")
+    if args.simulate_ranks is not None and args.simulate_ranks < 1:
+        p.error("--simulate-ranks must be >= 1")
+    if min(args.warmup, 0) < 0 or args.repeats < 1 or args.max_new_tokens < 1 or args.query_len < 1:
+        p.error("--warmup >= 0, --repeats >= 1, --max-new-tokens >= 1, --query-len >= 1")
+    return args
+
+
+def _engine_config(args, method: str, cp: int):
+    from magnetar.config import EngineConfig
+
+    flat = dict(method=method, cp_size=1 if method in ("dense", "streaming") else cp, dtype=args.dtype,
+                deepspeed_inference=args.deepspeed)
+    for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
+                 "attention_backend"):
+        if getattr(args, name) is not None:
+            flat[name] = getattr(args, name)
+    return EngineConfig.create(**flat)
+
+
+def _inputs(args, model, tokenizer, L: int):
+    g = torch.Generator().manual_seed(args.seed + L)
+    vocab = model.config.vocab_size
+    if args.text:
+        if tokenizer is None:
+            raise SystemExit("--text needs the model's tokenizer (not available with --tiny)")
+        from magnetar.data.niah import build_haystack
+
+        ids = tokenizer(build_haystack(tokenizer, L, seed=args.seed), add_special_tokens=False)["input_ids"]
+        ctx = torch.tensor(ids[:L], dtype=torch.long)
+        if ctx.numel() < L:  # the cut lands a little short: pad with random ids to the exact length
+            ctx = torch.cat((ctx, torch.randint(0, vocab, (L - ctx.numel(),), generator=g)))
+    else:
+        ctx = torch.randint(0, vocab, (L,), generator=g)
+    query = torch.randint(0, vocab, (args.query_len,), generator=g)
+    return ctx, query
+
+
+def _single_groups():
+    from magnetar.parallel import ParallelGroups
+
+    return ParallelGroups(rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,), dp_size=1,
+                          dp_rank=0, dp_group=None, dp_ranks=(0,))
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _simulated_run(engine, cfg, ctx, query, max_new_tokens: int) -> dict:
+    """One request with every CP rank's Phase 1 run in turn on this device; Phase 2 on rank 0's shard."""
+    from magnetar.engine.engine import _peak_memory
+    from magnetar.engine.phase1 import run_phase1
+    from magnetar.engine.phase2 import run_phase2
+    from magnetar.engine.plan import kept_token_count, plan_rank
+
+    groups, dev = _single_groups(), engine.device
+    times, kv_tokens, kv_bytes, peaks, kept = [], [], [], [], []
+    shard0 = qpos0 = None
+    for r in range(cfg.parallel.cp_size):
+        _reset_peak(dev)
+        plan = plan_rank(cfg, ctx, r)
+        p1 = run_phase1(engine.model, cfg, plan, ctx, groups, dev)
+        times.append(p1.seconds)
+        kv_tokens.append(p1.shard.tokens())
+        kv_bytes.append(p1.shard.nbytes())
+        kept.append(kept_token_count(plan))
+        peaks.append(_peak_memory(dev))
+        if r == 0:
+            shard0, qpos0 = p1.shard, plan.query_position
+        else:
+            del p1
+    if sum(kept) != ctx.numel():
+        raise RuntimeError(f"simulated ranks kept {kept} tokens for a {ctx.numel()}-token context")
+    dec = run_phase2(engine.model, cfg, [shard0], [query], [qpos0], groups, dev, max_new_tokens=max_new_tokens)[0]
+    return dict(phase1_seconds=times, ttft_seconds=dec.ttft_seconds,
+                decode_seconds_per_token=(statistics.mean(dec.decode_seconds) if dec.decode_seconds else None),
+                context_kv_tokens_per_rank=kv_tokens, kv_bytes_per_rank=kv_bytes, peak_memory_bytes_per_rank=peaks)
+
+
+def _engine_run(engine, ctx, query, max_new_tokens: int) -> dict:
+    _reset_peak(engine.device)
+    res = engine.generate(ctx, query, max_new_tokens=max_new_tokens)
+    return dict(phase1_seconds=res.phase1_seconds, ttft_seconds=res.ttft_seconds,
+                decode_seconds_per_token=res.decode_seconds_per_token,
+                context_kv_tokens_per_rank=res.context_kv_tokens_per_rank, kv_bytes_per_rank=res.kv_bytes_per_rank,
+                peak_memory_bytes_per_rank=res.peak_memory_bytes_per_rank)
+
+
+def _median_runs(runs: list[dict]) -> dict:
+    out = dict(runs[-1])
+    out["phase1_seconds"] = [statistics.median(r["phase1_seconds"][i] for r in runs)
+                             for i in range(len(runs[0]["phase1_seconds"]))]
+    out["phase1_critical_path_seconds"] = statistics.median(max(r["phase1_seconds"]) for r in runs)
+    out["ttft_seconds"] = statistics.median(r["ttft_seconds"] for r in runs)
+    dec = [r["decode_seconds_per_token"] for r in runs if r["decode_seconds_per_token"] is not None]
+    out["decode_ms_per_token"] = statistics.median(dec) * 1e3 if dec else None
+    out.pop("decode_seconds_per_token")
+    out["peak_memory_bytes_per_rank"] = [max(r["peak_memory_bytes_per_rank"][i] for r in runs)
+                                         for i in range(len(runs[0]["peak_memory_bytes_per_rank"]))]
+    return out
+
+
+def _fmt_table(rows: list[dict]) -> str:
+    head = ("| method | L | ranks | P1 per rank (s) | P1 crit (s) | pred. crit GFLOP | s/PFLOP norm | "
+            "TTFT (s) | decode ms/tok | KV MB/rank | pred. KV MB (max) | peak MB (max) |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['method']} | {r['context_len']} | {r['ranks']} | {r['skipped']} |" + " |" * 8)
+            continue
+        per = " ".join(f"{t:.2f}" for t in r["phase1_seconds"])
+        dec = f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-"
+        kv = " ".join(f"{b / 1e6:.3g}" for b in r["kv_bytes_per_rank"])
+        lines.append(
+            f"| {r['method']}{' (sim)' if r['simulated'] else ''} | {r['context_len']} | {r['ranks']} | {per} | "
+            f"{r['phase1_critical_path_seconds']:.2f} | {r['predicted']['critical_phase1_flops'] / 1e9:.4g} | "
+            f"{r['time_per_flop_norm']:.2f} | {r['ttft_seconds']:.3f} | {dec} | {kv} | "
+            f"{r['predicted']['max_kv_bytes'] / 1e6:.3g} | {max(r['peak_memory_bytes_per_rank']) / 1e6:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import magnetar
+    from magnetar.eval.cost import estimate
+    from magnetar.parallel import ParallelGroups  # noqa: F401  (import check before the long load)
+
+    dtype = _DTYPES[args.dtype]
+    longest = max(args.lengths) + args.query_len + args.max_new_tokens
+    t_load = time.perf_counter()
+    if args.tiny:
+        model, tokenizer, name = tiny_model(max(longest, 1024)), None, "tiny-llama-random"
+    else:
+        from magnetar.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=dtype)
+        name = args.model
+    load_s = time.perf_counter() - t_load
+
+    from magnetar.launch.distributed import init_distributed  # noqa: F401
+    import torch.distributed as dist
+
+    sim = args.simulate_ranks
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    cp = args.cp or sim or world or 1
+    if sim is not None and cp != sim:
+        raise SystemExit(f"--cp ({cp}) and --simulate-ranks ({sim}) differ: simulate exactly the CP ranks you want")
+    engines = {}
+
+    def engine_for(cfg):
+        key = (cfg.method, cfg.parallel.cp_size if sim is None else 1)
+        if key not in engines:
+            run_cfg = cfg if sim is None else cfg.replace(cp_size=1) if cfg.method in ("dense", "streaming") \
+                else cfg.replace(method="dense", cp_size=1)
+            engines[key] = magnetar.init_inference(model, run_cfg, tokenizer=tokenizer)
+        return engines[key]
+
+    rows = []
+    for L in args.lengths:
+        ctx, query = _inputs(args, model, tokenizer, L)
+        for method in args.methods:
+            cfg = _engine_config(args, method, cp)
+            ranks = cfg.parallel.cp_size
+            row = dict(method=method, context_len=L, query_len=int(query.numel()), ranks=ranks,
+                       simulated=bool(sim) and ranks > 1)
+            if sim and method == "ring" and ranks > 1:
+                row["skipped"] = "ring is not simulated (KV exchange every layer): run it under a launcher"
+                rows.append(row)
+                continue
+            engine = engine_for(cfg)
+            runs = []
+            for i in range(args.warmup + args.repeats):
+                if row["simulated"]:
+                    out = _simulated_run(engine, cfg, ctx, query, args.max_new_tokens)
+                else:
+                    out = _engine_run(engine, ctx, query, args.max_new_tokens)
+                if i >= args.warmup:
+                    runs.append(out)
+            row.update(_median_runs(runs))
+            pred = estimate(model.config, cfg, L, int(query.numel()), context_ids=ctx)
+            row["predicted"] = dict(
+                phase1_flops_per_rank=pred.phase1_flops, critical_phase1_flops=pred.critical_phase1_flops,
+                critical_rank=pred.critical_rank, critical_input_len=pred.critical_input_len,
+                phase1_input_lengths=pred.phase1_input_lengths, kv_bytes_per_rank=pred.kv_bytes,
+                max_kv_bytes=pred.max_kv_bytes, decode_flops_per_token=pred.critical_decode_flops_per_token,
+                decode_kv_read_bytes=pred.critical_decode_kv_read_bytes)
+            row["seconds_per_pflop"] = row["phase1_critical_path_seconds"] / pred.critical_phase1_flops * 1e15
+            rows.append(row)
+    # normalise seconds per predicted FLOP to the dense row of the same length (else the first measured row)
+    measured = [r for r in rows if not r.get("skipped")]
+    for r in measured:
+        ref = next((d for d in measured if d["method"] == "dense" and d["context_len"] == r["context_len"]),
+                   measured[0])
+        r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
+
+    if world is None or dist.get_rank() == 0:
+        dev = next(model.parameters()).device
+        print(f"model {name} ({args.dtype}), device {dev.type}"
+              f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
+              f"torch threads {torch.get_num_threads()}, cp {cp}"
+              f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
+              f"new tokens {args.max_new_tokens}, warmup {args.warmup}, repeats {args.repeats}")
+        print(_fmt_table(rows))
+        record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, simulate_ranks=sim,
+                      world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
+                      torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
+        line = json.dumps(record)
+        print(line)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

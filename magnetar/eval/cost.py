@@ -1,0 +1,389 @@
+"""Analytic cost model of the engine's methods: tokens, FLOPs, memory and communication, per rank.
+
+Generalises the Phase-1 cost model of Pulsar Attention (Sood & Acharya, Sec. 5.2, Eq. 4-7, Tables 4-5) from
+"Llama-3.1-8B, B = 4 blocks, one block per GPU" to any Hugging Face causal-LM config and any
+:class:`magnetar.config.EngineConfig` (dense, ring, star, pulsar, streaming; any ``cp_size``, block size,
+anchor, sink, chunk size and summary budget), and from ``n^2`` to exact causal pair counts.
+
+What is counted (``E = H_Q d_h`` query width, ``K = H_KV d_h`` key/value width, ``h`` hidden, ``I`` MLP width)
+
+* **Phase-1 inputs** come from the engine's own planner (:func:`magnetar.engine.plan.plan_rank`), so they
+  are the segments the engine runs: dense ``[0, L)``; ring the (zigzag) shard; star ``anchor ‖ block``;
+  pulsar ``sink ‖ Σ_0 … Σ_{i-1} ‖ block`` with ``num_summary_chunks`` rounding; streaming window chunks.
+  Pulsar's summaries depend on the tokens: without ``context_ids`` the model assumes the sink and ``Σ_0``
+  do not overlap (Eq. 4's ``k + (B-1)s``, an upper bound of the engine's de-duplicated prefix; exact for
+  the ``even`` scorer, whose positions do not depend on the tokens); with ``context_ids`` it is exact.
+* **Attention FLOPs** ``= 4 · pairs · E`` per layer (``QKᵀ`` and ``PV``, 2 FLOPs per multiply-add), where
+  ``pairs`` counts the visible ``(query, key)`` pairs exactly, by position: causal inside a segment (the
+  prefix of a star/pulsar block is fully visible to the block), a ring shard sees every earlier key of the
+  whole context, a streaming chunk sees its sinks, the previous window and itself, and sliding-window
+  layers (Gemma-3, Mistral) only see ``k_pos > q_pos - window``. Softmax/RoPE/norms are not counted.
+* **Linear FLOPs** ``= 2 · (2hE + 2hK + 3hI)`` per token per layer (Q, K, V, O projections and the SwiGLU
+  MLP's 3 matrices); Phase 1 runs the base model (no LM head); Phase 2 adds ``2hV`` for one logits row.
+* **Activation memory** per layer of the longest segment ``n``: ``n (h + E + 2K)`` elements (hidden states
+  and the segment's Q, K, V: Pulsar Table 4's convention, 20 KB/token for Llama-3.1-8B in fp16), plus the
+  ``H_Q · n · n_keys`` score matrix only when ``flash=False``; the MLP's ``n (h + 2I)`` is reported apart.
+* **KV kept** per rank after Phase 1: ``2 · layers · K`` elements per token (128 KiB/token for Llama-8B
+  fp16); anchors and (by default) summaries are discarded, so the ranks' kept tokens add up to ``L``.
+* **Phase 2**: the query (``Q`` tokens) runs on every rank over its KV (rank 0 also over the query
+  itself); per decode token each rank reads all its KV; per layer one packed all-gather of ``(out, lse)``:
+  every rank contributes ``S · H_Q · (d_h · bytes + 4)`` bytes (lse in float32). Ring's Phase 1 moves every
+  other rank's KV shard past each rank once per layer.
+
+The paper's own convention, ``F = 2 n^2 (H_Q + H_KV) d_h`` per layer for the critical block, is kept in
+:func:`paper_phase1_flops_per_layer` so Table 4 can be reproduced number for number.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from magnetar.config import EngineConfig
+from magnetar.engine.plan import block_bounds, plan_rank, resolve_block_size
+from magnetar.engine.summaries import num_chunks, num_summary_chunks, prefix_positions, pulsar_prefix, select_summary
+
+__all__ = ["ModelDims", "CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer",
+           "attention_pairs"]
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---------------------------------------------------------------------------------------------- model dims
+@dataclass(frozen=True)
+class ModelDims:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    windows: tuple  # per layer: sliding window (int) or None (global)
+    tied_embeddings: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def linear_flops_per_token_layer(self) -> int:
+        h, E, K, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return 2 * (h * E + 2 * h * K + E * h + 3 * h * I)
+
+    @property
+    def params(self) -> int:
+        h, E, K, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        per_layer = h * E + 2 * h * K + E * h + 3 * h * I
+        emb = self.vocab * h
+        return self.layers * per_layer + emb * (1 if self.tied_embeddings else 2)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelDims":
+        """From an HF config object or a dict with the HF field names."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+
+        def get(name, default=None):
+            if isinstance(config, dict):
+                return config.get(name, default)
+            return getattr(config, name, default)
+
+        def req(name, value):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config field {name!r} must be a positive int, got {value!r}")
+            return value
+
+        layers = req("num_hidden_layers", get("num_hidden_layers"))
+        hidden = req("hidden_size", get("hidden_size"))
+        heads = req("num_attention_heads", get("num_attention_heads"))
+        kv_heads = req("num_key_value_heads", get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        head_dim = get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
+        req("head_dim", head_dim)
+        inter = req("intermediate_size", get("intermediate_size"))
+        vocab = req("vocab_size", get("vocab_size"))
+        sw = get("sliding_window")
+        types = get("layer_types")
+        if sw and types:
+            windows = tuple(int(sw) if t == "sliding_attention" else None for t in types)
+        elif sw and get("use_sliding_window", True):
+            windows = (int(sw),) * layers
+        else:
+            windows = (None,) * layers
+        if len(windows) != layers:
+            raise ValueError(f"layer_types has {len(windows)} entries for {layers} layers")
+        return cls(layers, hidden, heads, kv_heads, head_dim, inter, vocab, windows,
+                   bool(get("tie_word_embeddings", False)))
+
+
+# ------------------------------------------------------------------------------------------------ counting
+def attention_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None) -> int:
+    """Visible ``(q, k)`` pairs: ``k_pos <= q_pos`` (and ``k_pos > q_pos - window``); any q order."""
+    if q_pos.numel() == 0 or k_pos.numel() == 0:
+        return 0
+    k = torch.sort(k_pos.long()).values
+    q = q_pos.long()
+    hi = torch.searchsorted(k, q, right=True)
+    if window is not None:
+        hi = hi - torch.searchsorted(k, q - window, right=True)
+    return int(hi.sum())
+
+
+def _pairs_per_layer(q_pos, k_pos, dims: ModelDims) -> list[int]:
+    cache = {w: attention_pairs(q_pos, k_pos, w) for w in set(dims.windows)}
+    return [cache[w] for w in dims.windows]
+
+
+def paper_phase1_flops_per_layer(n: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Pulsar Sec. 5.2: ``F = 2 n^2 (H_Q + H_KV) d_h`` (the convention of Table 4)."""
+    return 2 * n * n * (heads + kv_heads) * head_dim
+
+
+# --------------------------------------------------------------------------------------------- the estimate
+@dataclass
+class CostEstimate:
+    """Per-rank lists (index = CP rank) and the critical path (the slowest rank by Phase-1 FLOPs).
+
+    FLOPs are totals over all layers; ``*_per_layer`` fields are per layer. Bytes use the config's dtype."""
+
+    method: str
+    context_len: int
+    query_len: int
+    cp_size: int
+    dtype_bytes: int
+    model: dict
+    # Phase 1, per rank
+    phase1_input_lengths: list[list[int]]  # model input length of every segment (prefix + block) on the rank
+    phase1_tokens: list[int]  # sum of the above: tokens through the linear layers
+    phase1_attention_pairs: list[int]  # visible (q, k) pairs, summed over layers
+    phase1_attention_flops: list[int]
+    phase1_linear_flops: list[int]
+    phase1_flops: list[int]
+    activation_bytes_per_layer: list[int]  # longest segment: hidden + Q + K + V (+ scores if not flash)
+    mlp_activation_bytes_per_layer: list[int]  # longest segment: hidden + gate + up
+    phase1_comm_bytes_per_layer: list[int]  # ring: KV bytes sent per rank per layer; others 0
+    kv_tokens: list[int]  # context KV tokens kept after Phase 1 (streaming: after eviction)
+    kv_bytes: list[int]
+    peak_memory_bytes: list[int]  # weights + kept KV + the larger activation stage
+    # Phase 2, per rank
+    phase2_query_flops: list[int]
+    decode_flops_per_token: list[int]
+    decode_kv_read_bytes_per_token: list[int]
+    phase2_comm_bytes_per_layer_query: int  # bytes each rank contributes to the per-layer all-gather (query)
+    phase2_comm_bytes_per_layer_decode: int  # same, per decode token
+    # critical path
+    critical_rank: int = 0
+    critical_input_len: int = 0  # the longest Phase-1 segment on any rank (Pulsar's n, Eq. 4)
+    critical_phase1_flops: int = 0
+    critical_attention_flops: int = 0
+    critical_activation_bytes_per_layer: int = 0
+    max_kv_bytes: int = 0
+    critical_decode_flops_per_token: int = 0
+    critical_decode_kv_read_bytes: int = 0
+    paper_flops_per_layer: int = 0  # 2 n^2 (H_Q + H_KV) d_h at critical_input_len
+    weight_bytes: int = 0
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _model_dims(model_config) -> ModelDims:
+    return model_config if isinstance(model_config, ModelDims) else ModelDims.from_config(model_config)
+
+
+def _pulsar_segments_analytic(config: EngineConfig, L: int, cp_rank: int):
+    """Pulsar segments without token ids: summaries placed to avoid the sink (Eq. 4's upper bound)."""
+    from magnetar.engine.plan import Segment, assign_blocks
+
+    pc = config.pulsar
+    bounds = block_bounds(L, resolve_block_size(config, L))
+    summaries = []
+    for j, (s, e) in enumerate(bounds):
+        n = e - s
+        k = num_summary_chunks(n, pc.chunk_size, pc.summary_budget)
+        if pc.scorer == "even":  # positions depend on the length only: exact
+            summaries.append(select_summary(torch.zeros(n, dtype=torch.long), None, chunk_size=pc.chunk_size,
+                                            budget=pc.summary_budget, scorer="even") + s)
+            continue
+        chunks = list(range(num_chunks(n, pc.chunk_size)))
+        if j == 0:  # prefer chunks past the sink, then the rest: the largest de-duplicated prefix
+            past = [c for c in chunks if c * pc.chunk_size >= min(pc.sink_size, n)]
+            chunks = past + [c for c in chunks if c not in past]
+        chosen = sorted(chunks[:k])
+        idx = torch.cat([torch.arange(c * pc.chunk_size, min((c + 1) * pc.chunk_size, n)) for c in chosen])
+        summaries.append(idx + s)
+    segments, lengths = [], []
+    for i, (s, e) in enumerate(bounds):
+        prefix = pulsar_prefix(L, bounds, i, summaries, pc.sink_size)
+        ppos, bpos = prefix_positions(prefix, s, e - s, mode=pc.positions)
+        lengths.append(prefix.numel() + e - s)
+        if i in assign_blocks(len(bounds), config.parallel.cp_size)[cp_rank]:
+            off = prefix.numel()
+            keep = slice(off, None) if pc.discard_summary_kv else slice(None)
+            segments.append(Segment(torch.cat((prefix, torch.arange(s, e))), torch.cat((ppos, bpos)), keep, i, off))
+    qpos = L if pc.positions == "sparse" else max(lengths)
+    return segments, qpos
+
+
+def estimate(model_config, engine_config: EngineConfig, context_len: int, query_len: int = 32, *,
+             context_ids: Optional[torch.Tensor] = None, flash: bool = True,
+             dtype_bytes: Optional[int] = None) -> CostEstimate:
+    """Cost of one request of ``context_len`` context and ``query_len`` query tokens under ``engine_config``.
+
+    ``model_config``: an HF config (or dict with its field names, or :class:`ModelDims`). ``context_ids``
+    (optional) makes Pulsar's summary selection exact; ``flash=False`` adds the score matrices to the
+    activation memory; ``dtype_bytes`` overrides the config's ``runtime.dtype``.
+    """
+    if not isinstance(engine_config, EngineConfig):
+        raise TypeError(f"engine_config must be a magnetar.config.EngineConfig, got {type(engine_config).__name__}")
+    for name, v in (("context_len", context_len), ("query_len", query_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if context_ids is not None and int(context_ids.numel()) != context_len:
+        raise ValueError(f"context_ids has {context_ids.numel()} tokens but context_len is {context_len}")
+    dims = _model_dims(model_config)
+    cfg, L, Q = engine_config, context_len, query_len
+    W = cfg.parallel.cp_size
+    b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES[cfg.runtime.dtype]
+    kv_tok_bytes = 2 * dims.layers * dims.kv_dim * b
+    lin_tok = dims.layers * dims.linear_flops_per_token_layer
+    attn_pair_flops = 4 * dims.q_dim  # per pair per layer
+    weight_bytes = dims.params * b
+    assumptions = []
+    if cfg.method == "pulsar" and context_ids is None:
+        assumptions.append("pulsar summaries assumed not to overlap the sink (Eq. 4 upper bound)"
+                           if cfg.pulsar.scorer != "even" else "pulsar even scorer: exact")
+    ids = context_ids.reshape(-1).long() if context_ids is not None else torch.zeros(L, dtype=torch.long)
+
+    fields_ = {k: [] for k in ("phase1_input_lengths", "phase1_tokens", "phase1_attention_pairs",
+                               "phase1_attention_flops", "phase1_linear_flops", "phase1_flops",
+                               "activation_bytes_per_layer", "mlp_activation_bytes_per_layer",
+                               "phase1_comm_bytes_per_layer", "kv_tokens", "kv_bytes", "peak_memory_bytes",
+                               "phase2_query_flops", "decode_flops_per_token", "decode_kv_read_bytes_per_token")}
+    ring_lengths = None
+    if cfg.method == "ring":
+        ring_lengths = [int(plan_rank(cfg, ids, r).ring_shard.numel()) for r in range(W)]
+    for r in range(W):
+        if cfg.method == "pulsar" and context_ids is None:
+            segments, qpos0 = _pulsar_segments_analytic(cfg, L, r)
+            ring_shard = None
+        else:
+            plan = plan_rank(cfg, ids, r)
+            segments, qpos0, ring_shard = plan.segments, plan.query_position, plan.ring_shard
+        pairs = [0] * dims.layers
+        lengths, act, mlp_act = [], 0, 0
+        comm = 0
+        if ring_shard is not None:  # every query of the shard sees all earlier keys of the context
+            qp = ring_shard
+            pairs = _pairs_per_layer(qp, torch.arange(L), dims)
+            lengths = [int(qp.numel())]
+            kept = torch.sort(qp).values
+            n, n_keys = lengths[0], max(ring_lengths)  # scores: one shard of keys per ring step
+            act = n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b + (0 if flash else dims.heads * n * n_keys * b)
+            mlp_act = n * (dims.hidden + 2 * dims.intermediate) * b
+            # step s sends the shard that started on rank (r - s): W-1 sends of KV (+ int64 positions)
+            comm = sum(ring_lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
+        else:
+            kept_parts, cache = [], torch.zeros(0, dtype=torch.long)
+            sinks, window = cfg.streaming.sink_tokens, cfg.streaming.window_size
+            for seg in segments:
+                pos = seg.positions.long()
+                n = int(pos.numel())
+                lengths.append(n)
+                if cfg.method == "streaming":
+                    start = int(pos[0])
+                    sel = cache[(cache < sinks) | (cache >= start - window)]
+                    keys = torch.cat((sel, pos))
+                    cache = torch.cat((cache, pos))
+                else:
+                    keys = pos
+                for layer, p in enumerate(_pairs_per_layer(pos, keys, dims)):
+                    pairs[layer] += p
+                act = max(act, n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b
+                          + (0 if flash else dims.heads * n * int(keys.numel()) * b))
+                mlp_act = max(mlp_act, n * (dims.hidden + 2 * dims.intermediate) * b)
+                kept_parts.append(pos[seg.keep])
+            kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
+            if cfg.method == "streaming":
+                kept = kept[(kept < sinks) | (kept >= L - window)]
+        tokens = sum(lengths)
+        attn = sum(pairs) * attn_pair_flops
+        lin = tokens * lin_tok
+        kv_tokens = int(kept.numel())
+        fields_["phase1_input_lengths"].append(lengths)
+        fields_["phase1_tokens"].append(tokens)
+        fields_["phase1_attention_pairs"].append(sum(pairs))
+        fields_["phase1_attention_flops"].append(attn)
+        fields_["phase1_linear_flops"].append(lin)
+        fields_["phase1_flops"].append(attn + lin)
+        fields_["activation_bytes_per_layer"].append(act)
+        fields_["mlp_activation_bytes_per_layer"].append(mlp_act)
+        fields_["phase1_comm_bytes_per_layer"].append(comm)
+        fields_["kv_tokens"].append(kv_tokens)
+        fields_["kv_bytes"].append(kv_tokens * kv_tok_bytes)
+        fields_["peak_memory_bytes"].append(weight_bytes + kv_tokens * kv_tok_bytes + max(act, mlp_act))
+        # Phase 2: query on every rank over its context KV; rank 0 also over the query/generated tokens
+        qp = torch.arange(qpos0, qpos0 + Q)
+        own = qp if r == 0 else torch.zeros(0, dtype=torch.long)
+        q_pairs = sum(_pairs_per_layer(qp, kept, dims)) + sum(_pairs_per_layer(qp, own, dims))
+        fields_["phase2_query_flops"].append(q_pairs * attn_pair_flops + Q * lin_tok + 2 * dims.hidden * dims.vocab)
+        dp = torch.tensor([qpos0 + Q])  # the first decode step (one generated token in the KV)
+        own_d = torch.arange(qpos0, qpos0 + Q + 1) if r == 0 else torch.zeros(0, dtype=torch.long)
+        d_pairs = sum(_pairs_per_layer(dp, kept, dims)) + sum(_pairs_per_layer(dp, own_d, dims))
+        fields_["decode_flops_per_token"].append(d_pairs * attn_pair_flops + lin_tok + 2 * dims.hidden * dims.vocab)
+        fields_["decode_kv_read_bytes_per_token"].append((kv_tokens + (Q + 1 if r == 0 else 0)) * kv_tok_bytes)
+
+    per_tok = dims.heads * (dims.head_dim * b + 4) if W > 1 else 0
+    crit = max(range(W), key=lambda r: fields_["phase1_flops"][r])
+    n_crit = max((max(l) for l in fields_["phase1_input_lengths"] if l), default=0)
+    return CostEstimate(
+        method=cfg.method, context_len=L, query_len=Q, cp_size=W, dtype_bytes=b,
+        model={k: v for k, v in asdict(dims).items()},
+        **fields_,
+        phase2_comm_bytes_per_layer_query=Q * per_tok, phase2_comm_bytes_per_layer_decode=per_tok,
+        critical_rank=crit, critical_input_len=n_crit,
+        critical_phase1_flops=fields_["phase1_flops"][crit],
+        critical_attention_flops=fields_["phase1_attention_flops"][crit],
+        critical_activation_bytes_per_layer=max(fields_["activation_bytes_per_layer"]),
+        max_kv_bytes=max(fields_["kv_bytes"]),
+        critical_decode_flops_per_token=max(fields_["decode_flops_per_token"]),
+        critical_decode_kv_read_bytes=max(fields_["decode_kv_read_bytes_per_token"]),
+        paper_flops_per_layer=paper_phase1_flops_per_layer(n_crit, dims.heads, dims.kv_heads, dims.head_dim),
+        weight_bytes=weight_bytes, assumptions=assumptions,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- table
+def _fmt(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "dense") -> str:
+    """A Markdown table, one row per estimate; ``x base`` = critical Phase-1 FLOPs relative to the first
+    estimate of method ``baseline`` with the same context length (if any)."""
+    base = {}
+    for e in estimates:
+        if e.method == baseline:
+            base.setdefault(e.context_len, e.critical_phase1_flops)
+    head = ("| method | L | cp | crit. input n | crit. P1 FLOPs | attn share | vs " + str(baseline)
+            + " | act/layer | KV/rank (max) | decode KV read/tok | P2 comm/layer/tok |")
+    rows = [head, "|" + "---|" * 11]
+    for e in estimates:
+        ratio = f"{e.critical_phase1_flops / base[e.context_len]:.3f}" if e.context_len in base else "-"
+        share = e.critical_attention_flops / e.critical_phase1_flops if e.critical_phase1_flops else 0.0
+        rows.append(f"| {e.method} | {e.context_len} | {e.cp_size} | {e.critical_input_len} | "
+                    f"{_fmt(e.critical_phase1_flops, 'FLOP')} | {share:.0%} | {ratio} | "
+                    f"{_fmt(e.critical_activation_bytes_per_layer, 'B')} | {_fmt(e.max_kv_bytes, 'B')} | "
+                    f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | {_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
+    return "\n".join(rows)

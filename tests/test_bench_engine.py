@@ -1,0 +1,45 @@
+"""magnetar-bench (benchmarks/bench_engine.py) runs end to end on a tiny random model and prints one parseable JSON line."""
+import json
+
+import pytest
+
+def _bench():
+    import magnetar.eval.bench as bench  # benchmarks/bench_engine.py is a shim over it
+
+    return bench
+
+
+def test_bench_engine_tiny(capsys):
+    bench = _bench()
+    rc = bench.main(["--tiny", "--methods", "dense,ring,star,pulsar", "--lengths", "96", "--simulate-ranks", "2",
+                     "--max-new-tokens", "2", "--query-len", "4", "--warmup", "0", "--repeats", "1",
+                     "--sink-size", "4", "--chunk-size", "4"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("| method |") for line in out)
+    record = json.loads(out[-1])
+    assert record["bench"] == "engine" and record["simulate_ranks"] == 2 and record["cp"] == 2
+    rows = {r["method"]: r for r in record["rows"]}
+    assert set(rows) == {"dense", "ring", "star", "pulsar"}
+    assert "not simulated" in rows["ring"]["skipped"]
+    assert rows["dense"]["time_per_flop_norm"] == pytest.approx(1.0)
+    for m in ("star", "pulsar"):
+        r = rows[m]
+        assert r["simulated"] and r["ranks"] == 2 and len(r["phase1_seconds"]) == 2
+        assert r["phase1_critical_path_seconds"] == pytest.approx(max(r["phase1_seconds"]))
+        assert sum(r["context_kv_tokens_per_rank"]) == 96
+        assert r["kv_bytes_per_rank"] == r["predicted"]["kv_bytes_per_rank"]  # cost model == engine's KV
+        for key in ("ttft_seconds", "decode_ms_per_token", "peak_memory_bytes_per_rank", "seconds_per_pflop"):
+            assert r[key] is not None
+        assert r["predicted"]["critical_phase1_flops"] > 0
+    # star's block 1 = anchor (48) + block (48); pulsar's = sink (4) + Σ_0 (2 chunks of 4, budget 1/8) + block
+    assert rows["star"]["predicted"]["phase1_input_lengths"] == [[48], [96]]
+    assert rows["pulsar"]["predicted"]["critical_input_len"] < 96
+
+
+def test_bench_engine_bad_flags():
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--methods", "nope"])
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--lengths", "x"])
