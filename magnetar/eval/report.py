@@ -67,6 +67,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -91,11 +100,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set(xlabel="context length (K tokens)", ylabel="average score", title=f"{suite}: accuracy vs length",
                ylim=(0, 100))
         ax.legend()
-        p = out_dir / f"{suite}_accuracy_vs_length.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        made.append(p)
+        made.append(_save(fig, out_dir / f"{suite}_accuracy_vs_length.png"))
 
         fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(tasks) * len(methods) / 2), 4))
         width = 0.8 / max(1, len(methods))
@@ -107,11 +112,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=45, ha="right")
         ax.set(ylabel="score", title=f"{suite} per task at {longest // 1024}K", ylim=(0, 100))
         ax.legend()
-        p = out_dir / f"{suite}_per_task.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        made.append(p)
+        made.append(_save(fig, out_dir / f"{suite}_per_task.png"))
 
     niah = [r for r in rows if r["suite"] == "niah" and "depth" in r]
     for m in sorted({r["method"] for r in niah}):
@@ -129,11 +130,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set(xlabel="context length", ylabel="needle depth", title=f"NIAH: {m}")
         fig.colorbar(im, ax=ax, label="score")
-        p = out_dir / f"niah_heatmap_{m}.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        made.append(p)
+        made.append(_save(fig, out_dir / f"niah_heatmap_{m}.png"))
     return made
 
 
