@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.launch.distributed import add_launcher_args, init_distributed
-from magnetar.parallel.groups import DEFAULT_TIMEOUT
+from magnetar.parallel.collectives import barrier
 
 SUITES = ("ruler", "niah", "babilong")
 CP_METHODS = ("ring", "star", "pulsar")
@@ -126,11 +126,6 @@ def load_done(path: Path) -> set[str]:
     return done
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.monitored_barrier(timeout=DEFAULT_TIMEOUT)
-
-
 def _broadcast_obj(obj):
     if not dist.is_initialized():
         return obj
@@ -178,7 +173,7 @@ def run(args) -> int:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         prepare_model(args.model) if not os.path.isdir(args.model) else None
-    _barrier()
+    barrier()
     model, tokenizer = load_model(args.model)
     results_path = out / "results.jsonl"
     done = _broadcast_obj(load_done(results_path) if rank == 0 else None)
@@ -223,12 +218,12 @@ def run(args) -> int:
                 with open(results_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
         if cfg.parallel.cp_size == 1 and world > 1:
-            _barrier()  # the other ranks wait for rank 0's single-rank item
+            barrier()  # the other ranks wait for rank 0's single-rank item
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    _barrier()
+    barrier()
     if rank == 0:
         from magnetar.eval.report import write_report
 

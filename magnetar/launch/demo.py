@@ -24,12 +24,13 @@ import torch.distributed as dist
 
 from magnetar.launch.distributed import add_launcher_args, device_for_rank, init_distributed
 from magnetar.ops import attention_with_lse, merge_states
+from magnetar.parallel.collectives import barrier
 from magnetar.parallel import all_gather_states, contiguous_indices, init_groups, ring_attention, shard, zigzag_indices
 
 
 def _timed(fn, group=None):
     if dist.is_initialized():
-        dist.barrier(group=group)  # start every rank's clock together
+        barrier(group)  # start every rank's clock together
     t0 = time.perf_counter()
     res = fn()
     return res, time.perf_counter() - t0
@@ -104,7 +105,7 @@ def main(argv=None):
                           "dense_prefill_s": rows[0][5], "phase2_ms": max(x[2] for x in rows) * 1e3,
                           "max_err_ring": max(x[3] for x in rows), "max_err_merge": max(x[4] for x in rows)}))
     if dist.is_initialized():
-        dist.barrier(group=groups.cp_group)
+        barrier(groups.cp_group, timeout=groups.timeout)
         dist.destroy_process_group()
     if not ok:
         raise SystemExit(1)

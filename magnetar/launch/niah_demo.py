@@ -20,14 +20,9 @@ import torch
 import torch.distributed as dist
 
 from magnetar.launch.distributed import add_launcher_args, init_distributed
-from magnetar.parallel.groups import DEFAULT_TIMEOUT
+from magnetar.parallel.collectives import barrier
 
 CP_METHODS = ("ring", "star", "pulsar")
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.monitored_barrier(timeout=DEFAULT_TIMEOUT)  # gloo; raises with the missing ranks instead of hanging
 
 
 def main(argv=None) -> int:
@@ -52,7 +47,7 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         prepare_model(args.model)  # converts once into the cache; later runs just load
-    _barrier()
+    barrier()
     model, tokenizer = load_model(args.model)
     sample = needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
     context, query = f"{INSTRUCTION}\n\n{sample.context}", f"\n\n{sample.query}"
@@ -65,11 +60,11 @@ def main(argv=None) -> int:
                                          tokenizer=tokenizer)
         model_obj = engine.model
         if cp == 1 and rank != 0:
-            _barrier()
+            barrier()
             continue
         res = engine.generate(context, query, max_new_tokens=args.max_new_tokens)
         if cp == 1:
-            _barrier()
+            barrier()
         rows.append((method, cp, res, score_answer(res.text, sample.answer)))
 
     if rank == 0:
@@ -95,7 +90,7 @@ def main(argv=None) -> int:
             with open(args.json_out, "w") as f:
                 json.dump(summary, f, indent=1)
     if dist.is_initialized():
-        _barrier()
+        barrier()
         dist.destroy_process_group()
     return 0
 

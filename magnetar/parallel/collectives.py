@@ -33,6 +33,19 @@ def wait_all(works, timeout: Optional[timedelta], what: str) -> None:
             raise TimeoutError(f"{what} did not complete within {timeout}; is every rank calling it?")
 
 
+def barrier(group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[timedelta] = None) -> None:
+    """A barrier that raises instead of hanging: gloo's monitored barrier (which names the missing ranks), or an
+    async barrier waited on with the timeout elsewhere (NCCL has no monitored barrier). No-op without a
+    process group."""
+    if not dist.is_initialized():
+        return
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group=group, timeout=timeout)
+    else:
+        wait_all(dist.barrier(group=group, async_op=True), timeout, "barrier")
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
