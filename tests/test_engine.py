@@ -112,6 +112,46 @@ def test_phase2_over_spread_kv_equals_single_rank(world):
     run_distributed(_spread_worker, world)
 
 
+def _simulated_worker(rank, world):
+    # one process standing in for `world` ranks (config simulate) == the real distributed run over `world` ranks,
+    # for approximate methods too (so a wrong plan or a lost shard shows), and ring == HF dense
+    model = tiny_model("llama", seed=13)
+    ctx, q = _ids(13)
+    bs = -(-L // (2 * world))  # two blocks per rank
+    for flat in (dict(method="star", block_size=bs, anchor_size=5),
+                 dict(method="pulsar", sink_size=4, chunk_size=4, summary_budget=0.25),
+                 dict(method="ring")):
+        real = _run(model, ctx, q, cp_size=world, **flat)
+        sim = _run(model, ctx, q, cp_size=world, simulate=True, **flat)
+        what = f"[rank {rank} simulated {flat['method']} x{world}]"
+        assert_close(sim.first_token_logits, real.first_token_logits, torch.float32, "out", what)
+        assert sim.token_ids == real.token_ids, what
+        assert sim.simulated and not real.simulated
+        assert sim.context_kv_tokens_per_rank == real.context_kv_tokens_per_rank, what
+        assert sim.kv_tokens_per_rank == real.kv_tokens_per_rank, what
+        assert len(sim.phase1_seconds) == world and sim.phase1_critical_path_seconds > 0
+        if flat["method"] == "ring":
+            ref_logits, ref_tokens = reference(model, ctx, q, NEW)
+            _same(sim, ref_logits, ref_tokens, what)
+        else:  # approximate methods must differ from dense (else this comparison could not fail)
+            ref_logits, _ = reference(model, ctx, q, 1)
+            assert (sim.first_token_logits - ref_logits).abs().max() > 1e-3, what
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_ranks_equal_distributed(world):
+    run_distributed(_simulated_worker, world)
+
+
+def test_simulated_ranks_need_no_process_group():
+    model = tiny_model("qwen2", seed=3)
+    ctx, q = _ids(3)
+    res = _run(model, ctx, q, method="star", cp_size=3, simulate=True, anchor_size=6)
+    assert res.simulated and len(res.phase1_seconds) == 3 and sum(res.context_kv_tokens_per_rank) == L
+    with pytest.raises(ValueError, match="needs torch.distributed"):
+        magnetar.init_inference(copy.deepcopy(model), method="star", cp_size=3, deepspeed_inference=False)
+
+
 def _dead_peer_worker(rank, world):
     # rank 1 never joins the request (as if it had crashed): rank 0 must fail fast, not hang
     import time

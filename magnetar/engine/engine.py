@@ -13,7 +13,9 @@ rank); the result, with every rank's measurements, is returned on every rank.
 from __future__ import annotations
 
 import logging
+import math
 import resource
+import time
 from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -24,10 +26,11 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig
 from magnetar.engine import hf
 from magnetar.engine.phase1 import run_phase1
-from magnetar.engine.phase2 import run_phase2
-from magnetar.engine.plan import kept_token_count, plan_rank
+from magnetar.engine.phase2 import run_phase2, run_scoring
+from magnetar.engine.kv import KVShard
+from magnetar.engine.plan import RankPlan, Segment, kept_token_count, plan_rank
 from magnetar.engine.template import split_prompt
-from magnetar.parallel import ParallelGroups, init_groups
+from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.utils.nvtx import nvtx_range
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class GenerationResult:
     kv_bytes_per_rank: list[int]
     peak_memory_bytes_per_rank: list[int]
     first_token_logits: Optional[torch.Tensor] = field(default=None, repr=False)
+    simulated: bool = False  # one process stood in for the CP ranks (config.parallel.simulate)
 
     @property
     def phase1_critical_path_seconds(self) -> float:
@@ -62,6 +66,30 @@ class GenerationResult:
         d = {k: v for k, v in self.__dict__.items() if k != "first_token_logits"}
         d["phase1_critical_path_seconds"] = self.phase1_critical_path_seconds
         return d
+
+
+@dataclass
+class ScoreResult:
+    """Per-token log-likelihood of a continuation (see :meth:`Engine.score`)."""
+
+    token_logprobs: torch.Tensor  # (T - 1,) float32: log p(continuation[i + 1] | context, continuation[:i + 1])
+    method: str
+    context_tokens: int
+    phase1_seconds: list[float]  # per CP rank (real or simulated)
+    phase2_seconds: float
+    simulated: bool = False
+
+    @property
+    def nll_sum(self) -> float:
+        return float(-self.token_logprobs.double().sum())
+
+    @property
+    def tokens(self) -> int:
+        return int(self.token_logprobs.numel())
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / self.tokens)
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -141,30 +169,32 @@ class Engine:
         toks = [self._tokens(c, q) for c, q in requests]
         for c, q in toks:
             self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
-        plans, phase1 = [], []
+        shards, qpos, local = [], [], []  # local[request] = per-rank stats this process measured
         with nvtx_range("magnetar/generate"):
             for context_ids, _ in toks:
-                plan = plan_rank(cfg, context_ids, groups.cp_rank)
-                p1 = run_phase1(self.model, cfg, plan, context_ids, groups, self.device)
-                kept = self._gather(kept_token_count(plan))
-                if sum(kept) != context_ids.numel():  # the KV shards must partition the context exactly
-                    raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
-                                       f"{context_ids.numel()}-token context; the block plan is inconsistent")
-                plans.append(plan)
-                phase1.append(p1)
+                if cfg.parallel.simulate and cfg.parallel.cp_size > 1:
+                    shard, query_position, stats = self._phase1_simulated(context_ids)
+                else:
+                    shard, query_position, stats = self._phase1_distributed(context_ids)
+                shards.append(shard)
+                qpos.append(query_position)
+                local.append(stats)
             checker = self._stop_checker(stop)
-            decs = run_phase2(self.model, cfg, [p.shard for p in phase1], [q for _, q in toks],
-                              [plan.query_position for plan in plans], groups, self.device,
+            decs = run_phase2(self.model, cfg, shards, [q for _, q in toks], qpos, groups, self.device,
                               max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(),
                               stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits)
 
         peak = _peak_memory(self.device)
-        local = [(p1.seconds, p1.shard.tokens(), p1.shard.tokens() + d.gen_kv_tokens, p1.shard.nbytes(), peak)
-                 for p1, d in zip(phase1, decs)]
-        stats = self._gather(local)  # stats[rank][request]
+        if self.simulated:  # every rank's figures were measured here; generated KV sits with rank 0
+            stats = [[(s[0], s[1], s[1] + (d.gen_kv_tokens if r == 0 else 0), s[2], s[3] if s[3] is not None else peak)
+                      for r, s in enumerate(per)] for per, d in zip(local, decs)]
+        else:
+            mine = [(s[0][0], s[0][1], s[0][1] + d.gen_kv_tokens, s[0][2], peak) for s, d in zip(local, decs)]
+            gathered = self._gather(mine)  # gathered[rank][request]
+            stats = [[g[i] for g in gathered] for i in range(len(toks))]
         results = []
         for i, ((c, q), dec) in enumerate(zip(toks, decs)):
-            per_rank = [s[i] for s in stats]
+            per_rank = stats[i]
             results.append(GenerationResult(
                 text=self._decode_text(dec.token_ids, stop), token_ids=dec.token_ids, method=cfg.method,
                 context_tokens=int(c.numel()), query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
@@ -173,9 +203,84 @@ class Engine:
                 else None,
                 context_kv_tokens_per_rank=[s[1] for s in per_rank], kv_tokens_per_rank=[s[2] for s in per_rank],
                 kv_bytes_per_rank=[s[3] for s in per_rank], peak_memory_bytes_per_rank=[s[4] for s in per_rank],
-                first_token_logits=dec.first_logits,
+                first_token_logits=dec.first_logits, simulated=self.simulated,
             ))
         return results
+
+    @property
+    def simulated(self) -> bool:
+        """True when this process stands in for ``cp_size`` ranks (``config.parallel.simulate``)."""
+        return self.config.parallel.simulate and self.config.parallel.cp_size > 1
+
+    def _check_kept(self, kept: list[int], context_len: int) -> None:
+        if sum(kept) != context_len:  # the KV shards must partition the context exactly
+            raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
+                               f"{context_len}-token context; the block plan is inconsistent")
+
+    def _phase1_distributed(self, context_ids: torch.Tensor):
+        """This rank's Phase 1: (its KV shard, the query position, [(seconds, KV tokens, KV bytes, None)])."""
+        plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
+        p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device)
+        self._check_kept(self._gather(kept_token_count(plan)), int(context_ids.numel()))
+        return p1.shard, plan.query_position, [(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), None)]
+
+    def _phase1_simulated(self, context_ids: torch.Tensor):
+        """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
+        over ranks). Ring's ranks exchange KV in every layer, so its shards run as one forward in lock-step
+        (attention by position, exactly what the ring computes): one time for all of them."""
+        cfg, W = self.config, self.config.parallel.cp_size
+        plans = [plan_rank(cfg, context_ids, r) for r in range(W)]
+        self._check_kept([kept_token_count(p) for p in plans], int(context_ids.numel()))
+        if cfg.method == "ring":
+            idx = torch.cat([p.ring_shard for p in plans])
+            lockstep = RankPlan(0, [], [Segment(idx, idx.clone(), slice(None), 0)], query_position=plans[0].query_position)
+            p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
+                            self.device)
+            sizes = [int(p.ring_shard.numel()) for p in plans]
+            per_token = p1.shard.nbytes() / max(1, sum(sizes))
+            stats = [(p1.seconds if r == 0 else 0.0, n, int(n * per_token), None) for r, n in enumerate(sizes)]
+            return p1.shard, plans[0].query_position, stats
+        parts, stats = [], []
+        for plan in plans:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device)
+            parts.append(p1.shard)
+            stats.append((p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
+        if len({p.query_position for p in plans}) != 1:
+            raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
+        return KVShard.join(parts), plans[0].query_position, stats
+
+    def score(self, context: Union[str, torch.Tensor], continuation: Union[str, torch.Tensor]) -> ScoreResult:
+        """Log-likelihood of ``continuation`` after ``context`` (for perplexity), with ``config.method``.
+
+        Phase 1 encodes the context as for :meth:`generate`; the continuation then runs teacher-forced as
+        the Phase-2 query over the distributed KV. Token ``i + 1`` of the continuation is scored given the
+        context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities. Strings
+        are tokenized as plain text (no chat template, no special tokens).
+        """
+        c, t = (self._plain_ids(x) for x in (context, continuation))
+        if t.numel() < 2:
+            raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
+        self._check_lengths(int(c.numel()), int(t.numel()), 1)
+        with nvtx_range("magnetar/score"):
+            if self.simulated:
+                shard, start, stats = self._phase1_simulated(c)
+            else:
+                shard, start, stats = self._phase1_distributed(c)
+            t0 = time.perf_counter()
+            logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device)
+            phase2_s = time.perf_counter() - t0
+        seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
+        return ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
+                           phase1_seconds=seconds, phase2_seconds=phase2_s, simulated=self.simulated)
+
+    def _plain_ids(self, x) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.reshape(-1).long().cpu()
+        if self.tokenizer is None:
+            raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
+        return torch.tensor(self.tokenizer(x, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     def _stop_checker(self, stop):
         if not stop:
@@ -218,10 +323,14 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         tokenizer = tokenizer or loaded_tok
     hf.check_supported(model.config)
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))
-    if groups is None:
-        groups = init_groups(config.parallel.cp_size, timeout=_timedelta(config.parallel.timeout_s))
-    elif groups.cp_size != config.parallel.cp_size:
-        raise ValueError(f"groups.cp_size ({groups.cp_size}) != config cp_size ({config.parallel.cp_size})")
+    if groups is None:  # simulated ranks live in this process: no group, no collective (even under a launcher)
+        timeout = _timedelta(config.parallel.timeout_s)
+        groups = local_groups(timeout=timeout) if config.parallel.simulate else \
+            init_groups(config.parallel.cp_size, timeout=timeout)
+    want = 1 if config.parallel.simulate else config.parallel.cp_size
+    if groups.cp_size != want:
+        raise ValueError(f"groups.cp_size ({groups.cp_size}) != {want} (config cp_size {config.parallel.cp_size}"
+                         f"{', simulated in this process' if config.parallel.simulate else ''})")
     device = device_for_rank()
     model = model.to(device=device, dtype=dtype)
     if config.runtime.deepspeed_inference:

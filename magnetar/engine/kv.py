@@ -69,3 +69,18 @@ class KVShard:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    @classmethod
+    def join(cls, shards: "list[KVShard]") -> "KVShard":
+        """One frozen shard holding the KV of all ``shards`` (each frozen), in order, per layer.
+
+        Attention over the joined KV equals the merge of the attentions over the parts (positions, not order,
+        decide causality), so simulated ranks are joined this way for Phase 2.
+        """
+        out = cls(len(shards[0].layers))
+        for i, layer in enumerate(out.layers):
+            parts = [s.layers[i] for s in shards if s.layers[i].k is not None]
+            for p in parts:
+                layer.append(p.k, p.v, p.pos)
+            layer.freeze()
+        return out

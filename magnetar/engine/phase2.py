@@ -137,3 +137,27 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     for b in range(B):
         results[b].gen_kv_tokens = gens[b].tokens() if gens is not None else 0
     return results
+
+
+@torch.inference_mode()
+def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, start: int,
+                groups: ParallelGroups, device) -> torch.Tensor:
+    """Teacher-forced Phase 2 for perplexity: ``ids (S,)`` at RoPE positions ``start ...`` run as one query
+    over the distributed context KV (plus, causally, each other); returns the log-probability of every
+    ``ids[i + 1]`` given the context and ``ids[: i + 1]``, shape ``(S - 1,)``, float32, on every rank."""
+    if ids.numel() < 2:
+        raise ValueError(f"scoring needs at least 2 continuation tokens (the first is only conditioned on), "
+                         f"got {ids.numel()}")
+    gens = None
+    if groups.is_cp_leader:
+        gens = [KVShard(model.config.num_hidden_layers)]
+        gens[0].freeze()
+    S = int(ids.numel())
+    pos = (start + torch.arange(S, device=device))[None]
+    ctx = ForwardContext("phase2", pos, shards=[shard], gens=gens, valid=[S], group=groups.cp_group,
+                         timeout=groups.timeout, backend=config.runtime.attention_backend)
+    with nvtx_range("phase2/score"):
+        logits = model(input_ids=ids.reshape(1, S).to(device), position_ids=pos, use_cache=False,
+                       logits_to_keep=0, magnetar=ctx).logits[0, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, ids[1:].to(device).reshape(-1, 1)).reshape(-1).cpu()

@@ -11,13 +11,13 @@ Two ways to get several ranks:
 
 * under a launcher (``torchrun``/``deepspeed``, world size = ``--cp``): every rank runs ``Engine.generate``
   and the numbers are the engine's own ``GenerationResult`` (rank 0 prints);
-* ``--simulate-ranks W`` in ONE process on one device: the Phase-1 plan of every CP rank is built with
-  ``plan_rank`` and run with ``run_phase1`` one rank after another (single-rank groups), each timed on its
-  own, so one device stands in for W: the critical path is the max of the per-rank times (what W devices
-  would take, with no contention between them). Phase 2 is then run on the query rank's (rank 0's) shard
-  alone: its local attention and decode, without the per-layer gather/merge of the other ranks' partial
-  results. **Ring is not simulated** (its Phase 1 exchanges KV between ranks every layer); it is skipped
-  under ``--simulate-ranks`` (run it under a launcher). Dense and streaming run on one rank as usual.
+* ``--simulate-ranks W`` in ONE process on one device (the engine's ``simulate`` option): every CP rank's
+  Phase 1 runs one rank after another, each timed on its own, so one device stands in for W: the critical
+  path is the max of the per-rank times (what W devices would take, with no contention between them).
+  Phase 2 then attends to all the ranks' KV joined (the same result as the gather + merge, without the
+  collectives). **Ring is skipped** under ``--simulate-ranks``: its ranks exchange KV in every layer, so
+  its simulation is one lock-step forward with no per-rank time (run it under a launcher). Dense and
+  streaming run on one rank as usual.
 
 Each row also shows the cost model's prediction (critical-path Phase-1 FLOPs, KV bytes) and
 ``s/PFLOP norm``: measured seconds per predicted FLOP, normalised to the dense row of the same length
@@ -130,47 +130,9 @@ def _inputs(args, model, tokenizer, L: int):
     return ctx, query
 
 
-def _single_groups():
-    from magnetar.parallel import ParallelGroups
-
-    return ParallelGroups(rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,), dp_size=1,
-                          dp_rank=0, dp_group=None, dp_ranks=(0,))
-
-
 def _reset_peak(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def _simulated_run(engine, cfg, ctx, query, max_new_tokens: int) -> dict:
-    """One request with every CP rank's Phase 1 run in turn on this device; Phase 2 on rank 0's shard."""
-    from magnetar.engine.engine import _peak_memory
-    from magnetar.engine.phase1 import run_phase1
-    from magnetar.engine.phase2 import run_phase2
-    from magnetar.engine.plan import kept_token_count, plan_rank
-
-    groups, dev = _single_groups(), engine.device
-    times, kv_tokens, kv_bytes, peaks, kept = [], [], [], [], []
-    shard0 = qpos0 = None
-    for r in range(cfg.parallel.cp_size):
-        _reset_peak(dev)
-        plan = plan_rank(cfg, ctx, r)
-        p1 = run_phase1(engine.model, cfg, plan, ctx, groups, dev)
-        times.append(p1.seconds)
-        kv_tokens.append(p1.shard.tokens())
-        kv_bytes.append(p1.shard.nbytes())
-        kept.append(kept_token_count(plan))
-        peaks.append(_peak_memory(dev))
-        if r == 0:
-            shard0, qpos0 = p1.shard, plan.query_position
-        else:
-            del p1
-    if sum(kept) != ctx.numel():
-        raise RuntimeError(f"simulated ranks kept {kept} tokens for a {ctx.numel()}-token context")
-    dec = run_phase2(engine.model, cfg, [shard0], [query], [qpos0], groups, dev, max_new_tokens=max_new_tokens)[0]
-    return dict(phase1_seconds=times, ttft_seconds=dec.ttft_seconds,
-                decode_seconds_per_token=(statistics.mean(dec.decode_seconds) if dec.decode_seconds else None),
-                context_kv_tokens_per_rank=kv_tokens, kv_bytes_per_rank=kv_bytes, peak_memory_bytes_per_rank=peaks)
 
 
 def _engine_run(engine, ctx, query, max_new_tokens: int) -> dict:
@@ -244,10 +206,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     engines = {}
 
     def engine_for(cfg):
-        key = (cfg.method, cfg.parallel.cp_size if sim is None else 1)
-        if key not in engines:
-            run_cfg = cfg if sim is None else cfg.replace(cp_size=1) if cfg.method in ("dense", "streaming") \
-                else cfg.replace(method="dense", cp_size=1)
+        key = (cfg.method, cfg.parallel.cp_size)
+        if key not in engines:  # under --simulate-ranks the engine stands in for the ranks (config simulate)
+            run_cfg = cfg.replace(simulate=True) if sim and cfg.parallel.cp_size > 1 else cfg
             engines[key] = magnetar.init_inference(model, run_cfg, tokenizer=tokenizer)
         return engines[key]
 
@@ -266,10 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine = engine_for(cfg)
             runs = []
             for i in range(args.warmup + args.repeats):
-                if row["simulated"]:
-                    out = _simulated_run(engine, cfg, ctx, query, args.max_new_tokens)
-                else:
-                    out = _engine_run(engine, ctx, query, args.max_new_tokens)
+                out = _engine_run(engine, ctx, query, args.max_new_tokens)
                 if i >= args.warmup:
                     runs.append(out)
             row.update(_median_runs(runs))

@@ -1,6 +1,8 @@
-"""Reports from ``results.jsonl``: a markdown table (task x method x length, with averages as in the Pulsar
-paper's Tables 1-2, every cell with its sample count and a 95 % interval) and PNG plots (accuracy vs length
-per method, per-task bars, and for the NIAH suite a depth x length heat-map per method).
+"""Reports from ``results*.jsonl``: a markdown table (task x method x length, with averages as in the Pulsar
+paper's Tables 1-2, every cell with its sample count and a 95 % interval; one row per method variant when
+an ablation has many), a perplexity table (with the change vs dense) and PNG plots (accuracy vs length per
+method, per-task bars, perplexity vs length, and for the NIAH suite a depth x length heat-map per method).
+Methods run with non-default options are reported under their label, e.g. ``pulsar(bm25, budget 0.25)``.
 
 The interval is the normal approximation of the mean score over the cell's samples, clipped to [0, 100];
 with scores in {0, 1} and few samples it is wide, which is the point of printing it.
@@ -13,16 +15,30 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(path: Path) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
+def result_files(out_dir: Path) -> list[Path]:
+    """``results.jsonl`` and the per-rank ``results.rank<N>.jsonl`` of data-parallel runs, in name order."""
+    return sorted(Path(out_dir).glob("results*.jsonl"))
+
+
+def load(out_dir: Path) -> list[dict]:
+    """Every record of every results file of ``out_dir``, once per key (a line cut by an interrupted write is
+    skipped, so that item is redone)."""
+    rows, seen = [], set()
+    for path in result_files(out_dir):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                key = row.get("key")
+                if key is not None and key in seen:
+                    continue
+                seen.add(key)
+                rows.append(row)
     return rows
 
 
@@ -39,32 +55,91 @@ def _fmt(cell) -> str:
     return f"{m:.1f} ± {h:.1f} (n={n})"
 
 
+def label(row: dict) -> str:
+    """The report column of a record: the method and its non-default options (see runner.method_label)."""
+    return row.get("label") or row["method"]
+
+
+def _len(length: int) -> str:
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
+def _task_label(t: str) -> str:
+    return t + (" (substitute)" if t in ("qa_1", "qa_2") else "")
+
+
+# A suite with more method variants than this is printed one row per (variant, length) -- e.g. a scorer x
+# budget ablation -- instead of one column each.
+WIDE_LABELS = 4
+
+
 def table(rows: list[dict]) -> str:
+    """Markdown tables of the scored suites: task x (method, length) with the average over tasks."""
     by = defaultdict(list)
     for r in rows:
-        by[(r["suite"], r["task"], r["method"], r["length"])].append(float(r["score"]))
-    suites = sorted({k[0] for k in by})
+        if r.get("suite") != "ppl" and r.get("score") is not None:
+            by[(r["suite"], r["task"], label(r), r["length"])].append(float(r["score"]))
     out = []
-    for suite in suites:
+    for suite in sorted({k[0] for k in by}):
         keys = [k for k in by if k[0] == suite]
         tasks = sorted({k[1] for k in keys})
-        cols = sorted({(k[3], k[2]) for k in keys})  # (length, method)
+        cols = sorted({(k[3], k[2]) for k in keys})  # (length, label)
+
+        def cell(t, lab, length):
+            return _fmt(mean_ci(by[(suite, t, lab, length)])) if by.get((suite, t, lab, length)) else "-"
+
+        def average(lab, length):  # Pulsar Table 1: the average over tasks of per-task means
+            means = [mean_ci(by[(suite, t, lab, length)])[0] for t in tasks if by.get((suite, t, lab, length))]
+            missing = len(tasks) - len(means)
+            return f"**{sum(means) / len(means):.1f}**" + (f" ({missing} task(s) missing)" if missing else "")
+
         out.append(f"### {suite}\n")
-        out.append("| task | " + " | ".join(f"{m} @ {length // 1024}K" if length % 1024 == 0 else f"{m} @ {length}"
-                                           for length, m in cols) + " |")
+        if len({lab for _, lab in cols}) > WIDE_LABELS:
+            out.append("| method | length | " + " | ".join(_task_label(t) for t in tasks) + " | **average** |")
+            out.append("|---|---:|" + "---:|" * (len(tasks) + 1))
+            for length, lab in sorted(cols, key=lambda c: (c[1], c[0])):
+                out.append(f"| {lab} | {_len(length)} | " + " | ".join(cell(t, lab, length) for t in tasks)
+                           + f" | {average(lab, length)} |")
+            out.append("")
+            continue
+        out.append("| task | " + " | ".join(f"{lab} @ {_len(length)}" for length, lab in cols) + " |")
         out.append("|---|" + "---:|" * len(cols))
         for t in tasks:
-            cells = [_fmt(mean_ci(by[(suite, t, m, length)])) if by.get((suite, t, m, length)) else "-"
-                     for length, m in cols]
-            label = t + (" (substitute)" if t in ("qa_1", "qa_2") else "")
-            out.append(f"| {label} | " + " | ".join(cells) + " |")
-        avgs = []
-        for length, m in cols:  # Pulsar Table 1: the average over tasks of per-task means
-            means = [mean_ci(by[(suite, t, m, length)])[0] for t in tasks if by.get((suite, t, m, length))]
-            missing = len(tasks) - len(means)
-            avgs.append(f"**{sum(means) / len(means):.1f}**" + (f" ({missing} task(s) missing)" if missing else ""))
-        out.append("| **average** | " + " | ".join(avgs) + " |\n")
+            out.append(f"| {_task_label(t)} | " + " | ".join(cell(t, lab, length) for length, lab in cols) + " |")
+        out.append("| **average** | " + " | ".join(average(lab, length) for length, lab in cols) + " |\n")
     return "\n".join(out)
+
+
+def ppl_table(rows: list[dict]) -> str:
+    """Perplexity per method and context length, with the windows' 95 % interval and the change vs dense."""
+    from magnetar.eval.ppl import perplexity_ci
+
+    by = defaultdict(lambda: ([], []))
+    for r in rows:
+        if r.get("suite") == "ppl":
+            nll, tok = by[(label(r), r["length"])]
+            nll.append(float(r["nll_sum"]))
+            tok.append(int(r["tokens"]))
+    if not by:
+        return ""
+    lengths = sorted({k[1] for k in by})
+    labels = sorted({k[0] for k in by}, key=lambda m: (m != "dense", m))
+    dense = {length: perplexity_ci(*by[("dense", length)])[0] for length in lengths if ("dense", length) in by}
+    out = ["### ppl\n", "Perplexity of the scored continuation tokens, exp(Σ NLL / Σ tokens); [95 % interval over "
+           "windows]; (change vs dense at the same length).\n",
+           "| method | " + " | ".join(f"context {_len(length)}" for length in lengths) + " |",
+           "|---|" + "---:|" * len(lengths)]
+    for lab in labels:
+        cells = []
+        for length in lengths:
+            if (lab, length) not in by:
+                cells.append("-")
+                continue
+            ppl, lo, hi, n = perplexity_ci(*by[(lab, length)])
+            delta = f" ({100 * (ppl / dense[length] - 1):+.2f} %)" if length in dense and lab != "dense" else ""
+            cells.append(f"{ppl:.3f} [{lo:.2f}, {hi:.2f}] (n={n}, {sum(by[(lab, length)][1])} tok){delta}")
+        out.append(f"| {lab} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def _save(fig, path: Path) -> Path:
@@ -85,7 +160,8 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     made = []
     by = defaultdict(list)
     for r in rows:
-        by[(r["suite"], r["method"], r["length"], r["task"])].append(float(r["score"]))
+        if r.get("suite") != "ppl" and r.get("score") is not None:
+            by[(r["suite"], label(r), r["length"], r["task"])].append(float(r["score"]))
     for suite in sorted({k[0] for k in by}):
         methods = sorted({k[1] for k in by if k[0] == suite})
         lengths = sorted({k[2] for k in by if k[0] == suite})
@@ -114,11 +190,26 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend()
         made.append(_save(fig, out_dir / f"{suite}_per_task.png"))
 
+    ppl = [r for r in rows if r.get("suite") == "ppl"]
+    if ppl:
+        from magnetar.eval.ppl import perplexity_ci
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for lab in sorted({label(r) for r in ppl}):
+            pts = []
+            for length in sorted({r["length"] for r in ppl if label(r) == lab}):
+                sel = [r for r in ppl if label(r) == lab and r["length"] == length]
+                pts.append((length / 1024, perplexity_ci([r["nll_sum"] for r in sel], [r["tokens"] for r in sel])[0]))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+        ax.set(xlabel="context length (K tokens)", ylabel="perplexity", title="perplexity vs context length")
+        ax.legend()
+        made.append(_save(fig, out_dir / "ppl_vs_length.png"))
+
     niah = [r for r in rows if r["suite"] == "niah" and "depth" in r]
-    for m in sorted({r["method"] for r in niah}):
+    for m in sorted({label(r) for r in niah}):
         cells = defaultdict(list)
         for r in niah:
-            if r["method"] == m:
+            if label(r) == m:
                 cells[(r["depth"], r["length"])].append(float(r["score"]))
         depths = sorted({d for d, _ in cells})
         lengths = sorted({length for _, length in cells})
@@ -136,11 +227,10 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def write_report(out_dir: Path) -> str:
     """Write ``report.md`` and the PNGs into ``out_dir``; returns the markdown."""
-    path = Path(out_dir) / "results.jsonl"
-    if not path.exists():
-        raise SystemExit(f"no results in {path}: run magnetar-eval with --out {out_dir} first")
-    rows = load(path)
-    md = table(rows)
+    if not result_files(out_dir):
+        raise SystemExit(f"no results*.jsonl in {out_dir}: run magnetar-eval with --out {out_dir} first")
+    rows = load(out_dir)
+    md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
     pngs = plots(rows, Path(out_dir))
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (Path(out_dir) / "report.md").write_text(md)

@@ -3,6 +3,7 @@
     python -m magnetar.eval --suite ruler --methods dense,star,pulsar,ring --lengths 4k --samples 10 --out runs/r4k
     deepspeed --num_gpus 4 --module magnetar.eval --suite niah --methods star,pulsar,ring --lengths 8k --out runs/n8k
     python -m magnetar.eval --report --out runs/r4k           # markdown table + PNG plots from the JSONL
+    deepspeed --num_gpus 2 --module magnetar.eval --suite ruler --simulate-ranks 4 --out runs/r4k   # 2 workers
 
 Every (suite, task, method, length, sample) item is generated deterministically from the seed, answered by
 the engine, scored, and appended by rank 0 to ``OUT/results.jsonl``; a rerun skips what is already there, so
@@ -10,6 +11,12 @@ an interrupted run resumes. Context-parallel methods use all launched ranks (``-
 ``dense`` and ``streaming`` run on rank 0 while the others wait. Engine options pass through (``--block-size``,
 ``--scorer``, ``--summary-budget`` ...) and are part of each item's key, so runs with other options do not
 collide.
+
+``--simulate-ranks W``: every process stands in for W CP ranks (the engine's ``simulate`` option: each rank's
+Phase 1 in turn, Phase 2 over their joined KV -- the same answers as W real ranks, without collectives), so
+no device idles in a collective and none decodes a token that another is decoding too. Under a launcher the
+items are then dealt round-robin to the processes (data parallel), each appending to its own
+``results.rank<N>.jsonl``; the report and the resume read every ``results*.jsonl`` of ``--out``.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -28,9 +35,10 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.launch.distributed import add_launcher_args, init_distributed
+from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
 
-SUITES = ("ruler", "niah", "babilong")
+SUITES = ("ruler", "niah", "babilong", "ppl")
 CP_METHODS = ("ring", "star", "pulsar")
 NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -48,9 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="comma-separated subset of the suite's tasks (default: all)")
     p.add_argument("--methods", default="dense,star,pulsar,ring")
     p.add_argument("--lengths", default="4k", help="e.g. 2k,4k,8k (k = 1024 tokens)")
-    p.add_argument("--samples", type=int, default=10, help="samples per task (niah: per depth)")
+    p.add_argument("--samples", type=int, default=10, help="samples per task (niah: per depth; ppl: windows)")
+    p.add_argument("--target-tokens", type=int, default=256,
+                   help="ppl: tokens scored per window (the window slides by this much)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of the generated samples (--seed is the sampling seed)")
     p.add_argument("--cp", type=int, help="cp_size for ring/star/pulsar (default: the world size)")
+    p.add_argument("--simulate-ranks", type=int, metavar="W",
+                   help="each process stands in for W CP ranks; launched processes split the items (see above)")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, report.md, plots)")
     p.add_argument("--report", action="store_true", help="only write the report from OUT/results.jsonl")
     add_cli_args(p)
@@ -65,6 +77,10 @@ def suite_tasks(suite: str) -> tuple[str, ...]:
         return TASKS
     if suite == "niah":
         return ("niah",)
+    if suite == "ppl":
+        from magnetar.eval.ppl import CORPUS
+
+        return (CORPUS,)
     from magnetar.eval import babilong
 
     return tuple(babilong.TASKS)
@@ -102,9 +118,11 @@ def score_sample(suite: str, sample, prediction: str) -> float:
 
 
 def config_key(config: EngineConfig) -> str:
-    """A short stable hash of the engine options that change answers (not the timeout)."""
+    """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
+    were real or simulated: both give the same answers)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
+    d["parallel"].pop("simulate", None)
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -112,18 +130,35 @@ def item_key(suite, task, method, length, index, cfg_key) -> str:
     return f"{suite}/{task}/{method}/{length}/{index}/{cfg_key}"
 
 
-def load_done(path: Path) -> set[str]:
-    done = set()
-    if path.exists():
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        done.add(json.loads(line)["key"])
-                    except (json.JSONDecodeError, KeyError):
-                        continue  # a line cut by an interrupted write: redo that item
-    return done
+def method_label(config: EngineConfig) -> str:
+    """The method plus the options that differ from its defaults, e.g. ``pulsar(bm25, budget 0.25)``: the
+    report's column, so that variants of one method (an ablation) are not pooled."""
+    default = EngineConfig()
+    extra = []
+    if config.method in ("star", "pulsar"):
+        if config.blocks.block_size is not None:
+            extra.append(f"block {config.blocks.block_size}")
+    if config.method == "star" and config.blocks.anchor_size is not None:
+        extra.append(f"anchor {config.blocks.anchor_size}")
+    if config.method == "pulsar":
+        p, d = config.pulsar, default.pulsar
+        if p.scorer != d.scorer:
+            extra.append(p.scorer)
+        if p.summary_budget != d.summary_budget:
+            extra.append(f"budget {p.summary_budget:g}")
+        for name in ("sink_size", "chunk_size", "positions", "discard_summary_kv"):
+            if getattr(p, name) != getattr(d, name):
+                extra.append(f"{name} {getattr(p, name)}")
+    if config.method == "streaming":
+        extra.append(f"window {config.streaming.window_size}")
+    return config.method + (f"({', '.join(extra)})" if extra else "")
+
+
+def load_done(out_dir: Path) -> set[str]:
+    """Keys of the items already recorded in ``out_dir`` (every results file; a cut last line is redone)."""
+    from magnetar.eval.report import load
+
+    return {row["key"] for row in load(out_dir) if "key" in row}
 
 
 def _broadcast_obj(obj):
@@ -166,7 +201,11 @@ def run(args) -> int:
         raise SystemExit(f"unknown {args.suite} task(s) {sorted(unknown)}; choose from {suite_tasks(args.suite)}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x) for x in args.lengths.split(",")]
+    sim = args.simulate_ranks
+    if sim is not None and (sim < 1 or (args.cp is not None and args.cp != sim)):
+        raise SystemExit(f"--simulate-ranks must be >= 1 and equal --cp if both are given (got {sim}, --cp {args.cp})")
 
+    owns_group = not dist.is_initialized()  # a caller's process group is left for the caller to destroy
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -175,60 +214,83 @@ def run(args) -> int:
         prepare_model(args.model) if not os.path.isdir(args.model) else None
     barrier()
     model, tokenizer = load_model(args.model)
-    results_path = out / "results.jsonl"
-    done = _broadcast_obj(load_done(results_path) if rank == 0 else None)
+    dealt = sim is not None and world > 1  # data parallel: each process runs its share of the items alone
+    results_path = out / (f"results.rank{rank}.jsonl" if dealt else "results.jsonl")
+    done = _broadcast_obj(load_done(out) if rank == 0 else None)
 
     base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
     todo = []
     for method, length, task, index in items(args, tasks, lengths, methods):
-        cp = (args.cp or world) if method in CP_METHODS else 1
-        cfg = base.replace(method=method, cp_size=cp)
+        if method not in CP_METHODS:
+            cfg = base.replace(method=method, cp_size=1)
+        elif sim is not None:  # the simulation gives the same answers as real ranks: one key for both
+            cfg = base.replace(method=method, cp_size=sim)
+        else:
+            cfg = base.replace(method=method, cp_size=args.cp or world)
         key = item_key(args.suite, task, method, length, index, config_key(cfg))
+        if args.suite == "ppl":
+            key += f"/T{args.target_tokens}"
         if key not in done:
             todo.append((method, length, task, index, cfg, key))
+    total = len(todo)
+    if dealt:
+        todo = todo[rank::world]
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        print(f"{len(todo)} items to run ({len(done)} already in {results_path})", flush=True)
-        bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True)
+        print(f"{total} items to run ({len(done)} already in {out})"
+              f"{f', dealt to {world} processes' if dealt else ''}", flush=True)
+        bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if dealt else None)
 
     engines, model_obj = {}, model
     for method, length, task, index, cfg, key in todo:
         ck = config_key(cfg)
-        if ck not in engines:  # every rank builds every engine (group creation is collective)
-            engines[ck] = magnetar.init_inference(model_obj, cfg, tokenizer=tokenizer,
+        if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt
+            run_cfg = cfg.replace(simulate=True) if sim is not None and cfg.parallel.cp_size > 1 else cfg
+            groups = local_groups(timeout=timedelta(seconds=cfg.parallel.timeout_s)) if dealt else None
+            engines[ck] = magnetar.init_inference(model_obj, run_cfg, tokenizer=tokenizer, groups=groups,
                                                   deepspeed_inference=not engines)
             model_obj = engines[ck].model
         engine = engines[ck]
-        runs_here = cfg.parallel.cp_size > 1 or rank == 0
+        runs_here = dealt or engine.simulated or cfg.parallel.cp_size > 1 or rank == 0
         if runs_here:
-            sample, extra = make_sample(args.suite, task, tokenizer, length, index, args.data_seed)
-            ctx_ids, q_ids = encode(tokenizer, sample)
+            record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
+                      "length": length, "index": index}
             t0 = time.perf_counter()
-            res = engine.generate(ctx_ids, q_ids, max_new_tokens=sample.max_new_tokens)
-            if rank == 0:
-                record = {"key": key, "suite": args.suite, "task": task, "method": method, "length": length,
-                          "index": index, **extra, "score": score_sample(args.suite, sample, res.text),
-                          "prediction": res.text, "answers": list(sample.answers),
-                          "context_tokens": res.context_tokens, "cp_size": cfg.parallel.cp_size,
-                          "phase1_critical_path_s": res.phase1_critical_path_seconds, "ttft_s": res.ttft_seconds,
-                          "decode_s_per_token": res.decode_seconds_per_token, "wall_s": time.perf_counter() - t0,
-                          "config": cfg.to_dict()}
+            if args.suite == "ppl":
+                from magnetar.eval.ppl import ppl_window
+
+                win = ppl_window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
+                res = engine.score(win.context_ids, win.continuation_ids)
+                record.update(win.metadata, nll_sum=res.nll_sum, tokens=res.tokens, ppl=res.perplexity,
+                              context_tokens=res.context_tokens, phase2_s=res.phase2_seconds)
+            else:
+                sample, extra = make_sample(args.suite, task, tokenizer, length, index, args.data_seed)
+                ctx_ids, q_ids = encode(tokenizer, sample)
+                res = engine.generate(ctx_ids, q_ids, max_new_tokens=sample.max_new_tokens)
+                record.update(extra, score=score_sample(args.suite, sample, res.text), prediction=res.text,
+                              answers=list(sample.answers), context_tokens=res.context_tokens,
+                              ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token)
+            record.update(cp_size=cfg.parallel.cp_size, simulated=res.simulated, phase1_s_per_rank=res.phase1_seconds,
+                          phase1_critical_path_s=max(res.phase1_seconds), wall_s=time.perf_counter() - t0,
+                          config=cfg.to_dict())
+            if rank == 0 or dealt:
                 with open(results_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-        if cfg.parallel.cp_size == 1 and world > 1:
+        if not dealt and cfg.parallel.cp_size == 1 and world > 1:
             barrier()  # the other ranks wait for rank 0's single-rank item
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    barrier()
+    # dealt shares end at different times: wait long for the slowest before rank 0 writes the report
+    barrier(timeout=timedelta(hours=6) if dealt else None)
     if rank == 0:
         from magnetar.eval.report import write_report
 
         print(write_report(out))
-    if dist.is_initialized():
+    if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return 0
 

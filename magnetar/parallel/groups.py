@@ -68,6 +68,13 @@ class ParallelGroups:
         return self.cp_rank == 0
 
 
+def local_groups(*, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
+    """A group of this process alone (no collectives, nothing created): the world-size-1 layout, also used
+    under a launcher by work that never talks to other ranks (e.g. simulated CP ranks)."""
+    return ParallelGroups(rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,),
+                          dp_size=1, dp_rank=0, dp_group=None, dp_ranks=(0,), timeout=timeout)
+
+
 def init_groups(cp_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
     """Create the CP and DP groups on an already initialised ``torch.distributed`` (every rank must call).
 
@@ -80,10 +87,7 @@ def init_groups(cp_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> Parall
                 f"cp_size={cp_size} needs torch.distributed: launch with `deepspeed` or `torchrun` (or call "
                 f"magnetar.launch.init_distributed() first); without it only cp_size=1 runs"
             )
-        return ParallelGroups(
-            rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,),
-            dp_size=1, dp_rank=0, dp_group=None, dp_ranks=(0,), timeout=timeout,
-        )
+        return local_groups(timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_groups, dp_groups = rank_layout(world, cp_size)
     my_cp = my_dp = None
