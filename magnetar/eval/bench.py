@@ -71,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--text", action="store_true", help="Paul Graham essays instead of random token ids")
+    p.add_argument("--beyond-trained-length", action="store_true",
+                   help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
+                        "shapes are real, the outputs past the trained length are meaningless)")
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--anchor-size", type=int, default=None)
@@ -193,6 +196,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         model, tokenizer = load_model(args.model, dtype=dtype)
         name = args.model
+        trained = getattr(model.config, "max_position_embeddings", None)
+        if trained is not None and longest > trained:
+            if not args.beyond_trained_length:
+                raise SystemExit(f"{name} was trained on {trained} positions; --lengths + --query-len + "
+                                 f"--max-new-tokens need {longest}: shorten them, or pass --beyond-trained-length "
+                                 f"to time them anyway (outputs past {trained} positions are meaningless)")
+            model.config.max_position_embeddings = longest
+            name += f" (positions raised {trained} -> {longest} for timing)"
     load_s = time.perf_counter() - t_load
 
     from magnetar.launch.distributed import init_distributed  # noqa: F401
