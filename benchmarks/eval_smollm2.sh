@@ -14,7 +14,9 @@ export MAGNETAR_DISABLE_DS_SHM=1
 NPROC=${NPROC:-2}
 BIN=${BIN:-.venv/bin}
 PORT=${PORT:-29621}
-eval_run() { "$BIN/deepspeed" --num_gpus "$NPROC" --master_port "$PORT" --module magnetar.eval --simulate-ranks 4 "$@"; }
+BATCH=${BATCH:-4}
+eval_run() { "$BIN/deepspeed" --num_gpus "$NPROC" --master_port "$PORT" --module magnetar.eval --simulate-ranks 4 \
+  --batch "$BATCH" "$@"; }
 
 part() {
   case "$1" in

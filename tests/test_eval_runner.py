@@ -58,6 +58,30 @@ def test_runner_end_to_end_and_resume(tmp_path, capsys):
     assert (tmp_path / "report.md").exists()
 
 
+
+@pytest.mark.model
+def test_runner_batch_gives_the_same_answers(tmp_path):
+    # --batch N answers N items of a task together (one batched decode); the answers are those of one by one
+    base = ["--suite", "ruler", "--tasks", "qa_1", "--methods", "star", "--lengths", "512",
+            "--samples", "3", "--simulate-ranks", "2", "--deepspeed-inference", "false"]
+    try:
+        assert main(base + ["--out", str(tmp_path / "one")]) == 0
+    except RuntimeError as e:
+        pytest.skip(f"model unavailable: {e}")
+    assert main(base + ["--out", str(tmp_path / "two"), "--batch", "2"]) == 0
+
+    def records(d):
+        return {r["key"]: r for r in map(json.loads, (tmp_path / d / "results.jsonl").read_text().splitlines())}
+
+    one, two = records("one"), records("two")
+    assert one.keys() == two.keys() and len(one) == 3
+    for k in one:
+        assert two[k]["prediction"] == one[k]["prediction"] and two[k]["score"] == one[k]["score"]
+        assert one[k]["batch"] == 1
+    assert sorted(r["batch"] for r in two.values()) == [1, 2, 2]  # 3 samples: a batch of 2, then 1
+    with pytest.raises(SystemExit, match="--batch must be >= 1"):
+        main(base + ["--out", str(tmp_path / "bad"), "--batch", "0"])
+
 def _dealt_worker(rank, world, out):
     # --simulate-ranks under a launcher: the items are dealt to the processes, each writes its own file
     args = ["--suite", "ruler", "--tasks", "niah_single_1", "--methods", "dense,star", "--lengths", "512",

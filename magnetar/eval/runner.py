@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, help="cp_size for ring/star/pulsar (default: the world size)")
     p.add_argument("--simulate-ranks", type=int, metavar="W",
                    help="each process stands in for W CP ranks; launched processes split the items (see above)")
+    p.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="answer up to N items of one task and method together (one batched decode; the same "
+                        "answers up to float rounding, cheaper on small models; ppl ignores it)")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, report.md, plots)")
     p.add_argument("--report", action="store_true", help="only write the report from OUT/results.jsonl")
     add_cli_args(p)
@@ -190,6 +193,60 @@ def items(args, tasks, lengths, methods) -> Iterator[tuple[str, int, str, int]]:
                     yield method, length, task, index
 
 
+def _batches(todo: list, size: int) -> Iterator[list]:
+    """Consecutive items that can share one ``generate_batch``: same engine config and task (so the same
+    output budget), at most ``size`` of them."""
+    group: list = []
+    for item in todo:
+        if group and (len(group) == size or config_key(item[4]) != config_key(group[0][4]) or item[2] != group[0][2]):
+            yield group
+            group = []
+        group.append(item)
+    if group:
+        yield group
+
+
+def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
+    """Answer (or score) one group of items with ``engine``; one result record per item. A group of several
+    generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding; the decode
+    step, memory-bound on small models, is shared), recorded with ``batch`` = the group size."""
+    records, t0 = [], time.perf_counter()
+    if args.suite == "ppl":
+        from magnetar.eval.ppl import ppl_window
+
+        (method, length, task, index, cfg, key), = group
+        win = ppl_window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
+        res = engine.score(win.context_ids, win.continuation_ids)
+        record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
+                  "length": length, "index": index}
+        record.update(win.metadata, nll_sum=res.nll_sum, tokens=res.tokens, ppl=res.perplexity,
+                      context_tokens=res.context_tokens, phase2_s=res.phase2_seconds)
+        pairs = [(record, res, cfg)]
+    else:
+        samples, requests = [], []
+        for method, length, task, index, cfg, key in group:
+            sample, extra = make_sample(args.suite, task, tokenizer, length, index, args.data_seed)
+            samples.append((sample, extra))
+            requests.append(encode(tokenizer, sample))
+        budget = samples[0][0].max_new_tokens
+        results = engine.generate_batch(requests, max_new_tokens=budget)
+        pairs = []
+        for (method, length, task, index, cfg, key), (sample, extra), res in zip(group, samples, results):
+            record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
+                      "length": length, "index": index}
+            record.update(extra, score=score_sample(args.suite, sample, res.text), prediction=res.text,
+                          answers=list(sample.answers), context_tokens=res.context_tokens,
+                          ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token,
+                          batch=len(group))
+            pairs.append((record, res, cfg))
+    wall = (time.perf_counter() - t0) / len(group)
+    for record, res, cfg in pairs:
+        record.update(cp_size=cfg.parallel.cp_size, simulated=res.simulated, phase1_s_per_rank=res.phase1_seconds,
+                      phase1_critical_path_s=max(res.phase1_seconds), wall_s=wall, config=cfg.to_dict())
+        records.append(record)
+    return records
+
+
 def run(args) -> int:
     import magnetar
     from magnetar.models import load_model, prepare_model
@@ -205,6 +262,8 @@ def run(args) -> int:
     if sim is not None and (sim < 1 or (args.cp is not None and args.cp != sim)):
         raise SystemExit(f"--simulate-ranks must be >= 1 and equal --cp if both are given (got {sim}, --cp {args.cp})")
 
+    if args.batch < 1:
+        raise SystemExit(f"--batch must be >= 1 (items answered together), got {args.batch}")
     owns_group = not dist.is_initialized()  # a caller's process group is left for the caller to destroy
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -244,7 +303,8 @@ def run(args) -> int:
         bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if dealt else None)
 
     engines, model_obj = {}, model
-    for method, length, task, index, cfg, key in todo:
+    for group in _batches(todo, args.batch if args.suite != "ppl" else 1):
+        method, length, task, index, cfg, key = group[0]
         ck = config_key(cfg)
         if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt
             run_cfg = cfg.replace(simulate=True) if sim is not None and cfg.parallel.cp_size > 1 else cfg
@@ -255,33 +315,15 @@ def run(args) -> int:
         engine = engines[ck]
         runs_here = dealt or engine.simulated or cfg.parallel.cp_size > 1 or rank == 0
         if runs_here:
-            record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
-                      "length": length, "index": index}
-            t0 = time.perf_counter()
-            if args.suite == "ppl":
-                from magnetar.eval.ppl import ppl_window
-
-                win = ppl_window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
-                res = engine.score(win.context_ids, win.continuation_ids)
-                record.update(win.metadata, nll_sum=res.nll_sum, tokens=res.tokens, ppl=res.perplexity,
-                              context_tokens=res.context_tokens, phase2_s=res.phase2_seconds)
-            else:
-                sample, extra = make_sample(args.suite, task, tokenizer, length, index, args.data_seed)
-                ctx_ids, q_ids = encode(tokenizer, sample)
-                res = engine.generate(ctx_ids, q_ids, max_new_tokens=sample.max_new_tokens)
-                record.update(extra, score=score_sample(args.suite, sample, res.text), prediction=res.text,
-                              answers=list(sample.answers), context_tokens=res.context_tokens,
-                              ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token)
-            record.update(cp_size=cfg.parallel.cp_size, simulated=res.simulated, phase1_s_per_rank=res.phase1_seconds,
-                          phase1_critical_path_s=max(res.phase1_seconds), wall_s=time.perf_counter() - t0,
-                          config=cfg.to_dict())
+            records = _run_group(args, engine, tokenizer, group)
             if rank == 0 or dealt:
                 with open(results_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    for record in records:
+                        f.write(json.dumps(record) + "\n")
         if not dealt and cfg.parallel.cp_size == 1 and world > 1:
             barrier()  # the other ranks wait for rank 0's single-rank item
         if bar is not None:
-            bar.update(1)
+            bar.update(len(group))
     if bar is not None:
         bar.close()
     # dealt shares end at different times: wait long for the slowest before rank 0 writes the report
