@@ -51,6 +51,7 @@ setup(
             "magnetar-ops-demo=magnetar.launch.demo:main",
             "magnetar-eval=magnetar.eval.runner:main",
             "magnetar-bench=magnetar.eval.bench:main",
+            "magnetar-calibrate=magnetar.calibrate:main",
         ]
     },
 )

@@ -7,6 +7,8 @@
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size
       decode          temperature, top_k, top_p, seed
+      sparse          sparse_policy, sparse_budget, sparse_pruning, dense_layers, sparse_sinks, sparse_window,
+                      code_bits, page_size, hash_path, hash_seed     (sparse decoding, any method)
       runtime         dtype, attention_backend, deepspeed_inference
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +30,7 @@ METHODS = ("dense", "ring", "star", "pulsar", "streaming")
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")
 DTYPES = ("float32", "bfloat16", "float16")
+SPARSE_POLICIES = ("none", "oracle_topk", "lsh", "spotlight", "quest")
 
 
 def _flag(name: str) -> str:
@@ -112,6 +116,61 @@ class RuntimeConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class SparseConfig:
+    """Sparse decoding (Spotlight Attention paper): every Phase-2 token attends, in each layer from
+    ``dense_layers`` on, to a budget of the context KV chosen for it by the policy (plus, always, the query's
+    and generated tokens' own KV). Nothing is evicted: the choice is made again at every step."""
+
+    sparse_policy: str = "none"  # none | oracle_topk | lsh | spotlight | quest
+    sparse_budget: int = 0  # context KV entries per step and KV head; 0: from sparse_pruning
+    sparse_pruning: float = 0.0  # or the fraction of the context KV pruned, e.g. 0.98 (budget >= 20 as in App. A.5)
+    dense_layers: int = 2  # the first layers attend densely (the paper keeps layers [0, 1] dense)
+    sparse_sinks: int = -1  # first context tokens always kept; -1: the policy's default (lsh 4, others 0)
+    sparse_window: int = -1  # last context tokens always kept; -1: the policy's default (lsh 64, others 0)
+    code_bits: int = 128  # lsh / spotlight hash code length (a multiple of 32)
+    page_size: int = 16  # quest: keys per page
+    hash_path: Optional[str] = None  # spotlight: trained hash weights (magnetar-calibrate spotlight); lsh: optional
+    hash_seed: int = 0  # lsh: seed of the random rotations
+
+    def __post_init__(self):
+        _require(self.sparse_policy in SPARSE_POLICIES, "sparse_policy",
+                 f"unknown policy {self.sparse_policy!r}; choose one of {SPARSE_POLICIES}")
+        _require(isinstance(self.sparse_budget, int) and self.sparse_budget >= 0, "sparse_budget",
+                 f"must be an int >= 0 tokens (0: use sparse_pruning), got {self.sparse_budget!r}")
+        _require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
+                 f"must be in [0, 1) (the fraction of context KV pruned, e.g. 0.98), got {self.sparse_pruning}")
+        if self.sparse_policy != "none":
+            _require((self.sparse_budget > 0) != (self.sparse_pruning > 0), "sparse_budget",
+                     "give exactly one of sparse_budget (tokens, > 0) and sparse_pruning (a rate in (0, 1)) for "
+                     f"policy {self.sparse_policy!r}, got budget {self.sparse_budget} and pruning {self.sparse_pruning}")
+        _require(self.dense_layers >= 0, "dense_layers", f"must be >= 0, got {self.dense_layers}")
+        _require(self.sparse_sinks >= -1, "sparse_sinks", f"must be >= 0 (or -1: the policy default), got {self.sparse_sinks}")
+        _require(self.sparse_window >= -1, "sparse_window",
+                 f"must be >= 0 (or -1: the policy default), got {self.sparse_window}")
+        _require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
+                 f"must be a positive multiple of 32 (codes are packed 32 bits to a word), got {self.code_bits}")
+        _require(self.page_size >= 1, "page_size", f"must be >= 1 keys per page, got {self.page_size}")
+        _require(self.sparse_policy != "spotlight" or bool(self.hash_path), "hash_path",
+                 "policy 'spotlight' needs trained hash weights: make them with `magnetar-calibrate spotlight "
+                 "--out hashes.pt` and pass hash_path=hashes.pt")
+
+    @property
+    def sinks(self) -> int:
+        return self.sparse_sinks if self.sparse_sinks >= 0 else (4 if self.sparse_policy == "lsh" else 0)
+
+    @property
+    def window(self) -> int:
+        return self.sparse_window if self.sparse_window >= 0 else (64 if self.sparse_policy == "lsh" else 0)
+
+    def budget(self, context_tokens: int) -> int:
+        """Context KV entries attended per step for a context of ``context_tokens`` (retrieved, besides the
+        sinks and window); at most the context."""
+        if self.sparse_budget > 0:
+            return min(self.sparse_budget, context_tokens)
+        return min(context_tokens, max(20, math.ceil((1.0 - self.sparse_pruning) * context_tokens)))
+
+
 SECTIONS = {
     "parallel": ParallelConfig,
     "blocks": BlockConfig,
@@ -119,6 +178,7 @@ SECTIONS = {
     "streaming": StreamingConfig,
     "decode": DecodeConfig,
     "runtime": RuntimeConfig,
+    "sparse": SparseConfig,
 }
 FLAT_FIELDS = {f.name: sec for sec, cls in SECTIONS.items() for f in fields(cls)}
 
@@ -132,6 +192,7 @@ class EngineConfig:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self):
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {METHODS}")
@@ -238,7 +299,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         elif "float" in kind:
             g.add_argument(_flag(name), type=float)
         else:
-            choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES}.get(name)
+            choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
+                       "sparse_policy": SPARSE_POLICIES}.get(name)
             g.add_argument(_flag(name), choices=choices)
     return parser
 

@@ -108,6 +108,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.sparse = None  # sparse decoding (config.sparse): the policy object the Phase-2 attention calls
+        if config.sparse.sparse_policy != "none":
+            from magnetar.sparse.select import SparseDecoder
+
+            self.sparse = SparseDecoder(config.sparse, model.config)
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +136,10 @@ class Engine:
             raise ValueError(
                 f"context ({L}) + query ({Q}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
                 f"model's {self.max_positions} positions (max_position_embeddings); shorten the context")
+        budget = self.config.sparse.sparse_budget
+        if self.sparse is not None and budget > L:
+            raise ValueError(f"sparse_budget ({budget} tokens) exceeds the context ({L} tokens): lower "
+                             f"--sparse-budget or give a pruning rate (--sparse-pruning 0.98) instead")
 
     def _eos_ids(self) -> list[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -182,7 +191,8 @@ class Engine:
             checker = self._stop_checker(stop)
             decs = run_phase2(self.model, cfg, shards, [q for _, q in toks], qpos, groups, self.device,
                               max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(),
-                              stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits)
+                              stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits,
+                              sparse=self.sparse, context_tokens=[int(c.numel()) for c, _ in toks])
 
         peak = _peak_memory(self.device)
         if self.simulated:  # every rank's figures were measured here; generated KV sits with rank 0
@@ -269,7 +279,8 @@ class Engine:
             else:
                 shard, start, stats = self._phase1_distributed(c)
             t0 = time.perf_counter()
-            logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device)
+            logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device,
+                               sparse=self.sparse, context_tokens=int(c.numel()))
             phase2_s = time.perf_counter() - t0
         seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
         return ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),

@@ -64,6 +64,8 @@ class ForwardContext:
     backend: str = "auto"
     stream: Optional[tuple[int, int]] = None  # prefill_stream: (sink tokens, window size)
     window: Optional[int] = None  # the current layer's sliding window (set by attend)
+    sparse: Optional[object] = None  # phase2: a magnetar.sparse.SparseDecoder (sparse decoding), or None
+    context_tokens: Optional[list[int]] = None  # phase2 with sparse: request b's whole context length (all ranks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
@@ -111,7 +113,13 @@ class ForwardContext:
             qb, pos = q[b : b + 1], self.positions[b]
             parts_o, parts_l = [], []
             ctx = self.shards[b].layers[layer]
-            if len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
+            if len(ctx) and self.sparse is not None and self.sparse.applies(layer, self.window):
+                L = self.context_tokens[b]  # sparse decoding: this shard's share of the request's budget
+                kk = self.sparse.share(self.sparse.cfg.budget(L), len(ctx), L)
+                o, l = self.sparse.attend(layer, qb, ctx, pos, kk, scale, L, backend=self.backend)
+                parts_o.append(o)
+                parts_l.append(l)
+            elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
                 o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=self.window,
                                           backend=self.backend)
                 parts_o.append(o)

@@ -16,7 +16,7 @@ import torch
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
 
-    __slots__ = ("_k", "_v", "_pos", "frozen", "k", "v", "pos")
+    __slots__ = ("_k", "_v", "_pos", "frozen", "k", "v", "pos", "aux")
 
     def __init__(self):
         self._k, self._v, self._pos = [], [], []
@@ -24,8 +24,10 @@ class LayerKV:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.pos: Optional[torch.Tensor] = None
+        self.aux: dict = {}  # data derived from k (sparse decoding: key codes, page bounds); reset on append
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        self.aux = {}
         if not self.frozen:
             self._k.append(k)
             self._v.append(v)

@@ -65,11 +65,14 @@ def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list
 @torch.inference_mode()
 def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list[torch.Tensor],
                query_positions: list[int], groups: ParallelGroups, device, *, max_new_tokens: int,
-               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False) -> list[DecodeResult]:
+               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False, sparse=None,
+               context_tokens: Optional[list[int]] = None) -> list[DecodeResult]:
     """Run a batch of queries through the model over their distributed KV, then decode each up to
     ``max_new_tokens``. Request b has context KV ``shards[b]``, query ids ``queries[b]`` starting at RoPE
     position ``query_positions[b]``; ``stop_checks[b](token_ids) -> bool`` (optional) ends it early.
-    Finished requests leave the batch; the others go on. One result per request.
+    Finished requests leave the batch; the others go on. One result per request. ``sparse`` (a
+    :class:`magnetar.sparse.select.SparseDecoder`) makes every Phase-2 token attend to a budget of the context
+    KV of request b, whose whole context (over all ranks) is ``context_tokens[b]`` tokens.
     """
     B = len(shards)
     leader = groups.is_cp_leader
@@ -87,7 +90,8 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
         ctx = ForwardContext("phase2", pos, shards=[shards[b] for b in active],
                              gens=[gens[b] for b in active] if gens is not None else None, valid=valid,
-                             group=groups.cp_group, timeout=groups.timeout, backend=backend)
+                             group=groups.cp_group, timeout=groups.timeout, backend=backend, sparse=sparse,
+                             context_tokens=[context_tokens[b] for b in active] if context_tokens else None)
         logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
                        logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
@@ -141,7 +145,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
 
 @torch.inference_mode()
 def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, start: int,
-                groups: ParallelGroups, device) -> torch.Tensor:
+                groups: ParallelGroups, device, *, sparse=None, context_tokens: Optional[int] = None) -> torch.Tensor:
     """Teacher-forced Phase 2 for perplexity: ``ids (S,)`` at RoPE positions ``start ...`` run as one query
     over the distributed context KV (plus, causally, each other); returns the log-probability of every
     ``ids[i + 1]`` given the context and ``ids[: i + 1]``, shape ``(S - 1,)``, float32, on every rank."""
@@ -155,7 +159,8 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
     S = int(ids.numel())
     pos = (start + torch.arange(S, device=device))[None]
     ctx = ForwardContext("phase2", pos, shards=[shard], gens=gens, valid=[S], group=groups.cp_group,
-                         timeout=groups.timeout, backend=config.runtime.attention_backend)
+                         timeout=groups.timeout, backend=config.runtime.attention_backend, sparse=sparse,
+                         context_tokens=[context_tokens] if context_tokens is not None else None)
     with nvtx_range("phase2/score"):
         logits = model(input_ids=ids.reshape(1, S).to(device), position_ids=pos, use_cache=False,
                        logits_to_keep=0, magnetar=ctx).logits[0, :-1].float()

@@ -126,6 +126,8 @@ def config_key(config: EngineConfig) -> str:
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
+    if d.get("sparse", {}).get("sparse_policy", "none") == "none":
+        d.pop("sparse", None)  # dense decoding: keys as before the sparse section existed
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 

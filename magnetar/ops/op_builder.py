@@ -1,4 +1,4 @@
-"""DeepSpeed op builders for Magnetar's C++/CUDA ops (currently the fused ``merge_states``).
+"""DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states`` and the Hamming top-k).
 
 Both builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
 :class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through
@@ -144,3 +144,33 @@ class MergeStatesCUDABuilder(CUDAOpBuilder):
                 print(f"[magnetar] {reason}")
             return False
         return super().is_compatible(verbose)
+
+
+def _x86_64() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class HammingBuilder(MergeStatesBuilder):
+    """CPU build of the bit-packing and Hamming top-k op (``csrc/hamming.cpp``) behind Spotlight/LSH decoding."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_HAMMING"
+    NAME = "magnetar_hamming"
+
+    def sources(self):
+        return [str(CSRC_DIR / "hamming.cpp")]
+
+    def cxx_args(self):
+        # the POPCNT instruction (every x86-64 CPU since 2008) instead of the compiler's bit-twiddling fallback
+        return super().cxx_args() + (["-mpopcnt"] if _x86_64() else [])
+
+
+class HammingCUDABuilder(MergeStatesCUDABuilder):
+    """CUDA build of the Hamming op (``csrc/hamming_cuda.cpp`` + ``csrc/hamming_kernel.cu``); not yet run on a GPU."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_HAMMING_CUDA"
+    NAME = "magnetar_hamming_cuda"
+
+    def sources(self):
+        return [str(CSRC_DIR / "hamming_cuda.cpp"), str(CSRC_DIR / "hamming_kernel.cu")]

@@ -1,0 +1,1 @@
+"""Sparse decoding: per-step KV selection (oracle top-k, LSH, Spotlight, Quest) over the full cache."""
