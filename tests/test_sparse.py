@@ -8,6 +8,7 @@ engine without sparse decoding.
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -295,3 +296,40 @@ def test_hash_file_round_trip_and_wrong_model(tmp_path):
                                   sparse_budget=8, code_bits=64, hash_path=str(tmp_path / "h.pt"))
     ctx, q = _ids(3)
     assert len(eng.generate(ctx, q, max_new_tokens=3).token_ids) == 3
+
+
+def test_score_variants_share_one_phase1_and_equal_separate_scores():
+    model = tiny_model("llama", seed=6, num_hidden_layers=4)
+    ctx, cont = _ids(12, L=61, Q=9)
+    with torch.no_grad():  # independent reference: HF's forward over context + continuation
+        logits = model(torch.cat((ctx, cont))[None], use_cache=False).logits[0, 61:-1]
+    ref = torch.log_softmax(logits.float(), -1).gather(1, cont[1:, None])[:, 0]
+    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False)
+    quest = SparseConfig(sparse_policy="quest", sparse_budget=16, page_size=4, dense_layers=1)
+    dense, full, q = eng.score_variants(ctx, cont, [None, SparseConfig(sparse_policy="oracle_topk", sparse_budget=61,
+                                                                         dense_layers=1), quest])
+    assert torch.allclose(dense.token_logprobs, ref, atol=1e-4) and torch.allclose(full.token_logprobs, ref, atol=1e-4)
+    alone = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, sparse_policy="quest",
+                                    sparse_budget=16, page_size=4, dense_layers=1).score(ctx, cont)
+    assert torch.allclose(q.token_logprobs, alone.token_logprobs, atol=1e-6)
+    assert (q.token_logprobs - ref).abs().max() > 1e-3  # 16 of 61 keys: not dense
+    assert dense.phase1_seconds == q.phase1_seconds  # one Phase 1 for all variants
+
+
+def test_sparse_ppl_report_and_runner_label(tmp_path):
+    from magnetar.eval.runner import config_key, method_label
+    from magnetar.sparse.evaluate import write_report
+
+    rows = []
+    for i in range(3):
+        for pol, rate, nll in (("none", 0.0, 100.0), ("oracle_topk", 0.9, 101.0), ("quest", 0.9, 120.0 + i)):
+            rows.append({"method": "dense", "length": 4096, "index": i, "variant_key": f"{pol}/{rate}", "policy": pol,
+                         "pruning": rate, "nll_sum": nll, "tokens": 50})
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    md = write_report(tmp_path)
+    assert "| dense (0 % pruned) | 7.389" in md and "| quest | 11.246 [" in md and "(n=3)" in md
+    assert (tmp_path / "sparse_ppl.png").stat().st_size > 1000
+    cfg = EngineConfig.create(sparse_policy="spotlight", sparse_pruning=0.9, hash_path="h.pt")
+    assert method_label(cfg) == "dense+spotlight(90% pruned)"
+    assert config_key(cfg) != config_key(EngineConfig())
+    assert config_key(EngineConfig()) == "de97319849"  # dense decoding keys did not change with the sparse section

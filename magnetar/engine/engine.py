@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from magnetar.config import EngineConfig
+from magnetar.config import EngineConfig, SparseConfig
 from magnetar.engine import hf
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
@@ -108,6 +108,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._decoders: dict = {}  # other sparse configs scored by score_variants
         self.sparse = None  # sparse decoding (config.sparse): the policy object the Phase-2 attention calls
         if config.sparse.sparse_policy != "none":
             from magnetar.sparse.select import SparseDecoder
@@ -265,26 +266,52 @@ class Engine:
         """Log-likelihood of ``continuation`` after ``context`` (for perplexity), with ``config.method``.
 
         Phase 1 encodes the context as for :meth:`generate`; the continuation then runs teacher-forced as
-        the Phase-2 query over the distributed KV. Token ``i + 1`` of the continuation is scored given the
-        context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities. Strings
-        are tokenized as plain text (no chat template, no special tokens).
+        the Phase-2 query over the distributed KV (with ``config.sparse``: each of its tokens attends to its
+        budget of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is scored
+        given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
+        Strings are tokenized as plain text (no chat template, no special tokens).
         """
+        return self.score_variants(context, continuation, [self.config.sparse])[0]
+
+    def score_variants(self, context: Union[str, torch.Tensor], continuation: Union[str, torch.Tensor],
+                       sparse: Sequence[Optional[SparseConfig]]) -> list[ScoreResult]:
+        """:meth:`score` once per sparse-decoding variant (None or policy ``none``: dense decoding) over ONE
+        Phase 1: the context KV is encoded once and shared, as only the decoding differs."""
         c, t = (self._plain_ids(x) for x in (context, continuation))
         if t.numel() < 2:
             raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
         self._check_lengths(int(c.numel()), int(t.numel()), 1)
+        decoders = [self._decoder(v) for v in sparse]
+        for v in sparse:
+            if v is not None and v.sparse_policy != "none" and v.sparse_budget > c.numel():
+                raise ValueError(f"sparse_budget ({v.sparse_budget} tokens) exceeds the context ({c.numel()} tokens)")
+        out = []
         with nvtx_range("magnetar/score"):
             if self.simulated:
                 shard, start, stats = self._phase1_simulated(c)
             else:
                 shard, start, stats = self._phase1_distributed(c)
-            t0 = time.perf_counter()
-            logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device,
-                               sparse=self.sparse, context_tokens=int(c.numel()))
-            phase2_s = time.perf_counter() - t0
-        seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
-        return ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
-                           phase1_seconds=seconds, phase2_seconds=phase2_s, simulated=self.simulated)
+            seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
+            for dec in decoders:
+                t0 = time.perf_counter()
+                logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device,
+                                   sparse=dec, context_tokens=int(c.numel()))
+                out.append(ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
+                                       phase1_seconds=seconds, phase2_seconds=time.perf_counter() - t0,
+                                       simulated=self.simulated))
+        return out
+
+    def _decoder(self, cfg: Optional[SparseConfig]):
+        """The sparse-decode policy object for ``cfg`` (cached: hash weights load once), None for dense."""
+        if cfg is None or cfg.sparse_policy == "none":
+            return None
+        if cfg == self.config.sparse:
+            return self.sparse
+        if cfg not in self._decoders:
+            from magnetar.sparse.select import SparseDecoder
+
+            self._decoders[cfg] = SparseDecoder(cfg, self.model.config)
+        return self._decoders[cfg]
 
     def _plain_ids(self, x) -> torch.Tensor:
         if isinstance(x, torch.Tensor):

@@ -156,7 +156,12 @@ def method_label(config: EngineConfig) -> str:
                 extra.append(f"{name} {getattr(p, name)}")
     if config.method == "streaming":
         extra.append(f"window {config.streaming.window_size}")
-    return config.method + (f"({', '.join(extra)})" if extra else "")
+    label = config.method + (f"({', '.join(extra)})" if extra else "")
+    sp = config.sparse
+    if sp.sparse_policy != "none":  # sparse decoding on top of the method, e.g. dense+spotlight(90% pruned)
+        amount = f"{100 * sp.sparse_pruning:g}% pruned" if sp.sparse_pruning else f"budget {sp.sparse_budget}"
+        label += f"+{sp.sparse_policy}({amount})"
+    return label
 
 
 def load_done(out_dir: Path) -> set[str]:

@@ -11,11 +11,13 @@
    pairs. AdamW with linear warm-up and cosine decay to 0, gradient clipping (Table 7, scaled to our data).
 3. **Measure** retrieval IoU with the oracle selection on held-out sequences, before and after (Table 1).
 
-Resumable: the collected tensors are cached next to the output, and the hash file is rewritten after every
+Resumable: the collected tensors are cached next to the output (shared by every hash trained on them), and the hash file is rewritten after every
 layer with the list of trained layers; a rerun with the same options goes on from the next layer.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import time
@@ -241,9 +243,11 @@ def calibrate(model, tokenizer, texts: list[str], out: str | Path, cfg: TrainCon
     if not layers:
         raise ValueError(f"dense_layers={cfg.dense_layers} leaves no layer to train (the model has "
                          f"{sig['num_hidden_layers']})")
-    cache = out.with_name(out.name + ".qk-cache.pt")
     key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "sequences", "held_out", "queries", "dense_layers",
                                                           "seed")}
+    # one collection serves every hash trained on it (mlp and lsh): named by the model and the sampling options
+    tag = hashlib.sha1(json.dumps([key, sig], sort_keys=True).encode()).hexdigest()[:10]
+    cache = out.parent / f"qk-cache-{sig['name_or_path'] or sig['model_type']}-{tag}.pt"
     data = None
     if cache.is_file():
         blob = torch.load(cache, weights_only=False)
