@@ -43,9 +43,33 @@ void check_codes(const torch::Tensor& q, const torch::Tensor& k) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "magnetar hamming (CPU op): codes must be on the CPU");
 }
 
-// scores of one (h, m) row over keys [n0, n1)
+// scores of one (h, m) row over keys [n0, n1); W known at compile time for the common code lengths (32-256
+// bits) so the word loop unrolls into straight popcnt instructions
+template <int64_t W>
+inline void row_scores_fixed(const uint32_t* qrow, int64_t G, const uint32_t* kh, int64_t n0, int64_t n1,
+                             int32_t* out) {
+  const int32_t full = static_cast<int32_t>(32 * W * G);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint32_t* kv = kh + n * W;
+    int32_t diff = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint32_t* qv = qrow + g * W;
+#pragma GCC unroll 8
+      for (int64_t w = 0; w < W; ++w) diff += popcount32(qv[w] ^ kv[w]);
+    }
+    out[n] = full - diff;
+  }
+}
+
 inline void row_scores(const uint32_t* qrow, int64_t G, int64_t W, const uint32_t* kh, int64_t n0, int64_t n1,
                        int32_t* out) {
+  switch (W) {
+    case 1: return row_scores_fixed<1>(qrow, G, kh, n0, n1, out);
+    case 2: return row_scores_fixed<2>(qrow, G, kh, n0, n1, out);
+    case 4: return row_scores_fixed<4>(qrow, G, kh, n0, n1, out);
+    case 8: return row_scores_fixed<8>(qrow, G, kh, n0, n1, out);
+    default: break;
+  }
   const int32_t full = static_cast<int32_t>(32 * W * G);
   for (int64_t n = n0; n < n1; ++n) {
     const uint32_t* kv = kh + n * W;
