@@ -124,6 +124,12 @@ def _vkey(v: SparseConfig) -> str:
     return f"{v.sparse_policy}/{v.sparse_pruning:g}/{v.dense_layers}/{Path(v.hash_path).name if v.hash_path else ''}"
 
 
+def _row_label(r: dict) -> str:
+    """The policy, plus the hash file for hashed policies (random and trained LSH are different rows)."""
+    hp = r.get("hash_path")
+    return r["policy"] + (f" [{Path(hp).stem}]" if hp and r["policy"] in ("lsh", "spotlight") else "")
+
+
 def write_report(out: Path) -> str:
     from magnetar.eval.ppl import perplexity_ci
 
@@ -132,14 +138,16 @@ def write_report(out: Path) -> str:
         return f"no results in {out}"
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["method"], r["length"], r["policy"], r["pruning"]), []).append(r)
+        groups.setdefault((r["method"], r["length"], _row_label(r), r["pruning"]), []).append(r)
     lengths = sorted({r["length"] for r in rows})
     methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "dense", m))
     rates = sorted({r["pruning"] for r in rows if r["policy"] != "none"})
-    policies = [p for p in SPARSE_POLICIES if any(r["policy"] == p for r in rows)]
+    order = {p: i for i, p in enumerate(SPARSE_POLICIES)}
+    policies = sorted({_row_label(r) for r in rows}, key=lambda x: (order.get(x.split(" ")[0], 99), x))
     lines = ["# Sparse decoding: perplexity (Shakespeare windows)", "",
              "Perplexity [95 % CI] of the scored tokens; n = windows. Pruning = fraction of the context KV each "
-             "decoded token does NOT attend to (in layers from `dense_layers` on).", ""]
+             "decoded token does NOT attend to (in layers from `dense_layers` on). `lsh` alone uses random SO(d) "
+             "rotations; a name in brackets is the trained hash file used.", ""]
     plot = {}
     for L in lengths:
         for method in methods:
