@@ -193,9 +193,11 @@ def encode(tokenizer, sample) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def items(args, tasks, lengths, methods) -> Iterator[tuple[str, int, str, int]]:
-    for method in methods:
-        for length in lengths:
-            for task in tasks:
+    """Every item, task by task with all methods of a task together: a run cut short leaves whole rows of the
+    table (every method on the same questions), not whole columns."""
+    for length in lengths:
+        for task in tasks:
+            for method in methods:
                 for index in range(args.samples * (len(NIAH_DEPTHS) if args.suite == "niah" else 1)):
                     yield method, length, task, index
 
