@@ -115,8 +115,9 @@ class SparseDecoder:
             bounds = kv.aux[(self.uid, "pages")] = (k.amax(2), k.amin(2))
         kmax, kmin = bounds
         qg = q[0].reshape(Hkv, G, S, D).float()
-        page = torch.maximum(torch.einsum("hgsd,hpd->hgspd", qg, kmax), torch.einsum("hgsd,hpd->hgspd", qg, kmin))
-        page = page.sum(-1).amax(1)  # (Hkv, S, P): upper bound of q.k per page, max over the group
+        # sum_d max(q_d max_d, q_d min_d) = q+ . max + q- . min (max_d >= min_d): two matmuls, no (.., P, D) tensor
+        page = torch.einsum("hgsd,hpd->hgsp", qg.clamp(min=0), kmax) + torch.einsum("hgsd,hpd->hgsp", qg.clamp(max=0), kmin)
+        page = page.amax(1)  # (Hkv, S, P): upper bound of q.k per page, max over the group
         if forced is not None:  # pages holding a sink or window key are always taken
             fp = torch.zeros(P * ps, dtype=torch.bool, device=forced.device)
             fp[:N] = forced
@@ -146,8 +147,12 @@ class SparseDecoder:
             kpos = kpos.masked_fill(~valid, BIG_POS)
         kpos = kpos.transpose(0, 1).reshape(S * Hkv, n)
         qs = q[0].reshape(Hkv, G, S, D).permute(2, 0, 1, 3).reshape(S * Hkv, G, 1, D)
-        qpos = q_pos.reshape(S, 1).expand(S, Hkv).reshape(S * Hkv, 1)
-        out, lse = attention_with_lse(qs, ks, vs, q_pos=qpos, k_pos=kpos, scale=scale, backend=backend)
+        if valid is None and int(kv.pos.max()) < int(q_pos.min()):
+            # every selected key precedes every query (Phase 2 follows its context): the mask-free path
+            out, lse = attention_with_lse(qs, ks, vs, causal=False, scale=scale, backend=backend)
+        else:
+            qpos = q_pos.reshape(S, 1).expand(S, Hkv).reshape(S * Hkv, 1)
+            out, lse = attention_with_lse(qs, ks, vs, q_pos=qpos, k_pos=kpos, scale=scale, backend=backend)
         out = out.reshape(S, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hq, S, D)
         lse = lse.reshape(S, Hkv, G).permute(1, 2, 0).reshape(1, Hq, S)
         return out, lse
