@@ -333,3 +333,39 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
     assert method_label(cfg) == "dense+spotlight(90% pruned)"
     assert config_key(cfg) != config_key(EngineConfig())
     assert config_key(EngineConfig()) == "de97319849"  # dense decoding keys did not change with the sparse section
+
+
+class _WordTokenizer:
+    """A stand-in tokenizer for the tiny models: one id per word (hash mod the vocabulary)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        import zlib
+
+        return {"input_ids": [zlib.crc32(w.encode()) % 256 for w in text.split()]}
+
+
+def test_calibrate_writes_trains_and_resumes(tmp_path):
+    from magnetar.sparse.train import calibrate
+
+    model = tiny_model("llama", seed=8, num_hidden_layers=3)
+    words = [f"w{i % 37}" for i in range(2000)]
+    texts = [" ".join(words[i:i + 500]) for i in range(0, 2000, 500)]
+    cfg = TrainConfig(seq_len=64, sequences=3, held_out=1, queries=8, passes=1, dense_layers=1, bits=32, hidden=16,
+                      max_top=2, max_oth=16, pruning=0.9)
+    path = tmp_path / "h.pt"
+    logs = []
+    bank = calibrate(model, _WordTokenizer(), texts, path, cfg, progress=False, log=logs.append)
+    assert bank.trained_layers == [1, 2] and set(bank.meta["iou_after"]) == {1, 2}
+    # as if the run had been cut after layer 1: the rerun trains layer 2 only, from the cached collection
+    cut = HashBank.load(path, model.config)
+    cut.trained_layers = [1]
+    cut.meta.pop("iou_after")
+    cut.W1.data[2].zero_()
+    cut.save(path)
+    again = calibrate(model, _WordTokenizer(), texts, path, cfg, progress=False, log=logs.append)
+    assert any("using the collected" in m for m in logs) and any("resuming" in m for m in logs)
+    assert again.trained_layers == [1, 2]
+    assert torch.equal(again.W1[1], bank.W1[1])  # layer 1 was not trained again
+    assert not torch.equal(again.W1[2], torch.zeros_like(again.W1[2]))  # layer 2 was
+    with pytest.raises(ValueError, match="corpus holds"):
+        calibrate(model, _WordTokenizer(), [" ".join(words[:100])], tmp_path / "other.pt", cfg, progress=False)

@@ -245,7 +245,11 @@ def calibrate(model, tokenizer, texts: list[str], out: str | Path, cfg: TrainCon
                          f"{sig['num_hidden_layers']})")
     key = {k: v for k, v in asdict(cfg).items() if k in ("seq_len", "sequences", "held_out", "queries", "dense_layers",
                                                           "seed")}
-    # one collection serves every hash trained on it (mlp and lsh): named by the model and the sampling options
+    corpus = hashlib.sha1()
+    for t in texts:
+        corpus.update(t.encode())
+    key["corpus"] = corpus.hexdigest()[:16]
+    # one collection serves every hash trained on it (mlp and lsh): named by the model, the text and the sampling
     tag = hashlib.sha1(json.dumps([key, sig], sort_keys=True).encode()).hexdigest()[:10]
     cache = out.parent / f"qk-cache-{sig['name_or_path'] or sig['model_type']}-{tag}.pt"
     data = None
