@@ -327,6 +327,7 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
                          "pruning": rate, "nll_sum": nll, "tokens": 50})
     (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     md = write_report(tmp_path)
+    assert "+2.0 % [+2.0, +2.0] vs dense" in md  # paired: 0.02 nats per token more on every window
     assert "| dense (0 % pruned) | 7.389" in md and "| quest | 11.246 [" in md and "(n=3)" in md
     assert (tmp_path / "sparse_ppl.png").stat().st_size > 1000
     cfg = EngineConfig.create(sparse_policy="spotlight", sparse_pruning=0.9, hash_path="h.pt")
