@@ -386,8 +386,8 @@ class _FailingBuilder:
 @pytest.mark.parametrize("compatible", [False, True])
 def test_unavailable_op_warns_once_and_falls_back(monkeypatch, caplog, compatible):
     builder = _FailingBuilder(compatible)
-    monkeypatch.setattr(fused_merge, "_modules", {})
-    monkeypatch.setattr(fused_merge, "_failures", {})
+    monkeypatch.setattr(fused_merge._op, "modules", {})
+    monkeypatch.setattr(fused_merge._op, "failures", {})
     monkeypatch.setattr(fused_merge, "_make_builder", lambda device_type: builder)
     expected = "boom" if compatible else "no C\\+\\+ compiler"
     with caplog.at_level(logging.WARNING, logger="magnetar.ops.fused_merge"):
@@ -426,8 +426,8 @@ def test_concurrent_first_calls_load_once(monkeypatch):
             time.sleep(0.2)
             return types.SimpleNamespace(merge_states=lambda o, l: (o[0], l[0]))
 
-    monkeypatch.setattr(fused_merge, "_modules", {})
-    monkeypatch.setattr(fused_merge, "_failures", {})
+    monkeypatch.setattr(fused_merge._op, "modules", {})
+    monkeypatch.setattr(fused_merge._op, "failures", {})
     monkeypatch.setattr(fused_merge, "_make_builder", lambda device_type: SlowBuilder())
     results = []
     def first_call():
@@ -443,7 +443,7 @@ def test_concurrent_first_calls_load_once(monkeypatch):
 
 
 def test_unsupported_device_type_is_unavailable_not_an_error(monkeypatch):
-    monkeypatch.setattr(fused_merge, "_failures", dict(fused_merge._failures))
+    monkeypatch.setattr(fused_merge._op, "failures", dict(fused_merge._op.failures))
     assert fused_merge.fused_merge_available("meta") is False
     assert "meta" in fused_merge.fused_merge_unavailable_reason("meta")
     assert fused_merge.fused_merge_available("not a device") is False
@@ -497,11 +497,11 @@ def test_import_builds_nothing():
         "import magnetar.ops.fused_merge as f\n"
         "import magnetar.ops.merge\n"
         "assert 'deepspeed' not in sys.modules, 'importing fused_merge must not import deepspeed'\n"
-        "assert not f._modules and not f._failures\n"
+        "assert not f._op.modules and not f._op.failures\n"
         "import magnetar.ops.op_builder\n"
         "from deepspeed.ops.op_builder.builder import OpBuilder\n"
         "assert not OpBuilder._loaded_ops, OpBuilder._loaded_ops\n"
-        "assert not f._modules and not f._failures\n"
+        "assert not f._op.modules and not f._op.failures\n"
         "print('LAZY-OK')\n"
     )
     res = _run_py(code)

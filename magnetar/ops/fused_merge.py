@@ -20,119 +20,44 @@ garbage there does not reach the result.
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
 from types import ModuleType
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from magnetar.ops.jit import DeviceLike, LazyOp
 
-DeviceLike = Union[str, torch.device, torch.Tensor]
-
-_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-_lock = threading.Lock()
-_modules: dict[str, ModuleType] = {}  # device type -> loaded extension module
-_failures: dict[str, str] = {}  # device type -> why the op is unavailable
 
-
-def _device_type(device: DeviceLike) -> str:
-    if isinstance(device, torch.Tensor):
-        return device.device.type
-    return torch.device(device).type
-
-
-def _verbose_build() -> bool:
-    return os.environ.get("MAGNETAR_VERBOSE_BUILD", "0") == "1"
-
-
-def _make_builder(device_type: str):
-    """The op builder for ``device_type``, or None when there is no fused op for it."""
+def _make_builder(dtype: str):
+    """The op builder for device type ``dtype``, or None when there is no fused op for it."""
     from magnetar.ops import op_builder  # imports DeepSpeed; deferred to the first load
 
-    if device_type == "cpu":
+    if dtype == "cpu":
         return op_builder.MergeStatesBuilder()
-    if device_type == "cuda":
+    if dtype == "cuda":
         return op_builder.MergeStatesCUDABuilder()
     return None
 
 
-def _try_load(device_type: str) -> tuple[Optional[ModuleType], Optional[str]]:
-    verbose = _verbose_build()
-    try:
-        builder = _make_builder(device_type)
-        if builder is None:
-            return None, (
-                f"no fused merge_states op for device type {device_type!r} "
-                f"(available for: {', '.join(_SUPPORTED_DEVICE_TYPES)})"
-            )
-        if not builder.is_compatible(verbose):
-            return None, builder.error_log or f"{builder.name} is not compatible with this machine"
-        module = builder.jit_load(verbose=verbose)
-        if not hasattr(module, "merge_states"):
-            return None, f"{builder.name} loaded but has no merge_states function (stale build cache?)"
-        return module, None
-    except Exception as err:  # noqa: BLE001 -- a failed build must never take the caller down
-        return None, f"{type(err).__name__}: {err}"
-
-
-def _load(device: DeviceLike) -> Optional[ModuleType]:
-    device_type = _device_type(device)
-    module = _modules.get(device_type)
-    if module is not None or device_type in _failures:
-        return module
-    with _lock:  # one build per device type per process; torch's file lock covers other processes
-        module = _modules.get(device_type)
-        if module is not None or device_type in _failures:
-            return module
-        module, reason = _try_load(device_type)
-        if module is not None:
-            _modules[device_type] = module
-        else:
-            _failures[device_type] = reason
-            shown = reason if len(reason) <= 4000 else reason[:1000] + "\n...\n" + reason[-3000:]
-            logger.warning(
-                "magnetar: the fused merge_states op is unavailable for %s tensors; merge_states(backend='auto') "
-                "uses the torch implementation (set MAGNETAR_VERBOSE_BUILD=1 for the build log). Reason: %s",
-                device_type,
-                shown,
-            )
-        return module
+# builds/loads once per device type per process; the builder is looked up at call time so tests can swap it
+_op = LazyOp("fused merge_states", lambda dtype: _make_builder(dtype), ("merge_states",), logger_name=__name__)
 
 
 def fused_merge_available(device: DeviceLike) -> bool:
     """Whether the fused op can run on ``device``'s type; builds/loads it on the first call. Never raises."""
-    try:
-        return _load(device) is not None
-    except Exception as err:  # noqa: BLE001 -- e.g. an unparsable device string
-        logger.warning("magnetar: fused_merge_available(%r) failed: %s", device, err)
-        return False
+    return _op.available(device)
 
 
 def fused_merge_unavailable_reason(device: DeviceLike) -> Optional[str]:
     """Why the fused op is unavailable on ``device``'s type, or None if it is available (loads it if needed)."""
-    if fused_merge_available(device):
-        return None
-    try:
-        return _failures.get(_device_type(device), "unknown reason")
-    except Exception as err:  # noqa: BLE001
-        return f"invalid device {device!r}: {err}"
+    return _op.unavailable_reason(device)
 
 
 def load_fused_merge_op(device: DeviceLike) -> ModuleType:
     """The loaded extension module for ``device``'s type; raises ``RuntimeError`` with the reason if unavailable."""
-    module = _load(device)
-    if module is None:
-        device_type = _device_type(device)
-        raise RuntimeError(
-            f"magnetar: the fused merge_states op is unavailable for {device_type} tensors: "
-            f"{_failures.get(device_type, 'unknown reason')}"
-        )
-    return module
+    return _op.load(device)
 
 
 def _check(outs: torch.Tensor, lses: torch.Tensor) -> None:

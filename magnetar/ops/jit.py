@@ -30,8 +30,10 @@ class LazyOp:
     """``make_builder(device_type)`` returns a DeepSpeed ``OpBuilder`` (or None: no op for that device type);
     the loaded module must define every name in ``required``."""
 
-    def __init__(self, what: str, make_builder: Callable[[str], object], required: tuple[str, ...]):
+    def __init__(self, what: str, make_builder: Callable[[str], object], required: tuple[str, ...],
+                 logger_name: Optional[str] = None):
         self.what, self.make_builder, self.required = what, make_builder, required
+        self.logger = logging.getLogger(logger_name) if logger_name else logger
         self._lock = threading.Lock()
         self.modules: dict[str, ModuleType] = {}
         self.failures: dict[str, str] = {}
@@ -41,7 +43,7 @@ class LazyOp:
         try:
             builder = self.make_builder(dtype)
             if builder is None:
-                return None, f"no {self.what} op for device type {dtype!r}"
+                return None, f"no {self.what} op for device type {dtype!r} (there is one for cpu and cuda)"
             if not builder.is_compatible(verbose):
                 return None, builder.error_log or f"{builder.name} is not compatible with this machine"
             module = builder.jit_load(verbose=verbose)
@@ -65,7 +67,7 @@ class LazyOp:
             else:
                 self.failures[dtype] = reason
                 shown = reason if len(reason) <= 4000 else reason[:1000] + "\n...\n" + reason[-3000:]
-                logger.warning("magnetar: the %s op is unavailable for %s tensors; the torch implementation is "
+                self.logger.warning("magnetar: the %s op is unavailable for %s tensors; the torch implementation is "
                                "used (MAGNETAR_VERBOSE_BUILD=1 shows the build log). Reason: %s", self.what, dtype, shown)
             return module
 
@@ -74,11 +76,16 @@ class LazyOp:
         try:
             return self._get(device) is not None
         except Exception as err:  # noqa: BLE001 -- e.g. an unparsable device string
-            logger.warning("magnetar: %s availability check for %r failed: %s", self.what, device, err)
+            self.logger.warning("magnetar: %s availability check for %r failed: %s", self.what, device, err)
             return False
 
     def unavailable_reason(self, device: DeviceLike) -> Optional[str]:
-        return None if self.available(device) else self.failures.get(device_type(device), "unknown reason")
+        if self.available(device):
+            return None
+        try:
+            return self.failures.get(device_type(device), "unknown reason")
+        except Exception as err:  # noqa: BLE001 -- an unparsable device string
+            return f"invalid device {device!r}: {err}"
 
     def load(self, device: DeviceLike) -> ModuleType:
         module = self._get(device)
