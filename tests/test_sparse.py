@@ -353,7 +353,7 @@ def test_calibrate_writes_trains_and_resumes(tmp_path):
     texts = [" ".join(words[i:i + 500]) for i in range(0, 2000, 500)]
     cfg = TrainConfig(seq_len=64, sequences=3, held_out=1, queries=8, passes=1, dense_layers=1, bits=32, hidden=16,
                       max_top=2, max_oth=16, pruning=0.9)
-    path = tmp_path / "h.pt"
+    path = tmp_path / "not" / "yet" / "h.pt"  # the folder is created (the collection is saved beside the hash)
     logs = []
     bank = calibrate(model, _WordTokenizer(), texts, path, cfg, progress=False, log=logs.append)
     assert bank.trained_layers == [1, 2] and set(bank.meta["iou_after"]) == {1, 2}

@@ -238,6 +238,7 @@ def calibrate(model, tokenizer, texts: list[str], out: str | Path, cfg: TrainCon
               log=print) -> HashBank:
     """Collect, train every layer (resuming a partial ``out``), measure IoU; returns the trained bank."""
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the collection, which is saved beside it
     sig = model_signature(model.config)
     layers = list(range(cfg.dense_layers, sig["num_hidden_layers"]))
     if not layers:
@@ -261,7 +262,9 @@ def calibrate(model, tokenizer, texts: list[str], out: str | Path, cfg: TrainCon
     if data is None:
         seqs = text_sequences(tokenizer, texts, cfg.seq_len, cfg.sequences + cfg.held_out)
         data = collect(model, seqs, cfg, progress=progress)
-        torch.save({"key": key, "signature": sig, "data": data}, cache)
+        tmp = cache.with_suffix(".pt.tmp")
+        torch.save({"key": key, "signature": sig, "data": data}, tmp)
+        tmp.replace(cache)  # never a half-written cache
     train, held = data[: cfg.sequences], data[cfg.sequences:]
 
     bank = None
