@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -141,6 +142,7 @@ def test_runner_ppl_suite_matches_hf_loss(tmp_path):
         assert abs(r["nll_sum"] - nll) < 1e-3 * max(1.0, nll), (r["nll_sum"], nll)
     md = (tmp_path / "report.md").read_text()
     assert "### ppl" in md and "| dense |" in md and "| pulsar |" in md and "(n=2, 64 tok)" in md
+    assert re.search(r"\| pulsar \| [0-9.]+ \[[0-9.]+, [0-9.]+\] \(n=2, 64 tok\); [+-][0-9.]+ % \[", md), md
     assert (tmp_path / "ppl_vs_length.png").stat().st_size > 1000
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import magnetar
-from magnetar.eval.ppl import perplexity_ci, ppl_window
+from magnetar.eval.ppl import paired_change, perplexity_ci, ppl_window
 from tests.dist_utils import run_distributed
 from tests.tiny_models import tiny_model
 
@@ -69,6 +69,19 @@ def test_perplexity_interval():
     assert perplexity_ci([5.0], [5])[1:3] == (math.e, math.e)
     with pytest.raises(ValueError):
         perplexity_ci([], [])
+
+
+def test_paired_change():
+    # windows differ a lot (1.0 vs 3.0 NLL/token) but the method adds 0.1 or 0.3 to each: paired, that is
+    # a clear +22 % whose interval excludes 0, although the unpaired intervals would overlap widely
+    ref = {0: 1.0, 1: 3.0, 7: 2.0}
+    pct, lo, hi, n = paired_change({0: 1.1, 1: 3.3, 9: 5.0}, ref)  # window 9 has no partner: ignored
+    assert n == 2 and math.isclose(pct, 100 * (math.exp(0.2) - 1))
+    h = 1.96 * math.sqrt((0.1 ** 2 + 0.1 ** 2) / 1 / 2)
+    assert math.isclose(lo, 100 * (math.exp(0.2 - h) - 1)) and math.isclose(hi, 100 * (math.exp(0.2 + h) - 1))
+    assert lo > 0
+    assert paired_change({5: 1.0}, ref) is None
+    assert paired_change({0: 1.0}, ref)[:3] == (0.0, 0.0, 0.0)
 
 
 def _hf_logprobs(model, ctx, cont):

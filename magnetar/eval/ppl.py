@@ -91,3 +91,17 @@ def perplexity_ci(nll_sums: list[float], tokens: list[int]) -> tuple[float, floa
     m = sum(means) / n
     h = 1.96 * math.sqrt(sum((x - m) ** 2 for x in means) / (n - 1) / n) if n > 1 else 0.0
     return ppl, math.exp(math.log(ppl) - h), math.exp(math.log(ppl) + h), n
+
+
+def paired_change(nll: dict, ref: dict) -> tuple[float, float, float, int] | None:
+    """The change of a method vs a reference on the SAME windows: ``exp(mean per-window NLL difference) - 1``
+    in percent, with a 95 % interval from the spread of the differences -- windows differ far more from each
+    other than methods do, so pairing them is what makes small changes visible. ``nll`` / ``ref`` map a window
+    id to its mean NLL per token; returns ``(pct, low, high, n_pairs)`` or None when no window is shared."""
+    d = [nll[k] - ref[k] for k in nll if k in ref]
+    if not d:
+        return None
+    m = sum(d) / len(d)
+    h = 1.96 * math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else 0.0
+    lo, mid, hi = (100 * (math.exp(x) - 1) for x in (m - h, m, m + h))
+    return mid, lo, hi, len(d)

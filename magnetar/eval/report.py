@@ -111,33 +111,39 @@ def table(rows: list[dict]) -> str:
 
 
 def ppl_table(rows: list[dict]) -> str:
-    """Perplexity per method and context length, with the windows' 95 % interval and the change vs dense."""
-    from magnetar.eval.ppl import perplexity_ci
+    """Perplexity per method and context length, with the windows' 95 % interval, and the change vs dense on
+    the same windows (paired, with its own interval)."""
+    from magnetar.eval.ppl import paired_change, perplexity_ci
 
-    by = defaultdict(lambda: ([], []))
+    by = defaultdict(dict)  # (label, length) -> window index -> (nll_sum, tokens)
     for r in rows:
         if r.get("suite") == "ppl":
-            nll, tok = by[(label(r), r["length"])]
-            nll.append(float(r["nll_sum"]))
-            tok.append(int(r["tokens"]))
+            by[(label(r), r["length"])][r["index"]] = (float(r["nll_sum"]), int(r["tokens"]))
     if not by:
         return ""
     lengths = sorted({k[1] for k in by})
     labels = sorted({k[0] for k in by}, key=lambda m: (m != "dense", m))
-    dense = {length: perplexity_ci(*by[("dense", length)])[0] for length in lengths if ("dense", length) in by}
-    out = ["### ppl\n", "Perplexity of the scored continuation tokens, exp(Σ NLL / Σ tokens); [95 % interval over "
-           "windows]; (change vs dense at the same length).\n",
+    out = ["### ppl\n", "Perplexity of the scored continuation tokens, exp(Σ NLL / Σ tokens) [95 % interval over "
+           "windows] (n windows, scored tokens); then the change vs dense on the same windows, exp(mean per-window "
+           "NLL difference) − 1 [95 % interval of the paired differences].\n",
            "| method | " + " | ".join(f"context {_len(length)}" for length in lengths) + " |",
            "|---|" + "---:|" * len(lengths)]
     for lab in labels:
         cells = []
         for length in lengths:
-            if (lab, length) not in by:
+            win = by.get((lab, length))
+            if not win:
                 cells.append("-")
                 continue
-            ppl, lo, hi, n = perplexity_ci(*by[(lab, length)])
-            delta = f" ({100 * (ppl / dense[length] - 1):+.2f} %)" if length in dense and lab != "dense" else ""
-            cells.append(f"{ppl:.3f} [{lo:.2f}, {hi:.2f}] (n={n}, {sum(by[(lab, length)][1])} tok){delta}")
+            ppl, lo, hi, n = perplexity_ci([v[0] for v in win.values()], [v[1] for v in win.values()])
+            cell = f"{ppl:.3f} [{lo:.2f}, {hi:.2f}] (n={n}, {sum(v[1] for v in win.values())} tok)"
+            ref = by.get(("dense", length))
+            if ref and lab != "dense":
+                ch = paired_change({k: a / b for k, (a, b) in win.items()}, {k: a / b for k, (a, b) in ref.items()})
+                if ch is not None:
+                    cell += f"; {ch[0]:+.2f} % [{ch[1]:+.2f}, {ch[2]:+.2f}] vs dense" + (
+                        f" (n={ch[3]} paired)" if ch[3] != n else "")
+            cells.append(cell)
         out.append(f"| {lab} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -125,20 +125,12 @@ def _vkey(v: SparseConfig) -> str:
 
 
 def _paired(rows: list[dict], base: list[dict] | None) -> str:
-    """The change vs dense decoding on the same windows: exp(mean per-window NLL difference) - 1, with a 95 %
-    interval from the spread of the differences (windows differ far more than methods, so pairing matters)."""
-    import math
+    """The change vs dense decoding on the same windows (see :func:`magnetar.eval.ppl.paired_change`)."""
+    from magnetar.eval.ppl import paired_change
 
-    if not base:
-        return ""
-    ref = {r["index"]: r["nll_sum"] / r["tokens"] for r in base}
-    d = [r["nll_sum"] / r["tokens"] - ref[r["index"]] for r in rows if r["index"] in ref]
-    if not d:
-        return ""
-    m = sum(d) / len(d)
-    h = 1.96 * math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else 0.0
-    pct = [100 * (math.exp(x) - 1) for x in (m, m - h, m + h)]
-    return f"; {pct[0]:+.1f} % [{pct[1]:+.1f}, {pct[2]:+.1f}] vs dense"
+    ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in rows},
+                       {r["index"]: r["nll_sum"] / r["tokens"] for r in base or ()})
+    return "" if ch is None else f"; {ch[0]:+.1f} % [{ch[1]:+.1f}, {ch[2]:+.1f}] vs dense"
 
 
 def _row_label(r: dict) -> str:
