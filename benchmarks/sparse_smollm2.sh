@@ -3,6 +3,7 @@
 #
 #   benchmarks/sparse_smollm2.sh hashes     # train the Spotlight (MLP) hash and the linear (LSH) one; IoU tables
 #   benchmarks/sparse_smollm2.sh ppl        # perplexity: dense vs oracle_topk / lsh / quest / spotlight x pruning
+#   benchmarks/sparse_smollm2.sh table1     # Table 1's PPL columns: random-init MLP and trained LSH hashes, 98 % pruned
 #   benchmarks/sparse_smollm2.sh ppl_cp     # the same over Pulsar's distributed KV (4 simulated ranks)
 #   benchmarks/sparse_smollm2.sh niah       # NIAH grid, dense decoding vs Spotlight at 90 % pruning
 #   benchmarks/sparse_smollm2.sh kernel     # Hamming top-k op vs the memory-bandwidth floor
@@ -23,6 +24,13 @@ part() {
       "$BIN/magnetar-calibrate" spotlight --hash lsh --out "$LSH" --threads "$THREADS" ;;
     ppl) "$BIN/python" -m magnetar.sparse.evaluate --policies "$POL" --pruning 0.9,0.95,0.98 --hash-path "$MLP" \
            --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
+    table1)
+      "$BIN/python" -c "import sys; from magnetar.sparse.hashing import HashBank; \
+HashBank.load(sys.argv[1]).initial().save(sys.argv[2])" "$MLP" "${MLP%.pt}-untrained.pt"
+      "$BIN/python" -m magnetar.sparse.evaluate --policies spotlight --pruning 0.98 --hash-path "${MLP%.pt}-untrained.pt" \
+           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
+      "$BIN/python" -m magnetar.sparse.evaluate --policies lsh --pruning 0.98 --lsh-hash-path "$LSH" \
+           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     ppl_cp) "$BIN/python" -m magnetar.sparse.evaluate --methods pulsar --policies oracle_topk,spotlight \
            --pruning 0.9,0.98 --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     niah) for extra in "" "--sparse-policy spotlight --sparse-pruning 0.9 --hash-path $MLP"; do
@@ -31,8 +39,8 @@ part() {
               --deepspeed-inference false --out runs/sparse_niah $extra
           done ;;
     kernel) "$BIN/python" benchmarks/bench_hamming.py --keys 65536,524288 --threads "$THREADS" ;;
-    all) for p in hashes ppl ppl_cp niah kernel; do part "$p"; done ;;
-    *) echo "unknown part $1 (hashes ppl ppl_cp niah kernel all)" >&2; exit 2 ;;
+    all) for p in hashes ppl table1 ppl_cp niah kernel; do part "$p"; done ;;
+    *) echo "unknown part $1 (hashes ppl table1 ppl_cp niah kernel all)" >&2; exit 2 ;;
   esac
 }
 part "${1:-all}"

@@ -105,6 +105,17 @@ class HashBank(torch.nn.Module):
                     "meta": self.meta}, tmp)
         tmp.replace(path)  # never a half-written file
 
+    def initial(self) -> "HashBank":
+        """This bank as it was before training: the same kind, sizes and seed (from the training config in
+        ``meta``), untrained -- Table 1's "before" column, usable by the engine like any hash file."""
+        cfg = self.meta.get("train_config")
+        if not cfg:
+            raise ValueError("this hash bank has no training config in its metadata (was it trained by "
+                             "`magnetar-calibrate spotlight`?)")
+        bank = HashBank(self.kind, self.signature, bits=self.bits, hidden=self.hidden, seed=cfg["seed"])
+        bank.meta = {"train_config": dict(cfg), "untrained": True, "iou_before": self.meta.get("iou_before")}
+        return bank.eval().requires_grad_(False)
+
     @classmethod
     def load(cls, path: str | Path, config=None) -> "HashBank":
         """Load hash weights; with a model ``config`` check they were made for this model."""
