@@ -4,6 +4,7 @@
 #   benchmarks/sparse_smollm2.sh hashes     # train the Spotlight (MLP) hash and the linear (LSH) one; IoU tables
 #   benchmarks/sparse_smollm2.sh ppl        # perplexity: dense vs oracle_topk / lsh / quest / spotlight x pruning
 #   benchmarks/sparse_smollm2.sh table1     # Table 1's PPL columns: random-init MLP and trained LSH hashes, 98 % pruned
+#   benchmarks/sparse_smollm2.sh sinks      # the same with sinks+window swapped: spotlight with MagicPIG's 4+64, lsh without
 #   benchmarks/sparse_smollm2.sh ppl_cp     # the same over Pulsar's distributed KV (4 simulated ranks)
 #   benchmarks/sparse_smollm2.sh niah       # NIAH grid, dense decoding vs Spotlight at 90 % pruning
 #   benchmarks/sparse_smollm2.sh kernel     # Hamming top-k op vs the memory-bandwidth floor
@@ -31,6 +32,11 @@ HashBank.load(sys.argv[1]).initial().save(sys.argv[2])" "$MLP" "${MLP%.pt}-untra
            --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
       "$BIN/python" -m magnetar.sparse.evaluate --policies lsh --pruning 0.98 --lsh-hash-path "$LSH" \
            --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
+    sinks)
+      "$BIN/python" -m magnetar.sparse.evaluate --policies spotlight --sinks 4 --window 64 --pruning 0.9,0.95,0.98 \
+           --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
+      "$BIN/python" -m magnetar.sparse.evaluate --policies lsh --sinks 0 --window 0 --pruning 0.9,0.95,0.98 \
+           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     ppl_cp) "$BIN/python" -m magnetar.sparse.evaluate --methods pulsar --policies oracle_topk,spotlight \
            --pruning 0.9,0.98 --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     niah) for extra in "" "--sparse-policy spotlight --sparse-pruning 0.9 --hash-path $MLP"; do
@@ -39,8 +45,8 @@ HashBank.load(sys.argv[1]).initial().save(sys.argv[2])" "$MLP" "${MLP%.pt}-untra
               --deepspeed-inference false --out runs/sparse_niah $extra
           done ;;
     kernel) "$BIN/python" benchmarks/bench_hamming.py --keys 65536,524288 --threads "$THREADS" ;;
-    all) for p in hashes ppl table1 ppl_cp niah kernel; do part "$p"; done ;;
-    *) echo "unknown part $1 (hashes ppl table1 ppl_cp niah kernel all)" >&2; exit 2 ;;
+    all) for p in hashes ppl table1 sinks ppl_cp niah kernel; do part "$p"; done ;;
+    *) echo "unknown part $1 (hashes ppl table1 sinks ppl_cp niah kernel all)" >&2; exit 2 ;;
   esac
 }
 part "${1:-all}"

@@ -116,6 +116,10 @@ class RuntimeConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
+# (sinks, window) each policy keeps by default, on top of its budget: MagicPIG's setting for lsh; none otherwise
+SPARSE_DEFAULT_SINKS_WINDOW = {"lsh": (4, 64)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SparseConfig:
     """Sparse decoding (Spotlight Attention paper): every Phase-2 token attends, in each layer from
@@ -157,11 +161,11 @@ class SparseConfig:
 
     @property
     def sinks(self) -> int:
-        return self.sparse_sinks if self.sparse_sinks >= 0 else (4 if self.sparse_policy == "lsh" else 0)
+        return self.sparse_sinks if self.sparse_sinks >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[0]
 
     @property
     def window(self) -> int:
-        return self.sparse_window if self.sparse_window >= 0 else (64 if self.sparse_policy == "lsh" else 0)
+        return self.sparse_window if self.sparse_window >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[1]
 
     def budget(self, context_tokens: int) -> int:
         """Context KV entries attended per step for a context of ``context_tokens`` (retrieved, besides the

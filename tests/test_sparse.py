@@ -330,6 +330,19 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
     assert "+2.0 % [+2.0, +2.0] vs dense" in md  # paired: 0.02 nats per token more on every window
     assert "| dense (0 % pruned) | 7.389" in md and "| quest | 11.246 [" in md and "(n=3)" in md
     assert (tmp_path / "sparse_ppl.png").stat().st_size > 1000
+    # lsh keeps MagicPIG's sinks and window by default, on top of its budget; the rows say so, and a run that
+    # overrides them is a separate row and a separate key (the default variant's key is unchanged)
+    from magnetar.sparse.evaluate import _vkey, build_parser, variants
+
+    extra = [dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9"),
+             dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9/s0w0", sinks=0, window=0)]
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write("\n".join(json.dumps(r) for r in extra) + "\n")
+    md = write_report(tmp_path)
+    assert "| lsh +4 sinks +64 window | " in md and "| lsh | " in md
+    keys = {_vkey(v) for a in (["--policies", "lsh"], ["--policies", "lsh", "--sinks", "0", "--window", "0"])
+            for v in variants(build_parser().parse_args(a + ["--pruning", "0.9", "--out", "x"]))}
+    assert keys == {"none/0/2/", "lsh/0.9/2/", "lsh/0.9/2//s0w0"}
     cfg = EngineConfig.create(sparse_policy="spotlight", sparse_pruning=0.9, hash_path="h.pt")
     assert method_label(cfg) == "dense+spotlight(90% pruned)"
     assert config_key(cfg) != config_key(EngineConfig())

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from magnetar.config import SPARSE_POLICIES, EngineConfig, SparseConfig
+from magnetar.config import SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
 
 
 def variant_label(v: SparseConfig) -> str:
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash-path", help="spotlight hash weights (magnetar-calibrate spotlight)")
     p.add_argument("--lsh-hash-path", help="optional trained LSH weights (default: random rotations)")
     p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--sinks", type=int, default=-1,
+                   help="first context tokens always attended, on top of the budget (-1: the policy default, lsh 4)")
+    p.add_argument("--window", type=int, default=-1,
+                   help="last context tokens always attended, on top of the budget (-1: the policy default, lsh 64)")
     p.add_argument("--lengths", default="4k")
     p.add_argument("--windows", type=int, default=16)
     p.add_argument("--target-tokens", type=int, default=256)
@@ -58,7 +62,7 @@ def variants(args) -> list[SparseConfig]:
             if policy == "spotlight" and not path:
                 raise SystemExit("policy spotlight needs --hash-path (train it with `magnetar-calibrate spotlight`)")
             out.append(SparseConfig(sparse_policy=policy, sparse_pruning=rate, dense_layers=args.dense_layers,
-                                    hash_path=path))
+                                    hash_path=path, sparse_sinks=args.sinks, sparse_window=args.window))
     return out
 
 
@@ -112,7 +116,8 @@ def run(args) -> int:
                 f.write(json.dumps({"method": method, "length": L, "index": i, "variant_key": _vkey(v),
                                     "policy": v.sparse_policy, "pruning": v.sparse_pruning,
                                     "budget": v.budget(L) if v.sparse_policy != "none" else L,
-                                    "dense_layers": v.dense_layers, "hash_path": v.hash_path, **win.metadata,
+                                    "dense_layers": v.dense_layers, "hash_path": v.hash_path,
+                                    "sinks": v.sinks, "window": v.window, **win.metadata,
                                     "nll_sum": res.nll_sum, "tokens": res.tokens, "ppl": res.perplexity,
                                     "phase2_s": res.phase2_seconds, "window_s": time.perf_counter() - t0}) + "\n")
         bar.set_postfix(method=method, length=L)
@@ -121,7 +126,10 @@ def run(args) -> int:
 
 
 def _vkey(v: SparseConfig) -> str:
-    return f"{v.sparse_policy}/{v.sparse_pruning:g}/{v.dense_layers}/{Path(v.hash_path).name if v.hash_path else ''}"
+    key = f"{v.sparse_policy}/{v.sparse_pruning:g}/{v.dense_layers}/{Path(v.hash_path).name if v.hash_path else ''}"
+    if v.sparse_policy != "none" and (v.sparse_sinks != -1 or v.sparse_window != -1):
+        key += f"/s{v.sinks}w{v.window}"  # policy defaults keep the key they always had
+    return key
 
 
 def _paired(rows: list[dict], base: list[dict] | None) -> str:
@@ -134,9 +142,16 @@ def _paired(rows: list[dict], base: list[dict] | None) -> str:
 
 
 def _row_label(r: dict) -> str:
-    """The policy, plus the hash file for hashed policies (random and trained LSH are different rows)."""
-    hp = r.get("hash_path")
-    return r["policy"] + (f" [{Path(hp).stem}]" if hp and r["policy"] in ("lsh", "spotlight") else "")
+    """The policy, the hash file for hashed policies (random and trained LSH are different rows) and the
+    sinks / window attended on top of the budget."""
+    hp, pol = r.get("hash_path"), r["policy"]
+    label = pol + (f" [{Path(hp).stem}]" if hp and pol in ("lsh", "spotlight") else "")
+    if pol != "none":
+        default = SPARSE_DEFAULT_SINKS_WINDOW.get(pol, (0, 0))  # records written before sinks/window were stored
+        sinks, window = r.get("sinks", default[0]), r.get("window", default[1])
+        if sinks or window:
+            label += f" +{sinks} sinks +{window} window"
+    return label
 
 
 def write_report(out: Path) -> str:
@@ -155,8 +170,9 @@ def write_report(out: Path) -> str:
     policies = sorted({_row_label(r) for r in rows}, key=lambda x: (order.get(x.split(" ")[0], 99), x))
     lines = ["# Sparse decoding: perplexity (Shakespeare windows)", "",
              "Perplexity [95 % CI] of the scored tokens; n = windows. Pruning = fraction of the context KV each "
-             "decoded token does NOT attend to (in layers from `dense_layers` on). `lsh` alone uses random SO(d) "
-             "rotations; a name in brackets is the trained hash file used. The change vs dense decoding is paired "
+             "decoded token does NOT attend to (in layers from `dense_layers` on); sinks / window (when a row names "
+             "them) are attended on top of that budget, as MagicPIG runs. `lsh` alone uses random SO(d) "
+             "rotations; a name in brackets is the hash file used. The change vs dense decoding is paired "
              "(same windows): exp(mean per-window NLL difference) - 1 with its 95 % interval.", ""]
     plot = {}
     for L in lengths:
