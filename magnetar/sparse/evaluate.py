@@ -196,7 +196,8 @@ def write_report(out: Path) -> str:
                     p, lo, hi, n = perplexity_ci([r["nll_sum"] for r in g], [r["tokens"] for r in g])
                     cells.append(f"{p:.3f} [{lo:.3f}, {hi:.3f}] (n={n})" + _paired(g, base))
                     plot.setdefault((L, method, pol), []).append((rate, p))
-                lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+                if any(c != "-" for c in cells):  # a policy not run over this Phase 1 gets no row
+                    lines.append(f"| {pol} | " + " | ".join(cells) + " |")
             lines.append("")
     md = "\n".join(lines)
     (Path(out) / "report.md").write_text(md + "\n")
