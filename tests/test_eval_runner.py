@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 
 import pytest
@@ -160,3 +161,28 @@ def test_report_ablation_rows_and_labels():
     md = table(rows)  # five variants: one row each, tasks as columns, never pooled into one "pulsar"
     assert "| method | length | qa1 | qa3 | **average** |" in md
     assert "| pulsar(bm25) | 4K | 50.0 ± 56.6 (n=4) | 50.0 ± 56.6 (n=4) | **50.0** |" in md
+
+
+def test_report_scorer_ablation_pivot():
+    from magnetar.eval.report import scorer_ablation_table
+
+    def pulsar(scorer, budget):
+        return {"pulsar": {"scorer": scorer, "summary_budget": budget}}
+
+    # perplexity: every scorer adds a known NLL per token to dense's windows (which differ a lot)
+    rows = [{"suite": "ppl", "method": "dense", "length": 4096, "index": i, "nll_sum": 10.0 * (1 + i), "tokens": 10,
+             "config": pulsar("max_idf", 0.125)} for i in range(3)]
+    extra = {("max_idf", 0.125): 0.01, ("bm25", 0.125): 0.05, ("max_idf", 0.25): 0.0}
+    for (sc, b), d in extra.items():
+        rows += [{"suite": "ppl", "method": "pulsar", "length": 4096, "index": i, "nll_sum": 10.0 * (1 + i + d),
+                  "tokens": 10, "config": pulsar(sc, b)} for i in range(3)]
+    md = scorer_ablation_table(rows)
+    assert "| scorer | budget 0.125 | budget 0.25 |" in md
+    assert f"| max_idf | {100 * (math.exp(0.01) - 1):+.2f} [" in md and "| +0.00 [+0.00, +0.00] (n=3) |" in md
+    assert f"| bm25 | {100 * (math.exp(0.05) - 1):+.2f} [" in md and md.rstrip().endswith("| - |")
+    # task suites: the mean over tasks and samples
+    acc = [{"suite": "babilong", "method": "pulsar", "task": t, "length": 4096, "index": i, "score": float(sc == "even"),
+            "config": pulsar(sc, 0.125)} for sc in ("even", "tfidf") for t in ("qa1", "qa3") for i in range(2)]
+    md = scorer_ablation_table(acc)
+    assert "| tfidf | 0.0 ± 0.0 (n=4) |" in md and "| even | 100.0 ± 0.0 (n=4) |" in md
+    assert scorer_ablation_table(acc[:4]) == ""  # one scorer, one budget: no ablation

@@ -148,6 +148,52 @@ def ppl_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def scorer_ablation_table(rows: list[dict]) -> str:
+    """Pulsar Table 3's shape when Pulsar ran with several scorers or summary budgets: one row per scorer, one
+    column per budget. Perplexity rows give the paired change vs dense at the same length (lower is better),
+    task rows the mean score over every task with its n (higher is better). Empty when there is no ablation."""
+    from magnetar.eval.ppl import paired_change
+
+    pul = [r for r in rows if r.get("method") == "pulsar" and isinstance(r.get("config"), dict)]
+    cells = defaultdict(list)
+    for r in pul:
+        cfg = r["config"].get("pulsar", {})
+        cells[(r.get("suite"), r["length"], cfg.get("scorer"), cfg.get("summary_budget"))].append(r)
+    scorers = {k[2] for k in cells}
+    budgets = {k[3] for k in cells}
+    if len(scorers) * len(budgets) < 2:
+        return ""
+    dense = defaultdict(dict)
+    for r in rows:
+        if r.get("method") == "dense" and r.get("suite") == "ppl":
+            dense[r["length"]][r["index"]] = r["nll_sum"] / r["tokens"]
+    order = ["max_idf", "tfidf", "bm25", "entropy", "even"]
+    scorers = sorted(scorers, key=lambda x: (order.index(x) if x in order else 99, str(x)))
+    budgets = sorted(budgets)
+    out = []
+    for suite, length in sorted({(k[0], k[1]) for k in cells}):
+        ppl = suite == "ppl"
+        what = ("perplexity change vs dense on the same windows, % [95 % interval] (lower is better)" if ppl
+                else "mean score over the tasks ± 95 % interval (n) (higher is better)")
+        out += [f"### Pulsar scorer × summary budget, {suite} @ {_len(length)}\n", f"{what}.\n",
+                "| scorer | " + " | ".join(f"budget {b:g}" for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+        for sc in scorers:
+            line = []
+            for b in budgets:
+                g = cells.get((suite, length, sc, b))
+                if not g:
+                    line.append("-")
+                elif ppl:
+                    ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in g}, dense[length])
+                    line.append("no dense rows" if ch is None else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
+                else:
+                    sc_ = [float(r["score"]) for r in g if r.get("score") is not None]
+                    line.append(_fmt(mean_ci(sc_)) if sc_ else "-")
+            out.append(f"| {sc} | " + " | ".join(line) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -237,6 +283,8 @@ def write_report(out_dir: Path) -> str:
         raise SystemExit(f"no results*.jsonl in {out_dir}: run magnetar-eval with --out {out_dir} first")
     rows = load(out_dir)
     md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
+    ablation = scorer_ablation_table(rows)
+    md += ("\n" + ablation) if ablation else ""
     pngs = plots(rows, Path(out_dir))
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (Path(out_dir) / "report.md").write_text(md)
