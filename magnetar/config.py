@@ -9,6 +9,10 @@
       decode          temperature, top_k, top_p, seed
       sparse          sparse_policy, sparse_budget, sparse_pruning, dense_layers, sparse_sinks, sparse_window,
                       code_bits, page_size, hash_path, hash_seed     (sparse decoding, any method)
+      luka            luka_mode, luka_lined_layers, luka_heavy_fraction, luka_recent, luka_page_size,
+                      luka_compressor, luka_tau, luka_refine, luka_refine_k, luka_refine_fraction,
+                      luka_refine_eps, luka_refine_mass, luka_compress_every, luka_zero_values, luka_seed
+                      (LuKA decode-time KV structures: dense, star, pulsar)
       runtime         dtype, attention_backend, deepspeed_inference
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
@@ -31,6 +35,11 @@ SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")
 DTYPES = ("float32", "bfloat16", "float16")
 SPARSE_POLICIES = ("none", "oracle_topk", "lsh", "spotlight", "quest")
+LUKA_MODES = ("none", "lined", "clustered", "mixed")
+LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
+LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
+LUKA_REFINE_MASS = ("preserve", "exact")
+LUKA_METHODS = ("dense", "star", "pulsar")
 
 
 def _flag(name: str) -> str:
@@ -175,6 +184,75 @@ class SparseConfig:
         return min(context_tokens, max(20, math.ceil((1.0 - self.sparse_pruning) * context_tokens)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class LukaConfig:
+    """LuKA (``../shared/papers/003``): decode-time structures over the context KV, per layer.
+
+    * ``lined`` (H2O): each step attends to the heavy hitters -- the ``luka_heavy_fraction`` of the context
+      with the largest attention mass accumulated (without decay) over prefill and decode -- plus the raw
+      recent ``luka_recent`` tokens, each once.
+    * ``clustered``: the oldest raw tokens (all but the last ``luka_recent``) are cut into pages of
+      ``luka_page_size``, each with one summary key/value (``luka_compressor``); a step attends to the cover
+      (summaries + raw tokens) and refines the pages chosen by ``luka_refine`` into their tokens, giving the
+      children the page's mass (``preserve``, Eq. 3) or their exact mass (``exact``). New pages are cut
+      every ``luka_compress_every`` decode steps.
+    * ``mixed``: the first and last ``luka_lined_layers`` layers lined, the others clustered.
+    """
+
+    luka_mode: str = "none"  # none | lined | clustered | mixed
+    luka_lined_layers: int = 8  # mixed: this many first and last layers are lined (paper: 8 + 8 of 36)
+    luka_heavy_fraction: float = 0.125  # lined: heavy hitters per step, as a fraction of the context (paper ~1/8)
+    luka_recent: int = 128  # raw recent tokens: lined's window and clustered's uncompressed tail (paper >= 128)
+    luka_page_size: int = 16  # clustered: tokens per page (paper's fixed segmenter: 16)
+    luka_compressor: str = "attention_weighted"  # attention_weighted | mean | random
+    luka_tau: float = 1.0  # attention_weighted: softmax temperature over the tokens' accumulated mass
+    luka_refine: str = "top_k"  # top_k | top_fraction | threshold | none
+    luka_refine_k: int = 3  # top_k: pages refined per step (paper: 3)
+    luka_refine_fraction: float = 0.1  # top_fraction: fraction rho of the pages refined per step
+    luka_refine_eps: float = 0.01  # threshold: refine a page whose mass exceeds eps (0: every page)
+    luka_refine_mass: str = "preserve"  # preserve: children share the page's mass (Eq. 3); exact: their own
+    luka_compress_every: int = 16  # clustered: decode steps between runs of the segmenter + compressor
+    luka_zero_values: bool = False  # ablation: summary values are 0 (an unrefined page contributes nothing)
+    luka_seed: int = 0  # the random compressor's seed
+
+    def __post_init__(self):
+        _require(self.luka_mode in LUKA_MODES, "luka_mode", f"unknown mode {self.luka_mode!r}; choose one of {LUKA_MODES}")
+        _require(isinstance(self.luka_lined_layers, int) and self.luka_lined_layers >= 0, "luka_lined_layers",
+                 f"must be an int >= 0 (first and last layers lined in mode 'mixed'), got {self.luka_lined_layers!r}")
+        _require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
+                 f"must be in (0, 1] (a fraction of the context, e.g. 0.125), got {self.luka_heavy_fraction}")
+        _require(isinstance(self.luka_recent, int) and self.luka_recent >= 0, "luka_recent",
+                 f"must be an int >= 0 tokens (the raw tail), got {self.luka_recent!r}")
+        _require(isinstance(self.luka_page_size, int) and self.luka_page_size >= 1, "luka_page_size",
+                 f"must be an int >= 1 tokens per page, got {self.luka_page_size!r}")
+        _require(self.luka_compressor in LUKA_COMPRESSORS, "luka_compressor",
+                 f"unknown compressor {self.luka_compressor!r}; choose one of {LUKA_COMPRESSORS}")
+        _require(self.luka_tau > 0, "luka_tau", f"must be > 0, got {self.luka_tau}")
+        _require(self.luka_refine in LUKA_REFINE, "luka_refine",
+                 f"unknown refinement rule {self.luka_refine!r}; choose one of {LUKA_REFINE}")
+        _require(isinstance(self.luka_refine_k, int) and self.luka_refine_k >= 0, "luka_refine_k",
+                 f"must be an int >= 0 pages, got {self.luka_refine_k!r}")
+        _require(0.0 <= self.luka_refine_fraction <= 1.0, "luka_refine_fraction",
+                 f"must be in [0, 1], got {self.luka_refine_fraction}")
+        _require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
+                 f"must be in [0, 1] (an attention mass), got {self.luka_refine_eps}")
+        _require(self.luka_refine_mass in LUKA_REFINE_MASS, "luka_refine_mass",
+                 f"choose one of {LUKA_REFINE_MASS}, got {self.luka_refine_mass!r}")
+        _require(isinstance(self.luka_compress_every, int) and self.luka_compress_every >= 1, "luka_compress_every",
+                 f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
+
+    def layer_kind(self, layer: int, num_layers: int) -> str:
+        """``lined``, ``clustered`` or ``none`` for ``layer`` of a model with ``num_layers`` layers."""
+        if self.luka_mode in ("none", "lined", "clustered"):
+            return self.luka_mode
+        n = self.luka_lined_layers
+        return "lined" if layer < n or layer >= num_layers - n else "clustered"
+
+    def heavy_budget(self, context_tokens: int) -> int:
+        """Heavy hitters attended per step (lined layers) for a context of ``context_tokens``."""
+        return min(context_tokens, max(1, math.ceil(self.luka_heavy_fraction * context_tokens)))
+
+
 SECTIONS = {
     "parallel": ParallelConfig,
     "blocks": BlockConfig,
@@ -183,6 +261,7 @@ SECTIONS = {
     "decode": DecodeConfig,
     "runtime": RuntimeConfig,
     "sparse": SparseConfig,
+    "luka": LukaConfig,
 }
 FLAT_FIELDS = {f.name: sec for sec, cls in SECTIONS.items() for f in fields(cls)}
 
@@ -197,9 +276,17 @@ class EngineConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    luka: LukaConfig = field(default_factory=LukaConfig)
 
     def __post_init__(self):
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {METHODS}")
+        if self.luka.luka_mode != "none":
+            _require(self.sparse.sparse_policy == "none", "luka_mode",
+                     f"LuKA and sparse decoding ({self.sparse.sparse_policy!r}) both choose the context KV a step "
+                     "attends to; use one of them (set sparse_policy none or luka_mode none)")
+            _require(self.method in LUKA_METHODS, "luka_mode",
+                     f"LuKA needs every context token's attention mass from a local Phase 1; use method "
+                     f"{' / '.join(LUKA_METHODS)}, not {self.method!r}")
         if self.method in ("dense", "streaming"):
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method ring/star/pulsar to spread it)")
@@ -304,7 +391,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             g.add_argument(_flag(name), type=float)
         else:
             choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
-                       "sparse_policy": SPARSE_POLICIES}.get(name)
+                       "sparse_policy": SPARSE_POLICIES, "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS,
+                       "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS}.get(name)
             g.add_argument(_flag(name), choices=choices)
     return parser
 

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from magnetar.config import EngineConfig, SparseConfig
+from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
@@ -108,12 +108,18 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self._decoders: dict = {}  # other sparse configs scored by score_variants
-        self.sparse = None  # sparse decoding (config.sparse): the policy object the Phase-2 attention calls
+        self._decoders: dict = {}  # other sparse / LuKA configs scored by score_variants
+        # the policy object the Phase-2 attention calls: sparse decoding (config.sparse) or LuKA (config.luka)
+        self.sparse = None
         if config.sparse.sparse_policy != "none":
             from magnetar.sparse.select import SparseDecoder
 
             self.sparse = SparseDecoder(config.sparse, model.config)
+        elif config.luka.luka_mode != "none":
+            from magnetar.luka.decoder import LukaDecoder
+
+            self.sparse = LukaDecoder(config.luka, model.config)
+        self._track_mass = config.luka.luka_mode != "none"  # Phase 1 records attention mass (LuKA)
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +147,8 @@ class Engine:
         if self.sparse is not None and budget > L:
             raise ValueError(f"sparse_budget ({budget} tokens) exceeds the context ({L} tokens): lower "
                              f"--sparse-budget or give a pruning rate (--sparse-pruning 0.98) instead")
+        if self.sparse is not None and hasattr(self.sparse, "check"):
+            self.sparse.check(L)
 
     def _eos_ids(self) -> list[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -228,14 +236,15 @@ class Engine:
             raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
                                f"{context_len}-token context; the block plan is inconsistent")
 
-    def _phase1_distributed(self, context_ids: torch.Tensor):
+    def _phase1_distributed(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None):
         """This rank's Phase 1: (its KV shard, the query position, [(seconds, KV tokens, KV bytes, None)])."""
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
-        p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device)
+        p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
+                        track_mass=self._track_mass if track_mass is None else track_mass)
         self._check_kept(self._gather(kept_token_count(plan)), int(context_ids.numel()))
         return p1.shard, plan.query_position, [(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), None)]
 
-    def _phase1_simulated(self, context_ids: torch.Tensor):
+    def _phase1_simulated(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None):
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
         over ranks). Ring's ranks exchange KV in every layer, so its shards run as one forward in lock-step
         (attention by position, exactly what the ring computes): one time for all of them."""
@@ -255,7 +264,8 @@ class Engine:
         for plan in plans:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device)
+            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device,
+                            track_mass=self._track_mass if track_mass is None else track_mass)
             parts.append(p1.shard)
             stats.append((p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
         if len({p.query_position for p in plans}) != 1:
@@ -266,31 +276,36 @@ class Engine:
         """Log-likelihood of ``continuation`` after ``context`` (for perplexity), with ``config.method``.
 
         Phase 1 encodes the context as for :meth:`generate`; the continuation then runs teacher-forced as
-        the Phase-2 query over the distributed KV (with ``config.sparse``: each of its tokens attends to its
-        budget of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is scored
+        the Phase-2 query over the distributed KV (with ``config.sparse`` or ``config.luka``: each of its tokens
+        attends to its choice of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is scored
         given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
         Strings are tokenized as plain text (no chat template, no special tokens).
         """
-        return self.score_variants(context, continuation, [self.config.sparse])[0]
+        active = self.config.luka if self.config.luka.luka_mode != "none" else self.config.sparse
+        return self.score_variants(context, continuation, [active])[0]
 
     def score_variants(self, context: Union[str, torch.Tensor], continuation: Union[str, torch.Tensor],
-                       sparse: Sequence[Optional[SparseConfig]]) -> list[ScoreResult]:
-        """:meth:`score` once per sparse-decoding variant (None or policy ``none``: dense decoding) over ONE
-        Phase 1: the context KV is encoded once and shared, as only the decoding differs."""
+                       sparse: Sequence[Union[None, SparseConfig, LukaConfig]]) -> list[ScoreResult]:
+        """:meth:`score` once per decoding variant -- a :class:`SparseConfig` or a :class:`LukaConfig` (None,
+        policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
+        and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
         c, t = (self._plain_ids(x) for x in (context, continuation))
         if t.numel() < 2:
             raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
         self._check_lengths(int(c.numel()), int(t.numel()), 1)
         decoders = [self._decoder(v) for v in sparse]
-        for v in sparse:
-            if v is not None and v.sparse_policy != "none" and v.sparse_budget > c.numel():
+        for v, dec in zip(sparse, decoders):
+            if isinstance(v, SparseConfig) and v.sparse_policy != "none" and v.sparse_budget > c.numel():
                 raise ValueError(f"sparse_budget ({v.sparse_budget} tokens) exceeds the context ({c.numel()} tokens)")
+            if dec is not None and hasattr(dec, "check"):
+                dec.check(int(c.numel()))
+        track = self._track_mass or any(isinstance(v, LukaConfig) and v.luka_mode != "none" for v in sparse)
         out = []
         with nvtx_range("magnetar/score"):
             if self.simulated:
-                shard, start, stats = self._phase1_simulated(c)
+                shard, start, stats = self._phase1_simulated(c, track)
             else:
-                shard, start, stats = self._phase1_distributed(c)
+                shard, start, stats = self._phase1_distributed(c, track)
             seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
             for dec in decoders:
                 t0 = time.perf_counter()
@@ -302,7 +317,17 @@ class Engine:
         return out
 
     def _decoder(self, cfg: Optional[SparseConfig]):
-        """The sparse-decode policy object for ``cfg`` (cached: hash weights load once), None for dense."""
+        """The policy object for a sparse or LuKA config (cached: hash weights load once), None for dense."""
+        if isinstance(cfg, LukaConfig):
+            if cfg.luka_mode == "none":
+                return None
+            if cfg == self.config.luka:
+                return self.sparse
+            if cfg not in self._decoders:
+                from magnetar.luka.decoder import LukaDecoder
+
+                self._decoders[cfg] = LukaDecoder(cfg, self.model.config)
+            return self._decoders[cfg]
         if cfg is None or cfg.sparse_policy == "none":
             return None
         if cfg == self.config.sparse:

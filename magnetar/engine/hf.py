@@ -64,7 +64,8 @@ class ForwardContext:
     backend: str = "auto"
     stream: Optional[tuple[int, int]] = None  # prefill_stream: (sink tokens, window size)
     window: Optional[int] = None  # the current layer's sliding window (set by attend)
-    sparse: Optional[object] = None  # phase2: a magnetar.sparse.SparseDecoder (sparse decoding), or None
+    sparse: Optional[object] = None  # phase2: a SparseDecoder (sparse decoding) or LukaDecoder (LuKA), or None
+    track_mass: bool = False  # prefill_local: also store the attention mass each kept key received (LuKA)
     context_tokens: Optional[list[int]] = None  # phase2 with sparse: request b's whole context length (all ranks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -73,10 +74,17 @@ class ForwardContext:
         self.window = window
         pos = self.positions
         if self.mode == "prefill_local":
-            out, _ = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
-                                        backend=self.backend)
+            out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                                          backend=self.backend)
             keep = self.keep if self.keep is not None else slice(None)
-            self.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep])
+            mass = None
+            if self.track_mass:  # H2O's scores start in prefill: the mass the local queries gave each kept key
+                from magnetar.luka.core import column_mass
+
+                with nvtx_range(f"luka/prefill_mass/layer{layer}"):
+                    mass = column_mass(q, k[:, :, keep], lse, scale=scale, q_pos=pos, k_pos=pos[keep],
+                                       window=window)[None]
+            self.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep], mass)
             return out
         if self.mode == "prefill_ring":
             out, _ = ring_attention(q, k, v, group=self.group, q_pos=pos, k_pos=pos, scale=scale, window=window,
@@ -114,9 +122,9 @@ class ForwardContext:
             parts_o, parts_l = [], []
             ctx = self.shards[b].layers[layer]
             if len(ctx) and self.sparse is not None and self.sparse.applies(layer, self.window):
-                L = self.context_tokens[b]  # sparse decoding: this shard's share of the request's budget
-                kk = self.sparse.share(self.sparse.cfg.budget(L), len(ctx), L)
-                o, l = self.sparse.attend(layer, qb, ctx, pos, kk, scale, L, backend=self.backend)
+                # sparse decoding / LuKA: the policy attends to its choice of this shard's KV
+                o, l = self.sparse.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
+                                                  backend=self.backend, valid=None if self.valid is None else self.valid[b])
                 parts_o.append(o)
                 parts_l.append(l)
             elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
@@ -145,7 +153,9 @@ class ForwardContext:
         local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
         with nvtx_range(f"phase2/merge/layer{layer}"):  # one collective per layer for the whole batch
             outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
-            out, _ = merge_states(outs, lses)
+            out, lse = merge_states(outs, lses)
+        if self.sparse is not None and hasattr(self.sparse, "after_merge"):  # LuKA: accumulate attention mass
+            self.sparse.after_merge(layer, lse)
         return out
 
 

@@ -16,33 +16,40 @@ import torch
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
 
-    __slots__ = ("_k", "_v", "_pos", "frozen", "k", "v", "pos", "aux")
+    __slots__ = ("_k", "_v", "_pos", "_mass", "frozen", "k", "v", "pos", "mass", "aux")
 
     def __init__(self):
-        self._k, self._v, self._pos = [], [], []
+        self._k, self._v, self._pos, self._mass = [], [], [], []
         self.frozen = False
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
         self.pos: Optional[torch.Tensor] = None
+        # (B, Hkv, n) float32 attention mass each entry received in Phase 1 (LuKA), summed over its query heads;
+        # None unless every piece came with one
+        self.mass: Optional[torch.Tensor] = None
         self.aux: dict = {}  # data derived from k (sparse decoding: key codes, page bounds); reset on append
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mass: Optional[torch.Tensor] = None) -> None:
         self.aux = {}
         if not self.frozen:
             self._k.append(k)
             self._v.append(v)
             self._pos.append(pos)
+            self._mass.append(mass)
         elif self.k is None:
-            self.k, self.v, self.pos = k, v, pos
+            self.k, self.v, self.pos, self.mass = k, v, pos, mass
         else:  # decode path: one step at a time
             self.k = torch.cat((self.k, k), dim=2)
             self.v = torch.cat((self.v, v), dim=2)
             self.pos = torch.cat((self.pos, pos))
+            self.mass = None if self.mass is None or mass is None else torch.cat((self.mass, mass), dim=2)
 
     def freeze(self) -> None:
         if not self.frozen and self._k:
             self.k, self.v, self.pos = torch.cat(self._k, 2), torch.cat(self._v, 2), torch.cat(self._pos)
-        self._k, self._v, self._pos = [], [], []
+            if all(m is not None for m in self._mass):
+                self.mass = torch.cat(self._mass, 2)
+        self._k, self._v, self._pos, self._mass = [], [], [], []
         self.frozen = True
 
     def __len__(self) -> int:
@@ -83,6 +90,6 @@ class KVShard:
         for i, layer in enumerate(out.layers):
             parts = [s.layers[i] for s in shards if s.layers[i].k is not None]
             for p in parts:
-                layer.append(p.k, p.v, p.pos)
+                layer.append(p.k, p.v, p.pos, p.mass)
             layer.freeze()
         return out

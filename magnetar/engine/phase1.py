@@ -34,8 +34,9 @@ def _base_model(model):
 
 @torch.inference_mode()
 def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.Tensor, groups: ParallelGroups,
-               device: torch.device, progress=None) -> Phase1Result:
-    """Encode the plan's segments (or ring shard) of ``context_ids (L,)``; returns the frozen KV shard."""
+               device: torch.device, progress=None, track_mass: bool = False) -> Phase1Result:
+    """Encode the plan's segments (or ring shard) of ``context_ids (L,)``; returns the frozen KV shard.
+    ``track_mass``: also keep the attention mass every stored key received (LuKA; dense/Star/Pulsar only)."""
     base = _base_model(model)
     shard = KVShard(model.config.num_hidden_layers)
     backend = config.runtime.attention_backend
@@ -55,7 +56,8 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
             for seg in plan.segments:
                 pos = seg.positions.to(device)
                 mode = "prefill_stream" if stream else "prefill_local"
-                ctx = ForwardContext(mode, pos, shard, keep=seg.keep, backend=backend, stream=stream)
+                ctx = ForwardContext(mode, pos, shard, keep=seg.keep, backend=backend, stream=stream,
+                                     track_mass=track_mass and not stream)
                 with nvtx_range(f"phase1/block{seg.block}"):
                     base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=pos[None],
                          use_cache=False, magnetar=ctx)

@@ -157,12 +157,18 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
         gens = [KVShard(model.config.num_hidden_layers)]
         gens[0].freeze()
     S = int(ids.numel())
-    pos = (start + torch.arange(S, device=device))[None]
-    ctx = ForwardContext("phase2", pos, shards=[shard], gens=gens, valid=[S], group=groups.cp_group,
-                         timeout=groups.timeout, backend=config.runtime.attention_backend, sparse=sparse,
-                         context_tokens=[context_tokens] if context_tokens is not None else None)
-    with nvtx_range("phase2/score"):
-        logits = model(input_ids=ids.reshape(1, S).to(device), position_ids=pos, use_cache=False,
-                       logits_to_keep=0, magnetar=ctx).logits[0, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
+    # A stateful decoder (LuKA: accumulated mass, pages cut every few steps) sees the continuation in chunks of
+    # its step size, each chunk attending causally to the ones before (their KV stays in `gens`).
+    chunk = int(getattr(sparse, "score_chunk", 0) or S)
+    logits = []
+    for a in range(0, S, chunk):
+        n = min(chunk, S - a)
+        pos = (start + a + torch.arange(n, device=device))[None]
+        ctx = ForwardContext("phase2", pos, shards=[shard], gens=gens, valid=[n], group=groups.cp_group,
+                             timeout=groups.timeout, backend=config.runtime.attention_backend, sparse=sparse,
+                             context_tokens=[context_tokens] if context_tokens is not None else None)
+        with nvtx_range("phase2/score"):
+            logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
+                                logits_to_keep=0, magnetar=ctx).logits[0].float())
+    logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
     return logp.gather(1, ids[1:].to(device).reshape(-1, 1)).reshape(-1).cpu()

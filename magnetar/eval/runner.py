@@ -128,6 +128,8 @@ def config_key(config: EngineConfig) -> str:
     d["parallel"].pop("simulate", None)
     if d.get("sparse", {}).get("sparse_policy", "none") == "none":
         d.pop("sparse", None)  # dense decoding: keys as before the sparse section existed
+    if d.get("luka", {}).get("luka_mode", "none") == "none":
+        d.pop("luka", None)  # likewise for the LuKA section
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -161,7 +163,30 @@ def method_label(config: EngineConfig) -> str:
     if sp.sparse_policy != "none":  # sparse decoding on top of the method, e.g. dense+spotlight(90% pruned)
         amount = f"{100 * sp.sparse_pruning:g}% pruned" if sp.sparse_pruning else f"budget {sp.sparse_budget}"
         label += f"+{sp.sparse_policy}({amount})"
+    if config.luka.luka_mode != "none":  # LuKA on top of the method, e.g. dense+luka(clustered, attention_weighted, top_k 3)
+        label += "+" + luka_label(config.luka)
     return label
+
+
+def luka_label(cfg) -> str:
+    """``luka(mode, ...)`` naming the LuKA options a result depends on, e.g. ``luka(clustered, mean, top_k 3)``."""
+    parts = [cfg.luka_mode]
+    if cfg.luka_mode == "mixed":
+        parts.append(f"lined {cfg.luka_lined_layers}+{cfg.luka_lined_layers}")
+    if cfg.luka_mode in ("lined", "mixed"):
+        parts.append(f"heavy {cfg.luka_heavy_fraction:g}")
+    if cfg.luka_mode in ("clustered", "mixed"):
+        parts.append(cfg.luka_compressor + (f" tau {cfg.luka_tau:g}" if cfg.luka_tau != 1.0 else ""))
+        rule = {"top_k": f"top_k {cfg.luka_refine_k}", "top_fraction": f"top_fraction {cfg.luka_refine_fraction:g}",
+                "threshold": f"threshold {cfg.luka_refine_eps:g}", "none": "no refinement"}[cfg.luka_refine]
+        parts.append(rule + (" exact" if cfg.luka_refine_mass == "exact" else ""))
+        if cfg.luka_page_size != 16:
+            parts.append(f"page {cfg.luka_page_size}")
+        if cfg.luka_zero_values:
+            parts.append("V=0")
+    if cfg.luka_recent != 128:
+        parts.append(f"recent {cfg.luka_recent}")
+    return f"luka({', '.join(parts)})"
 
 
 def load_done(out_dir: Path) -> set[str]:

@@ -61,6 +61,14 @@ class SparseDecoder:
             return 0
         return min(shard_tokens, math.ceil(budget * shard_tokens / context_tokens))
 
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float,
+                       context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Phase-2 attention's entry point: request ``b``'s queries over this rank's context shard ``kv``,
+        attending to the shard's share of the budget (``valid``, the real query tokens, is not needed here)."""
+        kk = self.share(self.cfg.budget(context_tokens), kv.k.shape[2], context_tokens)
+        return self.attend(layer, q, kv, q_pos, kk, scale, context_tokens, backend=backend)
+
     # -- scores ------------------------------------------------------------------------------------------
     def _forced(self, kv, context_tokens: int) -> Optional[torch.Tensor]:
         sinks, window = self.cfg.sinks, self.cfg.window

@@ -1,0 +1,182 @@
+"""LuKA's tensor algorithms, independent of the engine: attention mass, page compressors, the cover with
+mass-preserving refinement (Algorithm 1, Eq. 1-4), and H2O's heavy-hitter choice.
+
+Layouts (one request, one layer, GQA grouped by KV head):
+    q        (H, G, S, D)   the S query tokens of the G query heads reading KV head h
+    keys     (H, N, D)      one KV head's keys / values per row
+    mass     (H, N)         attention mass a KV entry has received, summed over its group's query heads
+    out      (H, G, S, D),  lse (H, G, S)
+
+Every function is plain batched torch (gathers, einsums, softmax), no Python loop over pages or tokens:
+the refined pages' children are gathered per step and nothing else is re-created.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def column_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float,
+                q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None,
+                window: Optional[int] = None, tile: int = 512) -> torch.Tensor:
+    """Attention mass each key receives: ``sum_{g, i} exp(q_gi . k_j * scale - lse_gi)`` over visible pairs.
+
+    ``q (1, Hq, S, D)``, ``k (1, Hkv, N, D)``, ``lse (1, Hq, S)`` -- the log-sum-exp the attention returned
+    (so the mass is that attention's, whatever other keys it saw). Causality by positions (``k_pos <= q_pos``,
+    and ``k_pos > q_pos - window`` with a sliding window) when both are given. Computed ``tile`` queries at a
+    time, never the whole S x N matrix. Returns ``(Hkv, N)`` float32.
+    """
+    _, Hq, S, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kf = k[0].float()
+    out = torch.zeros(Hkv, N, dtype=torch.float32, device=q.device)
+    for s0 in range(0, S, tile):
+        s1 = min(S, s0 + tile)
+        qt = q[0, :, s0:s1].float().reshape(Hkv, G, s1 - s0, D)
+        logits = torch.einsum("hgsd,hnd->hgsn", qt, kf) * scale
+        p = torch.exp(logits - lse[0, :, s0:s1].float().reshape(Hkv, G, s1 - s0, 1))
+        if q_pos is not None and k_pos is not None:
+            qp, kp = q_pos[s0:s1].reshape(-1, 1), k_pos.reshape(1, -1)
+            vis = kp <= qp
+            if window is not None:
+                vis = vis & (kp > qp - window)
+            p = p.masked_fill(~vis, 0.0)
+        p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf saw nothing
+        out += p.sum(dim=(1, 2))
+    return out
+
+
+# -- compressors -----------------------------------------------------------------------------------------
+
+def compress_pages(kp: torch.Tensor, vp: torch.Tensor, kind: str, *, mass: Optional[torch.Tensor] = None,
+                   tau: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One summary key/value per page. ``kp, vp (H, P, L, D)``; ``mass (H, P, L)`` for ``attention_weighted``.
+
+    * ``mean``: ``k = mean_i k_i``, ``v = mean_i v_i``;
+    * ``attention_weighted``: ``pi = softmax(w / tau)`` over the page's tokens, ``k = sum_i pi_i k_i`` (same for v);
+    * ``random``: one token of the page drawn uniformly (the same for every head), its key and value.
+    Returns ``(H, P, D)`` twice, in kp's dtype.
+    """
+    if kind == "mean":
+        return kp.float().mean(2).to(kp.dtype), vp.float().mean(2).to(vp.dtype)
+    if kind == "attention_weighted":
+        if mass is None:
+            raise ValueError("the attention_weighted compressor needs the tokens' accumulated attention mass")
+        pi = torch.softmax(mass.float() / tau, dim=-1)  # (H, P, L)
+        return (torch.einsum("hpl,hpld->hpd", pi, kp.float()).to(kp.dtype),
+                torch.einsum("hpl,hpld->hpd", pi, vp.float()).to(vp.dtype))
+    if kind == "random":
+        H, P, L, D = kp.shape
+        pick = torch.randint(0, L, (P,), generator=generator).to(kp.device)
+        idx = pick.view(1, P, 1, 1).expand(H, P, 1, D)
+        return kp.gather(2, idx).squeeze(2), vp.gather(2, idx).squeeze(2)
+    raise ValueError(f"unknown compressor {kind!r}; choose one of attention_weighted, mean, random")
+
+
+# -- refinement rules ------------------------------------------------------------------------------------
+
+def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float = 0.1, eps: float = 0.01
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages to refine per (KV head, query token) from the summaries' masses ``alpha (H, G, S, P)``.
+
+    Pages are ranked by their mass summed over the group; ``top_k`` takes the k best, ``top_fraction`` the
+    ceil(fraction * P) best, ``threshold`` every page whose mass (for some query head of the group) exceeds
+    ``eps``, ``none`` nothing. Returns ``idx (H, S, n)`` and ``valid (H, S, n)`` (threshold: a row may refine
+    fewer than n pages).
+    """
+    H, G, S, P = alpha.shape
+    rank = alpha.sum(1)  # (H, S, P)
+    if rule == "none" or P == 0:
+        n = 0
+    elif rule == "top_k":
+        n = min(k, P)
+    elif rule == "top_fraction":
+        n = min(P, math.ceil(fraction * P))
+    elif rule == "threshold":
+        hot = alpha.amax(1) > eps  # (H, S, P)
+        n = int(hot.sum(-1).max()) if hot.numel() else 0
+        if n == 0:
+            empty = torch.zeros(H, S, 0, dtype=torch.long, device=alpha.device)
+            return empty, empty.bool()
+        idx = rank.masked_fill(~hot, -1.0).topk(n, dim=-1).indices
+        return idx, hot.gather(-1, idx)
+    else:
+        raise ValueError(f"unknown refinement rule {rule!r}; choose one of top_k, top_fraction, threshold, none")
+    idx = rank.topk(n, dim=-1).indices
+    return idx, torch.ones_like(idx, dtype=torch.bool)
+
+
+@dataclass
+class CoverResult:
+    out: torch.Tensor  # (H, G, S, D)
+    lse: torch.Tensor  # (H, G, S): log of the cover's normaliser (the state merges with other KV by it)
+    summary_alpha: torch.Tensor  # (H, G, S, P): mass of the summaries used as they are (0 where refined)
+    raw_alpha: torch.Tensor  # (H, G, S, R): mass of the raw tokens
+    child_idx: torch.Tensor  # (H, S, n): refined pages
+    child_alpha: torch.Tensor  # (H, G, S, n, L): mass of their tokens (0 where a page was not refined)
+
+
+def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
+                        kr: torch.Tensor, vr: torch.Tensor, *, scale: float, rule: str = "top_k", k: int = 3,
+                        fraction: float = 0.1, eps: float = 0.01, mass: str = "preserve") -> CoverResult:
+    """Algorithm 1 for queries ``q (H, G, S, D)`` over the cover ``[summaries ks/vs (H, P, D) ‖ raw kr/vr (H, R, D)]``,
+    refining pages whose tokens are ``kp/vp (H, P, L, D)``. Every key precedes every query (no mask).
+
+    Eq. 1: ``alpha_c = softmax_c(q . k_c)`` over the cover. A refined page's children get, with
+    ``mass="preserve"`` (Eq. 2-3), ``alpha_page * softmax_i(q . k_i)`` -- the page's mass redistributed; with
+    ``mass="exact"`` the page's logit is replaced by the log-sum-exp of its children, i.e. the cover is
+    expanded there (refining every page is then dense attention exactly). Eq. 4: ``o = sum alpha_n v_n``.
+    """
+    H, G, S, D = q.shape
+    P, L = kp.shape[1], kp.shape[2]
+    qf = q.float()
+    ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale  # (H, G, S, P)
+    lr = torch.einsum("hgsd,hrd->hgsr", qf, kr.float()) * scale  # (H, G, S, R)
+    lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
+    a_s = torch.exp(ls - lse[..., None])
+    idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps)
+    n = idx.shape[-1]
+    heads = torch.arange(H, device=q.device)[:, None, None]
+    kc = kp[heads, idx].float()  # (H, S, n, L, D): the refined pages' tokens, gathered (never a mask)
+    vc = vp[heads, idx].float()
+    lc = torch.einsum("hgsd,hsnld->hgsnl", qf, kc) * scale  # (H, G, S, n, L)
+    vmask = valid[:, None, :, :, None]  # (H, 1, S, n, 1)
+    sel = torch.zeros(H, S, P, dtype=torch.bool, device=q.device)
+    if n:
+        sel.scatter_(-1, idx, valid)
+    sel = sel[:, None]  # (H, 1, S, P)
+    if mass == "preserve":
+        a_page = a_s.gather(-1, idx[:, None].expand(H, G, S, n))  # (H, G, S, n)
+        a_c = a_page[..., None] * torch.softmax(lc, dim=-1)
+        a_c = a_c.masked_fill(~vmask, 0.0)
+        a_s = a_s.masked_fill(sel, 0.0)
+        a_r = torch.exp(lr - lse[..., None])
+    elif mass == "exact":
+        lc = lc.masked_fill(~vmask, float("-inf"))
+        ls = ls.masked_fill(sel, float("-inf"))
+        lse = torch.logsumexp(torch.cat((ls, lr, lc.flatten(-2)), -1), -1)
+        a_s = torch.exp(ls - lse[..., None])
+        a_r = torch.exp(lr - lse[..., None])
+        a_c = torch.exp(lc - lse[..., None, None])
+    else:
+        raise ValueError(f"unknown refinement mass {mass!r}; choose preserve or exact")
+    out = (torch.einsum("hgsp,hpd->hgsd", a_s, vs.float()) + torch.einsum("hgsr,hrd->hgsd", a_r, vr.float())
+           + torch.einsum("hgsnl,hsnld->hgsd", a_c, vc))
+    return CoverResult(out.to(q.dtype), lse, a_s, a_r, idx, a_c)
+
+
+def heavy_hitters(mass: torch.Tensor, budget: int, forced: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """H2O's choice: indices ``(H, n)`` of the ``budget`` entries with the most accumulated ``mass (H, N)``
+    plus every ``forced (N,)`` entry (the recent window), each once."""
+    H, N = mass.shape
+    scores = mass.float()
+    n_forced = 0
+    if forced is not None:
+        scores = scores.masked_fill(forced, float("inf"))
+        n_forced = int(forced.sum())
+    take = min(N, budget + n_forced)
+    return scores.topk(take, dim=-1).indices.sort(dim=-1).values
