@@ -38,7 +38,7 @@ from magnetar.launch.distributed import add_launcher_args, init_distributed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
 
-SUITES = ("ruler", "niah", "babilong", "ppl")
+SUITES = ("ruler", "niah", "babilong", "wikisalad", "ppl")
 CP_METHODS = ("ring", "star", "pulsar")
 NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -84,6 +84,10 @@ def suite_tasks(suite: str) -> tuple[str, ...]:
         from magnetar.eval.ppl import CORPUS
 
         return (CORPUS,)
+    if suite == "wikisalad":
+        from magnetar.eval.wikisalad import TASKS
+
+        return TASKS
     from magnetar.eval import babilong
 
     return tuple(babilong.TASKS)
@@ -104,6 +108,10 @@ def make_sample(suite: str, task: str, tokenizer, length: int, index: int, seed:
         return EvalSample(task="niah", context=f"{INSTRUCTION}\n\n{s.context}", query=f"\n\n{s.query}",
                           answers=(s.answer,), answer_prefix="", metric="all", max_new_tokens=32,
                           metadata={"depth": depth}), {"depth": depth}
+    if suite == "wikisalad":  # length 0: the paper's length per task; the question cycles over the topics
+        from magnetar.eval.wikisalad import wikisalad_sample
+
+        return wikisalad_sample(task, tokenizer, length, seed=seed * 100003 + index, index=index), {}
     from magnetar.eval import babilong
 
     return babilong.babilong_sample(task, tokenizer, length, seed=seed * 100003 + index), {}
@@ -115,6 +123,10 @@ def score_sample(suite: str, sample, prediction: str) -> float:
 
         return babilong.score_babilong(prediction, sample.answers, question=sample.metadata["question"],
                                        task=sample.task)
+    if suite == "wikisalad":
+        from magnetar.eval.wikisalad import score_wikisalad
+
+        return score_wikisalad(prediction, sample.answers)
     from magnetar.eval.ruler import score
 
     return score(sample, prediction)
