@@ -71,8 +71,9 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     ``max_new_tokens``. Request b has context KV ``shards[b]``, query ids ``queries[b]`` starting at RoPE
     position ``query_positions[b]``; ``stop_checks[b](token_ids) -> bool`` (optional) ends it early.
     Finished requests leave the batch; the others go on. One result per request. ``sparse`` (a
-    :class:`magnetar.sparse.select.SparseDecoder`) makes every Phase-2 token attend to a budget of the context
-    KV of request b, whose whole context (over all ranks) is ``context_tokens[b]`` tokens.
+    :class:`magnetar.sparse.select.SparseDecoder` or :class:`magnetar.luka.decoder.LukaDecoder`) makes every
+    Phase-2 token attend to its choice of the context KV of request b, whose whole context (over all ranks) is
+    ``context_tokens[b]`` tokens.
     """
     B = len(shards)
     leader = groups.is_cp_leader

@@ -12,11 +12,39 @@ the refined pages' children are gathered per step and nothing else is re-created
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+
+class SectionTimer:
+    """Wall time per named section (``with timer("refine"): ...``), synchronising CUDA around each section so
+    GPU work is charged to the section that queued it. For latency breakdowns only: it serialises the GPU."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+            self.seconds[name] += time.perf_counter() - t0
+
+
+def _no_timer(name: str):
+    return contextlib.nullcontext()
 
 
 def column_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float,
@@ -122,7 +150,8 @@ class CoverResult:
 
 def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                         kr: torch.Tensor, vr: torch.Tensor, *, scale: float, rule: str = "top_k", k: int = 3,
-                        fraction: float = 0.1, eps: float = 0.01, mass: str = "preserve") -> CoverResult:
+                        fraction: float = 0.1, eps: float = 0.01, mass: str = "preserve",
+                        timer: Optional[Callable] = None) -> CoverResult:
     """Algorithm 1 for queries ``q (H, G, S, D)`` over the cover ``[summaries ks/vs (H, P, D) ‖ raw kr/vr (H, R, D)]``,
     refining pages whose tokens are ``kp/vp (H, P, L, D)``. Every key precedes every query (no mask).
 
@@ -130,25 +159,40 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
     ``mass="preserve"`` (Eq. 2-3), ``alpha_page * softmax_i(q . k_i)`` -- the page's mass redistributed; with
     ``mass="exact"`` the page's logit is replaced by the log-sum-exp of its children, i.e. the cover is
     expanded there (refining every page is then dense attention exactly). Eq. 4: ``o = sum alpha_n v_n``.
+    ``timer``: a :class:`SectionTimer` charging the cover attention to ``attention`` and the rest to ``refine``.
     """
+    timer = timer or _no_timer
     H, G, S, D = q.shape
     P, L = kp.shape[1], kp.shape[2]
     qf = q.float()
-    ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale  # (H, G, S, P)
-    lr = torch.einsum("hgsd,hrd->hgsr", qf, kr.float()) * scale  # (H, G, S, R)
-    lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
-    a_s = torch.exp(ls - lse[..., None])
-    idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps)
-    n = idx.shape[-1]
-    heads = torch.arange(H, device=q.device)[:, None, None]
-    kc = kp[heads, idx].float()  # (H, S, n, L, D): the refined pages' tokens, gathered (never a mask)
-    vc = vp[heads, idx].float()
-    lc = torch.einsum("hgsd,hsnld->hgsnl", qf, kc) * scale  # (H, G, S, n, L)
-    vmask = valid[:, None, :, :, None]  # (H, 1, S, n, 1)
-    sel = torch.zeros(H, S, P, dtype=torch.bool, device=q.device)
-    if n:
-        sel.scatter_(-1, idx, valid)
-    sel = sel[:, None]  # (H, 1, S, P)
+    with timer("attention"):
+        ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale  # (H, G, S, P)
+        lr = torch.einsum("hgsd,hrd->hgsr", qf, kr.float()) * scale  # (H, G, S, R)
+        lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
+        a_s = torch.exp(ls - lse[..., None])
+    with timer("refine"):
+        idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps)
+        n = idx.shape[-1]
+        heads = torch.arange(H, device=q.device)[:, None, None]
+        kc = kp[heads, idx].float()  # (H, S, n, L, D): the refined pages' tokens, gathered (never a mask)
+        vc = vp[heads, idx].float()
+        lc = torch.einsum("hgsd,hsnld->hgsnl", qf, kc) * scale  # (H, G, S, n, L)
+        vmask = valid[:, None, :, :, None]  # (H, 1, S, n, 1)
+        sel = torch.zeros(H, S, P, dtype=torch.bool, device=q.device)
+        if n:
+            sel.scatter_(-1, idx, valid)
+        sel = sel[:, None]  # (H, 1, S, P)
+        a_s, a_r, a_c, lse = _redistribute(mass, ls, lr, lc, lse, a_s, idx, vmask, sel)
+    with timer("attention"):
+        out = (torch.einsum("hgsp,hpd->hgsd", a_s, vs.float()) + torch.einsum("hgsr,hrd->hgsd", a_r, vr.float()))
+    with timer("refine"):
+        out = out + torch.einsum("hgsnl,hsnld->hgsd", a_c, vc)
+    return CoverResult(out.to(q.dtype), lse, a_s, a_r, idx, a_c)
+
+
+def _redistribute(mass, ls, lr, lc, lse, a_s, idx, vmask, sel):
+    """Eq. 2-3 (``preserve``) or the expanded cover (``exact``): masses of summaries, raw tokens and children."""
+    H, G, S, n = lc.shape[:4]
     if mass == "preserve":
         a_page = a_s.gather(-1, idx[:, None].expand(H, G, S, n))  # (H, G, S, n)
         a_c = a_page[..., None] * torch.softmax(lc, dim=-1)
@@ -164,9 +208,7 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
         a_c = torch.exp(lc - lse[..., None, None])
     else:
         raise ValueError(f"unknown refinement mass {mass!r}; choose preserve or exact")
-    out = (torch.einsum("hgsp,hpd->hgsd", a_s, vs.float()) + torch.einsum("hgsr,hrd->hgsd", a_r, vr.float())
-           + torch.einsum("hgsnl,hsnld->hgsd", a_c, vc))
-    return CoverResult(out.to(q.dtype), lse, a_s, a_r, idx, a_c)
+    return a_s, a_r, a_c, lse
 
 
 def heavy_hitters(mass: torch.Tensor, budget: int, forced: Optional[torch.Tensor] = None) -> torch.Tensor:

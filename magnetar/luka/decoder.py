@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from magnetar.config import LukaConfig
-from magnetar.luka.core import clustered_attention, compress_pages, heavy_hitters
+from magnetar.luka.core import _no_timer, clustered_attention, compress_pages, heavy_hitters
 
 _IDS = itertools.count()
 
@@ -56,13 +56,16 @@ class _Pending:
 class LukaDecoder:
     """The engine's LuKA policy object (same role as :class:`magnetar.sparse.select.SparseDecoder`)."""
 
-    def __init__(self, cfg: LukaConfig, model_config):
+    def __init__(self, cfg: LukaConfig, model_config, *, timer=None):
+        """``timer``: a :class:`magnetar.luka.core.SectionTimer` to charge time to ``select``, ``attention``,
+        ``refine``, ``compress`` and ``mass`` (the latency breakdown of ``benchmarks/bench_luka.py``)."""
         if cfg.luka_mode == "none":
             raise ValueError("LukaDecoder needs luka_mode lined, clustered or mixed")
         self.cfg = cfg
         self.num_layers = int(model_config.num_hidden_layers)
         self.uid = next(_IDS)
         self.pending: dict[int, dict[int, _Pending]] = {}
+        self.timer = timer or _no_timer
         self.score_chunk = cfg.luka_compress_every  # teacher-forced scoring runs this many tokens per forward
 
     # -- what the engine asks ---------------------------------------------------------------------------
@@ -99,18 +102,21 @@ class LukaDecoder:
         recent_from = qmin - self.cfg.luka_recent  # context entries at or after this position stay raw
         if self.kind(layer) == "lined":
             share = min(N, math.ceil(self.cfg.heavy_budget(context_tokens) * N / max(context_tokens, 1)))
-            forced = kv.pos >= recent_from
-            idx = heavy_hitters(st.mass, share, forced if bool(forced.any()) else None)  # (H, n)
-            heads = torch.arange(H, device=q.device)[:, None]
-            ks, vs = kv.k[0][heads, idx].float(), kv.v[0][heads, idx].float()  # (H, n, D)
-            logits = torch.einsum("hgsd,hnd->hgsn", qg.float(), ks) * scale
-            lse = torch.logsumexp(logits, -1)
-            alpha = torch.exp(logits - lse[..., None])
-            out = torch.einsum("hgsn,hnd->hgsd", alpha, vs)
+            with self.timer("select"):
+                forced = kv.pos >= recent_from
+                idx = heavy_hitters(st.mass, share, forced if bool(forced.any()) else None)  # (H, n)
+            with self.timer("attention"):
+                heads = torch.arange(H, device=q.device)[:, None]
+                ks, vs = kv.k[0][heads, idx].float(), kv.v[0][heads, idx].float()  # (H, n, D)
+                logits = torch.einsum("hgsd,hnd->hgsn", qg.float(), ks) * scale
+                lse = torch.logsumexp(logits, -1)
+                alpha = torch.exp(logits - lse[..., None])
+                out = torch.einsum("hgsn,hnd->hgsd", alpha, vs)
             self._stash(layer, b, _Pending(st, alpha, idx[:, None].expand(H, S, idx.shape[1]), lse,
                                            S if valid is None else valid))
         else:
-            self._maybe_compress(st, kv, recent_from)
+            with self.timer("compress"):
+                self._maybe_compress(st, kv, recent_from)
             ps = self.cfg.luka_page_size
             cut = st.pages * ps
             kp = kv.k[0, :, :cut].reshape(H, st.pages, ps, D)  # views, no copy
@@ -118,7 +124,7 @@ class LukaDecoder:
             res = clustered_attention(qg, st.ks, st.vs, kp, vp, kv.k[0, :, cut:], kv.v[0, :, cut:], scale=scale,
                                       rule=self.cfg.luka_refine, k=self.cfg.luka_refine_k,
                                       fraction=self.cfg.luka_refine_fraction, eps=self.cfg.luka_refine_eps,
-                                      mass=self.cfg.luka_refine_mass)
+                                      mass=self.cfg.luka_refine_mass, timer=self.timer)
             out, lse = res.out.float(), res.lse
             n, R = res.child_idx.shape[-1], N - cut
             child_tok = (res.child_idx[..., None] * ps + torch.arange(ps, device=q.device)).reshape(H, S, n * ps)
@@ -131,11 +137,12 @@ class LukaDecoder:
 
     def after_merge(self, layer: int, lse: torch.Tensor) -> None:
         """Add the mass of this layer's attended context entries, normalised by the merged ``lse (B, Hq, S)``."""
-        for b, p in self.pending.pop(layer, {}).items():
-            H, G, S, _ = p.alpha.shape
-            c = torch.exp(p.lse - lse[b].float().reshape(H, G, S))[..., None]  # local -> global normalisation
-            w = (p.alpha * c)[:, :, : p.valid].sum(1)  # (H, S', n)
-            p.state.mass.scatter_add_(1, p.idx[:, : p.valid].reshape(H, -1), w.reshape(H, -1))
+        with self.timer("mass"):
+            for b, p in self.pending.pop(layer, {}).items():
+                H, G, S, _ = p.alpha.shape
+                c = torch.exp(p.lse - lse[b].float().reshape(H, G, S))[..., None]  # local -> global normalisation
+                w = (p.alpha * c)[:, :, : p.valid].sum(1)  # (H, S', n)
+                p.state.mass.scatter_add_(1, p.idx[:, : p.valid].reshape(H, -1), w.reshape(H, -1))
 
     # -- state ------------------------------------------------------------------------------------------
     def _state(self, kv, qmin: int) -> _LayerState:
