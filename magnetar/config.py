@@ -11,8 +11,12 @@
                       code_bits, page_size, hash_path, hash_seed     (sparse decoding, any method)
       luka            luka_mode, luka_lined_layers, luka_heavy_fraction, luka_recent, luka_page_size,
                       luka_compressor, luka_tau, luka_refine, luka_refine_k, luka_refine_fraction,
-                      luka_refine_eps, luka_refine_mass, luka_compress_every, luka_zero_values, luka_seed
+                      luka_refine_eps, luka_refine_mass, luka_compress_every, luka_zero_values, luka_size_bias,
+                      luka_seed
                       (LuKA decode-time KV structures: dense, star, pulsar)
+      prefill         prefill_policy, prefill_topk, prefill_schedule, prefill_b_sel, prefill_dense_layers,
+                      prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
+                      (sparse prefill of global attention layers: dense, star, pulsar)
       runtime         dtype, attention_backend, deepspeed_inference
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
@@ -40,6 +44,9 @@ LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
 LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
 LUKA_REFINE_MASS = ("preserve", "exact")
 LUKA_METHODS = ("dense", "star", "pulsar")
+PREFILL_POLICIES = ("none", "oracle", "indexer")
+PREFILL_METHODS = ("dense", "star", "pulsar")
+PREFILL_D_IDX = (64, 128, 256)  # magnetar.prefill.indexer.D_IDX_CHOICES (kept here: config imports no torch)
 
 
 def _flag(name: str) -> str:
@@ -213,6 +220,7 @@ class LukaConfig:
     luka_refine_mass: str = "preserve"  # preserve: children share the page's mass (Eq. 3); exact: their own
     luka_compress_every: int = 16  # clustered: decode steps between runs of the segmenter + compressor
     luka_zero_values: bool = False  # ablation: summary values are 0 (an unrefined page contributes nothing)
+    luka_size_bias: bool = False  # add log(page size) to summary logits: a page weighs as its tokens (not in the paper)
     luka_seed: int = 0  # the random compressor's seed
 
     def __post_init__(self):
@@ -253,6 +261,70 @@ class LukaConfig:
         return min(context_tokens, max(1, math.ceil(self.luka_heavy_fraction * context_tokens)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig:
+    """Sparse prefill (``../shared/papers/004``): in Phase 1, every global attention layer from
+    ``prefill_dense_layers`` on attends, per query (``prefill_b_sel`` 1) or per block of ``prefill_b_sel``
+    consecutive queries, to a top-``k`` support of the keys only, and the model continues from that sparse
+    output (the sparse trajectory). Sliding-window layers and decoding stay dense.
+
+    * ``oracle``: the support is the top-k of the dense attention averaged over the query heads (Algorithm 1)
+      -- a measuring instrument (it computes dense attention to choose), not an acceleration;
+    * ``indexer``: a head-collapsed indexer distilled from the oracle ranks the keys (Algorithm 2);
+      ``prefill_indexer_random_init`` runs it untrained -- a stress test of the path, never quality evidence.
+
+    ``b_sel`` defaults to 1 (the paper's per-query oracle); 64 is its fused selection-block-shared setting.
+    """
+
+    prefill_policy: str = "none"  # none | oracle | indexer
+    prefill_topk: int = 0  # keys per query (block); 0: from prefill_schedule by context length
+    prefill_schedule: str = "4096:256,8192:512,16384:1024,*:2048"  # MAX_LEN:K,...,*:K (the paper's 4K-32K+ budgets)
+    prefill_b_sel: int = 1  # query rows sharing one support (1: per query; the paper's fused path: 64)
+    prefill_dense_layers: int = 0  # the first layers stay dense
+    prefill_indexer_path: Optional[str] = None  # indexer: distilled weights (IndexerBank file)
+    prefill_indexer_random_init: bool = False  # indexer: untrained random weights -- stress test only
+    prefill_d_idx: int = 0  # indexer width 64 | 128 | 256; 0: the file's (random init: 128)
+    prefill_seed: int = 0  # seed of the random-init indexer
+
+    def __post_init__(self):
+        from magnetar.prefill.schedule import parse_schedule
+
+        _require(self.prefill_policy in PREFILL_POLICIES, "prefill_policy",
+                 f"unknown policy {self.prefill_policy!r}; choose one of {PREFILL_POLICIES}")
+        _require(isinstance(self.prefill_topk, int) and not isinstance(self.prefill_topk, bool)
+                 and self.prefill_topk >= 0, "prefill_topk",
+                 f"must be an int >= 1 keys per query (or 0: from prefill_schedule), got {self.prefill_topk!r}")
+        try:
+            parse_schedule(self.prefill_schedule)
+        except ValueError as e:
+            _require(False, "prefill_schedule", str(e))
+        _require(isinstance(self.prefill_b_sel, int) and not isinstance(self.prefill_b_sel, bool)
+                 and self.prefill_b_sel >= 1, "prefill_b_sel",
+                 f"must be an int >= 1 query rows per selection block (1: per query), got {self.prefill_b_sel!r}")
+        _require(isinstance(self.prefill_dense_layers, int) and self.prefill_dense_layers >= 0, "prefill_dense_layers",
+                 f"must be an int >= 0 layers, got {self.prefill_dense_layers!r}")
+        _require(self.prefill_d_idx == 0 or self.prefill_d_idx in PREFILL_D_IDX, "prefill_d_idx",
+                 f"must be one of {PREFILL_D_IDX} (or 0: the weight file's), got {self.prefill_d_idx!r}")
+        if self.prefill_policy == "indexer":
+            _require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
+                     "policy 'indexer' needs distilled indexer weights (prefill_indexer_path=FILE); an untrained "
+                     "indexer runs only with prefill_indexer_random_init=true, as a stress test, not quality evidence")
+            _require(not (self.prefill_indexer_path and self.prefill_indexer_random_init), "prefill_indexer_random_init",
+                     "give either prefill_indexer_path (distilled weights) or prefill_indexer_random_init, not both")
+
+    @property
+    def schedule(self) -> tuple:
+        from magnetar.prefill.schedule import parse_schedule
+
+        return parse_schedule(self.prefill_schedule)
+
+    def budget(self, context_tokens: int) -> int:
+        """Keys per query (block) for a context of ``context_tokens``: ``prefill_topk`` or the schedule's."""
+        from magnetar.prefill.schedule import budget_for_length
+
+        return self.prefill_topk if self.prefill_topk > 0 else budget_for_length(context_tokens, self.schedule)
+
+
 SECTIONS = {
     "parallel": ParallelConfig,
     "blocks": BlockConfig,
@@ -262,6 +334,7 @@ SECTIONS = {
     "runtime": RuntimeConfig,
     "sparse": SparseConfig,
     "luka": LukaConfig,
+    "prefill": PrefillConfig,
 }
 FLAT_FIELDS = {f.name: sec for sec, cls in SECTIONS.items() for f in fields(cls)}
 
@@ -277,6 +350,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     luka: LukaConfig = field(default_factory=LukaConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
 
     def __post_init__(self):
         _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {METHODS}")
@@ -287,6 +361,13 @@ class EngineConfig:
             _require(self.method in LUKA_METHODS, "luka_mode",
                      f"LuKA needs every context token's attention mass from a local Phase 1; use method "
                      f"{' / '.join(LUKA_METHODS)}, not {self.method!r}")
+        if self.prefill.prefill_policy != "none":
+            _require(self.method in PREFILL_METHODS, "prefill_policy",
+                     f"sparse prefill replaces the attention of a local Phase 1; use method "
+                     f"{' / '.join(PREFILL_METHODS)}, not {self.method!r}")
+            _require(self.luka.luka_mode == "none", "prefill_policy",
+                     "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
+                     "(set prefill_policy none or luka_mode none)")
         if self.method in ("dense", "streaming"):
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method ring/star/pulsar to spread it)")
@@ -392,7 +473,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
                        "sparse_policy": SPARSE_POLICIES, "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS,
-                       "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS}.get(name)
+                       "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
+                       "prefill_policy": PREFILL_POLICIES}.get(name)
             g.add_argument(_flag(name), choices=choices)
     return parser
 

@@ -146,6 +146,12 @@ def test_refinement_rules_and_zero_refinement():
     res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.3, rule="none")
     out, lse = _dense(q, torch.cat((ks, kr), 1), torch.cat((vs, vr), 1), 0.3)  # cover only: summaries + raw
     assert torch.allclose(res.out.double(), out, atol=1e-5) and torch.allclose(res.lse.double(), lse, atol=1e-5)
+    # log(L) on the summary logits: a page weighs as L copies of its summary (luka_size_bias)
+    L = kp.shape[2]
+    res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.3, rule="none", summary_bias=math.log(L))
+    rep = lambda x: x.repeat_interleave(L, dim=1)  # noqa: E731
+    out, lse = _dense(q, torch.cat((rep(ks), kr), 1), torch.cat((rep(vs), vr), 1), 0.3)
+    assert torch.allclose(res.out.double(), out, atol=1e-5) and torch.allclose(res.lse.double(), lse, atol=1e-5)
 
 
 def test_heavy_hitters_take_the_heaviest_plus_the_window_once():

@@ -151,7 +151,7 @@ class CoverResult:
 def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                         kr: torch.Tensor, vr: torch.Tensor, *, scale: float, rule: str = "top_k", k: int = 3,
                         fraction: float = 0.1, eps: float = 0.01, mass: str = "preserve",
-                        timer: Optional[Callable] = None) -> CoverResult:
+                        summary_bias: float = 0.0, timer: Optional[Callable] = None) -> CoverResult:
     """Algorithm 1 for queries ``q (H, G, S, D)`` over the cover ``[summaries ks/vs (H, P, D) ‖ raw kr/vr (H, R, D)]``,
     refining pages whose tokens are ``kp/vp (H, P, L, D)``. Every key precedes every query (no mask).
 
@@ -159,6 +159,7 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
     ``mass="preserve"`` (Eq. 2-3), ``alpha_page * softmax_i(q . k_i)`` -- the page's mass redistributed; with
     ``mass="exact"`` the page's logit is replaced by the log-sum-exp of its children, i.e. the cover is
     expanded there (refining every page is then dense attention exactly). Eq. 4: ``o = sum alpha_n v_n``.
+    ``summary_bias`` is added to every summary logit (``log L`` lets a page of L tokens weigh as L tokens).
     ``timer``: a :class:`SectionTimer` charging the cover attention to ``attention`` and the rest to ``refine``.
     """
     timer = timer or _no_timer
@@ -166,7 +167,7 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
     P, L = kp.shape[1], kp.shape[2]
     qf = q.float()
     with timer("attention"):
-        ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale  # (H, G, S, P)
+        ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale + summary_bias  # (H, G, S, P)
         lr = torch.einsum("hgsd,hrd->hgsr", qf, kr.float()) * scale  # (H, G, S, R)
         lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
         a_s = torch.exp(ls - lse[..., None])

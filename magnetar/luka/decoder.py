@@ -124,7 +124,8 @@ class LukaDecoder:
             res = clustered_attention(qg, st.ks, st.vs, kp, vp, kv.k[0, :, cut:], kv.v[0, :, cut:], scale=scale,
                                       rule=self.cfg.luka_refine, k=self.cfg.luka_refine_k,
                                       fraction=self.cfg.luka_refine_fraction, eps=self.cfg.luka_refine_eps,
-                                      mass=self.cfg.luka_refine_mass, timer=self.timer)
+                                      mass=self.cfg.luka_refine_mass, timer=self.timer,
+                                      summary_bias=math.log(ps) if self.cfg.luka_size_bias else 0.0)
             out, lse = res.out.float(), res.lse
             n, R = res.child_idx.shape[-1], N - cut
             child_tok = (res.child_idx[..., None] * ps + torch.arange(ps, device=q.device)).reshape(H, S, n * ps)
