@@ -309,7 +309,8 @@ class PrefillConfig:
             _require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
                      "policy 'indexer' needs distilled indexer weights (prefill_indexer_path=FILE); an untrained "
                      "indexer runs only with prefill_indexer_random_init=true, as a stress test, not quality evidence")
-            _require(not (self.prefill_indexer_path and self.prefill_indexer_random_init), "prefill_indexer_random_init",
+            _require(not (self.prefill_indexer_path and self.prefill_indexer_random_init),
+                     "prefill_indexer_random_init",
                      "give either prefill_indexer_path (distilled weights) or prefill_indexer_random_init, not both")
 
     @property

@@ -12,6 +12,7 @@ rank); the result, with every rank's measurements, is returned on every rank.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import resource
@@ -57,6 +58,9 @@ class GenerationResult:
     peak_memory_bytes_per_rank: list[int]
     first_token_logits: Optional[torch.Tensor] = field(default=None, repr=False)
     simulated: bool = False  # one process stood in for the CP ranks (config.parallel.simulate)
+    # sparse prefill (config.prefill): PrefillStats.as_dict() summed over the ranks -- budget, realised
+    # causal token-pair sparsity of the patched layers, queries left without a visible key; None when off
+    prefill_stats: Optional[dict] = None
 
     @property
     def phase1_critical_path_seconds(self) -> float:
@@ -78,6 +82,7 @@ class ScoreResult:
     phase1_seconds: list[float]  # per CP rank (real or simulated)
     phase2_seconds: float
     simulated: bool = False
+    prefill_stats: Optional[dict] = None  # as GenerationResult.prefill_stats
 
     @property
     def nll_sum(self) -> float:
@@ -120,6 +125,15 @@ class Engine:
 
             self.sparse = LukaDecoder(config.luka, model.config)
         self._track_mass = config.luka.luka_mode != "none"  # Phase 1 records attention mass (LuKA)
+        # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
+        self.prefill = None
+        self.last_prefill_stats = None  # PrefillStats of the last request's Phase 1 (all ranks), or None
+        if config.prefill.prefill_policy != "none":
+            from magnetar.prefill.policy import PrefillPolicy
+
+            self.prefill = PrefillPolicy(config.prefill, model.config)
+            if self.prefill.needs_hidden:
+                hf.capture_attention_inputs(model)
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,13 +201,14 @@ class Engine:
         toks = [self._tokens(c, q) for c, q in requests]
         for c, q in toks:
             self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
-        shards, qpos, local = [], [], []  # local[request] = per-rank stats this process measured
+        shards, qpos, local, prefill = [], [], [], []  # local[request] = per-rank stats this process measured
         with nvtx_range("magnetar/generate"):
             for context_ids, _ in toks:
                 if cfg.parallel.simulate and cfg.parallel.cp_size > 1:
                     shard, query_position, stats = self._phase1_simulated(context_ids)
                 else:
                     shard, query_position, stats = self._phase1_distributed(context_ids)
+                prefill.append(None if self.last_prefill_stats is None else self.last_prefill_stats.as_dict())
                 shards.append(shard)
                 qpos.append(query_position)
                 local.append(stats)
@@ -222,7 +237,7 @@ class Engine:
                 else None,
                 context_kv_tokens_per_rank=[s[1] for s in per_rank], kv_tokens_per_rank=[s[2] for s in per_rank],
                 kv_bytes_per_rank=[s[3] for s in per_rank], peak_memory_bytes_per_rank=[s[4] for s in per_rank],
-                first_token_logits=dec.first_logits, simulated=self.simulated,
+                first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=prefill[i],
             ))
         return results
 
@@ -240,8 +255,12 @@ class Engine:
         """This rank's Phase 1: (its KV shard, the query position, [(seconds, KV tokens, KV bytes, None)])."""
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
-                        track_mass=self._track_mass if track_mass is None else track_mass)
+                        track_mass=self._track_mass if track_mass is None else track_mass, prefill=self.prefill)
         self._check_kept(self._gather(kept_token_count(plan)), int(context_ids.numel()))
+        self.last_prefill_stats = None
+        if self.prefill is not None:  # every rank's counts of this request, summed
+            per_rank = self._gather(p1.prefill_stats)
+            self.last_prefill_stats = functools.reduce(lambda a, b: a.merge(b), per_rank)
         return p1.shard, plan.query_position, [(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), None)]
 
     def _phase1_simulated(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None):
@@ -261,11 +280,15 @@ class Engine:
             stats = [(p1.seconds if r == 0 else 0.0, n, int(n * per_token), None) for r, n in enumerate(sizes)]
             return p1.shard, plans[0].query_position, stats
         parts, stats = [], []
+        self.last_prefill_stats = None
         for plan in plans:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device,
-                            track_mass=self._track_mass if track_mass is None else track_mass)
+                            track_mass=self._track_mass if track_mass is None else track_mass, prefill=self.prefill)
+            if p1.prefill_stats is not None:
+                self.last_prefill_stats = p1.prefill_stats if self.last_prefill_stats is None else \
+                    self.last_prefill_stats.merge(p1.prefill_stats)
             parts.append(p1.shard)
             stats.append((p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
         if len({p.query_position for p in plans}) != 1:
@@ -300,6 +323,9 @@ class Engine:
             if dec is not None and hasattr(dec, "check"):
                 dec.check(int(c.numel()))
         track = self._track_mass or any(isinstance(v, LukaConfig) and v.luka_mode != "none" for v in sparse)
+        if track and self.prefill is not None:
+            raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
+                             f"(prefill_policy {self.config.prefill.prefill_policy!r}); score them without it")
         out = []
         with nvtx_range("magnetar/score"):
             if self.simulated:
@@ -313,7 +339,8 @@ class Engine:
                                    sparse=dec, context_tokens=int(c.numel()))
                 out.append(ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
                                        phase1_seconds=seconds, phase2_seconds=time.perf_counter() - t0,
-                                       simulated=self.simulated))
+                                       simulated=self.simulated, prefill_stats=None if self.last_prefill_stats is None
+                                       else self.last_prefill_stats.as_dict()))
         return out
 
     def _decoder(self, cfg: Optional[SparseConfig]):

@@ -6,7 +6,8 @@ The model's modelling code is untouched. :func:`prepare_model` registers the att
 function. The context says what this forward is:
 
 * ``prefill_local`` -- Phase 1 of dense/Star/Pulsar: the input is ``[prefix ‖ block]`` with the
-  tokens' own positions; causal attention by position; the KV of the ``keep`` slice is stored.
+  tokens' own positions; causal attention by position; the KV of the ``keep`` slice is stored. With sparse
+  prefill (``prefill``, :mod:`magnetar.prefill`) the patched layers attend to a top-k support instead.
 * ``prefill_stream`` -- Phase 1 of the StreamingLLM baseline: a chunk attends to the attention sinks and the
   cached KV of the last ``window`` tokens, plus itself causally.
 * ``prefill_ring``  -- Phase 1 of Ring: the input is this rank's shard; attention is ring attention over the
@@ -67,6 +68,8 @@ class ForwardContext:
     sparse: Optional[object] = None  # phase2: a SparseDecoder (sparse decoding) or LukaDecoder (LuKA), or None
     track_mass: bool = False  # prefill_local: also store the attention mass each kept key received (LuKA)
     context_tokens: Optional[list[int]] = None  # phase2 with sparse: request b's whole context length (all ranks)
+    prefill: Optional[object] = None  # prefill_local: a magnetar.prefill.policy.PrefillRun (sparse prefill), or None
+    hidden: Optional[tuple[int, torch.Tensor]] = None  # (layer, attention input) set by capture_attention_inputs
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
@@ -74,8 +77,15 @@ class ForwardContext:
         self.window = window
         pos = self.positions
         if self.mode == "prefill_local":
-            out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
-                                          backend=self.backend)
+            if self.prefill is not None and self.prefill.applies(layer, window):
+                hidden = self.hidden[1] if self.hidden is not None and self.hidden[0] == layer else None
+                self.hidden = None
+                with nvtx_range(f"prefill_sparse/layer{layer}"):  # the sparse trajectory: later layers see this
+                    out, lse = self.prefill.attend(layer, q, k, v, scale=scale, pos=pos, hidden=hidden,
+                                                   backend=self.backend)
+            else:
+                out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                                              backend=self.backend)
             keep = self.keep if self.keep is not None else slice(None)
             mass = None
             if self.track_mass:  # H2O's scores start in prefill: the mass the local queries gave each kept key
@@ -192,6 +202,28 @@ def check_supported(config) -> None:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError(f"{model_type}: attention logit soft-capping is not supported by Magnetar's attention")
+
+
+def _capture_hook(module, args, kwargs):
+    ctx = kwargs.get(ATTN_NAME)
+    if isinstance(ctx, ForwardContext) and ctx.prefill is not None and ctx.prefill.needs_hidden:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        ctx.hidden = (module.layer_idx, hidden)
+
+
+def capture_attention_inputs(model) -> None:
+    """Let sparse prefill's indexer see each attention layer's input hidden states (idempotent).
+
+    transformers' ``AttentionInterface`` hands the attention function q, k, v but not the hidden states the
+    indexer scores (Algorithm 2). A forward pre-hook on every attention module -- not a change to the modelling
+    code -- records them on the :class:`ForwardContext`, and only when its prefill run asks for them.
+    """
+    if getattr(model, "_magnetar_captures_inputs", False):
+        return
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            module.register_forward_pre_hook(_capture_hook, with_kwargs=True)
+    model._magnetar_captures_inputs = True
 
 
 def prepare_model(model) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,6 +27,7 @@ class Phase1Result:
     shard: KVShard
     seconds: float
     kept_tokens: int  # context tokens whose KV was kept (before streaming eviction)
+    prefill_stats: Optional[object] = None  # sparse prefill: this rank's magnetar.prefill.PrefillStats
 
 
 def _base_model(model):
@@ -34,10 +36,23 @@ def _base_model(model):
 
 @torch.inference_mode()
 def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.Tensor, groups: ParallelGroups,
-               device: torch.device, progress=None, track_mass: bool = False) -> Phase1Result:
+               device: torch.device, progress=None, track_mass: bool = False, prefill=None) -> Phase1Result:
     """Encode the plan's segments (or ring shard) of ``context_ids (L,)``; returns the frozen KV shard.
-    ``track_mass``: also keep the attention mass every stored key received (LuKA; dense/Star/Pulsar only)."""
+    ``track_mass``: also keep the attention mass every stored key received (LuKA; dense/Star/Pulsar only).
+    ``prefill``: the engine's :class:`magnetar.prefill.PrefillPolicy` (made here from ``config.prefill`` when
+    not given); the patched layers of every segment then attend sparsely, budget from the context length."""
     base = _base_model(model)
+    run = None
+    if prefill is None and config.prefill.prefill_policy != "none":
+        from magnetar.prefill.policy import PrefillPolicy
+
+        prefill = PrefillPolicy(config.prefill, model.config)
+    if prefill is not None and plan.ring_shard is None and config.method != "streaming":
+        if prefill.needs_hidden:
+            from magnetar.engine.hf import capture_attention_inputs
+
+            capture_attention_inputs(model)
+        run = prefill.start(int(context_ids.numel()))
     shard = KVShard(model.config.num_hidden_layers)
     backend = config.runtime.attention_backend
     t0 = time.perf_counter()
@@ -57,7 +72,7 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
                 pos = seg.positions.to(device)
                 mode = "prefill_stream" if stream else "prefill_local"
                 ctx = ForwardContext(mode, pos, shard, keep=seg.keep, backend=backend, stream=stream,
-                                     track_mass=track_mass and not stream)
+                                     track_mass=track_mass and not stream, prefill=run)
                 with nvtx_range(f"phase1/block{seg.block}"):
                     base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=pos[None],
                          use_cache=False, magnetar=ctx)
@@ -70,7 +85,7 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     kept = shard.tokens()
     if config.method == "streaming":
         _evict_to_window(shard, config.streaming.sink_tokens, config.streaming.window_size, int(context_ids.numel()))
-    return Phase1Result(shard, seconds, kept)
+    return Phase1Result(shard, seconds, kept, None if run is None else run.stats)
 
 
 def _evict_to_window(shard: KVShard, sinks: int, window: int, context_len: int) -> None:

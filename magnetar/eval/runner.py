@@ -142,6 +142,8 @@ def config_key(config: EngineConfig) -> str:
         d.pop("sparse", None)  # dense decoding: keys as before the sparse section existed
     if d.get("luka", {}).get("luka_mode", "none") == "none":
         d.pop("luka", None)  # likewise for the LuKA section
+    if d.get("prefill", {}).get("prefill_policy", "none") == "none":
+        d.pop("prefill", None)  # likewise for the sparse-prefill section
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -177,6 +179,17 @@ def method_label(config: EngineConfig) -> str:
         label += f"+{sp.sparse_policy}({amount})"
     if config.luka.luka_mode != "none":  # LuKA on top of the method, e.g. dense+luka(clustered, attention_weighted, top_k 3)
         label += "+" + luka_label(config.luka)
+    pf = config.prefill
+    if pf.prefill_policy != "none":  # sparse prefill, e.g. dense+prefill_oracle(top-k 256, b_sel 64)
+        parts = [f"top-k {pf.prefill_topk}" if pf.prefill_topk else f"schedule {pf.prefill_schedule}"]
+        if pf.prefill_b_sel != 1:
+            parts.append(f"b_sel {pf.prefill_b_sel}")
+        if pf.prefill_dense_layers:
+            parts.append(f"dense layers {pf.prefill_dense_layers}")
+        if pf.prefill_policy == "indexer":
+            parts.append(f"d_idx {pf.prefill_d_idx}" if pf.prefill_d_idx else "")
+            parts.append("random init" if pf.prefill_indexer_random_init else "distilled")
+        label += f"+prefill_{pf.prefill_policy}({', '.join(x for x in parts if x)})"
     return label
 
 
@@ -289,6 +302,8 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
     for record, res, cfg in pairs:
         record.update(cp_size=cfg.parallel.cp_size, simulated=res.simulated, phase1_s_per_rank=res.phase1_seconds,
                       phase1_critical_path_s=max(res.phase1_seconds), wall_s=wall, config=cfg.to_dict())
+        if getattr(res, "prefill_stats", None) is not None:  # sparse prefill: budget and realised sparsity
+            record["prefill"] = res.prefill_stats
         records.append(record)
     return records
 
