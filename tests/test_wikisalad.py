@@ -63,7 +63,11 @@ def test_deterministic_and_seed_dependent(task, tok):
     assert a == b, "the same seed must give the same sample"
     assert a.context != c.context, "another seed must give another context"
     assert isinstance(a, EvalSample) and a.task == task and a.max_new_tokens == MAX_NEW_TOKENS
-    assert a.answer_prefix == "" and len(a.answers) == 1 and a.metadata["label"] == LABEL
+    assert len(a.answers) == 1 and a.metadata["label"] == LABEL
+    # RULER-style answer opening made from the question: the model's first words are then the answer
+    q = a.metadata["question"]
+    assert a.answer_prefix == "The " + q[len("What was the "):-1] + " was"
+    assert score_wikisalad(" " + a.answers[0] + ".", a.answers) == 1.0
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -136,7 +140,7 @@ def test_prompt_length_near_the_target(task, target, tok):
     goal = PAPER_TOKENS[task] if target is None else target
     for seed in range(2):
         s = wikisalad_sample(task, tok, target, seed=seed, index=seed)
-        n = n_tokens(tok, s.context + s.query)
+        n = n_tokens(tok, s.context + s.query + "\n" + s.answer_prefix)
         assert n == s.metadata["prompt_tokens"] and s.metadata["target_tokens"] == goal
         assert s.metadata["context_tokens"] == n_tokens(tok, s.context)
         assert 0.97 * goal <= n <= goal, f"{task}: {n} tokens for a {goal}-token target"
@@ -240,6 +244,6 @@ def test_sizing_with_the_real_tokenizer():
         for target in (None, 4096):
             s = wikisalad_sample(task, real, target, seed=1, index=0)
             goal = target or PAPER_TOKENS[task]
-            n = len(real(s.context + s.query, add_special_tokens=False)["input_ids"])
+            n = len(real(s.context + s.query + "\n" + s.answer_prefix, add_special_tokens=False)["input_ids"])
             assert n == s.metadata["prompt_tokens"] and 0.97 * goal <= n <= goal, (task, goal, n)
             assert s.context.count(s.answers[0]) == 1

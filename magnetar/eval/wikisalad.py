@@ -47,7 +47,10 @@ No package registry ships SQuAD, so this is a substitute, not the paper's data:
   a leading "Answer:", compared with the reference: 1.0 (shown as 100 in reports) or 0.0. Strict EM, as
   in the paper: "Juniper." and "Answer: juniper" score, "It was Juniper." does not.
 * the prompt: the interleaved paragraphs (Phase 1), then "Answer the question with a single word from
-  the text. ..." and "Question: ..." (Phase 2), as :mod:`magnetar.eval.babilong` splits context and query.
+  the text. ..." and "Question: ..." (Phase 2), as :mod:`magnetar.eval.babilong` splits context and query,
+  and, after the assistant header, an answer prefix made from the question as RULER does ("What was the name
+  of the author's cat?" -> "The name of the author's cat was"): a 135M chat model otherwise answers in a
+  sentence ("The author's cat was Thaddeus.") that strict EM scores 0 even when the name is right.
 
 In the runner: ``python -m magnetar.eval --suite wikisalad --methods dense --lengths 0`` runs every task
 at the paper's length; ``--lengths 4k`` runs every task at 4096 tokens. A tokenizer is anything
@@ -139,7 +142,9 @@ class EvalSample:
         query: the Phase-2 text: a blank line, :data:`INSTRUCTION`, then "Question: ...".
         answers: the accepted answer (one name).
         max_new_tokens: the generation budget (32).
-        answer_prefix: always "".
+        answer_prefix: the answer's opening, put after the assistant header as RULER does ("What was the name
+            of the author's cat?" -> "The name of the author's cat was"), so that the model's first words are
+            the name and exact match can judge them.
         metadata: ``label``, ``question``, ``instruction``, ``pattern`` (e.g. "AAABBBCCC"),
             ``segment_topics`` (one label per segment), ``segment_offsets`` (character offset of each
             segment in ``context``), ``topics`` ({label: essay title}), ``topic_indices`` ({label: index of
@@ -239,9 +244,10 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
     asked = asked_topic * facts_per_topic + asked_slot  # facts are listed topic by topic
     question = TEMPLATES[picked[asked]][1]
     query = f"\n\n{INSTRUCTION}\nQuestion: {question}"
+    prefix = answer_prefix(question)
     # (Budgeted with one name: the names are drawn after the essays; the final fit measures the real text.)
     fact_tokens = sum(count_tokens(tokenizer, " " + TEMPLATES[i][0].format(a=NAMES[0])) for i in picked)
-    overhead = count_tokens(tokenizer, query) + fact_tokens + n_seg * max(1, count_tokens(tokenizer, "\n\n"))
+    overhead = count_tokens(tokenizer, query) + count_tokens(tokenizer, " " + prefix) + fact_tokens + n_seg * max(1, count_tokens(tokenizer, "\n\n"))
     text_budget = target - overhead
     per_seg = text_budget // n_seg
     if per_seg < MIN_SEGMENT_TOKENS:
@@ -327,7 +333,7 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
         return "\n\n".join(parts), seg_offsets, fact_offsets
 
     def measure() -> int:
-        return count_tokens(tokenizer, assemble()[0] + query)
+        return count_tokens(tokenizer, assemble()[0] + query + "\n" + prefix)
 
     # Trim to the budget (from the end of the fullest topic), then top up while another sentence fits.
     n = measure()
@@ -378,7 +384,16 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
         "target_tokens": target, "prompt_tokens": n, "context_tokens": count_tokens(tokenizer, context),
         "seed": seed, "index": index,
     }
-    return EvalSample(task=task, context=context, query=query, answers=(answer,), metadata=metadata)
+    return EvalSample(task=task, context=context, query=query, answers=(answer,), answer_prefix=prefix,
+                      metadata=metadata)
+
+
+def answer_prefix(question: str) -> str:
+    """RULER-style answer opening for a template question: "What was the X?" -> "The X was"."""
+    lead = "What was the "
+    if not (question.startswith(lead) and question.endswith("?")):
+        raise ValueError(f"question {question!r} does not have the form 'What was the ...?'")
+    return "The " + question[len(lead):-1] + " was"
 
 
 # ---------------------------------------------------------------------------------------------- scoring
