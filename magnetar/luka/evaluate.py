@@ -153,7 +153,8 @@ def write_report(out: Path) -> str:
     for L in lengths:
         if L in dense:
             g = list(dense[L].values())
-            lines += [f"Dense decoding, context {L}: {cell(g, L)[1]}", ""]
+            p, lo, hi, n = perplexity_ci([r["nll_sum"] for r in g], [r["tokens"] for r in g])
+            lines += [f"Dense decoding, context {L}: {p:.3f} [{lo:.3f}, {hi:.3f}] (n={n})", ""]
         for fig in ("compressors", "values", "exact"):
             g_rows = [r for r in rows if r.get("figure") == fig and r["length"] == L]
             if not g_rows:
