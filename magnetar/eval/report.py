@@ -60,6 +60,17 @@ def label(row: dict) -> str:
     return row.get("label") or row["method"]
 
 
+def _ordered_tasks(suite: str, tasks) -> list:
+    """The suite's own task order (RULER's 13, easy -> very_hard, ...), unknown tasks after, by name."""
+    try:
+        from magnetar.eval.runner import suite_tasks
+
+        order = list(suite_tasks(suite))
+    except Exception:  # an unknown suite in old records: by name
+        order = []
+    return sorted(tasks, key=lambda t: (order.index(t) if t in order else len(order), t))
+
+
 def _len(length: int) -> str:
     if length == 0:
         return "paper length"  # a suite run at each task's own length (wikisalad --lengths 0)
@@ -84,7 +95,7 @@ def table(rows: list[dict]) -> str:
     out = []
     for suite in sorted({k[0] for k in by}):
         keys = [k for k in by if k[0] == suite]
-        tasks = sorted({k[1] for k in keys})
+        tasks = _ordered_tasks(suite, {k[1] for k in keys})
         cols = sorted({(k[3], k[2]) for k in keys})  # (length, label)
 
         def cell(t, lab, length):
@@ -219,7 +230,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     for suite in sorted({k[0] for k in by}):
         methods = sorted({k[1] for k in by if k[0] == suite})
         lengths = sorted({k[2] for k in by if k[0] == suite})
-        tasks = sorted({k[3] for k in by if k[0] == suite})
+        tasks = _ordered_tasks(suite, {k[3] for k in by if k[0] == suite})
         fig, ax = plt.subplots(figsize=(6, 4))
         for m in methods:
             ys = []
