@@ -2,11 +2,18 @@
 
     magnetar-calibrate spotlight --model smollm2-135m-instruct --data essays --out hashes/smollm2-spotlight.pt
     magnetar-calibrate spotlight --hash lsh --out hashes/smollm2-lsh-trained.pt     # the linear baseline, trained
+    magnetar-calibrate indexer --model smollm2-135m-instruct --data essays --d-idx 128 --out indexers/smollm2.pt
 
 ``spotlight`` trains Spotlight Attention's MLP hash (one per layer and KV head) with the ranking loss on
 queries/keys collected from real text (see :mod:`magnetar.sparse.train`), prints the retrieval IoU with the
 oracle before and after, and writes hash weights that the engine loads with
 ``--sparse-policy spotlight --hash-path FILE``. Interrupted runs resume.
+
+``indexer`` distils sparse prefill's head-collapsed indexer (one per global attention layer) from the oracle's
+head-averaged dense attention with the KL loss, backbone frozen, teacher rows streamed a few layers at a time
+(see :mod:`magnetar.prefill.train`); prints per layer the held-out validation KL and the recall of the
+oracle's top-k support before and after, and writes an indexer file that the engine loads with
+``--prefill-policy indexer --prefill-indexer-path FILE``. Interrupted runs resume.
 """
 from __future__ import annotations
 
@@ -46,11 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         s.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
                        default=getattr(defaults, f.name))
+    from magnetar.prefill.train import IndexerTrainConfig
+
+    i = sub.add_parser("indexer", help="distil the sparse-prefill head-collapsed indexer (KL to the oracle)")
+    i.add_argument("--model", default="smollm2-135m-instruct")
+    i.add_argument("--data", choices=CORPORA, default="essays", help="text the teacher rows are collected from")
+    i.add_argument("--out", required=True, help="indexer weights file to write (and resume)")
+    i.add_argument("--threads", type=int, help="torch CPU threads")
+    i.add_argument("--device", default="cpu", help="device of the frozen model and the training (cpu, cuda)")
+    i.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the frozen model (the indexer trains in float32)")
+    i.add_argument("--cache-dir", help="collect once and keep every layer's teacher data here (fp16 inputs; "
+                                       "disk: layers x sequences x (seq_len x hidden x 2 + rows x seq_len x 4) "
+                                       "bytes); default: recollect a few layers at a time in memory")
+    defaults = IndexerTrainConfig()
+    for f in fields(IndexerTrainConfig):
+        kw = {"choices": (64, 128, 256)} if f.name == "d_idx" else \
+            {"choices": ("constant", "cosine")} if f.name == "lr_schedule" else {}
+        i.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
+                       default=getattr(defaults, f.name), **kw)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.what == "indexer":
+        return _indexer(args)
     import torch
 
     from magnetar.models import load_model
@@ -72,6 +100,27 @@ def main(argv=None) -> int:
     print(f"| **mean** | **{mb:.3f}** | **{ma:.3f}** |")
     print(json.dumps({"kind": cfg.kind, "out": args.out, "iou_before": round(mb, 4), "iou_after": round(ma, 4),
                       "layers": len(layers)}))
+    return 0
+
+
+def _indexer(args) -> int:
+    import torch
+
+    from magnetar.models import load_model
+    from magnetar.prefill.train import IndexerTrainConfig, calibrate_indexer, metrics_table
+    from magnetar.sparse.train import text_sequences
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = IndexerTrainConfig(**{f.name: getattr(args, f.name) for f in fields(IndexerTrainConfig)})
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    seqs = text_sequences(tokenizer, corpus_texts(args.data), cfg.seq_len, cfg.sequences + cfg.held_out)
+    bank = calibrate_indexer(model, seqs, args.out, cfg, cache_dir=args.cache_dir)
+    table, means = metrics_table(bank)
+    print("\n" + table)
+    print(json.dumps({"kind": "indexer", "out": args.out, "model": args.model, "data": args.data, "d_idx": cfg.d_idx,
+                      "topk": cfg.topk, "b_sel": cfg.b_sel, "layers": len(bank.trained_layers),
+                      **{m: round(v, 4) for m, v in means.items()}}))
     return 0
 
 

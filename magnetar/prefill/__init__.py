@@ -7,6 +7,8 @@ the head-collapsed indexer distilled from it.
 * :mod:`magnetar.prefill.indexer`  -- Algorithm 2's scorer (``HeadCollapsedIndexer``), the KL distillation loss
   and the per-model weight file (``IndexerBank``);
 * :mod:`magnetar.prefill.distill`  -- teacher rows from a frozen model, KL training of one layer, support recall;
+* :mod:`magnetar.prefill.train`    -- the calibration driver (``magnetar-calibrate indexer``): streamed, resumable;
+* :mod:`magnetar.prefill.gap`      -- the oracle / realization / indexer gap report over ``magnetar-eval`` runs;
 * :mod:`magnetar.prefill.policy`   -- the engine side: which layers are sparse, the budget, the realised sparsity.
 
 Names are resolved lazily so that :mod:`magnetar.config` can use the schedule helpers without importing torch.
@@ -26,6 +28,8 @@ _EXPORTS = {
     "block_topk": "oracle",
     "PrefillPolicy": "policy", "PrefillStats": "policy",
     "collect_teacher": "distill", "distill_layer": "distill", "support_recall": "distill",
+    "validation_kl": "distill",
+    "IndexerTrainConfig": "train", "calibrate_indexer": "train",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -18,6 +18,7 @@ stress test of the sparse path only, never output-quality evidence (Sec. 7.1); i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,10 @@ from magnetar.sparse.hashing import model_signature
 D_IDX_CHOICES = (64, 128, 256)  # Sec. 6.3: the index dimensions the paper considers
 FORMAT = "magnetar-indexer-v1"
 RANDOM_INIT_NOTE = "random init: untrained, a stress test of the sparse prefill path only, not quality evidence"
+
+
+def _no_timer(name: str):
+    return contextlib.nullcontext()
 
 
 def check_d_idx(d_idx) -> None:
@@ -95,23 +100,28 @@ class HeadCollapsedIndexer(torch.nn.Module):
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, positions: torch.Tensor, *, topk: int, b_sel: int = 1,
-               window: Optional[int] = None, q_tile: int = 256) -> torch.Tensor:
+               window: Optional[int] = None, q_tile: int = 256, timer=None) -> torch.Tensor:
         """The support (Algorithm 2, steps 2-5): ``idx (B, ceil(S / b_sel), min(topk, S))`` as the oracle's
         :func:`~magnetar.prefill.oracle.head_averaged_topk` returns it, ranked by ``z`` instead of ``P``.
-        Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily."""
+        Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily.
+        ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.luka.core.SectionTimer`)
+        charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile)."""
         check_topk(topk, "indexer.select")
         check_b_sel(b_sel, "indexer.select")
+        timer = timer or _no_timer
         B, S, _ = x.shape
-        q, k = self.project(x, positions)
-        pos = _positions(positions, S, B, x.device, "positions", 0)
-        step = b_sel * max(1, q_tile // b_sel)
-        parts = []
-        for r0 in range(0, S, step):
-            r1 = min(S, r0 + step)
-            z = F.relu(q[:, r0:r1] @ k.transpose(1, 2) / math.sqrt(self.d_idx))
-            z = z.masked_fill(~_visible(pos[:, r0:r1], pos, window), float("-inf"))
-            parts.append(block_topk(z, b_sel, topk))
-        return torch.cat(parts, dim=1)
+        with timer("projection"):
+            q, k = self.project(x, positions)
+        with timer("score_topk"):
+            pos = _positions(positions, S, B, x.device, "positions", 0)
+            step = b_sel * max(1, q_tile // b_sel)
+            parts = []
+            for r0 in range(0, S, step):
+                r1 = min(S, r0 + step)
+                z = F.relu(q[:, r0:r1] @ k.transpose(1, 2) / math.sqrt(self.d_idx))
+                z = z.masked_fill(~_visible(pos[:, r0:r1], pos, window), float("-inf"))
+                parts.append(block_topk(z, b_sel, topk))
+            return torch.cat(parts, dim=1)
 
 
 def kl_loss(teacher: torch.Tensor, student: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

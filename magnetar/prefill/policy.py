@@ -14,6 +14,7 @@ used. For one segment attending to itself with ``b_sel = 1`` this is the paper's
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -22,6 +23,10 @@ import torch
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.oracle import head_averaged_topk, sparse_gqa_attention, support_pairs, visible_pairs
 from magnetar.prefill.schedule import causal_pair_sparsity
+
+
+def _no_timer(name: str):
+    return contextlib.nullcontext()
 
 
 @dataclass
@@ -58,12 +63,32 @@ class PrefillStats:
         return dict(asdict(self), sparsity=self.sparsity, formula_sparsity=self.formula_sparsity)
 
 
+def patched_layers(cfg, model_config) -> list[int]:
+    """The layers sparse prefill patches: global (no sliding window) layers from ``prefill_dense_layers`` on."""
+    from magnetar.eval.cost import ModelDims
+
+    windows = ModelDims.from_config(model_config).windows
+    return [i for i, w in enumerate(windows) if w is None and i >= cfg.prefill_dense_layers]
+
+
 def load_or_make_indexers(cfg, model_config):
-    """The :class:`~magnetar.prefill.indexer.IndexerBank` ``cfg`` asks for (checked against the model)."""
+    """The :class:`~magnetar.prefill.indexer.IndexerBank` ``cfg`` asks for (checked against the model).
+
+    A file from an unfinished calibration (some layers trained, not every patched one) is refused: the
+    missing layers would rank keys with their random init while the run is labelled distilled."""
     from magnetar.prefill.indexer import IndexerBank
 
     if cfg.prefill_indexer_path:
-        return IndexerBank.load(cfg.prefill_indexer_path, model_config, d_idx=cfg.prefill_d_idx or None)
+        bank = IndexerBank.load(cfg.prefill_indexer_path, model_config, d_idx=cfg.prefill_d_idx or None)
+        if bank.trained_layers:
+            missing = [i for i in patched_layers(cfg, model_config) if i not in bank.trained_layers]
+            if missing:
+                raise ValueError(
+                    f"indexer weights {cfg.prefill_indexer_path} (prefill_indexer_path) are distilled for layers "
+                    f"{sorted(bank.trained_layers)} but sparse prefill patches layers {missing} too, which would "
+                    f"use random weights; finish the calibration (rerun the same magnetar-calibrate indexer command: "
+                    f"it resumes) or raise prefill_dense_layers (--prefill-dense-layers)")
+        return bank
     return IndexerBank.random(model_config, cfg.prefill_d_idx or 128, seed=cfg.prefill_seed)
 
 
@@ -73,6 +98,9 @@ class PrefillPolicy:
     def __init__(self, cfg, model_config):
         self.cfg = cfg
         self.indexers = load_or_make_indexers(cfg, model_config) if cfg.prefill_policy == "indexer" else None
+        # a section timer (magnetar.luka.core.SectionTimer) for the TTFT benchmark's profile of the patched layers:
+        # projection (indexer), score_topk, sparse_attention, dense_attention (budget >= keys), accounting
+        self.timer = None
 
     @property
     def needs_hidden(self) -> bool:
@@ -116,12 +144,15 @@ class PrefillRun:
         hidden)`` the attention's input (indexer only)."""
         cfg, st = self.policy.cfg, self.stats
         b_sel, N = cfg.prefill_b_sel, k.shape[2]
-        causal = self._visible_pairs(pos)
+        timer = self.policy.timer or _no_timer
+        with timer("accounting"):
+            causal = self._visible_pairs(pos)
         st.patched_calls += 1
         st.causal_pairs += causal
         if self.topk >= N:  # the support is every key: dense attention, exactly
             st.kept_pairs += causal
-            return attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=backend)
+            with timer("dense_attention"):
+                return attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, backend=backend)
         if self.policy.indexers is not None:
             if hidden is None:
                 raise RuntimeError(f"layer {layer}: the indexer needs the attention's input hidden states; "
@@ -129,11 +160,15 @@ class PrefillRun:
             ix = self.policy.indexers[layer]
             if ix.wq.device != hidden.device:
                 self.policy.indexers.to(hidden.device)
-            idx = ix.select(hidden, pos, topk=self.topk, b_sel=b_sel)
+            extra = {"timer": self.policy.timer} if self.policy.timer is not None else {}
+            idx = ix.select(hidden, pos, topk=self.topk, b_sel=b_sel, **extra)  # projection, score_topk
         else:
-            idx = head_averaged_topk(q, k, topk=self.topk, b_sel=b_sel, scale=scale, q_pos=pos, k_pos=pos)
-        out, lse = sparse_gqa_attention(q, k, v, idx, scale=scale, q_pos=pos, k_pos=pos, b_sel=b_sel)
+            with timer("score_topk"):
+                idx = head_averaged_topk(q, k, topk=self.topk, b_sel=b_sel, scale=scale, q_pos=pos, k_pos=pos)
+        with timer("sparse_attention"):
+            out, lse = sparse_gqa_attention(q, k, v, idx, scale=scale, q_pos=pos, k_pos=pos, b_sel=b_sel)
         st.sparse_calls += 1
-        st.kept_pairs += support_pairs(idx, pos, pos, b_sel=b_sel)
-        st.empty_rows += int(torch.isneginf(lse[:, 0]).sum())
+        with timer("accounting"):
+            st.kept_pairs += support_pairs(idx, pos, pos, b_sel=b_sel)
+            st.empty_rows += int(torch.isneginf(lse[:, 0]).sum())
         return out, lse
