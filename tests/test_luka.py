@@ -50,6 +50,9 @@ def test_column_mass_matches_attention_weights():
         got = column_mass(q, k, lse, scale=0.3, q_pos=pos, k_pos=pos, window=window, tile=8)
         assert torch.allclose(got.double(), want, atol=1e-5)
         assert torch.allclose(got.sum(-1).double(), torch.full((Hkv,), 2.0 * S, dtype=torch.float64), atol=1e-4)
+        perm = torch.randperm(S, generator=g)  # keys out of position order: the general (masked) path
+        shuffled = column_mass(q, k[:, :, perm], lse, scale=0.3, q_pos=pos, k_pos=pos[perm], window=window, tile=8)
+        assert torch.allclose(shuffled.double(), want[:, perm], atol=1e-5)
 
 
 def test_compressors_match_their_formulas():

@@ -62,19 +62,30 @@ def column_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: f
     G = Hq // Hkv
     kf = k[0].float()
     out = torch.zeros(Hkv, N, dtype=torch.float32, device=q.device)
+    masked = q_pos is not None and k_pos is not None
+    # keys in position order (a prefill's): a query tile only reads the keys it can see, a contiguous range
+    ordered = masked and (N < 2 or bool((k_pos[1:] >= k_pos[:-1]).all()))
     for s0 in range(0, S, tile):
         s1 = min(S, s0 + tile)
+        a, z = 0, N
+        if ordered:
+            hi, lo = q_pos[s0:s1].max(), q_pos[s0:s1].min()
+            z = int(torch.searchsorted(k_pos, hi, right=True))
+            if window is not None:
+                a = int(torch.searchsorted(k_pos, lo - window, right=True))
+            if z <= a:
+                continue
         qt = q[0, :, s0:s1].float().reshape(Hkv, G, s1 - s0, D)
-        logits = torch.einsum("hgsd,hnd->hgsn", qt, kf) * scale
+        logits = torch.einsum("hgsd,hnd->hgsn", qt, kf[:, a:z]) * scale
         p = torch.exp(logits - lse[0, :, s0:s1].float().reshape(Hkv, G, s1 - s0, 1))
-        if q_pos is not None and k_pos is not None:
-            qp, kp = q_pos[s0:s1].reshape(-1, 1), k_pos.reshape(1, -1)
+        if masked:
+            qp, kp = q_pos[s0:s1].reshape(-1, 1), k_pos[a:z].reshape(1, -1)
             vis = kp <= qp
             if window is not None:
                 vis = vis & (kp > qp - window)
             p = p.masked_fill(~vis, 0.0)
         p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf saw nothing
-        out += p.sum(dim=(1, 2))
+        out[:, a:z] += p.sum(dim=(1, 2))
     return out
 
 
