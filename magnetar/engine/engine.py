@@ -345,24 +345,17 @@ class Engine:
 
     def _decoder(self, cfg: Optional[SparseConfig]):
         """The policy object for a sparse or LuKA config (cached: hash weights load once), None for dense."""
-        if isinstance(cfg, LukaConfig):
-            if cfg.luka_mode == "none":
-                return None
-            if cfg == self.config.luka:
-                return self.sparse
-            if cfg not in self._decoders:
-                from magnetar.luka.decoder import LukaDecoder
-
-                self._decoders[cfg] = LukaDecoder(cfg, self.model.config)
-            return self._decoders[cfg]
-        if cfg is None or cfg.sparse_policy == "none":
+        luka = isinstance(cfg, LukaConfig)
+        if cfg is None or (cfg.luka_mode if luka else cfg.sparse_policy) == "none":
             return None
-        if cfg == self.config.sparse:
+        if cfg == (self.config.luka if luka else self.config.sparse):
             return self.sparse
         if cfg not in self._decoders:
-            from magnetar.sparse.select import SparseDecoder
-
-            self._decoders[cfg] = SparseDecoder(cfg, self.model.config)
+            if luka:
+                from magnetar.luka.decoder import LukaDecoder as cls
+            else:
+                from magnetar.sparse.select import SparseDecoder as cls
+            self._decoders[cfg] = cls(cfg, self.model.config)
         return self._decoders[cfg]
 
     def _plain_ids(self, x) -> torch.Tensor:

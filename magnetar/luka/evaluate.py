@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from magnetar.config import LUKA_COMPRESSORS, EngineConfig, LukaConfig
+from magnetar.sparse.evaluate import load_rows  # the same resumable results.jsonl reader
 
 FIGURES = ("compressors", "values", "exact", "modes")
 
@@ -67,18 +68,6 @@ def variants(figure: str, fractions: list[float], lined_layers: int) -> list[tup
 
 def variant_key(cfg: LukaConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-
-
-def load_rows(out: Path) -> list[dict]:
-    path = out / "results.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a cut last line: redone
-    return rows
 
 
 def run(args) -> int:
