@@ -20,7 +20,7 @@ from magnetar.config import EngineConfig, add_cli_args
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.distill import collect_teacher, distill_layer, random_text_ids, support_recall
 from magnetar.prefill.indexer import HeadCollapsedIndexer, IndexerBank, kl_loss
-from magnetar.prefill.oracle import (SENTINEL, head_averaged_probs, head_averaged_topk, oracle_attention,
+from magnetar.prefill.oracle import (SENTINEL, SPARSE_ATTENTION_OP, head_averaged_probs, head_averaged_topk, oracle_attention,
                                      sparse_gqa_attention, support_pairs)
 from magnetar.prefill.schedule import budget_for_length, causal_pair_sparsity, parse_schedule, topk_pairs
 from tests.conftest import assert_close
@@ -183,9 +183,14 @@ def _masked_dense_fp64(q, k, v, scale, allowed):
     return out, lse
 
 
+SPARSE_OP = pytest.param("op", marks=pytest.mark.skipif(
+    not SPARSE_ATTENTION_OP.available("cpu"), reason="the sparse attention op does not build here (no C++ compiler)"))
+
+
+@pytest.mark.parametrize("backend", ["torch", SPARSE_OP])
 @pytest.mark.parametrize("b_sel,window,dtype", [(1, None, torch.float32), (3, None, torch.float32),
                                                  (4, 5, torch.float32), (2, None, torch.bfloat16)])
-def test_sparse_recompute_equals_dense_on_the_support(b_sel, window, dtype):
+def test_sparse_recompute_equals_dense_on_the_support(b_sel, window, dtype, backend):
     B, S, N, kk = 2, 17, 17, 5
     q, k, v = _qkv(B=B, Hq=4, Hkv=2, S=S, N=N, seed=3, dtype=dtype)
     g = torch.Generator().manual_seed(4)
@@ -203,15 +208,35 @@ def test_sparse_recompute_equals_dense_on_the_support(b_sel, window, dtype):
                 if s != SENTINEL and vis[t, s]:
                     allowed[b, t, s] = True
     want_o, want_l = _masked_dense_fp64(q, k, v, 0.35, allowed)
-    for max_gather in (7, 16384):
+    for max_gather in (7, 16384):  # the gather step of the torch path (the op has none)
         out, lse = sparse_gqa_attention(q, k, v, idx, scale=0.35, q_pos=qp, k_pos=kp, b_sel=b_sel, window=window,
-                                        max_gather=max_gather)
+                                        max_gather=max_gather, backend=backend)
         assert out.dtype == dtype and lse.dtype == torch.float32
         ref_o, ref_l = _masked_dense_fp64(q, k, v, 0.35, allowed)  # same reference for every tiling
         assert_close(out, ref_o, dtype, msg=f"sparse out b_sel={b_sel}")
         assert_close(lse, ref_l, dtype, "lse", msg=f"sparse lse b_sel={b_sel}")
     assert torch.isneginf(want_l[1, :, 0]).all() and (out[1, :, 0] == 0).all()  # row 0 of seq 1 sees nothing
     assert support_pairs(idx[:1], qp[0], kp[0], b_sel=b_sel, window=window) == int(allowed[0].sum())
+
+
+@pytest.mark.skipif(not SPARSE_ATTENTION_OP.available("cpu"), reason="the sparse attention op does not build here")
+@pytest.mark.parametrize("G,D,kk", [(3, 64, 37), (1, 24, 4), (2, 8, 1)])
+def test_sparse_attention_op_equals_torch_path(G, D, kk):
+    """The fused op against the torch gather path on a larger problem: every key-blocking remainder (kk % 4),
+    GQA groups, duplicate support entries and out-of-window keys."""
+    B, Hkv, S = 2, 2, 70
+    q, k, v = _qkv(B=B, Hq=G * Hkv, Hkv=Hkv, S=S, N=S, seed=11, D=D)
+    g = torch.Generator().manual_seed(12)
+    idx = torch.randint(0, S, (B, S, kk), generator=g)
+    idx[:, ::5, 0] = SENTINEL
+    for window in (None, 9):
+        want = sparse_gqa_attention(q, k, v, idx, window=window, backend="torch")
+        got = sparse_gqa_attention(q, k, v, idx, window=window, backend="op")
+        assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown backend"):
+        sparse_gqa_attention(q, k, v, idx, backend="fast")
 
 
 def test_full_budget_is_dense_attention():

@@ -174,3 +174,13 @@ class HammingCUDABuilder(MergeStatesCUDABuilder):
 
     def sources(self):
         return [str(CSRC_DIR / "hamming_cuda.cpp"), str(CSRC_DIR / "hamming_kernel.cu")]
+
+
+class SparseAttentionBuilder(MergeStatesBuilder):
+    """CPU build of the gathered sparse GQA attention (``csrc/sparse_attention.cpp``) behind sparse prefill."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_SPARSE_ATTENTION"
+    NAME = "magnetar_sparse_attention"
+
+    def sources(self):
+        return [str(CSRC_DIR / "sparse_attention.cpp")]

@@ -27,10 +27,38 @@ from typing import Optional, Union
 import torch
 
 from magnetar.ops import attention_with_lse
+from magnetar.ops.jit import LazyOp
 
 SENTINEL = -1  # a support slot holding no key (fewer than k keys were causally valid)
 
 Rows = Union[None, slice, torch.Tensor]
+SPARSE_BACKENDS = ("auto", "op", "torch")
+
+
+def _make_builder(device_type: str):
+    from magnetar.ops import op_builder  # imports DeepSpeed: deferred to the first use
+
+    return op_builder.SparseAttentionBuilder() if device_type == "cpu" else None
+
+
+# the fused gathered sparse attention (magnetar/ops/csrc/sparse_attention.cpp); CPU only so far
+SPARSE_ATTENTION_OP = LazyOp("sparse attention", _make_builder, ("sparse_gqa_attention",))
+
+
+def _use_sparse_op(backend: str, device: torch.device) -> bool:
+    if backend not in SPARSE_BACKENDS:
+        raise ValueError(f"sparse_gqa_attention: unknown backend {backend!r}; choose one of {SPARSE_BACKENDS}")
+    if backend == "torch":
+        return False
+    if device.type != "cpu":
+        if backend == "op":
+            raise RuntimeError(f"sparse_gqa_attention: the fused op is built for CPU tensors only, got {device}; "
+                               "use backend='auto' (the torch gather path) on this device")
+        return False
+    if backend == "op":
+        SPARSE_ATTENTION_OP.load(device)  # raises with the build failure's reason
+        return True
+    return SPARSE_ATTENTION_OP.available(device)
 
 
 # -- validation and positions --------------------------------------------------------------------------------
@@ -208,14 +236,19 @@ def _check_idx(idx: torch.Tensor, B: int, S: int, N: int, b_sel: int) -> None:
 
 def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, *,
                          scale: Optional[float] = None, q_pos=None, k_pos=None, b_sel: int = 1,
-                         window: Optional[int] = None, max_gather: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+                         window: Optional[int] = None, max_gather: int = 16384,
+                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over its block's support only (Algorithm 1, step 5).
 
     ``idx (B, ceil(S / b_sel), kk)``: distinct key indices per block, :data:`SENTINEL` for empty slots (invisible).
-    Only the selected K/V rows are gathered (``max_gather`` support slots per step, shared by all KV heads);
-    each query masks the support keys it may not see (``k_pos > q_pos``, outside the window). Returns
-    ``out (B, Hq, S, D)`` in q's dtype and ``lse (B, Hq, S)`` float32; a query seeing none of its support gets
-    ``(0, -inf)``, as in :func:`magnetar.ops.attention_with_lse`.
+    Only the selected K/V rows are read; each query masks the support keys it may not see (``k_pos > q_pos``,
+    outside the window). Returns ``out (B, Hq, S, D)`` in q's dtype and ``lse (B, Hq, S)`` float32; a query
+    seeing none of its support gets ``(0, -inf)``, as in :func:`magnetar.ops.attention_with_lse`.
+
+    ``backend``: ``"op"`` the fused DeepSpeed op (``magnetar/ops/csrc/sparse_attention.cpp``, CPU: one work item
+    per (batch, KV head, query) reads its selected K/V rows once for the G query heads sharing them), ``"torch"``
+    batched gathers (``max_gather`` support slots per step, shared by all KV heads; any device), ``"auto"`` the
+    op for CPU tensors when it builds, else torch.
     """
     _check_qk("sparse_gqa_attention", q, k)
     check_b_sel(b_sel, "sparse_gqa_attention")
@@ -230,6 +263,11 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
     kp = _positions(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
     M, kk = idx.shape[1], idx.shape[2]
+    if _use_sparse_op(backend, q.device):
+        out, lse = SPARSE_ATTENTION_OP.load(q.device).sparse_gqa_attention(
+            q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), idx.long().contiguous(),
+            qp_all.contiguous(), kp.contiguous(), b_sel, scale, -1 if window is None else int(window))
+        return out.to(q.dtype), lse
     out = torch.zeros(B, Hq, S, D, dtype=torch.float32, device=q.device)
     lse = torch.full((B, Hq, S), float("-inf"), device=q.device)
     if kk == 0 or S == 0:
