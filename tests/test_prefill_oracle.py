@@ -37,6 +37,10 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+SPARSE_OP = pytest.param("op", marks=pytest.mark.skipif(
+    not SPARSE_ATTENTION_OP.available("cpu"), reason="the sparse prefill op does not build here (no C++ compiler)"))
+
+
 def _qkv(B=1, Hq=4, Hkv=2, S=23, N=None, D=8, seed=0, dtype=torch.float32, spread=1.5):
     g = torch.Generator().manual_seed(seed)
     N = S if N is None else N
@@ -149,15 +153,16 @@ def test_head_averaged_probs_match_fp64(window):
     assert torch.allclose(got.sum(-1), torch.ones(2, 19), atol=1e-5) and bool((got[:, ~vis] == 0).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", SPARSE_OP])
 @pytest.mark.parametrize("b_sel", [1, 3, 8])
 @pytest.mark.parametrize("topk", [1, 5, 40])
-def test_topk_per_query_and_block_max_match_fp64(b_sel, topk):
+def test_topk_per_query_and_block_max_match_fp64(b_sel, topk, backend):
     q, k, _ = _qkv(B=2, Hq=4, Hkv=1, S=21, seed=2 + b_sel)
     pos = torch.arange(21)
     P = _probs_fp64(q, k, 0.5, pos, pos)
     want = _block_scores_fp64(P, _visible(pos, pos), b_sel)
-    for q_tile in (4, 128):
-        idx = head_averaged_topk(q, k, topk=topk, b_sel=b_sel, scale=0.5, q_tile=q_tile, k_tile=6)
+    for q_tile in (4, 128):  # the torch path's row tile (the op has none)
+        idx = head_averaged_topk(q, k, topk=topk, b_sel=b_sel, scale=0.5, q_tile=q_tile, k_tile=6, backend=backend)
         assert idx.dtype == torch.int64
         _assert_valid_topk(idx, want, topk)
     if b_sel == 1 and topk == 5:  # query t has t + 1 valid keys: early rows are padded with the sentinel
@@ -181,10 +186,6 @@ def _masked_dense_fp64(q, k, v, scale, allowed):
                     lse[b, h, t] = torch.logsumexp(row, 0)
                     out[b, h, t] = torch.softmax(row, 0) @ v[b, h // G, keys].double()
     return out, lse
-
-
-SPARSE_OP = pytest.param("op", marks=pytest.mark.skipif(
-    not SPARSE_ATTENTION_OP.available("cpu"), reason="the sparse attention op does not build here (no C++ compiler)"))
 
 
 @pytest.mark.parametrize("backend", ["torch", SPARSE_OP])
@@ -235,6 +236,18 @@ def test_sparse_attention_op_equals_torch_path(G, D, kk):
         assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        # the fused oracle top-k against the torch tiles, GQA and window included: the same support up to
+        # near-ties, so compare the head-averaged mass each support captures
+        for b_sel in (1, 4):
+            sets = [head_averaged_topk(q, k, topk=min(kk, S), b_sel=b_sel, window=window, backend=be)
+                    for be in ("torch", "op")]
+            if b_sel == 1:
+                P = head_averaged_probs(q, k, window=window)
+                mass = [P.gather(2, s.clamp(min=0)).masked_fill(s < 0, 0).sum(-1) for s in sets]
+                torch.testing.assert_close(mass[1], mass[0], rtol=1e-5, atol=1e-6)
+            assert torch.equal(sets[0] < 0, sets[1] < 0)
+            agree = (sets[0].sort(-1).values == sets[1].sort(-1).values).float().mean()
+            assert agree > 0.99, agree
     with pytest.raises(ValueError, match="unknown backend"):
         sparse_gqa_attention(q, k, v, idx, backend="fast")
 

@@ -41,8 +41,8 @@ def _make_builder(device_type: str):
     return op_builder.SparseAttentionBuilder() if device_type == "cpu" else None
 
 
-# the fused gathered sparse attention (magnetar/ops/csrc/sparse_attention.cpp); CPU only so far
-SPARSE_ATTENTION_OP = LazyOp("sparse attention", _make_builder, ("sparse_gqa_attention",))
+# the fused oracle top-k and gathered sparse attention (magnetar/ops/csrc/sparse_attention.cpp); CPU only so far
+SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_attention", "oracle_topk"))
 
 
 def _use_sparse_op(backend: str, device: torch.device) -> bool:
@@ -194,11 +194,13 @@ def block_topk(scores: torch.Tensor, b_sel: int, topk: int) -> torch.Tensor:
 
 def head_averaged_topk(q: torch.Tensor, k: torch.Tensor, *, topk: int, b_sel: int = 1, scale: Optional[float] = None,
                        q_pos=None, k_pos=None, window: Optional[int] = None, lse: Optional[torch.Tensor] = None,
-                       q_tile: int = 128, k_tile: int = 1024) -> torch.Tensor:
+                       q_tile: int = 128, k_tile: int = 1024, backend: str = "auto") -> torch.Tensor:
     """The oracle support (Algorithm 1, steps 2-4): per query (``b_sel = 1``) or per block of ``b_sel`` rows.
 
     Returns ``idx (B, ceil(S / b_sel), min(topk, N))`` int64, padded with :data:`SENTINEL`. ``lse`` as in
     :func:`head_averaged_probs`; at most ``~q_tile`` rows (rounded to whole blocks) of P exist at a time.
+    ``backend`` as in :func:`sparse_gqa_attention`: the fused op (CPU, one query row's logits at a time per
+    thread; ``lse`` is recomputed there) or the torch tiles. Near-ties at the k-th score may resolve differently.
     """
     check_topk(topk, "head_averaged_topk")
     check_b_sel(b_sel, "head_averaged_topk")
@@ -208,6 +210,10 @@ def head_averaged_topk(q: torch.Tensor, k: torch.Tensor, *, topk: int, b_sel: in
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S)
     kp = _positions(k_pos, N, B, q.device, "k_pos", 0)
+    if _use_sparse_op(backend, q.device):
+        return SPARSE_ATTENTION_OP.load(q.device).oracle_topk(
+            q.float().contiguous(), k.float().contiguous(), qp_all.expand(B, S).contiguous(),
+            kp.expand(B, N).contiguous(), topk, b_sel, scale, -1 if window is None else int(window))
     kf = k.float()
     step = b_sel * max(1, q_tile // b_sel)  # whole blocks per tile
     parts = []
