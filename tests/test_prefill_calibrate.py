@@ -245,6 +245,21 @@ def test_gap_report_table_from_result_rows(tmp_path, capsys):
     assert "| validation KL(P ‖ softmax(z)) (nats) | 1.5000 | 0.6000 |" in md
     assert "| recall of the oracle top-16 support (b_sel 1) | 0.150 | 0.700 |" in md
 
+    # items outside --tasks / beyond --samples in the same directory (a dense run of more tasks, larger n) are
+    # left out of every row, so all rows average the same item set
+    from magnetar.eval.runner import item_key
+
+    ck, _ = gap.variant_key(args, Variant("none"), extra)
+    more = [{"key": item_key("ruler", t, "dense", 4096, i, ck), "suite": "ruler", "task": t, "method": "dense",
+             "length": 4096, "index": i, "score": 0.0} for t, i in (("vt", 5), ("fwe", 0))]
+    with open(out / "results.jsonl", "a") as f:
+        f.write("\n".join(json.dumps(r) for r in more) + "\n")
+    assert gap.main(argv + ["--tasks", "vt,cwe"]) == 0
+    md = capsys.readouterr().out
+    assert "| dense | 100.0 ± 0.0 (n=10) | - |" in md and "5 samples per task of vt,cwe" in md
+    assert gap.main(argv) == 0
+    assert "| dense | 90.9 ± 17.8 (n=11) |" in capsys.readouterr().out  # without --tasks fwe counts; vt #5 never (beyond --samples)
+
     # without an indexer file the indexer rows are skipped, with a note
     assert gap.main([a for a in argv if a not in ("--indexer-path", str(ixp))]) == 0
     md = capsys.readouterr().out

@@ -116,9 +116,12 @@ def _pct(x: float) -> str:
 
 
 # -- the report ------------------------------------------------------------------------------------------------
-def select_rows(rows: Sequence[dict], keys: dict[Variant, tuple[str, Optional[str]]], suite: str
+def select_rows(rows: Sequence[dict], keys: dict[Variant, tuple[str, Optional[str]]], suite: str,
+                tasks: Optional[Sequence[str]] = None, samples: Optional[int] = None
                 ) -> dict[tuple[Variant, int], dict[tuple[str, int], dict]]:
-    """``{(variant, length): {(task, index): row}}`` for the rows whose runner key is a variant's."""
+    """``{(variant, length): {(task, index): row}}`` for the rows whose runner key is a variant's; only the
+    ``tasks`` asked for and sample indices below ``samples`` (the directory may hold more: e.g. a dense run of
+    every task at n = 10), so every row is averaged over the same item set."""
     by_key = {}
     for v, (ck, suffix) in keys.items():
         by_key[(ck, suffix)] = v
@@ -128,6 +131,8 @@ def select_rows(rows: Sequence[dict], keys: dict[Variant, tuple[str, Optional[st
         if len(parts) < 6 or parts[0] != suite or parts[2] != "dense":
             continue
         v = by_key.get((parts[5], parts[6] if len(parts) > 6 else None))
+        if tasks and r["task"] not in tasks or samples is not None and int(r["index"]) >= samples:
+            continue
         if v is not None:
             out[(v, int(r["length"]))][(r["task"], int(r["index"]))] = r
     return out
@@ -212,9 +217,10 @@ def diagnostics(meta: Optional[dict], path: Optional[str]) -> list[str]:
 def build_report(rows: Sequence[dict], keys: dict[Variant, tuple[str, Optional[str]]], *, suite: str,
                  lengths: Sequence[int], topks: Sequence[int], block: int, notes: Sequence[str] = (),
                  indexer_meta: Optional[dict] = None, indexer_path: Optional[str] = None,
-                 title: str = "") -> str:
-    """The markdown report from result rows (see the module docstring); ``keys``: the variants to show."""
-    cells = select_rows(rows, keys, suite)
+                 title: str = "", tasks: Optional[Sequence[str]] = None, samples: Optional[int] = None) -> str:
+    """The markdown report from result rows (see the module docstring); ``keys``: the variants to show;
+    ``tasks`` / ``samples``: the item set (see :func:`select_rows`)."""
+    cells = select_rows(rows, keys, suite, tasks, samples)
     vs = list(keys)
     what = "perplexity [95 % interval] (n windows)" if suite == "ppl" else \
         "score 0-100, mean ± 95 % interval (n samples)"
@@ -328,7 +334,9 @@ def main(argv=None) -> int:
     rows = load(Path(args.out))
     md = build_report(rows, keys, suite=args.suite, lengths=args.length_list, topks=args.topks, block=args.block,
                       notes=notes, indexer_meta=meta, indexer_path=args.indexer_path,
+                      tasks=[t.strip() for t in args.tasks.split(",")] if args.tasks else None, samples=args.samples,
                       title=f"{args.model}, {args.samples} samples per task"
+                            + (f" of {args.tasks}" if args.tasks else "")
                             + (f", extra flags {' '.join(extra)}" if extra else ""))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "gap.md").write_text(md + "\n")
