@@ -24,7 +24,9 @@ top-k), ``sparse attention`` (gathering the support's K/V and attending to it) a
 the realised pairs, bookkeeping only); for ``dense`` the same layers' ``dense attention``
 (``attention_with_lse``, timed through the policy with a budget no layer reaches). Prints the tables, then one
 JSON line. The oracle computes dense attention to choose its support: it is an instrument, not a speed-up.
-The sparse path here is PyTorch gathers (no fused sparse kernel), so its timings are this implementation's.
+On CPU the oracle's scoring + top-k and the sparse attention run in the fused DeepSpeed op
+(``magnetar/ops/csrc/sparse_attention.cpp``: only the selected K/V rows are read); on CUDA both are PyTorch
+gathers (no CUDA kernel for them yet), and the indexer's scoring + top-k is PyTorch everywhere.
 """
 from __future__ import annotations
 

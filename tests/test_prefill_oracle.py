@@ -399,8 +399,9 @@ def _indexer_scores_fp64(ix: HeadCollapsedIndexer, x, pos):
     return torch.relu(qr[:, 0] @ kr2[:, 0].transpose(1, 2) / math.sqrt(ix.d_idx))
 
 
+@pytest.mark.parametrize("backend", ["torch", SPARSE_OP])
 @pytest.mark.parametrize("b_sel", [1, 4])
-def test_indexer_scores_and_selection_match_direct(b_sel):
+def test_indexer_scores_and_selection_match_direct(b_sel, backend):
     g = torch.Generator().manual_seed(6)
     ix = HeadCollapsedIndexer(32, 64, theta=500.0, generator=g)
     with torch.no_grad():  # a non-trivial LayerNorm
@@ -414,7 +415,7 @@ def test_indexer_scores_and_selection_match_direct(b_sel):
     assert_close(ix.scores(x, pos, rows=rows), want[:, rows], torch.float32, msg="indexer rows")
     vis = _visible(pos, pos)
     block = _block_scores_fp64(want.masked_fill(~vis, float("-inf")), vis, b_sel)
-    _assert_valid_topk(ix.select(x, pos, topk=6, b_sel=b_sel, q_tile=8), block, 6, tol=1e-5)
+    _assert_valid_topk(ix.select(x, pos, topk=6, b_sel=b_sel, q_tile=8, backend=backend), block, 6, tol=1e-5)
     with pytest.raises(ValueError, match="prefill_d_idx"):
         HeadCollapsedIndexer(32, 96)
 

@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from magnetar.prefill.oracle import _positions, _visible, block_topk, check_b_sel, check_topk
+from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, _positions, _visible, block_topk, check_b_sel, check_topk,
+                                     use_sparse_op)
 from magnetar.sparse.hashing import model_signature
 
 D_IDX_CHOICES = (64, 128, 256)  # Sec. 6.3: the index dimensions the paper considers
@@ -100,12 +101,14 @@ class HeadCollapsedIndexer(torch.nn.Module):
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, positions: torch.Tensor, *, topk: int, b_sel: int = 1,
-               window: Optional[int] = None, q_tile: int = 256, timer=None) -> torch.Tensor:
+               window: Optional[int] = None, q_tile: int = 256, timer=None, backend: str = "auto") -> torch.Tensor:
         """The support (Algorithm 2, steps 2-5): ``idx (B, ceil(S / b_sel), min(topk, S))`` as the oracle's
         :func:`~magnetar.prefill.oracle.head_averaged_topk` returns it, ranked by ``z`` instead of ``P``.
         Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily.
         ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.luka.core.SectionTimer`)
-        charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile)."""
+        charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile).
+        ``backend``: scoring + top-k in the fused op (CPU; ``magnetar.prefill.oracle.use_sparse_op``) or in torch
+        tiles of ``q_tile`` rows."""
         check_topk(topk, "indexer.select")
         check_b_sel(b_sel, "indexer.select")
         timer = timer or _no_timer
@@ -114,6 +117,11 @@ class HeadCollapsedIndexer(torch.nn.Module):
             q, k = self.project(x, positions)
         with timer("score_topk"):
             pos = _positions(positions, S, B, x.device, "positions", 0)
+            if use_sparse_op(backend, q.device):
+                p = pos.expand(B, S).contiguous()
+                return SPARSE_ATTENTION_OP.load(q.device).indexer_topk(
+                    q.contiguous(), k.contiguous(), p, p, topk, b_sel, 1.0 / math.sqrt(self.d_idx),
+                    -1 if window is None else int(window))
             step = b_sel * max(1, q_tile // b_sel)
             parts = []
             for r0 in range(0, S, step):

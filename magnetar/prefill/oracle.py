@@ -42,10 +42,11 @@ def _make_builder(device_type: str):
 
 
 # the fused oracle top-k and gathered sparse attention (magnetar/ops/csrc/sparse_attention.cpp); CPU only so far
-SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_attention", "oracle_topk"))
+SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_attention", "oracle_topk", "indexer_topk"))
 
 
-def _use_sparse_op(backend: str, device: torch.device) -> bool:
+def use_sparse_op(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` (auto / op / torch) means the fused sparse prefill op for tensors on ``device``."""
     if backend not in SPARSE_BACKENDS:
         raise ValueError(f"sparse_gqa_attention: unknown backend {backend!r}; choose one of {SPARSE_BACKENDS}")
     if backend == "torch":
@@ -210,7 +211,7 @@ def head_averaged_topk(q: torch.Tensor, k: torch.Tensor, *, topk: int, b_sel: in
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S)
     kp = _positions(k_pos, N, B, q.device, "k_pos", 0)
-    if _use_sparse_op(backend, q.device):
+    if use_sparse_op(backend, q.device):
         return SPARSE_ATTENTION_OP.load(q.device).oracle_topk(
             q.float().contiguous(), k.float().contiguous(), qp_all.expand(B, S).contiguous(),
             kp.expand(B, N).contiguous(), topk, b_sel, scale, -1 if window is None else int(window))
@@ -269,7 +270,7 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
     kp = _positions(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
     M, kk = idx.shape[1], idx.shape[2]
-    if _use_sparse_op(backend, q.device):
+    if use_sparse_op(backend, q.device):
         out, lse = SPARSE_ATTENTION_OP.load(q.device).sparse_gqa_attention(
             q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), idx.long().contiguous(),
             qp_all.contiguous(), kp.contiguous(), b_sel, scale, -1 if window is None else int(window))

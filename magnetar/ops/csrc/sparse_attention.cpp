@@ -20,6 +20,12 @@
 //   visible key = -1. The torch reference is magnetar.prefill.oracle.head_averaged_topk(..., backend="torch").
 //   One work item is one block; a row's logits (Hq x N floats) live in a per-thread buffer, never S x N.
 //
+//   indexer_topk(q (B, S, d), k (B, N, d), q_pos, k_pos, topk, b_sel, scale, window) -> idx as above
+//
+//   Algorithm 2's selection fused: z(t, s) = ReLU(scale q_t . k_s) of the head-collapsed indexer over the keys
+//   visible to t, block max, top-k (ReLU's zeros tie: which of them fill the last slots is unspecified).
+//   The torch reference is magnetar.prefill.indexer.HeadCollapsedIndexer.select(..., backend="torch").
+//
 // sparse_gqa_attention reads only the selected K/V rows: one work item is (b, KV head, query row); it collects the visible
 // support, loads each selected K row once for the G query heads sharing it (GQA), takes an exact softmax over
 // the support (max, then sum of exponentials) and accumulates the selected V rows. Nothing of size S x N is
@@ -30,6 +36,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -215,16 +222,29 @@ MAGNETAR_BODY void attend_items_body(const Problem& P, int64_t begin, int64_t en
   }
 }
 
-// the top-k of one block's scores (n keys, -inf = not visible to any row) into out (kk slots), decreasing
-void topk_row(const float* score, int64_t n, int64_t kk, int64_t* cand, int64_t* out) {
+// the top-k of one block's scores (n keys, -inf = not visible to any row) into out (kk slots), decreasing score,
+// ties by index; -1 pads. The k-th largest value is found by nth_element on a plain copy of the values (no
+// indirect comparisons), then the keys above it and, in index order, enough keys equal to it are taken.
+// vals, cand: scratch of n.
+void topk_row(const float* score, int64_t n, int64_t kk, float* vals, int64_t* cand, int64_t* out) {
   int64_t nc = 0;
   for (int64_t s = 0; s < n; ++s)
-    if (score[s] != -std::numeric_limits<float>::infinity()) cand[nc++] = s;
-  auto higher = [score](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
-  const int64_t take = nc < kk ? nc : kk;
-  if (nc > kk) std::nth_element(cand, cand + kk, cand + nc, higher);
-  std::sort(cand, cand + take, higher);
-  for (int64_t j = 0; j < take; ++j) out[j] = cand[j];
+    if (score[s] != -std::numeric_limits<float>::infinity()) {
+      vals[nc] = score[s];
+      cand[nc++] = s;
+    }
+  int64_t take = 0;
+  if (nc > kk) {
+    std::nth_element(vals, vals + kk - 1, vals + nc, std::greater<float>());
+    const float thr = vals[kk - 1];
+    for (int64_t i = 0; i < nc; ++i)
+      if (score[cand[i]] > thr) out[take++] = cand[i];
+    for (int64_t i = 0; i < nc && take < kk; ++i)
+      if (score[cand[i]] == thr) out[take++] = cand[i];
+  } else {
+    for (int64_t i = 0; i < nc; ++i) out[take++] = cand[i];
+  }
+  std::sort(out, out + take, [score](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
   for (int64_t j = take; j < kk; ++j) out[j] = -1;
 }
 
@@ -275,7 +295,36 @@ MAGNETAR_BODY void oracle_blocks_body(const Problem& P, int64_t topk_slots, int6
       }
       for (int64_t i = 0; i < nv; ++i) pblock[keys[i]] = p[i] > pblock[keys[i]] ? p[i] : pblock[keys[i]];
     }
-    topk_row(pblock, N, topk_slots, cand, idx_out + item * topk_slots);
+    topk_row(pblock, N, topk_slots, logits, cand, idx_out + item * topk_slots);
+  }
+}
+
+// indexer blocks [begin, end) = (b, block m): z(t, s) = ReLU(scale q_t . k_s) of one head (q, k (B, S|N, D)),
+// block max over the rows that see s, top-k. logits (N), pblock (N), keys (N), cand (N): per-thread scratch
+MAGNETAR_BODY void indexer_blocks_body(const Problem& P, int64_t kk, int64_t begin, int64_t end, float* logits,
+                                       float* pblock, int64_t* keys, int64_t* cand, int64_t* idx_out) {
+  const int64_t S = P.S, N = P.N, D = P.D;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t m = item % P.M, b = item / P.M;
+    for (int64_t s = 0; s < N; ++s) pblock[s] = ninf;
+    const int64_t t1 = (m + 1) * P.b_sel < S ? (m + 1) * P.b_sel : S;
+    const float* kb = P.k + b * N * D;
+    for (int64_t t = m * P.b_sel; t < t1; ++t) {
+      const int64_t qp = P.q_pos[b * S + t];
+      int64_t nv = 0;
+      for (int64_t s = 0; s < N; ++s) {
+        const int64_t kp = P.k_pos[b * N + s];
+        if (kp > qp || (P.window >= 0 && kp <= qp - P.window)) continue;
+        keys[nv++] = s;
+      }
+      row_logits(P.q + (b * S + t) * D, kb, keys, nv, D, P.scale, logits);
+      for (int64_t i = 0; i < nv; ++i) {
+        const float z = logits[i] > 0.f ? logits[i] : 0.f;
+        pblock[keys[i]] = z > pblock[keys[i]] ? z : pblock[keys[i]];
+      }
+    }
+    topk_row(pblock, N, kk, logits, cand, idx_out + item * kk);
   }
 }
 
@@ -289,7 +338,20 @@ __attribute__((target("avx2,fma"))) void oracle_blocks_avx2(const Problem& P, in
                                                             int64_t* keys, int64_t* cand, int64_t* idx_out) {
   oracle_blocks_body(P, kk, begin, end, logits, pblock, keys, cand, idx_out);
 }
+__attribute__((target("avx2,fma"))) void indexer_blocks_avx2(const Problem& P, int64_t kk, int64_t begin,
+                                                             int64_t end, float* logits, float* pblock,
+                                                             int64_t* keys, int64_t* cand, int64_t* idx_out) {
+  indexer_blocks_body(P, kk, begin, end, logits, pblock, keys, cand, idx_out);
+}
 #endif
+
+void indexer_blocks(const Problem& P, int64_t kk, int64_t begin, int64_t end, float* logits, float* pblock,
+                    int64_t* keys, int64_t* cand, int64_t* idx_out) {
+#ifdef MAGNETAR_X86_DISPATCH
+  if (cpu_has_avx2_fma()) return indexer_blocks_avx2(P, kk, begin, end, logits, pblock, keys, cand, idx_out);
+#endif
+  indexer_blocks_body(P, kk, begin, end, logits, pblock, keys, cand, idx_out);
+}
 
 void attend_items(const Problem& P, int64_t begin, int64_t end, int64_t* keys, float* logits) {
 #ifdef MAGNETAR_X86_DISPATCH
@@ -376,9 +438,40 @@ torch::Tensor oracle_topk(const torch::Tensor& q, const torch::Tensor& k, const 
   return idx;
 }
 
+torch::Tensor indexer_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
+                           const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
+  check(q, at::kFloat, 3, "indexer q");
+  check(k, at::kFloat, 3, "indexer k");
+  check(q_pos, at::kLong, 2, "q_pos");
+  check(k_pos, at::kLong, 2, "k_pos");
+  const int64_t B = q.size(0), S = q.size(1), D = q.size(2), N = k.size(1);
+  TORCH_CHECK(topk >= 1 && b_sel >= 1, "magnetar indexer top-k: topk and b_sel must be >= 1, got ", topk, ", ",
+              b_sel);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == D, "magnetar indexer top-k: q ", q.sizes(), " and k ", k.sizes(),
+              " disagree");
+  TORCH_CHECK(q_pos.size(0) == B && q_pos.size(1) == S && k_pos.size(0) == B && k_pos.size(1) == N,
+              "magnetar indexer top-k: positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ",
+              k_pos.sizes());
+  const int64_t M = (S + b_sel - 1) / b_sel, kk = topk < N ? topk : N;
+  auto idx = torch::full({B, M, kk}, -1, q_pos.options());
+  if (B == 0 || S == 0 || kk == 0) return idx;
+  Problem P{q.data_ptr<float>(), k.data_ptr<float>(), nullptr, nullptr, q_pos.data_ptr<int64_t>(),
+            k_pos.data_ptr<int64_t>(), nullptr, nullptr, B, 1, 1, 1, S, N, D, M, kk, b_sel, window,
+            static_cast<float>(scale)};
+  int64_t* out = idx.data_ptr<int64_t>();
+  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> logits(N), pblock(N);
+    std::vector<int64_t> keys(N), cand(N);
+    indexer_blocks(P, kk, begin, end, logits.data(), pblock.data(), keys.data(), cand.data(), out);
+  });
+  return idx;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_gqa_attention", &sparse_gqa_attention,
         "attention of each query over its block's gathered top-k support (GQA, causal/window by positions)");
   m.def("oracle_topk", &oracle_topk,
         "top-k keys of the head-averaged dense attention per query block (block max), -1 padded");
+  m.def("indexer_topk", &indexer_topk,
+        "top-k keys of one head's ReLU(scale q.k) scores per query block (block max), -1 padded");
 }
