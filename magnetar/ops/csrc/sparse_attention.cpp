@@ -180,6 +180,35 @@ struct Problem {
   float scale;
 };
 
+// key s of sequence b visible to a query at position qp (causal, and inside the window when window >= 0)
+MAGNETAR_BODY bool visible(const Problem& P, int64_t b, int64_t qp, int64_t s) {
+  const int64_t kp = P.k_pos[b * P.N + s];
+  return kp <= qp && (P.window < 0 || kp > qp - P.window);
+}
+
+// every key of sequence b visible to the query at position qp, in index order, into keys; returns the count
+MAGNETAR_BODY int64_t visible_keys(const Problem& P, int64_t b, int64_t qp, int64_t* keys) {
+  int64_t nv = 0;
+  for (int64_t s = 0; s < P.N; ++s)
+    if (visible(P, b, qp, s)) keys[nv++] = s;
+  return nv;
+}
+
+// l[0, nv) <- exp(l - max l); returns the sum of the exponentials (>= 1), max in *mx (log-sum-exp = mx + log sum)
+MAGNETAR_BODY float exp_shifted(float* l, int64_t nv, float* mx) {
+  float m = l[0];
+  for (int64_t i = 1; i < nv; ++i) m = l[i] > m ? l[i] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < nv; ++i) {
+    l[i] = exp_nonpositive(l[i] - m);
+    sum += l[i];
+  }
+  *mx = m;
+  return sum;
+}
+
+
 // work items [begin, end) = (b, KV head, query row), row fastest; keys / logits: per-thread scratch (kk, G kk)
 MAGNETAR_BODY void attend_items_body(const Problem& P, int64_t begin, int64_t end, int64_t* keys, float* logits) {
   const int64_t S = P.S, N = P.N, D = P.D, G = P.G, kk = P.kk;
@@ -188,13 +217,8 @@ MAGNETAR_BODY void attend_items_body(const Problem& P, int64_t begin, int64_t en
     const int64_t* sup = P.idx + (b * P.M + t / P.b_sel) * kk;
     const int64_t qp = P.q_pos[b * S + t];
     int64_t nv = 0;
-    for (int64_t j = 0; j < kk; ++j) {
-      const int64_t s = sup[j];
-      if (s < 0 || s >= N) continue;
-      const int64_t kp = P.k_pos[b * N + s];
-      if (kp > qp || (P.window >= 0 && kp <= qp - P.window)) continue;
-      keys[nv++] = s;
-    }
+    for (int64_t j = 0; j < kk; ++j)
+      if (sup[j] >= 0 && sup[j] < N && visible(P, b, qp, sup[j])) keys[nv++] = sup[j];
     if (nv == 0) continue;  // out stays 0, lse -inf
     const float* kh = P.k + (b * P.Hkv + hk) * N * D;
     const float* vh = P.v + (b * P.Hkv + hk) * N * D;
@@ -204,14 +228,8 @@ MAGNETAR_BODY void attend_items_body(const Problem& P, int64_t begin, int64_t en
       row_logits(P.q + (row0 + g * S) * D, kh, keys, nv, D, P.scale, logits + g * kk);
     for (int64_t g = 0; g < G; ++g) {
       float* l = logits + g * kk;
-      float mx = l[0];
-      for (int64_t i = 1; i < nv; ++i) mx = l[i] > mx ? l[i] : mx;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < nv; ++i) {
-        l[i] = exp_nonpositive(l[i] - mx);
-        sum += l[i];
-      }
+      float mx;
+      const float sum = exp_shifted(l, nv, &mx);
       const float inv = 1.f / sum;
 #pragma omp simd
       for (int64_t i = 0; i < nv; ++i) l[i] *= inv;
@@ -260,12 +278,7 @@ MAGNETAR_BODY void oracle_blocks_body(const Problem& P, int64_t topk_slots, int6
     const int64_t t1 = (m + 1) * P.b_sel < S ? (m + 1) * P.b_sel : S;
     for (int64_t t = m * P.b_sel; t < t1; ++t) {
       const int64_t qp = P.q_pos[b * S + t];
-      int64_t nv = 0;
-      for (int64_t s = 0; s < N; ++s) {
-        const int64_t kp = P.k_pos[b * N + s];
-        if (kp > qp || (P.window >= 0 && kp <= qp - P.window)) continue;
-        keys[nv++] = s;
-      }
+      const int64_t nv = visible_keys(P, b, qp, keys);
       if (nv == 0) continue;
       for (int64_t hk = 0; hk < P.Hkv; ++hk) {
         const float* kh = P.k + (b * P.Hkv + hk) * N * D;
@@ -276,14 +289,8 @@ MAGNETAR_BODY void oracle_blocks_body(const Problem& P, int64_t topk_slots, int6
       float* p = logits;
       for (int64_t h = 0; h < Hq; ++h) {
         float* l = logits + h * N;
-        float mx = l[0];
-        for (int64_t i = 1; i < nv; ++i) mx = l[i] > mx ? l[i] : mx;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < nv; ++i) {
-          l[i] = exp_nonpositive(l[i] - mx);
-          sum += l[i];
-        }
+        float mx;
+        const float sum = exp_shifted(l, nv, &mx);
         const float w = inv_h / sum;
         if (h == 0) {
 #pragma omp simd
@@ -312,12 +319,7 @@ MAGNETAR_BODY void indexer_blocks_body(const Problem& P, int64_t kk, int64_t beg
     const float* kb = P.k + b * N * D;
     for (int64_t t = m * P.b_sel; t < t1; ++t) {
       const int64_t qp = P.q_pos[b * S + t];
-      int64_t nv = 0;
-      for (int64_t s = 0; s < N; ++s) {
-        const int64_t kp = P.k_pos[b * N + s];
-        if (kp > qp || (P.window >= 0 && kp <= qp - P.window)) continue;
-        keys[nv++] = s;
-      }
+      const int64_t nv = visible_keys(P, b, qp, keys);
       row_logits(P.q + (b * S + t) * D, kb, keys, nv, D, P.scale, logits);
       for (int64_t i = 0; i < nv; ++i) {
         const float z = logits[i] > 0.f ? logits[i] : 0.f;
@@ -408,21 +410,22 @@ std::tuple<torch::Tensor, torch::Tensor> sparse_gqa_attention(const torch::Tenso
   return {out, lse};
 }
 
-torch::Tensor oracle_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
-                          const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
+// oracle_topk (Hq heads, softmax mass) and indexer_topk (one head, ReLU scores; q, k as (B, 1, S|N, d)) share
+// the checks, the output and the parallel loop over (b, block)
+torch::Tensor block_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
+                         const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window,
+                         bool indexer) {
+  const char* what = indexer ? "magnetar indexer top-k: " : "magnetar oracle top-k: ";
   check(q, at::kFloat, 4, "q");
   check(k, at::kFloat, 4, "k");
   check(q_pos, at::kLong, 2, "q_pos");
   check(k_pos, at::kLong, 2, "k_pos");
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), N = k.size(2);
-  TORCH_CHECK(topk >= 1 && b_sel >= 1, "magnetar oracle top-k: topk and b_sel must be >= 1, got ", topk, ", ",
-              b_sel);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D, "magnetar oracle top-k: q ", q.sizes(), " and k ", k.sizes(),
-              " disagree");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "magnetar oracle top-k: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
-  TORCH_CHECK(q_pos.size(0) == B && q_pos.size(1) == S && k_pos.size(0) == B && k_pos.size(1) == N,
-              "magnetar oracle top-k: positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ",
-              k_pos.sizes());
+  TORCH_CHECK(topk >= 1 && b_sel >= 1, what, "topk and b_sel must be >= 1, got ", topk, ", ", b_sel);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D, what, "q ", q.sizes(), " and k ", k.sizes(), " disagree");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, what, "Hq=", Hq, " is not a multiple of Hkv=", Hkv);
+  TORCH_CHECK(q_pos.size(0) == B && q_pos.size(1) == S && k_pos.size(0) == B && k_pos.size(1) == N, what,
+              "positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ", k_pos.sizes());
   const int64_t M = (S + b_sel - 1) / b_sel, kk = topk < N ? topk : N;
   auto idx = torch::full({B, M, kk}, -1, q_pos.options());
   if (B == 0 || S == 0 || kk == 0) return idx;
@@ -433,38 +436,24 @@ torch::Tensor oracle_topk(const torch::Tensor& q, const torch::Tensor& k, const 
   at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> logits(Hq * N), pblock(N);
     std::vector<int64_t> keys(N), cand(N);
-    oracle_blocks(P, kk, begin, end, logits.data(), pblock.data(), keys.data(), cand.data(), out);
+    if (indexer)
+      indexer_blocks(P, kk, begin, end, logits.data(), pblock.data(), keys.data(), cand.data(), out);
+    else
+      oracle_blocks(P, kk, begin, end, logits.data(), pblock.data(), keys.data(), cand.data(), out);
   });
   return idx;
 }
 
+torch::Tensor oracle_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
+                          const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
+  return block_topk(q, k, q_pos, k_pos, topk, b_sel, scale, window, false);
+}
+
 torch::Tensor indexer_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
                            const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
-  check(q, at::kFloat, 3, "indexer q");
-  check(k, at::kFloat, 3, "indexer k");
-  check(q_pos, at::kLong, 2, "q_pos");
-  check(k_pos, at::kLong, 2, "k_pos");
-  const int64_t B = q.size(0), S = q.size(1), D = q.size(2), N = k.size(1);
-  TORCH_CHECK(topk >= 1 && b_sel >= 1, "magnetar indexer top-k: topk and b_sel must be >= 1, got ", topk, ", ",
-              b_sel);
-  TORCH_CHECK(k.size(0) == B && k.size(2) == D, "magnetar indexer top-k: q ", q.sizes(), " and k ", k.sizes(),
-              " disagree");
-  TORCH_CHECK(q_pos.size(0) == B && q_pos.size(1) == S && k_pos.size(0) == B && k_pos.size(1) == N,
-              "magnetar indexer top-k: positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ",
-              k_pos.sizes());
-  const int64_t M = (S + b_sel - 1) / b_sel, kk = topk < N ? topk : N;
-  auto idx = torch::full({B, M, kk}, -1, q_pos.options());
-  if (B == 0 || S == 0 || kk == 0) return idx;
-  Problem P{q.data_ptr<float>(), k.data_ptr<float>(), nullptr, nullptr, q_pos.data_ptr<int64_t>(),
-            k_pos.data_ptr<int64_t>(), nullptr, nullptr, B, 1, 1, 1, S, N, D, M, kk, b_sel, window,
-            static_cast<float>(scale)};
-  int64_t* out = idx.data_ptr<int64_t>();
-  at::parallel_for(0, B * M, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(N), pblock(N);
-    std::vector<int64_t> keys(N), cand(N);
-    indexer_blocks(P, kk, begin, end, logits.data(), pblock.data(), keys.data(), cand.data(), out);
-  });
-  return idx;
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "magnetar indexer top-k: q and k must be (B, S, d) and (B, N, d), got ",
+              q.sizes(), " and ", k.sizes());
+  return block_topk(q.unsqueeze(1), k.unsqueeze(1), q_pos, k_pos, topk, b_sel, scale, window, true);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
