@@ -97,6 +97,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int)
+    p.add_argument("--beyond-trained-length", action="store_true",
+                   help="allow contexts past the model's max_position_embeddings (timing only: outputs there are "
+                        "meaningless; the real text's windows are used as they are)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,6 +120,15 @@ def main(argv=None) -> int:
 
         model, tokenizer = load_model(args.model, dtype=dtype, device=device)
         name = args.model
+
+    longest = max(parse_length(x) for x in args.lengths.split(",") if x.strip()) + args.query_tokens + 1
+    trained = getattr(model.config, "max_position_embeddings", None)
+    if trained is not None and longest > trained:
+        if not args.beyond_trained_length:
+            raise SystemExit(f"{name} has {trained} positions; --lengths + --query-tokens + 1 generated token need "
+                             f"{longest}: shorten --lengths, or pass --beyond-trained-length to time them anyway")
+        model.config.max_position_embeddings = longest
+        name += f" (positions raised {trained} -> {longest} for timing)"
     mlist = modes([m.strip() for m in args.modes.split(",") if m.strip()], args.block, args.indexer_path)
 
     def engine(flat: dict):
