@@ -17,7 +17,8 @@ int64 with ``M = ceil(S / b_sel)`` and ``k' = min(k, N)``: block ``m`` covers qu
 ``[m b_sel, (m + 1) b_sel)``. Probabilities and lse are float32, natural log.
 
 Nothing here knows about models, layers or the engine. The oracle is a measuring instrument, not an
-acceleration: step 1-2 cost two dense QK^T passes.
+acceleration: step 1-2 cost two dense QK^T passes (the torch tiles; the fused CPU op does one, keeping a row's
+logits of every head).
 """
 from __future__ import annotations
 
@@ -48,12 +49,12 @@ SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_atten
 def use_sparse_op(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` (auto / op / torch) means the fused sparse prefill op for tensors on ``device``."""
     if backend not in SPARSE_BACKENDS:
-        raise ValueError(f"sparse_gqa_attention: unknown backend {backend!r}; choose one of {SPARSE_BACKENDS}")
+        raise ValueError(f"sparse prefill: unknown backend {backend!r}; choose one of {SPARSE_BACKENDS}")
     if backend == "torch":
         return False
     if device.type != "cpu":
         if backend == "op":
-            raise RuntimeError(f"sparse_gqa_attention: the fused op is built for CPU tensors only, got {device}; "
+            raise RuntimeError(f"sparse prefill: the fused op is built for CPU tensors only, got {device}; "
                                "use backend='auto' (the torch gather path) on this device")
         return False
     if backend == "op":
