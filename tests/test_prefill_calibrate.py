@@ -258,7 +258,8 @@ def test_gap_report_table_from_result_rows(tmp_path, capsys):
     md = capsys.readouterr().out
     assert "| dense | 100.0 ± 0.0 (n=10) | - |" in md and "5 samples per task of vt,cwe" in md
     assert gap.main(argv) == 0
-    assert "| dense | 90.9 ± 17.8 (n=11) |" in capsys.readouterr().out  # without --tasks fwe counts; vt #5 never (beyond --samples)
+    # without --tasks fwe counts; vt #5 never (beyond --samples)
+    assert "| dense | 90.9 ± 17.8 (n=11) |" in capsys.readouterr().out
 
     # without an indexer file the indexer rows are skipped, with a note
     assert gap.main([a for a in argv if a not in ("--indexer-path", str(ixp))]) == 0

@@ -20,8 +20,8 @@ from magnetar.config import EngineConfig, add_cli_args
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.distill import collect_teacher, distill_layer, random_text_ids, support_recall
 from magnetar.prefill.indexer import HeadCollapsedIndexer, IndexerBank, kl_loss
-from magnetar.prefill.oracle import (SENTINEL, SPARSE_ATTENTION_OP, head_averaged_probs, head_averaged_topk, oracle_attention,
-                                     sparse_gqa_attention, support_pairs)
+from magnetar.prefill.oracle import (SENTINEL, SPARSE_ATTENTION_OP, head_averaged_probs, head_averaged_topk,
+                                     oracle_attention, sparse_gqa_attention, support_pairs)
 from magnetar.prefill.schedule import budget_for_length, causal_pair_sparsity, parse_schedule, topk_pairs
 from tests.conftest import assert_close
 from tests.tiny_models import reference, tiny_model

@@ -9,7 +9,8 @@
 //                        b_sel, scale, window) -> (out (B, Hq, S, D) f32, lse (B, Hq, S) f32)
 //
 //   Query row t belongs to selection block m = t / b_sel and attends to the keys idx[b, m, :] only (-1 = empty
-//   slot); a key s is visible to t iff k_pos[s] <= q_pos[t] and, with window >= 0, k_pos[s] > q_pos[t] - window (-1: no window).
+//   slot); a key s is visible to t iff k_pos[s] <= q_pos[t] and, with window >= 0, k_pos[s] > q_pos[t] - window
+//   (window -1: none).
 //   Query head h reads KV head h / (Hq / Hkv). A query seeing none of its support gets out = 0, lse = -inf.
 //
 //   oracle_topk(q, k, q_pos, k_pos, topk, b_sel, scale, window) -> idx (B, ceil(S / b_sel), min(topk, N)) i64
@@ -26,10 +27,10 @@
 //   visible to t, block max, top-k (ReLU's zeros tie: which of them fill the last slots is unspecified).
 //   The torch reference is magnetar.prefill.indexer.HeadCollapsedIndexer.select(..., backend="torch").
 //
-// sparse_gqa_attention reads only the selected K/V rows: one work item is (b, KV head, query row); it collects the visible
-// support, loads each selected K row once for the G query heads sharing it (GQA), takes an exact softmax over
-// the support (max, then sum of exponentials) and accumulates the selected V rows. Nothing of size S x N is
-// ever built. Parallelised with at::parallel_for over the work items.
+// sparse_gqa_attention reads only the selected K/V rows: one work item is (b, KV head, query row); it collects
+// the visible support, loads each selected K row once for the G query heads sharing it (GQA), takes an exact
+// softmax over the support (max, then sum of exponentials) and accumulates the selected V rows. Nothing of size
+// S x N is ever built. Parallelised with at::parallel_for over the work items.
 
 #include <torch/extension.h>
 
@@ -262,13 +263,14 @@ void topk_row(const float* score, int64_t n, int64_t kk, float* vals, int64_t* c
   } else {
     for (int64_t i = 0; i < nc; ++i) out[take++] = cand[i];
   }
-  std::sort(out, out + take, [score](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
+  std::sort(out, out + take,
+            [score](int64_t a, int64_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); });
   for (int64_t j = take; j < kk; ++j) out[j] = -1;
 }
 
 // blocks [begin, end) = (b, block m); logits (Hq N), pblock (N), cand (N): per-thread scratch
-MAGNETAR_BODY void oracle_blocks_body(const Problem& P, int64_t topk_slots, int64_t begin, int64_t end, float* logits, float* pblock,
-                   int64_t* keys, int64_t* cand, int64_t* idx_out) {
+MAGNETAR_BODY void oracle_blocks_body(const Problem& P, int64_t topk_slots, int64_t begin, int64_t end,
+                                      float* logits, float* pblock, int64_t* keys, int64_t* cand, int64_t* idx_out) {
   const int64_t S = P.S, N = P.N, D = P.D, G = P.G, Hq = P.Hq;
   const float ninf = -std::numeric_limits<float>::infinity();
   const float inv_h = 1.f / static_cast<float>(Hq);
