@@ -24,9 +24,9 @@ top-k), ``sparse attention`` (gathering the support's K/V and attending to it) a
 the realised pairs, bookkeeping only); for ``dense`` the same layers' ``dense attention``
 (``attention_with_lse``, timed through the policy with a budget no layer reaches). Prints the tables, then one
 JSON line. The oracle computes dense attention to choose its support: it is an instrument, not a speed-up.
-On CPU the oracle's scoring + top-k and the sparse attention run in the fused DeepSpeed op
-(``magnetar/ops/csrc/sparse_attention.cpp``: only the selected K/V rows are read); on CUDA both are PyTorch
-gathers (no CUDA kernel for them yet), and the indexer's scoring + top-k is PyTorch everywhere.
+On CPU the oracle's and the indexer's scoring + top-k and the sparse attention run in the fused DeepSpeed op
+(``magnetar/ops/csrc/sparse_attention.cpp``: only the selected K/V rows are read); on CUDA all three are
+PyTorch (no CUDA kernel for them yet).
 """
 from __future__ import annotations
 
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
 
     import magnetar
     from magnetar.config import EngineConfig
+    from magnetar.eval.bench import allow_positions
     from magnetar.eval.runner import parse_length
     from magnetar.luka.core import SectionTimer
 
@@ -122,13 +123,8 @@ def main(argv=None) -> int:
         name = args.model
 
     longest = max(parse_length(x) for x in args.lengths.split(",") if x.strip()) + args.query_tokens + 1
-    trained = getattr(model.config, "max_position_embeddings", None)
-    if trained is not None and longest > trained:
-        if not args.beyond_trained_length:
-            raise SystemExit(f"{name} has {trained} positions; --lengths + --query-tokens + 1 generated token need "
-                             f"{longest}: shorten --lengths, or pass --beyond-trained-length to time them anyway")
-        model.config.max_position_embeddings = longest
-        name += f" (positions raised {trained} -> {longest} for timing)"
+    name = allow_positions(model, longest, name, "--lengths + --query-tokens + 1 generated token",
+                           args.beyond_trained_length)
     mlist = modes([m.strip() for m in args.modes.split(",") if m.strip()], args.block, args.indexer_path)
 
     def engine(flat: dict):

@@ -43,3 +43,18 @@ def test_bench_engine_bad_flags():
         bench.main(["--tiny", "--methods", "nope"])
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--lengths", "x"])
+
+
+def test_allow_positions_past_the_trained_length():
+    """Both timing benchmarks (magnetar-bench, benchmarks/bench_prefill.py) share this check."""
+    from types import SimpleNamespace
+
+    from magnetar.eval.bench import allow_positions
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100))
+    assert allow_positions(model, 100, "m", "--lengths", False) == "m"  # within: unchanged
+    with pytest.raises(SystemExit, match="m was trained on 100 positions; --lengths need 101.*--beyond-trained"):
+        allow_positions(model, 101, "m", "--lengths", False)
+    assert model.config.max_position_embeddings == 100
+    assert allow_positions(model, 101, "m", "--lengths", True) == "m (positions raised 100 -> 101 for timing)"
+    assert model.config.max_position_embeddings == 101

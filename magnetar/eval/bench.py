@@ -41,6 +41,21 @@ METHODS = ("dense", "ring", "star", "pulsar", "streaming")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def allow_positions(model, longest: int, name: str, what: str, beyond: bool) -> str:
+    """Let a timing run use ``longest`` positions: fine within the model's ``max_position_embeddings``; past it
+    only with ``beyond`` (``--beyond-trained-length``: the limit is raised, outputs there are meaningless), else
+    ``SystemExit`` naming ``what`` needs them. Returns ``name``, marked when the limit was raised."""
+    trained = getattr(model.config, "max_position_embeddings", None)
+    if trained is None or longest <= trained:
+        return name
+    if not beyond:
+        raise SystemExit(f"{name} was trained on {trained} positions; {what} need {longest}: shorten them, or pass "
+                         f"--beyond-trained-length to time them anyway (outputs past {trained} positions are "
+                         "meaningless)")
+    model.config.max_position_embeddings = longest
+    return name + f" (positions raised {trained} -> {longest} for timing)"
+
+
 def tiny_model(max_positions: int, seed: int = 0):
     """A small random Llama (2 layers, h=64): quick checks of the benchmark itself."""
     import transformers as tf
@@ -196,14 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         model, tokenizer = load_model(args.model, dtype=dtype)
         name = args.model
-        trained = getattr(model.config, "max_position_embeddings", None)
-        if trained is not None and longest > trained:
-            if not args.beyond_trained_length:
-                raise SystemExit(f"{name} was trained on {trained} positions; --lengths + --query-len + "
-                                 f"--max-new-tokens need {longest}: shorten them, or pass --beyond-trained-length "
-                                 f"to time them anyway (outputs past {trained} positions are meaningless)")
-            model.config.max_position_embeddings = longest
-            name += f" (positions raised {trained} -> {longest} for timing)"
+        name = allow_positions(model, longest, name, "--lengths + --query-len + --max-new-tokens",
+                               args.beyond_trained_length)
     load_s = time.perf_counter() - t_load
 
     from magnetar.launch.distributed import init_distributed  # noqa: F401

@@ -1,6 +1,7 @@
-"""DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states`` and the Hamming top-k).
+"""DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states``, the Hamming top-k and the
+sparse prefill op).
 
-Both builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
+The builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
 :class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through
 ``builder.jit_load()`` (:mod:`magnetar.ops.fused_merge` does that lazily; importing this module builds nothing).
 
@@ -177,7 +178,8 @@ class HammingCUDABuilder(MergeStatesCUDABuilder):
 
 
 class SparseAttentionBuilder(MergeStatesBuilder):
-    """CPU build of the gathered sparse GQA attention (``csrc/sparse_attention.cpp``) behind sparse prefill."""
+    """CPU build of the sparse prefill op (``csrc/sparse_attention.cpp``): the oracle's and the indexer's top-k
+    support and the gathered sparse GQA attention."""
 
     BUILD_VAR = "DS_BUILD_MAGNETAR_SPARSE_ATTENTION"
     NAME = "magnetar_sparse_attention"
