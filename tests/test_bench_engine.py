@@ -23,6 +23,16 @@ def test_bench_engine_tiny(capsys):
     assert set(rows) == {"dense", "ring", "star", "pulsar"}
     assert "not simulated" in rows["ring"]["skipped"]
     assert rows["dense"]["time_per_flop_norm"] == pytest.approx(1.0)
+    assert any(line.startswith("| method | L | P1 crit (s) | speed-up vs |") for line in out)
+    assert rows["dense"]["speedup_measured"] == pytest.approx(1.0) == rows["dense"]["speedup_predicted"]
+    for m in ("star", "pulsar"):  # speed-ups over dense: the cost model's is the FLOP ratio of the critical ranks
+        r = rows[m]
+        assert r["speedup_ref"] == "dense"
+        assert r["speedup_predicted"] == pytest.approx(rows["dense"]["predicted"]["critical_phase1_flops"]
+                                                       / r["predicted"]["critical_phase1_flops"])
+        assert r["speedup_measured"] == pytest.approx(rows["dense"]["phase1_critical_path_seconds"]
+                                                      / r["phase1_critical_path_seconds"])
+        assert r["measured_over_predicted"] == pytest.approx(r["speedup_measured"] / r["speedup_predicted"])
     for m in ("star", "pulsar"):
         r = rows[m]
         assert r["simulated"] and r["ranks"] == 2 and len(r["phase1_seconds"]) == 2

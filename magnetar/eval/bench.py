@@ -195,6 +195,32 @@ def _fmt_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _speedups(rows: list[dict]) -> None:
+    """Add each measured row's Phase-1 critical-path speed-up over the reference row of its length (dense when
+    measured, else the first method) as measured and as the cost model predicts it (FLOP ratio)."""
+    measured = [r for r in rows if not r.get("skipped")]
+    for r in measured:
+        same = [d for d in measured if d["context_len"] == r["context_len"]]
+        ref = next((d for d in same if d["method"] == "dense"), same[0])
+        r["speedup_ref"] = ref["method"]
+        r["speedup_measured"] = ref["phase1_critical_path_seconds"] / r["phase1_critical_path_seconds"]
+        r["speedup_predicted"] = ref["predicted"]["critical_phase1_flops"] / r["predicted"]["critical_phase1_flops"]
+        r["measured_over_predicted"] = r["speedup_measured"] / r["speedup_predicted"]
+
+
+def _fmt_vs_model(rows: list[dict]) -> str:
+    """Phase-1 critical path: measured speed-up vs the cost model's, per length (Pulsar Table 4's comparison)."""
+    lines = ["| method | L | P1 crit (s) | speed-up vs | measured | predicted (FLOP) | measured / predicted |",
+             "|" + "---|" * 7]
+    for r in rows:
+        if r.get("skipped"):
+            continue
+        lines.append(f"| {r['method']} | {r['context_len']} | {r['phase1_critical_path_seconds']:.2f} | "
+                     f"{r['speedup_ref']} | {r['speedup_measured']:.2f}x | {r['speedup_predicted']:.2f}x | "
+                     f"{r['measured_over_predicted']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import magnetar
@@ -266,6 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ref = next((d for d in measured if d["method"] == "dense" and d["context_len"] == r["context_len"]),
                    measured[0])
         r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
+    _speedups(rows)
 
     if world is None or dist.get_rank() == 0:
         dev = next(model.parameters()).device
@@ -275,6 +302,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
               f"new tokens {args.max_new_tokens}, warmup {args.warmup}, repeats {args.repeats}")
         print(_fmt_table(rows))
+        print()
+        print("Phase-1 critical path vs the cost model:")
+        print(_fmt_vs_model(rows))
         record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, simulate_ranks=sim,
                       world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
                       torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
