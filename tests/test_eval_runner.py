@@ -35,11 +35,28 @@ def test_report_table_intervals_and_plots(tmp_path):
     md = write_report(tmp_path)
     assert "| niah_single_1 | 100.0 ± 0.0 (n=4) | 50.0 ± 56.6 (n=4) |" in md
     assert "qa_1 (substitute)" in md and "**average** | **100.0** | **50.0**" in md
+    # star misses items 2 and 3 of both tasks: -50 on average, paired per item (dense is always right, so the
+    # differences have the spread of star's scores: 1.96 * sqrt(2 * (1/3) / 4) / 2 per task-average)
+    assert f"| **average − dense** (paired) |  | -50.0 ± {100 * 1.96 * math.sqrt(2 * (1 / 3) / 4) / 2:.1f} (8 items) |" in md
     for png in ("ruler_accuracy_vs_length.png", "ruler_per_task.png", "niah_heatmap_dense.png"):
         assert (tmp_path / png).stat().st_size > 1000
     m, h, n = mean_ci([1.0, 0.0, 1.0, 0.0])
     assert (m, n) == (50.0, 4) and abs(h - 100 * 1.96 * (1 / 3) ** 0.5 / 2) < 1e-9
     assert table([]) == ""
+
+
+def test_paired_average_delta():
+    from magnetar.eval.report import paired_average_delta
+
+    ref = [{0: 1.0, 1: 1.0, 2: 0.0}, {0: 0.0, 1: 1.0}]
+    same = paired_average_delta(ref, ref)
+    assert same == (0.0, 0.0, 5, 2)
+    # task 1: +1/3 on average over items 0-2 (only item 2 changes); task 2: item 1 only in both -> diff 0
+    d, h, n, t = paired_average_delta([{0: 1.0, 1: 1.0, 2: 1.0}, {1: 1.0, 5: 0.0}], ref)
+    var1 = ((0 - 1 / 3) ** 2 * 2 + (1 - 1 / 3) ** 2) / 2 / 3
+    assert (n, t) == (4, 2) and d == pytest.approx(100 * (1 / 3) / 2)
+    assert h == pytest.approx(100 * 1.96 * math.sqrt(var1) / 2)
+    assert paired_average_delta([{7: 1.0}], [{0: 1.0}]) is None  # nothing answered by both: no pairing
 
 
 @pytest.mark.model

@@ -88,10 +88,11 @@ WIDE_LABELS = 4
 
 def table(rows: list[dict]) -> str:
     """Markdown tables of the scored suites: task x (method, length) with the average over tasks."""
-    by = defaultdict(list)
+    by, items = defaultdict(list), defaultdict(dict)
     for r in rows:
         if r.get("suite") != "ppl" and r.get("score") is not None:
             by[(r["suite"], r["task"], label(r), r["length"])].append(float(r["score"]))
+            items[(r["suite"], r["task"], label(r), r["length"])][(r.get("index"), r.get("depth"))] = float(r["score"])
     out = []
     for suite in sorted({k[0] for k in by}):
         keys = [k for k in by if k[0] == suite]
@@ -119,8 +120,40 @@ def table(rows: list[dict]) -> str:
         out.append("|---|" + "---:|" * len(cols))
         for t in tasks:
             out.append(f"| {_task_label(t)} | " + " | ".join(cell(t, lab, length) for length, lab in cols) + " |")
-        out.append("| **average** | " + " | ".join(average(lab, length) for length, lab in cols) + " |\n")
+        out.append("| **average** | " + " | ".join(average(lab, length) for length, lab in cols) + " |")
+        if any(lab == "dense" for _, lab in cols):
+            out.append("| **average − dense** (paired) | " + " | ".join(
+                _fmt_delta(paired_average_delta([items[(suite, t, lab, length)] for t in tasks],
+                                                [items[(suite, t, "dense", length)] for t in tasks]))
+                if lab != "dense" else "" for length, lab in cols) + " |")
+        out.append("")
     return "\n".join(out)
+
+
+def paired_average_delta(method: list[dict], reference: list[dict]):
+    """The change of the average over tasks (x 100) against a reference answered on the same items, with the
+    half-width of its 95 % interval: per task the mean of the item-by-item differences, averaged over tasks;
+    the variance sums the tasks' variances of their mean difference. ``method`` and ``reference`` hold one
+    {item key: score} per task. Returns (delta, half-width, items paired, tasks) or None when a task has no
+    common item."""
+    means, var, n_items = [], 0.0, 0
+    for a, b in zip(method, reference):
+        common = sorted(set(a) & set(b), key=repr)
+        if not common:
+            return None
+        d = [a[k] - b[k] for k in common]
+        m = sum(d) / len(d)
+        means.append(m)
+        var += (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else 0.0
+        n_items += len(d)
+    if not means:
+        return None
+    T = len(means)
+    return 100 * sum(means) / T, 100 * 1.96 * math.sqrt(var) / T, n_items, T
+
+
+def _fmt_delta(d) -> str:
+    return "-" if d is None else f"{d[0]:+.1f} ± {d[1]:.1f} ({d[2]} items)"
 
 
 def ppl_table(rows: list[dict]) -> str:
