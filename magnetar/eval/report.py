@@ -237,6 +237,20 @@ def scorer_ablation_table(rows: list[dict]) -> str:
                     line.append(_fmt(mean_ci(sc_)) if sc_ else "-")
             out.append(f"| {sc} | " + " | ".join(line) + " |")
         out.append("")
+        if ppl and "even" in scorers and len(scorers) > 1:  # the scorers against even spacing, window by window
+            out += [f"Change vs `even` at the same budget, paired on the windows, % [95 % interval] "
+                    f"(negative: the scorer's summaries serve later blocks better than evenly spaced chunks).\n",
+                    "| scorer | " + " | ".join(f"budget {b:g}" for b in budgets) + " |",
+                    "|---|" + "---:|" * len(budgets)]
+            for sc in (x for x in scorers if x != "even"):
+                line = []
+                for b in budgets:
+                    g, e = cells.get((suite, length, sc, b)), cells.get((suite, length, "even", b))
+                    ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in g},
+                                       {r["index"]: r["nll_sum"] / r["tokens"] for r in e}) if g and e else None
+                    line.append("-" if ch is None else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
+                out.append(f"| {sc} | " + " | ".join(line) + " |")
+            out.append("")
     return "\n".join(out) + "\n"
 
 
