@@ -205,3 +205,35 @@ def test_paper_flops_formula_and_table():
     ests = [_paper_setting(m, 16384) for m in ("dense", "star", "pulsar")]
     table = format_table(ests)
     assert table.count("\n") == 4 and "| pulsar | 16384 | 4 | 5696 |" in table
+
+
+def test_cli_any_config_json(tmp_path, capsys):
+    import json
+
+    from magnetar.eval.cost import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA_8B, model_type="llama", max_position_embeddings=131072)))
+    assert main(["--model", str(path), "--methods", "dense,star,pulsar", "--lengths", "16k,1m", "--cp", "4",
+                 "--chunk-size", "32", "--summary-budget", "0.125"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "| star | 16384 | 4 | 8192 |" in "\n".join(out)  # anchor 4096 + block 4096
+    record = json.loads(out[-1])
+    ests = {(e["method"], e["context_len"]): e for e in record["estimates"]}
+    assert set(ests) == {(m, L) for m in ("dense", "star", "pulsar") for L in (16384, 1 << 20)}
+    # the same numbers as the library call
+    direct = estimate(LLAMA_8B, cfg("pulsar", cp_size=4, chunk_size=32, summary_budget=0.125, dtype="bfloat16"),
+                      1 << 20, 32)
+    assert ests[("pulsar", 1 << 20)]["critical_phase1_flops"] == direct.critical_phase1_flops
+    assert ests[("dense", 1 << 20)]["phase1_input_lengths"] == [[1 << 20]]
+
+
+def test_cli_bad_input():
+    from magnetar.eval.cost import main
+
+    with pytest.raises(SystemExit, match="neither a registered model"):
+        main(["--model", "/nonexistent/llama", "--lengths", "4k"])
+    with pytest.raises(SystemExit):
+        main(["--methods", "nope"])
+    with pytest.raises(SystemExit):
+        main(["--lengths", "four"])

@@ -118,14 +118,15 @@ def parse_args(argv):
     return args
 
 
-def _engine_config(args, method: str, cp: int):
+def engine_config(args, method: str, cp: int):
+    """The EngineConfig of ``method`` from the command line's engine options (shared with the cost model's CLI)."""
     from magnetar.config import EngineConfig
 
     flat = dict(method=method, cp_size=1 if method in ("dense", "streaming") else cp, dtype=args.dtype,
-                deepspeed_inference=args.deepspeed)
+                deepspeed_inference=getattr(args, "deepspeed", False))
     for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
                  "attention_backend"):
-        if getattr(args, name) is not None:
+        if getattr(args, name, None) is not None:
             flat[name] = getattr(args, name)
     return EngineConfig.create(**flat)
 
@@ -259,21 +260,34 @@ def main(argv: Optional[list[str]] = None) -> int:
         return engines[key]
 
     rows = []
+    lead = world is None or dist.get_rank() == 0
+    bar = None
+    if lead:  # one tick per timed or warm-up generate call (stderr; the table and JSON line stay on stdout)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(args.lengths) * len(args.methods) * (args.warmup + args.repeats), unit="run",
+                   dynamic_ncols=True, file=sys.stderr, desc="magnetar-bench")
     for L in args.lengths:
         ctx, query = _inputs(args, model, tokenizer, L)
         for method in args.methods:
-            cfg = _engine_config(args, method, cp)
+            cfg = engine_config(args, method, cp)
             ranks = cfg.parallel.cp_size
             row = dict(method=method, context_len=L, query_len=int(query.numel()), ranks=ranks,
                        simulated=bool(sim) and ranks > 1)
             if sim and method == "ring" and ranks > 1:
                 row["skipped"] = "ring is not simulated (KV exchange every layer): run it under a launcher"
                 rows.append(row)
+                if bar is not None:
+                    bar.update(args.warmup + args.repeats)
                 continue
             engine = engine_for(cfg)
             runs = []
             for i in range(args.warmup + args.repeats):
+                if bar is not None:
+                    bar.set_postfix_str(f"{method} L={L} {'warm-up' if i < args.warmup else 'run'}")
                 out = _engine_run(engine, ctx, query, args.max_new_tokens)
+                if bar is not None:
+                    bar.update(1)
                 if i >= args.warmup:
                     runs.append(out)
             row.update(_median_runs(runs))
@@ -294,7 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
     _speedups(rows)
 
-    if world is None or dist.get_rank() == 0:
+    if bar is not None:
+        bar.close()
+    if lead:
         dev = next(model.parameters()).device
         print(f"model {name} ({args.dtype}), device {dev.type}"
               f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "

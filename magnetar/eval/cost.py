@@ -1,5 +1,9 @@
 """Analytic cost model of the engine's methods: tokens, FLOPs, memory and communication, per rank.
 
+    python -m magnetar.eval.cost --model smollm2-135m-instruct --lengths 16k,128k,1m --cp 4
+    python -m magnetar.eval.cost --model path/to/config.json --methods star,pulsar --lengths 64k --cp 8 \
+        --dtype bfloat16                                # any Hugging Face config: no weights are read
+
 Generalises the Phase-1 cost model of Pulsar Attention (Sood & Acharya, Sec. 5.2, Eq. 4-7, Tables 4-5) from
 "Llama-3.1-8B, B = 4 blocks, one block per GPU" to any Hugging Face causal-LM config and any
 :class:`magnetar.config.EngineConfig` (dense, ring, star, pulsar, streaming; any ``cp_size``, block size,
@@ -387,3 +391,88 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
                     f"{_fmt(e.critical_activation_bytes_per_layer, 'B')} | {_fmt(e.max_kv_bytes, 'B')} | "
                     f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | {_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
     return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def _parse_len(text: str) -> int:
+    t = text.strip().lower()
+    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
+    return int(float(t[:-1] if scale > 1 else t) * scale)
+
+
+def _load_config(name: str):
+    """A registry name (its prepared folder), a local HF folder, or a config.json file -> the HF config."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from magnetar.models.registry import MODELS
+
+    if name in MODELS:
+        from magnetar.models.prepare import prepare_model
+
+        return AutoConfig.from_pretrained(prepare_model(name), local_files_only=True)
+    path = Path(name).expanduser()
+    if path.is_file():
+        import json
+
+        with open(path) as f:
+            data = json.load(f)
+        if "model_type" in data:
+            return AutoConfig.for_model(**data)
+        return data  # a bare dict with the HF field names (ModelDims.from_config reads it)
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    raise SystemExit(f"--model {name!r} is neither a registered model ({', '.join(sorted(MODELS))}), a Hugging Face "
+                     "model folder with a config.json, nor a config.json file")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from magnetar.eval.bench import METHODS, engine_config
+
+    p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="registry name, HF model folder or config.json (only the config is read)")
+    p.add_argument("--methods", default="dense,star,pulsar", help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--lengths", default="16k,64k", help="context lengths, e.g. 32k,128k,1m (k = 1024)")
+    p.add_argument("--cp", type=int, default=4, help="CP ranks of ring/star/pulsar (dense, streaming: 1)")
+    p.add_argument("--query-len", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--no-flash", action="store_true", help="count the score matrices in activation memory")
+    for name in ("--block-size", "--anchor-size", "--sink-size", "--chunk-size", "--window-size"):
+        p.add_argument(name, type=int, default=None)
+    p.add_argument("--summary-budget", type=float, default=None)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        p.error(f"--methods: unknown {bad}; choose from {METHODS}")
+    try:
+        lengths = [_parse_len(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated lengths like 16k,1m, got {args.lengths!r}")
+    if not lengths or min(lengths) < 1 or args.cp < 1 or args.query_len < 1:
+        p.error("--lengths, --cp and --query-len must be positive")
+    model_config = _load_config(args.model)
+    try:
+        ests = [estimate(model_config, engine_config(args, m, args.cp), L, args.query_len, flash=not args.no_flash)
+                for L in lengths for m in methods]
+    except ValueError as e:
+        raise SystemExit(f"cost model: {e}") from None
+    print(f"model {args.model}, {args.dtype}, cp {args.cp}, query {args.query_len} "
+          f"({'flash' if not args.no_flash else 'materialised scores'})")
+    print(format_table(ests, baseline="dense" if "dense" in methods else methods[0]))
+    notes = sorted({a for e in ests for a in e.assumptions})
+    for a in notes:
+        print(f"assumed: {a}")
+    print(json.dumps(dict(cost_model=args.model, dtype=args.dtype, cp=args.cp, query_len=args.query_len,
+                          estimates=[e.to_dict() for e in ests])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
