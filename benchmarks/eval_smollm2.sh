@@ -48,7 +48,7 @@ part() {
       "$BIN/python" -m magnetar.eval.bench --methods dense,star,pulsar --lengths 4096,8128 --simulate-ranks 4 \
         --warmup 1 --repeats 3 --json-out runs/speed_4k8k.json  # 8128 + query 32 + 8 new tokens fit 8192 positions
       "$BIN/python" -m magnetar.eval.bench --methods star,pulsar --lengths 16384 --simulate-ranks 4 \
-        --warmup 0 --repeats 1 --beyond-trained-length --json-out runs/speed_16k.json ;;  # 32K: ~1 h more on the 2-core VM
+        --warmup 0 --repeats 2 --beyond-trained-length --json-out runs/speed_16k.json ;;  # 32K: ~1 h more on the 2-core VM
     all) for p in ruler4k babilong4k niah8k ablation ppl speed; do part "$p"; done ;;
     *) echo "unknown part $1 (ruler4k babilong4k niah8k ablation ablation_babilong ppl speed all)" >&2; exit 2 ;;
   esac
