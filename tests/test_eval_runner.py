@@ -15,6 +15,7 @@ from magnetar.eval.runner import load_done, main, parse_length
 
 def test_parse_length_and_load_done(tmp_path):
     assert parse_length("4k") == 4096 and parse_length("1.5k") == 1536 and parse_length("3000") == 3000
+    assert parse_length("1M") == 1 << 20
     p = tmp_path / "results.jsonl"
     p.write_text('{"key": "a"}\n{"key": "b"}\n{"key": "c", "trunc')  # an interrupted last write
     (tmp_path / "results.rank1.jsonl").write_text('{"key": "d"}\n{"key": "a"}\n')  # a data-parallel worker's file

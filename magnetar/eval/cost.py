@@ -394,12 +394,6 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def _parse_len(text: str) -> int:
-    t = text.strip().lower()
-    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
-    return int(float(t[:-1] if scale > 1 else t) * scale)
-
-
 def _load_config(name: str):
     """A registry name (its prepared folder), a local HF folder, or a config.json file -> the HF config."""
     from pathlib import Path
@@ -433,6 +427,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
     from magnetar.eval.bench import METHODS, engine_config
+    from magnetar.eval.runner import parse_length
 
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
@@ -452,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bad or not methods:
         p.error(f"--methods: unknown {bad}; choose from {METHODS}")
     try:
-        lengths = [_parse_len(x) for x in args.lengths.split(",") if x.strip()]
+        lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         p.error(f"--lengths must be comma-separated lengths like 16k,1m, got {args.lengths!r}")
     if not lengths or min(lengths) < 1 or args.cp < 1 or args.query_len < 1:

@@ -238,8 +238,8 @@ def scorer_ablation_table(rows: list[dict]) -> str:
             out.append(f"| {sc} | " + " | ".join(line) + " |")
         out.append("")
         if ppl and "even" in scorers and len(scorers) > 1:  # the scorers against even spacing, window by window
-            out += [f"Change vs `even` at the same budget, paired on the windows, % [95 % interval] "
-                    f"(negative: the scorer's summaries serve later blocks better than evenly spaced chunks).\n",
+            out += ["Change vs `even` at the same budget, paired on the windows, % [95 % interval] "
+                    "(negative: the scorer's summaries serve later blocks better than evenly spaced chunks).\n",
                     "| scorer | " + " | ".join(f"budget {b:g}" for b in budgets) + " |",
                     "|---|" + "---:|" * len(budgets)]
             for sc in (x for x in scorers if x != "even"):

@@ -44,8 +44,10 @@ NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def parse_length(text: str) -> int:
+    """``"4k"`` -> 4096, ``"1m"`` -> 1048576 (k = 1024 tokens), ``"3000"`` -> 3000."""
     t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
+    return int(float(t[:-1]) * scale) if scale > 1 else int(t)
 
 
 def build_parser() -> argparse.ArgumentParser:
