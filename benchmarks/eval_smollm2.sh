@@ -8,7 +8,7 @@
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
 # where it stopped. NPROC processes (default 2: this VM's 2 cores) each stand in for the 4 CP ranks
 # (--simulate-ranks 4) and split the items; on GPUs set NPROC to the GPU count. Times on the 2-core VM:
-# ruler4k ~3.5 h, babilong4k ~0.5 h, niah8k ~2.5 h, ablation ~0.5 h, ppl ~0.5 h, speed ~0.5 h.
+# ruler4k ~3.5 h, babilong4k ~0.7 h, niah8k ~4 h (estimate), ablation ~0.6 h, ppl ~0.5 h, speed ~0.5 h.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAGNETAR_DISABLE_DS_SHM=1
