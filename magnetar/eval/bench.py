@@ -261,12 +261,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rows = []
     lead = world is None or dist.get_rank() == 0
-    bar = None
-    if lead:  # one tick per timed or warm-up generate call (stderr; the table and JSON line stay on stdout)
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(args.lengths) * len(args.methods) * (args.warmup + args.repeats), unit="run",
-                   dynamic_ncols=True, file=sys.stderr, desc="magnetar-bench")
+    # one tick per timed or warm-up generate call, on rank 0 (stderr: the table and JSON line stay on stdout)
+    bar = tqdm(total=len(args.lengths) * len(args.methods) * (args.warmup + args.repeats), unit="run",
+               dynamic_ncols=True, file=sys.stderr, desc="magnetar-bench", disable=not lead)
     for L in args.lengths:
         ctx, query = _inputs(args, model, tokenizer, L)
         for method in args.methods:
@@ -277,17 +276,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             if sim and method == "ring" and ranks > 1:
                 row["skipped"] = "ring is not simulated (KV exchange every layer): run it under a launcher"
                 rows.append(row)
-                if bar is not None:
-                    bar.update(args.warmup + args.repeats)
+                bar.update(args.warmup + args.repeats)
                 continue
             engine = engine_for(cfg)
             runs = []
             for i in range(args.warmup + args.repeats):
-                if bar is not None:
-                    bar.set_postfix_str(f"{method} L={L} {'warm-up' if i < args.warmup else 'run'}")
+                bar.set_postfix_str(f"{method} L={L} {'warm-up' if i < args.warmup else 'run'}")
                 out = _engine_run(engine, ctx, query, args.max_new_tokens)
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
                 if i >= args.warmup:
                     runs.append(out)
             row.update(_median_runs(runs))
@@ -308,8 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
     _speedups(rows)
 
-    if bar is not None:
-        bar.close()
+    bar.close()
     if lead:
         dev = next(model.parameters()).device
         print(f"model {name} ({args.dtype}), device {dev.type}"

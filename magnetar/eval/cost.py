@@ -395,30 +395,25 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
 
 # ------------------------------------------------------------------------------------------------------ CLI
 def _load_config(name: str):
-    """A registry name (its prepared folder), a local HF folder, or a config.json file -> the HF config."""
+    """A config.json file, a registry name (its prepared folder) or a local HF folder -> the HF config."""
+    import json
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    from magnetar.models.registry import MODELS
+    from magnetar.models.prepare import model_path
 
-    if name in MODELS:
-        from magnetar.models.prepare import prepare_model
-
-        return AutoConfig.from_pretrained(prepare_model(name), local_files_only=True)
     path = Path(name).expanduser()
     if path.is_file():
-        import json
-
         with open(path) as f:
             data = json.load(f)
         if "model_type" in data:
             return AutoConfig.for_model(**data)
         return data  # a bare dict with the HF field names (ModelDims.from_config reads it)
-    if (path / "config.json").is_file():
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    raise SystemExit(f"--model {name!r} is neither a registered model ({', '.join(sorted(MODELS))}), a Hugging Face "
-                     "model folder with a config.json, nor a config.json file")
+    try:
+        return AutoConfig.from_pretrained(model_path(name), local_files_only=True)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--model: {e}; or give a config.json file") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

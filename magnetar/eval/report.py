@@ -194,6 +194,11 @@ def ppl_table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _window_nll(rows: list[dict]) -> dict:
+    """{window index: mean NLL per scored token} of perplexity records."""
+    return {r["index"]: r["nll_sum"] / r["tokens"] for r in rows}
+
+
 def scorer_ablation_table(rows: list[dict]) -> str:
     """Pulsar Table 3's shape when Pulsar ran with several scorers or summary budgets: one row per scorer, one
     column per budget. Perplexity rows give the paired change vs dense at the same length (lower is better),
@@ -230,7 +235,7 @@ def scorer_ablation_table(rows: list[dict]) -> str:
                 if not g:
                     line.append("-")
                 elif ppl:
-                    ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in g}, dense[length])
+                    ch = paired_change(_window_nll(g), dense[length])
                     line.append("no dense rows" if ch is None else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
                 else:
                     sc_ = [float(r["score"]) for r in g if r.get("score") is not None]
@@ -246,8 +251,7 @@ def scorer_ablation_table(rows: list[dict]) -> str:
                 line = []
                 for b in budgets:
                     g, e = cells.get((suite, length, sc, b)), cells.get((suite, length, "even", b))
-                    ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in g},
-                                       {r["index"]: r["nll_sum"] / r["tokens"] for r in e}) if g and e else None
+                    ch = paired_change(_window_nll(g), _window_nll(e)) if g and e else None
                     line.append("-" if ch is None else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
                 out.append(f"| {sc} | " + " | ".join(line) + " |")
             out.append("")

@@ -108,6 +108,20 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, *, forc
     return target
 
 
+def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local Hugging Face folder of a registry name (prepared on demand) or of a folder given as such;
+    ``FileNotFoundError`` for anything else (models are never downloaded)."""
+    if str(name_or_path) in MODELS:
+        return prepare_model(str(name_or_path), cache_dir)
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(name_or_path)!r} is neither a registered model ({', '.join(sorted(MODELS))}) nor a local "
+            f"Hugging Face model folder (no config.json there); models are never downloaded from a hub"
+        )
+    return path
+
+
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                cache_dir: str | os.PathLike | None = None, **model_kwargs: Any):
     """Load ``(model, tokenizer)`` from a registry name (prepared on demand) or a local HF folder, offline.
@@ -118,15 +132,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if str(name_or_path) in MODELS:
-        path = prepare_model(str(name_or_path), cache_dir)
-    else:
-        path = Path(name_or_path).expanduser()
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{str(name_or_path)!r} is neither a registered model ({', '.join(sorted(MODELS))}) nor a local "
-                f"Hugging Face model folder (no config.json there); models are never downloaded from a hub"
-            )
+    path = model_path(name_or_path, cache_dir)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
