@@ -41,6 +41,7 @@ def test_report_table_intervals_and_plots(tmp_path):
     assert f"| **average − dense** (paired) |  | -50.0 ± {100 * 1.96 * math.sqrt(2 * (1 / 3) / 4) / 2:.1f} (8 items) |" in md
     for png in ("ruler_accuracy_vs_length.png", "ruler_per_task.png", "niah_heatmap_dense.png"):
         assert (tmp_path / png).stat().st_size > 1000
+    assert "Prompt tokens" not in md  # records without prompt_tokens (older runs): no note
     m, h, n = mean_ci([1.0, 0.0, 1.0, 0.0])
     assert (m, n) == (50.0, 4) and abs(h - 100 * 1.96 * (1 / 3) ** 0.5 / 2) < 1e-9
     assert table([]) == ""
@@ -209,3 +210,17 @@ def test_report_scorer_ablation_pivot():
     md = scorer_ablation_table(acc)
     assert "| tfidf | 0.0 ± 0.0 (n=4) |" in md and "| even | 100.0 ± 0.0 (n=4) |" in md
     assert scorer_ablation_table(acc[:4]) == ""  # one scorer, one budget: no ablation
+
+
+def test_report_prompt_lengths_and_fitted_samples():
+    from magnetar.eval.report import prompt_note
+
+    rows = [{"suite": "ruler", "task": t, "method": m, "length": 8192, "index": i, "score": 1.0,
+             "prompt_tokens": 8000 + 10 * i + (t == "vt"), "fitted_length": 8060}
+            for t in ("niah_single_1", "vt") for m in ("dense", "star") for i in range(2)]
+    rows += [{"suite": "ruler", "task": "vt", "method": "dense", "length": 4096, "index": 0, "score": 0.0,
+              "prompt_tokens": 4090}]
+    note = prompt_note(rows)
+    assert note == ("Prompt tokens (context + query) per length — 4K: 4090–4090; 8K: 8000–8011 (4 of 4 samples "
+                    "shortened so that prompt + output budget fit the model's positions).")
+    assert note in table(rows)

@@ -85,3 +85,31 @@ def test_sizing_with_the_real_tokenizer():
     for task in TASKS:
         n = prompt_tokens(ruler_sample(task, tok, 4096, seed=1), tok)
         assert 0.96 * 4096 <= n <= 4096, (task, n)
+
+
+@pytest.mark.model
+def test_samples_fit_the_model_positions_with_the_output_budget():
+    # At the model's whole window (8K for SmolLM2's 8192 positions) the prompt sized to the length leaves no
+    # room for the answer: the runner makes the sample again, shorter, until prompt + output budget fit.
+    from transformers import AutoTokenizer
+
+    from magnetar.eval.runner import encode, fitted_sample
+    from magnetar.models import prepare_model
+
+    try:
+        path = prepare_model("smollm2-135m-instruct")
+    except Exception as e:
+        pytest.skip(f"model unavailable: {e}")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for task, positions in (("niah_single_2", 2048), ("niah_multikey_3", 2048), ("qa_1", 2048), ("vt", 1100)):
+        sample, extra, (c, q) = fitted_sample("ruler", task, tok, positions, 3, 0, positions)
+        total = int(c.numel() + q.numel()) + sample.max_new_tokens
+        assert positions - 48 <= total <= positions, (task, total)  # fits, and not shortened much further
+        assert extra["fitted_length"] < positions
+        assert [x.tolist() for x in encode(tok, sample)] == [c.tolist(), q.tolist()]
+        assert score(sample, " and ".join(sample.answers)) == 1.0
+    # with room to spare nothing changes: the same sample as made directly, no fitted_length
+    sample, extra, _ = fitted_sample("ruler", "niah_single_2", tok, 1024, 3, 0, 8192)
+    assert extra == {} and sample == ruler_sample("niah_single_2", tok, 1024, seed=0 * 100003 + 3)
+    with pytest.raises(ValueError, match="do not fit the model's 100 positions"):
+        fitted_sample("ruler", "niah_single_2", tok, 1024, 3, 0, 100)

@@ -108,6 +108,9 @@ def table(rows: list[dict]) -> str:
             return f"**{sum(means) / len(means):.1f}**" + (f" ({missing} task(s) missing)" if missing else "")
 
         out.append(f"### {suite}\n")
+        note = prompt_note([r for r in rows if r.get("suite") == suite])
+        if note:
+            out.append(note + "\n")
         if len({lab for _, lab in cols}) > WIDE_LABELS:
             out.append("| method | length | " + " | ".join(_task_label(t) for t in tasks) + " | **average** |")
             out.append("|---|---:|" + "---:|" * (len(tasks) + 1))
@@ -128,6 +131,25 @@ def table(rows: list[dict]) -> str:
                 if lab != "dense" else "" for length, lab in cols) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def prompt_note(rows: list[dict]) -> str:
+    """Prompt tokens (context + query, chat template included) per length column, and how many samples were
+    shortened so that prompt + output budget fit the model's positions (``fitted_length``, see
+    :func:`magnetar.eval.runner.fitted_sample`). Empty for records without ``prompt_tokens``."""
+    by = defaultdict(list)
+    for r in rows:
+        if r.get("prompt_tokens") is not None:
+            by[r["length"]].append(r)
+    parts = []
+    for length in sorted(by):
+        n = [int(r["prompt_tokens"]) for r in by[length]]
+        fitted = {(r["task"], r.get("index"), r.get("depth")) for r in by[length] if r.get("fitted_length")}
+        samples = {(r["task"], r.get("index"), r.get("depth")) for r in by[length]}
+        parts.append(f"{_len(length)}: {min(n)}–{max(n)}" + (
+            f" ({len(fitted)} of {len(samples)} samples shortened so that prompt + output budget fit the model's "
+            "positions)" if fitted else ""))
+    return ("Prompt tokens (context + query) per length — " + "; ".join(parts) + ".") if parts else ""
 
 
 def paired_average_delta(method: list[dict], reference: list[dict]):

@@ -28,7 +28,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,30 @@ def make_sample(suite: str, task: str, tokenizer, length: int, index: int, seed:
     from magnetar.eval import babilong
 
     return babilong.babilong_sample(task, tokenizer, length, seed=seed * 100003 + index), {}
+
+
+def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, seed: int,
+                  max_positions: Optional[int]):
+    """:func:`make_sample` whose prompt (context + query, chat template included) plus the task's output budget
+    fits the model's ``max_positions``: the suites size the prompt to ``length``, which leaves no room for the
+    answer when ``length`` is the model's whole window (8K for SmolLM2's 8192 positions). Then the sample is
+    made again, ``length`` less the overflow, until it fits (RULER likewise counts the tokens to generate in
+    its length). Returns (sample, extra key fields, (context ids, query ids)); ``extra["fitted_length"]`` is
+    the length the sample was made at when it had to be shortened."""
+    target = length
+    for _ in range(4):
+        sample, extra = make_sample(suite, task, tokenizer, target, index, seed)
+        ids = encode(tokenizer, sample)
+        over = sum(int(x.numel()) for x in ids) + sample.max_new_tokens - (max_positions or 0)
+        if not max_positions or over <= 0:
+            if target != length:
+                extra = dict(extra, fitted_length=target)
+            return sample, extra, ids
+        target -= over
+        if target <= 0:
+            break
+    raise ValueError(f"{suite}/{task} at length {length}: the prompt and its {sample.max_new_tokens}-token output "
+                     f"budget do not fit the model's {max_positions} positions; use a shorter --lengths")
 
 
 def score_sample(suite: str, sample, prediction: str) -> float:
@@ -286,9 +310,10 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
     else:
         samples, requests = [], []
         for method, length, task, index, cfg, key in group:
-            sample, extra = make_sample(args.suite, task, tokenizer, length, index, args.data_seed)
+            sample, extra, ids = fitted_sample(args.suite, task, tokenizer, length, index, args.data_seed,
+                                               engine.max_positions)
             samples.append((sample, extra))
-            requests.append(encode(tokenizer, sample))
+            requests.append(ids)
         budget = samples[0][0].max_new_tokens
         results = engine.generate_batch(requests, max_new_tokens=budget)
         pairs = []
@@ -297,6 +322,7 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
                       "length": length, "index": index}
             record.update(extra, score=score_sample(args.suite, sample, res.text), prediction=res.text,
                           answers=list(sample.answers), context_tokens=res.context_tokens,
+                          prompt_tokens=res.context_tokens + res.query_tokens,
                           ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token,
                           batch=len(group))
             pairs.append((record, res, cfg))
