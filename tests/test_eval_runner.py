@@ -224,3 +224,29 @@ def test_report_prompt_lengths_and_fitted_samples():
     assert note == ("Prompt tokens (context + query) per length — 4K: 4090–4090; 8K: 8000–8011 (4 of 4 samples "
                     "shortened so that prompt + output budget fit the model's positions).")
     assert note in table(rows)
+
+
+def test_report_joins_runs_on_the_same_tasks(tmp_path, capsys):
+    # an 8K run reported with a 4K run's records of the same tasks: one table, accuracy vs length over both
+    def write(d, length, tasks, score):
+        d.mkdir()
+        (d / "results.jsonl").write_text("\n".join(json.dumps(
+            {"key": f"{t}/{length}/{i}", "suite": "ruler", "task": t, "method": "dense", "length": length,
+             "index": i, "score": score}) for t in tasks for i in range(2)) + "\n")
+
+    write(tmp_path / "r4k", 4096, ("niah_single_1", "vt"), 1.0)
+    write(tmp_path / "n8k", 8192, ("niah_single_1",), 0.0)
+    args = ["--report", "--out", str(tmp_path / "n8k"), "--with", str(tmp_path / "r4k")]
+    assert main(args + ["--tasks", "niah_single_1"]) == 0
+    md = (tmp_path / "n8k" / "report.md").read_text()
+    assert "| niah_single_1 | 100.0 ± 0.0 (n=2) | 0.0 ± 0.0 (n=2) |" in md and "| vt |" not in md
+    assert "**average** | **100.0** | **0.0** |" in md
+    assert (tmp_path / "n8k" / "ruler_accuracy_vs_length.png").stat().st_size > 1000
+    assert main(args) == 0  # without --tasks every record of both runs: vt joins the 4K column only
+    assert "| vt | 100.0 ± 0.0 (n=2) | - |" in (tmp_path / "n8k" / "report.md").read_text()
+    with pytest.raises(SystemExit, match="no records of the tasks"):
+        main(args + ["--tasks", "qa_1"])
+    with pytest.raises(SystemExit, match="no results"):
+        main(["--report", "--out", str(tmp_path / "n8k"), "--with", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="use it with --report"):
+        main(["--out", str(tmp_path / "n8k"), "--with", str(tmp_path / "r4k")])

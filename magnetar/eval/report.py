@@ -13,6 +13,7 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional, Sequence
 
 
 def result_files(out_dir: Path) -> list[Path]:
@@ -363,11 +364,16 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     return made
 
 
-def write_report(out_dir: Path) -> str:
-    """Write ``report.md`` and the PNGs into ``out_dir``; returns the markdown."""
-    if not result_files(out_dir):
-        raise SystemExit(f"no results*.jsonl in {out_dir}: run magnetar-eval with --out {out_dir} first")
-    rows = load(out_dir)
+def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Sequence[str]] = None) -> str:
+    """Write ``report.md`` and the PNGs into ``out_dir``; returns the markdown. ``also``: other runs' directories
+    whose records join this report (e.g. a 4K run beside an 8K one, for accuracy vs length); ``tasks``: only
+    these tasks' records (of every directory), so that averages over lengths cover the same tasks."""
+    for d in (out_dir, *also):
+        if not result_files(d):
+            raise SystemExit(f"no results*.jsonl in {d}: run magnetar-eval with --out {d} first")
+    rows = [r for d in (out_dir, *also) for r in load(d) if tasks is None or r.get("task") in tasks]
+    if not rows:
+        raise SystemExit(f"no records of the tasks {list(tasks or [])} in {[str(d) for d in (out_dir, *also)]}")
     md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
     ablation = scorer_ablation_table(rows)
     md += ("\n" + ablation) if ablation else ""

@@ -3,6 +3,7 @@
     python -m magnetar.eval --suite ruler --methods dense,star,pulsar,ring --lengths 4k --samples 10 --out runs/r4k
     deepspeed --num_gpus 4 --module magnetar.eval --suite niah --methods star,pulsar,ring --lengths 8k --out runs/n8k
     python -m magnetar.eval --report --out runs/r4k           # markdown table + PNG plots from the JSONL
+    python -m magnetar.eval --report --out runs/n8k --with runs/r4k --tasks niah_single_1,...  # runs joined
     deepspeed --num_gpus 2 --module magnetar.eval --suite ruler --simulate-ranks 4 --out runs/r4k   # 2 workers
 
 Every (suite, task, method, length, sample) item is generated deterministically from the seed, answered by
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers up to float rounding, cheaper on small models; ppl ignores it)")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, report.md, plots)")
     p.add_argument("--report", action="store_true", help="only write the report from OUT/results.jsonl")
+    p.add_argument("--with", dest="report_with", action="append", default=[], metavar="DIR",
+                   help="--report: also join the records of the run in DIR (repeatable; e.g. a 4K run beside "
+                        "an 8K one for accuracy vs length); with --tasks only those tasks' records")
     add_cli_args(p)
     add_launcher_args(p)
     return p
@@ -428,10 +432,13 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report_with and not args.report:
+        raise SystemExit("--with joins other runs' records into a report: use it with --report")
     if args.report:
         from magnetar.eval.report import write_report
 
-        print(write_report(Path(args.out)))
+        tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
+        print(write_report(Path(args.out), also=[Path(d) for d in args.report_with], tasks=tasks))
         return 0
     return run(args)
 
