@@ -6,9 +6,12 @@
 #   benchmarks/eval_smollm2.sh all
 #
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
-# where it stopped. NPROC processes (default 2: this VM's 2 cores) each stand in for the 4 CP ranks
+# where it stopped; a fresh checkout without runs/<part> starts from the records committed in
+# docs/results/<part>/ (copy runs/<part>/results*.jsonl there to hand a part on). NPROC processes (default 2: this VM's 2 cores) each stand in for the 4 CP ranks
 # (--simulate-ranks 4) and split the items; on GPUs set NPROC to the GPU count. Times on the 2-core VM:
-# ruler4k ~3.5 h, babilong4k ~0.7 h, niah8k ~4 h (estimate), ablation ~0.6 h, ppl ~0.5 h, speed ~0.5 h.
+# ruler4k ~3.5 h, babilong4k ~0.7 h, niah8k ~4 h (8 tasks x 4 methods x 10 = 320 items, ~85 s each per
+# process: Phase 1 of dense/ring ~85 s, a 128-token batched decode ~15 s per item), ablation ~0.6 h,
+# ppl ~0.5 h, speed ~0.5 h.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MAGNETAR_DISABLE_DS_SHM=1
@@ -19,7 +22,15 @@ BATCH=${BATCH:-4}
 eval_run() { "$BIN/deepspeed" --num_gpus "$NPROC" --master_port "$PORT" --module magnetar.eval --simulate-ranks 4 \
   --batch "$BATCH" "$@"; }
 
+resume_from_docs() {  # a part split over sessions: start from the records committed in docs/results/<part>
+  if [ ! -d "runs/$1" ] && compgen -G "docs/results/$1/results*.jsonl" > /dev/null; then
+    mkdir -p "runs/$1" && cp docs/results/"$1"/results*.jsonl "runs/$1/"
+    echo "runs/$1: resuming from the records in docs/results/$1" >&2
+  fi
+}
+
 part() {
+  resume_from_docs "$1"
   case "$1" in
     ruler4k) eval_run --suite ruler --methods dense,pulsar,star,ring --lengths 4k --samples 10 --out runs/ruler4k ;;
     babilong4k) eval_run --suite babilong --tasks qa1,qa3,qa5 --methods dense,pulsar,star,ring --lengths 4k \
