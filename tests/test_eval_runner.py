@@ -250,3 +250,20 @@ def test_report_joins_runs_on_the_same_tasks(tmp_path, capsys):
         main(["--report", "--out", str(tmp_path / "n8k"), "--with", str(tmp_path / "none")])
     with pytest.raises(SystemExit, match="use it with --report"):
         main(["--out", str(tmp_path / "n8k"), "--with", str(tmp_path / "r4k")])
+
+
+def test_length_curves_average_the_same_tasks():
+    from magnetar.eval.report import length_curves
+
+    scores = {("dense", 4096, "a"): [1.0, 1.0], ("dense", 4096, "b"): [0.0, 0.0], ("dense", 8192, "a"): [0.0, 1.0],
+              ("star", 4096, "a"): [1.0, 0.0], ("star", 4096, "b"): [1.0, 1.0], ("star", 8192, "a"): [1.0, 1.0],
+              ("star", 8192, "b"): [0.0, 0.0]}  # dense has no 8K answer on b: b leaves every line
+    common, curves = length_curves(scores, ["dense", "star"], [4096, 8192], ["a", "b"])
+    assert common == ["a"]
+    h = 100 * 1.96 * math.sqrt(0.5 / 2)  # two scores 0 and 1: sample variance 0.5
+    assert curves["dense"] == [(100.0, 0.0), (50.0, pytest.approx(h))]
+    assert curves["star"] == [(50.0, pytest.approx(h)), (100.0, 0.0)]
+    del scores[("star", 8192, "a")]  # no task in every column: each point averages its own tasks
+    common, curves = length_curves(scores, ["dense", "star"], [4096, 8192], ["a", "b"])
+    assert common == [] and curves["dense"][0] == (50.0, 0.0) and curves["star"][1] == (0.0, 0.0)
+    assert curves["star"][0] == (75.0, pytest.approx(h / 2))  # (sqrt(h² + 0) / 2)

@@ -290,6 +290,24 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def length_curves(scores: dict, methods, lengths, tasks) -> tuple[list, dict]:
+    """Accuracy vs length: ``scores[(method, length, task)]`` = 0/1 scores -> (the tasks averaged, {method: [(mean
+    over those tasks x 100, half-width of its 95 % interval) per length]}). Every point averages the same
+    tasks, those answered in every (method, length) column, so a run cut short or a length run on a subset
+    of the tasks does not move a line by changing its tasks; with no task in all columns, each point averages
+    its own (and the tasks returned are ``[]``). The interval of an average of T task means: sqrt(sum h²) / T."""
+    common = [t for t in tasks if all(scores.get((m, length, t)) for m in methods for length in lengths)]
+    curves = {}
+    for m in methods:
+        curves[m] = []
+        for length in lengths:
+            cells = [mean_ci(scores[(m, length, t)]) for t in (common or tasks) if scores.get((m, length, t))]
+            n = len(cells)
+            curves[m].append((sum(c[0] for c in cells) / n, math.sqrt(sum(c[1] ** 2 for c in cells)) / n) if n
+                             else (float("nan"), 0.0))
+    return common, curves
+
+
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -305,15 +323,16 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         methods = sorted({k[1] for k in by if k[0] == suite})
         lengths = sorted({k[2] for k in by if k[0] == suite})
         tasks = _ordered_tasks(suite, {k[3] for k in by if k[0] == suite})
+        common, curves = length_curves({k[1:]: v for k, v in by.items() if k[0] == suite}, methods, lengths, tasks)
         fig, ax = plt.subplots(figsize=(6, 4))
-        for m in methods:
-            ys = []
-            for length in lengths:
-                means = [100 * sum(v) / len(v) for (s, mm, ll, t), v in by.items() if s == suite and mm == m and ll == length]
-                ys.append(sum(means) / len(means) if means else float("nan"))
-            ax.plot([x / 1024 for x in lengths], ys, marker="o", label=m)
-        ax.set(xlabel="context length (K tokens)", ylabel="average score", title=f"{suite}: accuracy vs length",
-               ylim=(0, 100))
+        dodge = 0.02 * max(1.0, (lengths[-1] - lengths[0]) / 1024)  # methods side by side: equal points stay visible
+        for i, m in enumerate(methods):
+            ys, hs = zip(*curves[m])
+            shift = (i - (len(methods) - 1) / 2) * dodge
+            ax.errorbar([x / 1024 + shift for x in lengths], ys, yerr=hs, marker="o", capsize=3, label=m)
+        what = f"{len(common)} task{'s' if len(common) > 1 else ''}" if common else "tasks differ by column"
+        ax.set(xlabel="context length (K tokens)", ylabel="average score (95 % interval)",
+               title=f"{suite}: accuracy vs length ({what})", ylim=(0, 100))
         ax.legend()
         made.append(_save(fig, out_dir / f"{suite}_accuracy_vs_length.png"))
 
