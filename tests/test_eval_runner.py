@@ -267,3 +267,27 @@ def test_length_curves_average_the_same_tasks():
     common, curves = length_curves(scores, ["dense", "star"], [4096, 8192], ["a", "b"])
     assert common == [] and curves["dense"][0] == (50.0, 0.0) and curves["star"][1] == (0.0, 0.0)
     assert curves["star"][0] == (75.0, pytest.approx(h / 2))  # (sqrt(h² + 0) / 2)
+
+
+def test_fitted_sample_shrinks_coarse_haystacks(monkeypatch):
+    # a haystack that grows by 50-token units: stepping back by exactly the overflow leaves the same prompt, so
+    # after three such steps the steps grow (8, then 24 more) until prompt + output budget fit
+    from types import SimpleNamespace
+
+    from magnetar.eval import runner
+
+    made = []
+
+    def make(suite, task, tokenizer, length, index, seed):
+        made.append(length)
+        return SimpleNamespace(max_new_tokens=10, length=length), {}
+
+    monkeypatch.setattr(runner, "make_sample", make)
+    monkeypatch.setattr(runner, "encode", lambda tok, s: (torch.zeros(50 * math.ceil(s.length / 50)), torch.zeros(0)))
+    sample, extra, (c, q) = runner.fitted_sample("ruler", "t", None, 1000, 0, 0, 1000)
+    assert made == [1000, 990, 980, 970, 952, 918] and extra == {"fitted_length": 918}
+    assert c.numel() + sample.max_new_tokens <= 1000
+    made.clear()
+    assert runner.fitted_sample("ruler", "t", None, 900, 0, 0, 1000)[1] == {} and made == [900]
+    with pytest.raises(ValueError, match="do not fit the model's 40 positions"):
+        runner.fitted_sample("ruler", "t", None, 1000, 0, 0, 40)

@@ -131,8 +131,8 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
     made again, ``length`` less the overflow, until it fits (RULER likewise counts the tokens to generate in
     its length). Returns (sample, extra key fields, (context ids, query ids)); ``extra["fitted_length"]`` is
     the length the sample was made at when it had to be shortened."""
-    target = length
-    for _ in range(4):
+    target, slack = length, 0
+    for attempt in range(8):
         sample, extra = make_sample(suite, task, tokenizer, target, index, seed)
         ids = encode(tokenizer, sample)
         over = sum(int(x.numel()) for x in ids) + sample.max_new_tokens - (max_positions or 0)
@@ -140,7 +140,10 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
             if target != length:
                 extra = dict(extra, fitted_length=target)
             return sample, extra, ids
-        target -= over
+        # a haystack grows by whole units (sentences, needle lines), so a step of exactly the overflow can
+        # leave the same text: after three such steps each further step takes more
+        target -= over + slack
+        slack = 2 * slack + 8 if attempt >= 2 else 0
         if target <= 0:
             break
     raise ValueError(f"{suite}/{task} at length {length}: the prompt and its {sample.max_new_tokens}-token output "
