@@ -98,3 +98,29 @@ def test_samples_fit_the_model_positions_with_the_output_budget(smollm2_tokenize
     assert extra == {} and sample == ruler_sample("niah_single_2", tok, 1024, seed=0 * 100003 + 3)
     with pytest.raises(ValueError, match="do not fit the model's 100 positions"):
         fitted_sample("ruler", "niah_single_2", tok, 1024, 3, 0, 100)
+
+
+@pytest.mark.model
+def test_needle_block_of_the_benchmark(smollm2_tokenizer):
+    # benchmarks/ruler_needle_blocks.py: the block holding the asked needle, checked against the block where
+    # the needle's own token ids ("...is: <value>.") are found in the Phase-1 ids
+    import importlib.util
+    from pathlib import Path
+
+    from magnetar.eval.runner import fitted_sample
+
+    spec = importlib.util.spec_from_file_location(
+        "ruler_needle_blocks", Path(__file__).resolve().parents[1] / "benchmarks" / "ruler_needle_blocks.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = smollm2_tokenizer
+    seen = set()
+    for index in range(6):
+        sample, _, (ids, _) = fitted_sample("ruler", "niah_single_1", tok, 2048, index, 0, 8192)
+        value = tok(" " + sample.answers[0], add_special_tokens=False)["input_ids"]
+        hits = [i for i in range(len(ids) - len(value)) if ids[i : i + len(value)].tolist() == value]
+        assert len(hits) == 1, (index, hits)
+        block = bench.needle_block(sample, ids, tok, 4)  # of the needle's start, ~15 tokens before its value:
+        assert block == min(3, hits[0] // -(-len(ids) // 4)) or abs(hits[0] % -(-len(ids) // 4)) < 40, index  # ... then the value
+        seen.add(block)
+    assert len(seen) > 1  # the needles of 6 samples do not all sit in one block
