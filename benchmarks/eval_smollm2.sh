@@ -7,7 +7,8 @@
 #
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
 # where it stopped; a fresh checkout without runs/<part> starts from the records committed in
-# docs/results/<part>/ (copy runs/<part>/results*.jsonl there to hand a part on). NPROC processes (default 2: this VM's 2 cores) each stand in for the 4 CP ranks
+# docs/results/<part>/ (copy runs/<part>/results*.jsonl there to hand a part on). NPROC processes (default 2:
+# this VM's 2 cores) each stand in for the 4 CP ranks
 # (--simulate-ranks 4) and split the items; on GPUs set NPROC to the GPU count. Times on the 2-core VM:
 # ruler4k ~3.5 h, babilong4k ~0.7 h, niah8k ~4 h (8 tasks x 4 methods x 10 = 320 items, ~85 s each per
 # process: Phase 1 of dense/ring ~85 s, a 128-token batched decode ~15 s per item), ablation ~0.6 h,

@@ -34,20 +34,24 @@ def needle_block(sample, context_ids, tokenizer, blocks: int) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="magnetar-eval output directories (results*.jsonl)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the model whose tokenizer made the samples")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the model (registry name or folder) whose tokenizer made the samples")
     p.add_argument("--blocks", type=int, default=4, help="context blocks (the runs' CP size)")
     p.add_argument("--data-seed", type=int, default=0, help="the runs' --data-seed")
     args = p.parse_args(argv)
+    from transformers import AutoConfig, AutoTokenizer
+
     from magnetar.eval.report import label, load
     from magnetar.eval.runner import fitted_sample
-    from magnetar.models import load_model
+    from magnetar.models.prepare import model_path
 
     rows = [r for d in args.runs for r in load(Path(d))
             if r.get("suite") == "ruler" and str(r.get("task", "")).startswith("niah") and r.get("score") is not None]
     if not rows:
         raise SystemExit(f"no RULER-style NIAH records in {args.runs}")
-    model, tokenizer = load_model(args.model)
-    positions = getattr(model.config, "max_position_embeddings", None)
+    path = str(model_path(args.model))  # the tokenizer and the positions are needed, not the weights
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
     where, cells = {}, defaultdict(list)  # (task, length, index) -> block; (label, length, block) -> scores
     for r in rows:
         item = (r["task"], r["length"], r["index"])

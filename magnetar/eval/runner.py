@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def task_list(args) -> Optional[tuple[str, ...]]:
+    """``--tasks`` as a tuple of names, None when not given (every task of the suite)."""
+    return tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
+
+
 def suite_tasks(suite: str) -> tuple[str, ...]:
     if suite == "ruler":
         from magnetar.eval.ruler import TASKS
@@ -348,7 +353,7 @@ def run(args) -> int:
     from magnetar.models import load_model, prepare_model
 
     out = Path(args.out)
-    tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else suite_tasks(args.suite)
+    tasks = task_list(args) or suite_tasks(args.suite)
     unknown = set(tasks) - set(suite_tasks(args.suite))
     if unknown:
         raise SystemExit(f"unknown {args.suite} task(s) {sorted(unknown)}; choose from {suite_tasks(args.suite)}")
@@ -440,8 +445,7 @@ def main(argv=None) -> int:
     if args.report:
         from magnetar.eval.report import write_report
 
-        tasks = [t.strip() for t in args.tasks.split(",")] if args.tasks else None
-        print(write_report(Path(args.out), also=[Path(d) for d in args.report_with], tasks=tasks))
+        print(write_report(Path(args.out), also=[Path(d) for d in args.report_with], tasks=task_list(args)))
         return 0
     return run(args)
 
