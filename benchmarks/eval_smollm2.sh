@@ -8,8 +8,8 @@
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
 # where it stopped; a fresh checkout without runs/<part> starts from the records committed in
 # docs/results/<part>/ (copy runs/<part>/results*.jsonl there to hand a part on). NPROC processes (default 2:
-# this VM's 2 cores) each stand in for the 4 CP ranks
-# (--simulate-ranks 4) and split the items; on GPUs set NPROC to the GPU count. Times on the 2-core VM:
+# this VM's 2 cores) each stand in for the 4 CP ranks (--simulate-ranks 4) and split the items; on GPUs set
+# NPROC to the GPU count. Times on the 2-core VM:
 # ruler4k ~3.5 h, babilong4k ~0.7 h, niah8k ~4.1 h (8 tasks x 4 methods x 10 = 320 items, 70-107 s each
 # per process: the 4 simulated ranks' Phase 1 one after another, dense/ring ~75 s, Star ~90 s, Pulsar ~53 s,
 # plus ~15 s of 128-token batched decode per item), ablation ~0.6 h, ppl ~0.5 h, speed ~0.5 h.
