@@ -1,4 +1,4 @@
-"""Pulsar Attention's context summaries (magnetar.engine.summaries) against hand-computed answers."""
+"""Pulsar Attention's context summaries (magnetar.methods.summaries) against hand-computed answers."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from magnetar.engine.summaries import (
+from magnetar.methods.summaries import (
     BM25_B,
     BM25_K1,
     DEFAULT_BUDGET,

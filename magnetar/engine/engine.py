@@ -392,7 +392,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
     (tensor-parallel size 1) and its module is used.
     """
-    from magnetar.launch.distributed import device_for_rank, init_distributed
+    from magnetar.parallel.launcher import device_for_rank, init_distributed
 
     if config is None:
         config = EngineConfig.create(**flat)
@@ -417,7 +417,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     device = device_for_rank()
     model = model.to(device=device, dtype=dtype)
     if config.runtime.deepspeed_inference:
-        from magnetar.launch.distributed import import_deepspeed
+        from magnetar.parallel.launcher import import_deepspeed
 
         deepspeed = import_deepspeed()
         model = deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=dtype,

@@ -100,7 +100,7 @@ def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> 
         segments = [_star_segment(config, bounds, i) for i in mine]
         return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=L)
     if method == "pulsar":
-        from magnetar.engine.pulsar import pulsar_segments
+        from magnetar.methods.pulsar import pulsar_segments
 
         segments, query_position = pulsar_segments(config, context_ids, bounds, mine)
         return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=query_position)

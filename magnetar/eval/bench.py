@@ -242,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                args.beyond_trained_length)
     load_s = time.perf_counter() - t_load
 
-    from magnetar.launch.distributed import init_distributed  # noqa: F401
+    from magnetar.parallel.launcher import init_distributed  # noqa: F401
     import torch.distributed as dist
 
     sim = args.simulate_ranks

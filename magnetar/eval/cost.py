@@ -46,7 +46,7 @@ import torch
 
 from magnetar.config import EngineConfig
 from magnetar.engine.plan import block_bounds, plan_rank, resolve_block_size
-from magnetar.engine.summaries import num_chunks, num_summary_chunks, prefix_positions, pulsar_prefix, select_summary
+from magnetar.methods.summaries import num_chunks, num_summary_chunks, prefix_positions, pulsar_prefix, select_summary
 
 __all__ = ["ModelDims", "CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer",
            "attention_pairs"]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import EngineConfig, add_cli_args
-from magnetar.launch.distributed import add_launcher_args, init_distributed
+from magnetar.parallel.launcher import add_launcher_args, init_distributed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
 

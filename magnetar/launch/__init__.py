@@ -1,4 +1,4 @@
 """Entry points: starting torch.distributed under ``deepspeed`` / ``torchrun`` and the command-line tools."""
-from magnetar.launch.distributed import add_launcher_args, init_distributed
+from magnetar.parallel.launcher import add_launcher_args, init_distributed
 
 __all__ = ["init_distributed", "add_launcher_args"]

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from magnetar.launch.distributed import add_launcher_args, device_for_rank, init_distributed
+from magnetar.parallel.launcher import add_launcher_args, device_for_rank, init_distributed
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.parallel.collectives import barrier
 from magnetar.parallel import all_gather_states, contiguous_indices, init_groups, ring_attention, shard, zigzag_indices

@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from magnetar.launch.distributed import add_launcher_args, init_distributed
+from magnetar.parallel.launcher import add_launcher_args, init_distributed
 from magnetar.parallel.collectives import barrier
 
 CP_METHODS = ("ring", "star", "pulsar")

@@ -19,7 +19,7 @@ import os
 import sys
 
 from magnetar.config import EngineConfig, add_cli_args
-from magnetar.launch.distributed import add_launcher_args
+from magnetar.parallel.launcher import add_launcher_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Pulsar Attention's Phase-1 segments: ``[sink ‖ Σ_0 … Σ_{i-1} ‖ B_i]`` for every block i of this rank.
 
 The selection (IDF table of Eq. 2, chunk scores, top-k chunks, de-duplicated prefix, positions and the query
-offset of App. E) is :func:`magnetar.engine.summaries.plan_pulsar`, computed identically on every rank from
+offset of App. E) is :func:`magnetar.methods.summaries.plan_pulsar`, computed identically on every rank from
 the token ids alone (no communication). This module only turns this rank's blocks into segments: the
 model input, its positions and the slice whose KV is kept (the block alone when ``discard_summary_kv``).
 """
@@ -11,7 +11,7 @@ import torch
 
 from magnetar.config import EngineConfig
 from magnetar.engine.plan import Segment
-from magnetar.engine.summaries import plan_pulsar
+from magnetar.methods.summaries import plan_pulsar
 
 
 def pulsar_segments(config: EngineConfig, context_ids: torch.Tensor, bounds: list[tuple[int, int]],
