@@ -25,10 +25,23 @@ import torch
 
 
 class _DenseTimed:
-    """Dense decoding through the decoder hook, so its context attention is timed like LuKA's."""
+    """Dense decoding through the decode-policy hook (a DecodePolicy), so its context attention is timed like
+    LuKA's."""
+
+    needs_prefill_mass = False
+    score_chunk = 0
 
     def __init__(self, timer):
         self.timer = timer
+
+    def check(self, context_tokens):
+        pass
+
+    def after_merge(self, layer, lse):
+        pass
+
+    def prefill_mass(self, q, k, lse, *, scale, q_pos, k_pos, window=None):
+        raise NotImplementedError("dense decoding records no Phase-1 mass")
 
     def applies(self, layer, window):
         return window is None
@@ -83,7 +96,7 @@ def main(argv=None) -> int:
 
         def decode(dec, n):
             return run_phase2(model, eng.config, [shard], [query], [qpos], eng.groups, eng.device, max_new_tokens=n,
-                              sparse=dec, context_tokens=[L])[0]
+                              policy=dec, context_tokens=[L])[0]
 
         for mode in modes:
             decode(decoder(mode), 4)  # warm-up

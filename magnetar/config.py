@@ -32,9 +32,34 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-METHODS = ("dense", "ring", "star", "pulsar", "streaming")
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the configuration must know of a Phase-1 context method, without importing it.
+
+    ``impl`` is its :class:`magnetar.engine.strategy.ContextMethod` as ``"module:Class"``, imported lazily by the
+    engine; ``distributed``: it spreads one context over the CP group (else it runs on one rank, cp_size 1);
+    ``local_prefill``: its Phase 1 is causal attention over ``[prefix ‖ block]`` segments on each rank, which
+    LuKA's attention mass and sparse prefill build on.
+    """
+
+    impl: str
+    distributed: bool
+    local_prefill: bool
+
+
+# The registry of Phase-1 methods: adding a method is its module in magnetar/methods/ plus one line here.
+METHODS: dict[str, MethodSpec] = {
+    "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
+    "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
+    "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True),
+    "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True),
+    "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
+}
+DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)
+
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,10 +68,17 @@ LUKA_MODES = ("none", "lined", "clustered", "mixed")
 LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
 LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
 LUKA_REFINE_MASS = ("preserve", "exact")
-LUKA_METHODS = ("dense", "star", "pulsar")
+LUKA_METHODS = tuple(n for n, s in METHODS.items() if s.local_prefill)  # LuKA needs Phase-1 attention mass
 PREFILL_POLICIES = ("none", "oracle", "indexer")
-PREFILL_METHODS = ("dense", "star", "pulsar")
+PREFILL_METHODS = LUKA_METHODS  # sparse prefill replaces a local Phase 1's attention
 PREFILL_D_IDX = (64, 128, 256)  # magnetar.prefill.indexer.D_IDX_CHOICES (kept here: config imports no torch)
+# The decode-time and prefill policies' implementations, by config section ("module:Class", imported lazily by
+# magnetar.engine.strategy): every name but "none" of the section's policy field is served by that class.
+POLICY_IMPLS = {
+    "sparse": "magnetar.sparse.select:SparseDecoder",  # SparseConfig.sparse_policy
+    "luka": "magnetar.luka.decoder:LukaDecoder",  # LukaConfig.luka_mode
+    "prefill": "magnetar.prefill.policy:PrefillPolicy",  # PrefillConfig.prefill_policy
+}
 
 
 def _flag(name: str) -> str:
@@ -261,6 +293,53 @@ class LukaConfig:
         return min(context_tokens, max(1, math.ceil(self.luka_heavy_fraction * context_tokens)))
 
 
+# -- the sparse-prefill budget schedule (parsed here so that config stays a leaf; magnetar.prefill.schedule
+# re-exports it beside the sparsity accounting) ---------------------------------------------------------
+# Sec. 5.1 / Table 2: 256 / 512 / 1024 / 2048 for 4K / 8K / 16K / >= 32K tokens
+PAPER_SCHEDULE = "4096:256,8192:512,16384:1024,*:2048"
+
+Schedule = tuple[tuple[Optional[int], int], ...]
+
+
+def parse_schedule(text: str) -> Schedule:
+    """``"4096:256,8192:512,*:2048"`` -> ``((4096, 256), (8192, 512), (None, 2048))``.
+
+    Entries ``MAX_LEN:K`` with strictly increasing ``MAX_LEN``, then one ``*:K`` for every longer input; a
+    length ``L`` gets the ``K`` of the first entry with ``L <= MAX_LEN``. Raises ValueError on anything else.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a schedule is 'MAX_LEN:K,...,*:K', got {text!r}")
+    out: list[tuple[Optional[int], int]] = []
+    for part in text.split(","):
+        bound, sep, k = part.strip().partition(":")
+        if not sep:
+            raise ValueError(f"schedule entry {part.strip()!r} is not 'MAX_LEN:K' (e.g. '4096:256' or '*:2048')")
+        try:
+            kk = int(k)
+            length = None if bound.strip() == "*" else int(bound)
+        except ValueError:
+            raise ValueError(f"schedule entry {part.strip()!r}: MAX_LEN must be an int or '*', K an int") from None
+        if kk < 1 or (length is not None and length < 1):
+            raise ValueError(f"schedule entry {part.strip()!r}: MAX_LEN and K must be >= 1")
+        if out and out[-1][0] is None:
+            raise ValueError(f"schedule {text!r}: the '*:K' entry must come last")
+        if length is not None and out and length <= out[-1][0]:
+            raise ValueError(f"schedule {text!r}: MAX_LEN values must increase ({out[-1][0]} then {length})")
+        out.append((length, kk))
+    if out[-1][0] is not None:
+        raise ValueError(f"schedule {text!r} must end with a '*:K' entry for inputs longer than {out[-1][0]}")
+    return tuple(out)
+
+
+def budget_for_length(L: int, schedule: Sequence[tuple[Optional[int], int]] | str) -> int:
+    """The top-k the schedule gives a ``L``-token input: the first entry with ``L <= MAX_LEN`` (``None``: any)."""
+    sched = parse_schedule(schedule) if isinstance(schedule, str) else tuple(schedule)
+    for length, k in sched:
+        if length is None or L <= length:
+            return int(k)
+    raise ValueError(f"the schedule {sched} has no entry for {L} tokens; end it with (None, K) ('*:K')")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrefillConfig:
     """Sparse prefill (``../shared/papers/004``): in Phase 1, every global attention layer from
@@ -278,7 +357,7 @@ class PrefillConfig:
 
     prefill_policy: str = "none"  # none | oracle | indexer
     prefill_topk: int = 0  # keys per query (block); 0: from prefill_schedule by context length
-    prefill_schedule: str = "4096:256,8192:512,16384:1024,*:2048"  # MAX_LEN:K,...,*:K (the paper's 4K-32K+ budgets)
+    prefill_schedule: str = PAPER_SCHEDULE  # MAX_LEN:K,...,*:K (the paper's 4K-32K+ budgets)
     prefill_b_sel: int = 1  # query rows sharing one support (1: per query; the paper's fused path: 64)
     prefill_dense_layers: int = 0  # the first layers stay dense
     prefill_indexer_path: Optional[str] = None  # indexer: distilled weights (IndexerBank file)
@@ -287,8 +366,6 @@ class PrefillConfig:
     prefill_seed: int = 0  # seed of the random-init indexer
 
     def __post_init__(self):
-        from magnetar.prefill.schedule import parse_schedule
-
         _require(self.prefill_policy in PREFILL_POLICIES, "prefill_policy",
                  f"unknown policy {self.prefill_policy!r}; choose one of {PREFILL_POLICIES}")
         _require(isinstance(self.prefill_topk, int) and not isinstance(self.prefill_topk, bool)
@@ -315,14 +392,10 @@ class PrefillConfig:
 
     @property
     def schedule(self) -> tuple:
-        from magnetar.prefill.schedule import parse_schedule
-
         return parse_schedule(self.prefill_schedule)
 
     def budget(self, context_tokens: int) -> int:
         """Keys per query (block) for a context of ``context_tokens``: ``prefill_topk`` or the schedule's."""
-        from magnetar.prefill.schedule import budget_for_length
-
         return self.prefill_topk if self.prefill_topk > 0 else budget_for_length(context_tokens, self.schedule)
 
 
@@ -354,7 +427,7 @@ class EngineConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
 
     def __post_init__(self):
-        _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {METHODS}")
+        _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {tuple(METHODS)}")
         if self.luka.luka_mode != "none":
             _require(self.sparse.sparse_policy == "none", "luka_mode",
                      f"LuKA and sparse decoding ({self.sparse.sparse_policy!r}) both choose the context KV a step "
@@ -369,9 +442,10 @@ class EngineConfig:
             _require(self.luka.luka_mode == "none", "prefill_policy",
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
-        if self.method in ("dense", "streaming"):
+        if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
-                     f"method {self.method!r} runs on one rank; use cp_size=1 (or method ring/star/pulsar to spread it)")
+                     f"method {self.method!r} runs on one rank; use cp_size=1 (or method {'/'.join(DISTRIBUTED_METHODS)} "
+                     "to spread it)")
 
     # -- flat access to the names used throughout the docs ------------------------------------------------
     def __getattr__(self, name):  # only called when normal lookup fails: config.cp_size, config.scorer, ...
@@ -461,7 +535,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """One flag per config field (``--cp-size``, ``--summary-budget``, ...) plus ``--config FILE``."""
     g = parser.add_argument_group("engine config (defaults in magnetar/config.py)")
     g.add_argument("--config", help="JSON/YAML file with config fields (flags override it)")
-    g.add_argument("--method", choices=METHODS)
+    g.add_argument("--method", choices=tuple(METHODS))
     for name, section in FLAT_FIELDS.items():
         f = next(f for f in fields(SECTIONS[section]) if f.name == name)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))

@@ -225,13 +225,13 @@ def test_cover_and_pages_over_decoding():
         q = torch.randn(1, H * G, 1, D, generator=g)
         o, l = dec.attend_context(0, 0, q, kv, qpos, 0.3, N)
         dec.after_merge(0, l)  # this shard is the whole KV: the merged lse is its own
-        st = kv.aux[(dec.uid, "luka")]
+        st = dec.layer_state(kv)
         seen.append(st.pages)
         assert st.pages * 8 <= int((kv.pos < N + step - 24).sum())  # never a recent token in a page
     # pages at steps 0, 4, 8: (100 - 24) // 8 = 9, then (104 - 24) // 8 = 10, (108 - 24) // 8 = 10 ... capped at N
     assert seen[0] == 9 and seen[4] == 10 and seen[8] == 10 and seen == sorted(seen)
     # mass accumulates on tokens (raw and refined; an unrefined page's share stays with its summary)
-    added = kv.aux[(dec.uid, "luka")].mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
+    added = dec.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
     assert bool((added > 0).all()) and bool((added < 12.0 * G).all())
     # lined: all of a step's mass lands on tokens, G query heads' worth per step (this shard is all the KV)
     lined = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25), model_cfg)
@@ -239,13 +239,13 @@ def test_cover_and_pages_over_decoding():
         qpos = torch.tensor([N + step])
         o, l = lined.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, qpos, 0.3, N)
         lined.after_merge(0, l)
-    added = kv.aux[(lined.uid, "luka")].mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
+    added = lined.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
     assert torch.allclose(added, torch.full((H,), 5.0 * G), atol=1e-4)
     # the merged lse rescales the update: with another part holding half the mass, half is added
     half = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25), model_cfg)
     o, l = half.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, torch.tensor([N]), 0.3, N)
     half.after_merge(0, l + math.log(2.0))
-    added = kv.aux[(half.uid, "luka")].mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
+    added = half.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
     assert torch.allclose(added, torch.full((H,), 0.5 * G), atol=1e-4)
 
 

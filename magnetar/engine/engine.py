@@ -26,12 +26,15 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf
+from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
-from magnetar.engine.kv import KVShard
-from magnetar.engine.plan import RankPlan, Segment, kept_token_count, plan_rank
+from magnetar.engine.plan import kept_token_count, plan_rank
+from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, prefill_policy
 from magnetar.engine.template import split_prompt
+from magnetar.models import load_model
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
+from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
 from magnetar.utils.nvtx import nvtx_range
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,21 @@ class ScoreResult:
         return math.exp(self.nll_sum / self.tokens)
 
 
+@dataclass
+class RankStats:
+    """One CP rank's figures for one request (``peak_memory_bytes`` None until measured)."""
+
+    phase1_seconds: float
+    context_kv_tokens: int  # context KV held after Phase 1
+    kv_bytes: int
+    peak_memory_bytes: Optional[int] = None
+    gen_kv_tokens: int = 0  # query/generated KV (the query rank only)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.context_kv_tokens + self.gen_kv_tokens
+
+
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -113,27 +131,15 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self._decoders: dict = {}  # other sparse / LuKA configs scored by score_variants
-        # the policy object the Phase-2 attention calls: sparse decoding (config.sparse) or LuKA (config.luka)
-        self.sparse = None
-        if config.sparse.sparse_policy != "none":
-            from magnetar.sparse.select import SparseDecoder
-
-            self.sparse = SparseDecoder(config.sparse, model.config)
-        elif config.luka.luka_mode != "none":
-            from magnetar.luka.decoder import LukaDecoder
-
-            self.sparse = LukaDecoder(config.luka, model.config)
-        self._track_mass = config.luka.luka_mode != "none"  # Phase 1 records attention mass (LuKA)
+        self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
+        # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
+        active = config.sparse if config.sparse.sparse_policy != "none" else config.luka
+        self.policy: Optional[DecodePolicy] = decode_policy(active, model.config)
         # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
-        self.prefill = None
+        self.prefill = prefill_policy(config.prefill, model.config)
         self.last_prefill_stats = None  # PrefillStats of the last request's Phase 1 (all ranks), or None
-        if config.prefill.prefill_policy != "none":
-            from magnetar.prefill.policy import PrefillPolicy
-
-            self.prefill = PrefillPolicy(config.prefill, model.config)
-            if self.prefill.needs_hidden:
-                hf.capture_attention_inputs(model)
+        if self.prefill is not None and self.prefill.needs_hidden:
+            hf.capture_attention_inputs(model)
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,12 +163,8 @@ class Engine:
             raise ValueError(
                 f"context ({L}) + query ({Q}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
                 f"model's {self.max_positions} positions (max_position_embeddings); shorten the context")
-        budget = self.config.sparse.sparse_budget
-        if self.sparse is not None and budget > L:
-            raise ValueError(f"sparse_budget ({budget} tokens) exceeds the context ({L} tokens): lower "
-                             f"--sparse-budget or give a pruning rate (--sparse-pruning 0.98) instead")
-        if self.sparse is not None and hasattr(self.sparse, "check"):
-            self.sparse.check(L)
+        if self.policy is not None:
+            self.policy.check(L)
 
     def _eos_ids(self) -> list[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -216,15 +218,17 @@ class Engine:
             decs = run_phase2(self.model, cfg, shards, [q for _, q in toks], qpos, groups, self.device,
                               max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(),
                               stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits,
-                              sparse=self.sparse, context_tokens=[int(c.numel()) for c, _ in toks])
+                              policy=self.policy, context_tokens=[int(c.numel()) for c, _ in toks])
 
         peak = _peak_memory(self.device)
-        if self.simulated:  # every rank's figures were measured here; generated KV sits with rank 0
-            stats = [[(s[0], s[1], s[1] + (d.gen_kv_tokens if r == 0 else 0), s[2], s[3] if s[3] is not None else peak)
-                      for r, s in enumerate(per)] for per, d in zip(local, decs)]
+        for per, d in zip(local, decs):
+            for r, st in enumerate(per):  # generated KV sits with the query rank (rank 0, or this one)
+                st.gen_kv_tokens = d.gen_kv_tokens if (r == 0 or not self.simulated) else 0
+                st.peak_memory_bytes = peak if st.peak_memory_bytes is None else st.peak_memory_bytes
+        if self.simulated:  # every rank's figures were measured here
+            stats = local
         else:
-            mine = [(s[0][0], s[0][1], s[0][1] + d.gen_kv_tokens, s[0][2], peak) for s, d in zip(local, decs)]
-            gathered = self._gather(mine)  # gathered[rank][request]
+            gathered = self._gather([per[0] for per in local])  # gathered[rank][request]
             stats = [[g[i] for g in gathered] for i in range(len(toks))]
         results = []
         for i, ((c, q), dec) in enumerate(zip(toks, decs)):
@@ -232,11 +236,12 @@ class Engine:
             results.append(GenerationResult(
                 text=self._decode_text(dec.token_ids, stop), token_ids=dec.token_ids, method=cfg.method,
                 context_tokens=int(c.numel()), query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
-                phase1_seconds=[s[0] for s in per_rank], ttft_seconds=dec.ttft_seconds,
+                phase1_seconds=[s.phase1_seconds for s in per_rank], ttft_seconds=dec.ttft_seconds,
                 decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds
                 else None,
-                context_kv_tokens_per_rank=[s[1] for s in per_rank], kv_tokens_per_rank=[s[2] for s in per_rank],
-                kv_bytes_per_rank=[s[3] for s in per_rank], peak_memory_bytes_per_rank=[s[4] for s in per_rank],
+                context_kv_tokens_per_rank=[s.context_kv_tokens for s in per_rank],
+                kv_tokens_per_rank=[s.kv_tokens for s in per_rank], kv_bytes_per_rank=[s.kv_bytes for s in per_rank],
+                peak_memory_bytes_per_rank=[s.peak_memory_bytes for s in per_rank],
                 first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=prefill[i],
             ))
         return results
@@ -251,46 +256,58 @@ class Engine:
             raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
                                f"{context_len}-token context; the block plan is inconsistent")
 
-    def _phase1_distributed(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None):
-        """This rank's Phase 1: (its KV shard, the query position, [(seconds, KV tokens, KV bytes, None)])."""
+    def _mass(self, track_mass: Optional[bool], variants: Sequence[Optional[DecodePolicy]] = ()):
+        """The recorder of the Phase-1 attention mass of every kept key, when a decode policy needs it (LuKA;
+        ``track_mass`` True asks for it in any case, False never), else None."""
+        if track_mass is False:
+            return None
+        for p in (self.policy, *variants):
+            if p is not None and p.needs_prefill_mass:
+                return p.prefill_mass
+        return self._decoder(LukaConfig(luka_mode="lined")).prefill_mass if track_mass else None
+
+    def _phase1_distributed(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None,
+                            variants: Sequence[Optional[DecodePolicy]] = ()):
+        """This rank's Phase 1: (its KV shard, the query position, [its RankStats])."""
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
-                        track_mass=self._track_mass if track_mass is None else track_mass, prefill=self.prefill)
+                        mass=self._mass(track_mass, variants), prefill=self.prefill)
         self._check_kept(self._gather(kept_token_count(plan)), int(context_ids.numel()))
         self.last_prefill_stats = None
         if self.prefill is not None:  # every rank's counts of this request, summed
             per_rank = self._gather(p1.prefill_stats)
             self.last_prefill_stats = functools.reduce(lambda a, b: a.merge(b), per_rank)
-        return p1.shard, plan.query_position, [(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), None)]
+        return p1.shard, plan.query_position, [RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())]
 
-    def _phase1_simulated(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None):
+    def _phase1_simulated(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None,
+                          variants: Sequence[Optional[DecodePolicy]] = ()):
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
-        over ranks). Ring's ranks exchange KV in every layer, so its shards run as one forward in lock-step
-        (attention by position, exactly what the ring computes): one time for all of them."""
+        over ranks). A method whose ranks run in lock-step (ring: they exchange KV in every layer) gives one plan
+        for all of them, run as one forward: one time for all of them."""
         cfg, W = self.config, self.config.parallel.cp_size
         plans = [plan_rank(cfg, context_ids, r) for r in range(W)]
         self._check_kept([kept_token_count(p) for p in plans], int(context_ids.numel()))
-        if cfg.method == "ring":
-            idx = torch.cat([p.ring_shard for p in plans])
-            lockstep = RankPlan(0, [], [Segment(idx, idx.clone(), slice(None), 0)], query_position=plans[0].query_position)
+        lockstep = context_method(cfg.method).lockstep(plans)
+        if lockstep is not None:  # attention by position over the union: exactly what the ranks compute
             p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
                             self.device)
-            sizes = [int(p.ring_shard.numel()) for p in plans]
+            sizes = [kept_token_count(p) for p in plans]
             per_token = p1.shard.nbytes() / max(1, sum(sizes))
-            stats = [(p1.seconds if r == 0 else 0.0, n, int(n * per_token), None) for r, n in enumerate(sizes)]
+            stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
             return p1.shard, plans[0].query_position, stats
         parts, stats = [], []
+        mass = self._mass(track_mass, variants)
         self.last_prefill_stats = None
         for plan in plans:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device,
-                            track_mass=self._track_mass if track_mass is None else track_mass, prefill=self.prefill)
+            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device, mass=mass,
+                            prefill=self.prefill)
             if p1.prefill_stats is not None:
                 self.last_prefill_stats = p1.prefill_stats if self.last_prefill_stats is None else \
                     self.last_prefill_stats.merge(p1.prefill_stats)
             parts.append(p1.shard)
-            stats.append((p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
+            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
         if len({p.query_position for p in plans}) != 1:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
         return KVShard.join(parts), plans[0].query_position, stats
@@ -317,46 +334,42 @@ class Engine:
             raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
         self._check_lengths(int(c.numel()), int(t.numel()), 1)
         decoders = [self._decoder(v) for v in sparse]
-        for v, dec in zip(sparse, decoders):
-            if isinstance(v, SparseConfig) and v.sparse_policy != "none" and v.sparse_budget > c.numel():
-                raise ValueError(f"sparse_budget ({v.sparse_budget} tokens) exceeds the context ({c.numel()} tokens)")
-            if dec is not None and hasattr(dec, "check"):
+        for dec in decoders:
+            if dec is not None:
                 dec.check(int(c.numel()))
-        track = self._track_mass or any(isinstance(v, LukaConfig) and v.luka_mode != "none" for v in sparse)
-        if track and self.prefill is not None:
+        mass = self._mass(None, decoders)
+        if mass is not None and self.prefill is not None:
             raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
                              f"(prefill_policy {self.config.prefill.prefill_policy!r}); score them without it")
         out = []
         with nvtx_range("magnetar/score"):
             if self.simulated:
-                shard, start, stats = self._phase1_simulated(c, track)
+                shard, start, stats = self._phase1_simulated(c, variants=decoders)
             else:
-                shard, start, stats = self._phase1_distributed(c, track)
-            seconds = [s[0] for s in stats] if self.simulated else [g[0][0] for g in self._gather(stats)]
+                shard, start, stats = self._phase1_distributed(c, variants=decoders)
+            seconds = [s.phase1_seconds for s in stats] if self.simulated else \
+                [g[0].phase1_seconds for g in self._gather(stats)]
             for dec in decoders:
                 t0 = time.perf_counter()
                 logp = run_scoring(self.model, self.config, shard, t, start, self.groups, self.device,
-                                   sparse=dec, context_tokens=int(c.numel()))
+                                   policy=dec, context_tokens=int(c.numel()))
                 out.append(ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
                                        phase1_seconds=seconds, phase2_seconds=time.perf_counter() - t0,
                                        simulated=self.simulated, prefill_stats=None if self.last_prefill_stats is None
                                        else self.last_prefill_stats.as_dict()))
         return out
 
-    def _decoder(self, cfg: Optional[SparseConfig]):
-        """The policy object for a sparse or LuKA config (cached: hash weights load once), None for dense."""
-        luka = isinstance(cfg, LukaConfig)
-        if cfg is None or (cfg.luka_mode if luka else cfg.sparse_policy) == "none":
+    def _decoder(self, cfg: Union[None, SparseConfig, LukaConfig]) -> Optional[DecodePolicy]:
+        """The decode policy for a sparse or LuKA config (cached: hash weights load once), None for dense."""
+        if cfg is None:
             return None
-        if cfg == (self.config.luka if luka else self.config.sparse):
-            return self.sparse
-        if cfg not in self._decoders:
-            if luka:
-                from magnetar.luka.decoder import LukaDecoder as cls
-            else:
-                from magnetar.sparse.select import SparseDecoder as cls
-            self._decoders[cfg] = cls(cfg, self.model.config)
-        return self._decoders[cfg]
+        if cfg == self.config.sparse or cfg == self.config.luka:
+            active = self.config.sparse if self.config.sparse.sparse_policy != "none" else self.config.luka
+            if cfg == active:
+                return self.policy
+        if cfg not in self._policies:
+            self._policies[cfg] = decode_policy(cfg, self.model.config)
+        return self._policies[cfg]
 
     def _plain_ids(self, x) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
@@ -392,16 +405,12 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
     (tensor-parallel size 1) and its module is used.
     """
-    from magnetar.parallel.launcher import device_for_rank, init_distributed
-
     if config is None:
         config = EngineConfig.create(**flat)
     elif flat:
         config = config.replace(**flat)
     dtype = _TORCH_DTYPES[config.runtime.dtype]
     if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        from magnetar.models import load_model
-
         model, loaded_tok = load_model(str(model), dtype=dtype)
         tokenizer = tokenizer or loaded_tok
     hf.check_supported(model.config)
@@ -417,8 +426,6 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     device = device_for_rank()
     model = model.to(device=device, dtype=dtype)
     if config.runtime.deepspeed_inference:
-        from magnetar.parallel.launcher import import_deepspeed
-
         deepspeed = import_deepspeed()
         model = deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=dtype,
                                          replace_with_kernel_inject=False).module

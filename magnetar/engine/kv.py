@@ -8,15 +8,46 @@ context tensors are never copied during decoding.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+class PolicyState:
+    """What decode policies derive from one layer's KV (key codes, page bounds, LuKA's mass and pages).
+
+    Entries are keyed by the owning policy instance's ``uid`` and the entry's type, so policies sharing a shard
+    (several scored variants over one Phase 1) keep their own, and a reader gets back the type it asked for.
+    The store is cleared whenever the layer's KV changes.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self):
+        self._items: dict[tuple[int, type], object] = {}
+
+    def get(self, owner: int, kind: type[T]) -> Optional[T]:
+        """The ``kind`` entry of policy ``owner``, or None."""
+        return self._items.get((owner, kind))  # type: ignore[return-value]
+
+    def put(self, owner: int, value: T) -> T:
+        """Store ``value`` as policy ``owner``'s entry of its type; returns it."""
+        self._items[(owner, type(value))] = value
+        return value
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
 
-    __slots__ = ("_k", "_v", "_pos", "_mass", "frozen", "k", "v", "pos", "mass", "aux")
+    __slots__ = ("_k", "_v", "_pos", "_mass", "frozen", "k", "v", "pos", "mass", "state")
 
     def __init__(self):
         self._k, self._v, self._pos, self._mass = [], [], [], []
@@ -27,10 +58,10 @@ class LayerKV:
         # (B, Hkv, n) float32 attention mass each entry received in Phase 1 (LuKA), summed over its query heads;
         # None unless every piece came with one
         self.mass: Optional[torch.Tensor] = None
-        self.aux: dict = {}  # data derived from k (sparse decoding: key codes, page bounds); reset on append
+        self.state = PolicyState()  # what decode policies derive from this KV; cleared on append
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mass: Optional[torch.Tensor] = None) -> None:
-        self.aux = {}
+        self.state.clear()
         if not self.frozen:
             self._k.append(k)
             self._v.append(v)

@@ -20,11 +20,84 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import DecodeConfig, EngineConfig
-from magnetar.engine.hf import ForwardContext
 from magnetar.engine.kv import KVShard
-from magnetar.parallel import ParallelGroups
+from magnetar.engine.strategy import DecodePolicy, LayerContext
+from magnetar.ops import attention_with_lse, merge_states
+from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import wait_all
 from magnetar.utils.nvtx import nvtx_range
+
+
+class Phase2Context(LayerContext):
+    """The Phase-2 forward of a batch of B requests, each with its own KV.
+
+    ``positions (B, S)``; ``shards[b]`` is this rank's context KV of request b; ``gens[b]`` the query rank's
+    store of request b's query/generated KV (None on the other ranks); ``valid[b]`` how many of the S input
+    tokens of request b are real (queries of different lengths are right-padded; padding sits after the real
+    tokens, so no real token sees it, and its KV is never stored). ``policy`` (a
+    :class:`~magnetar.engine.strategy.DecodePolicy`, or None for dense decoding) chooses the context KV each
+    token attends to; ``context_tokens[b]`` is request b's whole context length (over all ranks).
+
+    Per layer: local parts (context shard -- through the policy where it applies --, and on the query rank
+    the query/generated KV, causally) -> one packed all-gather of ``(out, lse)`` for the batch -> the merge.
+    Every rank ends with the same output, so every rank runs the same model forward.
+    """
+
+    name = "phase2"
+
+    def __init__(self, positions: torch.Tensor, shards: list[KVShard], gens: Optional[list[KVShard]],
+                 valid: list[int], groups: ParallelGroups, backend: str, policy: Optional[DecodePolicy] = None,
+                 context_tokens: Optional[list[int]] = None):
+        self.positions, self.shards, self.gens, self.valid = positions, shards, gens, valid
+        self.group, self.timeout, self.backend = groups.cp_group, groups.timeout, backend
+        self.policy, self.context_tokens = policy, context_tokens
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int] = None) -> torch.Tensor:
+        B, Hq, S, D = q.shape
+        local_o, local_l = [], []
+        for b in range(B):  # requests hold KV of different lengths: attend each to its own
+            o, l = self._local(layer, b, q, k, v, scale, window)
+            local_o.append(o)
+            local_l.append(l)
+        local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
+        with nvtx_range(f"phase2/merge/layer{layer}"):  # one collective per layer for the whole batch
+            outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
+            out, lse = merge_states(outs, lses)
+        if self.policy is not None:  # e.g. LuKA accumulates the attention mass, normalised by the merged lse
+            self.policy.after_merge(layer, lse)
+        return out
+
+    def _local(self, layer, b, q, k, v, scale, window) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's state over what this rank holds: its context shard and (query rank) its own tokens."""
+        S = q.shape[2]
+        qb, pos = q[b : b + 1], self.positions[b]
+        parts_o, parts_l = [], []
+        ctx = self.shards[b].layers[layer]
+        if len(ctx) and self.policy is not None and self.policy.applies(layer, window):
+            # sparse decoding / LuKA: the policy attends to its choice of this shard's KV
+            o, l = self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
+                                              backend=self.backend, valid=self.valid[b])
+            parts_o.append(o)
+            parts_l.append(l)
+        elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
+            o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
+                                      backend=self.backend)
+            parts_o.append(o)
+            parts_l.append(l)
+        if self.gens is not None:  # the query rank: its own query/generated tokens, causally
+            g = self.gens[b].layers[layer]
+            n = self.valid[b]
+            g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
+            o, l = attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=window,
+                                      backend=self.backend)
+            parts_o.append(o)
+            parts_l.append(l)
+        if not parts_o:  # this rank holds nothing for request b: the empty state
+            return torch.zeros_like(qb), torch.full((1, q.shape[1], S), float("-inf"), device=q.device)
+        if len(parts_o) == 1:
+            return parts_o[0], parts_l[0]
+        return merge_states(parts_o, parts_l)
 
 
 @dataclass
@@ -65,15 +138,15 @@ def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list
 @torch.inference_mode()
 def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list[torch.Tensor],
                query_positions: list[int], groups: ParallelGroups, device, *, max_new_tokens: int,
-               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False, sparse=None,
-               context_tokens: Optional[list[int]] = None) -> list[DecodeResult]:
+               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False,
+               policy: Optional[DecodePolicy] = None, context_tokens: Optional[list[int]] = None) -> list[DecodeResult]:
     """Run a batch of queries through the model over their distributed KV, then decode each up to
     ``max_new_tokens``. Request b has context KV ``shards[b]``, query ids ``queries[b]`` starting at RoPE
     position ``query_positions[b]``; ``stop_checks[b](token_ids) -> bool`` (optional) ends it early.
-    Finished requests leave the batch; the others go on. One result per request. ``sparse`` (a
-    :class:`magnetar.sparse.select.SparseDecoder` or :class:`magnetar.luka.decoder.LukaDecoder`) makes every
-    Phase-2 token attend to its choice of the context KV of request b, whose whole context (over all ranks) is
-    ``context_tokens[b]`` tokens.
+    Finished requests leave the batch; the others go on. One result per request. ``policy`` (a
+    :class:`~magnetar.engine.strategy.DecodePolicy`: sparse decoding or LuKA) makes every Phase-2 token attend
+    to its choice of the context KV of request b, whose whole context (over all ranks) is ``context_tokens[b]``
+    tokens.
     """
     B = len(shards)
     leader = groups.is_cp_leader
@@ -89,10 +162,9 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int]) -> torch.Tensor:
         S = ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
-        ctx = ForwardContext("phase2", pos, shards=[shards[b] for b in active],
-                             gens=[gens[b] for b in active] if gens is not None else None, valid=valid,
-                             group=groups.cp_group, timeout=groups.timeout, backend=backend, sparse=sparse,
-                             context_tokens=[context_tokens[b] for b in active] if context_tokens else None)
+        ctx = Phase2Context(pos, [shards[b] for b in active], [gens[b] for b in active] if gens is not None else None,
+                            valid, groups, backend, policy,
+                            [context_tokens[b] for b in active] if context_tokens else None)
         logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
                        logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
@@ -146,7 +218,8 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
 
 @torch.inference_mode()
 def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, start: int,
-                groups: ParallelGroups, device, *, sparse=None, context_tokens: Optional[int] = None) -> torch.Tensor:
+                groups: ParallelGroups, device, *, policy: Optional[DecodePolicy] = None,
+                context_tokens: Optional[int] = None) -> torch.Tensor:
     """Teacher-forced Phase 2 for perplexity: ``ids (S,)`` at RoPE positions ``start ...`` run as one query
     over the distributed context KV (plus, causally, each other); returns the log-probability of every
     ``ids[i + 1]`` given the context and ``ids[: i + 1]``, shape ``(S - 1,)``, float32, on every rank."""
@@ -160,14 +233,13 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
     S = int(ids.numel())
     # A stateful decoder (LuKA: accumulated mass, pages cut every few steps) sees the continuation in chunks of
     # its step size, each chunk attending causally to the ones before (their KV stays in `gens`).
-    chunk = int(getattr(sparse, "score_chunk", 0) or S)
+    chunk = (policy.score_chunk if policy is not None else 0) or S
     logits = []
     for a in range(0, S, chunk):
         n = min(chunk, S - a)
         pos = (start + a + torch.arange(n, device=device))[None]
-        ctx = ForwardContext("phase2", pos, shards=[shard], gens=gens, valid=[n], group=groups.cp_group,
-                             timeout=groups.timeout, backend=config.runtime.attention_backend, sparse=sparse,
-                             context_tokens=[context_tokens] if context_tokens is not None else None)
+        ctx = Phase2Context(pos, [shard], gens, [n], groups, config.runtime.attention_backend, policy,
+                            [context_tokens] if context_tokens is not None else None)
         with nvtx_range("phase2/score"):
             logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
                                 logits_to_keep=0, magnetar=ctx).logits[0].float())

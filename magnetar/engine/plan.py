@@ -1,5 +1,8 @@
 """Phase-1 plan: which context tokens each rank encodes, with which prefix and positions. Pure, no model.
 
+The block arithmetic every method shares lives here; what a method makes of the blocks is its own
+:meth:`magnetar.engine.strategy.ContextMethod.plan` (``magnetar/methods/``), reached by :func:`plan_rank`.
+
 Blocks are ``block_size`` consecutive context tokens (the last may be shorter); they are dealt to the CP
 ranks in order, as evenly as possible (the first ranks take one more when they do not divide), so rank
 order is context order. Worked example, context of 10 tokens, block_size 3, cp_size 2::
@@ -18,12 +21,11 @@ token exactly once (:func:`kept_token_count` checks it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.parallel import contiguous_indices, zigzag_indices
+from magnetar.engine.strategy import context_method
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,11 @@ class Segment:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Phase-1 work of one rank. ``ring_shard`` is set for method ring (one ring forward over those tokens)."""
+    """Phase-1 work of one rank: one model forward per segment, in order."""
 
     cp_rank: int
     blocks: list[tuple[int, int]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
-    ring_shard: Optional[torch.Tensor] = None
     query_position: int = 0  # RoPE position of the first query token
 
 
@@ -75,62 +76,34 @@ def resolve_block_size(config: EngineConfig, context_len: int) -> int:
     return bs
 
 
+def my_blocks(config: EngineConfig, context_len: int, cp_rank: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Every block's bounds and the indices of ``cp_rank``'s blocks. Fewer blocks than ranks is allowed (the
+    last ranks then hold no context KV and only take part in the Phase-2 merges); the default block size gives
+    every rank one block."""
+    bounds = block_bounds(context_len, resolve_block_size(config, context_len))
+    return bounds, assign_blocks(len(bounds), config.parallel.cp_size)[cp_rank]
+
+
+def covers_ranks(config: EngineConfig, context_len: int) -> list[str]:
+    """A distributed method's refusal when the context has fewer tokens than there are blocks/shards."""
+    cp = config.parallel.cp_size
+    if context_len < cp:
+        return [f"the context ({context_len} tokens) is shorter than the number of blocks/shards (cp_size {cp}): "
+                f"use a longer context or a smaller --cp-size"]
+    return []
+
+
 def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
-    """The Phase-1 plan of ``cp_rank`` for ``context_ids (L,)`` under ``config``."""
-    L = int(context_ids.numel())
-    method, cp = config.method, config.parallel.cp_size
-    if L < cp and method in ("ring", "star", "pulsar"):
-        raise ValueError(f"the context ({L} tokens) is shorter than the number of blocks/shards (cp_size {cp}): "
-                         f"use a longer context or a smaller --cp-size")
-    if method == "ring":
-        idx = zigzag_indices(L, cp, cp_rank) if config.parallel.zigzag else contiguous_indices(L, cp, cp_rank)
-        return RankPlan(cp_rank, ring_shard=idx, query_position=L)
-    if method == "dense":
-        seg = Segment(torch.arange(L), torch.arange(L), slice(None), 0)
-        return RankPlan(cp_rank, [(0, L)], [seg], query_position=L)
-    if method == "streaming":
-        return _plan_streaming(config, L, cp_rank)
-
-    bs = resolve_block_size(config, L)
-    bounds = block_bounds(L, bs)
-    # Fewer blocks than ranks is allowed (the last ranks then hold no context KV and only take part in the
-    # Phase-2 merges); the default block size gives every rank one block.
-    mine = assign_blocks(len(bounds), cp)[cp_rank]
-    if method == "star":
-        segments = [_star_segment(config, bounds, i) for i in mine]
-        return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=L)
-    if method == "pulsar":
-        from magnetar.methods.pulsar import pulsar_segments
-
-        segments, query_position = pulsar_segments(config, context_ids, bounds, mine)
-        return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=query_position)
-    raise ValueError(f"unknown method {method!r}")
-
-
-def _star_segment(config: EngineConfig, bounds, i: int) -> Segment:
-    s, e = bounds[i]
-    block = torch.arange(s, e)
-    anchor_size = config.blocks.anchor_size
-    if anchor_size is None:
-        anchor_size = bounds[0][1] - bounds[0][0]
-    anchor = torch.arange(min(anchor_size, s))  # block 0 has no anchor; never overlap the block itself
-    idx = torch.cat((anchor, block))
-    return Segment(idx, idx.clone(), slice(anchor.numel(), None), i, block_offset=anchor.numel())
-
-
-def _plan_streaming(config: EngineConfig, L: int, cp_rank: int) -> RankPlan:
-    # StreamingLLM prefill, one window-sized chunk at a time: each chunk attends to the attention sinks, the
-    # KV of the previous `window_size` tokens (already in the cache) and itself, causally.
-    w = config.streaming.window_size
-    segments = [Segment(torch.arange(s, min(s + w, L)), torch.arange(s, min(s + w, L)), slice(None), j)
-                for j, s in enumerate(range(0, L, w))]
-    return RankPlan(cp_rank, [(0, L)], segments, query_position=L)
+    """The Phase-1 plan of ``cp_rank`` for ``context_ids (L,)`` under ``config`` (its method's plan)."""
+    method = context_method(config.method)
+    reasons = method.validate(config, int(context_ids.numel()))
+    if reasons:
+        raise ValueError(f"method {config.method!r} cannot run this request: " + "; ".join(reasons))
+    return method.plan(config, context_ids, cp_rank)
 
 
 def kept_token_count(plan: RankPlan) -> int:
     """Block (own) context tokens whose KV this rank keeps after Phase 1, prefixes not counted; summed over the
     ranks this must equal the context length (before any streaming eviction)."""
-    if plan.ring_shard is not None:
-        return int(plan.ring_shard.numel())
     return sum(seg.indices.numel() - max(seg.block_offset, seg.keep.indices(seg.indices.numel())[0])
                for seg in plan.segments)

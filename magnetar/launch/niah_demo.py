@@ -19,10 +19,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from magnetar.parallel.launcher import add_launcher_args, init_distributed
+from magnetar.config import DISTRIBUTED_METHODS
 from magnetar.parallel.collectives import barrier
-
-CP_METHODS = ("ring", "star", "pulsar")
+from magnetar.parallel.launcher import add_launcher_args, init_distributed
 
 
 def main(argv=None) -> int:
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
 
     rows, model_obj = [], model
     for i, method in enumerate(methods):
-        cp = world if method in CP_METHODS else 1
+        cp = world if method in DISTRIBUTED_METHODS else 1
         # every rank builds every engine (group creation is collective); dense runs on rank 0 only
         engine = magnetar.init_inference(model_obj, method=method, cp_size=cp, deepspeed_inference=(i == 0),
                                          tokenizer=tokenizer)

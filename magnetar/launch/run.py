@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from magnetar.config import EngineConfig, add_cli_args
+from magnetar.config import DISTRIBUTED_METHODS, EngineConfig, add_cli_args
 from magnetar.parallel.launcher import add_launcher_args
 
 
@@ -43,7 +43,7 @@ def world_size_from_env() -> int:
 
 def config_from_args(args) -> EngineConfig:
     config = EngineConfig.from_cli(args)
-    if args.cp_size is None and config.method in ("ring", "star", "pulsar"):
+    if args.cp_size is None and config.method in DISTRIBUTED_METHODS:
         config = config.replace(cp_size=world_size_from_env())
     return config
 

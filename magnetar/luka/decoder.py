@@ -1,14 +1,14 @@
 """LuKA in the engine: the Phase-2 attention over a context shard, per layer lined (H2O) or clustered.
 
-The engine's Phase-2 attention (:class:`magnetar.engine.hf.ForwardContext`) asks the decoder for each
+The engine's Phase-2 attention (:class:`magnetar.engine.phase2.Phase2Context`) asks the decoder for each
 request's ``(out, lse)`` over this rank's context shard, merges it with the query/generated KV and the other
 ranks' states as usual, and hands the merged log-sum-exp back (:meth:`LukaDecoder.after_merge`) so that the
 mass every attended context token received -- normalised over everything the token attended to -- is added
 to the shard's accumulated mass (H2O's scores, without decay). Phase 1 started that mass: with LuKA on, the
 prefill of dense / Star / Pulsar records for every stored key the attention mass the block's queries gave it
-(:func:`magnetar.luka.core.column_mass`).
+(:func:`magnetar.luka.core.column_mass`, handed to Phase 1 as :meth:`LukaDecoder.prefill_mass`).
 
-State per (context shard, layer) lives in the shard's ``aux`` under this decoder's id: a copy of the
+State per (context shard, layer) lives in the layer's typed policy state under this decoder's id: a copy of the
 accumulated mass (so several decoders scoring one shard never see each other's updates), the pages cut so
 far and their summaries. Pages cover the shard's oldest tokens; a token becomes eligible once it is more
 than ``luka_recent`` tokens behind the current query, and the segmenter + compressor run at the first step
@@ -28,13 +28,16 @@ from typing import Optional
 import torch
 
 from magnetar.config import LukaConfig
-from magnetar.luka.core import _no_timer, clustered_attention, compress_pages, heavy_hitters
+from magnetar.engine.kv import LayerKV
+from magnetar.luka.core import _no_timer, clustered_attention, column_mass, compress_pages, heavy_hitters
 
 _IDS = itertools.count()
 
 
 @dataclass
-class _LayerState:
+class LukaLayerState:
+    """LuKA's state for one (context shard, layer), per decoder."""
+
     mass: torch.Tensor  # (H, N) accumulated attention mass (this decoder's copy)
     pages: int = 0  # pages cut so far: they cover shard entries [0, pages * page_size)
     ks: Optional[torch.Tensor] = None  # (H, pages, D) summary keys
@@ -46,7 +49,7 @@ class _LayerState:
 
 @dataclass
 class _Pending:
-    state: _LayerState
+    state: LukaLayerState
     alpha: torch.Tensor  # (H, G, S, n) mass of the attended context entries (local normalisation)
     idx: torch.Tensor  # (H, S, n) their shard indices
     lse: torch.Tensor  # (H, G, S) local log-sum-exp
@@ -54,7 +57,10 @@ class _Pending:
 
 
 class LukaDecoder:
-    """The engine's LuKA policy object (same role as :class:`magnetar.sparse.select.SparseDecoder`)."""
+    """The engine's LuKA policy (a :class:`magnetar.engine.strategy.DecodePolicy`, as
+    :class:`magnetar.sparse.select.SparseDecoder` is)."""
+
+    needs_prefill_mass = True  # H2O's scores start with the attention mass of Phase 1
 
     def __init__(self, cfg: LukaConfig, model_config, *, timer=None):
         """``timer``: a :class:`magnetar.luka.core.SectionTimer` to charge time to ``select``, ``attention``,
@@ -88,8 +94,17 @@ class LukaDecoder:
                     f"context (pages of {cfg.luka_page_size} tokens, the last {cfg.luka_recent} kept raw): lower "
                     f"--luka-refine-k, --luka-page-size or --luka-recent, or give a longer context")
 
+    def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+        """Phase 1's record: the attention mass the local queries gave each kept key (``column_mass``)."""
+        return column_mass(q, k, lse, scale=scale, q_pos=q_pos, k_pos=k_pos, window=window)
+
+    def layer_state(self, kv: LayerKV) -> Optional[LukaLayerState]:
+        """This decoder's state of one context layer (None before its first step there)."""
+        return kv.state.get(self.uid, LukaLayerState)
+
     # -- attention --------------------------------------------------------------------------------------
-    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float,
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, scale: float,
                        context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (1, Hq, S, D), lse (1, Hq, S))`` of request ``b``'s queries over its context shard ``kv``."""
@@ -146,9 +161,8 @@ class LukaDecoder:
                 p.state.mass.scatter_add_(1, p.idx[:, : p.valid].reshape(H, -1), w.reshape(H, -1))
 
     # -- state ------------------------------------------------------------------------------------------
-    def _state(self, kv, qmin: int) -> _LayerState:
-        key = (self.uid, "luka")
-        st = kv.aux.get(key)
+    def _state(self, kv, qmin: int) -> LukaLayerState:
+        st = self.layer_state(kv)
         if st is None:
             if int(kv.pos.max()) >= qmin:
                 raise ValueError("LuKA attends to context KV that precedes every Phase-2 token; this shard holds "
@@ -160,10 +174,10 @@ class LukaDecoder:
                 raise ValueError("this context shard carries no attention mass: LuKA needs Phase 1 run with "
                                  "luka_mode set (the engine does this when its config or a scored variant uses LuKA)")
             gen = torch.Generator().manual_seed(self.cfg.luka_seed)
-            st = kv.aux[key] = _LayerState(mass=mass[0].float().clone(), generator=gen)
+            st = kv.state.put(self.uid, LukaLayerState(mass=mass[0].float().clone(), generator=gen))
         return st
 
-    def _maybe_compress(self, st: _LayerState, kv, recent_from: int) -> None:
+    def _maybe_compress(self, st: LukaLayerState, kv, recent_from: int) -> None:
         if st.last_compress >= 0 and st.steps - st.last_compress < self.cfg.luka_compress_every:
             return
         st.last_compress = st.steps

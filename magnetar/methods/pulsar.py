@@ -1,4 +1,4 @@
-"""Pulsar Attention's Phase-1 segments: ``[sink ‖ Σ_0 … Σ_{i-1} ‖ B_i]`` for every block i of this rank.
+"""Pulsar Attention's Phase 1: ``[sink ‖ Σ_0 … Σ_{i-1} ‖ B_i]`` for every block i of this rank.
 
 The selection (IDF table of Eq. 2, chunk scores, top-k chunks, de-duplicated prefix, positions and the query
 offset of App. E) is :func:`magnetar.methods.summaries.plan_pulsar`, computed identically on every rank from
@@ -10,8 +10,21 @@ from __future__ import annotations
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.plan import Segment
+from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks
+from magnetar.methods.local import LocalMethod
 from magnetar.methods.summaries import plan_pulsar
+
+
+class PulsarMethod(LocalMethod):
+    name = "pulsar"
+
+    def validate(self, config: EngineConfig, context_len: int) -> list[str]:
+        return covers_ranks(config, context_len)
+
+    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
+        bounds, mine = my_blocks(config, int(context_ids.numel()), cp_rank)
+        segments, query_position = pulsar_segments(config, context_ids, bounds, mine)
+        return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=query_position)
 
 
 def pulsar_segments(config: EngineConfig, context_ids: torch.Tensor, bounds: list[tuple[int, int]],

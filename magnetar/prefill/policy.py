@@ -2,8 +2,8 @@
 
 :class:`PrefillPolicy` is built once per engine from :class:`magnetar.config.PrefillConfig` (loading the indexer
 weights, if any); :meth:`PrefillPolicy.start` opens one request's Phase 1 on this rank (its budget from the
-context length) and the returned :class:`PrefillRun` is what :class:`magnetar.engine.hf.ForwardContext` calls in
-``prefill_local`` mode for every patched layer -- a global (non sliding-window) layer from
+context length) and the returned :class:`PrefillRun` is what a local Phase-1 method (dense, Star, Pulsar) calls
+for every patched layer -- a global (non sliding-window) layer from
 ``prefill_dense_layers`` on. The layer's output is the sparse one: later layers, and later oracle choices, see
 the sparse trajectory (Algorithm 1, step 6). The KV stored for decoding is the layer's ordinary K/V.
 
@@ -93,7 +93,8 @@ def load_or_make_indexers(cfg, model_config):
 
 
 class PrefillPolicy:
-    """Sparse prefill for one engine (see the module docstring)."""
+    """Sparse prefill for one engine (a :class:`magnetar.engine.strategy.PrefillPolicy`; see the module
+    docstring)."""
 
     def __init__(self, cfg, model_config):
         self.cfg = cfg

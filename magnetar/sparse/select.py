@@ -17,17 +17,19 @@ query and is invisible. A budget covering the whole shard takes the dense path, 
 budget is dense attention exactly.
 
 Per context shard and layer, derived data (key codes, page bounds) is computed once, at the first step, and
-kept in the layer's ``aux`` dict.
+kept in the layer's typed policy state (:class:`magnetar.engine.kv.PolicyState`).
 """
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from magnetar.config import SparseConfig
+from magnetar.engine.kv import LayerKV
 from magnetar.ops import attention_with_lse
 from magnetar.sparse.codes import hamming_scores, hamming_topk, topk_scores_torch
 
@@ -35,13 +37,31 @@ BIG_POS = 2**62  # position of a padding slot: after every query, so never visib
 _IDS = itertools.count()
 
 
+@dataclass
+class KeyCodes:
+    """lsh / spotlight: the packed hash codes of a shard's keys, ``(Hkv, N, W)`` int32."""
+
+    codes: torch.Tensor
+
+
+@dataclass
+class PageBounds:
+    """quest: per-channel max and min of every page of a shard's keys, each ``(Hkv, P, D)`` float32."""
+
+    kmax: torch.Tensor
+    kmin: torch.Tensor
+
+
 class SparseDecoder:
-    """The sparse-decode policy of an engine; :meth:`attend` is called by the Phase-2 attention."""
+    """The sparse-decode policy of an engine (a :class:`magnetar.engine.strategy.DecodePolicy`)."""
+
+    needs_prefill_mass = False  # the selection reads the keys only
+    score_chunk = 0  # stateless: teacher-forced scoring runs the whole continuation at once
 
     def __init__(self, cfg: SparseConfig, model_config, *, hash_backend: str = "auto"):
         self.cfg = cfg
         self.hash_backend = hash_backend
-        self.uid = next(_IDS)  # aux entries are keyed by it: decoders sharing a shard keep their own codes
+        self.uid = next(_IDS)  # policy state is keyed by it: decoders sharing a shard keep their own codes
         self.hashes = None
         if cfg.sparse_policy in ("lsh", "spotlight"):
             from magnetar.sparse.hashing import load_or_make_hashes
@@ -49,6 +69,19 @@ class SparseDecoder:
             kind = "lsh" if cfg.sparse_policy == "lsh" else "mlp"
             self.hashes = load_or_make_hashes(kind, model_config, path=cfg.hash_path, bits=cfg.code_bits,
                                               seed=cfg.hash_seed)
+
+    def check(self, context_tokens: int) -> None:
+        """Raise a ValueError if a fixed ``sparse_budget`` exceeds a context of ``context_tokens``."""
+        budget = self.cfg.sparse_budget
+        if budget > context_tokens:
+            raise ValueError(f"sparse_budget ({budget} tokens) exceeds the context ({context_tokens} tokens): lower "
+                             f"--sparse-budget or give a pruning rate (--sparse-pruning 0.98) instead")
+
+    def after_merge(self, layer: int, lse: torch.Tensor) -> None:
+        """Nothing to accumulate: the choice is made again at every step from the keys alone."""
+
+    def prefill_mass(self, q, k, lse, *, scale, q_pos, k_pos, window=None) -> torch.Tensor:
+        raise NotImplementedError("sparse decoding needs no Phase-1 attention mass (needs_prefill_mass is False)")
 
     def applies(self, layer: int, window: Optional[int]) -> bool:
         """Sparse in this layer? Not in the first ``dense_layers``, nor in sliding-window (local) layers."""
@@ -61,7 +94,7 @@ class SparseDecoder:
             return 0
         return min(shard_tokens, math.ceil(budget * shard_tokens / context_tokens))
 
-    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float,
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, scale: float,
                        context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The Phase-2 attention's entry point: request ``b``'s queries over this rank's context shard ``kv``,
@@ -91,9 +124,10 @@ class SparseDecoder:
         if policy == "quest":
             return self._quest(layer, q, kv, take, forced)
         if policy in ("lsh", "spotlight"):
-            codes = kv.aux.get((self.uid, "codes"))
-            if codes is None:
-                codes = kv.aux[(self.uid, "codes")] = self.hashes.codes(layer, kv.k[0], backend=self.hash_backend)  # (Hkv, N, W)
+            cached = kv.state.get(self.uid, KeyCodes)
+            if cached is None:
+                cached = kv.state.put(self.uid, KeyCodes(self.hashes.codes(layer, kv.k[0], backend=self.hash_backend)))
+            codes = cached.codes  # (Hkv, N, W)
             qc = self.hashes.codes(layer, q[0].reshape(Hkv, G, S, D).transpose(1, 2), backend=self.hash_backend)
             if forced is None:  # the fused op: scores and top-k in one pass
                 return hamming_topk(qc, codes, take, backend=self.hash_backend)[1], None
@@ -113,15 +147,15 @@ class SparseDecoder:
         _, Hq, S, _ = q.shape
         G, ps = Hq // Hkv, self.cfg.page_size
         P = math.ceil(N / ps)
-        bounds = kv.aux.get((self.uid, "pages"))
+        bounds = kv.state.get(self.uid, PageBounds)
         if bounds is None:  # per-channel min / max of each page (a partial last page pads with its own keys)
             k = kv.k[0].float()
             pad = P * ps - N
             if pad:
                 k = torch.cat((k, k[:, -1:].expand(Hkv, pad, D)), dim=1)
             k = k.reshape(Hkv, P, ps, D)
-            bounds = kv.aux[(self.uid, "pages")] = (k.amax(2), k.amin(2))
-        kmax, kmin = bounds
+            bounds = kv.state.put(self.uid, PageBounds(k.amax(2), k.amin(2)))
+        kmax, kmin = bounds.kmax, bounds.kmin
         qg = q[0].reshape(Hkv, G, S, D).float()
         # sum_d max(q_d max_d, q_d min_d) = q+ . max + q- . min (max_d >= min_d): two matmuls, no (.., P, D) tensor
         page = torch.einsum("hgsd,hpd->hgsp", qg.clamp(min=0), kmax) + torch.einsum("hgsd,hpd->hgsp", qg.clamp(max=0), kmin)

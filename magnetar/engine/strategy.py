@@ -1,0 +1,204 @@
+"""The strategy protocols and their lazy registries: what the engine asks of a method or a policy.
+
+The engine drives three kinds of plug-in, each found by its configuration name and imported on first use
+(the pattern of :mod:`magnetar.ops.backends`, one level up), so the engine never imports a strategy module:
+
+* :class:`ContextMethod` -- a Phase-1 method (dense, star, pulsar, ring, streaming; ``magnetar/methods/``):
+  which tokens each rank encodes, the attention of every Phase-1 layer, what happens to the KV afterwards.
+  Registry: :data:`magnetar.config.METHODS` (name -> ``"module:Class"`` plus the facts config validates).
+* :class:`DecodePolicy` -- which context KV a Phase-2 token attends to (sparse decoding, LuKA).
+* :class:`PrefillPolicy` -- sparse attention inside a local Phase 1 (oracle, indexer).
+  Registry of both: :data:`magnetar.config.POLICY_IMPLS` (config section -> ``"module:Class"``).
+
+The per-layer contexts the phase drivers hand to the model (:class:`LayerContext`) are declared here too, so
+that strategies can read them (:class:`Phase1Layer`) without importing the drivers.
+
+This module knows no strategy by name and imports none: a strategy module imports this one, never the reverse.
+"""
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+import torch
+
+from magnetar.config import METHODS, POLICY_IMPLS, EngineConfig, LukaConfig, SparseConfig
+
+# Annotations name magnetar.engine.plan.RankPlan and magnetar.engine.kv.KVShard / LayerKV as strings: those
+# modules import this one (plan_rank asks the registry), so importing them here would close a cycle.
+
+
+class LayerContext:
+    """What one model forward computes, read by the registered attention function in every layer.
+
+    A phase driver passes one to the model (keyword ``magnetar``); transformers hands it to
+    :func:`magnetar.engine.hf.magnetar_attention`, which calls :meth:`attend`. ``wants_hidden``: the layer
+    also needs the attention's input hidden states (sparse prefill's indexer); the capture hook of
+    :func:`magnetar.engine.hf.capture_attention_inputs` then stores ``(layer, hidden)`` in ``hidden``.
+    """
+
+    name = "forward"  # NVTX range prefix
+    wants_hidden = False
+    hidden: Optional[tuple[int, torch.Tensor]] = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int] = None) -> torch.Tensor:
+        """``out (B, Hq, S, D)`` of one layer for post-RoPE ``q (B, Hq, S, D)``, ``k, v (B, Hkv, S, D)``;
+        ``window``: the layer's sliding window (None for global layers)."""
+        raise NotImplementedError
+
+
+class Phase1Layer(Protocol):
+    """What a :class:`ContextMethod` reads of the Phase-1 context of one forward (one plan segment).
+
+    ``config`` the engine's configuration; ``positions (S,)`` RoPE positions of the input tokens; ``keep`` the slice whose KV the rank stores;
+    ``shard`` receives it; ``group``/``timeout`` the CP group (ring); ``backend`` the attention backend;
+    ``prefill`` the sparse-prefill run of this request (or None); ``mass`` the decode policy's recorder of
+    the attention mass each kept key received (or None); ``hidden`` the captured attention input.
+    """
+
+    config: EngineConfig
+    positions: torch.Tensor
+    keep: slice
+    shard: "KVShard"
+    group: Optional[torch.distributed.ProcessGroup]
+    timeout: Optional[timedelta]
+    backend: str
+    prefill: Optional["PrefillRun"]
+    mass: Optional[Callable[..., torch.Tensor]]
+    hidden: Optional[tuple[int, torch.Tensor]]
+
+
+@runtime_checkable
+class ContextMethod(Protocol):
+    """A Phase-1 method. One instance per name serves every engine (keep no request state on it).
+
+    * :meth:`validate` -- its reasons to refuse a request (empty: it can run it);
+    * :meth:`plan` -- pure: this rank's segments (model inputs, positions, kept slice) and the query position;
+    * :meth:`begin` / :meth:`finish` -- the KV shard before the first and after the last segment;
+    * :meth:`attend` -- the attention of one Phase-1 layer, storing the kept KV in ``ctx.shard``;
+    * :meth:`lockstep` -- optional: one plan that stands in for every rank's when one process simulates the
+      ranks (ring's shards exchange KV in every layer, so they run as one forward), or None.
+    """
+
+    name: str
+
+    def validate(self, config: EngineConfig, context_len: int) -> list[str]: ...
+
+    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> "RankPlan": ...
+
+    def begin(self, shard: "KVShard") -> None: ...
+
+    def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int]) -> torch.Tensor: ...
+
+    def finish(self, shard: "KVShard", config: EngineConfig, context_len: int) -> None: ...
+
+    def lockstep(self, plans: list["RankPlan"]) -> Optional["RankPlan"]: ...
+
+
+@runtime_checkable
+class DecodePolicy(Protocol):
+    """Which context KV a Phase-2 token attends to, per layer (sparse decoding, LuKA).
+
+    The Phase-2 attention asks :meth:`applies` per layer; if so, :meth:`attend_context` gives request ``b``'s
+    ``(out, lse)`` over this rank's context shard ``kv`` (merged with the query/generated KV and the other
+    ranks' states as usual), and :meth:`after_merge` receives the merged ``lse (B, Hq, S)`` of the layer.
+    ``needs_prefill_mass``: Phase 1 must record the attention mass each kept key received
+    (:meth:`prefill_mass`); ``score_chunk``: teacher-forced scoring runs this many tokens per forward
+    (0: all at once); :meth:`check` raises a ValueError naming the field when a context of that length
+    cannot be served.
+    """
+
+    needs_prefill_mass: bool
+    score_chunk: int
+
+    def check(self, context_tokens: int) -> None: ...
+
+    def applies(self, layer: int, window: Optional[int]) -> bool: ...
+
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: "LayerKV", q_pos: torch.Tensor, scale: float,
+                       context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def after_merge(self, layer: int, lse: torch.Tensor) -> None: ...
+
+    def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor: ...
+
+
+class PrefillStats(Protocol):
+    """Counts of what sparse prefill did for one request on one rank; ranks' counts add up."""
+
+    def merge(self, other: "PrefillStats") -> "PrefillStats": ...
+
+    def as_dict(self) -> dict: ...
+
+
+class PrefillRun(Protocol):
+    """One request's sparse Phase 1 on this rank (made by :meth:`PrefillPolicy.start`)."""
+
+    stats: PrefillStats
+    needs_hidden: bool
+
+    def applies(self, layer: int, window: Optional[int]) -> bool: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+               pos: torch.Tensor, hidden: Optional[torch.Tensor] = None, backend: str = "auto"
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class PrefillPolicy(Protocol):
+    """Sparse prefill for one engine: ``needs_hidden`` (the attention input must be captured) and one
+    :class:`PrefillRun` per request, its budget from the context length."""
+
+    needs_hidden: bool
+
+    def start(self, context_tokens: int) -> PrefillRun: ...
+
+
+# -- the registries ----------------------------------------------------------------------------------------
+_CLASSES: dict[str, type] = {}
+_METHODS: dict[str, ContextMethod] = {}
+
+
+def load_class(spec: str) -> type:
+    """The class named by ``"module:Class"`` (imported once)."""
+    if spec not in _CLASSES:
+        module, _, cls = spec.partition(":")
+        _CLASSES[spec] = getattr(importlib.import_module(module), cls)
+    return _CLASSES[spec]
+
+
+def context_method(name: str) -> ContextMethod:
+    """The :class:`ContextMethod` registered as ``name`` in :data:`magnetar.config.METHODS`."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid options are {', '.join(METHODS)}")
+    if name not in _METHODS:
+        _METHODS[name] = load_class(METHODS[name].impl)()
+    return _METHODS[name]
+
+
+def decode_policy(cfg, model_config) -> Optional[DecodePolicy]:
+    """The :class:`DecodePolicy` for a ``SparseConfig`` or ``LukaConfig`` (None: policy / mode ``none``)."""
+    section, name = _policy_name(cfg)
+    if name == "none":
+        return None
+    return load_class(POLICY_IMPLS[section])(cfg, model_config)
+
+
+def prefill_policy(cfg, model_config) -> Optional[PrefillPolicy]:
+    """The :class:`PrefillPolicy` for a ``PrefillConfig`` (None: policy ``none``)."""
+    if cfg.prefill_policy == "none":
+        return None
+    return load_class(POLICY_IMPLS["prefill"])(cfg, model_config)
+
+
+def _policy_name(cfg) -> tuple[str, str]:
+    if isinstance(cfg, SparseConfig):
+        return "sparse", cfg.sparse_policy
+    if isinstance(cfg, LukaConfig):
+        return "luka", cfg.luka_mode
+    raise TypeError(f"a decode policy is configured by a SparseConfig or a LukaConfig, got {type(cfg).__name__}")
