@@ -96,7 +96,7 @@ def test_pulsar_hand_computed():
 
 
 def test_pulsar_exact_with_ids_matches_engine_plan():
-    from magnetar.engine.plan import plan_rank
+    from magnetar.engine.strategy import plan_rank
 
     kw = dict(cp_size=4, sink_size=4, chunk_size=4, summary_budget=0.25)
     ids = torch.randint(0, 50, (96,), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,8 @@ import torch
 
 import magnetar
 from magnetar.config import EngineConfig, add_cli_args
-from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count, plan_rank
+from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count
+from magnetar.engine.strategy import plan_rank
 from tests.tiny_models import reference, tiny_model
 
 
@@ -136,3 +137,51 @@ def test_deepspeed_init_inference_wraps_the_model():
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=True)
     res = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
     assert res.token_ids == ref_tokens and (res.first_token_logits - ref_logits).abs().max() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------- plug-ins
+def test_every_registered_strategy_satisfies_its_protocol():
+    from magnetar.config import METHODS, LukaConfig, PrefillConfig, SparseConfig
+    from magnetar.engine import strategy
+
+    for name in METHODS:
+        assert isinstance(strategy.context_method(name), strategy.ContextMethod), name
+    model_config = tiny_model("llama").config
+    for cfg in (SparseConfig(sparse_policy="oracle_topk", sparse_budget=4), LukaConfig(luka_mode="lined")):
+        assert isinstance(strategy.decode_policy(cfg, model_config), strategy.DecodePolicy), cfg
+    assert strategy.decode_policy(SparseConfig(), model_config) is None
+    policy = strategy.prefill_policy(PrefillConfig(prefill_policy="oracle"), model_config)
+    assert isinstance(policy, strategy.PrefillPolicy)
+    assert strategy.prefill_policy(PrefillConfig(), model_config) is None
+    with pytest.raises(ValueError, match="unknown method 'nope'; valid options are dense, ring"):
+        strategy.context_method("nope")
+
+
+def test_design_doc_worked_example_is_one_module_plus_one_registry_line(tmp_path, monkeypatch):
+    """docs/design.md's example method, taken from the doc as written, registered with one line: it runs through
+    the engine (simulated ranks) and equals Star with a 128-token anchor, which is what it is."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from magnetar import config
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# magnetar/methods/prefix.py"))
+    line = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# magnetar/config.py"))
+    (tmp_path / "prefix_plugin.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = eval(line.split(":", 1)[1].strip().rstrip(","), vars(config))  # the registry line's MethodSpec
+    assert spec.impl == "magnetar.methods.prefix:PrefixMethod"
+    monkeypatch.setitem(config.METHODS, "prefix", config.MethodSpec("prefix_plugin:PrefixMethod", spec.distributed,
+                                                                     spec.local_prefill))
+    sys.modules.pop("prefix_plugin", None)
+    model = tiny_model("llama", seed=3)
+    g = torch.Generator().manual_seed(3)
+    ctx, q = torch.randint(0, 256, (300,), generator=g), torch.randint(0, 256, (5,), generator=g)
+    plugin = _engine(model, method="prefix", cp_size=3, simulate=True).generate(ctx, q, max_new_tokens=3,
+                                                                                 return_logits=True)
+    star = _engine(model, method="star", cp_size=3, simulate=True, anchor_size=128).generate(
+        ctx, q, max_new_tokens=3, return_logits=True)
+    assert plugin.token_ids == star.token_ids and plugin.context_kv_tokens_per_rank == [100, 100, 100]
+    assert torch.equal(plugin.first_token_logits, star.first_token_logits)

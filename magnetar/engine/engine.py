@@ -29,8 +29,8 @@ from magnetar.engine import hf
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
-from magnetar.engine.plan import kept_token_count, plan_rank
-from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, prefill_policy
+from magnetar.engine.plan import kept_token_count
+from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import split_prompt
 from magnetar.models import load_model
 from magnetar.parallel import ParallelGroups, init_groups, local_groups

@@ -1,7 +1,8 @@
 """Phase-1 plan: which context tokens each rank encodes, with which prefix and positions. Pure, no model.
 
 The block arithmetic every method shares lives here; what a method makes of the blocks is its own
-:meth:`magnetar.engine.strategy.ContextMethod.plan` (``magnetar/methods/``), reached by :func:`plan_rank`.
+:meth:`magnetar.engine.strategy.ContextMethod.plan` (``magnetar/methods/``), reached by
+:func:`magnetar.engine.strategy.plan_rank`.
 
 Blocks are ``block_size`` consecutive context tokens (the last may be shorter); they are dealt to the CP
 ranks in order, as evenly as possible (the first ranks take one more when they do not divide), so rank
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.strategy import context_method
 
 
 @dataclass(frozen=True)
@@ -91,15 +91,6 @@ def covers_ranks(config: EngineConfig, context_len: int) -> list[str]:
         return [f"the context ({context_len} tokens) is shorter than the number of blocks/shards (cp_size {cp}): "
                 f"use a longer context or a smaller --cp-size"]
     return []
-
-
-def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
-    """The Phase-1 plan of ``cp_rank`` for ``context_ids (L,)`` under ``config`` (its method's plan)."""
-    method = context_method(config.method)
-    reasons = method.validate(config, int(context_ids.numel()))
-    if reasons:
-        raise ValueError(f"method {config.method!r} cannot run this request: " + "; ".join(reasons))
-    return method.plan(config, context_ids, cp_rank)
 
 
 def kept_token_count(plan: RankPlan) -> int:

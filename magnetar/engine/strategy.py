@@ -24,9 +24,8 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 
 from magnetar.config import METHODS, POLICY_IMPLS, EngineConfig, LukaConfig, SparseConfig
-
-# Annotations name magnetar.engine.plan.RankPlan and magnetar.engine.kv.KVShard / LayerKV as strings: those
-# modules import this one (plan_rank asks the registry), so importing them here would close a cycle.
+from magnetar.engine.kv import KVShard, LayerKV
+from magnetar.engine.plan import RankPlan
 
 
 class LayerContext:
@@ -61,7 +60,7 @@ class Phase1Layer(Protocol):
     config: EngineConfig
     positions: torch.Tensor
     keep: slice
-    shard: "KVShard"
+    shard: KVShard
     group: Optional[torch.distributed.ProcessGroup]
     timeout: Optional[timedelta]
     backend: str
@@ -79,23 +78,57 @@ class ContextMethod(Protocol):
     * :meth:`begin` / :meth:`finish` -- the KV shard before the first and after the last segment;
     * :meth:`attend` -- the attention of one Phase-1 layer, storing the kept KV in ``ctx.shard``;
     * :meth:`lockstep` -- optional: one plan that stands in for every rank's when one process simulates the
-      ranks (ring's shards exchange KV in every layer, so they run as one forward), or None.
+      ranks (ring's shards exchange KV in every layer, so they run as one forward), or None;
+    * :meth:`plan_for_length` -- the plan the cost model assumes when it has no token ids (Pulsar's summaries
+      depend on the ids: it places them to give the largest prefix, an upper bound).
+
+    :class:`MethodBase` gives the defaults (nothing before or after, no lock-step, the plan of any ids).
     """
 
     name: str
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]: ...
 
-    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> "RankPlan": ...
+    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan: ...
 
-    def begin(self, shard: "KVShard") -> None: ...
+    def begin(self, shard: KVShard) -> None: ...
 
     def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int]) -> torch.Tensor: ...
 
-    def finish(self, shard: "KVShard", config: EngineConfig, context_len: int) -> None: ...
+    def finish(self, shard: KVShard, config: EngineConfig, context_len: int) -> None: ...
 
-    def lockstep(self, plans: list["RankPlan"]) -> Optional["RankPlan"]: ...
+    def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]: ...
+
+    def plan_for_length(self, config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan: ...
+
+
+class MethodBase:
+    """Defaults of a :class:`ContextMethod`; a method defines ``name``, :meth:`plan` and :meth:`attend`."""
+
+    name = "?"
+
+    def validate(self, config: EngineConfig, context_len: int) -> list[str]:
+        return []
+
+    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
+        raise NotImplementedError
+
+    def begin(self, shard: KVShard) -> None:
+        pass
+
+    def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, shard: KVShard, config: EngineConfig, context_len: int) -> None:
+        pass
+
+    def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]:
+        return None
+
+    def plan_for_length(self, config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan:
+        return self.plan(config, torch.zeros(context_len, dtype=torch.long), cp_rank)
 
 
 @runtime_checkable
@@ -118,7 +151,7 @@ class DecodePolicy(Protocol):
 
     def applies(self, layer: int, window: Optional[int]) -> bool: ...
 
-    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: "LayerKV", q_pos: torch.Tensor, scale: float,
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, scale: float,
                        context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -179,6 +212,16 @@ def context_method(name: str) -> ContextMethod:
     if name not in _METHODS:
         _METHODS[name] = load_class(METHODS[name].impl)()
     return _METHODS[name]
+
+
+def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
+    """The Phase-1 plan of ``cp_rank`` for ``context_ids (L,)`` under ``config``: its method's plan, after the
+    method's :meth:`~ContextMethod.validate` (a ValueError lists its reasons)."""
+    method = context_method(config.method)
+    reasons = method.validate(config, int(context_ids.numel()))
+    if reasons:
+        raise ValueError(f"method {config.method!r} cannot run this request: " + "; ".join(reasons))
+    return method.plan(config, context_ids, cp_rank)
 
 
 def decode_policy(cfg, model_config) -> Optional[DecodePolicy]:

@@ -11,7 +11,7 @@ anchor, sink, chunk size and summary budget), and from ``n^2`` to exact causal p
 
 What is counted (``E = H_Q d_h`` query width, ``K = H_KV d_h`` key/value width, ``h`` hidden, ``I`` MLP width)
 
-* **Phase-1 inputs** come from the engine's own planner (:func:`magnetar.engine.plan.plan_rank`), so they
+* **Phase-1 inputs** come from the engine's own planner (:func:`magnetar.engine.strategy.plan_rank`), so they
   are the segments the engine runs: dense ``[0, L)``; ring the (zigzag) shard; star ``anchor ‖ block``;
   pulsar ``sink ‖ Σ_0 … Σ_{i-1} ‖ block`` with ``num_summary_chunks`` rounding; streaming window chunks.
   Pulsar's summaries depend on the tokens: without ``context_ids`` the model assumes the sink and ``Σ_0``
@@ -45,7 +45,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.plan import block_bounds, plan_rank, resolve_block_size
+from magnetar.engine.plan import block_bounds, resolve_block_size
+from magnetar.engine.strategy import plan_rank
 from magnetar.methods.summaries import num_chunks, num_summary_chunks, prefix_positions, pulsar_prefix, select_summary
 
 __all__ = ["ModelDims", "CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer",

@@ -12,27 +12,13 @@ from typing import Optional
 
 import torch
 
-from magnetar.config import EngineConfig
-from magnetar.engine.kv import KVShard
-from magnetar.engine.plan import RankPlan
-from magnetar.engine.strategy import Phase1Layer
+from magnetar.engine.strategy import MethodBase, Phase1Layer
 from magnetar.ops import attention_with_lse
 from magnetar.utils.nvtx import nvtx_range
 
 
-class LocalMethod:
+class LocalMethod(MethodBase):
     """Base of the methods whose Phase 1 is local attention over each plan segment; subclasses plan."""
-
-    name = "local"
-
-    def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return []
-
-    def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
-        raise NotImplementedError
-
-    def begin(self, shard: KVShard) -> None:
-        pass
 
     def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int]) -> torch.Tensor:
@@ -52,9 +38,3 @@ class LocalMethod:
                 mass = ctx.mass(q, k[:, :, keep], lse, scale=scale, q_pos=pos, k_pos=pos[keep], window=window)[None]
         ctx.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep], mass)
         return out
-
-    def finish(self, shard: KVShard, config: EngineConfig, context_len: int) -> None:
-        pass
-
-    def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]:
-        return None

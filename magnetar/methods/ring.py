@@ -9,9 +9,8 @@ from typing import Optional
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks
-from magnetar.engine.strategy import Phase1Layer
+from magnetar.engine.strategy import MethodBase, Phase1Layer
 from magnetar.parallel import contiguous_indices, ring_attention, zigzag_indices
 
 
@@ -24,7 +23,7 @@ class RingPlan(RankPlan):
         return self.segments[0].indices
 
 
-class RingMethod:
+class RingMethod(MethodBase):
     name = "ring"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
@@ -35,9 +34,6 @@ class RingMethod:
         idx = zigzag_indices(L, cp, cp_rank) if config.parallel.zigzag else contiguous_indices(L, cp, cp_rank)
         return RingPlan(cp_rank, segments=[Segment(idx, idx.clone(), slice(None), cp_rank)], query_position=L)
 
-    def begin(self, shard: KVShard) -> None:
-        pass
-
     def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int]) -> torch.Tensor:
         pos = ctx.positions
@@ -45,9 +41,6 @@ class RingMethod:
                                 timeout=ctx.timeout, backend=ctx.backend)
         ctx.shard.layers[layer].append(k, v, pos)
         return out
-
-    def finish(self, shard: KVShard, config: EngineConfig, context_len: int) -> None:
-        pass
 
     def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]:
         """Simulated ranks: the shards exchange KV in every layer, so they run as one forward with attention

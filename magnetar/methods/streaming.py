@@ -10,15 +10,12 @@ import torch
 from magnetar.config import EngineConfig
 from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment
-from magnetar.engine.strategy import Phase1Layer
+from magnetar.engine.strategy import MethodBase, Phase1Layer
 from magnetar.ops import attention_with_lse, merge_states
 
 
-class StreamingMethod:
+class StreamingMethod(MethodBase):
     name = "streaming"
-
-    def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return []
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L, w = int(context_ids.numel()), config.streaming.window_size
@@ -53,6 +50,3 @@ class StreamingMethod:
                 continue
             sel = (layer.pos < sinks) | (layer.pos >= context_len - window)
             layer.k, layer.v, layer.pos = layer.k[:, :, sel].contiguous(), layer.v[:, :, sel].contiguous(), layer.pos[sel]
-
-    def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]:
-        return None

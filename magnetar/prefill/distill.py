@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from magnetar.engine.strategy import LayerContext
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.indexer import HeadCollapsedIndexer, kl_loss
 from magnetar.prefill.oracle import head_averaged_probs
@@ -27,10 +28,10 @@ class _Stop(Exception):
     """Raised after the last requested layer: the rest of the forward is not needed."""
 
 
-class _Capture:
-    """Stands in for the engine's ForwardContext: dense causal attention; records x and the teacher rows."""
+class _Capture(LayerContext):
+    """A layer context of its own (see magnetar.engine.strategy.LayerContext): dense causal attention; records x and the teacher rows."""
 
-    mode = "capture"
+    name = "capture"
 
     def __init__(self, layers: Sequence[int], rows: torch.Tensor, x_dtype: torch.dtype = torch.float32):
         self.layers, self.rows, self.x_dtype = set(layers), rows, x_dtype

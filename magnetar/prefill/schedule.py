@@ -1,6 +1,7 @@
 """The sparse-prefill budget: a top-k schedule over input length, and the causal token-pair sparsity it gives.
 
-Pure Python (no torch): :mod:`magnetar.config` validates ``prefill_schedule`` with :func:`parse_schedule`.
+Pure Python (no torch). The schedule parser lives in :mod:`magnetar.config` (a leaf, which validates
+``prefill_schedule`` with it) and is re-exported here beside the sparsity accounting.
 
 Sparsity accounting (paper Sec. 5.1): for a sequence of ``S`` tokens, causal dense attention has
 ``S (S + 1) / 2`` valid (query, key) pairs; a per-query top-k support keeps ``min(k, t + 1)`` keys for the
@@ -9,8 +10,6 @@ fraction of causal pairs dropped -- a token-pair fraction, not a FLOP, memory or
 Worked example (Table 2): ``S = 4096, k = 256`` keeps 1,015,936 of 8,390,656 pairs: sparsity 87.9 %.
 """
 from __future__ import annotations
-
-from typing import Optional, Sequence
 
 from magnetar.config import PAPER_SCHEDULE, Schedule, budget_for_length, parse_schedule  # noqa: F401  (one parser)
 

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from magnetar.engine.strategy import LayerContext
 from magnetar.sparse.hashing import HashBank, model_signature, softsign
 
 
@@ -80,10 +81,10 @@ def ranking_loss(draft: torch.Tensor, true: torch.Tensor, visible: torch.Tensor,
 
 
 # -- collection --------------------------------------------------------------------------------------------
-class _Capture:
-    """Stands in for the engine's ForwardContext: causal attention, and records q (sampled rows) and k."""
+class _Capture(LayerContext):
+    """A layer context of its own (see magnetar.engine.strategy.LayerContext): causal attention, and records q (sampled rows) and k."""
 
-    mode = "capture"
+    name = "capture"
 
     def __init__(self, first_layer: int, q_rows: torch.Tensor):
         self.first_layer, self.q_rows = first_layer, q_rows
