@@ -217,11 +217,20 @@ def context_method(name: str) -> ContextMethod:
 def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
     """The Phase-1 plan of ``cp_rank`` for ``context_ids (L,)`` under ``config``: its method's plan, after the
     method's :meth:`~ContextMethod.validate` (a ValueError lists its reasons)."""
+    return _validated(config, int(context_ids.numel())).plan(config, context_ids, cp_rank)
+
+
+def plan_for_length(config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan:
+    """:func:`plan_rank` without token ids: the method's :meth:`~ContextMethod.plan_for_length` (the cost model)."""
+    return _validated(config, context_len).plan_for_length(config, context_len, cp_rank)
+
+
+def _validated(config: EngineConfig, context_len: int) -> ContextMethod:
     method = context_method(config.method)
-    reasons = method.validate(config, int(context_ids.numel()))
+    reasons = method.validate(config, context_len)
     if reasons:
         raise ValueError(f"method {config.method!r} cannot run this request: " + "; ".join(reasons))
-    return method.plan(config, context_ids, cp_rank)
+    return method
 
 
 def decode_policy(cfg, model_config) -> Optional[DecodePolicy]:

@@ -45,9 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.plan import block_bounds, resolve_block_size
-from magnetar.engine.strategy import plan_rank
-from magnetar.methods.summaries import num_chunks, num_summary_chunks, prefix_positions, pulsar_prefix, select_summary
+from magnetar.engine.strategy import plan_for_length, plan_rank
 
 __all__ = ["ModelDims", "CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer",
            "attention_pairs"]
@@ -204,40 +202,6 @@ def _model_dims(model_config) -> ModelDims:
     return model_config if isinstance(model_config, ModelDims) else ModelDims.from_config(model_config)
 
 
-def _pulsar_segments_analytic(config: EngineConfig, L: int, cp_rank: int):
-    """Pulsar segments without token ids: summaries placed to avoid the sink (Eq. 4's upper bound)."""
-    from magnetar.engine.plan import Segment, assign_blocks
-
-    pc = config.pulsar
-    bounds = block_bounds(L, resolve_block_size(config, L))
-    summaries = []
-    for j, (s, e) in enumerate(bounds):
-        n = e - s
-        k = num_summary_chunks(n, pc.chunk_size, pc.summary_budget)
-        if pc.scorer == "even":  # positions depend on the length only: exact
-            summaries.append(select_summary(torch.zeros(n, dtype=torch.long), None, chunk_size=pc.chunk_size,
-                                            budget=pc.summary_budget, scorer="even") + s)
-            continue
-        chunks = list(range(num_chunks(n, pc.chunk_size)))
-        if j == 0:  # prefer chunks past the sink, then the rest: the largest de-duplicated prefix
-            past = [c for c in chunks if c * pc.chunk_size >= min(pc.sink_size, n)]
-            chunks = past + [c for c in chunks if c not in past]
-        chosen = sorted(chunks[:k])
-        idx = torch.cat([torch.arange(c * pc.chunk_size, min((c + 1) * pc.chunk_size, n)) for c in chosen])
-        summaries.append(idx + s)
-    segments, lengths = [], []
-    for i, (s, e) in enumerate(bounds):
-        prefix = pulsar_prefix(L, bounds, i, summaries, pc.sink_size)
-        ppos, bpos = prefix_positions(prefix, s, e - s, mode=pc.positions)
-        lengths.append(prefix.numel() + e - s)
-        if i in assign_blocks(len(bounds), config.parallel.cp_size)[cp_rank]:
-            off = prefix.numel()
-            keep = slice(off, None) if pc.discard_summary_kv else slice(None)
-            segments.append(Segment(torch.cat((prefix, torch.arange(s, e))), torch.cat((ppos, bpos)), keep, i, off))
-    qpos = L if pc.positions == "sparse" else max(lengths)
-    return segments, qpos
-
-
 def estimate(model_config, engine_config: EngineConfig, context_len: int, query_len: int = 32, *,
              context_ids: Optional[torch.Tensor] = None, flash: bool = True,
              dtype_bytes: Optional[int] = None) -> CostEstimate:
@@ -273,16 +237,14 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
                                "activation_bytes_per_layer", "mlp_activation_bytes_per_layer",
                                "phase1_comm_bytes_per_layer", "kv_tokens", "kv_bytes", "peak_memory_bytes",
                                "phase2_query_flops", "decode_flops_per_token", "decode_kv_read_bytes_per_token")}
+    # the cost of the method's own plan (without token ids: the plan it assumes for the length)
+    plans = [plan_rank(cfg, ids, r) if context_ids is not None else plan_for_length(cfg, L, r) for r in range(W)]
     ring_lengths = None
-    if cfg.method == "ring":
-        ring_lengths = [int(plan_rank(cfg, ids, r).ring_shard.numel()) for r in range(W)]
-    for r in range(W):
-        if cfg.method == "pulsar" and context_ids is None:
-            segments, qpos0 = _pulsar_segments_analytic(cfg, L, r)
-            ring_shard = None
-        else:
-            plan = plan_rank(cfg, ids, r)
-            segments, qpos0, ring_shard = plan.segments, plan.query_position, plan.ring_shard
+    if cfg.method == "ring":  # the ring's communication and all-earlier-keys attention are priced below
+        ring_lengths = [int(p.segments[0].indices.numel()) for p in plans]
+    for r, plan in enumerate(plans):
+        segments, qpos0 = plan.segments, plan.query_position
+        ring_shard = plan.segments[0].indices if ring_lengths is not None else None
         pairs = [0] * dims.layers
         lengths, act, mlp_act = [], 0, 0
         comm = 0
