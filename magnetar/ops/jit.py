@@ -6,14 +6,27 @@ file lock serialises concurrent first builds in other processes; see :mod:`magne
 build cache). A failure is cached with its reason and logged once; ``available`` then returns False and
 ``load`` raises ``RuntimeError`` with the reason, so callers fall back to their torch implementation.
 Build output is printed only with ``MAGNETAR_VERBOSE_BUILD=1``.
+
+No load waits forever. torch serialises builds of one extension with a bare lock file ``<build dir>/lock``
+that a process killed mid-build leaves behind, after which every later load waits on it silently. So every
+Magnetar load first takes its own lock, ``<build dir>/magnetar.lock``, with ``flock`` -- which the kernel
+releases when its holder dies, so it can never be stale. While holding it no live Magnetar process is inside
+a build of that directory, so a torch ``lock`` found then is stale: it is removed with a warning. The wait
+for ``magnetar.lock`` (another process building right now) is bounded by ``MAGNETAR_OP_LOCK_TIMEOUT_S``
+(default 600 s); past it the op counts as unavailable (torch fallback) with a warning that names the lock,
+its holder's pid and how to clear it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
+import time
+from pathlib import Path
 from types import ModuleType
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -22,8 +35,68 @@ logger = logging.getLogger(__name__)
 DeviceLike = Union[str, torch.device, torch.Tensor]
 
 
+LOCK_TIMEOUT_ENV = "MAGNETAR_OP_LOCK_TIMEOUT_S"
+DEFAULT_LOCK_TIMEOUT_S = 600.0
+
+
 def device_type(device: DeviceLike) -> str:
     return device.device.type if isinstance(device, torch.Tensor) else torch.device(device).type
+
+
+def build_directory(name: str) -> Path:
+    """Where ``torch.utils.cpp_extension.load(name=name)`` builds and caches the extension (created if needed)."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule (TORCH_EXTENSIONS_DIR, ...)
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def lock_timeout_s() -> float:
+    """``MAGNETAR_OP_LOCK_TIMEOUT_S`` (seconds a load waits for another process's build), default 600."""
+    text = os.environ.get(LOCK_TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_LOCK_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{LOCK_TIMEOUT_ENV}={text!r} is not a number of seconds; set it to e.g. 600") from None
+    if not value >= 0:
+        raise ValueError(f"{LOCK_TIMEOUT_ENV}={text!r} must be >= 0 seconds")
+    return value
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, timeout_s: float, log: logging.Logger = logger) -> Iterator[None]:
+    """Hold ``directory/magnetar.lock`` (``flock``: released by the kernel if this process dies) for a build or
+    load of the extension in ``directory``, waiting at most ``timeout_s``; then remove torch's ``lock`` there if
+    one is left (stale: no live Magnetar process is building). Raises ``TimeoutError`` naming the lock."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "magnetar.lock"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = path.read_text().strip() or "unknown"
+                    raise TimeoutError(
+                        f"waited {timeout_s:g} s ({LOCK_TIMEOUT_ENV}) for {path}, held by pid {holder} building or "
+                        f"loading this op; let it finish, or end that process (the lock goes with it) -- if no such "
+                        f"process exists, delete {path}") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("magnetar: removing the stale build lock %s (left by a process that died while building; no "
+                        "live Magnetar process is building there)", stale)
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class LazyOp:
@@ -46,7 +119,8 @@ class LazyOp:
                 return None, f"no {self.what} op for device type {dtype!r} (there is one for cpu and cuda)"
             if not builder.is_compatible(verbose):
                 return None, builder.error_log or f"{builder.name} is not compatible with this machine"
-            module = builder.jit_load(verbose=verbose)
+            with build_lock(build_directory(builder.name), lock_timeout_s(), self.logger):
+                module = builder.jit_load(verbose=verbose)
             missing = [n for n in self.required if not hasattr(module, n)]
             if missing:
                 return None, f"{builder.name} loaded but lacks {missing} (stale build cache?)"

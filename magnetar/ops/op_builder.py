@@ -11,8 +11,9 @@ extension lives in ``$TORCH_EXTENSIONS_DIR/<name>/`` (default ``~/.cache/torch_e
 absolute source paths, so two checkouts (or virtualenvs) sharing one build directory would rebuild each
 other's op on every switch; with the hash each keeps its own cached build
 and is reused by every later process: ninja only recompiles when a source file or a flag changed. Concurrent
-first builds are serialised by torch's file lock ``<build dir>/lock``; if a build process was killed while holding
-it, later loads wait forever -- delete that ``lock`` file (or the whole directory) to recover.
+first builds are serialised by torch's file lock ``<build dir>/lock``, which a process killed mid-build leaves
+behind; :class:`magnetar.ops.jit.LazyOp` loads under its own ``flock`` first and removes such a stale lock (see
+:mod:`magnetar.ops.jit`), so no load waits forever.
 
 The sources are resolved to absolute paths from this file, so the builders work from a source checkout and from
 an installed package (``setup.py`` ships ``magnetar/ops/csrc/*``).
