@@ -17,7 +17,7 @@
       prefill         prefill_policy, prefill_topk, prefill_schedule, prefill_b_sel, prefill_dense_layers,
                       prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
                       (sparse prefill of global attention layers: dense, star, pulsar)
-      runtime         dtype, attention_backend, deepspeed_inference
+      runtime         dtype, attention_backend, deepspeed_inference, check_finite
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
 (``EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25")``), from a JSON/YAML file
@@ -159,6 +159,9 @@ class RuntimeConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
     deepspeed_inference: bool = True  # wrap the model with deepspeed.init_inference (tp_size 1)
+    # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's
+    # logits are not finite, instead of decoding from NaN; one reduction per layer, no extra device sync
+    check_finite: bool = True
 
     def __post_init__(self):
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf
+from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
@@ -256,6 +257,12 @@ class Engine:
             raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
                                f"{context_len}-token context; the block plan is inconsistent")
 
+    @staticmethod
+    def _check_finite(per_rank: list[Optional[int]]) -> None:
+        """Every rank raises the same error when any rank's Phase-1 attention turned non-finite."""
+        if any(layer is not None for layer in per_rank):
+            raise NonFiniteError(f"non-finite values in Phase 1: {describe(per_rank)}; {HINT}")
+
     def _mass(self, track_mass: Optional[bool], variants: Sequence[Optional[DecodePolicy]] = ()):
         """The recorder of the Phase-1 attention mass of every kept key, when a decode policy needs it (LuKA;
         ``track_mass`` True asks for it in any case, False never), else None."""
@@ -272,7 +279,9 @@ class Engine:
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
                         mass=self._mass(track_mass, variants), prefill=self.prefill)
-        self._check_kept(self._gather(kept_token_count(plan)), int(context_ids.numel()))
+        agreed = self._gather((kept_token_count(plan), p1.nonfinite_layer))  # one collective for both checks
+        self._check_kept([a[0] for a in agreed], int(context_ids.numel()))
+        self._check_finite([a[1] for a in agreed])
         self.last_prefill_stats = None
         if self.prefill is not None:  # every rank's counts of this request, summed
             per_rank = self._gather(p1.prefill_stats)
@@ -291,6 +300,7 @@ class Engine:
         if lockstep is not None:  # attention by position over the union: exactly what the ranks compute
             p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
                             self.device)
+            self._check_finite([p1.nonfinite_layer])
             sizes = [kept_token_count(p) for p in plans]
             per_token = p1.shard.nbytes() / max(1, sum(sizes))
             stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
@@ -306,6 +316,7 @@ class Engine:
             if p1.prefill_stats is not None:
                 self.last_prefill_stats = p1.prefill_stats if self.last_prefill_stats is None else \
                     self.last_prefill_stats.merge(p1.prefill_stats)
+            self._check_finite([None] * plan.cp_rank + [p1.nonfinite_layer])
             parts.append(p1.shard)
             stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), _peak_memory(self.device)))
         if len({p.query_position for p in plans}) != 1:

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from magnetar.config import METHODS, EngineConfig
+from magnetar.engine.finite import LayerFlags
 from magnetar.engine.hf import capture_attention_inputs
 from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment
@@ -30,6 +31,7 @@ class Phase1Result:
     seconds: float
     kept_tokens: int  # context tokens whose KV was kept (before streaming eviction)
     prefill_stats: Optional[object] = None  # sparse prefill: this rank's PrefillStats (see engine.strategy)
+    nonfinite_layer: Optional[int] = None  # runtime.check_finite: first layer whose attention output was not finite
 
 
 class Phase1Context(LayerContext):
@@ -38,7 +40,7 @@ class Phase1Context(LayerContext):
     def __init__(self, method: ContextMethod, config: EngineConfig, segment: Segment, shard: KVShard, *,
                  group: Optional[torch.distributed.ProcessGroup], timeout: Optional[timedelta],
                  prefill: Optional[PrefillRun] = None, mass: Optional[Callable[..., torch.Tensor]] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, flags: Optional[LayerFlags] = None):
         self.method, self.config, self.shard = method, config, shard
         self.positions = segment.positions.to(device)
         self.keep = segment.keep
@@ -48,10 +50,14 @@ class Phase1Context(LayerContext):
         self.name = f"phase1_{method.name}"
         self.wants_hidden = prefill is not None and prefill.needs_hidden
         self.hidden = None
+        self.flags = flags
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
-        return self.method.attend(self, layer, q, k, v, scale, window)
+        out = self.method.attend(self, layer, q, k, v, scale, window)
+        if self.flags is not None:
+            self.flags.record(layer, out)
+        return out
 
 
 def _base_model(model):
@@ -78,11 +84,12 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     base = _base_model(model)
     shard = KVShard(model.config.num_hidden_layers)
     method.begin(shard)
+    flags = LayerFlags(model.config.num_hidden_layers, device) if config.runtime.check_finite else None
     t0 = time.perf_counter()
     with nvtx_range(f"phase1/{config.method}"):
         for seg in plan.segments:
             ctx = Phase1Context(method, config, seg, shard, group=groups.cp_group, timeout=groups.timeout,
-                                prefill=run, mass=mass, device=device)
+                                prefill=run, mass=mass, device=device, flags=flags)
             with nvtx_range(f"phase1/block{seg.block}"):
                 base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
                      use_cache=False, magnetar=ctx)
@@ -94,4 +101,5 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     seconds = time.perf_counter() - t0
     kept = shard.tokens()
     method.finish(shard, config, int(context_ids.numel()))
-    return Phase1Result(shard, seconds, kept, None if run is None else run.stats)
+    return Phase1Result(shard, seconds, kept, None if run is None else run.stats,
+                        None if flags is None else flags.first())

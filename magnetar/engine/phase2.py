@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import DecodeConfig, EngineConfig
+from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
@@ -47,10 +48,24 @@ class Phase2Context(LayerContext):
 
     def __init__(self, positions: torch.Tensor, shards: list[KVShard], gens: Optional[list[KVShard]],
                  valid: list[int], groups: ParallelGroups, backend: str, policy: Optional[DecodePolicy] = None,
-                 context_tokens: Optional[list[int]] = None):
+                 context_tokens: Optional[list[int]] = None, check_finite: bool = False):
         self.positions, self.shards, self.gens, self.valid = positions, shards, gens, valid
-        self.group, self.timeout, self.backend = groups.cp_group, groups.timeout, backend
+        self.groups, self.group, self.timeout, self.backend = groups, groups.cp_group, groups.timeout, backend
         self.policy, self.context_tokens = policy, context_tokens
+        # runtime.check_finite: which layers' local states (before the merge) were not finite on this rank
+        self.flags = LayerFlags(len(shards[0].layers), positions.device) if check_finite else None
+
+    def check_logits(self, logits: torch.Tensor, what: str) -> None:
+        """Raise :class:`NonFiniteError` if ``logits`` are not finite (every rank sees the same logits, so every
+        rank raises; they first gather where their local states turned non-finite)."""
+        if self.flags is None or bool(torch.isfinite(logits).all()):
+            return
+        mine = self.flags.first()
+        per_rank = [mine]
+        if self.groups.cp_size > 1:
+            per_rank = [None] * self.groups.cp_size
+            dist.all_gather_object(per_rank, mine, group=self.group)
+        raise NonFiniteError(f"non-finite logits in Phase 2 ({what}): {describe(per_rank)}; {HINT}")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
@@ -61,6 +76,8 @@ class Phase2Context(LayerContext):
             local_o.append(o)
             local_l.append(l)
         local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
+        if self.flags is not None:
+            self.flags.record(layer, local_o)
         with nvtx_range(f"phase2/merge/layer{layer}"):  # one collective per layer for the whole batch
             outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
             out, lse = merge_states(outs, lses)
@@ -158,17 +175,22 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     generators = [torch.Generator().manual_seed(config.decode.seed + b) if config.decode.temperature > 0 else None
                   for b in range(B)]
     backend = config.runtime.attention_backend
+    steps = [0]
 
     def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int]) -> torch.Tensor:
         S = ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
         ctx = Phase2Context(pos, [shards[b] for b in active], [gens[b] for b in active] if gens is not None else None,
                             valid, groups, backend, policy,
-                            [context_tokens[b] for b in active] if context_tokens else None)
+                            [context_tokens[b] for b in active] if context_tokens else None,
+                            check_finite=config.runtime.check_finite)
         logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
                        logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
-        return logits[torch.arange(len(valid), device=device), last]  # (B_active, V): each request's last real token
+        logits = logits[torch.arange(len(valid), device=device), last]  # (B_active, V): each request's last real token
+        ctx.check_logits(logits, "the query" if steps[0] == 0 else f"decode step {steps[0]}")
+        steps[0] += 1
+        return logits
 
     def choose(active, logits) -> list[int]:
         picked = [choose_token(logits[i], config.decode, generators[b]) for i, b in enumerate(active)] if leader \
@@ -239,9 +261,11 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
         n = min(chunk, S - a)
         pos = (start + a + torch.arange(n, device=device))[None]
         ctx = Phase2Context(pos, [shard], gens, [n], groups, config.runtime.attention_backend, policy,
-                            [context_tokens] if context_tokens is not None else None)
+                            [context_tokens] if context_tokens is not None else None,
+                            check_finite=config.runtime.check_finite)
         with nvtx_range("phase2/score"):
             logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
                                 logits_to_keep=0, magnetar=ctx).logits[0].float())
+        ctx.check_logits(logits[-1], f"scoring tokens {a}..{a + n - 1}")
     logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
     return logp.gather(1, ids[1:].to(device).reshape(-1, 1)).reshape(-1).cpu()

@@ -1,0 +1,48 @@
+"""``runtime.check_finite``: a request whose activations turn NaN/inf fails with an error that says where,
+instead of decoding plausible tokens from garbage.
+
+Each forward records, per layer and without a device sync, whether its attention output holds a non-finite
+value (one reduction per layer); the phase drivers read the record once: Phase 1 after the rank's last
+segment (the ranks then agree through the collective that already checks the block plan), Phase 2 only when
+a step's logits are not finite (every rank sees the same logits, so every rank takes that path and they
+gather their records). The error names the phase, the step, the first layer and the CP rank where it began.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class NonFiniteError(FloatingPointError):
+    """A step of the engine produced NaN/inf; the message names the phase, layer and CP rank."""
+
+
+HINT = ("the model's weights, its inputs or the KV hold NaN/inf (float16 overflow is a common cause: try "
+        "--dtype bfloat16 or float32); --check-finite false turns this check off")
+
+
+class LayerFlags:
+    """Per-layer "non-finite attention output seen" flags of one rank, kept on the device."""
+
+    def __init__(self, num_layers: int, device):
+        self.flags = torch.zeros(num_layers, dtype=torch.bool, device=device)
+
+    def record(self, layer: int, out: torch.Tensor) -> None:
+        self.flags[layer] |= ~torch.isfinite(out).all()
+
+    def first(self) -> Optional[int]:
+        """The first flagged layer (one device sync), or None."""
+        bad = torch.nonzero(self.flags).flatten()
+        return int(bad[0]) if bad.numel() else None
+
+
+def describe(per_rank: list[Optional[int]]) -> str:
+    """``"layer 3 on CP rank 1"`` for the earliest flagged layer over the ranks (``per_rank[r]``: rank r's)."""
+    flagged = [(layer, r) for r, layer in enumerate(per_rank) if layer is not None]
+    if not flagged:
+        return "no attention output was non-finite (the non-finite values arose after the last attention)"
+    layer, rank = min(flagged)
+    others = ", ".join(f"rank {r}: layer {lay}" for lay, r in sorted(flagged) if r != rank)
+    return f"the first non-finite attention output is layer {layer} on CP rank {rank}" + \
+        (f" (also {others})" if others else "")
