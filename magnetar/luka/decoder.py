@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from magnetar.config import LukaConfig
-from magnetar.luka.core import _no_timer, clustered_attention, compress_pages, heavy_hitters
+from magnetar.luka.core import clustered_attention, compress_pages, heavy_hitters
+from magnetar.utils.timing import no_timer
 
 _IDS = itertools.count()
 
@@ -57,7 +58,7 @@ class LukaDecoder:
     """The engine's LuKA policy object (same role as :class:`magnetar.sparse.select.SparseDecoder`)."""
 
     def __init__(self, cfg: LukaConfig, model_config, *, timer=None):
-        """``timer``: a :class:`magnetar.luka.core.SectionTimer` to charge time to ``select``, ``attention``,
+        """``timer``: a :class:`magnetar.utils.timing.SectionTimer` to charge time to ``select``, ``attention``,
         ``refine``, ``compress`` and ``mass`` (the latency breakdown of ``benchmarks/bench_luka.py``)."""
         if cfg.luka_mode == "none":
             raise ValueError("LukaDecoder needs luka_mode lined, clustered or mixed")
@@ -65,7 +66,7 @@ class LukaDecoder:
         self.num_layers = int(model_config.num_hidden_layers)
         self.uid = next(_IDS)
         self.pending: dict[int, dict[int, _Pending]] = {}
-        self.timer = timer or _no_timer
+        self.timer = timer or no_timer
         self.score_chunk = cfg.luka_compress_every  # teacher-forced scoring runs this many tokens per forward
 
     # -- what the engine asks ---------------------------------------------------------------------------

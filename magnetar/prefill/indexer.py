@@ -18,7 +18,6 @@ stress test of the sparse path only, never output-quality evidence (Sec. 7.1); i
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -29,14 +28,11 @@ import torch.nn.functional as F
 from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, _positions, _visible, block_topk, check_b_sel, check_topk,
                                      use_sparse_op)
 from magnetar.sparse.hashing import model_signature
+from magnetar.utils.timing import no_timer
 
 D_IDX_CHOICES = (64, 128, 256)  # Sec. 6.3: the index dimensions the paper considers
 FORMAT = "magnetar-indexer-v1"
 RANDOM_INIT_NOTE = "random init: untrained, a stress test of the sparse prefill path only, not quality evidence"
-
-
-def _no_timer(name: str):
-    return contextlib.nullcontext()
 
 
 def check_d_idx(d_idx) -> None:
@@ -105,13 +101,13 @@ class HeadCollapsedIndexer(torch.nn.Module):
         """The support (Algorithm 2, steps 2-5): ``idx (B, ceil(S / b_sel), min(topk, S))`` as the oracle's
         :func:`~magnetar.prefill.oracle.head_averaged_topk` returns it, ranked by ``z`` instead of ``P``.
         Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily.
-        ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.luka.core.SectionTimer`)
+        ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.utils.timing.SectionTimer`)
         charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile).
         ``backend``: scoring + top-k in the fused op (CPU; ``magnetar.prefill.oracle.use_sparse_op``) or in torch
         tiles of ``q_tile`` rows."""
         check_topk(topk, "indexer.select")
         check_b_sel(b_sel, "indexer.select")
-        timer = timer or _no_timer
+        timer = timer or no_timer
         B, S, _ = x.shape
         with timer("projection"):
             q, k = self.project(x, positions)
