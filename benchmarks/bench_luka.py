@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from magnetar.engine.phase2 import run_phase2
     from magnetar.eval.ppl import ppl_window
     from magnetar.eval.runner import parse_length
-    from magnetar.luka.core import SectionTimer
+    from magnetar.utils.timing import SectionTimer
     from magnetar.luka.decoder import LukaDecoder
     from magnetar.models import load_model
 

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     from magnetar.config import EngineConfig
     from magnetar.eval.bench import allow_positions
     from magnetar.eval.runner import parse_length
-    from magnetar.luka.core import SectionTimer
+    from magnetar.utils.timing import SectionTimer
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)

@@ -371,7 +371,7 @@ def test_calibrate_writes_trains_and_resumes(tmp_path):
     bank = calibrate(model, _WordTokenizer(), texts, path, cfg, progress=False, log=logs.append)
     assert bank.trained_layers == [1, 2] and set(bank.meta["iou_after"]) == {1, 2}
     init = bank.initial()  # the untrained bank it started from: its IoU is the recorded "before"
-    held = torch.load(next(path.parent.glob("qk-cache-*.pt")), weights_only=False)["data"][cfg.sequences:]
+    held = torch.load(next(path.parent.glob("qk-cache-*.pt")), weights_only=True)["data"][cfg.sequences:]
     assert retrieval_iou(init, held, [1, 2], cfg.pruning) == pytest.approx(bank.meta["iou_before"])
     assert retrieval_iou(bank, held, [1, 2], cfg.pruning) == pytest.approx(bank.meta["iou_after"])
     # as if the run had been cut after layer 1: the rerun trains layer 2 only, from the cached collection

@@ -12,39 +12,13 @@ the refined pages' children are gathered per step and nothing else is re-created
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-
-class SectionTimer:
-    """Wall time per named section (``with timer("refine"): ...``), synchronising CUDA around each section so
-    GPU work is charged to the section that queued it. For latency breakdowns only: it serialises the GPU."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if cuda:
-                torch.cuda.synchronize()
-            self.seconds[name] += time.perf_counter() - t0
-
-
-def _no_timer(name: str):
-    return contextlib.nullcontext()
+from magnetar.utils.timing import no_timer
 
 
 def column_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float,
@@ -171,9 +145,10 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
     ``mass="exact"`` the page's logit is replaced by the log-sum-exp of its children, i.e. the cover is
     expanded there (refining every page is then dense attention exactly). Eq. 4: ``o = sum alpha_n v_n``.
     ``summary_bias`` is added to every summary logit (``log L`` lets a page of L tokens weigh as L tokens).
-    ``timer``: a :class:`SectionTimer` charging the cover attention to ``attention`` and the rest to ``refine``.
+    ``timer``: a :class:`magnetar.utils.timing.SectionTimer` charging the cover attention to ``attention`` and
+    the rest to ``refine``.
     """
-    timer = timer or _no_timer
+    timer = timer or no_timer
     H, G, S, D = q.shape
     P, L = kp.shape[1], kp.shape[2]
     qf = q.float()

@@ -29,7 +29,8 @@ import torch
 
 from magnetar.config import LukaConfig
 from magnetar.engine.kv import LayerKV
-from magnetar.luka.core import _no_timer, clustered_attention, column_mass, compress_pages, heavy_hitters
+from magnetar.luka.core import clustered_attention, column_mass, compress_pages, heavy_hitters
+from magnetar.utils.timing import no_timer
 
 _IDS = itertools.count()
 
@@ -63,7 +64,7 @@ class LukaDecoder:
     needs_prefill_mass = True  # H2O's scores start with the attention mass of Phase 1
 
     def __init__(self, cfg: LukaConfig, model_config, *, timer=None):
-        """``timer``: a :class:`magnetar.luka.core.SectionTimer` to charge time to ``select``, ``attention``,
+        """``timer``: a :class:`magnetar.utils.timing.SectionTimer` to charge time to ``select``, ``attention``,
         ``refine``, ``compress`` and ``mass`` (the latency breakdown of ``benchmarks/bench_luka.py``)."""
         if cfg.luka_mode == "none":
             raise ValueError("LukaDecoder needs luka_mode lined, clustered or mixed")
@@ -71,7 +72,7 @@ class LukaDecoder:
         self.num_layers = int(model_config.num_hidden_layers)
         self.uid = next(_IDS)
         self.pending: dict[int, dict[int, _Pending]] = {}
-        self.timer = timer or _no_timer
+        self.timer = timer or no_timer
         self.score_chunk = cfg.luka_compress_every  # teacher-forced scoring runs this many tokens per forward
 
     # -- what the engine asks ---------------------------------------------------------------------------

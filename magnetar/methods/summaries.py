@@ -29,7 +29,9 @@ What it does not know
 ---------------------
 No model, no tokenizer, no ranks, no devices: pure CPU torch/python on integer token ids, deterministic
 (identical input gives identical output on every rank). Which rank owns which block, the forward pass, the
-KV discard and Phase 2 belong to the engine.
+KV discard and Phase 2 belong to the engine. The scorer names, position modes and Table 9 defaults are
+:mod:`magnetar.config`'s (``SCORERS``, ``POSITION_MODES``, :class:`~magnetar.config.PulsarConfig`); this module
+re-exports them under the names its functions' defaults use.
 
 Choices where the paper is silent (each is repeated where it applies)
 ----------------------------------------------------------------------
@@ -77,6 +79,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from magnetar.config import POSITION_MODES, SCORERS, PulsarConfig
+
 __all__ = [
     "SCORERS",
     "POSITION_MODES",
@@ -104,17 +108,14 @@ __all__ = [
     "plan_pulsar",
 ]
 
-#: Scoring heuristics of Appendix C. ``max_idf`` is the paper's method (Eq. 1 / Eq. 12, Table 9).
-SCORERS: Tuple[str, ...] = ("max_idf", "tfidf", "bm25", "entropy", "even")
-#: RoPE position assignment for the prefix (Appendix E). ``sparse`` is the paper's default (Table 9).
-POSITION_MODES: Tuple[str, ...] = ("sparse", "contiguous")
-
-# Table 9 defaults.
-DEFAULT_CHUNK_SIZE = 32
-DEFAULT_BUDGET = 0.125
-DEFAULT_SINK_SIZE = 64
-DEFAULT_SCORER = "max_idf"
-DEFAULT_POSITION_MODE = "sparse"
+# The names (SCORERS: Appendix C's heuristics, ``max_idf`` the paper's; POSITION_MODES: Appendix E, ``sparse``
+# the paper's) and the Table 9 defaults have one source, magnetar.config; the defaults are PulsarConfig's.
+_PULSAR = PulsarConfig()
+DEFAULT_CHUNK_SIZE = _PULSAR.chunk_size
+DEFAULT_BUDGET = _PULSAR.summary_budget
+DEFAULT_SINK_SIZE = _PULSAR.sink_size
+DEFAULT_SCORER = _PULSAR.scorer
+DEFAULT_POSITION_MODE = _PULSAR.positions
 # Appendix C.3.
 BM25_K1 = 1.2
 BM25_B = 0.75
@@ -130,21 +131,23 @@ def _is_int(x) -> bool:
 
 def _check_chunk_size(chunk_size) -> int:
     if not _is_int(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk, paper default 32); got {chunk_size!r}")
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk, paper default {DEFAULT_CHUNK_SIZE}); "
+                         f"got {chunk_size!r}")
     return chunk_size
 
 
 def _check_budget(budget) -> float:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (0.0 < float(budget) <= 1.0):
         raise ValueError(
-            f"budget must be a fraction of the block's tokens in (0, 1] (paper default 0.125); got {budget!r}"
+            f"budget must be a fraction of the block's tokens in (0, 1] (paper default {DEFAULT_BUDGET}); "
+            f"got {budget!r}"
         )
     return float(budget)
 
 
 def _check_sink_size(sink_size) -> int:
     if not _is_int(sink_size) or sink_size < 0:
-        raise ValueError(f"sink_size must be an int >= 0 (paper default 64); got {sink_size!r}")
+        raise ValueError(f"sink_size must be an int >= 0 (paper default {DEFAULT_SINK_SIZE}); got {sink_size!r}")
     return sink_size
 
 

@@ -309,9 +309,9 @@ def main(argv=None) -> int:
     elif not have_indexer:
         notes.append(f"indexer rows skipped: {args.indexer_path} does not exist.")
     if have_indexer:
-        import torch
+        from magnetar.prefill.indexer import INDEXER_FILE
 
-        data = torch.load(args.indexer_path, map_location="cpu", weights_only=False)
+        data = INDEXER_FILE.read(args.indexer_path)
         meta = dict(data.get("meta", {}))
         if not data.get("trained_layers"):
             notes.append(f"{args.indexer_path} is UNTRAINED (random init): its rows are a stress test, not quality "

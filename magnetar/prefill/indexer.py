@@ -18,7 +18,6 @@ stress test of the sparse path only, never output-quality evidence (Sec. 7.1); i
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -28,15 +27,16 @@ import torch.nn.functional as F
 
 from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, _positions, _visible, block_topk, check_b_sel, check_topk,
                                      use_sparse_op)
-from magnetar.sparse.hashing import model_signature
+from magnetar.utils.timing import no_timer
+from magnetar.utils.weights import WeightsFile, model_signature
 
 D_IDX_CHOICES = (64, 128, 256)  # Sec. 6.3: the index dimensions the paper considers
-FORMAT = "magnetar-indexer-v1"
+INDEXER_FILE = WeightsFile(format="magnetar-indexer-v1", what="indexer weights", option="prefill_indexer_path",
+                           remake="distil them for this model with `magnetar-calibrate indexer --out {path}` (or, for "
+                                  "a stress test only, set prefill_indexer_random_init)",
+                           fields={"d_idx": int, "theta": float, "seed": int, "trained_layers": list, "meta": dict},
+                           defaults={"seed": 0, "trained_layers": [], "meta": {}})
 RANDOM_INIT_NOTE = "random init: untrained, a stress test of the sparse prefill path only, not quality evidence"
-
-
-def _no_timer(name: str):
-    return contextlib.nullcontext()
 
 
 def check_d_idx(d_idx) -> None:
@@ -105,13 +105,13 @@ class HeadCollapsedIndexer(torch.nn.Module):
         """The support (Algorithm 2, steps 2-5): ``idx (B, ceil(S / b_sel), min(topk, S))`` as the oracle's
         :func:`~magnetar.prefill.oracle.head_averaged_topk` returns it, ranked by ``z`` instead of ``P``.
         Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily.
-        ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.luka.core.SectionTimer`)
+        ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.utils.timing.SectionTimer`)
         charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile).
         ``backend``: scoring + top-k in the fused op (CPU; ``magnetar.prefill.oracle.use_sparse_op``) or in torch
         tiles of ``q_tile`` rows."""
         check_topk(topk, "indexer.select")
         check_b_sel(b_sel, "indexer.select")
-        timer = timer or _no_timer
+        timer = timer or no_timer
         B, S, _ = x.shape
         with timer("projection"):
             q, k = self.project(x, positions)
@@ -178,40 +178,23 @@ class IndexerBank(torch.nn.Module):
         return self.layers[layer]
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
         meta = dict(self.meta, untrained=self.untrained)
         if not self.untrained and meta.get("note") == RANDOM_INIT_NOTE:
             del meta["note"]
-        torch.save({"format": FORMAT, "signature": self.signature, "d_idx": self.d_idx, "theta": self.theta,
-                    "seed": self.seed, "state": self.state_dict(), "trained_layers": self.trained_layers,
-                    "meta": meta}, tmp)
-        tmp.replace(path)  # never a half-written file
+        INDEXER_FILE.save(path, {"signature": self.signature, "d_idx": self.d_idx, "theta": self.theta,
+                                 "seed": self.seed, "trained_layers": self.trained_layers, "meta": meta},
+                          self.state_dict())
 
     @classmethod
     def load(cls, path: str | Path, config=None, *, d_idx: Optional[int] = None) -> "IndexerBank":
-        """Load a bank; with a model ``config`` check it was made for this model, with ``d_idx`` its width."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"indexer weights {path} (prefill_indexer_path) not found; distil them for this "
-                                    f"model first (or, for a stress test only, set prefill_indexer_random_init)")
-        data = torch.load(path, map_location="cpu", weights_only=False)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a Magnetar indexer file ({FORMAT})")
-        if config is not None:
-            want, got = model_signature(config), data["signature"]
-            diff = {k: (got.get(k), v) for k, v in want.items() if k != "name_or_path" and got.get(k) != v}
-            if diff:
-                raise ValueError(f"indexer weights {path} were made for another model "
-                                 f"({got.get('name_or_path') or got.get('model_type')}): "
-                                 + ", ".join(f"{k} {a} != {b} here" for k, (a, b) in diff.items())
-                                 + "; distil an indexer for this model")
+        """Load a bank (:data:`INDEXER_FILE`, never running code from the file); with a model ``config`` check it
+        was made for this model, with ``d_idx`` its width."""
+        data = INDEXER_FILE.read(path, config)
         if d_idx is not None and data["d_idx"] != d_idx:
             raise ValueError(f"indexer weights {path} have d_idx {data['d_idx']} but prefill_d_idx is {d_idx}; "
                              f"set --prefill-d-idx {data['d_idx']}")
-        bank = cls(data["signature"], data["d_idx"], theta=data["theta"], seed=data.get("seed", 0))
-        bank.load_state_dict(data["state"])
-        bank.trained_layers = list(data.get("trained_layers", []))
-        bank.meta = dict(data.get("meta", {}))
+        bank = INDEXER_FILE.build(path, data,
+                                  lambda d: cls(d["signature"], d["d_idx"], theta=d["theta"], seed=d["seed"]))
+        bank.trained_layers = list(data["trained_layers"])
+        bank.meta = dict(data["meta"])
         return bank.eval().requires_grad_(False)

@@ -14,7 +14,6 @@ used. For one segment attending to itself with ``b_sel = 1`` this is the paper's
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -23,10 +22,7 @@ import torch
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.oracle import head_averaged_topk, sparse_gqa_attention, support_pairs, visible_pairs
 from magnetar.prefill.schedule import causal_pair_sparsity
-
-
-def _no_timer(name: str):
-    return contextlib.nullcontext()
+from magnetar.utils.timing import no_timer
 
 
 @dataclass
@@ -99,7 +95,7 @@ class PrefillPolicy:
     def __init__(self, cfg, model_config):
         self.cfg = cfg
         self.indexers = load_or_make_indexers(cfg, model_config) if cfg.prefill_policy == "indexer" else None
-        # a section timer (magnetar.luka.core.SectionTimer) for the TTFT benchmark's profile of the patched layers:
+        # a section timer (magnetar.utils.timing.SectionTimer) for the TTFT benchmark's profile of the patched layers:
         # projection (indexer), score_topk, sparse_attention, dense_attention (budget >= keys), accounting
         self.timer = None
 
@@ -145,7 +141,7 @@ class PrefillRun:
         hidden)`` the attention's input (indexer only)."""
         cfg, st = self.policy.cfg, self.stats
         b_sel, N = cfg.prefill_b_sel, k.shape[2]
-        timer = self.policy.timer or _no_timer
+        timer = self.policy.timer or no_timer
         with timer("accounting"):
             causal = self._visible_pairs(pos)
         st.patched_calls += 1

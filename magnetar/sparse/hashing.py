@@ -20,18 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from magnetar.sparse.codes import pack_bits
+from magnetar.utils.weights import WeightsFile, model_signature
 
 KINDS = ("lsh", "mlp")
-FORMAT = "magnetar-hash-v1"
-
-
-def model_signature(config) -> dict:
-    """What hash weights depend on: the shapes of the post-RoPE queries and keys, per layer."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"model_type": config.model_type, "num_hidden_layers": config.num_hidden_layers,
-            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-            "head_dim": head_dim, "hidden_size": config.hidden_size,
-            "name_or_path": Path(str(getattr(config, "_name_or_path", "") or "")).name}
+HASH_FILE = WeightsFile(format="magnetar-hash-v1", what="hash weights", option="hash_path",
+                        remake="make them for this model with `magnetar-calibrate spotlight --out {path}`",
+                        fields={"kind": str, "bits": int, "hidden": int, "trained_layers": list, "meta": dict},
+                        defaults={"trained_layers": [], "meta": {}})
 
 
 def so_rotation(d: int, generator: torch.Generator) -> torch.Tensor:
@@ -97,13 +92,8 @@ class HashBank(torch.nn.Module):
 
     # -- files ------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save({"format": FORMAT, "kind": self.kind, "signature": self.signature, "bits": self.bits,
-                    "hidden": self.hidden, "state": self.state_dict(), "trained_layers": self.trained_layers,
-                    "meta": self.meta}, tmp)
-        tmp.replace(path)  # never a half-written file
+        HASH_FILE.save(path, {"kind": self.kind, "signature": self.signature, "bits": self.bits, "hidden": self.hidden,
+                              "trained_layers": self.trained_layers, "meta": self.meta}, self.state_dict())
 
     def initial(self) -> "HashBank":
         """This bank as it was before training: the same kind, sizes and seed (from the training config in
@@ -118,27 +108,12 @@ class HashBank(torch.nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, config=None) -> "HashBank":
-        """Load hash weights; with a model ``config`` check they were made for this model."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"hash weights {path} not found; make them with `magnetar-calibrate spotlight "
-                                    f"--out {path}`")
-        data = torch.load(path, map_location="cpu", weights_only=False)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a Magnetar hash file ({FORMAT})")
-        if config is not None:
-            want = model_signature(config)
-            got = data["signature"]
-            diff = {k: (got.get(k), v) for k, v in want.items() if k != "name_or_path" and got.get(k) != v}
-            if diff:
-                raise ValueError(f"hash weights {path} were made for another model "
-                                 f"({got.get('name_or_path') or got.get('model_type')}): "
-                                 + ", ".join(f"{k} {a} != {b} here" for k, (a, b) in diff.items())
-                                 + "; train them for this model with `magnetar-calibrate spotlight`")
-        bank = cls(data["kind"], data["signature"], bits=data["bits"], hidden=data["hidden"])
-        bank.load_state_dict(data["state"])
-        bank.trained_layers = list(data.get("trained_layers", []))
-        bank.meta = dict(data.get("meta", {}))
+        """Load hash weights (:data:`HASH_FILE`, never running code from the file); with a model ``config``
+        check they were made for this model."""
+        bank, data = HASH_FILE.load(path, lambda d: cls(d["kind"], d["signature"], bits=d["bits"], hidden=d["hidden"]),
+                                    config)
+        bank.trained_layers = list(data["trained_layers"])
+        bank.meta = dict(data["meta"])
         return bank.eval().requires_grad_(False)
 
 

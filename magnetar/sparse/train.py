@@ -256,7 +256,7 @@ def calibrate(model, tokenizer, texts: list[str], out: str | Path, cfg: TrainCon
     cache = out.parent / f"qk-cache-{sig['name_or_path'] or sig['model_type']}-{tag}.pt"
     data = None
     if cache.is_file():
-        blob = torch.load(cache, weights_only=False)
+        blob = torch.load(cache, weights_only=True)
         if blob.get("key") == key and blob.get("signature") == sig:
             data = blob["data"]
             log(f"using the collected queries/keys in {cache}")

@@ -1,1 +1,1 @@
-"""Small shared utilities: NVTX ranges, logging, timing."""
+"""Small shared utilities below every layer: NVTX ranges, section timing, Magnetar weights files."""
