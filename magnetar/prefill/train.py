@@ -77,7 +77,7 @@ class IndexerTrainConfig:
 
 def trainable_layers(model_config, dense_layers: int) -> list[int]:
     """Global (not sliding-window) layers from ``dense_layers`` on: the layers sparse prefill patches."""
-    from magnetar.eval.cost import ModelDims
+    from magnetar.models.dims import ModelDims
 
     windows = ModelDims.from_config(model_config).windows
     return [i for i, w in enumerate(windows) if w is None and i >= dense_layers]
