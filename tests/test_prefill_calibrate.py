@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import magnetar
-from magnetar.prefill.distill import random_text_ids, support_recall, validation_kl
+from magnetar.calibrate.distill import random_text_ids, support_recall, validation_kl
+from magnetar.calibrate.indexer import IndexerTrainConfig, calibrate_indexer, metrics_table, sample_rows
 from magnetar.prefill.indexer import IndexerBank
-from magnetar.prefill.train import IndexerTrainConfig, calibrate_indexer, metrics_table, sample_rows
 from tests.tiny_models import tiny_model
 
 
@@ -48,7 +48,7 @@ def _seqs():
 
 
 def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch):
-    import magnetar.prefill.train as train
+    import magnetar.calibrate.indexer as train
 
     model = _peaked_model()
     path = tmp_path / "new" / "ix.pt"
@@ -61,7 +61,7 @@ def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch
     assert sum(m["recall_after"].values()) > sum(m["recall_before"].values()) + 0.15, (m["recall_before"],
                                                                                         m["recall_after"])
     # the stored metrics are the ones the held-out data gives (fresh collection, fresh init for "before")
-    from magnetar.prefill.distill import collect_teacher
+    from magnetar.calibrate.distill import collect_teacher
 
     seqs = _seqs()
     held = collect_teacher(model, seqs[6:], [1], row_index=sample_rows([128] * 8, 32, 0)[6:])
@@ -122,7 +122,7 @@ def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch
 
 
 def test_calibrate_indexer_cli_and_errors(tmp_path, monkeypatch, capsys):
-    import magnetar.calibrate as cal
+    import magnetar.calibrate.cli as cal
     import magnetar.models
 
     class WordTokenizer:  # one id per word

@@ -19,7 +19,7 @@ from magnetar.config import EngineConfig, SparseConfig
 from magnetar.sparse.codes import HAMMING_OP, hamming_scores, hamming_topk, pack_bits
 from magnetar.sparse.hashing import HashBank, model_signature, so_rotation
 from magnetar.sparse.select import SparseDecoder
-from magnetar.sparse.train import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
+from magnetar.calibrate.spotlight import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
 from tests.dist_utils import run_distributed
 from tests.reference import dense_attention_fp64
 from tests.tiny_models import reference, tiny_model
@@ -359,7 +359,7 @@ class _WordTokenizer:
 
 
 def test_calibrate_writes_trains_and_resumes(tmp_path):
-    from magnetar.sparse.train import calibrate
+    from magnetar.calibrate.spotlight import calibrate
 
     model = tiny_model("llama", seed=8, num_hidden_layers=3)
     words = [f"w{i % 37}" for i in range(2000)]
