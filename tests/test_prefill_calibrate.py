@@ -1,5 +1,5 @@
 """Sparse prefill tooling: ``magnetar-calibrate indexer`` (streamed, resumable KL distillation of the indexer) and
-the gap report's table (``magnetar.prefill.gap``) on synthetic result rows.
+the gap report's table (``magnetar.eval.experiments.prefill_gap``) on synthetic result rows.
 
 The calibration runs end to end on a tiny random Llama whose q/k projections are scaled x10 (so its attention
 has a peaked support worth learning): it writes an indexer file, resumes a run cut after its first layer (the
@@ -172,7 +172,7 @@ def test_calibrate_indexer_cli_and_errors(tmp_path, monkeypatch, capsys):
 def _fake_rows(args, extra, scores: dict, lengths=(4096,), tasks=("vt", "cwe"), n=5, prefill=True):
     """Result rows as the runner writes them, for each variant in ``scores``: (variant) -> per-item 0/1 list."""
     from magnetar.eval.runner import item_key
-    from magnetar.prefill import gap
+    from magnetar.eval.experiments import prefill_gap as gap
 
     rows = []
     for v, vals in scores.items():
@@ -194,8 +194,8 @@ def _fake_rows(args, extra, scores: dict, lengths=(4096,), tasks=("vt", "cwe"), 
 
 
 def test_gap_report_table_from_result_rows(tmp_path, capsys):
-    from magnetar.prefill import gap
-    from magnetar.prefill.gap import Variant
+    from magnetar.eval.experiments import prefill_gap as gap
+    from magnetar.eval.experiments.prefill_gap import Variant
 
     model = _peaked_model(layers=2)
     ixp = tmp_path / "ix.pt"
@@ -278,7 +278,7 @@ def test_gap_runs_one_runner_call_per_row(tmp_path, monkeypatch, capsys):
 
     import magnetar.eval.runner as runner
     from magnetar.config import EngineConfig
-    from magnetar.prefill import gap
+    from magnetar.eval.experiments import prefill_gap as gap
 
     calls = []
 

@@ -318,7 +318,7 @@ def test_score_variants_share_one_phase1_and_equal_separate_scores():
 
 def test_sparse_ppl_report_and_runner_label(tmp_path):
     from magnetar.eval.runner import config_key, method_label
-    from magnetar.sparse.evaluate import write_report
+    from magnetar.eval.experiments.sparse_ppl import write_report
 
     rows = []
     for i in range(3):
@@ -332,7 +332,7 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
     assert (tmp_path / "sparse_ppl.png").stat().st_size > 1000
     # lsh keeps MagicPIG's sinks and window by default, on top of its budget; the rows say so, and a run that
     # overrides them is a separate row and a separate key (the default variant's key is unchanged)
-    from magnetar.sparse.evaluate import _vkey, build_parser, variants
+    from magnetar.eval.experiments.sparse_ppl import _vkey, build_parser, variants
 
     extra = [dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9"),
              dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9/s0w0", sinks=0, window=0)]
