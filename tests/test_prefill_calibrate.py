@@ -171,8 +171,8 @@ def test_calibrate_indexer_cli_and_errors(tmp_path, monkeypatch, capsys):
 # -- the gap report ------------------------------------------------------------------------------------------------
 def _fake_rows(args, extra, scores: dict, lengths=(4096,), tasks=("vt", "cwe"), n=5, prefill=True):
     """Result rows as the runner writes them, for each variant in ``scores``: (variant) -> per-item 0/1 list."""
-    from magnetar.eval.runner import item_key
     from magnetar.eval.experiments import prefill_gap as gap
+    from magnetar.eval.runner import item_key
 
     rows = []
     for v, vals in scores.items():

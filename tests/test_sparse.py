@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import magnetar
+from magnetar.calibrate.spotlight import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
 from magnetar.config import EngineConfig, SparseConfig
 from magnetar.sparse.codes import HAMMING_OP, hamming_scores, hamming_topk, pack_bits
 from magnetar.sparse.hashing import HashBank, model_signature, so_rotation
 from magnetar.sparse.select import SparseDecoder
-from magnetar.calibrate.spotlight import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
 from tests.dist_utils import run_distributed
 from tests.reference import dense_attention_fp64
 from tests.tiny_models import reference, tiny_model
@@ -317,8 +317,8 @@ def test_score_variants_share_one_phase1_and_equal_separate_scores():
 
 
 def test_sparse_ppl_report_and_runner_label(tmp_path):
-    from magnetar.eval.runner import config_key, method_label
     from magnetar.eval.experiments.sparse_ppl import write_report
+    from magnetar.eval.runner import config_key, method_label
 
     rows = []
     for i in range(3):

@@ -81,8 +81,8 @@ def main(argv=None) -> int:
         return _indexer(args)
     import torch
 
-    from magnetar.models import load_model
     from magnetar.calibrate.spotlight import calibrate
+    from magnetar.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
 def _indexer(args) -> int:
     import torch
 
-    from magnetar.models import load_model
     from magnetar.calibrate.indexer import IndexerTrainConfig, calibrate_indexer, metrics_table
     from magnetar.calibrate.spotlight import text_sequences
+    from magnetar.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

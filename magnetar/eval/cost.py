@@ -348,8 +348,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import json
     import sys
 
-    from magnetar.eval.bench import METHODS, engine_config
-    from magnetar.eval.runner import parse_length
+    from magnetar.config import METHODS
+    from magnetar.eval.common import engine_config, parse_length
 
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
@@ -367,7 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        p.error(f"--methods: unknown {bad}; choose from {METHODS}")
+        p.error(f"--methods: unknown {bad}; choose from {tuple(METHODS)}")
     try:
         lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:

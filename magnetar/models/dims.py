@@ -50,7 +50,7 @@ class ModelDims:
         return self.layers * per_layer + emb * (1 if self.tied_embeddings else 2)
 
     @classmethod
-    def from_config(cls, config: Any) -> "ModelDims":
+    def from_config(cls, config: Any) -> ModelDims:
         """From an HF config object or a dict with the HF field names."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()

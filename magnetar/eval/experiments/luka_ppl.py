@@ -75,8 +75,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import magnetar
+    from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.runner import parse_length
     from magnetar.models import load_model
 
     if args.threads:

@@ -288,7 +288,8 @@ def parse_args(argv=None):
         raise SystemExit(f"--topk must be comma-separated ints, got {args.topk!r}") from None
     if not args.topks or min(args.topks) < 1 or args.block < 2:
         raise SystemExit("--topk needs budgets >= 1 and --block a b_sel >= 2")
-    from magnetar.eval.runner import build_parser as runner_parser, parse_length
+    from magnetar.eval.common import parse_length
+    from magnetar.eval.runner import build_parser as runner_parser
 
     args.length_list = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     if args.indexer_path:

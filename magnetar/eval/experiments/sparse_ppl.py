@@ -71,8 +71,8 @@ def run(args) -> int:
     import torch
 
     import magnetar
+    from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.runner import parse_length
     from magnetar.models import load_model
 
     if args.threads:
