@@ -51,7 +51,7 @@ setup(
             "magnetar-ops-demo=magnetar.launch.demo:main",
             "magnetar-eval=magnetar.eval.runner:main",
             "magnetar-bench=magnetar.eval.bench:main",
-            "magnetar-calibrate=magnetar.calibrate:main",
+            "magnetar-calibrate=magnetar.calibrate.cli:main",
         ]
     },
 )

@@ -71,8 +71,9 @@ def main(argv=None) -> int:
     import magnetar
     from magnetar.config import EngineConfig, LukaConfig
     from magnetar.engine.phase2 import run_phase2
+    from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.runner import parse_length
+    from magnetar.eval.common import parse_length
     from magnetar.utils.timing import SectionTimer
     from magnetar.luka.decoder import LukaDecoder
     from magnetar.models import load_model

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     import magnetar
     from magnetar.config import EngineConfig
     from magnetar.eval.bench import allow_positions
-    from magnetar.eval.runner import parse_length
+    from magnetar.eval.common import parse_length
     from magnetar.utils.timing import SectionTimer
 
     device = torch.device(args.device)

@@ -23,21 +23,21 @@ part() {
     hashes)
       "$BIN/magnetar-calibrate" spotlight --out "$MLP" --threads "$THREADS"
       "$BIN/magnetar-calibrate" spotlight --hash lsh --out "$LSH" --threads "$THREADS" ;;
-    ppl) "$BIN/python" -m magnetar.sparse.evaluate --policies "$POL" --pruning 0.9,0.95,0.98 --hash-path "$MLP" \
-           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
+    ppl) "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --policies "$POL" --pruning 0.9,0.95,0.98 \
+           --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     table1)
       "$BIN/python" -c "import sys; from magnetar.sparse.hashing import HashBank; \
 HashBank.load(sys.argv[1]).initial().save(sys.argv[2])" "$MLP" "${MLP%.pt}-untrained.pt"
-      "$BIN/python" -m magnetar.sparse.evaluate --policies spotlight --pruning 0.98 --hash-path "${MLP%.pt}-untrained.pt" \
-           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
-      "$BIN/python" -m magnetar.sparse.evaluate --policies lsh --pruning 0.98 --lsh-hash-path "$LSH" \
+      "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --policies spotlight --pruning 0.98 \
+           --hash-path "${MLP%.pt}-untrained.pt" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
+      "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --policies lsh --pruning 0.98 --lsh-hash-path "$LSH" \
            --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     sinks)
-      "$BIN/python" -m magnetar.sparse.evaluate --policies spotlight --sinks 4 --window 64 --pruning 0.9,0.95,0.98 \
-           --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
-      "$BIN/python" -m magnetar.sparse.evaluate --policies lsh --sinks 0 --window 0 --pruning 0.9,0.95,0.98 \
-           --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
-    ppl_cp) "$BIN/python" -m magnetar.sparse.evaluate --methods pulsar --policies oracle_topk,spotlight \
+      "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --policies spotlight --sinks 4 --window 64 \
+           --pruning 0.9,0.95,0.98 --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl
+      "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --policies lsh --sinks 0 --window 0 \
+           --pruning 0.9,0.95,0.98 --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
+    ppl_cp) "$BIN/python" -m magnetar.eval.experiments.sparse_ppl --methods pulsar --policies oracle_topk,spotlight \
            --pruning 0.9,0.98 --hash-path "$MLP" --lengths 4k --windows 8 --threads "$THREADS" --out runs/sparse_ppl ;;
     niah) for extra in "" "--sparse-policy spotlight --sparse-pruning 0.9 --hash-path $MLP"; do
             # shellcheck disable=SC2086

@@ -14,12 +14,12 @@ import pytest
 from magnetar.eval.babilong import (
     MAX_NEW_TOKENS,
     TASKS,
-    EvalSample,
     babilong_sample,
     instruction_block,
     score_babilong,
     simulate_story,
 )
+from magnetar.eval.suite import EvalSample
 
 SEEDS = range(25)
 

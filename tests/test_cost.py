@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.eval.cost import ModelDims, attention_pairs, estimate, format_table, paper_phase1_flops_per_layer
+from magnetar.eval.cost import attention_pairs, estimate, format_table, paper_phase1_flops_per_layer
+from magnetar.models.dims import ModelDims
 
 # 2 layers, h=8, H_Q=2, H_KV=1, d_h=4 -> E=8, K=4; linear FLOPs/token/layer = 2(8*8 + 2*8*4 + 8*8 + 3*8*16) = 1152
 TINY = dict(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,

@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
+from magnetar.eval.common import parse_length
 from magnetar.eval.report import mean_ci, table, write_report
-from magnetar.eval.runner import load_done, main, parse_length
+from magnetar.eval.runner import load_done, main
 
 
 def test_parse_length_and_load_done(tmp_path):

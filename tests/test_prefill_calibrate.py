@@ -1,5 +1,5 @@
 """Sparse prefill tooling: ``magnetar-calibrate indexer`` (streamed, resumable KL distillation of the indexer) and
-the gap report's table (``magnetar.prefill.gap``) on synthetic result rows.
+the gap report's table (``magnetar.eval.experiments.prefill_gap``) on synthetic result rows.
 
 The calibration runs end to end on a tiny random Llama whose q/k projections are scaled x10 (so its attention
 has a peaked support worth learning): it writes an indexer file, resumes a run cut after its first layer (the
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import magnetar
-from magnetar.prefill.distill import random_text_ids, support_recall, validation_kl
+from magnetar.calibrate.distill import random_text_ids, support_recall, validation_kl
+from magnetar.calibrate.indexer import IndexerTrainConfig, calibrate_indexer, metrics_table, sample_rows
 from magnetar.prefill.indexer import IndexerBank
-from magnetar.prefill.train import IndexerTrainConfig, calibrate_indexer, metrics_table, sample_rows
 from tests.tiny_models import tiny_model
 
 
@@ -48,7 +48,7 @@ def _seqs():
 
 
 def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch):
-    import magnetar.prefill.train as train
+    import magnetar.calibrate.indexer as train
 
     model = _peaked_model()
     path = tmp_path / "new" / "ix.pt"
@@ -61,7 +61,7 @@ def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch
     assert sum(m["recall_after"].values()) > sum(m["recall_before"].values()) + 0.15, (m["recall_before"],
                                                                                         m["recall_after"])
     # the stored metrics are the ones the held-out data gives (fresh collection, fresh init for "before")
-    from magnetar.prefill.distill import collect_teacher
+    from magnetar.calibrate.distill import collect_teacher
 
     seqs = _seqs()
     held = collect_teacher(model, seqs[6:], [1], row_index=sample_rows([128] * 8, 32, 0)[6:])
@@ -122,7 +122,7 @@ def test_calibrate_indexer_writes_trains_resumes_and_loads(tmp_path, monkeypatch
 
 
 def test_calibrate_indexer_cli_and_errors(tmp_path, monkeypatch, capsys):
-    import magnetar.calibrate as cal
+    import magnetar.calibrate.cli as cal
     import magnetar.models
 
     class WordTokenizer:  # one id per word
@@ -171,8 +171,8 @@ def test_calibrate_indexer_cli_and_errors(tmp_path, monkeypatch, capsys):
 # -- the gap report ------------------------------------------------------------------------------------------------
 def _fake_rows(args, extra, scores: dict, lengths=(4096,), tasks=("vt", "cwe"), n=5, prefill=True):
     """Result rows as the runner writes them, for each variant in ``scores``: (variant) -> per-item 0/1 list."""
+    from magnetar.eval.experiments import prefill_gap as gap
     from magnetar.eval.runner import item_key
-    from magnetar.prefill import gap
 
     rows = []
     for v, vals in scores.items():
@@ -194,8 +194,8 @@ def _fake_rows(args, extra, scores: dict, lengths=(4096,), tasks=("vt", "cwe"), 
 
 
 def test_gap_report_table_from_result_rows(tmp_path, capsys):
-    from magnetar.prefill import gap
-    from magnetar.prefill.gap import Variant
+    from magnetar.eval.experiments import prefill_gap as gap
+    from magnetar.eval.experiments.prefill_gap import Variant
 
     model = _peaked_model(layers=2)
     ixp = tmp_path / "ix.pt"
@@ -278,7 +278,7 @@ def test_gap_runs_one_runner_call_per_row(tmp_path, monkeypatch, capsys):
 
     import magnetar.eval.runner as runner
     from magnetar.config import EngineConfig
-    from magnetar.prefill import gap
+    from magnetar.eval.experiments import prefill_gap as gap
 
     calls = []
 

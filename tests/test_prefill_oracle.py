@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import magnetar
+from magnetar.calibrate.distill import collect_teacher, distill_layer, random_text_ids, support_recall
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.ops import attention_with_lse
-from magnetar.prefill.distill import collect_teacher, distill_layer, random_text_ids, support_recall
 from magnetar.prefill.indexer import HeadCollapsedIndexer, IndexerBank, kl_loss
 from magnetar.prefill.oracle import (SENTINEL, SPARSE_ATTENTION_OP, head_averaged_probs, head_averaged_topk,
                                      oracle_attention, sparse_gqa_attention, support_pairs)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from magnetar.eval.ruler import (
-    SUBSTITUTE_TASKS, TASKS, EvalSample, prompt_tokens, ruler_sample, score, string_match_all, string_match_part,
+    SUBSTITUTE_TASKS, TASKS, prompt_tokens, ruler_sample, score, string_match_all, string_match_part,
 )
+from magnetar.eval.suite import EvalSample
 from tests.test_models_data import WhitespaceTokenizer
 
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import magnetar
+from magnetar.calibrate.spotlight import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
 from magnetar.config import EngineConfig, SparseConfig
 from magnetar.sparse.codes import HAMMING_OP, hamming_scores, hamming_topk, pack_bits
 from magnetar.sparse.hashing import HashBank, model_signature, so_rotation
 from magnetar.sparse.select import SparseDecoder
-from magnetar.sparse.train import TrainConfig, collect, ranking_loss, retrieval_iou, train_layer
 from tests.dist_utils import run_distributed
 from tests.reference import dense_attention_fp64
 from tests.tiny_models import reference, tiny_model
@@ -317,8 +317,8 @@ def test_score_variants_share_one_phase1_and_equal_separate_scores():
 
 
 def test_sparse_ppl_report_and_runner_label(tmp_path):
+    from magnetar.eval.experiments.sparse_ppl import write_report
     from magnetar.eval.runner import config_key, method_label
-    from magnetar.sparse.evaluate import write_report
 
     rows = []
     for i in range(3):
@@ -332,7 +332,7 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
     assert (tmp_path / "sparse_ppl.png").stat().st_size > 1000
     # lsh keeps MagicPIG's sinks and window by default, on top of its budget; the rows say so, and a run that
     # overrides them is a separate row and a separate key (the default variant's key is unchanged)
-    from magnetar.sparse.evaluate import _vkey, build_parser, variants
+    from magnetar.eval.experiments.sparse_ppl import _vkey, build_parser, variants
 
     extra = [dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9"),
              dict(rows[0], policy="lsh", pruning=0.9, variant_key="lsh/0.9/s0w0", sinks=0, window=0)]
@@ -359,7 +359,7 @@ class _WordTokenizer:
 
 
 def test_calibrate_writes_trains_and_resumes(tmp_path):
-    from magnetar.sparse.train import calibrate
+    from magnetar.calibrate.spotlight import calibrate
 
     model = tiny_model("llama", seed=8, num_hidden_layers=3)
     words = [f"w{i % 37}" for i in range(2000)]

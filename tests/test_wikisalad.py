@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from magnetar.data.texts import paul_graham_essays
+from magnetar.eval.suite import EvalSample
 from magnetar.eval.wikisalad import (
     INSTRUCTION,
     LABEL,
@@ -17,7 +18,6 @@ from magnetar.eval.wikisalad import (
     PAPER_TOKENS,
     TASKS,
     TEMPLATES,
-    EvalSample,
     clean_essay,
     n_topics,
     normalize_answer,
@@ -211,16 +211,19 @@ def test_bad_inputs_raise_clear_errors(tok):
 
 
 def test_runner_and_report_know_the_suite(tok):
+    from magnetar.eval.common import parse_length
     from magnetar.eval.report import table
-    from magnetar.eval.runner import SUITES, make_sample, parse_length, score_sample, suite_tasks
+    from magnetar.eval.runner import make_sample
+    from magnetar.eval.suite import SUITES, get_suite
 
-    assert "wikisalad" in SUITES and suite_tasks("wikisalad") == TASKS and parse_length("0") == 0
+    suite = get_suite("wikisalad")
+    assert "wikisalad" in SUITES and suite.tasks == TASKS and parse_length("0") == 0
     for index in range(3):
         sample, extra = make_sample("wikisalad", "hard", tok, 0, index, 5)
         assert extra == {} and sample == wikisalad_sample("hard", tok, seed=5 * 100003 + index, index=index)
         assert sample.metadata["asked_topic"] == "ABC"[index]
-        assert score_sample("wikisalad", sample, f"Answer: {sample.answers[0]}.") == 1.0
-        assert score_sample("wikisalad", sample, "no idea") == 0.0
+        assert suite.score(sample, f"Answer: {sample.answers[0]}.") == 1.0
+        assert suite.score(sample, "no idea") == 0.0
     at4k, _ = make_sample("wikisalad", "easy", tok, 4096, 0, 0)
     assert at4k.metadata["target_tokens"] == 4096 and at4k.metadata["pattern"] == "AB" * 6
     rows = [{"suite": "wikisalad", "task": t, "method": "dense", "length": 0, "index": i, "score": float(i % 2)}

@@ -21,17 +21,19 @@ order, between the sentences of PG-19 books, and asks the story's question after
 
 A tokenizer is anything :func:`magnetar.data.niah.count_tokens` accepts (``encode(text,
 add_special_tokens=False)``). This module knows nothing about chat templates or models: pass
-:meth:`EvalSample.prompt_parts` to ``Engine.generate`` (Phase-1 text, Phase-2 text).
+a sample's :meth:`~magnetar.eval.suite.EvalSample.prompt_parts` to ``Engine.generate`` (Phase-1 text, Phase-2
+text).
 """
 from __future__ import annotations
 
 import functools
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from magnetar.data.niah import Tokenizer, build_haystack, count_tokens
+from magnetar.eval.suite import EvalSample, GenerationSuite
 
 TASKS: tuple[str, ...] = ("qa1", "qa2", "qa3", "qa4", "qa5")
 MAX_NEW_TOKENS = 128  # Pulsar paper, Table 9 / Appendix B (BABILong's own default is 20 for these tasks)
@@ -111,34 +113,20 @@ class Story:
     answer_sentence: str
 
 
-@dataclass(frozen=True, kw_only=True)
-class EvalSample:
-    """One BABILong-style question.
+class BabilongSuite(GenerationSuite):
+    """The BABILong-style suite (``--suite babilong``): tasks qa1-qa5 of :func:`babilong_sample`, scored by
+    :func:`score_babilong` with the sample's question and task labels."""
 
-    Attributes:
-        task: "qa1" ... "qa5".
-        context: the long text with the facts hidden in it (about the requested number of tokens).
-        query: the Phase-2 text: a blank line (so that ``context + query`` reads right when a caller joins
-            them, as ``split_prompt(tokenizer, sample.context, sample.query)`` does), the task instruction,
-            the examples, the answer-format line, then "Question: ...".
-        answers: accepted answer words (one for these tasks).
-        max_new_tokens: the generation budget (128, as in the Pulsar paper).
-        answer_prefix: always "" (BABILong has none; here for callers that treat RULER samples alike).
-        metadata: ``question``, ``instruction`` (instruction + examples + answer-format block), ``facts``,
-            ``supporting`` (indices into facts), ``fact_offsets`` (character offsets in ``context``),
-            ``fact_depths`` (offsets / len(context)), ``depth_range``, ``context_tokens`` (actual count),
-            ``examples`` (bool), ``seed``.
-    """
+    name = "babilong"
+    tasks = TASKS
 
-    task: str
-    context: str
-    query: str
-    answers: tuple[str, ...]
-    max_new_tokens: int = MAX_NEW_TOKENS
-    answer_prefix: str = ""
-    metadata: dict = field(default_factory=dict)
+    def make_sample(self, task: str, tokenizer, length: int, *, index: int, seed: int) -> tuple[EvalSample, dict]:
+        return babilong_sample(task, tokenizer, length, seed=seed), {}
 
-    def prompt_parts(self, *, instruction_in: str = "query") -> tuple[str, str]:
+    def score(self, sample: EvalSample, prediction: str) -> float:
+        return score_babilong(prediction, sample.answers, question=sample.metadata["question"], task=sample.task)
+
+    def prompt_parts(self, sample: EvalSample, *, instruction_in: str = "query") -> tuple[str, str]:
         """(Phase-1 text, Phase-2 text) of BABILong's template, split after ``</context>``.
 
         ``instruction_in="query"``: ``<context>\\n{context}\\n</context>\\n`` | ``{query}`` (without its
@@ -147,16 +135,12 @@ class EvalSample:
         ``Question: {question}``, i.e. BABILong's DEFAULT_TEMPLATE order exactly (the instruction lands in
         the first context block only).
         """
-        body = f"<context>\n{self.context}\n</context>\n"
+        body = f"<context>\n{sample.context}\n</context>\n"
         if instruction_in == "query":
-            return body, self.query.lstrip("\n")
+            return body, sample.query.lstrip("\n")
         if instruction_in == "context":
-            return f"{self.metadata['instruction']}\n{body}", f"Question: {self.metadata['question']}"
+            return f"{sample.metadata['instruction']}\n{body}", f"Question: {sample.metadata['question']}"
         raise ValueError(f"instruction_in must be 'query' or 'context', got {instruction_in!r}")
-
-    def score(self, prediction: str) -> float:
-        """:func:`score_babilong` with this sample's question and task labels."""
-        return score_babilong(prediction, self.answers, question=self.metadata["question"], task=self.task)
 
 
 def babilong_sample(task: str, tokenizer: Tokenizer, context_tokens: int, *, seed: int,
@@ -177,6 +161,16 @@ def babilong_sample(task: str, tokenizer: Tokenizer, context_tokens: int, *, see
         depth_range: (start, end) fractions of the background where facts may go (BABILong's
             task_start_pct / task_end_pct).
         texts: the background corpus (default: the Paul Graham essays).
+
+    Returns:
+        An :class:`~magnetar.eval.suite.EvalSample` (suite "babilong") whose ``query`` is the Phase-2 text: a
+        blank line (so that ``context + query`` reads right when a caller joins them, as
+        ``split_prompt(tokenizer, sample.context, sample.query)`` does), the task instruction, the examples,
+        the answer-format line, then "Question: ..."; ``answers`` one answer word; ``max_new_tokens`` 128
+        (as in the Pulsar paper); ``answer_prefix`` "" (BABILong has none); ``metadata``: ``question``,
+        ``instruction`` (instruction + examples + answer-format block), ``facts``, ``supporting`` (indices into
+        facts), ``fact_offsets`` (character offsets in ``context``), ``fact_depths`` (offsets / len(context)),
+        ``depth_range``, ``context_tokens`` (actual count), ``examples`` (bool), ``seed``.
 
     Raises:
         ValueError: unknown task, negative budget, a budget the facts alone overflow, bad depth range.
@@ -207,7 +201,7 @@ def babilong_sample(task: str, tokenizer: Tokenizer, context_tokens: int, *, see
         "context_tokens": count_tokens(tokenizer, context), "examples": examples, "seed": seed,
     }
     return EvalSample(task=task, context=context, query=query, answers=(story.answer,),
-                      max_new_tokens=MAX_NEW_TOKENS, metadata=metadata)
+                      max_new_tokens=MAX_NEW_TOKENS, metadata=metadata, suite="babilong")
 
 
 def instruction_block(task: str, *, examples: bool = True) -> str:

@@ -37,7 +37,9 @@ from typing import Optional
 
 import torch
 
-METHODS = ("dense", "ring", "star", "pulsar", "streaming")
+from magnetar.config import METHODS
+from magnetar.eval.common import engine_config
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,7 +106,7 @@ def parse_args(argv):
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in args.methods if m not in METHODS]
     if bad or not args.methods:
-        p.error(f"--methods: unknown {bad}; choose from {METHODS}")
+        p.error(f"--methods: unknown {bad}; choose from {tuple(METHODS)}")
     try:
         args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
@@ -116,19 +118,6 @@ def parse_args(argv):
     if min(args.warmup, 0) < 0 or args.repeats < 1 or args.max_new_tokens < 1 or args.query_len < 1:
         p.error("--warmup >= 0, --repeats >= 1, --max-new-tokens >= 1, --query-len >= 1")
     return args
-
-
-def engine_config(args, method: str, cp: int):
-    """The EngineConfig of ``method`` from the command line's engine options (shared with the cost model's CLI)."""
-    from magnetar.config import EngineConfig
-
-    flat = dict(method=method, cp_size=1 if method in ("dense", "streaming") else cp, dtype=args.dtype,
-                deepspeed_inference=getattr(args, "deepspeed", False))
-    for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
-                 "attention_backend"):
-        if getattr(args, name, None) is not None:
-            flat[name] = getattr(args, name)
-    return EngineConfig.create(**flat)
 
 
 def _inputs(args, model, tokenizer, L: int):
@@ -242,8 +231,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                args.beyond_trained_length)
     load_s = time.perf_counter() - t_load
 
-    from magnetar.parallel.launcher import init_distributed  # noqa: F401
     import torch.distributed as dist
+
+    from magnetar.parallel.launcher import init_distributed  # noqa: F401
 
     sim = args.simulate_ranks
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None

@@ -40,90 +40,17 @@ The paper's own convention, ``F = 2 n^2 (H_Q + H_KV) d_h`` per layer for the cri
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from magnetar.config import EngineConfig
 from magnetar.engine.strategy import plan_for_length, plan_rank
+from magnetar.models.dims import ModelDims
 
-__all__ = ["ModelDims", "CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer",
-           "attention_pairs"]
+__all__ = ["CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer", "attention_pairs"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-# ---------------------------------------------------------------------------------------------- model dims
-@dataclass(frozen=True)
-class ModelDims:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    windows: tuple  # per layer: sliding window (int) or None (global)
-    tied_embeddings: bool = False
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def linear_flops_per_token_layer(self) -> int:
-        h, E, K, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        return 2 * (h * E + 2 * h * K + E * h + 3 * h * I)
-
-    @property
-    def params(self) -> int:
-        h, E, K, I = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        per_layer = h * E + 2 * h * K + E * h + 3 * h * I
-        emb = self.vocab * h
-        return self.layers * per_layer + emb * (1 if self.tied_embeddings else 2)
-
-    @classmethod
-    def from_config(cls, config: Any) -> "ModelDims":
-        """From an HF config object or a dict with the HF field names."""
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-
-        def get(name, default=None):
-            if isinstance(config, dict):
-                return config.get(name, default)
-            return getattr(config, name, default)
-
-        def req(name, value):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model config field {name!r} must be a positive int, got {value!r}")
-            return value
-
-        layers = req("num_hidden_layers", get("num_hidden_layers"))
-        hidden = req("hidden_size", get("hidden_size"))
-        heads = req("num_attention_heads", get("num_attention_heads"))
-        kv_heads = req("num_key_value_heads", get("num_key_value_heads") or heads)
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-        head_dim = get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
-        req("head_dim", head_dim)
-        inter = req("intermediate_size", get("intermediate_size"))
-        vocab = req("vocab_size", get("vocab_size"))
-        sw = get("sliding_window")
-        types = get("layer_types")
-        if sw and types:
-            windows = tuple(int(sw) if t == "sliding_attention" else None for t in types)
-        elif sw and get("use_sliding_window", True):
-            windows = (int(sw),) * layers
-        else:
-            windows = (None,) * layers
-        if len(windows) != layers:
-            raise ValueError(f"layer_types has {len(windows)} entries for {layers} layers")
-        return cls(layers, hidden, heads, kv_heads, head_dim, inter, vocab, windows,
-                   bool(get("tie_word_embeddings", False)))
 
 
 # ------------------------------------------------------------------------------------------------ counting
@@ -384,8 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import json
     import sys
 
-    from magnetar.eval.bench import METHODS, engine_config
-    from magnetar.eval.runner import parse_length
+    from magnetar.config import METHODS
+    from magnetar.eval.common import engine_config, parse_length
 
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
@@ -403,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
-        p.error(f"--methods: unknown {bad}; choose from {METHODS}")
+        p.error(f"--methods: unknown {bad}; choose from {tuple(METHODS)}")
     try:
         lengths = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:

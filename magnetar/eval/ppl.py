@@ -80,6 +80,25 @@ def ppl_window(tokenizer, length: int, index: int, *, seed: int = 0,
     return PPLWindow(t[:length], t[length:], {"work": name, "start": start, "step": step})
 
 
+class PerplexitySuite:
+    """The ``ppl`` suite of the runner (``perplexity``: its items are :func:`ppl_window` windows scored with
+    ``Engine.score``; it has no answered samples, so ``make_sample`` / ``score`` / ``prompt_parts`` refuse)."""
+
+    name = "ppl"
+    tasks = (CORPUS,)
+    items_per_sample = 1
+    perplexity = True
+
+    def window(self, tokenizer, length: int, index: int, *, seed: int, target_tokens: int) -> PPLWindow:
+        return ppl_window(tokenizer, length, index, seed=seed, target_tokens=target_tokens)
+
+    def _no_samples(self, *args, **kwargs):
+        raise TypeError("the ppl suite has no samples to answer: its items are text windows (PerplexitySuite.window) "
+                        "scored with Engine.score")
+
+    make_sample = score = prompt_parts = _no_samples
+
+
 def perplexity_ci(nll_sums: list[float], tokens: list[int]) -> tuple[float, float, float, int]:
     """Corpus perplexity ``exp(Σ nll / Σ tokens)`` and a 95 % interval from the spread of the windows'
     mean NLL (normal approximation on the log scale): ``(ppl, low, high, n_windows)``."""

@@ -63,11 +63,11 @@ def label(row: dict) -> str:
 
 def _ordered_tasks(suite: str, tasks) -> list:
     """The suite's own task order (RULER's 13, easy -> very_hard, ...), unknown tasks after, by name."""
-    try:
-        from magnetar.eval.runner import suite_tasks
+    from magnetar.eval.suite import get_suite
 
-        order = list(suite_tasks(suite))
-    except Exception:  # an unknown suite in old records: by name
+    try:
+        order = list(get_suite(suite).tasks)
+    except ValueError:  # an unknown suite in old records: by name
         order = []
     return sorted(tasks, key=lambda t: (order.index(t) if t in order else len(order), t))
 

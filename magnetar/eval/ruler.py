@@ -24,11 +24,11 @@ from __future__ import annotations
 import random
 import string
 import uuid
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
 from magnetar.data.niah import build_haystack, count_tokens
+from magnetar.eval.suite import EvalSample, GenerationSuite
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
          "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -39,20 +39,6 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 NIAH_INSTRUCTION = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
                     "I will quiz you about the {kind} afterwards.")
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalSample:
-    """One evaluation prompt. ``context`` -> Phase 1; ``query`` (+ ``answer_prefix``) -> Phase 2."""
-
-    task: str
-    context: str
-    query: str
-    answers: tuple[str, ...]
-    answer_prefix: str = ""
-    metric: str = "all"  # "all": string_match_all, "part": string_match_part
-    max_new_tokens: int = 128
-    metadata: dict = field(default_factory=dict)
 
 
 def string_match_all(prediction: str, refs: Sequence[str]) -> float:
@@ -68,6 +54,7 @@ def string_match_part(prediction: str, refs: Sequence[str]) -> float:
 
 
 def score(sample: EvalSample, prediction: str) -> float:
+    """RULER's score of ``prediction``: ``string_match_all`` or ``string_match_part`` by ``sample.metric``."""
     return (string_match_all if sample.metric == "all" else string_match_part)(prediction, sample.answers)
 
 
@@ -301,3 +288,16 @@ def ruler_sample(task: str, tokenizer, length: int, *, seed: int = 0) -> EvalSam
 def prompt_tokens(sample: EvalSample, tokenizer) -> int:
     """Tokens of instruction + context + question + answer prefix (no chat template)."""
     return count_tokens(tokenizer, f"{sample.context}{sample.query}\n{sample.answer_prefix}")
+
+
+class RulerSuite(GenerationSuite):
+    """The 13 RULER-style tasks (``--suite ruler``), scored by :func:`score`."""
+
+    name = "ruler"
+    tasks = TASKS
+
+    def make_sample(self, task: str, tokenizer, length: int, *, index: int, seed: int) -> tuple[EvalSample, dict]:
+        return ruler_sample(task, tokenizer, length, seed=seed), {}
+
+    def score(self, sample: EvalSample, prediction: str) -> float:
+        return score(sample, prediction)

@@ -35,27 +35,20 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import EngineConfig, add_cli_args
-from magnetar.parallel.launcher import add_launcher_args, init_distributed
+from magnetar.eval.common import parse_length
+from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
+from magnetar.parallel.launcher import add_launcher_args, init_distributed
 
-SUITES = ("ruler", "niah", "babilong", "wikisalad", "ppl")
 CP_METHODS = ("ring", "star", "pulsar")
-NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1m"`` -> 1048576 (k = 1024 tokens), ``"3000"`` -> 3000."""
-    t = text.strip().lower()
-    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
-    return int(float(t[:-1]) * scale) if scale > 1 else int(t)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="magnetar-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--suite", choices=SUITES, default="ruler")
+    p.add_argument("--suite", choices=tuple(SUITES), default="ruler")
     p.add_argument("--tasks", help="comma-separated subset of the suite's tasks (default: all)")
     p.add_argument("--methods", default="dense,star,pulsar,ring")
     p.add_argument("--lengths", default="4k", help="e.g. 2k,4k,8k (k = 1024 tokens)")
@@ -84,48 +77,10 @@ def task_list(args) -> Optional[tuple[str, ...]]:
     return tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
 
 
-def suite_tasks(suite: str) -> tuple[str, ...]:
-    if suite == "ruler":
-        from magnetar.eval.ruler import TASKS
-
-        return TASKS
-    if suite == "niah":
-        return ("niah",)
-    if suite == "ppl":
-        from magnetar.eval.ppl import CORPUS
-
-        return (CORPUS,)
-    if suite == "wikisalad":
-        from magnetar.eval.wikisalad import TASKS
-
-        return TASKS
-    from magnetar.eval import babilong
-
-    return tuple(babilong.TASKS)
-
-
 def make_sample(suite: str, task: str, tokenizer, length: int, index: int, seed: int):
-    """The sample and its extra key fields (niah: depth)."""
-    if suite == "ruler":
-        from magnetar.eval.ruler import ruler_sample
-
-        return ruler_sample(task, tokenizer, length, seed=seed * 100003 + index), {}
-    if suite == "niah":
-        from magnetar.data.niah import INSTRUCTION, needle_prompt
-        from magnetar.eval.ruler import EvalSample
-
-        depth = NIAH_DEPTHS[index % len(NIAH_DEPTHS)]
-        s = needle_prompt(tokenizer, length, depth, seed=seed * 100003 + index)
-        return EvalSample(task="niah", context=f"{INSTRUCTION}\n\n{s.context}", query=f"\n\n{s.query}",
-                          answers=(s.answer,), answer_prefix="", metric="all", max_new_tokens=32,
-                          metadata={"depth": depth}), {"depth": depth}
-    if suite == "wikisalad":  # length 0: the paper's length per task; the question cycles over the topics
-        from magnetar.eval.wikisalad import wikisalad_sample
-
-        return wikisalad_sample(task, tokenizer, length, seed=seed * 100003 + index, index=index), {}
-    from magnetar.eval import babilong
-
-    return babilong.babilong_sample(task, tokenizer, length, seed=seed * 100003 + index), {}
+    """Sample ``index`` of ``suite``'s ``task`` at ``length`` for ``--data-seed seed``, and its extra key fields
+    (niah: depth); see :meth:`magnetar.eval.suite.Suite.make_sample`."""
+    return get_suite(suite).make_sample(task, tokenizer, length, index=index, seed=sample_seed(seed, index))
 
 
 def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, seed: int,
@@ -153,21 +108,6 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
             break
     raise ValueError(f"{suite}/{task} at length {length}: the prompt and its {sample.max_new_tokens}-token output "
                      f"budget do not fit the model's {max_positions} positions; use a shorter --lengths")
-
-
-def score_sample(suite: str, sample, prediction: str) -> float:
-    if suite == "babilong":
-        from magnetar.eval import babilong
-
-        return babilong.score_babilong(prediction, sample.answers, question=sample.metadata["question"],
-                                       task=sample.task)
-    if suite == "wikisalad":
-        from magnetar.eval.wikisalad import score_wikisalad
-
-        return score_wikisalad(prediction, sample.answers)
-    from magnetar.eval.ruler import score
-
-    return score(sample, prediction)
 
 
 def config_key(config: EngineConfig) -> str:
@@ -286,7 +226,7 @@ def items(args, tasks, lengths, methods) -> Iterator[tuple[str, int, str, int]]:
     for length in lengths:
         for task in tasks:
             for method in methods:
-                for index in range(args.samples * (len(NIAH_DEPTHS) if args.suite == "niah" else 1)):
+                for index in range(args.samples * get_suite(args.suite).items_per_sample):
                     yield method, length, task, index
 
 
@@ -308,11 +248,10 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
     generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding; the decode
     step, memory-bound on small models, is shared), recorded with ``batch`` = the group size."""
     records, t0 = [], time.perf_counter()
-    if args.suite == "ppl":
-        from magnetar.eval.ppl import ppl_window
-
+    suite = get_suite(args.suite)
+    if suite.perplexity:
         (method, length, task, index, cfg, key), = group
-        win = ppl_window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
+        win = suite.window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
         res = engine.score(win.context_ids, win.continuation_ids)
         record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
                   "length": length, "index": index}
@@ -332,7 +271,7 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
         for (method, length, task, index, cfg, key), (sample, extra), res in zip(group, samples, results):
             record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
                       "length": length, "index": index}
-            record.update(extra, score=score_sample(args.suite, sample, res.text), prediction=res.text,
+            record.update(extra, score=suite.score(sample, res.text), prediction=res.text,
                           answers=list(sample.answers), context_tokens=res.context_tokens,
                           prompt_tokens=res.context_tokens + res.query_tokens,
                           ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token,
@@ -353,10 +292,11 @@ def run(args) -> int:
     from magnetar.models import load_model, prepare_model
 
     out = Path(args.out)
-    tasks = task_list(args) or suite_tasks(args.suite)
-    unknown = set(tasks) - set(suite_tasks(args.suite))
+    suite = get_suite(args.suite)
+    tasks = task_list(args) or suite.tasks
+    unknown = set(tasks) - set(suite.tasks)
     if unknown:
-        raise SystemExit(f"unknown {args.suite} task(s) {sorted(unknown)}; choose from {suite_tasks(args.suite)}")
+        raise SystemExit(f"unknown {args.suite} task(s) {sorted(unknown)}; choose from {suite.tasks}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x) for x in args.lengths.split(",")]
     sim = args.simulate_ranks
@@ -388,7 +328,7 @@ def run(args) -> int:
         else:
             cfg = base.replace(method=method, cp_size=args.cp or world)
         key = item_key(args.suite, task, method, length, index, config_key(cfg))
-        if args.suite == "ppl":
+        if suite.perplexity:  # the scored tokens per window change the item
             key += f"/T{args.target_tokens}"
         if key not in done:
             todo.append((method, length, task, index, cfg, key))
@@ -404,7 +344,7 @@ def run(args) -> int:
         bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if dealt else None)
 
     engines, model_obj = {}, model
-    for group in _batches(todo, args.batch if args.suite != "ppl" else 1):
+    for group in _batches(todo, args.batch if not suite.perplexity else 1):
         method, length, task, index, cfg, key = group[0]
         ck = config_key(cfg)
         if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt

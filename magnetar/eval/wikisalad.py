@@ -63,9 +63,10 @@ import random
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from magnetar.data.niah import Tokenizer, count_tokens
+from magnetar.eval.suite import EvalSample, GenerationSuite
 
 TASKS: tuple[str, ...] = ("easy", "medium", "hard", "very_hard")
 LABEL = "WikiSalad-style (PG essays + inserted facts)"
@@ -132,37 +133,20 @@ NAMES: tuple[str, ...] = (
 )
 
 
-@dataclass(frozen=True, kw_only=True)
-class EvalSample:
-    """One WikiSalad-style question (the interface of :class:`magnetar.eval.babilong.EvalSample`).
+class WikiSaladSuite(GenerationSuite):
+    """The WikiSalad-style suite (``--suite wikisalad``): :func:`wikisalad_sample` (``--lengths 0``: each task at
+    the paper's length; the asked topic cycles with the sample index), scored by :func:`score_wikisalad`."""
 
-    Attributes:
-        task: "easy", "medium", "hard" or "very_hard".
-        context: the interleaved paragraphs (facts included), joined by blank lines: Phase 1.
-        query: the Phase-2 text: a blank line, :data:`INSTRUCTION`, then "Question: ...".
-        answers: the accepted answer (one name).
-        max_new_tokens: the generation budget (32).
-        answer_prefix: the answer's opening, put after the assistant header as RULER does ("What was the name
-            of the author's cat?" -> "The name of the author's cat was"), so that the model's first words are
-            the name and exact match can judge them.
-        metadata: ``label``, ``question``, ``instruction``, ``pattern`` (e.g. "AAABBBCCC"),
-            ``segment_topics`` (one label per segment), ``segment_offsets`` (character offset of each
-            segment in ``context``), ``topics`` ({label: essay title}), ``topic_indices`` ({label: index of
-            the essay in the corpus}), ``facts`` (one dict per inserted fact: topic, segment, sentence,
-            question, answer, offset), ``asked`` (index into facts), ``asked_topic``, ``asked_segment``,
-            ``answer_offset``, ``answer_depth`` (offset / len(context)), ``target_tokens``,
-            ``prompt_tokens`` (context + query), ``context_tokens`` (context alone), ``seed``, ``index``.
-    """
+    name = "wikisalad"
+    tasks = TASKS
 
-    task: str
-    context: str
-    query: str
-    answers: tuple[str, ...]
-    max_new_tokens: int = MAX_NEW_TOKENS
-    answer_prefix: str = ""
-    metadata: dict = field(default_factory=dict)
+    def make_sample(self, task: str, tokenizer, length: int, *, index: int, seed: int) -> tuple[EvalSample, dict]:
+        return wikisalad_sample(task, tokenizer, length, seed=seed, index=index), {}
 
-    def prompt_parts(self, *, instruction_in: str = "query") -> tuple[str, str]:
+    def score(self, sample: EvalSample, prediction: str) -> float:
+        return score_wikisalad(prediction, sample.answers)
+
+    def prompt_parts(self, sample: EvalSample, *, instruction_in: str = "query") -> tuple[str, str]:
         """(Phase-1 text, Phase-2 text).
 
         ``instruction_in="query"``: ``(context, query)``, exactly what the runner passes to ``split_prompt``
@@ -171,14 +155,11 @@ class EvalSample:
         few).
         """
         if instruction_in == "query":
-            return self.context, self.query
+            return sample.context, sample.query
         if instruction_in == "context":
-            return f"{self.metadata['instruction']}\n\n{self.context}", f"\n\nQuestion: {self.metadata['question']}"
+            return (f"{sample.metadata['instruction']}\n\n{sample.context}",
+                    f"\n\nQuestion: {sample.metadata['question']}")
         raise ValueError(f"instruction_in must be 'query' or 'context', got {instruction_in!r}")
-
-    def score(self, prediction: str) -> float:
-        """:func:`score_wikisalad` against this sample's answers."""
-        return score_wikisalad(prediction, self.answers)
 
 
 def pattern(task: str, context_tokens: int | None = None) -> str:
@@ -215,6 +196,21 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
             run asks about A, B (and C) in turn. ``None``: the topic is drawn from the seed.
         facts_per_topic: facts inserted per topic (one is asked, the rest are distractors).
         texts: the topic corpus, one topic per text (default: the Paul Graham essays, titled by file name).
+
+    Returns:
+        An :class:`~magnetar.eval.suite.EvalSample` (suite "wikisalad"): ``context`` the interleaved paragraphs
+        (facts included), joined by blank lines: Phase 1; ``query`` the Phase-2 text: a blank line,
+        :data:`INSTRUCTION`, then "Question: ..."; ``answers`` the accepted answer (one name);
+        ``max_new_tokens`` 32; ``answer_prefix`` the answer's opening, put after the assistant header as RULER
+        does ("What was the name of the author's cat?" -> "The name of the author's cat was"), so that the
+        model's first words are the name and exact match can judge them; ``metadata``: ``label``,
+        ``question``, ``instruction``, ``pattern`` (e.g. "AAABBBCCC"), ``segment_topics`` (one label per
+        segment), ``segment_offsets`` (character offset of each segment in ``context``), ``topics`` ({label:
+        essay title}), ``topic_indices`` ({label: index of the essay in the corpus}), ``facts`` (one dict per
+        inserted fact: topic, segment, sentence, question, answer, offset), ``asked`` (index into facts),
+        ``asked_topic``, ``asked_segment``, ``answer_offset``, ``answer_depth`` (offset / len(context)),
+        ``target_tokens``, ``prompt_tokens`` (context + query), ``context_tokens`` (context alone), ``seed``,
+        ``index``.
 
     Raises:
         ValueError: unknown task; a negative length; a length too small for the task's segments or too
@@ -385,7 +381,7 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
         "seed": seed, "index": index,
     }
     return EvalSample(task=task, context=context, query=query, answers=(answer,), answer_prefix=prefix,
-                      metadata=metadata)
+                      max_new_tokens=MAX_NEW_TOKENS, metadata=metadata, suite="wikisalad")
 
 
 def answer_prefix(question: str) -> str:

@@ -6,10 +6,11 @@ the head-collapsed indexer distilled from it.
   per-query / per-block top-k support, sparse GQA recomputation on the gathered support;
 * :mod:`magnetar.prefill.indexer`  -- Algorithm 2's scorer (``HeadCollapsedIndexer``), the KL distillation loss
   and the per-model weight file (``IndexerBank``);
-* :mod:`magnetar.prefill.distill`  -- teacher rows from a frozen model, KL training of one layer, support recall;
-* :mod:`magnetar.prefill.train`    -- the calibration driver (``magnetar-calibrate indexer``): streamed, resumable;
-* :mod:`magnetar.prefill.gap`      -- the oracle / realization / indexer gap report over ``magnetar-eval`` runs;
 * :mod:`magnetar.prefill.policy`   -- the engine side: which layers are sparse, the budget, the realised sparsity.
+
+Offline tools live above the runtime: the indexer's distillation in :mod:`magnetar.calibrate.distill` and
+:mod:`magnetar.calibrate.indexer` (``magnetar-calibrate indexer``), the gap report in
+:mod:`magnetar.eval.experiments.prefill_gap`.
 
 Names are resolved lazily so that :mod:`magnetar.config` can use the schedule helpers without importing torch.
 """
@@ -27,9 +28,6 @@ _EXPORTS = {
     "HeadCollapsedIndexer": "indexer", "IndexerBank": "indexer", "kl_loss": "indexer", "D_IDX_CHOICES": "indexer",
     "block_topk": "oracle",
     "PrefillPolicy": "policy", "PrefillStats": "policy",
-    "collect_teacher": "distill", "distill_layer": "distill", "support_recall": "distill",
-    "validation_kl": "distill",
-    "IndexerTrainConfig": "train", "calibrate_indexer": "train",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -61,7 +61,7 @@ class PrefillStats:
 
 def patched_layers(cfg, model_config) -> list[int]:
     """The layers sparse prefill patches: global (no sliding window) layers from ``prefill_dense_layers`` on."""
-    from magnetar.eval.cost import ModelDims
+    from magnetar.models.dims import ModelDims
 
     windows = ModelDims.from_config(model_config).windows
     return [i for i, w in enumerate(windows) if w is None and i >= cfg.prefill_dense_layers]

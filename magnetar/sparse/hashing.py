@@ -4,7 +4,7 @@
   normal ``D x D`` matrix, the first column's sign flipped when ``det(Q) < 0`` so that ``Q`` is in SO(D)
   (App. A.8); ``bits > D`` stacks ``ceil(bits / D)`` independent rotations side by side.
 * ``mlp`` (Spotlight): ``H(x) = sign(W2 SiLU(W1 x + b1))``, ``W1 (hidden, D)``, ``W2 (bits, hidden)``, Gaussian
-  initialisation (``b1 = 0``), trained with the ranking loss (:mod:`magnetar.sparse.train`).
+  initialisation (``b1 = 0``), trained with the ranking loss (:mod:`magnetar.calibrate.spotlight`).
 
 The same function hashes a KV head's keys and the queries of every query head in its group (so their codes
 are comparable). A :class:`HashBank` holds the functions of all layers as stacked tensors, saves them with a

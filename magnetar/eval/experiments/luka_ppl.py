@@ -1,9 +1,9 @@
 """LuKA perplexity figures on long real text (the LuKA paper's Figures 4-6, our windows).
 
-    python -m magnetar.luka.evaluate --figure compressors --lengths 2k --windows 8 --out runs/luka_ppl
-    python -m magnetar.luka.evaluate --figure values      --lengths 2k --windows 8 --out runs/luka_ppl
-    python -m magnetar.luka.evaluate --figure modes       --lengths 2k,4k --windows 8 --out runs/luka_ppl
-    python -m magnetar.luka.evaluate --report --out runs/luka_ppl
+    python -m magnetar.eval.experiments.luka_ppl --figure compressors --lengths 2k --windows 8 --out runs/luka_ppl
+    python -m magnetar.eval.experiments.luka_ppl --figure values      --lengths 2k --windows 8 --out runs/luka_ppl
+    python -m magnetar.eval.experiments.luka_ppl --figure modes       --lengths 2k,4k --windows 8 --out runs/luka_ppl
+    python -m magnetar.eval.experiments.luka_ppl --report --out runs/luka_ppl
 
 * ``compressors`` (Figure 4): clustered attention in every layer with the ``top_fraction`` rule, perplexity vs
   the fraction rho of pages refined per step, one curve per compressor (attention_weighted, mean, random);
@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 from magnetar.config import LUKA_COMPRESSORS, EngineConfig, LukaConfig
-from magnetar.sparse.evaluate import load_rows  # the same resumable results.jsonl reader
+from magnetar.eval.report import load  # the runner's resumable results*.jsonl reader (a cut last line is redone)
 
 FIGURES = ("compressors", "values", "exact", "modes")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m magnetar.luka.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m magnetar.eval.experiments.luka_ppl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--figure", default="compressors", help=f"comma list of {FIGURES}")
@@ -75,8 +75,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     import magnetar
+    from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.runner import parse_length
     from magnetar.models import load_model
 
     if args.threads:
@@ -86,7 +86,7 @@ def run(args) -> int:
     fractions = [float(x) for x in args.fractions.split(",") if x.strip()]
     todo_v = [(fig, series, cfg) for fig in (f.strip() for f in args.figure.split(",") if f.strip())
               for series, cfg in variants(fig, fractions, args.lined_layers)]
-    done = {(r["length"], r["index"], r["variant_key"]) for r in load_rows(out)}
+    done = {(r["length"], r["index"], r["variant_key"]) for r in load(out)}
     model, tokenizer = load_model(args.model)
     lengths = [parse_length(x) for x in args.lengths.split(",")]
     engine = magnetar.init_inference(model, EngineConfig.create(method="dense", deepspeed_inference=False),
@@ -120,7 +120,7 @@ def run(args) -> int:
 def write_report(out: Path) -> str:
     from magnetar.eval.ppl import paired_change, perplexity_ci
 
-    rows = load_rows(Path(out))
+    rows = load(Path(out))
     if not rows:
         return f"no results in {out}"
     dense = {}

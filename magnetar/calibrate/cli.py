@@ -5,13 +5,13 @@
     magnetar-calibrate indexer --model smollm2-135m-instruct --data essays --d-idx 128 --out indexers/smollm2.pt
 
 ``spotlight`` trains Spotlight Attention's MLP hash (one per layer and KV head) with the ranking loss on
-queries/keys collected from real text (see :mod:`magnetar.sparse.train`), prints the retrieval IoU with the
+queries/keys collected from real text (see :mod:`magnetar.calibrate.spotlight`), prints the retrieval IoU with the
 oracle before and after, and writes hash weights that the engine loads with
 ``--sparse-policy spotlight --hash-path FILE``. Interrupted runs resume.
 
 ``indexer`` distils sparse prefill's head-collapsed indexer (one per global attention layer) from the oracle's
 head-averaged dense attention with the KL loss, backbone frozen, teacher rows streamed a few layers at a time
-(see :mod:`magnetar.prefill.train`); prints per layer the held-out validation KL and the recall of the
+(see :mod:`magnetar.calibrate.indexer`); prints per layer the held-out validation KL and the recall of the
 oracle's top-k support before and after, and writes an indexer file that the engine loads with
 ``--prefill-policy indexer --prefill-indexer-path FILE``. Interrupted runs resume.
 """
@@ -22,7 +22,7 @@ import json
 import sys
 from dataclasses import fields
 
-from magnetar.sparse.train import TrainConfig
+from magnetar.calibrate.spotlight import TrainConfig
 
 CORPORA = ("essays", "shakespeare")
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         s.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
                        default=getattr(defaults, f.name))
-    from magnetar.prefill.train import IndexerTrainConfig
+    from magnetar.calibrate.indexer import IndexerTrainConfig
 
     i = sub.add_parser("indexer", help="distil the sparse-prefill head-collapsed indexer (KL to the oracle)")
     i.add_argument("--model", default="smollm2-135m-instruct")
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
         return _indexer(args)
     import torch
 
+    from magnetar.calibrate.spotlight import calibrate
     from magnetar.models import load_model
-    from magnetar.sparse.train import calibrate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,9 +106,9 @@ def main(argv=None) -> int:
 def _indexer(args) -> int:
     import torch
 
+    from magnetar.calibrate.indexer import IndexerTrainConfig, calibrate_indexer, metrics_table
+    from magnetar.calibrate.spotlight import text_sequences
     from magnetar.models import load_model
-    from magnetar.prefill.train import IndexerTrainConfig, calibrate_indexer, metrics_table
-    from magnetar.sparse.train import text_sequences
 
     if args.threads:
         torch.set_num_threads(args.threads)

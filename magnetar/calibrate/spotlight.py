@@ -82,7 +82,8 @@ def ranking_loss(draft: torch.Tensor, true: torch.Tensor, visible: torch.Tensor,
 
 # -- collection --------------------------------------------------------------------------------------------
 class _Capture(LayerContext):
-    """A layer context of its own (see magnetar.engine.strategy.LayerContext): causal attention, and records q (sampled rows) and k."""
+    """A layer context of its own (magnetar.engine.strategy.LayerContext): causal attention; records q (sampled
+    rows) and k."""
 
     name = "capture"
 

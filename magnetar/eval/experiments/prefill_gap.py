@@ -10,9 +10,9 @@ support-level diagnostics): on ONE model, suite, sample set and budget list,
 * the support-level diagnostics of the indexer file (held-out validation KL and recall of the oracle top-k
   support, before/after distillation, as ``magnetar-calibrate indexer`` stored them).
 
-    python -m magnetar.prefill.gap --model smollm2-135m-instruct --suite ruler --lengths 4k,8k \\
+    python -m magnetar.eval.experiments.prefill_gap --model smollm2-135m-instruct --suite ruler --lengths 4k,8k \\
         --topk 128,256,512 --samples 10 --indexer-path indexers/smollm2.pt --out runs/gap
-    python -m magnetar.prefill.gap --report --suite ruler --lengths 4k,8k --topk 128,256,512 \\
+    python -m magnetar.eval.experiments.prefill_gap --report --suite ruler --lengths 4k,8k --topk 128,256,512 \\
         --indexer-path indexers/smollm2.pt --out runs/gap           # the table only, from the results there
 
 It runs :mod:`magnetar.eval.runner` (``magnetar-eval``) once per row with the matching ``--prefill-*`` flags into
@@ -261,7 +261,7 @@ def build_report(rows: Sequence[dict], keys: dict[Variant, tuple[str, Optional[s
 
 # -- command line ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m magnetar.prefill.gap", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m magnetar.eval.experiments.prefill_gap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--suite", choices=SUITES, default="ruler")
@@ -288,7 +288,8 @@ def parse_args(argv=None):
         raise SystemExit(f"--topk must be comma-separated ints, got {args.topk!r}") from None
     if not args.topks or min(args.topks) < 1 or args.block < 2:
         raise SystemExit("--topk needs budgets >= 1 and --block a b_sel >= 2")
-    from magnetar.eval.runner import build_parser as runner_parser, parse_length
+    from magnetar.eval.common import parse_length
+    from magnetar.eval.runner import build_parser as runner_parser
 
     args.length_list = [parse_length(x) for x in args.lengths.split(",") if x.strip()]
     if args.indexer_path:

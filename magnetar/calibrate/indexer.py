@@ -9,7 +9,7 @@ sees ``torch.no_grad`` forwards.
 **Streaming.** Teacher rows are never held for all layers at once. Layers are processed ``layers_per_pass``
 at a time: one pass of the frozen model over the training and held-out sequences (stopped after the group's
 last layer) records, per sequence, the group's attention inputs ``x (S, hidden)`` in float16 and ``rows``
-teacher rows ``P (rows, S)`` float32 (:func:`~magnetar.prefill.distill.collect_teacher`); the group's layers
+teacher rows ``P (rows, S)`` float32 (:func:`~magnetar.calibrate.distill.collect_teacher`); the group's layers
 are trained and measured; the group's data is dropped. Memory: ``(sequences + held_out) x layers_per_pass x
 (S x hidden x 2 + rows x S x 4)`` bytes. With ``cache_dir`` the model runs ONCE over every sequence instead
 and each (layer, sequence) is written to its own file there (fp16 ``x``); a layer then loads only its own
@@ -18,7 +18,7 @@ Both give the same data: a sequence's rows depend only on the seed and its index
 
 **Metrics** (held-out sequences, per layer, before = the random init training starts from, after = trained):
 validation KL (nats, the training loss on held-out rows) and the recall of the oracle's per-query top-k
-support (:func:`~magnetar.prefill.distill.support_recall` at ``topk`` / ``b_sel``). Stored in the file's
+support (:func:`~magnetar.calibrate.distill.support_recall` at ``topk`` / ``b_sel``). Stored in the file's
 ``meta`` (``kl_before``, ``kl_after``, ``recall_before``, ``recall_after``, ``losses``).
 
 **Resumable.** The weight file is rewritten after every layer with the list of trained layers; a rerun with
@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from magnetar.prefill.distill import collect_teacher, distill_layer, support_recall, validation_kl
+from magnetar.calibrate.distill import collect_teacher, distill_layer, support_recall, validation_kl
 from magnetar.prefill.indexer import IndexerBank, check_d_idx, rope_theta
 from magnetar.sparse.hashing import model_signature
 
@@ -77,7 +77,7 @@ class IndexerTrainConfig:
 
 def trainable_layers(model_config, dense_layers: int) -> list[int]:
     """Global (not sliding-window) layers from ``dense_layers`` on: the layers sparse prefill patches."""
-    from magnetar.eval.cost import ModelDims
+    from magnetar.models.dims import ModelDims
 
     windows = ModelDims.from_config(model_config).windows
     return [i for i, w in enumerate(windows) if w is None and i >= dense_layers]

@@ -1,8 +1,8 @@
 """Perplexity of sparse decoding (Spotlight Attention Table 2's shape) on long real text.
 
-    python -m magnetar.sparse.evaluate --policies oracle_topk,lsh,quest,spotlight --pruning 0.9,0.95,0.98 \\
+    python -m magnetar.eval.experiments.sparse_ppl --policies oracle_topk,lsh,quest,spotlight --pruning 0.9,0.95,0.98 \\
         --hash-path hashes/smollm2-spotlight.pt --lengths 4k --windows 16 --out runs/sparse_ppl
-    python -m magnetar.sparse.evaluate --report --out runs/sparse_ppl
+    python -m magnetar.eval.experiments.sparse_ppl --report --out runs/sparse_ppl
 
 Windows are those of the ``ppl`` suite (:mod:`magnetar.eval.ppl`: Shakespeare, context ``L`` then 256 scored
 tokens). Each window's context is encoded ONCE per method (dense, or star/pulsar with simulated ranks), then
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from magnetar.config import SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
+from magnetar.eval.report import load
 
 
 def variant_label(v: SparseConfig) -> str:
@@ -29,7 +30,7 @@ def variant_label(v: SparseConfig) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m magnetar.sparse.evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m magnetar.eval.experiments.sparse_ppl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--methods", default="dense", help="Phase-1 methods: dense, star, pulsar (simulated ranks)")
@@ -66,24 +67,12 @@ def variants(args) -> list[SparseConfig]:
     return out
 
 
-def load_rows(out: Path) -> list[dict]:
-    path = out / "results.jsonl"
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a cut last line: redone
-    return rows
-
-
 def run(args) -> int:
     import torch
 
     import magnetar
+    from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.runner import parse_length
     from magnetar.models import load_model
 
     if args.threads:
@@ -91,7 +80,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     vs = variants(args)
-    done = {(r["method"], r["length"], r["index"], r["variant_key"]) for r in load_rows(out)}
+    done = {(r["method"], r["length"], r["index"], r["variant_key"]) for r in load(out)}
     model, tokenizer = load_model(args.model)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x) for x in args.lengths.split(",")]
@@ -157,7 +146,7 @@ def _row_label(r: dict) -> str:
 def write_report(out: Path) -> str:
     from magnetar.eval.ppl import perplexity_ci
 
-    rows = load_rows(Path(out))
+    rows = load(Path(out))
     if not rows:
         return f"no results in {out}"
     groups: dict = {}

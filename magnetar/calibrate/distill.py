@@ -9,7 +9,7 @@
    causal keys (:func:`~magnetar.prefill.indexer.kl_loss`); the backbone is never touched.
 3. **Measure** (:func:`support_recall`): how much of the oracle's top-k support the indexer's top-k recovers.
 
-:mod:`magnetar.prefill.train` drives these over a corpus, a few layers at a time (``magnetar-calibrate indexer``).
+:mod:`magnetar.calibrate.indexer` drives these over a corpus, a few layers at a time (``magnetar-calibrate indexer``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class _Stop(Exception):
 
 
 class _Capture(LayerContext):
-    """A layer context of its own (see magnetar.engine.strategy.LayerContext): dense causal attention; records x and the teacher rows."""
+    """A layer context of its own (magnetar.engine.strategy.LayerContext): dense causal attention; records x and
+    the teacher rows."""
 
     name = "capture"
 
