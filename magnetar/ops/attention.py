@@ -17,7 +17,8 @@ Positions may be gapped and unsorted (Star anchors and Pulsar summaries keep the
 ``causal=False`` makes every key visible. A query with no visible key gets ``out = 0, lse = -inf``.
 
 The work is done by a backend from :mod:`magnetar.ops.backends`; this module validates the inputs, classifies
-the mask once (so backends can take a mask-free fast path) and fixes up rows with no visible key.
+the mask once (so backends can take a mask-free fast path), hands the backend a
+:class:`magnetar.ops.call.AttentionCall` and fixes up rows with no visible key.
 It knows nothing about ranks, blocks or models.
 """
 from __future__ import annotations
@@ -27,61 +28,15 @@ from typing import Optional
 
 import torch
 
+from magnetar.ops.backends import select_backend
+# the call object and mask kinds live in ops.call so backends need not import this module; they stay
+# importable from here (tests and benchmarks do)
+from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCall
 from magnetar.ops.merge import merge_states
 from magnetar.ops.runs import Piece, plan_pieces
 from magnetar.utils.nvtx import nvtx_range
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-# Mask kinds, from cheapest to most general:
-FULL = "full"  # every key visible to every query: no mask at all
-CAUSAL_BOTTOM_RIGHT = "causal_bottom_right"  # keys 0..Sk-1, queries are the last Sq of them (Sq <= Sk)
-POSITIONS = "positions"  # general: build the mask from q_pos / k_pos
-
-
-class AttentionCall:
-    """A validated attention request, as backends see it (treat as read-only).
-
-    ``q_pos``/``k_pos`` are int64 on q's device, 1-D ``(S,)`` (shared by the batch) or 2-D ``(B, S)``; when the
-    caller gave none they are created on first access (the mask-free fast paths never touch them).
-    ``mask_kind`` is one of FULL, CAUSAL_BOTTOM_RIGHT, POSITIONS (see module docstring); for FULL and
-    CAUSAL_BOTTOM_RIGHT no query row is empty, and for CAUSAL_BOTTOM_RIGHT the positions are the defaults.
-    """
-
-    __slots__ = ("q", "k", "v", "scale", "mask_kind", "window", "_q_pos", "_k_pos")
-
-    def __init__(self, q, k, v, q_pos: Optional[torch.Tensor], k_pos: Optional[torch.Tensor], scale: float,
-                 mask_kind: str, window: Optional[int] = None):
-        self.q, self.k, self.v = q, k, v
-        self._q_pos, self._k_pos = q_pos, k_pos
-        self.scale, self.mask_kind = scale, mask_kind
-        self.window = window  # sliding window (POSITIONS kind only): also require k_pos > q_pos - window
-
-    @property
-    def q_pos(self) -> torch.Tensor:
-        if self._q_pos is None:
-            sq, sk = self.q.shape[2], self.k.shape[2]
-            self._q_pos = torch.arange(sk - sq, sk, device=self.q.device)
-        return self._q_pos
-
-    @property
-    def k_pos(self) -> torch.Tensor:
-        if self._k_pos is None:
-            self._k_pos = torch.arange(self.k.shape[2], device=self.q.device)
-        return self._k_pos
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.k.shape[1]
-
-    def visible(self, q_pos: Optional[torch.Tensor] = None, k_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Boolean visibility ``(1 or B, 1, Sq', Sk')`` for the given (default: all) positions."""
-        qp = self.q_pos if q_pos is None else q_pos
-        kp = self.k_pos if k_pos is None else k_pos
-        vis = kp.unsqueeze(-2) <= qp.unsqueeze(-1)  # (.., Sq, Sk)
-        if self.window is not None:
-            vis &= kp.unsqueeze(-2) > qp.unsqueeze(-1) - self.window
-        return vis.unsqueeze(-3) if vis.dim() == 3 else vis.view(1, 1, *vis.shape)
 
 
 def _check_positions(pos: Optional[torch.Tensor], name: str, length: int, batch: int, device) -> Optional[torch.Tensor]:
@@ -161,8 +116,6 @@ def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool, window: Optional[int
 
 def _attend_pieces(call: AttentionCall, pieces: list[Piece], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Run each mask-free piece on the chosen backend and merge the pieces of every query row."""
-    from magnetar.ops.backends import select_backend
-
     q, k, v = call.q, call.k, call.v
     B, Hq, Sq, D = q.shape
     out = torch.zeros(B, Hq, Sq, D, dtype=torch.float32, device=q.device)
@@ -213,8 +166,6 @@ def attention_with_lse(
         ``out (B, Hq, Sq, D)`` in q's dtype, ``lse (B, Hq, Sq)`` float32; rows with no visible key are
         ``(0, -inf)``.
     """
-    from magnetar.ops.backends import select_backend
-
     _validate(q, k, v)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from magnetar.ops.call import validate_states
 from magnetar.ops.jit import DeviceLike, LazyOp
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -61,11 +62,9 @@ def load_fused_merge_op(device: DeviceLike) -> ModuleType:
 
 
 def _check(outs: torch.Tensor, lses: torch.Tensor) -> None:
-    from magnetar.ops.merge import _validate  # the shape/device checks every merge shares
-
     if not isinstance(outs, torch.Tensor) or not isinstance(lses, torch.Tensor):
         raise TypeError("fused_merge_states: outs and lses must be stacked tensors (N, B, H, S, D) and (N, B, H, S)")
-    _validate(outs, lses)
+    validate_states(outs, lses)
     if outs.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"fused_merge_states: outs must be float32, bfloat16, float16 or float64, got {outs.dtype}")
     if not lses.is_floating_point():

@@ -26,6 +26,8 @@ from typing import Sequence, Union
 
 import torch
 
+from magnetar.ops.call import validate_states
+
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 _MERGE_BACKENDS = ("auto", "torch", "fused")
@@ -38,27 +40,6 @@ def _stack(xs: Tensors, name: str) -> torch.Tensor:
     if not xs:
         raise ValueError(f"merge_states: {name} is empty; pass at least one partial state")
     return torch.stack(xs, dim=0)
-
-
-def _validate(outs: torch.Tensor, lses: torch.Tensor) -> None:
-    if outs.dim() != 5:
-        raise ValueError(
-            f"merge_states: outs must be a list of (B, H, S, D) tensors or one stacked (N, B, H, S, D) tensor; "
-            f"got shape {tuple(outs.shape)}"
-        )
-    if lses.shape != outs.shape[:-1]:
-        raise ValueError(
-            f"merge_states: lses must have shape (N, B, H, S) = {tuple(outs.shape[:-1])} to match outs "
-            f"{tuple(outs.shape)}; got {tuple(lses.shape)}"
-        )
-    if outs.shape[0] == 0:
-        raise ValueError("merge_states: got N = 0 partial states; pass at least one")
-    if outs.device != lses.device:
-        raise ValueError(f"merge_states: outs on {outs.device} but lses on {lses.device}; move both to one device")
-    if not outs.is_floating_point():
-        raise ValueError(
-            f"merge_states: outs must be a floating dtype (float32, bfloat16, float16 or float64), got {outs.dtype}"
-        )
 
 
 def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +80,7 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
     if backend not in _MERGE_BACKENDS:
         raise ValueError(f"merge_states: backend must be one of {_MERGE_BACKENDS}, got {backend!r}")
     outs_t, lses_t = _stack(outs, "outs"), _stack(lses, "lses")
-    _validate(outs_t, lses_t)
+    validate_states(outs_t, lses_t)
     if backend == "torch":
         return merge_states_torch(outs_t, lses_t)
     from magnetar.ops import fused_merge  # local import: keeps the builder out of import time

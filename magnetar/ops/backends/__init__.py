@@ -1,7 +1,8 @@
 """Registry of attention backends behind :func:`magnetar.ops.attention_with_lse`.
 
 A backend is an object with ``name``, ``validate(call) -> list[str]`` (the reasons it refuses this call;
-empty means it accepts) and ``forward(call) -> (out, lse)``. Backends are registered by module path and
+empty means it accepts) and ``forward(call) -> (out, lse)``, where ``call`` is a
+:class:`magnetar.ops.call.AttentionCall` (backends import it and the mask kinds from there). Backends are registered by module path and
 imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend in
 ``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
 
@@ -18,14 +19,16 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from magnetar.ops.call import AttentionCall
+
 
 class AttentionBackend(Protocol):
     name: str
     device_types: Optional[tuple[str, ...]]  # devices it can ever serve (None: any); auto skips the rest cheaply
 
-    def validate(self, call) -> list[str]: ...
+    def validate(self, call: AttentionCall) -> list[str]: ...
 
-    def forward(self, call) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
@@ -61,7 +64,7 @@ def get_backend(name: str) -> AttentionBackend:
     return _INSTANCES[name]
 
 
-def select_backend(call, name: str = "auto") -> AttentionBackend:
+def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
     """The backend that will run ``call``: the forced one (if it accepts) or the first accepting in AUTO_ORDER."""
     if name != "auto":
         backend = get_backend(name)
@@ -84,6 +87,6 @@ def select_backend(call, name: str = "auto") -> AttentionBackend:
     raise ValueError("no attention backend accepts this call:\n  " + "\n  ".join(refusals))
 
 
-def explain(call) -> dict[str, list[str]]:
+def explain(call: AttentionCall) -> dict[str, list[str]]:
     """For every registered backend, the reasons it refuses ``call`` (empty list: it accepts)."""
     return {name: get_backend(name).validate(call) for name in list_backends()}

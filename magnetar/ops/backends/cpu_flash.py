@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
 from magnetar.ops.merge import merge_states_torch
 
 _MASK_BUDGET = int(os.environ.get("MAGNETAR_CPU_MASK_BUDGET", str(1 << 23)))  # 8M floats = 32 MiB per chunk
@@ -49,8 +50,6 @@ class CpuFlashBackend:
         return reasons
 
     def forward(self, call):
-        from magnetar.ops.attention import CAUSAL_BOTTOM_RIGHT, FULL
-
         q, k, v, scale = call.q, call.k, call.v, call.scale
         Sq, Sk = q.shape[2], k.shape[2]
         if call.mask_kind == FULL:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from magnetar.ops.call import FULL, POSITIONS
+
 _FA = None  # (flash_attn_func, version tag) or an error string
 
 
@@ -50,8 +52,6 @@ class FlashAttnBackend:
     device_types = ("cuda",)
 
     def validate(self, call) -> list[str]:
-        from magnetar.ops.attention import FULL, POSITIONS
-
         reasons = []
         q = call.q
         if q.device.type != "cuda":
@@ -74,8 +74,6 @@ class FlashAttnBackend:
         return reasons
 
     def forward(self, call):
-        from magnetar.ops.attention import FULL
-
         fn, version = _load()
         q = call.q.transpose(1, 2)
         k = call.k.transpose(1, 2)

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from magnetar.ops.call import FULL
+
 
 def fold_gqa(q: torch.Tensor, hkv: int) -> torch.Tensor:
     """``(B, Hq, Sq, D) -> (B, Hkv, G*Sq, D)``; rows ordered (g, i) so head h = kv*G + g."""
@@ -57,8 +59,6 @@ class ReferenceBackend:
         return []
 
     def forward(self, call):
-        from magnetar.ops.attention import FULL
-
         hkv = call.k.shape[1]
         qf = fold_gqa(call.q, hkv)
         visible = None

@@ -12,6 +12,7 @@ import os
 import torch
 
 from magnetar.ops.backends.reference import attend_block, fold_gqa, fold_positions, unfold_gqa
+from magnetar.ops.call import FULL
 from magnetar.ops.merge import merge_states_torch
 
 # Score elements per tile step (rows x keys x heads); 2**24 float32 = 64 MiB of scores.
@@ -26,8 +27,6 @@ class TiledBackend:
         return []
 
     def forward(self, call):
-        from magnetar.ops.attention import FULL
-
         q, k, v = call.q, call.k, call.v
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
