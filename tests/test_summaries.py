@@ -28,6 +28,7 @@ from magnetar.methods.summaries import (
     select_summary,
     sink_indices,
 )
+from tests.conftest import assert_close, assert_differs
 
 T = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
 
@@ -64,7 +65,7 @@ def test_corpus_idf_documents_are_blocks():
     assert tab.df.tolist() == [0, 3, 2, 2, 1, 1, 1, 0, 0]  # 3 appears 4 times but in 2 blocks
     docs = [set(ids[s:e].tolist()) for s, e in [(0, 4), (4, 8), (8, 12)]]
     for t in range(9):
-        assert tab.idf[t].item() == pytest.approx(hand_idf(docs, t), abs=1e-12)
+        assert_close(tab.idf[t].item(), hand_idf(docs, t), what="fp64", msg=f"idf of {t}")
     assert tab.idf[1].item() == 0.0                              # in all documents
     assert tab.idf[4].item() == pytest.approx(math.log(3))       # in one document
     assert tab.idf[7].item() == pytest.approx(math.log(3))       # absent: max(df, 1) = 1
@@ -117,7 +118,7 @@ def test_tfidf_matches_hand_formula():
     toks = blk.tolist()
     chunks = [toks[i:i + 4] for i in range(0, len(toks), 4)]
     expect = [sum(hand_idf(docs, t) for t in c) / len(c) for c in chunks]  # Eq. 9, partial chunk |C| = 2
-    assert sc.tolist() == pytest.approx(expect, abs=1e-12)
+    assert_close(sc.tolist(), expect, what="fp64", msg="tfidf")
     # chunk 2 has two rare tokens (5, 5) -> highest mean; chunk 1 has one
     assert expect[2] > expect[1] > expect[0] == 0
     assert select_summary(blk, tab, chunk_size=4, budget=0.25, scorer="tfidf").tolist() == [8, 9, 10, 11]
@@ -141,10 +142,10 @@ def test_bm25_matches_hand_formula_with_corpus_mean_chunk_len():
         return s
 
     sc = chunk_scores(blk, tab, chunk_size=4, scorer="bm25")
-    assert sc.tolist() == pytest.approx([bm25(c, lbar) for c in chunks], abs=1e-12)
+    assert_close(sc.tolist(), [bm25(c, lbar) for c in chunks], what="fp64", msg="bm25")
     sc2 = chunk_scores(blk, tab, chunk_size=4, scorer="bm25", avg_chunk_len=4.0)
-    assert sc2.tolist() == pytest.approx([bm25(c, 4.0) for c in chunks], abs=1e-12)
-    assert not torch.allclose(sc, sc2)
+    assert_close(sc2.tolist(), [bm25(c, 4.0) for c in chunks], what="fp64", msg="bm25, avg_chunk_len 4")
+    assert_differs(sc, sc2, msg="bm25 with another avg_chunk_len")
     with pytest.raises(ValueError, match="IdfTable"):
         chunk_scores(blk, tab.idf, chunk_size=4, scorer="bm25")
 

@@ -33,6 +33,17 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
+def peaked_tiny_model(arch: str = "llama", seed: int = 0, factor: float = 10.0, **overrides):
+    """:func:`tiny_model` with q/k projections scaled by ``factor``: peakier attention than the 0.02-std random
+    init gives, so a top-k oracle has a support worth learning (sparse prefill tests)."""
+    model = tiny_model(arch, seed=seed, **overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    return model
+
+
 @torch.no_grad()
 def reference(model, context_ids: torch.Tensor, query_ids: torch.Tensor, max_new_tokens: int):
     """HF's own dense greedy decoding, (first-token logits, tokens): every step is a full forward of the whole
