@@ -53,6 +53,9 @@ def merge_fp64(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, to
     out = torch.zeros(R, D, dtype=torch.float64)
     lse = torch.full((R,), -INF, dtype=torch.float64)
     for r in range(R):
+        if any(math.isnan(lv[n, r].item()) or lv[n, r].item() == INF for n in range(N)):
+            out[r], lse[r] = NAN, NAN  # non-finite rule (issue 19): a NaN / +inf part poisons the row
+            continue
         parts = [n for n in range(N) if math.isfinite(lv[n, r].item())]
         if not parts:
             continue
@@ -102,15 +105,17 @@ def synthetic_states(N, dtype, gen, B=2, H=3, S=7, D=16, spread=3.0, p_special=0
     lses[(u >= third) & (u < 2 * third)] = INF
     lses[(u >= 2 * third) & (u < p_special)] = NAN
     specials = torch.tensor([-INF, INF, NAN])
-    lses[:, 0, 0, 0] = specials[torch.arange(N) % 3]  # every part empty, each kind of empty present
+    lses[:, 0, 0, 0] = specials[torch.arange(N) % 3]  # no finite part, each kind of special present
     lses[:, 1, 2, S - 1] = -INF
     return outs, lses
 
 
 def check_against(out, lse, ref_out, ref_lse, dtype, msg):
     assert out.dtype == dtype and lse.dtype == torch.float32, msg
-    assert_close(out, ref_out, dtype, "out", msg)
-    assert_close(lse, ref_lse, dtype, "lse", msg)
+    nan = torch.isnan(ref_lse)  # rows a NaN / +inf part poisons (issue 19): exactly these are (NaN, NaN)
+    assert torch.equal(torch.isnan(lse), nan) and torch.isnan(out[nan]).all(), msg + ": NaN rows differ"
+    assert_close(out[~nan], ref_out[~nan], dtype, "out", msg)
+    assert_close(lse[~nan], ref_lse[~nan], dtype, "lse", msg)
 
 
 # -------------------------------------------------------------------------------------- correctness (CPU)
@@ -154,11 +159,14 @@ def test_empty_inf_nan_parts_and_all_empty_rows(cpu_op, dtype, n_parts):
     check_against(out, lse, *merge_fp64(outs, lses), dtype, msg + " vs fp64 merge")
     check_against(out, lse, *merge_states_torch(outs, lses), dtype, msg + " vs merge_states_torch")
 
-    empty = ~torch.isfinite(lses).any(dim=0)  # (B, H, S) rows empty in every part
-    assert empty[0, 0, 0] and empty[1, 2, -1]
+    empty = torch.isneginf(lses).all(dim=0)  # (B, H, S) rows empty (-inf) in every part
+    poisoned = (torch.isnan(lses) | torch.isposinf(lses)).any(dim=0)  # issue 19: NaN / +inf parts are not empty
+    assert (empty[0, 0, 0] if n_parts == 1 else poisoned[0, 0, 0]) and empty[1, 2, -1]
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), msg + ": all-empty rows must give out == 0"
     assert torch.isneginf(lse[empty]).all(), msg + ": all-empty rows must give lse == -inf"
-    assert torch.isfinite(lse[~empty]).all() and torch.isfinite(out[~empty].float()).all(), msg
+    assert torch.isnan(lse[poisoned]).all() and torch.isnan(out[poisoned].float()).all(), msg
+    rest = ~empty & ~poisoned
+    assert torch.isfinite(lse[rest]).all() and torch.isfinite(out[rest].float()).all(), msg
 
 
 def test_empty_part_outputs_are_ignored_even_if_nan(cpu_op):
@@ -167,12 +175,12 @@ def test_empty_part_outputs_are_ignored_even_if_nan(cpu_op):
     outs, lses = synthetic_states(4, torch.float32, gen)
     clean_out, clean_lse = fused_merge.fused_merge_states(outs, lses)
     dirty = outs.clone()
-    empty_parts = ~torch.isfinite(lses)
+    empty_parts = torch.isneginf(lses)  # issue 19: only -inf parts are empty
     dirty[empty_parts] = NAN
     dirty[empty_parts & (torch.arange(outs.shape[3]) % 2 == 0)] = INF
     out, lse = fused_merge.fused_merge_states(dirty, lses)
-    assert torch.equal(out, clean_out)
-    assert torch.equal(lse, clean_lse)
+    torch.testing.assert_close(out, clean_out, rtol=0, atol=0, equal_nan=True)  # NaN only in poisoned rows
+    torch.testing.assert_close(lse, clean_lse, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -197,7 +205,9 @@ def test_extreme_lse(cpu_op, dtype):
     ref_out, ref_lse = merge_fp64(outs, lses)
     check_against(out, lse, ref_out, ref_lse, dtype, msg + " vs fp64 merge")
     check_against(out, lse, *merge_states_torch(outs, lses), dtype, msg + " vs merge_states_torch")
-    assert torch.isfinite(lse).all() and torch.isfinite(out.float()).all(), msg
+    fin = torch.arange(S) != 2  # row 2 holds a NaN and a +inf part: (NaN, NaN) under issue 19's rule
+    assert torch.isfinite(lse[..., fin]).all() and torch.isfinite(out[..., fin, :].float()).all(), msg
+    assert torch.isnan(lse[..., 2]).all() and torch.isnan(out[..., 2, :].float()).all(), msg
     # row 0: the 8e4 + 0.5 and 8e4 parts dominate; the others underflow to exactly zero weight
     w = torch.tensor([1.0, math.exp(-0.5)], dtype=torch.float64)
     w = w / w.sum()
@@ -214,8 +224,10 @@ def test_single_part_is_identity(cpu_op, dtype):
     keep = torch.isfinite(lses[0])
     assert torch.equal(out[keep], outs[0][keep]), "N=1 must return the part's out bit-exactly"
     assert torch.equal(lse[keep], lses[0][keep]), "N=1 must return the part's lse bit-exactly"
-    assert torch.equal(out[~keep], torch.zeros_like(out[~keep]))
-    assert torch.isneginf(lse[~keep]).all()
+    empty = torch.isneginf(lses[0])  # issue 19: only -inf is empty; NaN / +inf give (NaN, NaN)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isneginf(lse[empty]).all()
+    assert torch.isnan(out[~keep & ~empty].float()).all() and torch.isnan(lse[~keep & ~empty]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -543,7 +555,7 @@ def test_cuda_op_matches_references(dtype, n_parts, D):
     msg = f"CUDA N={n_parts} D={D} {dtype}"
     check_against(out.cpu(), lse.cpu(), *merge_fp64(outs, lses), dtype, msg + " vs fp64 merge")
     check_against(out.cpu(), lse.cpu(), *merge_states_torch(outs, lses), dtype, msg + " vs merge_states_torch")
-    empty = ~torch.isfinite(lses).any(dim=0)
+    empty = torch.isneginf(lses).all(dim=0)  # issue 19: NaN / +inf parts are not empty
     assert torch.equal(out.cpu()[empty], torch.zeros_like(out.cpu()[empty]))
     assert torch.isneginf(lse.cpu()[empty]).all()
 
@@ -560,3 +572,6 @@ def test_cuda_op_attention_union_and_extremes():
         ox = torch.randn(5, 1, 2, 3, 16, generator=gen).to(dtype)
         out, lse = fused_merge.fused_merge_states(ox.cuda(), lx.cuda())
         check_against(out.cpu(), lse.cpu(), *merge_fp64(ox, lx), dtype, f"CUDA extreme lse {dtype}")
+        lx = torch.where(torch.isnan(lx), -INF, lx)  # issue 19: the NaN part poisons the rows; keep the extremes
+        out, lse = fused_merge.fused_merge_states(ox.cuda(), lx.cuda())
+        check_against(out.cpu(), lse.cpu(), *merge_fp64(ox, lx), dtype, f"CUDA extreme lse, no NaN part {dtype}")

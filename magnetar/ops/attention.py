@@ -16,9 +16,16 @@ Causality is defined by positions, not by index: key j is visible to query i iff
 Positions may be gapped and unsorted (Star anchors and Pulsar summaries keep their original positions).
 ``causal=False`` makes every key visible. A query with no visible key gets ``out = 0, lse = -inf``.
 
+Non-finite inputs are never turned into finite output, and every backend gives the same rows
+(:mod:`magnetar.ops.nonfinite`): NaN or +-inf in q row i or in a key row i can see makes row i
+``(NaN, NaN)``; in v of a key row i can see, row i's ``out`` is NaN (its lse stays what the scores give);
+a key no query can see changes nothing; a row that sees no key is ``(0, -inf)`` even if its query is NaN.
+Cost for finite inputs: one ``aminmax`` pass over q, k and out per call and one host sync; only when it
+finds a non-finite value is the call re-run on zeroed inputs and the affected rows set to NaN.
+
 The work is done by a backend from :mod:`magnetar.ops.backends`; this module validates the inputs, classifies
 the mask once (so backends can take a mask-free fast path), hands the backend a
-:class:`magnetar.ops.call.AttentionCall` and fixes up rows with no visible key.
+:class:`magnetar.ops.call.AttentionCall`, fixes up rows with no visible key and applies the non-finite rule.
 It knows nothing about ranks, blocks or models.
 """
 from __future__ import annotations
@@ -33,6 +40,7 @@ from magnetar.ops.backends import select_backend
 # importable from here (tests and benchmarks do)
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCall
 from magnetar.ops.merge import merge_states
+from magnetar.ops.nonfinite import attend_nonfinite, fast_path_finite
 from magnetar.ops.runs import Piece, plan_pieces
 from magnetar.utils.nvtx import nvtx_range
 
@@ -164,7 +172,7 @@ def attention_with_lse(
 
     Returns:
         ``out (B, Hq, Sq, D)`` in q's dtype, ``lse (B, Hq, Sq)`` float32; rows with no visible key are
-        ``(0, -inf)``.
+        ``(0, -inf)``. Non-finite inputs give NaN rows, the same on every backend (module docstring).
     """
     _validate(q, k, v)
     B, Hq, Sq, D = q.shape
@@ -181,7 +189,15 @@ def attention_with_lse(
         raise ValueError(f"attention_with_lse: window={window} needs causal=True and window >= 1")
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal, window)
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
-    if kind == POSITIONS and call.window is None:
+    out, lse = _attend(call, backend)
+    if fast_path_finite(call, out):  # the common case: one min/max pass over q, k and out
+        return out, lse
+    return attend_nonfinite(call, lambda c: _attend(c, backend), fast=(out, lse))
+
+
+def _attend(call: AttentionCall, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The finite path: mask-free pieces or one backend call, then rows with no visible key set to ``(0, -inf)``."""
+    if call.mask_kind == POSITIONS and call.window is None:
         pieces = plan_pieces(call.q_pos, call.k_pos)
         if pieces is not None:  # a few contiguous runs: mask-free pieces, merged
             return _attend_pieces(call, pieces, backend)
@@ -189,8 +205,9 @@ def attention_with_lse(
     impl = select_backend(call, backend)
     with nvtx_range(f"attention_with_lse[{impl.name}]"):
         out, lse = impl.forward(call)
-    if kind == POSITIONS:
+    if call.mask_kind == POSITIONS:
         # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.
+        Sq = call.q.shape[2]
         if call.window is None:
             kmin = call.k_pos.amin(dim=-1, keepdim=True)  # (1,) or (B, 1)
             empty = call.q_pos < kmin  # (Sq,) or (B, Sq)

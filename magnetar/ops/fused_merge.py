@@ -15,8 +15,9 @@
 * Build output is not printed unless ``MAGNETAR_VERBOSE_BUILD=1``.
 
 The op has no autograd formula: it is for inference (inputs that require grad are rejected).
-Like the torch reference, it never reads the ``outs`` row of an *empty* part (lse -inf, +inf or NaN), so NaN
-garbage there does not reach the result.
+Like the torch reference, it never reads the ``outs`` row of an *empty* part (lse -inf), so NaN garbage there
+does not reach the result, and a part with lse NaN or +inf makes its row ``(NaN, NaN)`` (the non-finite rule
+of :mod:`magnetar.ops.merge`).
 """
 from __future__ import annotations
 

@@ -9,10 +9,18 @@ float32), the exact softmax over the union of their keys is::
     out = sum_n w_n * o_n / sum_n w_n
     lse = m + log(sum_n w_n)
 
-Numerics: accumulation is float32 whatever the input dtype; ``-inf``, ``+inf`` and NaN lse mark an empty part
-(FlashAttention reports ``+inf`` for fully masked rows, torch's CPU flash kernel ``0``; backends normalise
-to ``-inf`` but merge does not trust its inputs) and the output behind an empty part is never read, even if it
-is NaN; a row empty in every part gives ``out = 0, lse = -inf``.
+Numerics: accumulation is float32 whatever the input dtype. Per query row:
+
+* a part with ``lse = -inf`` is empty (it saw no key): its ``out`` is never read, even if it is NaN;
+* a part with ``lse`` NaN or ``+inf`` carries non-finite input (attention gives NaN lse for a NaN query or a
+  visible NaN/inf key): the merged row is ``out = NaN`` (every element), ``lse = NaN``. There is no "NaN lse
+  = empty" rule -- a NaN never becomes a plausible finite answer. (FlashAttention's ``+inf`` for a row with
+  no visible key never gets here: attention gives such rows ``-inf``.);
+* the ``out`` of every other part is read, even where its weight underflows to 0, so a NaN/inf value in it
+  stays non-finite in the merged ``out`` (IEEE: ``0 * NaN = NaN``); the merged ``lse`` is unaffected, as in
+  attention with a NaN value vector;
+* a row empty in every part gives ``out = 0, lse = -inf``.
+
 Never ``lse + log1p(exp(delta))``: that overflows for large ``delta``.
 
 The fused implementation (a DeepSpeed op builder, :mod:`magnetar.ops.fused_merge`) is used when it is
@@ -45,20 +53,28 @@ def _stack(xs: Tensors, name: str) -> torch.Tensor:
 def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference merge of stacked states: ``outs (N, B, H, S, D)``, ``lses (N, B, H, S)``.
 
-    Returns ``out (B, H, S, D)`` in ``outs.dtype`` and ``lse (B, H, S)`` float32.
+    Returns ``out (B, H, S, D)`` in ``outs.dtype`` and ``lse (B, H, S)`` float32, under the module's rules
+    for empty (``-inf``) and non-finite (NaN / ``+inf``) parts.
     """
     lse = lses.float()
-    lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("-inf")))  # +inf / NaN -> empty
-    m = lse.amax(dim=0)  # (B, H, S); -inf where every part is empty
+    empty = lse == float("-inf")  # parts that saw no key: their outs are never read
+    bad = ~(empty | torch.isfinite(lse))  # NaN / +inf: non-finite input behind the part
+    live = ~(empty | bad)
+    lse = torch.where(live, lse, torch.full_like(lse, float("-inf")))
+    m = lse.amax(dim=0)  # (B, H, S); -inf where no part is live
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m_safe)  # empty parts -> exp(-inf) = 0
+    w = torch.exp(lse - m_safe)  # dead parts -> exp(-inf) = 0
     denom = w.sum(dim=0)
-    w = w.unsqueeze(-1)
-    # outputs behind empty parts may hold garbage (NaN from a masked kernel row): never let them in
-    acc = torch.where(w > 0, w * outs.float(), torch.zeros((), device=outs.device)).sum(dim=0)
-    empty = denom == 0
-    out = torch.where(empty.unsqueeze(-1), torch.zeros_like(acc), acc / torch.where(empty, 1.0, denom).unsqueeze(-1))
-    lse_out = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    # every live part's out is read, even with weight 0 (0 * NaN stays NaN, as in the fused op); the outs of
+    # dead parts may hold garbage (NaN from a masked kernel row): never let them in
+    zero = torch.zeros((), device=outs.device)
+    acc = torch.where(live.unsqueeze(-1), w.unsqueeze(-1) * outs.float(), zero).sum(dim=0)
+    no_live = denom == 0  # rows with no live part: acc is 0 there, so out = 0 / 1 = 0
+    out = acc / torch.where(no_live, 1.0, denom).unsqueeze(-1)
+    lse_out = torch.where(no_live, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    poisoned = bad.any(dim=0)  # (B, H, S)
+    out = out.masked_fill(poisoned.unsqueeze(-1), float("nan"))
+    lse_out = lse_out.masked_fill(poisoned, float("nan"))
     return out.to(outs.dtype), lse_out
 
 
@@ -75,7 +91,8 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
 
     Returns:
         ``(out, lse)``: ``out (B, H, S, D)`` in the dtype of ``outs``, ``lse (B, H, S)`` float32;
-        rows empty in every part give ``out = 0`` and ``lse = -inf``.
+        rows empty in every part give ``out = 0`` and ``lse = -inf``; a row with a NaN or ``+inf`` lse part
+        gives ``(NaN, NaN)``; a NaN in a non-empty part's out stays NaN (module docstring).
     """
     if backend not in _MERGE_BACKENDS:
         raise ValueError(f"merge_states: backend must be one of {_MERGE_BACKENDS}, got {backend!r}")

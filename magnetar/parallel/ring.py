@@ -67,7 +67,8 @@ def ring_attention(
         timeout: per-step limit for the KV exchange (default: ``MAGNETAR_COLLECTIVE_TIMEOUT_S``).
     Returns:
         ``out (B, Hq, Sq_r, D)`` in q's dtype and ``lse (B, Hq, Sq_r)`` float32, equal to attention over the
-        concatenation of all shards.
+        concatenation of all shards -- also for NaN/inf inputs: each step's attention and the merge follow the
+        non-finite rule, so exactly the rows that can see a bad key (on whichever rank) come back NaN.
     """
     _check_shard(q, k, v, q_pos, k_pos)
     world = group_size(group)

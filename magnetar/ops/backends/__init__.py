@@ -5,6 +5,7 @@ empty means it accepts) and ``forward(call) -> (out, lse)``, where ``call`` is a
 :class:`magnetar.ops.call.AttentionCall` (backends import it and the mask kinds from there). Backends are registered by module path and
 imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend in
 ``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
+A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`).
 
 Built-in backends:
     flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only)

@@ -2,8 +2,10 @@
 
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` handles GQA natively and takes an additive float
 mask, but (a) it returns ``lse = 0`` and ``out = 0`` for rows with no visible key (the front end rewrites
-those rows to ``-inf``), (b) it crashes on ``Sk = 0`` (the front end never sends that), and (c) a float
-mask costs ``Sq x Sk`` memory. So masks are avoided where the structure allows:
+those rows to ``-inf``), (b) it crashes on ``Sk = 0`` (the front end never sends that), (c) a float
+mask costs ``Sq x Sk`` memory, and (d) it handles NaN inconsistently (``lse = 0`` for a NaN query; a NaN
+key poisons masked rows or vanishes under ``is_causal``): the front end applies the non-finite rule
+(:mod:`magnetar.ops.nonfinite`). So masks are avoided where the structure allows:
 
 * FULL: no mask;
 * bottom-right causal with ``Sq == Sk``: the kernel's own ``is_causal``;

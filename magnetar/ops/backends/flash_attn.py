@@ -9,6 +9,9 @@ refused and ``auto`` falls through to the next backend.
 Version differences live here: flash-attn 2 (``flash_attn.flash_attn_func`` returns
 ``(out, lse, S_dmask)`` with ``return_attn_probs=True``) and FlashAttention-3 for Hopper
 (``flash_attn_interface.flash_attn_func`` returns ``(out, lse)``).
+NaN: FlashAttention reports ``lse = +inf`` for a row whose softmax sum is NaN (or 0); those rows never reach
+the caller, since the front end re-runs any call with non-finite q/k/out on zeroed inputs and applies the
+rule of :mod:`magnetar.ops.nonfinite` (checked on CPU with a backend that mimics this, tests/test_nonfinite.py).
 Not yet exercised on a GPU by the test suite (CI is CPU-only); see docs/benchmarks.md for GPU runs.
 """
 from __future__ import annotations

@@ -46,8 +46,9 @@ def attend_block(
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m_safe.unsqueeze(-1))
     z = p.sum(dim=-1)
-    out = torch.matmul(p, v.to(acc)) / torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)
-    lse = torch.where(z > 0, m_safe + torch.log(z), torch.full_like(z, float("-inf")))
+    empty = z == 0  # not `z > 0`: a NaN row (NaN in q or a visible key) must stay NaN, never look empty
+    out = torch.matmul(p, v.to(acc)) / torch.where(empty, torch.ones_like(z), z).unsqueeze(-1)
+    lse = torch.where(empty, torch.full_like(z, float("-inf")), m_safe + torch.log(z))
     return out, lse
 
 

@@ -6,15 +6,19 @@
 //
 //   outs (N, B, H, S, D) float32 / bfloat16 / float16 (float64 accepted, accumulated in float32 like the
 //   reference), lses (N, B, H, S) float32. Per row r (= one (b, h, s)):
-//     part n is empty  <=>  lses[n, r] is -inf, +inf or NaN   (its outs row is ignored)
-//     m      = max over non-empty n of lses[n, r]
-//     w_n    = exp(lses[n, r] - m)
-//     out    = sum_n w_n * outs[n, r, :] / sum_n w_n           (float32 accumulation)
-//     lse    = m + log(sum_n w_n)
+//     part n is empty     <=>  lses[n, r] == -inf          (it saw no key; its outs row is never read)
+//     part n is poisoned  <=>  lses[n, r] is NaN or +inf   (non-finite input behind it)
+//     any poisoned part:  out = NaN (every element), lse = NaN
+//     otherwise, over the finite parts n:
+//       m      = max_n lses[n, r]
+//       w_n    = exp(lses[n, r] - m)
+//       out    = sum_n w_n * outs[n, r, :] / sum_n w_n           (float32 accumulation)
+//       lse    = m + log(sum_n w_n)
 //   A row empty in every part gives out = 0, lse = -inf.
 //
 // As in the torch reference, the outs row of an *empty* part is never read, so NaN/inf garbage there cannot
-// leak into the result. Non-empty parts whose weight underflows to 0 are still multiplied in.
+// leak into the result. Finite parts whose weight underflows to 0 are still multiplied in, so a NaN/inf in
+// their outs row stays non-finite in out (0 * NaN = NaN); lse does not depend on outs.
 //
 // Parallelised over rows with at::parallel_for (OpenMP in the CPU wheels; the builder passes -fopenmp).
 
@@ -76,19 +80,28 @@ void merge_rows(const scalar_t* __restrict__ outs,  // (N, R, D)
   std::vector<float> acc(static_cast<size_t>(D));
   float* __restrict__ a = acc.data();
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
 
   for (int64_t r = row_begin; r < row_end; ++r) {
-    // Pass 1: max over the non-empty parts.
+    // Pass 1: max over the finite parts; a NaN or +inf part poisons the row.
     float m = neg_inf;
     bool any = false;
+    bool poisoned = false;
     for (int64_t n = 0; n < N; ++n) {
       const float l = lses[n * R + r];
       if (std::isfinite(l)) {
         m = any ? std::max(m, l) : l;
         any = true;
+      } else if (!(l < 0.0f)) {  // NaN or +inf (-inf is an empty part)
+        poisoned = true;
       }
     }
     scalar_t* __restrict__ o_row = out + r * D;
+    if (poisoned) {
+      for (int64_t d = 0; d < D; ++d) o_row[d] = static_cast<scalar_t>(nan);
+      lse_out[r] = nan;
+      continue;
+    }
     if (!any) {
       for (int64_t d = 0; d < D; ++d) o_row[d] = static_cast<scalar_t>(0.0f);
       lse_out[r] = neg_inf;
@@ -100,7 +113,7 @@ void merge_rows(const scalar_t* __restrict__ outs,  // (N, R, D)
     float denom = 0.0f;
     for (int64_t n = 0; n < N; ++n) {
       const float l = lses[n * R + r];
-      if (!std::isfinite(l)) continue;  // empty part: ignored, including its outs row
+      if (!std::isfinite(l)) continue;  // empty part (-inf): ignored, including its outs row
       const float w = std::exp(l - m);
       denom += w;
       const scalar_t* __restrict__ src = outs + (n * R + r) * D;

@@ -7,10 +7,14 @@
 // by reading.
 //
 // Semantics: identical to merge_states.cpp (the CPU op) and magnetar.ops.merge.merge_states_torch:
-//   part n of row r is empty iff lses[n, r] is -inf, +inf or NaN (its outs row is ignored);
-//   m = max over non-empty parts; w_n = exp(lses[n, r] - m);
-//   out = sum_n w_n * outs[n, r, :] / sum_n w_n (float32 accumulation); lse = m + log(sum_n w_n);
+//   part n of row r is empty iff lses[n, r] is -inf (its outs row is ignored);
+//   a part with lses[n, r] NaN or +inf poisons the row: out = NaN (every element), lse = NaN;
+//   otherwise m = max over the finite parts; w_n = exp(lses[n, r] - m);
+//   out = sum_n w_n * outs[n, r, :] / sum_n w_n (float32 accumulation; a finite part's outs row is read even
+//   when w_n underflows to 0, so NaN there stays NaN); lse = m + log(sum_n w_n);
 //   a row empty in every part gives out = 0, lse = -inf.
+// The non-finite rule was changed by reading only, like the rest of this file: compile-check and run the CUDA
+// tests of tests/test_fused_merge.py and tests/test_nonfinite.py on a GPU.
 //
 // Layout (contiguous): outs (N, R, D), lses (N, R) float32, out (R, D), lse_out (R) float32, R = B*H*S.
 // Mapping: one warp per row. Every lane reads the N lse values of its row (N is small; the loads are
@@ -37,6 +41,11 @@ __device__ __forceinline__ bool is_finite_f(float x) { return fabsf(x) <= FLT_MA
 
 __device__ __forceinline__ float neg_inf_f() { return -__int_as_float(0x7f800000); }  // -inf
 
+__device__ __forceinline__ float nan_f() { return __int_as_float(0x7fc00000); }  // quiet NaN
+
+// -inf by its bit pattern, so the test holds whatever the math flags.
+__device__ __forceinline__ bool is_neg_inf_f(float x) { return __float_as_uint(x) == 0xff800000u; }
+
 template <typename scalar_t>
 __global__ void merge_states_kernel(const scalar_t* __restrict__ outs, const float* __restrict__ lses,
                                     scalar_t* __restrict__ out, float* __restrict__ lse_out, int64_t N, int64_t R,
@@ -45,18 +54,26 @@ __global__ void merge_states_kernel(const scalar_t* __restrict__ outs, const flo
   const int lane = threadIdx.x % kWarpSize;
   if (r >= R) return;  // no __syncthreads / shuffles below, so an early exit is safe
 
-  // Pass 1: max over the non-empty parts.
+  // Pass 1: max over the finite parts; a NaN or +inf part poisons the row.
   float m = neg_inf_f();
   bool any = false;
+  bool poisoned = false;
   for (int64_t n = 0; n < N; ++n) {
     const float l = lses[n * R + r];
     if (is_finite_f(l)) {
       m = any ? fmaxf(m, l) : l;
       any = true;
+    } else if (!is_neg_inf_f(l)) {
+      poisoned = true;
     }
   }
 
   scalar_t* o_row = out + r * D;
+  if (poisoned) {
+    for (int64_t d = lane; d < D; d += kWarpSize) o_row[d] = static_cast<scalar_t>(nan_f());
+    if (lane == 0) lse_out[r] = nan_f();
+    return;
+  }
   if (!any) {
     for (int64_t d = lane; d < D; d += kWarpSize) o_row[d] = static_cast<scalar_t>(0.0f);
     if (lane == 0) lse_out[r] = neg_inf_f();
@@ -75,7 +92,7 @@ __global__ void merge_states_kernel(const scalar_t* __restrict__ outs, const flo
     float acc = 0.0f;
     for (int64_t n = 0; n < N; ++n) {
       const float l = lses[n * R + r];
-      if (!is_finite_f(l)) continue;  // empty part: ignored, including its outs row
+      if (!is_finite_f(l)) continue;  // empty part (-inf): ignored, including its outs row
       const float w = expf(l - m);
       acc += w * static_cast<float>(outs[(n * R + r) * D + d]);
     }

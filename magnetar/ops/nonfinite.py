@@ -1,0 +1,128 @@
+"""Non-finite attention inputs: a cheap check for the common finite case, and the exact path that makes every
+backend give the same answer when q, k or v holds NaN or +-inf.
+
+The rule (docs/design.md, "The (out, lse) contract"), for query row i and the keys it can see (positions
+decide visibility, as everywhere):
+
+* a non-finite value (NaN, +inf or -inf) in q row i, or in a key j visible to row i -> ``out[i] = NaN``
+  (every element) and ``lse[i] = NaN``; +-inf is treated as NaN, never as a plausible score;
+* a non-finite value in v of a key visible to row i -> ``out[i] = NaN`` (every element); ``lse[i]`` is the
+  ordinary (finite) log-sum-exp of the row's scores;
+* a row that sees no key is ``(0, -inf)`` whatever q holds (nothing was computed from it), and a non-finite
+  key no query row can see changes nothing (it is masked).
+
+Backends cannot be trusted to do this on their own: torch's fused CPU kernel adds the mask to the scores, so a
+NaN key poisons rows its mask hides it from (and under ``is_causal`` vanishes from rows that see it), and it
+returns ``lse = 0`` for a NaN query row; every ``p @ v`` spreads a masked NaN value through ``0 * NaN``. So the
+front end (:func:`magnetar.ops.attention.attention_with_lse`) runs the backend as usual and then calls
+:func:`fast_path_finite`; only if that fails does :func:`attend_nonfinite` recompute on inputs whose non-finite
+values are zeroed and overwrite the affected rows from the rule above.
+
+This module knows the attention call and its visibility rule; it knows no backend, rank or model.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from magnetar.ops.call import FULL, AttentionCall
+
+_NEVER = torch.iinfo(torch.long).max  # position of an unmarked key: after every query
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of every tensor is finite.
+
+    One ``aminmax`` reduction per tensor (NaN propagates through min and max, +-inf shows in one of them), no
+    temporary the size of the tensor, and a single device-to-host sync for all of them.
+    """
+    ok = None
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.detach())
+        fin = torch.isfinite(lo) & torch.isfinite(hi)
+        ok = fin if ok is None else ok & fin
+    return True if ok is None else bool(ok)
+
+
+def fast_path_finite(call: AttentionCall, out: torch.Tensor) -> bool:
+    """The fast-path check: q and k finite, and the backend's ``out`` finite.
+
+    v is never read here: with q and k finite, a non-finite value in v of a *visible* key reaches ``out``
+    through ``p @ v`` (even with ``p = 0``: ``0 * NaN`` and ``0 * inf`` are NaN), so the exact path runs; one
+    in a *masked* key either stays out (the result is right as it is) or is spread by ``0 * NaN`` into
+    ``out`` (then the exact path runs). ``out`` is the size of q, so the check reads q, k and out once.
+    """
+    return all_finite(call.q, call.k, out)
+
+
+def _rows_seeing(call: AttentionCall, marked: torch.Tensor) -> torch.Tensor:
+    """Whether query row i sees at least one marked key: ``marked (B|1, Hkv|1, Sk)`` -> ``(B|1, Hkv|1, Sq)``.
+
+    Without an ``Sq x Sk`` mask: the marked keys' positions are sorted and each query counts those in its
+    visible interval ``(q_pos - window, q_pos]`` with two binary searches.
+    """
+    Sq = call.q.shape[2]
+    if call.mask_kind == FULL:
+        return marked.any(dim=-1, keepdim=True).expand(*marked.shape[:-1], Sq)
+    kp, qp = call.k_pos, call.q_pos
+    kp = kp.view(1, 1, -1) if kp.dim() == 1 else kp.unsqueeze(1)
+    qp = qp.view(1, 1, -1) if qp.dim() == 1 else qp.unsqueeze(1)
+    ranked = torch.where(marked, kp, torch.full_like(kp, _NEVER)).sort(dim=-1).values
+    lead = torch.broadcast_shapes(ranked.shape[:-1], qp.shape[:-1])
+    ranked = ranked.expand(*lead, ranked.shape[-1]).contiguous()
+    qp = qp.expand(*lead, Sq).contiguous()
+    hi = torch.searchsorted(ranked, qp, right=True)  # marked keys at positions <= q_pos
+    if call.window is None:
+        return hi > 0
+    return hi > torch.searchsorted(ranked, qp - call.window, right=True)
+
+
+def _per_query_head(rows: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """``(.., Hkv|1, Sq)`` -> ``(.., Hq|1, Sq)``: query head h reads KV head h // G."""
+    return rows if rows.shape[1] == 1 else rows.repeat_interleave(call.group, dim=1)
+
+
+def _bad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, S, D)`` -> ``(B, H, S)``: rows holding a non-finite value."""
+    return ~torch.isfinite(x).all(dim=-1)
+
+
+def attend_nonfinite(
+    call: AttentionCall,
+    attend: Callable[[AttentionCall], tuple[torch.Tensor, torch.Tensor]],
+    fast: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact result under the module's rule, for a call whose inputs (or fast result) are not all finite.
+
+    ``attend(call) -> (out, lse)`` is the front end's finite path. It is re-run on a copy of the call whose
+    non-finite q/k/v values are zeroed (so nothing masked can leak), then the rows the rule names are set to
+    NaN. ``fast`` is the result of the finite path on the original call: returned as is when q, k and v turn
+    out to be finite (a non-finite ``out`` from finite inputs, e.g. an overflow, is the backend's answer).
+    """
+    q, k, v = call.q, call.k, call.v
+    bad_q, bad_k, bad_v = _bad_rows(q), _bad_rows(k), _bad_rows(v)
+    any_q, any_k, any_v = bool(bad_q.any()), bool(bad_k.any()), bool(bad_v.any())
+    if fast is not None and not (any_q or any_k or any_v):
+        return fast
+    zeroed = AttentionCall(
+        q.nan_to_num(0.0, 0.0, 0.0) if any_q else q,
+        k.nan_to_num(0.0, 0.0, 0.0) if any_k else k,
+        v.nan_to_num(0.0, 0.0, 0.0) if any_v else v,
+        call.q_pos, call.k_pos, call.scale, call.mask_kind, call.window,
+    )
+    out, lse = attend(zeroed)
+    poisoned = torch.zeros((1, 1, q.shape[2]), dtype=torch.bool, device=q.device)  # (B|1, Hq|1, Sq)
+    if any_k:
+        poisoned = poisoned | _per_query_head(_rows_seeing(call, bad_k), call)
+    if any_q:  # a NaN query row that sees no key stays (0, -inf): nothing was computed from it
+        sees_any = _rows_seeing(call, torch.ones((1, 1, k.shape[2]), dtype=torch.bool, device=q.device))
+        poisoned = poisoned | (bad_q & sees_any)
+    nan_out = poisoned
+    if any_v:
+        nan_out = nan_out | _per_query_head(_rows_seeing(call, bad_v), call)
+    out = out.masked_fill(nan_out.unsqueeze(-1), float("nan"))
+    lse = lse.masked_fill(poisoned, float("nan"))
+    return out, lse
