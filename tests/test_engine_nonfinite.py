@@ -46,8 +46,9 @@ def test_check_finite_off_lets_the_nan_through():
     assert torch.isnan(res.first_token_logits).all()
 
 
-def _poison_shard_after_phase1(monkeypatch, on_rank: int, layer: int):
-    """Wrap the engine's Phase 1 so that rank ``on_rank``'s context KV (V of ``layer``) holds a NaN afterwards."""
+def _poison_shard_after_phase1(monkeypatch, on_rank: int, layer: int, which: str = "v"):
+    """Wrap the engine's Phase 1 so that rank ``on_rank``'s context KV (``which``, k or v, of ``layer``) holds a NaN
+    afterwards."""
     import magnetar.engine.engine as engine_mod
 
     real = engine_mod.run_phase1
@@ -57,17 +58,19 @@ def _poison_shard_after_phase1(monkeypatch, on_rank: int, layer: int):
         if plan.cp_rank == on_rank:
             kv = res.shard.layers[layer]
             with torch.inference_mode():  # the shard's tensors are inference tensors
-                kv.v = kv.v.clone()
-                kv.v[..., 0, :] = float("nan")
+                t = getattr(kv, which).clone()
+                t[..., 0, :] = float("nan")
+                setattr(kv, which, t)
         return res
 
     monkeypatch.setattr(engine_mod, "run_phase1", poisoned)
 
 
-def test_nan_in_the_context_kv_fails_in_phase2_simulated(monkeypatch):
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_in_the_context_kv_fails_in_phase2_simulated(monkeypatch, which):
     model = tiny_model("llama", seed=2)
     ctx, q = _ids(2)
-    _poison_shard_after_phase1(monkeypatch, on_rank=1, layer=1)
+    _poison_shard_after_phase1(monkeypatch, on_rank=1, layer=1, which=which)
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, method="star", cp_size=2,
                                   simulate=True)
     with pytest.raises(NonFiniteError, match=r"non-finite logits in Phase 2 \(the query\): the first non-finite "
@@ -82,7 +85,7 @@ def test_nan_in_the_context_kv_fails_in_phase2_simulated(monkeypatch):
 def _distributed_worker(rank, world):
     mp = pytest.MonkeyPatch()
     try:
-        _poison_shard_after_phase1(mp, on_rank=1, layer=1)
+        _poison_shard_after_phase1(mp, on_rank=1, layer=1, which="k")  # a NaN key: the merge must not drop it
         eng = magnetar.init_inference(tiny_model("llama", seed=2), deepspeed_inference=False, method="star",
                                       cp_size=world, timeout_s=30)
         with pytest.raises(NonFiniteError, match=r"Phase 2 \(the query\): the first non-finite attention output is "

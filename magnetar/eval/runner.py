@@ -112,10 +112,11 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
 
 def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
-    were real or simulated: both give the same answers)."""
+    were real or simulated: both give the same answers, nor runtime.check_finite, which only stops a run)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
+    d["runtime"].pop("check_finite", None)
     if d.get("sparse", {}).get("sparse_policy", "none") == "none":
         d.pop("sparse", None)  # dense decoding: keys as before the sparse section existed
     if d.get("luka", {}).get("luka_mode", "none") == "none":
