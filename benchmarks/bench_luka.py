@@ -73,9 +73,8 @@ def main(argv=None) -> int:
     from magnetar.engine.phase2 import run_phase2
     from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
-    from magnetar.eval.common import parse_length
-    from magnetar.utils.timing import SectionTimer
     from magnetar.luka.decoder import LukaDecoder
+    from magnetar.utils.timing import SectionTimer
     from magnetar.models import load_model
 
     device = torch.device(args.device)

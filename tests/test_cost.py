@@ -1,5 +1,4 @@
 """The analytic cost model (magnetar.eval.cost): hand-computed tiny cases and Pulsar's Table 4/5 numbers."""
-import math
 
 import pytest
 import torch
