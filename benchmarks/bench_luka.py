@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     for L in (parse_length(x) for x in args.lengths.split(",")):
         win = ppl_window(tokenizer, L, 0, target_tokens=16)
         query = win.continuation_ids[:8]
-        shard, qpos, _ = eng._phase1_distributed(win.context_ids, track_mass=True)
+        shard, qpos, _ = eng._phase1_distributed(win.context_ids, variants=[decoder("lined")])  # LuKA's Phase-1 mass
 
         def decode(dec, n):
             return run_phase2(model, eng.config, [shard], [query], [qpos], eng.groups, eng.device, max_new_tokens=n,

@@ -134,8 +134,8 @@ class Engine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
-        active = config.sparse if config.sparse.sparse_policy != "none" else config.luka
-        self.policy: Optional[DecodePolicy] = decode_policy(active, model.config)
+        self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
+        self.policy: Optional[DecodePolicy] = decode_policy(self._policy_config, model.config)
         # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
         self.prefill = prefill_policy(config.prefill, model.config)
         self.last_prefill_stats = None  # PrefillStats of the last request's Phase 1 (all ranks), or None
@@ -263,22 +263,20 @@ class Engine:
         if any(layer is not None for layer in per_rank):
             raise NonFiniteError(f"non-finite values in Phase 1: {describe(per_rank)}; {HINT}")
 
-    def _mass(self, track_mass: Optional[bool], variants: Sequence[Optional[DecodePolicy]] = ()):
-        """The recorder of the Phase-1 attention mass of every kept key, when a decode policy needs it (LuKA;
-        ``track_mass`` True asks for it in any case, False never), else None."""
-        if track_mass is False:
-            return None
+    def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
+        """The recorder of the Phase-1 attention mass of every kept key when the engine's decode policy or one of
+        ``variants`` needs it (LuKA), else None."""
         for p in (self.policy, *variants):
             if p is not None and p.needs_prefill_mass:
                 return p.prefill_mass
-        return self._decoder(LukaConfig(luka_mode="lined")).prefill_mass if track_mass else None
+        return None
 
-    def _phase1_distributed(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None,
-                            variants: Sequence[Optional[DecodePolicy]] = ()):
-        """This rank's Phase 1: (its KV shard, the query position, [its RankStats])."""
+    def _phase1_distributed(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()):
+        """This rank's Phase 1: (its KV shard, the query position, [its RankStats]); ``variants``: other decode
+        policies the shard will serve (LuKA's need the Phase-1 attention mass)."""
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
-                        mass=self._mass(track_mass, variants), prefill=self.prefill)
+                        mass=self._mass(variants), prefill=self.prefill)
         agreed = self._gather((kept_token_count(plan), p1.nonfinite_layer))  # one collective for both checks
         self._check_kept([a[0] for a in agreed], int(context_ids.numel()))
         self._check_finite([a[1] for a in agreed])
@@ -288,8 +286,7 @@ class Engine:
             self.last_prefill_stats = functools.reduce(lambda a, b: a.merge(b), per_rank)
         return p1.shard, plan.query_position, [RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())]
 
-    def _phase1_simulated(self, context_ids: torch.Tensor, track_mass: Optional[bool] = None,
-                          variants: Sequence[Optional[DecodePolicy]] = ()):
+    def _phase1_simulated(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()):
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
         over ranks). A method whose ranks run in lock-step (ring: they exchange KV in every layer) gives one plan
         for all of them, run as one forward: one time for all of them."""
@@ -306,7 +303,7 @@ class Engine:
             stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
             return p1.shard, plans[0].query_position, stats
         parts, stats = [], []
-        mass = self._mass(track_mass, variants)
+        mass = self._mass(variants)
         self.last_prefill_stats = None
         for plan in plans:
             if self.device.type == "cuda":
@@ -332,8 +329,7 @@ class Engine:
         given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
         Strings are tokenized as plain text (no chat template, no special tokens).
         """
-        active = self.config.luka if self.config.luka.luka_mode != "none" else self.config.sparse
-        return self.score_variants(context, continuation, [active])[0]
+        return self.score_variants(context, continuation, [self._policy_config])[0]
 
     def score_variants(self, context: Union[str, torch.Tensor], continuation: Union[str, torch.Tensor],
                        sparse: Sequence[Union[None, SparseConfig, LukaConfig]]) -> list[ScoreResult]:
@@ -348,7 +344,7 @@ class Engine:
         for dec in decoders:
             if dec is not None:
                 dec.check(int(c.numel()))
-        mass = self._mass(None, decoders)
+        mass = self._mass(decoders)
         if mass is not None and self.prefill is not None:
             raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
                              f"(prefill_policy {self.config.prefill.prefill_policy!r}); score them without it")
@@ -374,10 +370,8 @@ class Engine:
         """The decode policy for a sparse or LuKA config (cached: hash weights load once), None for dense."""
         if cfg is None:
             return None
-        if cfg == self.config.sparse or cfg == self.config.luka:
-            active = self.config.sparse if self.config.sparse.sparse_policy != "none" else self.config.luka
-            if cfg == active:
-                return self.policy
+        if cfg == self._policy_config:
+            return self.policy
         if cfg not in self._policies:
             self._policies[cfg] = decode_policy(cfg, self.model.config)
         return self._policies[cfg]

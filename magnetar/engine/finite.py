@@ -2,7 +2,7 @@
 instead of decoding plausible tokens from garbage.
 
 Each forward records, per layer and without a device sync, whether its attention output holds a non-finite
-value (one reduction per layer); the phase drivers read the record once: Phase 1 after the rank's last
+value (one ``aminmax`` reduction per layer, :func:`magnetar.ops.nonfinite.finite_flag`); the phase drivers read the record once: Phase 1 after the rank's last
 segment (the ranks then agree through the collective that already checks the block plan), Phase 2 only when
 a step's logits are not finite (every rank sees the same logits, so every rank takes that path and they
 gather their records). The error names the phase, the step, the first layer and the CP rank where it began.
@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from magnetar.ops.nonfinite import finite_flag
 
 
 class NonFiniteError(FloatingPointError):
@@ -29,7 +31,7 @@ class LayerFlags:
         self.flags = torch.zeros(num_layers, dtype=torch.bool, device=device)
 
     def record(self, layer: int, out: torch.Tensor) -> None:
-        self.flags[layer] |= ~torch.isfinite(out).all()
+        self.flags[layer] |= ~finite_flag(out)  # the same sync-free aminmax check as attention_with_lse's
 
     def first(self) -> Optional[int]:
         """The first flagged layer (one device sync), or None."""

@@ -40,9 +40,6 @@ class PolicyState:
     def clear(self) -> None:
         self._items.clear()
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""

@@ -24,6 +24,7 @@ from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
+from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import wait_all
 from magnetar.utils.nvtx import nvtx_range
@@ -58,7 +59,7 @@ class Phase2Context(LayerContext):
     def check_logits(self, logits: torch.Tensor, what: str) -> None:
         """Raise :class:`NonFiniteError` if ``logits`` are not finite (every rank sees the same logits, so every
         rank raises; they first gather where their local states turned non-finite)."""
-        if self.flags is None or bool(torch.isfinite(logits).all()):
+        if self.flags is None or all_finite(logits):
             return
         mine = self.flags.first()
         per_rank = [mine]
@@ -175,9 +176,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     generators = [torch.Generator().manual_seed(config.decode.seed + b) if config.decode.temperature > 0 else None
                   for b in range(B)]
     backend = config.runtime.attention_backend
-    steps = [0]
-
-    def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int]) -> torch.Tensor:
+    def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int], what: str) -> torch.Tensor:
         S = ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
         ctx = Phase2Context(pos, [shards[b] for b in active], [gens[b] for b in active] if gens is not None else None,
@@ -188,8 +187,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
                        logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
         logits = logits[torch.arange(len(valid), device=device), last]  # (B_active, V): each request's last real token
-        ctx.check_logits(logits, "the query" if steps[0] == 0 else f"decode step {steps[0]}")
-        steps[0] += 1
+        ctx.check_logits(logits, what)
         return logits
 
     def choose(active, logits) -> list[int]:
@@ -203,13 +201,14 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
         padded[b, : lengths[b]] = q  # right padding: after the real tokens, so none of them sees it
     t0 = time.perf_counter()
     with nvtx_range("phase2/query"):
-        logits = forward(list(range(B)), padded, list(query_positions), lengths)
+        logits = forward(list(range(B)), padded, list(query_positions), lengths, "the query")
         tokens = choose(list(range(B)), logits)
     ttft = time.perf_counter() - t0
     results = [DecodeResult([tokens[b]], ttft, first_logits=logits[b].float().cpu() if keep_logits else None)
                for b in range(B)]
     next_pos = [query_positions[b] + lengths[b] for b in range(B)]
     active = list(range(B))
+    step = 0
     while True:
         still = []
         for b in active:
@@ -223,10 +222,11 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
         active = still
         if not active:
             break
+        step += 1
         t1 = time.perf_counter()
         with nvtx_range("phase2/decode_step"):
             ids = torch.tensor([[results[b].token_ids[-1]] for b in active])
-            logits = forward(active, ids, [next_pos[b] for b in active], [1] * len(active))
+            logits = forward(active, ids, [next_pos[b] for b in active], [1] * len(active), f"decode step {step}")
             tokens = choose(active, logits)
         dt = time.perf_counter() - t1
         for b, t in zip(active, tokens):

@@ -17,7 +17,6 @@ This module knows no strategy by name and imports none: a strategy module import
 """
 from __future__ import annotations
 
-import importlib
 from datetime import timedelta
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -26,6 +25,7 @@ import torch
 from magnetar.config import METHODS, POLICY_IMPLS, EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.plan import RankPlan
+from magnetar.utils.registry import load_class
 
 
 class LayerContext:
@@ -193,16 +193,7 @@ class PrefillPolicy(Protocol):
 
 
 # -- the registries ----------------------------------------------------------------------------------------
-_CLASSES: dict[str, type] = {}
 _METHODS: dict[str, ContextMethod] = {}
-
-
-def load_class(spec: str) -> type:
-    """The class named by ``"module:Class"`` (imported once)."""
-    if spec not in _CLASSES:
-        module, _, cls = spec.partition(":")
-        _CLASSES[spec] = getattr(importlib.import_module(module), cls)
-    return _CLASSES[spec]
 
 
 def context_method(name: str) -> ContextMethod:

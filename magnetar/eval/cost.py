@@ -157,7 +157,6 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     if cfg.method == "pulsar" and context_ids is None:
         assumptions.append("pulsar summaries assumed not to overlap the sink (Eq. 4 upper bound)"
                            if cfg.pulsar.scorer != "even" else "pulsar even scorer: exact")
-    ids = context_ids.reshape(-1).long() if context_ids is not None else torch.zeros(L, dtype=torch.long)
 
     fields_ = {k: [] for k in ("phase1_input_lengths", "phase1_tokens", "phase1_attention_pairs",
                                "phase1_attention_flops", "phase1_linear_flops", "phase1_flops",
@@ -165,7 +164,10 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
                                "phase1_comm_bytes_per_layer", "kv_tokens", "kv_bytes", "peak_memory_bytes",
                                "phase2_query_flops", "decode_flops_per_token", "decode_kv_read_bytes_per_token")}
     # the cost of the method's own plan (without token ids: the plan it assumes for the length)
-    plans = [plan_rank(cfg, ids, r) if context_ids is not None else plan_for_length(cfg, L, r) for r in range(W)]
+    if context_ids is not None:
+        plans = [plan_rank(cfg, context_ids.reshape(-1).long(), r) for r in range(W)]
+    else:
+        plans = [plan_for_length(cfg, L, r) for r in range(W)]
     ring_lengths = None
     if cfg.method == "ring":  # the ring's communication and all-earlier-keys attention are priced below
         ring_lengths = [int(p.segments[0].indices.numel()) for p in plans]

@@ -16,10 +16,11 @@ of text by their likelihood with ``Engine.score`` (its ``window`` method) and ha
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Protocol
+
+from magnetar.utils.registry import load_class
 
 __all__ = ["SUITES", "EvalSample", "GenerationSuite", "Suite", "get_suite", "sample_seed"]
 
@@ -119,8 +120,7 @@ def get_suite(name: str) -> Suite:
     target = SUITES.get(name)
     if target is None:
         raise ValueError(f"unknown suite {name!r}; valid options are {', '.join(SUITES)}")
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return load_class(target)()
 
 
 def sample_seed(data_seed: int, index: int) -> int:

@@ -31,18 +31,22 @@ from magnetar.ops.call import FULL, AttentionCall
 _NEVER = torch.iinfo(torch.long).max  # position of an unmarked key: after every query
 
 
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every element of every tensor is finite.
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on ``t``'s device: every element of ``t`` is finite. No host sync, and no temporary the
+    size of ``t``: one ``aminmax`` reduction (NaN propagates through min and max, +-inf shows in one of them)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t.detach())
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
-    One ``aminmax`` reduction per tensor (NaN propagates through min and max, +-inf shows in one of them), no
-    temporary the size of the tensor, and a single device-to-host sync for all of them.
-    """
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of every tensor is finite: :func:`finite_flag` of each, one device-to-host sync."""
     ok = None
     for t in tensors:
         if t.numel() == 0:
             continue
-        lo, hi = torch.aminmax(t.detach())
-        fin = torch.isfinite(lo) & torch.isfinite(hi)
+        fin = finite_flag(t)
         ok = fin if ok is None else ok & fin
     return True if ok is None else bool(ok)
 
