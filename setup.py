@@ -31,6 +31,7 @@ setup(
         "tqdm>=4.60",
         "pyyaml>=6.0",
         "ninja",  # DeepSpeed JIT op builds
+        "psutil>=5.9",  # parallel/lifetime.py: the launcher's process chain (DeepSpeed needs it too)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

@@ -2,8 +2,9 @@
 
 Both launchers export ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (the
 ``deepspeed`` launcher also passes ``--local_rank=N``; :func:`add_launcher_args` accepts it). On many nodes
-the same code runs unchanged: the hostfile only changes those variables. The backend is NCCL when CUDA is
-present and gloo otherwise (CPU ranks, as in our tests).
+the same code runs unchanged: the hostfile only changes those variables. A launched rank exits when its
+launcher dies (``magnetar.parallel.lifetime``). The backend is NCCL when CUDA is present and gloo otherwise
+(CPU ranks, as in our tests).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.parallel.groups import DEFAULT_TIMEOUT
+from magnetar.parallel.lifetime import watch_launcher
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +52,14 @@ def init_distributed(
     Without launcher variables this is a no-op returning False (the world-size-1 path of
     :func:`magnetar.parallel.init_groups`). ``use_deepspeed`` routes through ``deepspeed.init_distributed`` so
     ``deepspeed.comm`` is set up for ``deepspeed.init_inference``; on CPU its shm comm op (a ~65 s JIT build)
-    is disabled first.
+    is disabled first. The process is also made to exit when its launcher dies
+    (:func:`magnetar.parallel.lifetime.watch_launcher`; ``MAGNETAR_PARENT_WATCHDOG=0`` turns that off).
     """
     if dist.is_initialized():
         return True
     if not launched():
         return False
+    watch_launcher()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
