@@ -8,6 +8,7 @@ a tiny llama with a byte-level tokenizer, under the real ``torchrun`` / ``deepsp
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -125,7 +126,8 @@ def _wait_for(paths: list[Path], job: subprocess.Popen, tmp: Path) -> None:
 def _end(job: subprocess.Popen, tmp: Path) -> None:
     """Kill what the test leaves of its job (only processes of this job: its session and its ``tmp``)."""
     for p in _job_processes(tmp):
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
@@ -174,7 +176,7 @@ def test_a_killed_launcher_takes_every_rank_with_it(model_dir, tmp_path, launche
         recorded = _describe(tree)
         job.send_signal(sig)
         killed_at = time.monotonic()
-        left = _wait_gone(tree + _job_processes(tmp_path), LEFT_S)
+        left = _wait_gone(list({p.pid: p for p in tree + _job_processes(tmp_path)}.values()), LEFT_S)
         assert not left, (f"{LEFT_S:.0f} s after {sig.name} to {launcher} (pid {job.pid}) these processes of the job "
                           f"still run:\n{_describe(left)}\nthe job's tree when the launcher was killed:\n{recorded}")
         if launcher == "deepspeed":  # the ranks watched the runner, launch.py's parent, and saw it go

@@ -22,8 +22,8 @@ when a launcher started the process) closes both gaps:
    runner, the runner too (``torchrun``, ``mpirun``/``srun`` and others: the parent only). A link is broken
    when the launcher's pid is no longer the parent of the process below it (it died and the process below was
    reparented), which no pid reuse can fake. Then the thread logs one line, sends SIGTERM to this process and,
-   if it is still alive :data:`GRACE_S` seconds later (a Python SIGTERM handler that cannot run while the main
-   thread waits inside a collective), ends it with ``os._exit(EXIT_CODE)``.
+   if it is still alive :data:`GRACE_S` seconds later (a Python SIGTERM handler runs only when the main thread
+   is back in Python, not while it waits inside a collective), ends it with ``os._exit(EXIT_CODE)``.
 
 A rank that leaves this way makes ``launch.py`` stop the job (it terminates every rank once one fails); the
 other ranks leave by their own watchdog, else by their collective timeout. Set ``MAGNETAR_PARENT_WATCHDOG=0``
