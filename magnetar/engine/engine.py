@@ -8,7 +8,8 @@ Data flow of one request (each step its own module)::
     phase2.run_phase2       query + decode over the distributed KV (gather + merge per layer)
 
 Every rank of a CP group calls ``generate`` with the same arguments (the launcher starts one process per
-rank); the result, with every rank's measurements, is returned on every rank.
+rank; ``agree.check_request`` verifies it before Phase 1); the result, with every rank's measurements, is
+returned on every rank.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf
+from magnetar.engine.agree import check_request
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
@@ -202,6 +204,9 @@ class Engine:
             raise ValueError("generate_batch needs at least one (context, query) request")
         cfg, groups = self.config, self.groups
         toks = [self._tokens(c, q) for c, q in requests]
+        check_request(groups, cfg, self.device, entry="generate", contexts=[c for c, _ in toks],
+                      queries=[q for _, q in toks], max_new_tokens=max_new_tokens, stop=stop,
+                      return_logits=return_logits)
         for c, q in toks:
             self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
         shards, qpos, local, prefill = [], [], [], []  # local[request] = per-rank stats this process measured
@@ -337,6 +342,7 @@ class Engine:
         policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
         and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
         c, t = (self._plain_ids(x) for x in (context, continuation))
+        check_request(self.groups, self.config, self.device, entry="score", contexts=[c], queries=[t], variants=sparse)
         if t.numel() < 2:
             raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
         self._check_lengths(int(c.numel()), int(t.numel()), 1)

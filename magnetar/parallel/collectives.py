@@ -6,7 +6,7 @@ collective per layer, whatever the dtype of ``out`` (bf16 ``out`` is not inflate
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,3 +91,13 @@ def all_gather_ints(values: list[int], group: Optional[dist.ProcessGroup], devic
     work = _all_gather_flat(gathered, t, group=group, async_op=True)
     wait_all(work, timeout, f"metadata all_gather over {world} ranks")
     return gathered.view(world, -1).cpu()
+
+
+def describe_per_rank(values: Sequence[str]) -> str:
+    """One gathered value per group rank, printed for an error: ``"rank 0: float32, rank 1: float64"``; ranks
+    with the same value share one entry (``"ranks 0,2: float32, rank 1: float64"``)."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, v in enumerate(values):
+        ranks_of.setdefault(v, []).append(rank)
+    return ", ".join(f"rank {r[0]}: {v}" if len(r) == 1 else f"ranks {','.join(map(str, r))}: {v}"
+                     for v, r in ranks_of.items())

@@ -16,6 +16,7 @@ W = 2, 8 tokens: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
 """
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.ops import attention_with_lse, merge_states
-from magnetar.parallel.collectives import all_gather_ints, wait_all
+from magnetar.parallel.collectives import all_gather_ints, describe_per_rank, wait_all
 from magnetar.parallel.groups import group_rank, group_ranks, group_size
 from magnetar.utils.nvtx import nvtx_range
 
@@ -31,8 +32,13 @@ _NO_KEYS = torch.iinfo(torch.long).max  # min position of an empty shard: never 
 
 
 def _check_shard(q, k, v, q_pos, k_pos):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("ring_attention: q, k, v must be 4-D (B, H, S, D)")
+    """This rank's own inputs (what may differ between ranks: the shard lengths and positions)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"ring_attention: {name} must be a 4-D tensor (B, H, S, D), got {got}")
+    if k.shape != v.shape:
+        raise ValueError(f"ring_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
         if not isinstance(pos, torch.Tensor):
             raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard)")
@@ -41,6 +47,49 @@ def _check_shard(q, k, v, q_pos, k_pos):
                 f"ring_attention: {name} must be (S,) or (B, S) with S = {t.shape[2]} tokens of this shard, "
                 f"got shape {tuple(pos.shape)}"
             )
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A code of ``dtype`` that is the same in every process (a digest of its name)."""
+    return int.from_bytes(hashlib.blake2b(str(dtype).encode(), digest_size=7).digest(), "little")
+
+
+_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _agreed(q, k, v, k_pos) -> dict[str, int]:
+    """What every rank of the ring must pass alike: the shapes but the sequence axis (v has k's shape), the dtypes,
+    the layout of k_pos."""
+    return {"B": k.shape[0], "Hq": q.shape[1], "Hkv": k.shape[1], "D": k.shape[3], "q's B": q.shape[0],
+            "q's D": q.shape[3], "q dtype": _dtype_code(q.dtype), "k dtype": _dtype_code(k.dtype),
+            "v dtype": _dtype_code(v.dtype), "k_pos.dim()": k_pos.dim()}
+
+
+def _check_agreement(names: list[str], per_rank: list[list[int]]) -> None:
+    """Raise the same ValueError on every rank when the gathered ``per_rank`` values of ``names`` differ."""
+    diffs = []
+    for i, name in enumerate(names):
+        values = [row[i] for row in per_rank]
+        if len(set(values)) > 1:
+            shown = [_DTYPE_NAMES.get(x, f"#{x:x}") if name.endswith("dtype") else str(x) for x in values]
+            diffs.append(f"{name} ({describe_per_rank(shown)})")
+    if diffs:
+        raise ValueError(f"ring_attention: the ranks of the group disagree on {'; '.join(diffs)}; every rank must "
+                         "pass q, k, v of the same B, Hq, Hkv, D and dtype (only the sequence length may differ), "
+                         "and positions of the same layout")
+
+
+def _check_consistent(q, k, v) -> None:
+    """q against k/v on this rank; after :func:`_check_agreement` every rank reaches the same verdict, so no rank
+    is left waiting in the exchange for one that raised."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"ring_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"ring_attention: q (B, D) = {(q.shape[0], q.shape[3])} must equal k's "
+                         f"{(k.shape[0], k.shape[3])}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring_attention: query heads Hq={q.shape[1]} must be a multiple of KV heads "
+                         f"Hkv={k.shape[1]}")
 
 
 def ring_attention(
@@ -61,7 +110,9 @@ def ring_attention(
 
     Args:
         q: ``(B, Hq, Sq_r, D)`` this rank's queries; k, v: ``(B, Hkv, Sk_r, D)`` this rank's KV shard.
-        group: the CP group (None: a group of one). Every rank of it must call with the same B, Hkv, D, dtype.
+        group: the CP group (None: a group of one). Every rank of it must call with the same B, Hq, Hkv, D and
+            dtype (checked in the one metadata gather the exchange needs anyway: a difference raises the same
+            ValueError on every rank, naming it and the ranks).
         q_pos, k_pos: global positions of the local queries / keys, ``(S,)`` or ``(B, S)``.
         causal, scale, window, backend: as in :func:`magnetar.ops.attention_with_lse`.
         timeout: per-step limit for the KV exchange (default: ``MAGNETAR_COLLECTIVE_TIMEOUT_S``).
@@ -83,12 +134,10 @@ def ring_attention(
     k_pos = k_pos.to(device=k.device, dtype=torch.long).contiguous()
     kmin = int(k_pos.min()) if k_pos.numel() else _NO_KEYS
     kmax = int(k_pos.max()) if k_pos.numel() else -_NO_KEYS
-    meta = all_gather_ints([k.shape[2], kmin, kmax, B, Hkv, D, k_pos.dim()], group, k.device, timeout=timeout)
-    if not bool((meta[:, 3:] == meta[me, 3:]).all()):
-        raise ValueError(
-            f"ring_attention: every rank must pass k/v with the same (B, Hkv, D) and k_pos rank; got per rank "
-            f"(B, Hkv, D, k_pos.dim) = {meta[:, 3:].tolist()}"
-        )
+    agreed = _agreed(q, k, v, k_pos)  # one gather: the exchange's lengths and positions, and what ranks must share
+    meta = all_gather_ints([k.shape[2], kmin, kmax, *agreed.values()], group, k.device, timeout=timeout)
+    _check_agreement(list(agreed), meta[:, 3:].tolist())
+    _check_consistent(q, k, v)
     lengths, mins, maxs = meta[:, 0].tolist(), meta[:, 1].tolist(), meta[:, 2].tolist()
     qmax = int(q_pos.max()) if q_pos.numel() else None
     qmin = int(q_pos.min()) if q_pos.numel() else None
