@@ -5,6 +5,8 @@ import importlib.util
 import json
 import math
 import re
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,14 +17,139 @@ from magnetar.eval.runner import load_done, main
 from tests.conftest import assert_close
 
 
+def _record(key, index=0, **extra):
+    """A complete runner record (the fields the resume requires)."""
+    return dict({"key": key, "suite": "ruler", "task": "niah_single_1", "method": "dense", "length": 512,
+                 "index": index, "score": 1.0}, **extra)
+
+
+def _line(record) -> str:
+    return json.dumps(record) + "\n"
+
+
 def test_parse_length_and_load_done(tmp_path):
     assert parse_length("4k") == 4096 and parse_length("1.5k") == 1536 and parse_length("3000") == 3000
     assert parse_length("1M") == 1 << 20
     p = tmp_path / "results.jsonl"
-    p.write_text('{"key": "a"}\n{"key": "b"}\n{"key": "c", "trunc')  # an interrupted last write
-    (tmp_path / "results.rank1.jsonl").write_text('{"key": "d"}\n{"key": "a"}\n')  # a data-parallel worker's file
-    (tmp_path / "other.jsonl").write_text('{"key": "x"}\n')  # not a results file
-    assert load_done(tmp_path) == {"a", "b", "d"}
+    p.write_text(_line(_record("a")) + _line(_record("b")) + '{"key": "c", "trunc')  # an interrupted last write
+    # a data-parallel worker's file
+    (tmp_path / "results.rank1.jsonl").write_text(_line(_record("d")) + _line(_record("a")))
+    (tmp_path / "other.jsonl").write_text(_line(_record("x")))  # not a results file
+    with pytest.warns(UserWarning, match="results.jsonl:3: not a complete record"):
+        assert load_done(tmp_path) == {"a", "b", "d"}
+
+
+RUN = ["--suite", "ruler", "--tasks", "niah_single_1", "--methods", "dense", "--lengths", "512"]
+
+
+def _fake_runner(monkeypatch, world: int = 1) -> dict:
+    """The runner without compute: no model, a stand-in engine, and answers made up from the item (score 1).
+    With ``world`` > 1 the process acts as rank 0 of a process group whose collectives do nothing. Returns what
+    it saw: the items answered (their index), every barrier's timeout and init_distributed's timeout."""
+    import magnetar
+    import magnetar.models
+    from magnetar.eval import runner
+
+    seen = {"answered": [], "barrier": [], "init_distributed": []}
+    monkeypatch.setattr(magnetar.models, "prepare_model", lambda name: None)
+    monkeypatch.setattr(magnetar.models, "load_model", lambda name: (SimpleNamespace(), None))
+    monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(model=model,
+                                                                                              simulated=False))
+
+    def answer(args, engine, tokenizer, group):
+        seen["answered"] += [index for _, _, _, index, _, _ in group]
+        return [_record(key, index, suite=args.suite, task=task, method=method, length=length)
+                for method, length, task, index, _, key in group]
+
+    monkeypatch.setattr(runner, "_run_group", answer)
+    monkeypatch.setattr(runner, "init_distributed", lambda timeout: seen["init_distributed"].append(timeout))
+    monkeypatch.setattr(runner, "barrier", lambda group=None, *, timeout=None: seen["barrier"].append(timeout))
+    if world > 1:
+        monkeypatch.setattr(runner, "dist", SimpleNamespace(
+            is_initialized=lambda: True, get_rank=lambda: 0, get_world_size=lambda: world,
+            broadcast_object_list=lambda box, src: None))
+    return seen
+
+
+def test_resume_sets_cut_lines_aside_and_redoes_their_items(tmp_path, monkeypatch, capsys):
+    seen = _fake_runner(monkeypatch)
+    path, rejected = tmp_path / "results.jsonl", tmp_path / "results.jsonl.rejected"
+    assert main(RUN + ["--samples", "3", "--out", str(tmp_path)]) == 0 and seen["answered"] == [0, 1, 2]
+    lines = path.read_text().splitlines(keepends=True)
+    cut = lines[2][:40]
+    path.write_text("".join(lines[:2]) + cut)  # the run was killed in the middle of its last write
+    seen["answered"].clear()
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=re.escape(f"{path}:3: not a complete record (not JSON")):
+        assert main(RUN + ["--samples", "3", "--out", str(tmp_path)]) == 0
+    assert seen["answered"] == [2] and "1 items to run (2 already in" in capsys.readouterr().out
+    rec = [json.loads(line) for line in path.read_text().splitlines()]  # the file parses line by line again
+    assert sorted(r["index"] for r in rec) == [0, 1, 2] and rejected.read_text() == cut + "\n"
+    assert "| niah_single_1 | 100.0 ± 0.0 (n=3) |" in (tmp_path / "report.md").read_text()
+
+    # a complete last record cut just before its newline is kept; the next record starts on a line of its own
+    path.write_text(path.read_text().rstrip("\n"))
+    seen["answered"].clear()
+    assert main(RUN + ["--samples", "4", "--out", str(tmp_path)]) == 0 and seen["answered"] == [3]
+    assert sorted(json.loads(line)["index"] for line in path.read_text().splitlines()) == [0, 1, 2, 3]
+
+    # what an older runner left (the next record glued onto a cut line) and lines that are not whole records:
+    # each set aside with its line number and reason, the items redone, the good lines kept as they were
+    good = [json.loads(line) for line in path.read_text().splitlines()]
+    bad = ['{"key": "x", "sco' + _line(good[1]),  # cut, then glued to item 1's record
+           _line(dict(good[2], length="512")), _line(dict(good[3], score=True)), "[1, 2]\n",
+           _line({k: v for k, v in good[3].items() if k != "score"})]
+    path.write_bytes((_line(good[0]) + "".join(bad)).encode() + b"\xff\xfe\n")
+    reasons = ["not JSON", "'length' is a str, not a int", "'score' is a bool, not a number",
+               "a JSON list, not an object", "no 'score'", "not UTF-8 text"]
+    seen["answered"].clear()
+    with pytest.warns(UserWarning) as caught:
+        assert main(RUN + ["--samples", "4", "--out", str(tmp_path)]) == 0
+    messages = [str(w.message) for w in caught if "not a complete record" in str(w.message)]
+    assert len(messages) == len(reasons)
+    for number, (why, message) in enumerate(zip(reasons, messages), start=2):
+        assert message.startswith(f"{path}:{number}: not a complete record ({why}") and "runs again" in message
+    assert seen["answered"] == [1, 2, 3]  # item 0 has the one whole record left
+    assert sorted(json.loads(line)["index"] for line in path.read_text().splitlines()) == [0, 1, 2, 3]
+    assert rejected.read_bytes() == (cut + "\n" + "".join(bad)).encode() + b"\xff\xfe\n"
+
+
+def test_report_skips_lines_that_are_not_json_with_a_warning(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text(_line(_record("a", 0)) + '{"key": "b", "sco\n' + _line(_record("c", 1, score=0.0)))
+    with pytest.warns(UserWarning, match=re.escape(f"{path}:2: skipped, not JSON")):
+        md = write_report(tmp_path)
+    assert "| niah_single_1 | 50.0 ± 98.0 (n=2) |" in md
+    assert path.read_text().count("\n") == 3  # the report never rewrites a results file
+
+
+def test_unwritable_out_fails_before_the_model_loads(tmp_path, monkeypatch):
+    import magnetar.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(magnetar.models, "prepare_model", no_model)
+    monkeypatch.setattr(magnetar.models, "load_model", no_model)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    taken = tmp_path / "taken"
+    (taken / "results.jsonl").mkdir(parents=True)  # the results file's name is taken by a directory
+    for out, why in ((a_file, "it exists and is not a directory"),
+                     (a_file / "sub", "cannot create it as a directory .Not a directory"),
+                     (taken, "cannot append to .*results.jsonl .Is a directory")):
+        with pytest.raises(SystemExit, match=f"^--out {re.escape(str(out))}: {why}.*; pass a directory"):
+            main(RUN + ["--samples", "1", "--out", str(out)])
+
+
+def test_every_wait_honours_timeout_s(tmp_path, monkeypatch):
+    # rank 0 of two answers the dense items while rank 1 waits: the waits use --timeout-s, not a default
+    seen = _fake_runner(monkeypatch, world=2)
+    assert main(RUN + ["--samples", "2", "--timeout-s", "7.5", "--out", str(tmp_path)]) == 0
+    assert seen["answered"] == [0, 1]
+    wait = timedelta(seconds=7.5)
+    assert seen["init_distributed"] == [wait]  # the process group's own timeout (its broadcasts)
+    assert seen["barrier"] == [wait] * 4  # the start, after each of rank 0's two items, the end
 
 
 def test_report_table_intervals_and_plots(tmp_path):

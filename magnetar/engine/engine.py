@@ -34,7 +34,7 @@ from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
-from magnetar.engine.template import split_prompt
+from magnetar.engine.template import encode_text, split_prompt
 from magnetar.models import load_model
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
@@ -387,7 +387,7 @@ class Engine:
             return x.reshape(-1).long().cpu()
         if self.tokenizer is None:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
-        return torch.tensor(self.tokenizer(x, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return encode_text(self.tokenizer, x)  # user text is text: never a special-token id
 
     def _stop_checker(self, stop):
         if not stop:

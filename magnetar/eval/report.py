@@ -9,38 +9,12 @@ with scores in {0, 1} and few samples it is wide, which is the point of printing
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-
-def result_files(out_dir: Path) -> list[Path]:
-    """``results.jsonl`` and the per-rank ``results.rank<N>.jsonl`` of data-parallel runs, in name order."""
-    return sorted(Path(out_dir).glob("results*.jsonl"))
-
-
-def load(out_dir: Path) -> list[dict]:
-    """Every record of every results file of ``out_dir``, once per key (a line cut by an interrupted write is
-    skipped, so that item is redone)."""
-    rows, seen = [], set()
-    for path in result_files(out_dir):
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                key = row.get("key")
-                if key is not None and key in seen:
-                    continue
-                seen.add(key)
-                rows.append(row)
-    return rows
+from magnetar.eval.results import load, result_files  # the reader of results*.jsonl (also for scripts)
 
 
 def mean_ci(scores: list[float]) -> tuple[float, float, int]:

@@ -13,6 +13,14 @@ an interrupted run resumes. Context-parallel methods use all launched ranks (``-
 ``--scorer``, ``--summary-budget`` ...) and are part of each item's key, so runs with other options do not
 collide.
 
+Resume and bad lines: a results line that is not a complete record (a write cut short by a killed run, a
+hand edit) is moved to ``<file>.rejected`` with a warning naming the file and line, and its item runs
+again; records are appended after a newline, so a cut line never swallows the next record (see
+:mod:`magnetar.eval.results`). ``--out`` is checked before any model is loaded: a path that cannot be created
+as a directory, or a results file that cannot be appended to, stops the run with an error naming it.
+``--timeout-s`` bounds every wait of the run (a rank waiting for rank 0's single-rank item too), except the
+end of a dealt run, which waits up to 6 hours for the slowest process.
+
 ``--simulate-ranks W``: every process stands in for W CP ranks (the engine's ``simulate`` option: each rank's
 Phase 1 in turn, Phase 2 over their joined KV -- the same answers as W real ranks, without collectives), so
 no device idles in a collective and none decodes a token that another is decoding too. Under a launcher the
@@ -36,6 +44,7 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.eval.common import parse_length
+from magnetar.eval.results import append_records, set_aside_bad_lines, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
@@ -194,10 +203,10 @@ def luka_label(cfg) -> str:
 
 
 def load_done(out_dir: Path) -> set[str]:
-    """Keys of the items already recorded in ``out_dir`` (every results file; a cut last line is redone)."""
-    from magnetar.eval.report import load
-
-    return {row["key"] for row in load(out_dir) if "key" in row}
+    """Keys of the items already recorded in ``out_dir`` (every results file). Lines that are not complete
+    records are set aside with a warning (:func:`magnetar.eval.results.set_aside_bad_lines`): their items are
+    redone."""
+    return {row["key"] for row in set_aside_bad_lines(out_dir)}
 
 
 def _broadcast_obj(obj):
@@ -306,20 +315,24 @@ def run(args) -> int:
 
     if args.batch < 1:
         raise SystemExit(f"--batch must be >= 1 (items answered together), got {args.batch}")
+    base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
+    timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
     owns_group = not dist.is_initialized()  # a caller's process group is left for the caller to destroy
-    init_distributed()
+    init_distributed(timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        prepare_model(args.model) if not os.path.isdir(args.model) else None
-    barrier()
-    model, tokenizer = load_model(args.model)
     dealt = sim is not None and world > 1  # data parallel: each process runs its share of the items alone
-    results_path = out / (f"results.rank{rank}.jsonl" if dealt else "results.jsonl")
+    names = [f"results.rank{r}.jsonl" for r in range(world)] if dealt else ["results.jsonl"]
+    problem = _broadcast_obj(write_problem(out, names) if rank == 0 else None)  # before any model is loaded
+    if problem:
+        raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
+    if rank == 0:
+        prepare_model(args.model) if not os.path.isdir(args.model) else None
+    barrier(timeout=timeout)
+    model, tokenizer = load_model(args.model)
+    results_path = out / names[rank if dealt else 0]
     done = _broadcast_obj(load_done(out) if rank == 0 else None)
 
-    base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
     todo = []
     for method, length, task, index in items(args, tasks, lengths, methods):
         if method not in CP_METHODS:
@@ -359,17 +372,15 @@ def run(args) -> int:
         if runs_here:
             records = _run_group(args, engine, tokenizer, group)
             if rank == 0 or dealt:
-                with open(results_path, "a") as f:
-                    for record in records:
-                        f.write(json.dumps(record) + "\n")
+                append_records(results_path, records)
         if not dealt and cfg.parallel.cp_size == 1 and world > 1:
-            barrier()  # the other ranks wait for rank 0's single-rank item
+            barrier(timeout=timeout)  # the other ranks wait for rank 0's single-rank item
         if bar is not None:
             bar.update(len(group))
     if bar is not None:
         bar.close()
     # dealt shares end at different times: wait long for the slowest before rank 0 writes the report
-    barrier(timeout=timedelta(hours=6) if dealt else None)
+    barrier(timeout=timedelta(hours=6) if dealt else timeout)
     if rank == 0:
         from magnetar.eval.report import write_report
 
