@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.ops import attention_with_lse, merge_states
+from magnetar.ops.attention import check_options, check_positions, validate_qkv
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.parallel.groups import group_rank, group_ranks, group_size
 from magnetar.utils.nvtx import nvtx_range
@@ -30,17 +31,22 @@ from magnetar.utils.nvtx import nvtx_range
 _NO_KEYS = torch.iinfo(torch.long).max  # min position of an empty shard: never visible
 
 
-def _check_shard(q, k, v, q_pos, k_pos):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("ring_attention: q, k, v must be 4-D (B, H, S, D)")
+def _check_shard(q, k, v, q_pos, k_pos, group, timeout, causal, scale, window, backend):
+    """This rank's arguments, checked before any communication (the rules of attention_with_lse, plus positions
+    required as tensors, a process group and a timedelta); ``ValueError`` naming the argument."""
+    validate_qkv(q, k, v, caller="ring_attention")
+    check_options(causal, scale, window, backend, caller="ring_attention")
     for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
         if not isinstance(pos, torch.Tensor):
-            raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard)")
-        if pos.shape[-1] != t.shape[2] or pos.dim() not in (1, 2):
-            raise ValueError(
-                f"ring_attention: {name} must be (S,) or (B, S) with S = {t.shape[2]} tokens of this shard, "
-                f"got shape {tuple(pos.shape)}"
-            )
+            raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard as a "
+                             f"tensor), got {type(pos).__name__}")
+        check_positions(pos, name, t.shape[2], t.shape[0], t.device, caller="ring_attention")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"ring_attention: group must be a torch.distributed ProcessGroup (e.g. "
+                         f"ParallelGroups.cp_group) or None for a group of one, got {type(group).__name__}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise ValueError(f"ring_attention: timeout must be a datetime.timedelta (e.g. timedelta(seconds=60)) or "
+                         f"None, got {type(timeout).__name__} {timeout!r}")
 
 
 def ring_attention(
@@ -70,7 +76,7 @@ def ring_attention(
         concatenation of all shards -- also for NaN/inf inputs: each step's attention and the merge follow the
         non-finite rule, so exactly the rows that can see a bad key (on whichever rank) come back NaN.
     """
-    _check_shard(q, k, v, q_pos, k_pos)
+    _check_shard(q, k, v, q_pos, k_pos, group, timeout, causal, scale, window, backend)
     world = group_size(group)
     if world == 1:  # gloo cannot send to itself; nothing to exchange anyway
         return attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window,
