@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import resource
 import time
 from datetime import timedelta
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
-from magnetar.engine import hf
+from magnetar.engine import hf, inputs
 from magnetar.engine.agree import check_request
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
@@ -146,26 +147,27 @@ class Engine:
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(context, torch.Tensor) or isinstance(query, torch.Tensor):
+        """Checked ``(context ids (L,), query ids (Q,))`` int64 on CPU (:mod:`magnetar.engine.inputs`)."""
+        strings = not (isinstance(context, torch.Tensor) or isinstance(query, torch.Tensor))
+        if not strings:
             if not (isinstance(context, torch.Tensor) and isinstance(query, torch.Tensor)):
                 raise ValueError("pass context and query both as strings or both as token-id tensors")
             c, q = context.reshape(-1).long().cpu(), query.reshape(-1).long().cpu()
-            if q.numel() == 0:
-                raise ValueError("the query is empty: Phase 2 needs at least one query token")
-            return c, q
-        if self.tokenizer is None:
+        elif self.tokenizer is None:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
-        p = split_prompt(self.tokenizer, context, query)
-        return p.context_ids, p.query_ids
+        else:
+            p = split_prompt(self.tokenizer, context, query)
+            c, q = p.context_ids, p.query_ids
+        inputs.check_token_ids(c, "context", self.vocab_size, tokenized=strings)
+        inputs.check_token_ids(q, "query", self.vocab_size, tokenized=strings)
+        return c, q
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return getattr(self.model.config, "vocab_size", None)
 
     def _check_lengths(self, L: int, Q: int, max_new_tokens: int) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        total = L + Q + max_new_tokens
-        if self.max_positions is not None and total > self.max_positions:
-            raise ValueError(
-                f"context ({L}) + query ({Q}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
-                f"model's {self.max_positions} positions (max_position_embeddings); shorten the context")
+        inputs.check_positions(L, Q, max_new_tokens, self.max_positions)
         if self.policy is not None:
             self.policy.check(L)
 
@@ -187,7 +189,10 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------------------
     def generate(self, context: Union[str, torch.Tensor], query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
                  stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
-        """Answer ``query`` about ``context`` with ``config.method``; see :class:`GenerationResult`."""
+        """Answer ``query`` about ``context`` with ``config.method``; see :class:`GenerationResult`.
+
+        ``context`` and ``query`` are both strings (tokenized with the chat template) or both integer token-id
+        tensors ``(N,)`` / ``(1, N)``; bad arguments raise ``ValueError`` (:mod:`magnetar.engine.inputs`)."""
         return self.generate_batch([(context, query)], max_new_tokens=max_new_tokens, stop=stop,
                                    return_logits=return_logits)[0]
 
@@ -200,8 +205,7 @@ class Engine:
         and decoding run them as one batch (one model forward and one collective per layer per step for
         all unfinished requests). Results equal those of separate :meth:`generate` calls.
         """
-        if not requests:
-            raise ValueError("generate_batch needs at least one (context, query) request")
+        inputs.check_generate(requests, max_new_tokens, stop, return_logits)
         cfg, groups = self.config, self.groups
         toks = [self._tokens(c, q) for c, q in requests]
         check_request(groups, cfg, self.device, entry="generate", contexts=[c for c, _ in toks],
@@ -341,10 +345,12 @@ class Engine:
         """:meth:`score` once per decoding variant -- a :class:`SparseConfig` or a :class:`LukaConfig` (None,
         policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
         and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
+        inputs.check_score(context, continuation, sparse)
         c, t = (self._plain_ids(x) for x in (context, continuation))
+        inputs.check_token_ids(c, "context", self.vocab_size, tokenized=isinstance(context, str))
+        inputs.check_token_ids(t, "continuation", self.vocab_size, min_tokens=2,
+                               tokenized=isinstance(continuation, str))
         check_request(self.groups, self.config, self.device, entry="score", contexts=[c], queries=[t], variants=sparse)
-        if t.numel() < 2:
-            raise ValueError(f"the continuation has {t.numel()} token(s); scoring needs at least 2")
         self._check_lengths(int(c.numel()), int(t.numel()), 1)
         decoders = [self._decoder(v) for v in sparse]
         for dec in decoders:
@@ -416,13 +422,14 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
     (tensor-parallel size 1) and its module is used.
     """
+    inputs.check_init(model, config, tokenizer, groups)
     if config is None:
         config = EngineConfig.create(**flat)
     elif flat:
         config = config.replace(**flat)
     dtype = _TORCH_DTYPES[config.runtime.dtype]
-    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-        model, loaded_tok = load_model(str(model), dtype=dtype)
+    if inputs.is_model_path(model):
+        model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype)
         tokenizer = tokenizer or loaded_tok
     hf.check_supported(model.config)
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))

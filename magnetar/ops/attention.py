@@ -31,11 +31,12 @@ It knows nothing about ranks, blocks or models.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
 
-from magnetar.ops.backends import select_backend
+from magnetar.ops.backends import list_backends, select_backend
 # the call object and mask kinds live in ops.call so backends need not import this module; they stay
 # importable from here (tests and benchmarks do)
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCall
@@ -47,58 +48,88 @@ from magnetar.utils.nvtx import nvtx_range
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _check_positions(pos: Optional[torch.Tensor], name: str, length: int, batch: int, device) -> Optional[torch.Tensor]:
+# The argument checks below are shared with ring_attention (``caller`` names the entry in the message).
+def check_positions(pos, name: str, length: int, batch: int, device,
+                    caller: str = "attention_with_lse") -> Optional[torch.Tensor]:
+    """``pos``: None or integer positions ``(S,)`` / ``(B, S)`` (a tensor or a list); returns them int64 on
+    ``device``, or raises ``ValueError`` naming ``name``."""
     if pos is None:
         return None
     if not isinstance(pos, torch.Tensor):
-        pos = torch.as_tensor(pos)
+        try:
+            pos = torch.as_tensor(pos)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{caller}: {name} must be a tensor of integer positions, got {type(pos).__name__} "
+                             f"({e})") from None
     if pos.is_floating_point() or pos.is_complex() or pos.dtype == torch.bool:
-        raise ValueError(f"attention_with_lse: {name} must hold integer positions, got dtype {pos.dtype}")
+        raise ValueError(f"{caller}: {name} must hold integer positions, got dtype {pos.dtype}")
     if pos.dim() == 1:
         if pos.shape[0] != length:
             raise ValueError(
-                f"attention_with_lse: {name} has {pos.shape[0]} positions but the tensor it describes has "
+                f"{caller}: {name} has {pos.shape[0]} positions but the tensor it describes has "
                 f"length {length}; pass one position per token"
             )
     elif pos.dim() == 2:
         if tuple(pos.shape) != (batch, length):
             raise ValueError(
-                f"attention_with_lse: {name} has shape {tuple(pos.shape)}; per-sequence positions must be "
+                f"{caller}: {name} has shape {tuple(pos.shape)}; per-sequence positions must be "
                 f"(B, S) = ({batch}, {length})"
             )
     else:
-        raise ValueError(f"attention_with_lse: {name} must be 1-D (S,) or 2-D (B, S), got shape {tuple(pos.shape)}")
+        raise ValueError(f"{caller}: {name} must be 1-D (S,) or 2-D (B, S), got shape {tuple(pos.shape)}")
     return pos.to(device=device, dtype=torch.long)
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str = "attention_with_lse") -> None:
+    """The layout, dtype and device rules of the module docstring; ``ValueError`` naming the tensor otherwise."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"attention_with_lse: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             layout = "(B, Hq, Sq, D)" if name == "q" else "(B, Hkv, Sk, D)"
-            raise ValueError(f"attention_with_lse: {name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+            raise ValueError(f"{caller}: {name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"attention_with_lse: dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        raise ValueError(f"{caller}: dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
-            f"attention_with_lse: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast k and v to "
-            f"q's dtype"
+            f"{caller}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast k and v to q's dtype"
         )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"attention_with_lse: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{caller}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"attention_with_lse: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"{caller}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"attention_with_lse: batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
+        raise ValueError(f"{caller}: batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"attention_with_lse: head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
+        raise ValueError(f"{caller}: head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(
-            f"attention_with_lse: query heads Hq={hq} must be a multiple of KV heads Hkv={hkv} (MHA, GQA or MQA); "
+            f"{caller}: query heads Hq={hq} must be a multiple of KV heads Hkv={hkv} (MHA, GQA or MQA); "
             f"check the head axis (dim 1) of q and k"
         )
+
+
+def check_options(causal, scale, window, backend, caller: str = "attention_with_lse") -> None:
+    """``causal`` a bool; ``scale`` None or a finite real > 0; ``window`` None or an int >= 1 (with causal);
+    ``backend`` ``"auto"`` or a registered name. ``ValueError`` naming the argument otherwise."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"{caller}: causal must be True or False, got {type(causal).__name__} {causal!r}")
+    if scale is not None:
+        if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+            raise ValueError(f"{caller}: scale must be a float > 0 (default 1/sqrt(D): pass None), got "
+                             f"{type(scale).__name__} {scale!r}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{caller}: scale must be a finite float > 0 (default 1/sqrt(D): pass None), got {scale}")
+    if window is not None:
+        if not isinstance(window, numbers.Integral) or isinstance(window, bool):
+            raise ValueError(f"{caller}: window must be an int >= 1 (keys per query, transformers' sliding_window) "
+                             f"or None, got {type(window).__name__} {window!r}")
+        if not causal or window < 1:
+            raise ValueError(f"{caller}: window={window} needs causal=True and window >= 1")
+    if not isinstance(backend, str) or (backend != "auto" and backend not in list_backends()):
+        raise ValueError(f"{caller}: unknown attention backend {backend!r}; choose 'auto' or one of "
+                         f"{list_backends()}")
 
 
 def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool, window: Optional[int] = None) -> str:
@@ -174,19 +205,18 @@ def attention_with_lse(
         ``out (B, Hq, Sq, D)`` in q's dtype, ``lse (B, Hq, Sq)`` float32; rows with no visible key are
         ``(0, -inf)``. Non-finite inputs give NaN rows, the same on every backend (module docstring).
     """
-    _validate(q, k, v)
+    validate_qkv(q, k, v)
+    check_options(causal, scale, window, backend)
     B, Hq, Sq, D = q.shape
     Sk = k.shape[2]
-    q_pos_t = _check_positions(q_pos, "q_pos", Sq, B, q.device)
-    k_pos_t = _check_positions(k_pos, "k_pos", Sk, B, q.device)
+    q_pos_t = check_positions(q_pos, "q_pos", Sq, B, q.device)
+    k_pos_t = check_positions(k_pos, "k_pos", Sk, B, q.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
     if Sq == 0 or Sk == 0:  # nothing to attend to (kernels crash on Sk = 0)
         out = torch.zeros(B, Hq, Sq, D, dtype=q.dtype, device=q.device)
         return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
 
-    if window is not None and (not causal or int(window) < 1):
-        raise ValueError(f"attention_with_lse: window={window} needs causal=True and window >= 1")
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal, window)
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
     out, lse = _attend(call, backend)

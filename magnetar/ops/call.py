@@ -66,10 +66,14 @@ class AttentionCall:
 
 
 def validate_states(outs: torch.Tensor, lses: torch.Tensor) -> None:
-    """The shape/device/dtype checks every merge shares: ``outs (N, B, H, S, D)`` floating, ``lses (N, B, H, S)``.
+    """The shape/device/dtype checks every merge shares: ``outs (N, B, H, S, D)`` floating, ``lses (N, B, H, S)``
+    floating.
 
     Raises ``ValueError`` naming the argument and what to change.
     """
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"merge_states: {name} must be a torch.Tensor, got {type(t).__name__}")
     if outs.dim() != 5:
         raise ValueError(
             f"merge_states: outs must be a list of (B, H, S, D) tensors or one stacked (N, B, H, S, D) tensor; "
@@ -88,3 +92,6 @@ def validate_states(outs: torch.Tensor, lses: torch.Tensor) -> None:
         raise ValueError(
             f"merge_states: outs must be a floating dtype (float32, bfloat16, float16 or float64), got {outs.dtype}"
         )
+    if not lses.is_floating_point():
+        raise ValueError(f"merge_states: lses must be a floating dtype (log-sum-exp, float32 by contract), got "
+                         f"{lses.dtype}")

@@ -63,13 +63,9 @@ def load_fused_merge_op(device: DeviceLike) -> ModuleType:
 
 
 def _check(outs: torch.Tensor, lses: torch.Tensor) -> None:
-    if not isinstance(outs, torch.Tensor) or not isinstance(lses, torch.Tensor):
-        raise TypeError("fused_merge_states: outs and lses must be stacked tensors (N, B, H, S, D) and (N, B, H, S)")
-    validate_states(outs, lses)
+    validate_states(outs, lses)  # tensors, shapes, one device, floating outs and lses
     if outs.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"fused_merge_states: outs must be float32, bfloat16, float16 or float64, got {outs.dtype}")
-    if not lses.is_floating_point():
-        raise ValueError(f"fused_merge_states: lses must be a floating dtype, got {lses.dtype}")
     if torch.is_grad_enabled() and (outs.requires_grad or lses.requires_grad):
         raise ValueError(
             "fused_merge_states: the fused op has no backward; use merge_states(..., backend='torch') for inputs "

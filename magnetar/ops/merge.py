@@ -44,9 +44,17 @@ _MERGE_BACKENDS = ("auto", "torch", "fused")
 def _stack(xs: Tensors, name: str) -> torch.Tensor:
     if isinstance(xs, torch.Tensor):
         return xs
-    xs = list(xs)
+    if not isinstance(xs, (list, tuple)):
+        raise ValueError(f"merge_states: {name} must be a list of tensors or one stacked tensor, got "
+                         f"{type(xs).__name__}")
     if not xs:
         raise ValueError(f"merge_states: {name} is empty; pass at least one partial state")
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"merge_states: {name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != xs[0].shape or x.dtype != xs[0].dtype:
+            raise ValueError(f"merge_states: every part of {name} must have one shape and dtype: {name}[0] is "
+                             f"{tuple(xs[0].shape)} {xs[0].dtype}, {name}[{i}] is {tuple(x.shape)} {x.dtype}")
     return torch.stack(xs, dim=0)
 
 
@@ -56,6 +64,7 @@ def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Te
     Returns ``out (B, H, S, D)`` in ``outs.dtype`` and ``lse (B, H, S)`` float32, under the module's rules
     for empty (``-inf``) and non-finite (NaN / ``+inf``) parts.
     """
+    validate_states(outs, lses)
     lse = lses.float()
     empty = lse == float("-inf")  # parts that saw no key: their outs are never read
     bad = ~(empty | torch.isfinite(lse))  # NaN / +inf: non-finite input behind the part

@@ -15,6 +15,7 @@ This module knows nothing about attention or models.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,15 +26,27 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("MAGNETAR_COLLECTIVE_TIMEOUT_S", "600")))
 
 
+def _check_count(value, name: str, what: str) -> None:
+    """``value`` is an int >= 1 (not a bool, not a float such as 2.0); else a ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int >= 1 ({what}), got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}; set {name} to {what}")
+
+
+def _check_timeout(timeout) -> None:
+    if not isinstance(timeout, timedelta):
+        raise ValueError(f"timeout must be a datetime.timedelta (e.g. timedelta(seconds=600)), got "
+                         f"{type(timeout).__name__} {timeout!r}")
+
+
 def rank_layout(world_size: int, cp_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """``(cp_groups, dp_groups)`` as lists of global ranks; see the module docstring for the layout.
 
-    Raises ValueError when ``cp_size`` does not divide ``world_size``.
+    Raises ValueError when a size is not an int >= 1 or ``cp_size`` does not divide ``world_size``.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}; set cp_size to the number of ranks sharing one context")
+    _check_count(world_size, "world_size", "the number of ranks launched")
+    _check_count(cp_size, "cp_size", "the number of ranks sharing one context")
     if world_size % cp_size:
         raise ValueError(
             f"world size {world_size} is not divisible by cp_size {cp_size}: cp_size x dp_size must equal the "
@@ -71,6 +84,7 @@ class ParallelGroups:
 def local_groups(*, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
     """A group of this process alone (no collectives, nothing created): the world-size-1 layout, also used
     under a launcher by work that never talks to other ranks (e.g. simulated CP ranks)."""
+    _check_timeout(timeout)
     return ParallelGroups(rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,),
                           dp_size=1, dp_rank=0, dp_group=None, dp_ranks=(0,), timeout=timeout)
 
@@ -81,6 +95,8 @@ def init_groups(cp_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> Parall
     Without an initialised process group only ``cp_size == 1`` is possible: the world-size-1 path, with
     no groups (collectives short-circuit). ``timeout`` applies to every collective on these groups.
     """
+    _check_count(cp_size, "cp_size", "the number of ranks sharing one context")
+    _check_timeout(timeout)
     if not dist.is_available() or not dist.is_initialized():
         if cp_size != 1:
             raise ValueError(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.ops import attention_with_lse, merge_states
+from magnetar.ops.attention import check_options, check_positions, validate_qkv
 from magnetar.parallel.collectives import all_gather_ints, describe_per_rank, wait_all
 from magnetar.parallel.groups import group_rank, group_ranks, group_size
 from magnetar.utils.nvtx import nvtx_range
@@ -31,22 +32,22 @@ from magnetar.utils.nvtx import nvtx_range
 _NO_KEYS = torch.iinfo(torch.long).max  # min position of an empty shard: never visible
 
 
-def _check_shard(q, k, v, q_pos, k_pos):
-    """This rank's own inputs (what may differ between ranks: the shard lengths and positions)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ring_attention: {name} must be a 4-D tensor (B, H, S, D), got {got}")
-    if k.shape != v.shape:
-        raise ValueError(f"ring_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+def _check_shard(q, k, v, q_pos, k_pos, group, timeout, causal, scale, window, backend):
+    """This rank's arguments, checked before any communication (the rules of attention_with_lse, plus positions
+    required as tensors, a process group and a timedelta); ``ValueError`` naming the argument."""
+    validate_qkv(q, k, v, caller="ring_attention")
+    check_options(causal, scale, window, backend, caller="ring_attention")
     for name, pos, t in (("q_pos", q_pos, q), ("k_pos", k_pos, k)):
         if not isinstance(pos, torch.Tensor):
-            raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard)")
-        if pos.shape[-1] != t.shape[2] or pos.dim() not in (1, 2):
-            raise ValueError(
-                f"ring_attention: {name} must be (S,) or (B, S) with S = {t.shape[2]} tokens of this shard, "
-                f"got shape {tuple(pos.shape)}"
-            )
+            raise ValueError(f"ring_attention: {name} is required (global positions of this rank's shard as a "
+                             f"tensor), got {type(pos).__name__}")
+        check_positions(pos, name, t.shape[2], t.shape[0], t.device, caller="ring_attention")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"ring_attention: group must be a torch.distributed ProcessGroup (e.g. "
+                         f"ParallelGroups.cp_group) or None for a group of one, got {type(group).__name__}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise ValueError(f"ring_attention: timeout must be a datetime.timedelta (e.g. timedelta(seconds=60)) or "
+                         f"None, got {type(timeout).__name__} {timeout!r}")
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -79,18 +80,6 @@ def _check_agreement(names: list[str], per_rank: list[list[int]]) -> None:
                          "and positions of the same layout")
 
 
-def _check_consistent(q, k, v) -> None:
-    """q against k/v on this rank; after :func:`_check_agreement` every rank reaches the same verdict, so no rank
-    is left waiting in the exchange for one that raised."""
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"ring_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"ring_attention: q (B, D) = {(q.shape[0], q.shape[3])} must equal k's "
-                         f"{(k.shape[0], k.shape[3])}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"ring_attention: query heads Hq={q.shape[1]} must be a multiple of KV heads "
-                         f"Hkv={k.shape[1]}")
-
 
 def ring_attention(
     q: torch.Tensor,
@@ -121,7 +110,7 @@ def ring_attention(
         concatenation of all shards -- also for NaN/inf inputs: each step's attention and the merge follow the
         non-finite rule, so exactly the rows that can see a bad key (on whichever rank) come back NaN.
     """
-    _check_shard(q, k, v, q_pos, k_pos)
+    _check_shard(q, k, v, q_pos, k_pos, group, timeout, causal, scale, window, backend)
     world = group_size(group)
     if world == 1:  # gloo cannot send to itself; nothing to exchange anyway
         return attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window,
@@ -137,7 +126,6 @@ def ring_attention(
     agreed = _agreed(q, k, v, k_pos)  # one gather: the exchange's lengths and positions, and what ranks must share
     meta = all_gather_ints([k.shape[2], kmin, kmax, *agreed.values()], group, k.device, timeout=timeout)
     _check_agreement(list(agreed), meta[:, 3:].tolist())
-    _check_consistent(q, k, v)
     lengths, mins, maxs = meta[:, 0].tolist(), meta[:, 1].tolist(), meta[:, 2].tolist()
     qmax = int(q_pos.max()) if q_pos.numel() else None
     qmin = int(q_pos.min()) if q_pos.numel() else None

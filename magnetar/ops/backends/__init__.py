@@ -39,6 +39,11 @@ AUTO_ORDER = ["flash_attn", "cpu_flash", "tiled", "torch"]
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
     """Register ``factory`` (called once, lazily) under ``name``; replaces an existing registration."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"register_backend: name must be a non-empty str other than 'auto', got {name!r}")
+    if not callable(factory):
+        raise ValueError(f"register_backend: factory must be a callable returning the backend (e.g. the backend "
+                         f"class), got {type(factory).__name__}")
     _REGISTRY[name] = factory
     _INSTANCES.pop(name, None)
 
@@ -90,4 +95,7 @@ def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
 
 def explain(call: AttentionCall) -> dict[str, list[str]]:
     """For every registered backend, the reasons it refuses ``call`` (empty list: it accepts)."""
+    if not isinstance(call, AttentionCall):
+        raise ValueError(f"explain: call must be a magnetar.ops.call.AttentionCall(q, k, v, q_pos, k_pos, scale, "
+                         f"mask_kind), got {type(call).__name__}")
     return {name: get_backend(name).validate(call) for name in list_backends()}

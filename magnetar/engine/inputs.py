@@ -1,0 +1,202 @@
+"""Argument checks of the engine's public entry points: ``init_inference``, ``Engine.generate`` /
+``generate_batch`` / ``score`` / ``score_variants``.
+
+Every check raises ``ValueError`` naming the argument, what was passed and what to pass instead, before any
+compute or collective; nothing is coerced silently (a ``bool`` is not an ``int``, ``2.5`` is not ``2``, a
+``str`` is not a list of strings, a float tensor is not token ids). What the entries accept:
+
+* ``context`` / ``query`` / ``continuation``: a ``str`` (needs a tokenizer) or a token-id tensor of an integer
+  dtype, 1-D ``(N,)`` or ``(1, N)``. A ``list`` of ids is refused (wrap it: ``torch.tensor(ids)``), so a list
+  can never be mistaken for a batch; ``bytes`` are refused (decode them first). Ids must lie in
+  ``[0, model.config.vocab_size)``, whether given or produced by the tokenizer. The context must not be empty
+  (Phase 1 encodes at least one token; dense attention over nothing is not a request worth a special path),
+  the query neither, and a scored continuation needs at least 2 tokens.
+* ``max_new_tokens``: an ``int`` >= 1 with ``context + query + max_new_tokens`` within the model's positions.
+* ``stop``: None or a list/tuple of non-empty strings. ``return_logits``: a ``bool``.
+* ``requests`` (``generate_batch``): a non-empty list/tuple of ``(context, query)`` pairs.
+* ``sparse`` (``score_variants``): a non-empty list/tuple of None / ``SparseConfig`` / ``LukaConfig``.
+* ``init_inference``: ``model`` a loaded HF causal LM (``torch.nn.Module`` with a ``.config``), a local model
+  folder or a registered model name; ``config`` None or an ``EngineConfig`` (a dict is refused: build it with
+  ``EngineConfig.from_dict``); ``tokenizer`` None or callable with ``decode``; ``groups`` None or
+  ``ParallelGroups``.
+
+This module knows nothing about methods, phases or ranks.
+"""
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from magnetar.config import EngineConfig, LukaConfig, SparseConfig
+from magnetar.models import MODELS
+from magnetar.parallel import ParallelGroups
+
+_MIN_TOKENS_WHY = {
+    "context": "Phase 1 encodes at least one context token; pass a non-empty context",
+    "query": "Phase 2 needs at least one query token; pass a question",
+    "continuation": "scoring needs at least 2 (token i + 1 is scored given tokens 0..i); pass a longer continuation",
+}
+
+
+def _kind(value) -> str:
+    """``value`` for an error message: type and (short) repr of a scalar or string, else the type alone."""
+    if not isinstance(value, (bool, numbers.Number, str, bytes)):
+        return type(value).__name__
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def is_int(value) -> bool:
+    """True for an integer that is not a bool (``True`` would otherwise count as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# -- prompts and token ids --------------------------------------------------------------------------------
+def check_prompt(value, name: str) -> None:
+    """``value`` is a ``str`` or an integer token-id tensor ``(N,)`` / ``(1, N)``; else a ``ValueError`` naming
+    ``name``."""
+    if isinstance(value, str):
+        return
+    if isinstance(value, (bytes, bytearray)):
+        raise ValueError(f"{name} is bytes; pass a str (decode it first: .decode('utf-8')) or a tensor of token ids")
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} is a {type(value).__name__}; pass a str or a 1-D tensor of token ids "
+                         f"(torch.tensor(ids)) -- for several requests use generate_batch([(context, query), ...])")
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a str or a 1-D tensor of token ids, got {_kind(value)}")
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise ValueError(f"{name} is a {value.dtype} tensor; token ids must be an integer tensor "
+                         f"(e.g. torch.long), not rounded or cast from {value.dtype}")
+    if value.dim() == 0 or value.dim() > 2 or (value.dim() == 2 and value.shape[0] != 1):
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}; one request takes token ids of shape (N,) or (1, N) -- "
+            f"for several requests use generate_batch([(context, query), ...])")
+
+
+def check_token_ids(ids: torch.Tensor, name: str, vocab_size: Optional[int], *, min_tokens: int = 1,
+                    tokenized: bool = False) -> None:
+    """``ids (N,)`` integer: at least ``min_tokens`` of them, each in ``[0, vocab_size)``.
+
+    ``tokenized``: the ids came from the tokenizer (an id out of range then means it does not match the model).
+    """
+    n = int(ids.numel())
+    if n < min_tokens:
+        why = _MIN_TOKENS_WHY.get(name, f"pass at least {min_tokens}")
+        raise ValueError(f"the {name} is empty: {why}" if n == 0 else f"the {name} has {n} token(s); {why}")
+    if vocab_size is None:
+        return
+    lo, hi = (int(x) for x in ids.aminmax())
+    if lo >= 0 and hi < vocab_size:
+        return
+    bad = lo if lo < 0 else hi
+    where = int((ids == bad).nonzero()[0, 0])
+    fix = ("the tokenizer does not match the model; pass the model's own tokenizer" if tokenized else
+           "pass ids from the model's own tokenizer")
+    raise ValueError(f"{name} holds token id {bad} (at index {where}), outside the model's vocabulary "
+                     f"[0, {vocab_size}) (model.config.vocab_size = {vocab_size}); {fix}")
+
+
+# -- generation options -----------------------------------------------------------------------------------
+def check_max_new_tokens(value) -> None:
+    if not is_int(value):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {_kind(value)}")
+    if value < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {value}")
+
+
+def check_positions(context: int, query: int, max_new_tokens: int, max_positions: Optional[int]) -> None:
+    """``context + query + max_new_tokens`` tokens must fit the model's positions; the error says by how much to
+    lower ``max_new_tokens`` or shorten the context."""
+    total = context + query + max_new_tokens
+    if max_positions is None or total <= max_positions:
+        return
+    room, excess = max_positions - context - query, total - max_positions
+    fixes = [f"lower max_new_tokens to at most {room}"] if room >= 1 else []
+    if excess < context:  # at least one context token stays
+        fixes.append(f"shorten the context by at least {excess} tokens")
+    fix = " or ".join(fixes) or f"shorten the query ({query} tokens) and the context"
+    raise ValueError(f"context ({context}) + query ({query}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
+                     f"exceeds the model's {max_positions} positions (max_position_embeddings); {fix}")
+
+
+def check_stop(stop) -> None:
+    if stop is None:
+        return
+    if isinstance(stop, (str, bytes)):
+        raise ValueError(f"stop must be a list of strings, got the {type(stop).__name__} {stop!r}; "
+                         f"wrap it: stop=[{stop!r}]")
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be None or a list of strings, got {_kind(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop[{i}] must be a non-empty str (an empty one would stop at once), got {_kind(s)}")
+
+
+def check_flag(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {_kind(value)}")
+
+
+def check_requests(requests) -> None:
+    """``requests``: a non-empty list/tuple of ``(context, query)`` pairs, each checked by :func:`check_prompt`."""
+    if not isinstance(requests, (list, tuple)):
+        raise ValueError(f"requests must be a list of (context, query) pairs, got {_kind(requests)}")
+    if not requests:
+        raise ValueError("generate_batch needs at least one (context, query) request")
+    for i, r in enumerate(requests):
+        if not isinstance(r, (list, tuple)) or len(r) != 2:
+            got = f"a {type(r).__name__} of {len(r)}" if isinstance(r, (list, tuple)) else _kind(r)
+            raise ValueError(f"requests[{i}] must be a (context, query) pair, got {got}; for one request use "
+                             f"generate(context, query) or generate_batch([(context, query)])")
+        where = f"requests[{i}] " if len(requests) > 1 else ""  # generate() passes one request
+        check_prompt(r[0], f"{where}context")
+        check_prompt(r[1], f"{where}query")
+
+
+def check_generate(requests, max_new_tokens, stop, return_logits) -> None:
+    """All of ``generate_batch``'s arguments (``generate`` passes one request)."""
+    check_requests(requests)
+    check_max_new_tokens(max_new_tokens)
+    check_stop(stop)
+    check_flag(return_logits, "return_logits")
+
+
+def check_score(context, continuation, variants) -> None:
+    """``score_variants``'s arguments: the two prompts and a non-empty list of decoding variants."""
+    check_prompt(context, "context")
+    check_prompt(continuation, "continuation")
+    if not isinstance(variants, (list, tuple)):
+        raise ValueError(f"sparse must be a list of decoding variants (None, SparseConfig or LukaConfig), "
+                         f"got {_kind(variants)}; for one variant pass [variant]")
+    if not variants:
+        raise ValueError("sparse is empty; pass at least one decoding variant (None for dense decoding)")
+    for i, v in enumerate(variants):
+        if v is not None and not isinstance(v, (SparseConfig, LukaConfig)):
+            raise ValueError(f"sparse[{i}] must be None, a SparseConfig or a LukaConfig, got {_kind(v)}"
+                             + ("; build it with SparseConfig(**d) or LukaConfig(**d)" if isinstance(v, dict) else ""))
+
+
+# -- init_inference ---------------------------------------------------------------------------------------
+def is_model_path(model) -> bool:
+    return isinstance(model, (str, bytes)) or isinstance(model, os.PathLike)
+
+
+def check_init(model, config, tokenizer, groups) -> None:
+    """``init_inference``'s arguments (the flat config fields are checked by ``EngineConfig``)."""
+    if not is_model_path(model) and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+        raise ValueError(f"model must be a loaded Hugging Face causal LM (a transformers PreTrainedModel), a local "
+                         f"model folder or a registered model name ({', '.join(sorted(MODELS))}); got {_kind(model)}")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an EngineConfig, got {_kind(config)}; build one with "
+                         f"EngineConfig.from_dict(d) / EngineConfig.from_file(path), or pass fields as keywords "
+                         f"(init_inference(model, method='star', cp_size=2))")
+    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable, tokenizer(text) -> "
+                         f"{{'input_ids': [...]}}, with .decode(ids)), got {_kind(tokenizer)}")
+    if groups is not None and not isinstance(groups, ParallelGroups):
+        raise ValueError(f"groups must be a ParallelGroups from magnetar.parallel.init_groups(cp_size) (or None: "
+                         f"init_inference creates them), got {_kind(groups)}")
