@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
     longest = max(parse_length(x) for x in args.lengths.split(",") if x.strip()) + args.query_tokens + 1
     name = allow_positions(model, longest, name, "--lengths + --query-tokens + 1 generated token",
-                           args.beyond_trained_length)
+                           args.beyond_trained_length, prog=p.prog)
     mlist = modes([m.strip() for m in args.modes.split(",") if m.strip()], args.block, args.indexer_path)
 
     def engine(flat: dict):

@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
+import numbers
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from functools import cache
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, get_args, get_type_hints
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,117 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _where(name: str) -> str:
+    """``pulsar.scorer (--scorer)`` for a field, ``method (--method)``, or the bare name of a section."""
+    if name in FLAT_FIELDS:
+        return f"{FLAT_FIELDS[name]}.{name} ({_flag(name)})"
+    return f"{name} ({_flag(name)})" if name == "method" else name
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
-        raise ValueError(f"{name} ({_flag(name)}): {msg}")
+        err = ValueError(f"{_where(name)}: {msg}")
+        err.field = name  # EngineConfig.from_cli names the config file when the field came from it
+        raise err
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a hostile value must not make a megabyte message."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<a {value.bit_length()}-bit int>"  # repr of a huge int is slow, or refused past 4300 digits
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return text[: limit - 4] + "...'" if isinstance(value, str) else text[:limit] + "..."
+
+
+def _suggest(word: Any, options) -> str:
+    """``"; did you mean 'scorer'?"`` when ``word`` is close to one of ``options``, else ``""``."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _choice(name: str, value: Any, options: Sequence, noun: str) -> None:
+    """``value`` must be one of ``options``; the error lists them (and the nearest one)."""
+    _require(value in options, name, f"unknown {noun} {_short(value)}{_suggest(value, options)} "
+                                     f"(choose one of {', '.join(map(str, options))})")
+
+
+def _type_problem(value: Any, want: type) -> Optional[str]:
+    """Why ``value`` cannot be a ``want`` (bool, int, float, str or a config section), or None if it can.
+    Nothing is converted: a bool is not a number, 2.5 is not the int 2, the text "4" is not the number 4."""
+    if want is bool:
+        ok = isinstance(value, bool)
+        expected = "true or false"
+    elif want is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        expected = "an int"
+    elif want is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        try:
+            finite = ok and math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if ok and not finite:
+            return f"expected a finite number, got {_short(value)}"
+        expected = "a number"
+    elif want is str:
+        ok, expected = isinstance(value, str), "a string"
+    else:  # a config section
+        if isinstance(value, want):
+            return None
+        return (f"expected a {want.__name__}, got {type(value).__name__}; build the config from a mapping with "
+                f"EngineConfig.from_dict / EngineConfig.create, or pass {want.__name__}(...)")
+    if ok:
+        return None
+    msg = f"expected {expected}, got {type(value).__name__} {_short(value)}"
+    if want in (int, float) and isinstance(value, bool):
+        return msg + " (a bool is not a number)"
+    if want is int and isinstance(value, numbers.Real):
+        return msg + " (write a whole number; nothing is rounded)"
+    if want is not str and isinstance(value, str) and value.strip():
+        return msg + " (a value in quotes is text: write it without quotes)"
+    return msg
+
+
+@cache
+def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """``{field: (type, None allowed)}`` of a config dataclass, from its annotations."""
+    out = {}
+    for name, hint in get_type_hints(cls).items():
+        args = [a for a in get_args(hint) if a is not type(None)]
+        out[name] = (args[0], True) if args else (hint, False)
+    return out
+
+
+def _check_types(obj: Any) -> None:
+    """Every field of the config dataclass ``obj`` has its annotated type (ValueError naming the field and
+    flag); numpy-style scalars become plain ``int`` / ``float`` so that the config serialises as given."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        want, optional = _field_types(type(obj))[f.name]
+        if value is None and optional:
+            continue
+        problem = _type_problem(value, want)
+        if problem is None and want is int and not -_MAX_INT <= value < _MAX_INT:
+            problem = f"must fit in 64 bits, got {_short(value)}"
+        _require(problem is None, f.name, problem or "")
+        if want in (int, float) and type(value) not in (int, float):
+            object.__setattr__(obj, f.name, int(value) if want is int else float(value))
+
+
+_MAX_INT = 2**63  # every int field ends up in a torch int64 or a C long (seeds: torch.Generator.manual_seed)
+_MAX_TIMEOUT_S = 1e9  # about 31 years: a timedelta and every process group backend still hold it
+
+
+def _seed(name: str, value: int) -> None:
+    _require(value >= 0, name, f"must be an int >= 0, got {value}")
+
+
+def _path(name: str, value: Optional[str]) -> None:
+    _require(value is None or bool(value.strip()), name, "must be a file path (or unset), got an empty string")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +213,10 @@ class ParallelConfig:
     simulate: bool = False
 
     def __post_init__(self):
-        _require(isinstance(self.cp_size, int) and self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {self.cp_size!r}")
-        _require(self.timeout_s > 0, "timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+        _check_types(self)
+        _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {_short(self.cp_size)}")
+        _require(0 < self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
+                 f"must be > 0 and at most {_MAX_TIMEOUT_S:g} seconds, got {self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +225,7 @@ class BlockConfig:
     anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
 
     def __post_init__(self):
+        _check_types(self)
         _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size", f"must be >= 0, got {self.anchor_size}")
 
@@ -124,11 +240,12 @@ class PulsarConfig:
     discard_summary_kv: bool = True  # drop sink and summary KV after Phase 1
 
     def __post_init__(self):
+        _check_types(self)
         _require(self.sink_size >= 0, "sink_size", f"must be >= 0, got {self.sink_size}")
         _require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
         _require(0 < self.summary_budget <= 1, "summary_budget", f"must be in (0, 1], got {self.summary_budget}")
-        _require(self.scorer in SCORERS, "scorer", f"unknown scorer {self.scorer!r}; choose one of {SCORERS}")
-        _require(self.positions in POSITION_MODES, "positions", f"must be one of {POSITION_MODES}, got {self.positions!r}")
+        _choice("scorer", self.scorer, SCORERS, "scorer")
+        _choice("positions", self.positions, POSITION_MODES, "positions mode")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +254,7 @@ class StreamingConfig:
     window_size: int = 1024  # recent tokens kept besides the sinks
 
     def __post_init__(self):
+        _check_types(self)
         _require(self.sink_tokens >= 0, "sink_tokens", f"must be >= 0, got {self.sink_tokens}")
         _require(self.window_size >= 1, "window_size", f"must be >= 1, got {self.window_size}")
 
@@ -149,9 +267,11 @@ class DecodeConfig:
     seed: int = 0  # sampling seed (the token is drawn on one rank and broadcast)
 
     def __post_init__(self):
+        _check_types(self)
         _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _seed("seed", self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +284,10 @@ class RuntimeConfig:
     check_finite: bool = True
 
     def __post_init__(self):
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check_types(self)
+        _choice("dtype", self.dtype, DTYPES, "dtype")
+        _require(bool(self.attention_backend.strip()), "attention_backend",
+                 "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")
 
 
 # (sinks, window) each policy keeps by default, on top of its budget: MagicPIG's setting for lsh; none otherwise
@@ -189,9 +312,9 @@ class SparseConfig:
     hash_seed: int = 0  # lsh: seed of the random rotations
 
     def __post_init__(self):
-        _require(self.sparse_policy in SPARSE_POLICIES, "sparse_policy",
-                 f"unknown policy {self.sparse_policy!r}; choose one of {SPARSE_POLICIES}")
-        _require(isinstance(self.sparse_budget, int) and self.sparse_budget >= 0, "sparse_budget",
+        _check_types(self)
+        _choice("sparse_policy", self.sparse_policy, SPARSE_POLICIES, "policy")
+        _require(self.sparse_budget >= 0, "sparse_budget",
                  f"must be an int >= 0 tokens (0: use sparse_pruning), got {self.sparse_budget!r}")
         _require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
                  f"must be in [0, 1) (the fraction of context KV pruned, e.g. 0.98), got {self.sparse_pruning}")
@@ -206,6 +329,8 @@ class SparseConfig:
         _require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
                  f"must be a positive multiple of 32 (codes are packed 32 bits to a word), got {self.code_bits}")
         _require(self.page_size >= 1, "page_size", f"must be >= 1 keys per page, got {self.page_size}")
+        _path("hash_path", self.hash_path)
+        _seed("hash_seed", self.hash_seed)
         _require(self.sparse_policy != "spotlight" or bool(self.hash_path), "hash_path",
                  "policy 'spotlight' needs trained hash weights: make them with `magnetar-calibrate spotlight "
                  "--out hashes.pt` and pass hash_path=hashes.pt")
@@ -259,30 +384,29 @@ class LukaConfig:
     luka_seed: int = 0  # the random compressor's seed
 
     def __post_init__(self):
-        _require(self.luka_mode in LUKA_MODES, "luka_mode", f"unknown mode {self.luka_mode!r}; choose one of {LUKA_MODES}")
-        _require(isinstance(self.luka_lined_layers, int) and self.luka_lined_layers >= 0, "luka_lined_layers",
+        _check_types(self)
+        _choice("luka_mode", self.luka_mode, LUKA_MODES, "mode")
+        _require(self.luka_lined_layers >= 0, "luka_lined_layers",
                  f"must be an int >= 0 (first and last layers lined in mode 'mixed'), got {self.luka_lined_layers!r}")
         _require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
                  f"must be in (0, 1] (a fraction of the context, e.g. 0.125), got {self.luka_heavy_fraction}")
-        _require(isinstance(self.luka_recent, int) and self.luka_recent >= 0, "luka_recent",
+        _require(self.luka_recent >= 0, "luka_recent",
                  f"must be an int >= 0 tokens (the raw tail), got {self.luka_recent!r}")
-        _require(isinstance(self.luka_page_size, int) and self.luka_page_size >= 1, "luka_page_size",
+        _require(self.luka_page_size >= 1, "luka_page_size",
                  f"must be an int >= 1 tokens per page, got {self.luka_page_size!r}")
-        _require(self.luka_compressor in LUKA_COMPRESSORS, "luka_compressor",
-                 f"unknown compressor {self.luka_compressor!r}; choose one of {LUKA_COMPRESSORS}")
+        _choice("luka_compressor", self.luka_compressor, LUKA_COMPRESSORS, "compressor")
         _require(self.luka_tau > 0, "luka_tau", f"must be > 0, got {self.luka_tau}")
-        _require(self.luka_refine in LUKA_REFINE, "luka_refine",
-                 f"unknown refinement rule {self.luka_refine!r}; choose one of {LUKA_REFINE}")
-        _require(isinstance(self.luka_refine_k, int) and self.luka_refine_k >= 0, "luka_refine_k",
+        _choice("luka_refine", self.luka_refine, LUKA_REFINE, "refinement rule")
+        _require(self.luka_refine_k >= 0, "luka_refine_k",
                  f"must be an int >= 0 pages, got {self.luka_refine_k!r}")
         _require(0.0 <= self.luka_refine_fraction <= 1.0, "luka_refine_fraction",
                  f"must be in [0, 1], got {self.luka_refine_fraction}")
         _require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
                  f"must be in [0, 1] (an attention mass), got {self.luka_refine_eps}")
-        _require(self.luka_refine_mass in LUKA_REFINE_MASS, "luka_refine_mass",
-                 f"choose one of {LUKA_REFINE_MASS}, got {self.luka_refine_mass!r}")
-        _require(isinstance(self.luka_compress_every, int) and self.luka_compress_every >= 1, "luka_compress_every",
+        _choice("luka_refine_mass", self.luka_refine_mass, LUKA_REFINE_MASS, "refinement mass rule")
+        _require(self.luka_compress_every >= 1, "luka_compress_every",
                  f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
+        _seed("luka_seed", self.luka_seed)
 
     def layer_kind(self, layer: int, num_layers: int) -> str:
         """``lined``, ``clustered`` or ``none`` for ``layer`` of a model with ``num_layers`` layers."""
@@ -369,22 +493,22 @@ class PrefillConfig:
     prefill_seed: int = 0  # seed of the random-init indexer
 
     def __post_init__(self):
-        _require(self.prefill_policy in PREFILL_POLICIES, "prefill_policy",
-                 f"unknown policy {self.prefill_policy!r}; choose one of {PREFILL_POLICIES}")
-        _require(isinstance(self.prefill_topk, int) and not isinstance(self.prefill_topk, bool)
-                 and self.prefill_topk >= 0, "prefill_topk",
+        _check_types(self)
+        _choice("prefill_policy", self.prefill_policy, PREFILL_POLICIES, "policy")
+        _require(self.prefill_topk >= 0, "prefill_topk",
                  f"must be an int >= 1 keys per query (or 0: from prefill_schedule), got {self.prefill_topk!r}")
         try:
             parse_schedule(self.prefill_schedule)
         except ValueError as e:
             _require(False, "prefill_schedule", str(e))
-        _require(isinstance(self.prefill_b_sel, int) and not isinstance(self.prefill_b_sel, bool)
-                 and self.prefill_b_sel >= 1, "prefill_b_sel",
+        _require(self.prefill_b_sel >= 1, "prefill_b_sel",
                  f"must be an int >= 1 query rows per selection block (1: per query), got {self.prefill_b_sel!r}")
-        _require(isinstance(self.prefill_dense_layers, int) and self.prefill_dense_layers >= 0, "prefill_dense_layers",
+        _require(self.prefill_dense_layers >= 0, "prefill_dense_layers",
                  f"must be an int >= 0 layers, got {self.prefill_dense_layers!r}")
         _require(self.prefill_d_idx == 0 or self.prefill_d_idx in PREFILL_D_IDX, "prefill_d_idx",
                  f"must be one of {PREFILL_D_IDX} (or 0: the weight file's), got {self.prefill_d_idx!r}")
+        _path("prefill_indexer_path", self.prefill_indexer_path)
+        _seed("prefill_seed", self.prefill_seed)
         if self.prefill_policy == "indexer":
             _require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
                      "policy 'indexer' needs distilled indexer weights (prefill_indexer_path=FILE); an untrained "
@@ -430,7 +554,8 @@ class EngineConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
 
     def __post_init__(self):
-        _require(self.method in METHODS, "method", f"unknown method {self.method!r}; choose one of {tuple(METHODS)}")
+        _check_types(self)
+        _choice("method", self.method, tuple(METHODS), "method")
         if self.luka.luka_mode != "none":
             _require(self.sparse.sparse_policy == "none", "luka_mode",
                      f"LuKA and sparse decoding ({self.sparse.sparse_policy!r}) both choose the context KV a step "
@@ -463,75 +588,201 @@ class EngineConfig:
         return cls.from_dict(kwargs)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
-        """Nested (``{"pulsar": {"scorer": ...}}``) or flat (``{"scorer": ...}``) keys; unknown keys are errors."""
-        top: dict[str, Any] = {}
-        per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-        for key, value in data.items():
-            if key == "method":
-                top["method"] = value
-            elif key in SECTIONS:
-                if isinstance(value, SECTIONS[key]):
-                    value = dataclasses.asdict(value)
-                if not isinstance(value, dict):
-                    raise ValueError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
-                for k, v in value.items():
-                    if k not in {f.name for f in fields(SECTIONS[key])}:
-                        raise ValueError(f"unknown field {k!r} in config section {key!r}; "
-                                         f"known: {[f.name for f in fields(SECTIONS[key])]}")
-                    per_section[key][k] = v
-            elif key in FLAT_FIELDS:
-                per_section[FLAT_FIELDS[key]][key] = value
-            else:
-                raise ValueError(f"unknown config field {key!r}; known: ['method'] + {sorted(FLAT_FIELDS)} "
-                                 f"(or sections {sorted(SECTIONS)})")
-        sections = {s: SECTIONS[s](**vals) for s, vals in per_section.items()}
-        return cls(**top, **sections)
+    def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
+        """Nested (``{"pulsar": {"scorer": ...}}``) or flat (``{"scorer": ...}``) keys. Unknown keys, a field given
+        twice (flat and nested), a section that is not a mapping and a value of the wrong type are errors that
+        name the field (``pulsar.scorer``) and its flag; nothing is converted."""
+        return cls._build(*_split(data))
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "EngineConfig":
-        """Load a ``.json`` or ``.yaml``/``.yml`` file (nested or flat keys)."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+    def _build(cls, top: dict[str, Any], per_section: dict[str, dict[str, Any]]) -> "EngineConfig":
+        return cls(**top, **{s: SECTIONS[s](**vals) for s, vals in per_section.items()})
 
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            raise ValueError(f"config file {path} must end in .json, .yaml or .yml")
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping at the top level")
-        return cls.from_dict(data)
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "EngineConfig":
+        """Load a ``.json`` or ``.yaml``/``.yml`` file (UTF-8; nested or flat keys). FileNotFoundError for a
+        missing file; ValueError naming the file (and line and column of a syntax error) for anything else."""
+        data = _read_file(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"config file {path}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def replace(self, **flat) -> "EngineConfig":
         """A copy with flat fields changed (the original is never mutated)."""
-        merged = self.to_dict()
+        top, per = {"method": self.method}, _sections_of(self)
         for key, value in flat.items():
-            if key == "method":
-                merged["method"] = value
-            elif key in FLAT_FIELDS:
-                merged[FLAT_FIELDS[key]][key] = value
-            else:
-                raise ValueError(f"unknown config field {key!r}")
-        return EngineConfig.from_dict(merged)
+            if key in SECTIONS:
+                raise ValueError(f"replace takes flat fields (e.g. scorer='bm25'), not the section {key!r}; "
+                                 "use EngineConfig.from_dict for nested values")
+            _put(top, per, None, key, value, key)
+        return EngineConfig._build(top, per)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineConfig":
-        """From flags added by :func:`add_cli_args`; ``--config FILE`` values are overridden by explicit flags."""
-        base = cls.from_file(args.config).to_dict() if getattr(args, "config", None) else {}
-        flat = {}
+        """From flags added by :func:`add_cli_args`; ``--config FILE`` values are overridden by explicit flags
+        (the file and the flags are validated together, once)."""
+        top, per = {}, {s: {} for s in SECTIONS}
+        path = getattr(args, "config", None)
+        if path is not None:
+            data = _read_file(path)
+            try:
+                top, per = _split(data)
+            except ValueError as e:
+                raise ValueError(f"config file {path}: {e}") from None
+        from_file = {*top, *(k for vals in per.values() for k in vals)}
         for name in ["method", *FLAT_FIELDS]:
             value = getattr(args, name, None)
             if value is not None:
-                flat[name] = value
-        if base:
-            return cls.from_dict(base).replace(**flat)
-        return cls.from_dict(flat)
+                _put(top, per, None, name, value, name)
+                from_file.discard(name)
+        try:
+            return cls._build(top, per)
+        except ValueError as e:
+            if getattr(e, "field", None) in from_file:
+                raise ValueError(f"config file {path}: {e}") from None
+            raise
+
+
+def _fields_of(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in fields(section)}
+
+
+def _sections_of(config: EngineConfig) -> dict[str, dict[str, Any]]:
+    return {s: _fields_of(getattr(config, s)) for s in SECTIONS}
+
+
+def _unknown(key: Any, section: Optional[str] = None) -> str:
+    """The error for a key that is no config field (of ``section``): the nearest names, where it belongs."""
+    if not isinstance(key, str):
+        return f"config keys are field names (strings), got {type(key).__name__} {_short(key)}"
+    if section is not None:
+        names = [f.name for f in fields(SECTIONS[section])]
+        home = FLAT_FIELDS.get(key)
+        where = f"; {key!r} belongs in section {home!r}" if home else _suggest(key, names)
+        return f"unknown field {_short(key)} in config section {section!r}{where} (its fields: {', '.join(names)})"
+    return (f"unknown config field {_short(key)}{_suggest(key, ['method', *SECTIONS, *FLAT_FIELDS])} (fields: "
+            f"'method', the sections {', '.join(SECTIONS)} and their fields {', '.join(sorted(FLAT_FIELDS))})")
+
+
+def _put(top: dict, per: dict[str, dict], given: Optional[dict[str, str]], key: Any, value: Any, as_: str) -> None:
+    """Set field ``key`` (``method`` or a section's field) to ``value``. With ``given`` (field -> how it was
+    written, e.g. ``pulsar.scorer``) a field set twice is an error; without, the later value wins (a flag over
+    its config file)."""
+    if key == "method":
+        top["method"] = value
+        return
+    if not isinstance(key, str) or key not in FLAT_FIELDS:
+        raise ValueError(_unknown(key))
+    if given is not None:
+        if key in given:
+            raise ValueError(f"config field {key!r} is given twice, as {given[key]!r} and as {as_!r}; keep one")
+        given[key] = as_
+    per[FLAT_FIELDS[key]][key] = value
+
+
+def _split(data: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A config mapping (nested and/or flat keys) -> ``(top-level fields, {section: {field: value}})``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a config is a mapping of field names to values (e.g. {{'method': 'star', "
+                         f"'cp_size': 4}}), got {type(data).__name__}")
+    top: dict[str, Any] = {}
+    per: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    given: dict[str, str] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if isinstance(value, SECTIONS[key]):
+                value = _fields_of(value)
+            if not isinstance(value, Mapping):
+                first = fields(SECTIONS[key])[0].name
+                raise ValueError(f"config section {key!r} must be a mapping of its fields (e.g. {{{first!r}: ...}}) "
+                                 f"or a {SECTIONS[key].__name__}, got {type(value).__name__} {_short(value)}")
+            for k, v in value.items():
+                if not isinstance(k, str) or FLAT_FIELDS.get(k) != key:
+                    raise ValueError(_unknown(k, key))
+                _put(top, per, given, k, v, f"{key}.{k}")
+        else:
+            _put(top, per, given, key, value, key)
+    return top, per
+
+
+def _read_file(path: Any) -> dict[str, Any]:
+    """The top-level mapping of a JSON or YAML config file, with every way a file can be wrong named."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a config file path is a str or Path, got {type(path).__name__} {_short(path)}")
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"config file {p} must end in .json, .yaml or .yml")
+    if not p.exists():
+        raise FileNotFoundError(f"config file {p} does not exist")
+    if p.is_dir():
+        raise ValueError(f"config file {p} is a directory; pass a .json or .yaml file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"config file {p} cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                         "save it as UTF-8") from None
+    if not text.strip():
+        raise ValueError(f"config file {p} is empty; write a mapping of config fields (e.g. {{\"method\": \"star\"}}, "
+                         "or {} for the defaults)")
+    try:
+        data = _parse_json(text) if suffix == ".json" else _parse_yaml(text)
+    except RecursionError:
+        raise ValueError(f"config file {p} is nested too deeply to be a config") from None
+    except ValueError as e:
+        raise ValueError(f"config file {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a mapping of config fields at the top level (e.g. "
+                         f"{{\"method\": \"star\"}}), got {type(data).__name__} {_short(data)}")
+    return data
+
+
+def _parse_json(text: str) -> Any:
+    def unique(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"key {k!r} appears twice in one object; keep one")
+            seen.add(k)
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def _parse_yaml(text: str) -> Any:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
+        def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # an unhashable key is refused by SafeLoader itself
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping; "
+                                                            "keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"invalid YAML{at}: {getattr(e, 'problem', None) or e}") from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

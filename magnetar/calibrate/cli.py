@@ -21,8 +21,12 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from magnetar.calibrate.spotlight import TrainConfig
+from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors
+
+PROG = "magnetar-calibrate"
 
 CORPORA = ("essays", "shakespeare")
 
@@ -38,15 +42,14 @@ def corpus_texts(name: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="magnetar-calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("spotlight", help="train the Spotlight (MLP) or LSH hash functions")
     s.add_argument("--model", default="smollm2-135m-instruct")
     s.add_argument("--data", choices=CORPORA, default="essays", help="text the queries/keys are collected from")
     s.add_argument("--out", required=True, help="hash weights file to write (and resume)")
     s.add_argument("--hash", dest="kind", choices=("mlp", "lsh"), default="mlp")
-    s.add_argument("--threads", type=int, help="torch CPU threads")
+    s.add_argument("--threads", type=int_at_least(1), help="torch CPU threads")
     defaults = TrainConfig()
     for f in fields(TrainConfig):
         if f.name in ("kind", "betas"):
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default="smollm2-135m-instruct")
     i.add_argument("--data", choices=CORPORA, default="essays", help="text the teacher rows are collected from")
     i.add_argument("--out", required=True, help="indexer weights file to write (and resume)")
-    i.add_argument("--threads", type=int, help="torch CPU threads")
+    i.add_argument("--threads", type=int_at_least(1), help="torch CPU threads")
     i.add_argument("--device", default="cpu", help="device of the frozen model and the training (cpu, cuda)")
     i.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the frozen model (the indexer trains in float32)")
@@ -75,10 +78,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args):
+    """The training config of the flags, after every check that needs no model (ValueError naming the flag)."""
+    import torch
+
+    from magnetar.calibrate.indexer import IndexerTrainConfig
+    from magnetar.models import check_model
+
+    check_model(args.model)
+    check_output_file(args.out, flag="--out", make_parents=True)
+    if args.what == "spotlight":
+        return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    if args.cache_dir is not None and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+        raise ValueError(f"--cache-dir {args.cache_dir} is a file; give a directory")
+    return IndexerTrainConfig(**{f.name: getattr(args, f.name) for f in fields(IndexerTrainConfig)})
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from magnetar.models import ModelNotInstalledError
+
+    with user_errors(PROG):
+        cfg = check_args(args)
     if args.what == "indexer":
-        return _indexer(args)
+        return _indexer(args, cfg)
     import torch
 
     from magnetar.calibrate.spotlight import calibrate
@@ -86,8 +115,8 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    model, tokenizer = load_model(args.model)
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        model, tokenizer = load_model(args.model)
     bank = calibrate(model, tokenizer, corpus_texts(args.data), args.out, cfg)
     before, after = bank.meta["iou_before"], bank.meta["iou_after"]
     layers = sorted(after)
@@ -103,17 +132,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _indexer(args) -> int:
+def _indexer(args, cfg) -> int:
     import torch
 
-    from magnetar.calibrate.indexer import IndexerTrainConfig, calibrate_indexer, metrics_table
+    from magnetar.calibrate.indexer import calibrate_indexer, metrics_table
     from magnetar.calibrate.spotlight import text_sequences
-    from magnetar.models import load_model
+    from magnetar.models import ModelNotInstalledError, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = IndexerTrainConfig(**{f.name: getattr(args, f.name) for f in fields(IndexerTrainConfig)})
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     seqs = text_sequences(tokenizer, corpus_texts(args.data), cfg.seq_len, cfg.sequences + cfg.held_out)
     bank = calibrate_indexer(model, seqs, args.out, cfg, cache_dir=args.cache_dir)
     table, means = metrics_table(bank)

@@ -57,6 +57,30 @@ class TrainConfig:
     clip: float = 1.0
     seed: int = 0
 
+    def __post_init__(self):
+        def check(name: str, ok, want: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not ok(value):  # a bool is not a count
+                raise ValueError(f"spotlight calibration: {name} (--{name.replace('_', '-')}) must be {want}, got "
+                                 f"{value!r}")
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and math.isfinite(v)
+
+        check("kind", lambda v: v in ("mlp", "lsh"), "mlp or lsh")
+        for name, low in (("bits", 32), ("hidden", 1), ("seq_len", 2), ("sequences", 1), ("held_out", 1),
+                          ("queries", 1), ("passes", 1), ("max_top", 1), ("max_oth", 1), ("dense_layers", 0),
+                          ("seed", 0)):
+            check(name, lambda v, low=low: isinstance(v, int) and v >= low, f"an int >= {low}")
+        check("bits", lambda v: v % 32 == 0, "a multiple of 32 (codes are packed 32 bits to a word)")
+        check("pruning", lambda v: number(v) and 0 < v < 1, "a fraction in (0, 1)")
+        check("warmup", lambda v: number(v) and 0 <= v < 1, "a fraction in [0, 1)")
+        for name in ("beta", "gamma", "lr", "clip"):
+            check(name, lambda v: number(v) and v > 0, "a finite number > 0")
+        for name in ("alpha", "min_lr", "weight_decay"):
+            check(name, lambda v: number(v) and v >= 0, "a finite number >= 0")
+        check("min_lr", lambda v: v <= self.lr, f"at most lr ({self.lr})")
+
 
 # -- ranking loss ------------------------------------------------------------------------------------------
 def ranking_loss(draft: torch.Tensor, true: torch.Tensor, visible: torch.Tensor, top_count: int,

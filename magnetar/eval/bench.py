@@ -38,22 +38,24 @@ from typing import Optional
 import torch
 
 from magnetar.config import METHODS
-from magnetar.eval.common import engine_config
+from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_names
+from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
+
+PROG = "magnetar-bench"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def allow_positions(model, longest: int, name: str, what: str, beyond: bool) -> str:
+def allow_positions(model, longest: int, name: str, what: str, beyond: bool, prog: str = PROG) -> str:
     """Let a timing run use ``longest`` positions: fine within the model's ``max_position_embeddings``; past it
     only with ``beyond`` (``--beyond-trained-length``: the limit is raised, outputs there are meaningless), else
-    ``SystemExit`` naming ``what`` needs them. Returns ``name``, marked when the limit was raised."""
+    ``PROG: error: ...`` (exit 2) naming ``what`` needs them. Returns ``name``, marked when the limit was raised."""
     trained = getattr(model.config, "max_position_embeddings", None)
     if trained is None or longest <= trained:
         return name
     if not beyond:
-        raise SystemExit(f"{name} was trained on {trained} positions; {what} need {longest}: shorten them, or pass "
-                         f"--beyond-trained-length to time them anyway (outputs past {trained} positions are "
-                         "meaningless)")
+        fail(prog, f"{name} was trained on {trained} positions; {what} need {longest}: shorten them, or pass "
+                   f"--beyond-trained-length to time them anyway (outputs past {trained} positions are meaningless)")
     model.config.max_position_embeddings = longest
     return name + f" (positions raised {trained} -> {longest} for timing)"
 
@@ -73,20 +75,20 @@ def tiny_model(max_positions: int, seed: int = 0):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="magnetar-bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="magnetar.models name or local HF folder")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of --model (quick runs)")
     p.add_argument("--methods", default="dense,star,pulsar", help=f"comma-separated, from {','.join(METHODS)}")
     p.add_argument("--lengths", default="4096,8192", help="context lengths in tokens, comma-separated")
-    p.add_argument("--cp", type=int, default=None, help="CP size for ring/star/pulsar (default: "
-                                                         "--simulate-ranks, or the launcher's world size)")
-    p.add_argument("--simulate-ranks", type=int, default=None, metavar="W",
+    p.add_argument("--cp", type=int_at_least(1), default=None, help="CP size for ring/star/pulsar (default: "
+                   "--simulate-ranks, or the launcher's world size)")
+    p.add_argument("--simulate-ranks", type=int_at_least(1), default=None, metavar="W",
                    help="run the W ranks' Phase 1 one after another in this process (see the module doc)")
-    p.add_argument("--query-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--query-len", type=int_at_least(1), default=32)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=8)
+    p.add_argument("--warmup", type=int_at_least(0), default=1)
+    p.add_argument("--repeats", type=int_at_least(1), default=1)
     p.add_argument("--text", action="store_true", help="Paul Graham essays instead of random token ids")
     p.add_argument("--beyond-trained-length", action="store_true",
                    help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
@@ -100,23 +102,26 @@ def parse_args(argv):
     p.add_argument("--window-size", type=int, default=None, help="streaming window")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--deepspeed", action="store_true", help="wrap the model with deepspeed.init_inference")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad or not args.methods:
-        p.error(f"--methods: unknown {bad}; choose from {tuple(METHODS)}")
-    try:
-        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--lengths must be comma-separated ints, got {args.lengths!r}")
-    if not args.lengths or min(args.lengths) < 1:
-        p.error("--lengths must be positive")
-    if args.simulate_ranks is not None and args.simulate_ranks < 1:
-        p.error("--simulate-ranks must be >= 1")
-    if min(args.warmup, 0) < 0 or args.repeats < 1 or args.max_new_tokens < 1 or args.query_len < 1:
-        p.error("--warmup >= 0, --repeats >= 1, --max-new-tokens >= 1, --query-len >= 1")
+    with user_errors(PROG):
+        args.methods = parse_names(args.methods, tuple(METHODS), "--methods")
+        args.lengths = parse_lengths(args.lengths)
+        sim = args.simulate_ranks
+        if sim is not None and args.cp is not None and args.cp != sim:
+            raise ValueError(f"--cp ({args.cp}) and --simulate-ranks ({sim}) differ: simulate exactly the CP ranks "
+                             "you want")
+        for method in args.methods:  # the engine options hold for every method (e.g. --block-size >= 1)
+            check_attention_backend(engine_config(args, method, args.cp or sim or 1))
+        if args.text and args.tiny:
+            raise ValueError("--text needs the model's tokenizer, which --tiny has not; drop one of them")
+        if not args.tiny:
+            from magnetar.models import check_model
+
+            check_model(args.model)
+        if args.json_out is not None:
+            check_output_file(args.json_out, flag="--json-out")
     return args
 
 
@@ -124,8 +129,6 @@ def _inputs(args, model, tokenizer, L: int):
     g = torch.Generator().manual_seed(args.seed + L)
     vocab = model.config.vocab_size
     if args.text:
-        if tokenizer is None:
-            raise SystemExit("--text needs the model's tokenizer (not available with --tiny)")
         from magnetar.data.niah import build_haystack
 
         ids = tokenizer(build_haystack(tokenizer, L, seed=args.seed), add_special_tokens=False)["input_ids"]
@@ -223,9 +226,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.tiny:
         model, tokenizer, name = tiny_model(max(longest, 1024)), None, "tiny-llama-random"
     else:
-        from magnetar.models import load_model
+        from magnetar.models import ModelNotInstalledError, load_model
 
-        model, tokenizer = load_model(args.model, dtype=dtype)
+        with user_errors(PROG, extra=(ModelNotInstalledError,)):
+            model, tokenizer = load_model(args.model, dtype=dtype)
         name = args.model
         name = allow_positions(model, longest, name, "--lengths + --query-len + --max-new-tokens",
                                args.beyond_trained_length)
@@ -238,8 +242,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     sim = args.simulate_ranks
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     cp = args.cp or sim or world or 1
-    if sim is not None and cp != sim:
-        raise SystemExit(f"--cp ({cp}) and --simulate-ranks ({sim}) differ: simulate exactly the CP ranks you want")
     engines = {}
 
     def engine_for(cfg):

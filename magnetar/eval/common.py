@@ -1,20 +1,99 @@
-"""Command-line helpers shared by the evaluation CLIs (runner, cost model, benchmark, experiments).
+"""Command-line helpers shared by the evaluation CLIs (runner, cost model, benchmark, experiments) and
+``magnetar-run``.
 
-Knows the length notation (``4k``) and how the benchmark-style flags (``--block-size`` ...) become an
-:class:`~magnetar.config.EngineConfig`; nothing about suites, engines or results.
+Knows the length notation (``4k``), comma-separated name lists, how the benchmark-style flags
+(``--block-size`` ...) become an :class:`~magnetar.config.EngineConfig`, and the checks of an engine setup
+that can be made before a model is loaded; nothing about suites, engines or results.
 """
 from __future__ import annotations
 
+import difflib
+import re
+from fractions import Fraction
+from typing import Sequence
+
 from magnetar.config import EngineConfig
 
-__all__ = ["engine_config", "parse_length"]
+__all__ = ["engine_config", "parse_length", "parse_lengths", "parse_names", "check_attention_backend",
+           "check_cp_size"]
+
+_LENGTH = re.compile(r"(\d{1,12}(?:\.\d*)?|\.\d{1,12})([km]?)")
 
 
 def parse_length(text: str) -> int:
-    """``"4k"`` -> 4096, ``"1m"`` -> 1048576 (k = 1024 tokens), ``"3000"`` -> 3000."""
-    t = text.strip().lower()
-    scale = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
-    return int(float(t[:-1]) * scale) if scale > 1 else int(t)
+    """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"1m"`` -> 1048576 (k = 1024 tokens), ``"3000"`` -> 3000.
+
+    ValueError for anything that is not a whole number of tokens >= 1 (``"abc"``, ``"-5"``, ``"0"``, ``"1.3k"``
+    = 1331.2: nothing is rounded)."""
+    m = _LENGTH.fullmatch(text.strip().lower()) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"length {text!r} is not a token count like 3000, 4k or 1.5k (k = 1024, m = 1024 * 1024)")
+    tokens = Fraction(m.group(1)) * {"k": 1024, "m": 1024 * 1024, "": 1}[m.group(2)]
+    if tokens.denominator != 1:
+        raise ValueError(f"length {text!r} is {float(tokens):g} tokens, not a whole number; write e.g. "
+                         f"{int(tokens)} or {int(tokens) + 1}")
+    if tokens < 1:
+        raise ValueError(f"length {text!r} must be at least 1 token")
+    return int(tokens)
+
+
+def _items(text: str, flag: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise ValueError(f"{flag} is empty; give a comma-separated list")
+    if not all(parts):
+        raise ValueError(f"{flag} {text!r} has an empty entry (two commas in a row, or one at an end)")
+    return parts
+
+
+def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
+    """``"2k,4k"`` -> ``[2048, 4096]``; ValueError naming ``flag`` for a bad, empty or repeated entry."""
+    lengths = []
+    for part in _items(text, flag):
+        try:
+            lengths.append(parse_length(part))
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    repeated = sorted({x for x in lengths if lengths.count(x) > 1})
+    if repeated:
+        raise ValueError(f"{flag} {text!r} lists {repeated} more than once; give each length once")
+    return lengths
+
+
+def parse_names(text: str, options: Sequence[str], flag: str) -> list[str]:
+    """``"dense,star"`` -> ``["dense", "star"]``, each one of ``options``; ValueError naming ``flag`` (and the
+    nearest option) for an unknown, empty or repeated entry."""
+    names = _items(text, flag)
+    for name in names:
+        if name not in options:
+            close = difflib.get_close_matches(name, list(options), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{flag}: unknown {name!r}{hint} (choose from {', '.join(options)})")
+    repeated = sorted({x for x in names if names.count(x) > 1})
+    if repeated:
+        raise ValueError(f"{flag} {text!r} lists {repeated} more than once; give each once")
+    return names
+
+
+def check_attention_backend(config: EngineConfig) -> None:
+    """ValueError naming ``--attention-backend`` when the config's backend is not registered (checked before a
+    model is loaded; the engine would only find out at its first attention call)."""
+    from magnetar.ops.backends import list_backends
+
+    name = config.runtime.attention_backend
+    if name != "auto" and name not in list_backends():
+        raise ValueError(f"--attention-backend: unknown attention backend {name!r}; choose 'auto' or one of "
+                         f"{', '.join(list_backends())}")
+
+
+def check_cp_size(cp_size: int, world_size: int, flag: str) -> None:
+    """ValueError naming ``flag`` and ``WORLD_SIZE`` when ``cp_size`` ranks per context do not divide the
+    launched processes (world = cp_size x data-parallel groups)."""
+    if world_size % cp_size:
+        small = [d for d in range(1, int(world_size ** 0.5) + 1) if world_size % d == 0]
+        divisors = sorted({*small, *(world_size // d for d in small)})
+        raise ValueError(f"{flag} {cp_size} does not divide the launched world size (WORLD_SIZE={world_size}): "
+                         f"launch a multiple of {cp_size} processes, or pass {flag} one of {divisors}")
 
 
 def engine_config(args, method: str, cp: int) -> EngineConfig:

@@ -42,20 +42,20 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from magnetar.config import EngineConfig, add_cli_args
-from magnetar.eval.common import parse_length
+from magnetar.config import METHODS, EngineConfig, add_cli_args
+from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
 from magnetar.eval.results import append_records, set_aside_bad_lines, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed
+from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors, world_size_from_env
 
 CP_METHODS = ("ring", "star", "pulsar")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="magnetar-eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="magnetar-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--suite", choices=tuple(SUITES), default="ruler")
     p.add_argument("--tasks", help="comma-separated subset of the suite's tasks (default: all)")
@@ -390,10 +390,44 @@ def run(args) -> int:
     return 0
 
 
+def check_args(args) -> None:
+    """Every check of an evaluation run's flags that needs no model (ValueError / FileNotFoundError naming the
+    flag): the methods, lengths, tasks, counts, CP sizes against the launched world, the engine config of every
+    method, and the files it reads."""
+    from magnetar.models import check_model
+
+    methods = parse_names(args.methods, tuple(METHODS), "--methods")
+    parse_lengths(args.lengths)
+    if args.tasks is not None:
+        parse_names(args.tasks, get_suite(args.suite).tasks, "--tasks")
+    for flag in ("samples", "target_tokens", "batch", "cp", "simulate_ranks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.simulate_ranks is not None and args.cp is not None and args.cp != args.simulate_ranks:
+        raise ValueError(f"--simulate-ranks {args.simulate_ranks} and --cp {args.cp} differ: give one, or both equal")
+    world = world_size_from_env()
+    if args.cp is not None and args.simulate_ranks is None:
+        check_cp_size(args.cp, world, "--cp")
+    base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
+    cp = args.simulate_ranks or args.cp or world
+    for method in methods:  # every method's config must hold (e.g. LuKA needs a local Phase 1)
+        base.replace(method=method, cp_size=cp if METHODS[method].distributed else 1)
+    check_attention_backend(base)
+    for name in ("hash_path", "prefill_indexer_path"):
+        if getattr(base, name) is not None:
+            check_input_file(getattr(base, name), flag="--" + name.replace("_", "-"))
+    check_model(args.model)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.report_with and not args.report:
-        raise SystemExit("--with joins other runs' records into a report: use it with --report")
+        fail(parser.prog, "--with joins other runs' records into a report: use it with --report")
+    if not args.report:
+        with user_errors(parser.prog):
+            check_args(args)
     if args.report:
         from magnetar.eval.report import write_report
 

