@@ -40,7 +40,7 @@ class CharTokenizer:
     chat_template = None
     bos_token_id = eos_token_id = None
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):  # no special tokens to split
         return {"input_ids": [ord(c) % 256 for c in text]}
 
     def decode(self, ids, skip_special_tokens=True):
@@ -50,7 +50,7 @@ class CharTokenizer:
 class WideTokenizer(CharTokenizer):
     """A tokenizer that does not match the model: ids beyond its 256-token vocabulary."""
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
         return {"input_ids": [1000 + ord(c) for c in text]}
 
 

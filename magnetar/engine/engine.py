@@ -420,7 +420,10 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
     process group is started here if needed; the CP/DP groups come from :func:`magnetar.parallel.init_groups`.
     With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
-    (tensor-parallel size 1) and its module is used.
+    (tensor-parallel size 1) and its module is used. ``tokenizer`` (needed for string prompts; loaded with a
+    model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
+    add_special_tokens=False, split_special_tokens=True)`` returns ``{"input_ids": [...]}`` and that has
+    ``decode`` (user text is tokenized with ``split_special_tokens``: it never yields a control token).
     """
     inputs.check_init(model, config, tokenizer, groups)
     if config is None:

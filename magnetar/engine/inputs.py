@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Sequence
 from typing import Optional
 
 import torch

@@ -150,7 +150,7 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
     """
     timer = timer or no_timer
     H, G, S, D = q.shape
-    P, L = kp.shape[1], kp.shape[2]
+    P = kp.shape[1]
     qf = q.float()
     with timer("attention"):
         ls = torch.einsum("hgsd,hpd->hgsp", qf, ks.float()) * scale + summary_bias  # (H, G, S, P)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from magnetar.config import LUKA_COMPRESSORS, EngineConfig, LukaConfig
 from magnetar.eval.report import load  # the runner's resumable results*.jsonl reader (a cut last line is redone)
+from magnetar.eval.results import append_records  # ends a cut last line first
 
 FIGURES = ("compressors", "values", "exact", "modes")
 
@@ -104,14 +105,13 @@ def run(args) -> int:
         t0 = time.perf_counter()
         results = engine.score_variants(win.context_ids, win.continuation_ids, cfgs)
         labels = ([("dense", "dense", None)] if need_dense else []) + todo
-        with open(out / "results.jsonl", "a") as f:
-            for (fig, series, cfg), res in zip(labels, results):
-                rec = {"figure": fig, "series": series, "length": L, "index": i,
-                       "variant_key": dense_key if cfg is None else variant_key(cfg),
-                       "luka": None if cfg is None else dataclasses.asdict(cfg), **win.metadata,
-                       "nll_sum": res.nll_sum, "tokens": res.tokens, "ppl": res.perplexity,
-                       "phase2_s": res.phase2_seconds, "window_s": time.perf_counter() - t0}
-                f.write(json.dumps(rec) + "\n")
+        append_records(out / "results.jsonl", [
+            {"figure": fig, "series": series, "length": L, "index": i,
+             "variant_key": dense_key if cfg is None else variant_key(cfg),
+             "luka": None if cfg is None else dataclasses.asdict(cfg), **win.metadata,
+             "nll_sum": res.nll_sum, "tokens": res.tokens, "ppl": res.perplexity,
+             "phase2_s": res.phase2_seconds, "window_s": time.perf_counter() - t0}
+            for (fig, series, cfg), res in zip(labels, results)])
         bar.set_postfix(length=L)
     print(write_report(out))
     return 0

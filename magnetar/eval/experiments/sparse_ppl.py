@@ -16,13 +16,13 @@ perplexity [95 % CI] per (method, policy) x pruning and a PNG plot.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from magnetar.config import SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
 from magnetar.eval.report import load
+from magnetar.eval.results import append_records  # ends a cut last line first
 
 
 def variant_label(v: SparseConfig) -> str:
@@ -100,15 +100,13 @@ def run(args) -> int:
         win = ppl_window(tokenizer, L, i, target_tokens=args.target_tokens)
         t0 = time.perf_counter()
         results = engines[method].score_variants(win.context_ids, win.continuation_ids, todo)
-        with open(out / "results.jsonl", "a") as f:
-            for v, res in zip(todo, results):
-                f.write(json.dumps({"method": method, "length": L, "index": i, "variant_key": _vkey(v),
-                                    "policy": v.sparse_policy, "pruning": v.sparse_pruning,
-                                    "budget": v.budget(L) if v.sparse_policy != "none" else L,
-                                    "dense_layers": v.dense_layers, "hash_path": v.hash_path,
-                                    "sinks": v.sinks, "window": v.window, **win.metadata,
-                                    "nll_sum": res.nll_sum, "tokens": res.tokens, "ppl": res.perplexity,
-                                    "phase2_s": res.phase2_seconds, "window_s": time.perf_counter() - t0}) + "\n")
+        append_records(out / "results.jsonl", [
+            {"method": method, "length": L, "index": i, "variant_key": _vkey(v), "policy": v.sparse_policy,
+             "pruning": v.sparse_pruning, "budget": v.budget(L) if v.sparse_policy != "none" else L,
+             "dense_layers": v.dense_layers, "hash_path": v.hash_path, "sinks": v.sinks, "window": v.window,
+             **win.metadata, "nll_sum": res.nll_sum, "tokens": res.tokens, "ppl": res.perplexity,
+             "phase2_s": res.phase2_seconds, "window_s": time.perf_counter() - t0}
+            for v, res in zip(todo, results)])
         bar.set_postfix(method=method, length=L)
     print(write_report(out))
     return 0
