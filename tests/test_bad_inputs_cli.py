@@ -243,7 +243,8 @@ CLI_CASES: list[Case] = [
     # -- magnetar-eval -----------------------------------------------------------------------------------------
     Case("eval-length-text", _eval("--lengths", "abc"), SystemExit, (E_EVAL, "--lengths", "'abc'", "4k")),
     Case("eval-length-negative", _eval("--lengths=-5"), SystemExit, (E_EVAL, "--lengths", "'-5'")),
-    Case("eval-length-zero", _eval("--lengths", "0"), SystemExit, (E_EVAL, "--lengths", "at least 1 token")),
+    Case("eval-length-zero", _eval("--lengths", "0"), SystemExit, (E_EVAL, "--lengths 0", "wikisalad", "4k")),
+    Case("eval-length-negative-zero", _eval("--lengths=-0.5k"), SystemExit, (E_EVAL, "--lengths", "'-0.5k'")),
     Case("eval-length-fraction", _eval("--lengths", "1.3k"), SystemExit, (E_EVAL, "--lengths", "1331.2")),
     Case("eval-length-repeated", _eval("--lengths", "4k,4096"), SystemExit, (E_EVAL, "--lengths", "more than once")),
     Case("eval-length-empty-entry", _eval("--lengths", "4k,,8k"), SystemExit, (E_EVAL, "--lengths", "empty entry")),

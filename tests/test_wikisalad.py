@@ -217,7 +217,7 @@ def test_runner_and_report_know_the_suite(tok):
     from magnetar.eval.suite import SUITES, get_suite
 
     suite = get_suite("wikisalad")
-    assert "wikisalad" in SUITES and suite.tasks == TASKS and parse_length("0") == 0
+    assert "wikisalad" in SUITES and suite.tasks == TASKS and parse_length("0", minimum=0) == 0
     for index in range(3):
         sample, extra = make_sample("wikisalad", "hard", tok, 0, index, 5)
         assert extra == {} and sample == wikisalad_sample("hard", tok, seed=5 * 100003 + index, index=index)

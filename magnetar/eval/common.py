@@ -20,11 +20,12 @@ __all__ = ["engine_config", "parse_length", "parse_lengths", "parse_names", "che
 _LENGTH = re.compile(r"(\d{1,12}(?:\.\d*)?|\.\d{1,12})([km]?)")
 
 
-def parse_length(text: str) -> int:
+def parse_length(text: str, minimum: int = 1) -> int:
     """``"4k"`` -> 4096, ``"1.5k"`` -> 1536, ``"1m"`` -> 1048576 (k = 1024 tokens), ``"3000"`` -> 3000.
 
-    ValueError for anything that is not a whole number of tokens >= 1 (``"abc"``, ``"-5"``, ``"0"``, ``"1.3k"``
-    = 1331.2: nothing is rounded)."""
+    ValueError for anything that is not a whole number of tokens >= ``minimum`` (``"abc"``, ``"-5"``, ``"0"``,
+    ``"1.3k"`` = 1331.2: nothing is rounded). ``minimum=0`` admits ``"0"``: the eval runner's "each task's own
+    length" (wikisalad)."""
     m = _LENGTH.fullmatch(text.strip().lower()) if isinstance(text, str) else None
     if m is None:
         raise ValueError(f"length {text!r} is not a token count like 3000, 4k or 1.5k (k = 1024, m = 1024 * 1024)")
@@ -32,8 +33,8 @@ def parse_length(text: str) -> int:
     if tokens.denominator != 1:
         raise ValueError(f"length {text!r} is {float(tokens):g} tokens, not a whole number; write e.g. "
                          f"{int(tokens)} or {int(tokens) + 1}")
-    if tokens < 1:
-        raise ValueError(f"length {text!r} must be at least 1 token")
+    if tokens < minimum:
+        raise ValueError(f"length {text!r} must be at least {minimum} token{'s' if minimum != 1 else ''}")
     return int(tokens)
 
 
@@ -46,12 +47,13 @@ def _items(text: str, flag: str) -> list[str]:
     return parts
 
 
-def parse_lengths(text: str, flag: str = "--lengths") -> list[int]:
-    """``"2k,4k"`` -> ``[2048, 4096]``; ValueError naming ``flag`` for a bad, empty or repeated entry."""
+def parse_lengths(text: str, flag: str = "--lengths", minimum: int = 1) -> list[int]:
+    """``"2k,4k"`` -> ``[2048, 4096]``; ValueError naming ``flag`` for a bad, empty or repeated entry (each entry
+    as :func:`parse_length` with ``minimum``)."""
     lengths = []
     for part in _items(text, flag):
         try:
-            lengths.append(parse_length(part))
+            lengths.append(parse_length(part, minimum))
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
     repeated = sorted({x for x in lengths if lengths.count(x) > 1})

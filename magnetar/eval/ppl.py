@@ -88,6 +88,7 @@ class PerplexitySuite:
     tasks = (CORPUS,)
     items_per_sample = 1
     perplexity = True
+    own_lengths = False
 
     def window(self, tokenizer, length: int, index: int, *, seed: int, target_tokens: int) -> PPLWindow:
         return ppl_window(tokenizer, length, index, seed=seed, target_tokens=target_tokens)

@@ -305,7 +305,7 @@ def run(args) -> int:
     suite = get_suite(args.suite)
     tasks = task_list(args) or suite.tasks  # the flags were checked by check_args (main calls it first)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    lengths = [parse_length(x, minimum=0) for x in args.lengths.split(",")]
     sim = args.simulate_ranks
     base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
     timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
@@ -389,7 +389,10 @@ def check_args(args) -> None:
     from magnetar.models import check_model
 
     methods = parse_names(args.methods, tuple(METHODS), "--methods")
-    parse_lengths(args.lengths)
+    lengths = parse_lengths(args.lengths, minimum=0)
+    if 0 in lengths and not get_suite(args.suite).own_lengths:
+        raise ValueError(f"--lengths 0 (each task's own length) is for suites that size their own samples "
+                         f"(wikisalad), not --suite {args.suite}; give token counts such as 4k")
     if args.tasks is not None:
         parse_names(args.tasks, get_suite(args.suite).tasks, "--tasks")
     for flag in ("samples", "target_tokens", "batch", "cp", "simulate_ranks"):

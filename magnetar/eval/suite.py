@@ -82,6 +82,7 @@ class Suite(Protocol):
     tasks: tuple[str, ...]  # every task, in the order reports list them
     items_per_sample: int  # items per ``--samples`` unit (niah: one per needle depth)
     perplexity: bool  # True: items are text windows scored by likelihood, not answered samples
+    own_lengths: bool  # True: length 0 (``--lengths 0``) means each task's own length (wikisalad)
 
     def make_sample(self, task: str, tokenizer, length: int, *, index: int,
                     seed: int) -> tuple[EvalSample, dict]:
@@ -107,6 +108,7 @@ class GenerationSuite:
     tasks: tuple[str, ...] = ()
     items_per_sample: int = 1
     perplexity: bool = False
+    own_lengths: bool = False
 
     def prompt_parts(self, sample: EvalSample, *, instruction_in: str = "query") -> tuple[str, str]:
         if instruction_in not in ("query", "context"):

@@ -139,6 +139,7 @@ class WikiSaladSuite(GenerationSuite):
 
     name = "wikisalad"
     tasks = TASKS
+    own_lengths = True
 
     def make_sample(self, task: str, tokenizer, length: int, *, index: int, seed: int) -> tuple[EvalSample, dict]:
         return wikisalad_sample(task, tokenizer, length, seed=seed, index=index), {}
