@@ -11,8 +11,8 @@
                       code_bits, page_size, hash_path, hash_seed     (sparse decoding, any method)
       luka            luka_mode, luka_lined_layers, luka_heavy_fraction, luka_recent, luka_page_size,
                       luka_compressor, luka_tau, luka_refine, luka_refine_k, luka_refine_fraction,
-                      luka_refine_eps, luka_refine_mass, luka_compress_every, luka_zero_values, luka_size_bias,
-                      luka_seed
+                      luka_refine_eps, luka_refine_mass, luka_refine_scope, luka_compress_every, luka_zero_values,
+                      luka_size_bias, luka_seed
                       (LuKA decode-time KV structures: dense, star, pulsar)
       prefill         prefill_policy, prefill_topk, prefill_schedule, prefill_b_sel, prefill_dense_layers,
                       prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
@@ -72,7 +72,8 @@ SPARSE_POLICIES = ("none", "oracle_topk", "lsh", "spotlight", "quest")
 LUKA_MODES = ("none", "lined", "clustered", "mixed")
 LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
 LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
-LUKA_REFINE_MASS = ("preserve", "exact")
+LUKA_REFINE_MASS = ("exact", "preserve")
+LUKA_REFINE_SCOPE = ("shared", "per_kv_head")
 LUKA_METHODS = tuple(n for n, s in METHODS.items() if s.local_prefill)  # LuKA needs Phase-1 attention mass
 PREFILL_POLICIES = ("none", "oracle", "indexer")
 PREFILL_METHODS = LUKA_METHODS  # sparse prefill replaces a local Phase 1's attention
@@ -360,8 +361,9 @@ class LukaConfig:
       recent ``luka_recent`` tokens, each once.
     * ``clustered``: the oldest raw tokens (all but the last ``luka_recent``) are cut into pages of
       ``luka_page_size``, each with one summary key/value (``luka_compressor``); a step attends to the cover
-      (summaries + raw tokens) and refines the pages chosen by ``luka_refine`` into their tokens, giving the
-      children the page's mass (``preserve``, Eq. 3) or their exact mass (``exact``). New pages are cut
+      (summaries + raw tokens) and refines the pages chosen by ``luka_refine`` (for all heads of a forward,
+      ``shared``, or per KV head, ``per_kv_head``) into their tokens, giving the children their exact mass
+      (``exact``: the authors' code) or the page's mass (``preserve``: the paper's Eq. 3). New pages are cut
       every ``luka_compress_every`` decode steps.
     * ``mixed``: the first and last ``luka_lined_layers`` layers lined, the others clustered.
     """
@@ -372,12 +374,13 @@ class LukaConfig:
     luka_recent: int = 128  # raw recent tokens: lined's window and clustered's uncompressed tail (paper >= 128)
     luka_page_size: int = 16  # clustered: tokens per page (paper's fixed segmenter: 16)
     luka_compressor: str = "attention_weighted"  # attention_weighted | mean | random
-    luka_tau: float = 1.0  # attention_weighted: softmax temperature over the tokens' accumulated mass
+    luka_tau: float = 1.0  # attention_weighted: softmax temperature over the tokens' mass (averaged over the group)
     luka_refine: str = "top_k"  # top_k | top_fraction | threshold | none
     luka_refine_k: int = 3  # top_k: pages refined per step (paper: 3)
     luka_refine_fraction: float = 0.1  # top_fraction: fraction rho of the pages refined per step
     luka_refine_eps: float = 0.01  # threshold: refine a page whose mass exceeds eps (0: every page)
-    luka_refine_mass: str = "preserve"  # preserve: children share the page's mass (Eq. 3); exact: their own
+    luka_refine_mass: str = "exact"  # exact: children get their own mass (authors' code); preserve: the page's (Eq. 3)
+    luka_refine_scope: str = "shared"  # shared: one page set per forward for all heads (authors'); per_kv_head
     luka_compress_every: int = 16  # clustered: decode steps between runs of the segmenter + compressor
     luka_zero_values: bool = False  # ablation: summary values are 0 (an unrefined page contributes nothing)
     luka_size_bias: bool = False  # add log(page size) to summary logits: a page weighs as its tokens (not in the paper)
@@ -404,6 +407,7 @@ class LukaConfig:
         _require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
                  f"must be in [0, 1] (an attention mass), got {self.luka_refine_eps}")
         _choice("luka_refine_mass", self.luka_refine_mass, LUKA_REFINE_MASS, "refinement mass rule")
+        _choice("luka_refine_scope", self.luka_refine_scope, LUKA_REFINE_SCOPE, "refinement scope")
         _require(self.luka_compress_every >= 1, "luka_compress_every",
                  f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
         _seed("luka_seed", self.luka_seed)
@@ -803,7 +807,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
                        "sparse_policy": SPARSE_POLICIES, "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS,
                        "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
-                       "prefill_policy": PREFILL_POLICIES}.get(name)
+                       "luka_refine_scope": LUKA_REFINE_SCOPE, "prefill_policy": PREFILL_POLICIES}.get(name)
             g.add_argument(_flag(name), choices=choices)
     return parser
 

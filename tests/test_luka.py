@@ -80,15 +80,16 @@ def test_compressors_match_their_formulas():
         compress_pages(kp, vp, "median")
 
 
+@pytest.mark.parametrize("scope", ["shared", "per_kv_head"])
 @pytest.mark.parametrize("rule,kw", [("top_fraction", {"fraction": 1.0}), ("threshold", {"eps": 0.0})])
-def test_refining_every_page_with_exact_mass_is_dense_attention(rule, kw):
+def test_refining_every_page_with_exact_mass_is_dense_attention(rule, kw, scope):
     q, ks, vs, kp, vp, kr, vr = _pages()
     H, P, L, D = kp.shape
-    res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.35, rule=rule, mass="exact", **kw)
+    res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=0.35, rule=rule, mass="exact", scope=scope, **kw)
     out, lse = _dense(q, torch.cat((kp.reshape(H, P * L, D), kr), 1), torch.cat((vp.reshape(H, P * L, D), vr), 1), 0.35)
     assert res.child_idx.shape[-1] == P
-    assert_close(res.out, out, what="fp32", msg=f"{rule} out")
-    assert_close(res.lse, lse, what="fp32", msg=f"{rule} lse")
+    assert_close(res.out, out, what="fp32", msg=f"{rule} {scope} out")
+    assert_close(res.lse, lse, what="fp32", msg=f"{rule} {scope} lse")
 
 
 def test_mass_preserving_refinement_matches_eq1_to_4_written_out():
@@ -96,9 +97,11 @@ def test_mass_preserving_refinement_matches_eq1_to_4_written_out():
     H, G, S, D = q.shape
     P, L, R = kp.shape[1], kp.shape[2], kr.shape[1]
     scale, k = 0.4, 2
-    res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=scale, rule="top_k", k=k, mass="preserve")
+    res = clustered_attention(q, ks, vs, kp, vp, kr, vr, scale=scale, rule="top_k", k=k, mass="preserve",
+                              scope="per_kv_head")
     for h in range(H):
-        # the pages refined for query s: the k with the largest mass summed over the group (Eq. 1 per query head)
+        # per_kv_head: the pages refined for query s are the k with the largest mass summed over the group (Eq. 1
+        # per query head); the shared scope is tests/test_luka_authors.py's
         for s in range(S):
             alphas = []
             for g_ in range(G):
@@ -143,7 +146,7 @@ def test_refinement_rules_and_zero_refinement():
     idx, valid = choose_pages(alpha, "top_fraction", fraction=0.5)
     assert sorted(idx.flatten().tolist()) == [1, 2, 4]
     idx, valid = choose_pages(alpha, "threshold", eps=0.1)
-    assert sorted(idx[valid].tolist()) == [1, 2, 4]
+    assert sorted(idx[valid[:, 0]].tolist()) == [1, 2, 4]
     idx, _ = choose_pages(alpha, "none")
     assert idx.shape[-1] == 0
     with pytest.raises(ValueError, match="unknown refinement rule"):
@@ -181,6 +184,9 @@ DENSE_EQUIVALENT = {
                                           luka_refine_mass="exact", luka_recent=20),
     "clustered, eps 0": dict(luka_mode="clustered", luka_refine="threshold", luka_refine_eps=0.0,
                              luka_refine_mass="exact", luka_recent=20, luka_compress_every=2),
+    "clustered, every page refined per KV head": dict(luka_mode="clustered", luka_refine="top_fraction",
+                                                      luka_refine_fraction=1.0, luka_refine_mass="exact",
+                                                      luka_refine_scope="per_kv_head", luka_recent=20),
 }
 
 

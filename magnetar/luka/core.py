@@ -1,11 +1,18 @@
 """LuKA's tensor algorithms, independent of the engine: attention mass, page compressors, the cover with
-mass-preserving refinement (Algorithm 1, Eq. 1-4), and H2O's heavy-hitter choice.
+refinement (Algorithm 1, Eq. 1-4, with the authors' exact normaliser or the paper's mass-preserving Eq. 3), and
+H2O's heavy-hitter choice.
 
 Layouts (one request, one layer, GQA grouped by KV head):
     q        (H, G, S, D)   the S query tokens of the G query heads reading KV head h
     keys     (H, N, D)      one KV head's keys / values per row
     mass     (H, N)         attention mass a KV entry has received, summed over its group's query heads
     out      (H, G, S, D),  lse (H, G, S)
+
+Which choice comes from where: Eq. 1-4 and the compressors are the paper's; the defaults of
+:func:`clustered_attention` (``mass="exact"``, ``scope="shared"``) and the group-averaged weights of the
+attention_weighted compressor are the authors' public code (github.com/ayf7/LuKA, ``modeling/kv_cache.py``
+``top_down_attention``, ``modeling/refinement.py``; ``exact`` since their commit 5d12276); ``preserve`` is the
+paper's Eq. 3 and ``per_kv_head`` Magnetar's earlier rule, both kept as options.
 
 Every function is plain batched torch (gathers, einsums, softmax), no Python loop over pages or tokens:
 the refined pages' children are gathered per step and nothing else is re-created.
@@ -18,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from magnetar.config import LUKA_REFINE_SCOPE
 from magnetar.utils.timing import no_timer
 
 
@@ -66,11 +74,15 @@ def column_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: f
 # -- compressors -----------------------------------------------------------------------------------------
 
 def compress_pages(kp: torch.Tensor, vp: torch.Tensor, kind: str, *, mass: Optional[torch.Tensor] = None,
-                   tau: float = 1.0, generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One summary key/value per page. ``kp, vp (H, P, L, D)``; ``mass (H, P, L)`` for ``attention_weighted``.
+                   tau: float = 1.0, group: int = 1, generator: Optional[torch.Generator] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One summary key/value per page. ``kp, vp (H, P, L, D)``; ``mass (H, P, L)`` for ``attention_weighted``:
+    the tokens' accumulated attention mass summed over the ``group`` query heads of each KV head.
 
     * ``mean``: ``k = mean_i k_i``, ``v = mean_i v_i``;
-    * ``attention_weighted``: ``pi = softmax(w / tau)`` over the page's tokens, ``k = sum_i pi_i k_i`` (same for v);
+    * ``attention_weighted``: ``pi = softmax(w / tau)`` over the page's tokens with ``w = mass / group``, the
+      mass averaged over the group's query heads as the authors' code weighs it (so ``tau`` has their meaning;
+      on the summed mass ``tau = 1`` would be ``group`` times sharper), ``k = sum_i pi_i k_i`` (same for v);
     * ``random``: one token of the page drawn uniformly (the same for every head), its key and value.
     Returns ``(H, P, D)`` twice, in kp's dtype.
     """
@@ -79,7 +91,9 @@ def compress_pages(kp: torch.Tensor, vp: torch.Tensor, kind: str, *, mass: Optio
     if kind == "attention_weighted":
         if mass is None:
             raise ValueError("the attention_weighted compressor needs the tokens' accumulated attention mass")
-        pi = torch.softmax(mass.float() / tau, dim=-1)  # (H, P, L)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group must be an int >= 1 (query heads per KV head), got {group!r}")
+        pi = torch.softmax(mass.float() / group / tau, dim=-1)  # (H, P, L)
         return (torch.einsum("hpl,hpld->hpd", pi, kp.float()).to(kp.dtype),
                 torch.einsum("hpl,hpld->hpd", pi, vp.float()).to(vp.dtype))
     if kind == "random":
@@ -92,35 +106,59 @@ def compress_pages(kp: torch.Tensor, vp: torch.Tensor, kind: str, *, mass: Optio
 
 # -- refinement rules ------------------------------------------------------------------------------------
 
-def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float = 0.1, eps: float = 0.01
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages to refine per (KV head, query token) from the summaries' masses ``alpha (H, G, S, P)``.
+def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float = 0.1, eps: float = 0.01,
+                 scope: str = "shared", rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages to refine from the summaries' masses ``alpha (H, G, S, P)`` (Eq. 1 per query head and token).
 
-    Pages are ranked by their mass summed over the group; ``top_k`` takes the k best, ``top_fraction`` the
-    ceil(fraction * P) best, ``threshold`` every page whose mass (for some query head of the group) exceeds
-    ``eps``, ``none`` nothing. Returns ``idx (H, S, n)`` and ``valid (H, S, n)`` (threshold: a row may refine
-    fewer than n pages).
+    ``scope="shared"`` (the authors' code, ``modeling/refinement.py``): one set of pages per call -- a forward of
+    one layer -- for every head and query token, chosen over the first ``rows`` query tokens (the real ones; the
+    rest is padding and chooses nothing): ``top_k`` the k pages with the largest mass for any query head and
+    token (the max over both), ``top_fraction`` the ceil(fraction * P) pages with the largest mass summed over
+    all query heads and tokens, ``threshold`` every page whose mass exceeds ``eps`` for some (query head,
+    token), refined exactly for the (query head, token) pairs where it does.
+    ``scope="per_kv_head"`` (Magnetar's earlier rule): pages per (KV head, query token), ranked by the mass summed
+    over the group; ``top_k`` the k best, ``top_fraction`` the ceil(fraction * P) best, ``threshold`` every page
+    whose mass exceeds ``eps`` for some query head of the group, refined for the whole group.
+    ``none`` refines nothing. The scopes agree for one query head and one query token (and ``top_fraction``
+    for one KV head and one query token).
+
+    Returns ``idx (H, S, n)`` and ``valid (H, G, S, n)``: page ``idx[h, s, j]`` is refined for query head
+    ``(h, g)`` at token ``s`` iff ``valid[h, g, s, j]`` (threshold: a row may refine fewer than n pages).
     """
     H, G, S, P = alpha.shape
+    if scope not in LUKA_REFINE_SCOPE:
+        raise ValueError(f"unknown refinement scope {scope!r}; choose one of {', '.join(LUKA_REFINE_SCOPE)}")
+    if rule not in ("top_k", "top_fraction", "threshold", "none"):
+        raise ValueError(f"unknown refinement rule {rule!r}; choose one of top_k, top_fraction, threshold, none")
+    rows = S if rows is None else rows
+    if rule == "none" or P == 0 or rows == 0 or (rule == "top_k" and k == 0):
+        empty = torch.zeros(H, S, 0, dtype=torch.long, device=alpha.device)
+        return empty, torch.zeros(H, G, S, 0, dtype=torch.bool, device=alpha.device)
+    if scope == "shared":
+        real = alpha[:, :, :rows]
+        if rule == "threshold":
+            hot = alpha > eps  # (H, G, S, P)
+            pages = hot[:, :, :rows].flatten(0, 2).any(0).nonzero().flatten()  # (n,)
+            idx = pages.view(1, 1, -1).expand(H, S, pages.numel())
+            return idx, hot[..., pages]
+        if rule == "top_k":
+            n, score = min(k, P), real.flatten(0, 2).amax(0)
+        else:
+            n, score = min(P, math.ceil(fraction * P)), real.flatten(0, 2).sum(0)
+        pages = score.topk(n).indices
+        return pages.view(1, 1, n).expand(H, S, n), torch.ones(H, G, S, n, dtype=torch.bool, device=alpha.device)
     rank = alpha.sum(1)  # (H, S, P)
-    if rule == "none" or P == 0:
-        n = 0
-    elif rule == "top_k":
-        n = min(k, P)
-    elif rule == "top_fraction":
-        n = min(P, math.ceil(fraction * P))
-    elif rule == "threshold":
+    if rule == "threshold":
         hot = alpha.amax(1) > eps  # (H, S, P)
-        n = int(hot.sum(-1).max()) if hot.numel() else 0
+        n = int(hot.sum(-1).max())
         if n == 0:
             empty = torch.zeros(H, S, 0, dtype=torch.long, device=alpha.device)
-            return empty, empty.bool()
+            return empty, torch.zeros(H, G, S, 0, dtype=torch.bool, device=alpha.device)
         idx = rank.masked_fill(~hot, -1.0).topk(n, dim=-1).indices
-        return idx, hot.gather(-1, idx)
-    else:
-        raise ValueError(f"unknown refinement rule {rule!r}; choose one of top_k, top_fraction, threshold, none")
+        return idx, hot.gather(-1, idx)[:, None].expand(H, G, S, n)
+    n = min(k, P) if rule == "top_k" else min(P, math.ceil(fraction * P))
     idx = rank.topk(n, dim=-1).indices
-    return idx, torch.ones_like(idx, dtype=torch.bool)
+    return idx, torch.ones(H, G, S, n, dtype=torch.bool, device=alpha.device)
 
 
 @dataclass
@@ -129,21 +167,24 @@ class CoverResult:
     lse: torch.Tensor  # (H, G, S): log of the cover's normaliser (the state merges with other KV by it)
     summary_alpha: torch.Tensor  # (H, G, S, P): mass of the summaries used as they are (0 where refined)
     raw_alpha: torch.Tensor  # (H, G, S, R): mass of the raw tokens
-    child_idx: torch.Tensor  # (H, S, n): refined pages
-    child_alpha: torch.Tensor  # (H, G, S, n, L): mass of their tokens (0 where a page was not refined)
+    child_idx: torch.Tensor  # (H, S, n): refined pages (choose_pages)
+    child_alpha: torch.Tensor  # (H, G, S, n, L): mass of their tokens (0 where a page was not refined for a head)
 
 
 def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                         kr: torch.Tensor, vr: torch.Tensor, *, scale: float, rule: str = "top_k", k: int = 3,
-                        fraction: float = 0.1, eps: float = 0.01, mass: str = "preserve",
-                        summary_bias: float = 0.0, timer: Optional[Callable] = None) -> CoverResult:
+                        fraction: float = 0.1, eps: float = 0.01, mass: str = "exact", scope: str = "shared",
+                        rows: Optional[int] = None, summary_bias: float = 0.0, timer: Optional[Callable] = None
+                        ) -> CoverResult:
     """Algorithm 1 for queries ``q (H, G, S, D)`` over the cover ``[summaries ks/vs (H, P, D) ‖ raw kr/vr (H, R, D)]``,
     refining pages whose tokens are ``kp/vp (H, P, L, D)``. Every key precedes every query (no mask).
 
-    Eq. 1: ``alpha_c = softmax_c(q . k_c)`` over the cover. A refined page's children get, with
-    ``mass="preserve"`` (Eq. 2-3), ``alpha_page * softmax_i(q . k_i)`` -- the page's mass redistributed; with
-    ``mass="exact"`` the page's logit is replaced by the log-sum-exp of its children, i.e. the cover is
-    expanded there (refining every page is then dense attention exactly). Eq. 4: ``o = sum alpha_n v_n``.
+    Eq. 1: ``alpha_c = softmax_c(q . k_c)`` over the cover. The pages refined: :func:`choose_pages` with
+    ``rule``, ``scope`` and ``rows`` (the real query tokens; the rest is padding). A refined page's children
+    get, with ``mass="exact"`` (the authors' code), their own mass: the page's logit is replaced by the
+    log-sum-exp of its children, i.e. the cover is expanded there and renormalised (refining every page is then
+    dense attention exactly); with ``mass="preserve"`` (the paper's Eq. 2-3) ``alpha_page * softmax_i(q . k_i)``
+    -- the page's mass redistributed. Eq. 4: ``o = sum alpha_n v_n``.
     ``summary_bias`` is added to every summary logit (``log L`` lets a page of L tokens weigh as L tokens).
     ``timer``: a :class:`magnetar.utils.timing.SectionTimer` charging the cover attention to ``attention`` and
     the rest to ``refine``.
@@ -158,17 +199,16 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
         lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
         a_s = torch.exp(ls - lse[..., None])
     with timer("refine"):
-        idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps)
+        idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps, scope=scope, rows=rows)
         n = idx.shape[-1]
         heads = torch.arange(H, device=q.device)[:, None, None]
         kc = kp[heads, idx].float()  # (H, S, n, L, D): the refined pages' tokens, gathered (never a mask)
         vc = vp[heads, idx].float()
         lc = torch.einsum("hgsd,hsnld->hgsnl", qf, kc) * scale  # (H, G, S, n, L)
-        vmask = valid[:, None, :, :, None]  # (H, 1, S, n, 1)
-        sel = torch.zeros(H, S, P, dtype=torch.bool, device=q.device)
+        vmask = valid[..., None]  # (H, G, S, n, 1)
+        sel = torch.zeros(H, G, S, P, dtype=torch.bool, device=q.device)  # summaries replaced by their children
         if n:
-            sel.scatter_(-1, idx, valid)
-        sel = sel[:, None]  # (H, 1, S, P)
+            sel.scatter_(-1, idx[:, None].expand(H, G, S, n), valid)
         a_s, a_r, a_c, lse = _redistribute(mass, ls, lr, lc, lse, a_s, idx, vmask, sel)
     with timer("attention"):
         out = (torch.einsum("hgsp,hpd->hgsd", a_s, vs.float()) + torch.einsum("hgsr,hrd->hgsd", a_r, vr.float()))
@@ -178,7 +218,7 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
 
 
 def _redistribute(mass, ls, lr, lc, lse, a_s, idx, vmask, sel):
-    """Eq. 2-3 (``preserve``) or the expanded cover (``exact``): masses of summaries, raw tokens and children."""
+    """The expanded cover (``exact``) or Eq. 2-3 (``preserve``): masses of summaries, raw tokens and children."""
     H, G, S, n = lc.shape[:4]
     if mass == "preserve":
         a_page = a_s.gather(-1, idx[:, None].expand(H, G, S, n))  # (H, G, S, n)
@@ -194,7 +234,7 @@ def _redistribute(mass, ls, lr, lc, lse, a_s, idx, vmask, sel):
         a_r = torch.exp(lr - lse[..., None])
         a_c = torch.exp(lc - lse[..., None, None])
     else:
-        raise ValueError(f"unknown refinement mass {mass!r}; choose preserve or exact")
+        raise ValueError(f"unknown refinement mass {mass!r}; choose exact or preserve")
     return a_s, a_r, a_c, lse
 
 

@@ -132,7 +132,7 @@ class LukaDecoder:
                                            S if valid is None else valid))
         else:
             with self.timer("compress"):
-                self._maybe_compress(st, kv, recent_from)
+                self._maybe_compress(st, kv, recent_from, G)
             ps = self.cfg.luka_page_size
             cut = st.pages * ps
             kp = kv.k[0, :, :cut].reshape(H, st.pages, ps, D)  # views, no copy
@@ -140,7 +140,8 @@ class LukaDecoder:
             res = clustered_attention(qg, st.ks, st.vs, kp, vp, kv.k[0, :, cut:], kv.v[0, :, cut:], scale=scale,
                                       rule=self.cfg.luka_refine, k=self.cfg.luka_refine_k,
                                       fraction=self.cfg.luka_refine_fraction, eps=self.cfg.luka_refine_eps,
-                                      mass=self.cfg.luka_refine_mass, timer=self.timer,
+                                      mass=self.cfg.luka_refine_mass, scope=self.cfg.luka_refine_scope,
+                                      rows=S if valid is None else valid, timer=self.timer,
                                       summary_bias=math.log(ps) if self.cfg.luka_size_bias else 0.0)
             out, lse = res.out.float(), res.lse
             n, R = res.child_idx.shape[-1], N - cut
@@ -178,7 +179,9 @@ class LukaDecoder:
             st = kv.state.put(self.uid, LukaLayerState(mass=mass[0].float().clone(), generator=gen))
         return st
 
-    def _maybe_compress(self, st: LukaLayerState, kv, recent_from: int) -> None:
+    def _maybe_compress(self, st: LukaLayerState, kv, recent_from: int, group: int) -> None:
+        """Cut the pages that became eligible (every ``luka_compress_every`` steps); ``group``: query heads per
+        KV head (the attention_weighted compressor averages the mass over them)."""
         if st.last_compress >= 0 and st.steps - st.last_compress < self.cfg.luka_compress_every:
             return
         st.last_compress = st.steps
@@ -195,7 +198,7 @@ class LukaDecoder:
         kp = kv.k[0, :, a:z].reshape(H, pages - st.pages, ps, D)
         vp = kv.v[0, :, a:z].reshape(H, pages - st.pages, ps, D)
         ks, vs = compress_pages(kp, vp, self.cfg.luka_compressor, mass=st.mass[:, a:z].reshape(H, -1, ps),
-                                tau=self.cfg.luka_tau, generator=st.generator)
+                                tau=self.cfg.luka_tau, group=group, generator=st.generator)
         if self.cfg.luka_zero_values:
             vs = torch.zeros_like(vs)
         st.ks, st.vs = torch.cat((st.ks, ks), 1), torch.cat((st.vs, vs), 1)
