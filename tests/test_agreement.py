@@ -71,6 +71,8 @@ CASES = [  # (what rank 1 gets instead of rank 0's request, what the error must 
     ("long known string", dict(config=STAR.replace(luka_mode="lined", luka_compressor="mean")),
      r"config field 'luka.luka_mode' differs \(rank 0: 'none', rank 1: 'lined'\); config field "
      r"'luka.luka_compressor' differs \(rank 0: 'attention_weighted', rank 1: 'mean'\)"),
+    ("refinement scope", dict(config=STAR.replace(luka_mode="clustered", luka_refine_scope="per_kv_head")),
+     r"config field 'luka.luka_refine_scope' differs \(rank 0: 'shared', rank 1: 'per_kv_head'\)"),
     ("path", dict(config=STAR.replace(hash_path="/some/where/hash.pt")),
      r"config field 'sparse.hash_path' differs \(rank 0: None, rank 1: #\w+\)"),
     ("timeout", dict(config=STAR.replace(timeout_s=30.0)),

@@ -170,6 +170,8 @@ CLI_CASES: list[Case] = [
     Case("cfg-unknown-sparse-policy", _cfg(sparse_policy="spotlite", sparse_budget=8), ValueError,
          ("sparse.sparse_policy", "did you mean 'spotlight'")),
     Case("cfg-unknown-luka-mode", _cfg(luka_mode="line"), ValueError, ("luka.luka_mode", "lined", "clustered")),
+    Case("cfg-unknown-luka-refine-scope", _cfg(luka_refine_scope="per_head"), ValueError,
+         ("luka.luka_refine_scope", "--luka-refine-scope", "shared", "per_kv_head")),
     Case("cfg-huge-string", _cfg(scorer="x" * 10**6), ValueError, ("pulsar.scorer", "...'")),
     Case("cfg-replace-unknown", lambda: EngineConfig().replace(windw_size=8), ValueError,
          ("'windw_size'", "did you mean 'window_size'")),
@@ -240,6 +242,8 @@ CLI_CASES: list[Case] = [
     Case("run-method-choice", _run(*CTX, "--method", "pulsr"), SystemExit, (E_RUN, "--method", "'pulsar'")),
     Case("run-luka-with-ring", _run(*CTX, "--method", "ring", "--luka-mode", "lined"), SystemExit,
          (E_RUN, "luka.luka_mode", "--luka-mode", "dense")),
+    Case("run-luka-refine-scope-choice", _run(*CTX, "--luka-refine-scope", "per_head"), SystemExit,
+         (E_RUN, "--luka-refine-scope", "'per_head'", "'shared'", "'per_kv_head'")),
     # -- magnetar-eval -----------------------------------------------------------------------------------------
     Case("eval-length-text", _eval("--lengths", "abc"), SystemExit, (E_EVAL, "--lengths", "'abc'", "4k")),
     Case("eval-length-negative", _eval("--lengths=-5"), SystemExit, (E_EVAL, "--lengths", "'-5'")),

@@ -297,6 +297,8 @@ def test_bad_configs_give_clear_errors():
         LukaConfig(luka_mode="dotted")
     with pytest.raises(ValueError, match="luka_heavy_fraction"):
         LukaConfig(luka_mode="lined", luka_heavy_fraction=0.0)
+    with pytest.raises(ValueError, match="luka_refine_scope.*choose one of shared, per_kv_head"):
+        LukaConfig(luka_mode="clustered", luka_refine_scope="per_head")
     with pytest.raises(ValueError, match="use one of them"):
         EngineConfig.create(luka_mode="lined", sparse_policy="oracle_topk", sparse_budget=4)
     with pytest.raises(ValueError, match="use method dense / star / pulsar"):

@@ -236,7 +236,8 @@ def test_shared_and_per_kv_head_rules_written_out():
     res = clustered_attention(*args, scale=0.4, rule="threshold", eps=0.0, scope="shared")
     q, _, _, kp, vp, kr, vr = args
     H, P, L, D = kp.shape
-    keys, vals = torch.cat((kp.reshape(H, P * L, D), kr), 1).double(), torch.cat((vp.reshape(H, P * L, D), vr), 1).double()
+    keys = torch.cat((kp.reshape(H, P * L, D), kr), 1).double()
+    vals = torch.cat((vp.reshape(H, P * L, D), vr), 1).double()
     logits = torch.einsum("hgsd,hnd->hgsn", q.double(), keys) * 0.4
     assert_close(res.out, torch.einsum("hgsn,hnd->hgsd", torch.softmax(logits, -1), vals), what="fp32", msg="eps 0")
     assert_close(res.lse, torch.logsumexp(logits, -1), what="fp32", msg="eps 0 lse")

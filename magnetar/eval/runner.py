@@ -192,7 +192,9 @@ def luka_label(cfg) -> str:
         parts.append(cfg.luka_compressor + (f" tau {cfg.luka_tau:g}" if cfg.luka_tau != 1.0 else ""))
         rule = {"top_k": f"top_k {cfg.luka_refine_k}", "top_fraction": f"top_fraction {cfg.luka_refine_fraction:g}",
                 "threshold": f"threshold {cfg.luka_refine_eps:g}", "none": "no refinement"}[cfg.luka_refine]
-        parts.append(rule + (" exact" if cfg.luka_refine_mass == "exact" else ""))
+        # the options that differ from the defaults (the authors' exact mass and shared choice)
+        parts.append(rule + (" preserve" if cfg.luka_refine_mass == "preserve" else "")
+                     + (" per-KV-head" if cfg.luka_refine_scope == "per_kv_head" else ""))
         if cfg.luka_page_size != 16:
             parts.append(f"page {cfg.luka_page_size}")
         if cfg.luka_zero_values:

@@ -5,11 +5,13 @@
     python -m magnetar.eval.experiments.luka_ppl --figure modes       --lengths 2k,4k --windows 8 --out runs/luka_ppl
     python -m magnetar.eval.experiments.luka_ppl --report --out runs/luka_ppl
 
-* ``compressors`` (Figure 4): clustered attention in every layer with the ``top_fraction`` rule, perplexity vs
-  the fraction rho of pages refined per step, one curve per compressor (attention_weighted, mean, random);
+* ``compressors`` (Figure 4): clustered attention in every layer with the ``top_fraction`` rule and the paper's
+  mass-preserving refinement (Eq. 3, ``luka_refine_mass=preserve``), perplexity vs the fraction rho of pages
+  refined per step, one curve per compressor (attention_weighted, mean, random);
 * ``values`` (Figure 6): the same for attention_weighted and mean with summary values set to 0;
-* ``exact`` (ours): the same for attention_weighted and mean with ``luka_refine_mass=exact`` -- a refined page's
-  tokens get their own mass instead of sharing the summary's, so rho = 1 is dense attention exactly;
+* ``exact`` (the authors' code, Magnetar's default): the same for attention_weighted and mean with
+  ``luka_refine_mass=exact`` -- a refined page's tokens get their own mass instead of sharing the summary's, so
+  rho = 1 is dense attention exactly;
 * ``modes`` (Figure 5): lined-only, clustered-only and mixed with the paper's settings (top_k 3, pages of
   16, raw tail 128, heavy hitters 1/8, mixed = ``--lined-layers`` first and last layers lined).
 
@@ -152,7 +154,7 @@ def write_report(out: Path) -> str:
             series = sorted({r["series"] for r in g_rows})
             title = {"compressors": "Figure 4: clustered attention, refinement fraction x compressor",
                      "values": "Figure 6: the same with summary values V = 0",
-                     "exact": "Ours: the same with exact mass for refined pages"}[fig]
+                     "exact": "The same with exact mass for refined pages (the authors' code)"}[fig]
             lines += [f"## {title}, context {L}", "",
                       "| compressor | " + " | ".join(f"rho = {f:g}" for f in fracs) + " |", "|---|" + "---|" * len(fracs)]
             for s in series:
