@@ -31,6 +31,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args):
                             timeout=TEST_TIMEOUT)
     try:
         fn(rank, world_size, *args)
+        # no rank tears its process group down while a peer still uses it (gloo's worker threads then abort the
+        # peer at exit with "terminate called without an active exception")
+        dist.monitored_barrier(timeout=TEST_TIMEOUT)
     finally:
         dist.destroy_process_group()
 

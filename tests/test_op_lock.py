@@ -118,3 +118,26 @@ def test_the_fused_merge_loads_past_a_stale_lock_in_its_real_build_directory():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert not lock.exists() and "fused True" in proc.stdout
+
+
+def test_the_engine_loads_its_ops_at_start_not_inside_a_request(monkeypatch):
+    """A first build inside a request kept the other rank waiting in the Phase-2 gather until its timeout (CI,
+    fresh build cache); the engine now builds or loads every op it will use in init_inference."""
+    import magnetar
+    from magnetar.ops import fused_merge
+    from magnetar.sparse.codes import HAMMING_OP
+    from tests.tiny_models import tiny_model
+
+    asked = []
+    monkeypatch.setattr(fused_merge._op, "_get", lambda device: asked.append(("merge", str(device))))
+    monkeypatch.setattr(HAMMING_OP, "_get", lambda device: asked.append(("hamming", str(device))))
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
+    assert asked == [("merge", "cpu")], asked
+    asked.clear()
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense", sparse_policy="lsh",
+                            sparse_budget=8)
+    assert asked == [("merge", "cpu"), ("hamming", "cpu")], asked
+    asked.clear()
+    monkeypatch.setenv("MAGNETAR_FUSED_MERGE", "0")  # the torch merge: nothing to build
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
+    assert asked == [], asked

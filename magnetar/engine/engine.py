@@ -37,6 +37,7 @@ from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
 from magnetar.models import load_model
+from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
 from magnetar.utils.nvtx import nvtx_range
@@ -144,6 +145,22 @@ class Engine:
         self.last_prefill_stats = None  # PrefillStats of the last request's Phase 1 (all ranks), or None
         if self.prefill is not None and self.prefill.needs_hidden:
             hf.capture_attention_inputs(model)
+        self._prepare_ops()
+
+    def _prepare_ops(self) -> None:
+        """Build or load every JIT op this engine's requests will use, before any request: a first build inside
+        a step would keep the other ranks waiting in a collective until its timeout (op builds wait for each
+        other under a file lock, so the ranks leave here within about one build of each other)."""
+        prepare_merge(self.device)
+        for policy in (self.policy, self.prefill):
+            self._prepare(policy)
+
+    def _prepare(self, policy):
+        """``policy.prepare(device)`` when the policy has one (an optional method of the strategy protocols)."""
+        prepare = getattr(policy, "prepare", None)
+        if prepare is not None:
+            prepare(self.device)
+        return policy
 
     # -- request preparation ------------------------------------------------------------------------------
     def _tokens(self, context, query) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,7 +402,7 @@ class Engine:
         if cfg == self._policy_config:
             return self.policy
         if cfg not in self._policies:
-            self._policies[cfg] = decode_policy(cfg, self.model.config)
+            self._policies[cfg] = self._prepare(decode_policy(cfg, self.model.config))
         return self._policies[cfg]
 
     def _plain_ids(self, x) -> torch.Tensor:

@@ -141,7 +141,8 @@ class DecodePolicy(Protocol):
     ``needs_prefill_mass``: Phase 1 must record the attention mass each kept key received
     (:meth:`prefill_mass`); ``score_chunk``: teacher-forced scoring runs this many tokens per forward
     (0: all at once); :meth:`check` raises a ValueError naming the field when a context of that length
-    cannot be served.
+    cannot be served. Optional ``prepare(device)`` (here and on :class:`PrefillPolicy`): build or load the JIT
+    ops the policy will use; the engine calls it once at start, never inside a request.
     """
 
     needs_prefill_mass: bool

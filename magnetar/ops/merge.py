@@ -87,6 +87,15 @@ def merge_states_torch(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Te
     return out.to(outs.dtype), lse_out
 
 
+def prepare_merge(device) -> bool:
+    """Build or load the fused merge op for ``device``'s type now, when ``merge_states(backend="auto")`` would
+    use it, and say whether it will. The engine calls this at start: a first build (tens of seconds) inside a
+    request would keep the other ranks waiting in a collective until its timeout."""
+    from magnetar.ops import fused_merge  # local import: keeps the builder out of import time
+
+    return os.environ.get("MAGNETAR_FUSED_MERGE", "1") != "0" and fused_merge.fused_merge_available(device)
+
+
 def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N partial attention results of the same queries into the exact result over all their keys.
 

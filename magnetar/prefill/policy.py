@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from magnetar.ops import attention_with_lse
-from magnetar.prefill.oracle import head_averaged_topk, sparse_gqa_attention, support_pairs, visible_pairs
+from magnetar.prefill.oracle import SPARSE_ATTENTION_OP, head_averaged_topk, sparse_gqa_attention, support_pairs, visible_pairs
 from magnetar.prefill.schedule import causal_pair_sparsity
 from magnetar.utils.timing import no_timer
 
@@ -98,6 +98,12 @@ class PrefillPolicy:
         # a section timer (magnetar.utils.timing.SectionTimer) for the TTFT benchmark's profile of the patched layers:
         # projection (indexer), score_topk, sparse_attention, dense_attention (budget >= keys), accounting
         self.timer = None
+
+    def prepare(self, device: torch.device) -> None:
+        """Build or load the sparse-prefill op now (at engine start), not inside the first request's Phase 1
+        while the other ranks wait in a collective with a timeout."""
+        if self.cfg.prefill_policy != "none":
+            SPARSE_ATTENTION_OP.available(device)
 
     @property
     def needs_hidden(self) -> bool:

@@ -31,7 +31,7 @@ import torch
 from magnetar.config import SparseConfig
 from magnetar.engine.kv import LayerKV
 from magnetar.ops import attention_with_lse
-from magnetar.sparse.codes import hamming_scores, hamming_topk, topk_scores_torch
+from magnetar.sparse.codes import HAMMING_OP, hamming_scores, hamming_topk, topk_scores_torch
 
 BIG_POS = 2**62  # position of a padding slot: after every query, so never visible
 _IDS = itertools.count()
@@ -69,6 +69,12 @@ class SparseDecoder:
             kind = "lsh" if cfg.sparse_policy == "lsh" else "mlp"
             self.hashes = load_or_make_hashes(kind, model_config, path=cfg.hash_path, bits=cfg.code_bits,
                                               seed=cfg.hash_seed)
+
+    def prepare(self, device: torch.device) -> None:
+        """Build or load the Hamming op now (at engine start) if this policy hashes, so the first build never
+        happens inside a step while the other ranks wait in a collective with a timeout."""
+        if self.hashes is not None and self.hash_backend != "torch":
+            HAMMING_OP.available(device)
 
     def check(self, context_tokens: int) -> None:
         """Raise a ValueError if a fixed ``sparse_budget`` exceeds a context of ``context_tokens``."""
