@@ -67,7 +67,9 @@ class _Pending:
     valid: int  # real query tokens (the rest is padding)
     # (mass (H, n_all) to add to, alpha (H, G, S, n) locally normalised, idx (H, S, n) into mass, local lse (H, G, S))
     parts: list = field(default_factory=list)
-    dense: Optional[tuple] = None  # (mass (H, N), q (1, Hq, S, D), k (1, H, N, D), scale): an exact read of the shard
+    # entries read by plain attention: (mass (H, n) to add to, q (1, Hq, S, D), k (1, H, n, D), q_pos, k_pos, scale),
+    # positions None when every key is visible; their mass is recomputed from the merged lse (column_mass)
+    dense: list = field(default_factory=list)
 
 
 class _Pages:
@@ -193,7 +195,7 @@ class LukaDecoder:
         if self._exact(st):  # a forward the regime reads exactly: the whole shard, as dense decoding does
             with self.timer("attention"):
                 out, lse = attention_with_lse(q, kv.k, kv.v, q_pos=q_pos, k_pos=kv.pos, scale=scale, backend=backend)
-            pend.dense = (st.mass, q, kv.k, scale)
+            pend.dense.append((st.mass, q, kv.k, None, None, scale))
             st.attended = N
         elif not clustered:
             share = min(N, math.ceil(self.cfg.heavy_budget(context_tokens) * N / max(context_tokens, 1)))
@@ -215,11 +217,12 @@ class LukaDecoder:
                 self._maybe_compress(st, kv, gen, recent_from)
             out, lse = self._cover(st, qg, kv, gen, scale, pend)
             gen_from = st.gen_pages * self.cfg.luka_page_size
-        if gen is not None:
+        if gen is not None:  # its raw tail, causally by position (lined layers keep all of it: H2O's budget is a
+            # share of the context); clustered layers record its mass, for the summaries of its pages
+            k, v, k_pos = gen.k[:, :, gen_from:], gen.v[:, :, gen_from:], gen.pos[gen_from:]
+            o, l = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, scale=scale, backend=backend)
             if clustered:
-                o, l = self._raw_generated(st, qg, gen, q_pos, gen_from, scale, pend)
-            else:  # lined layers keep the query's and generated tokens (H2O's budget is a share of the context)
-                o, l = attention_with_lse(q, gen.k, gen.v, q_pos=q_pos, k_pos=gen.pos, scale=scale, backend=backend)
+                pend.dense.append((st.gen_mass[:, gen_from:], q, k, q_pos, k_pos, scale))
             out, lse = merge_states([out, o], [lse, l])
         self._stash(layer, b, pend)
         if st.steps == 0:
@@ -237,9 +240,9 @@ class LukaDecoder:
                     c = torch.exp(local - merged.reshape(H, G, S))[..., None]  # local -> global normalisation
                     w = (alpha * c)[:, :, : p.valid].sum(1)  # (H, S', n)
                     mass.scatter_add_(1, idx[:, : p.valid].reshape(H, -1), w.reshape(H, -1))
-                if p.dense is not None:
-                    mass, q, k, scale = p.dense
-                    mass += column_mass(q[:, :, : p.valid], k, merged[None, :, : p.valid], scale=scale)
+                for mass, q, k, q_pos, k_pos, scale in p.dense:
+                    mass += column_mass(q[:, :, : p.valid], k, merged[None, :, : p.valid], scale=scale,
+                                        q_pos=None if q_pos is None else q_pos[: p.valid], k_pos=k_pos)
 
     def _exact(self, st: LukaLayerState) -> bool:
         """Does the regime read this forward exactly? (``st``: before the forward.)"""
@@ -281,22 +284,6 @@ class LukaDecoder:
         pend.parts.append((st.mass, torch.cat((child_alpha, res.raw_alpha), -1), torch.cat((child_tok, raw_tok), -1),
                            res.lse))
         return res.out.to(qg.dtype).reshape(1, H * G, S, D), res.lse.reshape(1, H * G, S)
-
-    def _raw_generated(self, st: LukaLayerState, qg: torch.Tensor, gen: LayerKV, q_pos: torch.Tensor, start: int,
-                       scale: float, pend: _Pending) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Phase-2 store's entries from ``start`` on, raw, causal by position (their mass recorded)."""
-        H, G, S, D = qg.shape
-        k, v, pos = gen.k[0, :, start:].float(), gen.v[0, :, start:].float(), gen.pos[start:]
-        n = k.shape[1]
-        with self.timer("attention"):
-            logits = torch.einsum("hgsd,hnd->hgsn", qg.float(), k) * scale
-            logits = logits.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
-            lse = torch.logsumexp(logits, -1)  # -inf for a row that sees nothing (padding): alpha 0, out 0
-            alpha = torch.exp(logits - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
-            out = torch.einsum("hgsn,hnd->hgsd", alpha, v)
-        idx = torch.arange(start, start + n, device=qg.device).view(1, 1, n).expand(H, S, n)
-        pend.parts.append((st.gen_mass, alpha, idx, lse))
-        return out.to(qg.dtype).reshape(1, H * G, S, D), lse.reshape(1, H * G, S)
 
     # -- state ------------------------------------------------------------------------------------------
     def _state(self, kv, qmin: int) -> LukaLayerState:
