@@ -11,8 +11,8 @@
                       code_bits, page_size, hash_path, hash_seed     (sparse decoding, any method)
       luka            luka_mode, luka_lined_layers, luka_heavy_fraction, luka_recent, luka_page_size,
                       luka_compressor, luka_tau, luka_refine, luka_refine_k, luka_refine_fraction,
-                      luka_refine_eps, luka_refine_mass, luka_refine_scope, luka_compress_every, luka_zero_values,
-                      luka_size_bias, luka_seed
+                      luka_refine_eps, luka_refine_mass, luka_refine_scope, luka_compress_every, luka_regime,
+                      luka_zero_values, luka_size_bias, luka_seed
                       (LuKA decode-time KV structures: dense, star, pulsar)
       prefill         prefill_policy, prefill_topk, prefill_schedule, prefill_b_sel, prefill_dense_layers,
                       prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
@@ -74,6 +74,9 @@ LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
 LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
 LUKA_REFINE_MASS = ("exact", "preserve")
 LUKA_REFINE_SCOPE = ("shared", "per_kv_head")
+# When LuKA starts: the question read exactly, pages cut right after it (the paper) / after luka_compress_every
+# generated tokens (the authors' code) / before it (Magnetar's earlier behaviour); see LukaConfig
+LUKA_REGIMES = ("after_query", "after_generation", "before_query")
 LUKA_METHODS = tuple(n for n, s in METHODS.items() if s.local_prefill)  # LuKA needs Phase-1 attention mass
 PREFILL_POLICIES = ("none", "oracle", "indexer")
 PREFILL_METHODS = LUKA_METHODS  # sparse prefill replaces a local Phase 1's attention
@@ -366,6 +369,15 @@ class LukaConfig:
       (``exact``: the authors' code) or the page's mass (``preserve``: the paper's Eq. 3). New pages are cut
       every ``luka_compress_every`` decode steps.
     * ``mixed``: the first and last ``luka_lined_layers`` layers lined, the others clustered.
+
+    ``luka_regime`` -- when LuKA starts, counted in Phase-2 forwards (the query's, then one per generated token):
+    * ``after_query`` (the paper's regime): the query (question) attends the whole context exactly, its mass
+      joins the accumulated mass, and the context is paged from the next forward on (then every
+      ``luka_compress_every`` steps); lined layers use heavy hitters from the next forward on.
+    * ``after_generation`` (the authors' code's schedule): the query and the first ``luka_compress_every - 1``
+      generated tokens are read exactly (so the first ``luka_compress_every`` generated tokens are dense's); the
+      first pages are cut at the forward that reads generated token ``luka_compress_every``.
+    * ``before_query``: the context is paged before the query is read (Magnetar's behaviour before the option).
     """
 
     luka_mode: str = "none"  # none | lined | clustered | mixed
@@ -382,6 +394,7 @@ class LukaConfig:
     luka_refine_mass: str = "exact"  # exact: children get their own mass (authors' code); preserve: the page's (Eq. 3)
     luka_refine_scope: str = "shared"  # shared: one page set per forward for all heads (authors'); per_kv_head
     luka_compress_every: int = 16  # clustered: decode steps between runs of the segmenter + compressor
+    luka_regime: str = "after_query"  # after_query | after_generation | before_query: when LuKA starts (see above)
     luka_zero_values: bool = False  # ablation: summary values are 0 (an unrefined page contributes nothing)
     luka_size_bias: bool = False  # add log(page size) to summary logits: a page weighs as its tokens (not in the paper)
     luka_seed: int = 0  # the random compressor's seed
@@ -410,6 +423,7 @@ class LukaConfig:
         _choice("luka_refine_scope", self.luka_refine_scope, LUKA_REFINE_SCOPE, "refinement scope")
         _require(self.luka_compress_every >= 1, "luka_compress_every",
                  f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
+        _choice("luka_regime", self.luka_regime, LUKA_REGIMES, "regime")
         _seed("luka_seed", self.luka_seed)
 
     def layer_kind(self, layer: int, num_layers: int) -> str:
@@ -807,7 +821,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
                        "sparse_policy": SPARSE_POLICIES, "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS,
                        "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
-                       "luka_refine_scope": LUKA_REFINE_SCOPE, "prefill_policy": PREFILL_POLICIES}.get(name)
+                       "luka_refine_scope": LUKA_REFINE_SCOPE, "luka_regime": LUKA_REGIMES,
+                       "prefill_policy": PREFILL_POLICIES}.get(name)
             g.add_argument(_flag(name), choices=choices)
     return parser
 

@@ -190,12 +190,14 @@ DENSE_EQUIVALENT = {
 }
 
 
+@pytest.mark.parametrize("regime", ["before_query", "after_query"])  # the query forward paged, or read exactly
 @pytest.mark.parametrize("name", list(DENSE_EQUIVALENT))
-def test_dense_equivalent_configs_decode_like_dense(name):
+def test_dense_equivalent_configs_decode_like_dense(name, regime):
     model = tiny_model("llama", seed=2, num_hidden_layers=4)
     ctx, q = _ids(7)
     ref_logits, ref_tokens = reference(model, ctx, q, 6)
-    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, **DENSE_EQUIVALENT[name])
+    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, luka_regime=regime,
+                                  **DENSE_EQUIVALENT[name])
     res = eng.generate(ctx, q, max_new_tokens=6, return_logits=True)
     assert_close(res.first_token_logits, ref_logits, what="logits", msg=name)
     assert res.token_ids == ref_tokens
@@ -207,7 +209,8 @@ def test_real_configs_change_the_output_and_cut_pages_over_decoding():
     ref_logits, _ = reference(model, ctx, q, 1)
     for mode in ("lined", "clustered", "mixed"):
         eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, luka_mode=mode,
-                                      luka_lined_layers=1, luka_recent=32, luka_compress_every=4)
+                                      luka_lined_layers=1, luka_recent=32, luka_compress_every=4,
+                                      luka_regime="before_query")  # the query forward already compressed
         res = eng.generate(ctx, q, max_new_tokens=40, return_logits=True)
         assert len(res.token_ids) == 40
         assert_differs(res.first_token_logits, ref_logits, msg=mode)  # not dense: the test can fail
@@ -220,7 +223,7 @@ def test_cover_and_pages_over_decoding():
     from magnetar.luka.decoder import LukaDecoder
 
     cfg = LukaConfig(luka_mode="clustered", luka_page_size=8, luka_recent=24, luka_compress_every=4,
-                     luka_refine="top_k", luka_refine_k=2)
+                     luka_refine="top_k", luka_refine_k=2, luka_regime="before_query")
     model_cfg = type("C", (), {"num_hidden_layers": 1})()
     dec = LukaDecoder(cfg, model_cfg)
     g = torch.Generator().manual_seed(0)
@@ -245,7 +248,8 @@ def test_cover_and_pages_over_decoding():
     added = dec.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
     assert bool((added > 0).all()) and bool((added < 12.0 * G).all())
     # lined: all of a step's mass lands on tokens, G query heads' worth per step (this shard is all the KV)
-    lined = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25), model_cfg)
+    lined = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25,
+                                   luka_regime="before_query"), model_cfg)
     for step in range(5):
         qpos = torch.tensor([N + step])
         o, l = lined.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, qpos, 0.3, N)
@@ -253,7 +257,8 @@ def test_cover_and_pages_over_decoding():
     added = lined.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)
     assert_close(added, torch.full((H,), 5.0 * G), what="mass", msg="lined mass added")
     # the merged lse rescales the update: with another part holding half the mass, half is added
-    half = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25), model_cfg)
+    half = LukaDecoder(LukaConfig(luka_mode="lined", luka_recent=24, luka_heavy_fraction=0.25,
+                                  luka_regime="before_query"), model_cfg)
     o, l = half.attend_context(0, 0, torch.randn(1, H * G, 1, D, generator=g), kv, torch.tensor([N]), 0.3, N)
     half.after_merge(0, l + math.log(2.0))
     added = half.layer_state(kv).mass.sum(-1) - shard.layers[0].mass[0].sum(-1)

@@ -69,6 +69,9 @@ class GenerationResult:
     # sparse prefill (config.prefill): PrefillStats.as_dict() summed over the ranks -- budget, realised
     # causal token-pair sparsity of the patched layers, queries left without a visible key; None when off
     prefill_stats: Optional[dict] = None
+    # the decode policy's stats() when the answer's last token was produced, summed over the ranks (LuKA: the
+    # fraction of the context held as page summaries, ...); None without a policy or when it keeps none
+    decode_stats: Optional[dict] = None
 
     @property
     def phase1_critical_path_seconds(self) -> float:
@@ -114,10 +117,19 @@ class RankStats:
     kv_bytes: int
     peak_memory_bytes: Optional[int] = None
     gen_kv_tokens: int = 0  # query/generated KV (the query rank only)
+    decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank (DecodeResult.decode_stats)
 
     @property
     def kv_tokens(self) -> int:
         return self.context_kv_tokens + self.gen_kv_tokens
+
+
+def _sum_stats(per_rank: list[Optional[dict]]) -> Optional[dict]:
+    """The ranks' decode-policy stats added key by key (None when no rank has any)."""
+    present = [d for d in per_rank if d is not None]
+    if not present:
+        return None
+    return {key: sum(d.get(key, 0) for d in present) for key in dict.fromkeys(k for d in present for k in d)}
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -251,6 +263,8 @@ class Engine:
         for per, d in zip(local, decs):
             for r, st in enumerate(per):  # generated KV sits with the query rank (rank 0, or this one)
                 st.gen_kv_tokens = d.gen_kv_tokens if (r == 0 or not self.simulated) else 0
+                # simulated ranks decode over one joined shard: its stats are every rank's, once
+                st.decode_stats = d.decode_stats if (r == 0 or not self.simulated) else None
                 st.peak_memory_bytes = peak if st.peak_memory_bytes is None else st.peak_memory_bytes
         if self.simulated:  # every rank's figures were measured here
             stats = local
@@ -270,6 +284,7 @@ class Engine:
                 kv_tokens_per_rank=[s.kv_tokens for s in per_rank], kv_bytes_per_rank=[s.kv_bytes for s in per_rank],
                 peak_memory_bytes_per_rank=[s.peak_memory_bytes for s in per_rank],
                 first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=prefill[i],
+                decode_stats=_sum_stats([s.decode_stats for s in per_rank]),
             ))
         return results
 

@@ -41,7 +41,8 @@ class Phase2Context(LayerContext):
     token attends to; ``context_tokens[b]`` is request b's whole context length (over all ranks).
 
     Per layer: local parts (context shard -- through the policy where it applies --, and on the query rank
-    the query/generated KV, causally) -> one packed all-gather of ``(out, lse)`` for the batch -> the merge.
+    the query/generated KV, causally; a policy with ``pages_generated`` attends that KV too, in the same call)
+    -> one packed all-gather of ``(out, lse)`` for the batch -> the merge.
     Every rank ends with the same output, so every rank runs the same model forward.
     """
 
@@ -92,21 +93,26 @@ class Phase2Context(LayerContext):
         qb, pos = q[b : b + 1], self.positions[b]
         parts_o, parts_l = [], []
         ctx = self.shards[b].layers[layer]
+        g = None
+        if self.gens is not None:  # the query rank stores its own query/generated tokens (the real ones)
+            g = self.gens[b].layers[layer]
+            n = self.valid[b]
+            g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
         if len(ctx) and self.policy is not None and self.policy.applies(layer, window):
-            # sparse decoding / LuKA: the policy attends to its choice of this shard's KV
+            # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of the query
+            # rank's own tokens too when it pages them (pages_generated)
+            mine = {"gen": g} if g is not None and getattr(self.policy, "pages_generated", False) else {}
             o, l = self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
-                                              backend=self.backend, valid=self.valid[b])
+                                              backend=self.backend, valid=self.valid[b], **mine)
             parts_o.append(o)
             parts_l.append(l)
+            g = None if mine else g
         elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
             o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
                                       backend=self.backend)
             parts_o.append(o)
             parts_l.append(l)
-        if self.gens is not None:  # the query rank: its own query/generated tokens, causally
-            g = self.gens[b].layers[layer]
-            n = self.valid[b]
-            g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
+        if g is not None:  # the query rank: its own query/generated tokens, causally
             o, l = attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=window,
                                       backend=self.backend)
             parts_o.append(o)
@@ -126,6 +132,7 @@ class DecodeResult:
     stop_reason: str = "max_new_tokens"
     first_logits: Optional[torch.Tensor] = None
     gen_kv_tokens: int = 0
+    decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
 
 
 def choose_token(logits: torch.Tensor, cfg: DecodeConfig, generator: Optional[torch.Generator]) -> int:
@@ -233,8 +240,10 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
             results[b].token_ids.append(t)
             results[b].decode_seconds.append(dt)
             next_pos[b] += 1
+    stats = getattr(policy, "stats", None) if context_tokens else None
     for b in range(B):
         results[b].gen_kv_tokens = gens[b].tokens() if gens is not None else 0
+        results[b].decode_stats = stats(shards[b], context_tokens[b]) if stats is not None else None
     return results
 
 

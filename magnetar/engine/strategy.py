@@ -141,8 +141,18 @@ class DecodePolicy(Protocol):
     ``needs_prefill_mass``: Phase 1 must record the attention mass each kept key received
     (:meth:`prefill_mass`); ``score_chunk``: teacher-forced scoring runs this many tokens per forward
     (0: all at once); :meth:`check` raises a ValueError naming the field when a context of that length
-    cannot be served. Optional ``prepare(device)`` (here and on :class:`PrefillPolicy`): build or load the JIT
-    ops the policy will use; the engine calls it once at start, never inside a request.
+    cannot be served.
+
+    Optional (the engine looks them up; a policy without them is served as before):
+
+    * ``pages_generated = True`` -- on the query rank :meth:`attend_context` also receives ``gen=`` the
+      request's store of query/generated KV of this layer (this forward's real tokens already appended) and
+      returns the state over the shard and that store together (attended causally by position); the engine then
+      does not attend the store itself (LuKA pages generated tokens this way);
+    * ``prepare(device)`` (also on :class:`PrefillPolicy`) -- build or load the JIT ops the policy will use; the
+      engine calls it once at start, never inside a request;
+    * ``stats(shard: KVShard, context_tokens: int) -> dict`` -- after decoding, figures of this rank for one
+      request whose values add up over the ranks (surfaced, summed, as ``GenerationResult.decode_stats``).
     """
 
     needs_prefill_mass: bool

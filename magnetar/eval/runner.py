@@ -201,6 +201,8 @@ def luka_label(cfg) -> str:
             parts.append("V=0")
     if cfg.luka_recent != 128:
         parts.append(f"recent {cfg.luka_recent}")
+    if cfg.luka_regime != "after_query":  # the paper's regime is the default; the others are named
+        parts.append(cfg.luka_regime.replace("_", " "))
     return f"luka({', '.join(parts)})"
 
 
@@ -295,6 +297,8 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
                       phase1_critical_path_s=max(res.phase1_seconds), wall_s=wall, config=cfg.to_dict())
         if getattr(res, "prefill_stats", None) is not None:  # sparse prefill: budget and realised sparsity
             record["prefill"] = res.prefill_stats
+        if getattr(res, "decode_stats", None) is not None:  # e.g. LuKA: the context held as pages at the answer
+            record["decode_stats"] = res.decode_stats
         records.append(record)
     return records
 
