@@ -21,6 +21,7 @@ import statistics
 import sys
 
 import torch
+from tqdm import tqdm
 
 
 def main(argv=None) -> int:
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     text_ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     query = torch.tensor(tok("\nWhat is the main point of the text above?", add_special_tokens=False)["input_ids"])
     rows = []
+    bar = tqdm(total=len(lengths) * len(methods) * 2 * (args.repeats + 1), desc="generate calls", unit="call",
+               dynamic_ncols=True)
     for L in lengths:
         if text_ids.numel() < L:
             raise SystemExit(f"the essays hold {text_ids.numel()} tokens, fewer than --lengths {L}")
@@ -63,6 +66,8 @@ def main(argv=None) -> int:
             for rep in range(args.repeats + 1):
                 for on, engine in engines.items():
                     res = engine.generate(context, query, max_new_tokens=args.new_tokens)
+                    bar.update()
+                    bar.set_postfix(length=L, method=method, check_finite=on)
                     if rep == 0:  # warm-up
                         continue
                     times[on]["phase1"].append(res.phase1_critical_path_seconds)
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
                          "decode_ms_on": med[True]["decode"], "decode_ms_off": med[False]["decode"],
                          "phase1_ratio": med[True]["phase1"] / med[False]["phase1"],
                          "decode_ratio": med[True]["decode"] / med[False]["decode"]})
+    bar.close()
     head = ("length", "method", "phase-1 s on/off", "ratio", "decode ms/token on/off", "ratio")
     table = [head] + [(str(r["length"]), r["method"], f"{r['phase1_s_on']:.3f} / {r['phase1_s_off']:.3f}",
                        f"{r['phase1_ratio']:.3f}", f"{r['decode_ms_on']:.1f} / {r['decode_ms_off']:.1f}",

@@ -109,9 +109,11 @@ def _attend(dec, layer, kv, q, first, valid=None):
 
 def test_decoder_equals_the_authors_formula_on_a_tiny_gqa_model(context):
     """Default config = the authors' rules: shared top-k by the max over heads and positions, exact normaliser,
-    attention_weighted summaries over the group-averaged mass (tau 1); pages cut at the first step."""
+    attention_weighted summaries over the group-averaged mass (tau 1); pages cut at the first step
+    (before_query: the formula is checked on the forward that reads pages, not on an exact one)."""
     model, shard, ref = context
-    cfg = LukaConfig(luka_mode="clustered", luka_page_size=PAGE, luka_recent=RECENT, luka_refine_k=TOP_K)
+    cfg = LukaConfig(luka_mode="clustered", luka_regime="before_query", luka_page_size=PAGE, luka_recent=RECENT,
+                     luka_refine_k=TOP_K)
     dec = LukaDecoder(cfg, model.config)
     others = {name: LukaDecoder(LukaConfig(**dict(vars(cfg), **kw)), model.config)
               for name, kw in (("per_kv_head", dict(luka_refine_scope="per_kv_head")),
@@ -140,7 +142,8 @@ def test_decoder_equals_the_authors_formula_on_a_tiny_gqa_model(context):
 def test_padding_rows_choose_no_pages(context):
     """Padded query rows (a batch of requests of different lengths) take no part in the shared choice."""
     model, shard, ref = context
-    cfg = LukaConfig(luka_mode="clustered", luka_page_size=PAGE, luka_recent=RECENT, luka_refine_k=TOP_K)
+    cfg = LukaConfig(luka_mode="clustered", luka_regime="before_query", luka_page_size=PAGE, luka_recent=RECENT,
+                     luka_refine_k=TOP_K)
     k, v, w = ref[0]
     q = _queries(3, 0)
     loud = torch.cat((q, 40.0 * _queries(1, 99)), dim=2)  # a 4th, padded row with very peaked attention
@@ -162,7 +165,8 @@ def test_tau_is_the_authors_old_tau_over_group(context):
     model, shard, _ = context
     kv = shard.layers[1]
     G = model.config.num_attention_heads // model.config.num_key_value_heads
-    dec = LukaDecoder(LukaConfig(luka_mode="clustered", luka_page_size=PAGE, luka_recent=RECENT), model.config)
+    dec = LukaDecoder(LukaConfig(luka_mode="clustered", luka_regime="before_query", luka_page_size=PAGE,
+                                 luka_recent=RECENT), model.config)
     _attend(dec, 1, kv, _queries(1, 5), N)
     st = dec.layer_state(kv)
     H, D = kv.k.shape[1], kv.k.shape[3]

@@ -342,7 +342,8 @@ class LukaDecoder:
         H, n, D = k.shape
         ps = self.cfg.luka_page_size
         ks, vs = compress_pages(k.reshape(H, n // ps, ps, D), v.reshape(H, n // ps, ps, D), self.cfg.luka_compressor,
-                                mass=mass.reshape(H, -1, ps), tau=self.cfg.luka_tau, group=group, generator=st.generator)
+                                mass=mass.reshape(H, -1, ps), tau=self.cfg.luka_tau, group=group,
+                                generator=st.generator)
         if self.cfg.luka_zero_values:
             vs = torch.zeros_like(vs)
         st.ks, st.vs = torch.cat((st.ks, ks), 1), torch.cat((st.vs, vs), 1)
