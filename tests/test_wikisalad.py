@@ -212,7 +212,7 @@ def test_bad_inputs_raise_clear_errors(tok):
 
 def test_runner_and_report_know_the_suite(tok):
     from magnetar.eval.common import parse_length
-    from magnetar.eval.report import table
+    from magnetar.eval.report import compression_table, table
     from magnetar.eval.runner import make_sample
     from magnetar.eval.suite import SUITES, get_suite
 
@@ -230,6 +230,11 @@ def test_runner_and_report_know_the_suite(tok):
             for t in TASKS for i in range(2)]
     md = table(rows)
     assert "### wikisalad" in md and all(f"| {t} |" in md for t in TASKS)
+    assert compression_table(rows) == ""  # no decode policy: nothing to report
+    luka = {"luka": {"luka_mode": "clustered", "luka_compressor": "mean"}}
+    rows = [dict(r, config=luka, decode_stats={"compressed_fraction": 0.5 + 0.25 * r["index"]}) for r in rows]
+    md = compression_table(rows)
+    assert md.count("| 62.5 [50.0, 75.0] (2) |") == len(TASKS), md
 
 
 @pytest.mark.model

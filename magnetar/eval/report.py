@@ -108,6 +108,35 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def compression_table(rows: list[dict]) -> str:
+    """How much of the context a decode policy held compressed when each answer was produced (the records'
+    ``decode_stats``, LuKA's ``compressed_fraction``): mean % per task and variant, with the range over the
+    items. A cell that compressed nothing measures nothing, so this table goes with every LuKA result."""
+    by = defaultdict(list)
+    for r in rows:
+        stats = r.get("decode_stats") or {}
+        if r.get("suite") != "ppl" and stats.get("compressed_fraction") is not None:
+            by[(r["suite"], r["task"], label(r), r["length"])].append(100.0 * float(stats["compressed_fraction"]))
+    out = []
+    for suite in sorted({k[0] for k in by}):
+        keys = [k for k in by if k[0] == suite]
+        tasks = _ordered_tasks(suite, {k[1] for k in keys})
+        cols = sorted({(k[3], k[2]) for k in keys})
+        out += [f"### {suite}: context held compressed when the answer was produced\n",
+                "Mean % of the context held as page summaries (clustered layers) or not attended (lined layers) at "
+                "the last generated token, averaged over the layers [min, max over the items] (n).\n",
+                "| task | " + " | ".join(f"{lab} @ {_len(length)}" for length, lab in cols) + " |",
+                "|---|" + "---:|" * len(cols)]
+        for t in tasks:
+            cells = []
+            for length, lab in cols:
+                v = by.get((suite, t, lab, length))
+                cells.append(f"{sum(v) / len(v):.1f} [{min(v):.1f}, {max(v):.1f}] ({len(v)})" if v else "-")
+            out.append(f"| {_task_label(t)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def prompt_note(rows: list[dict]) -> str:
     """Prompt tokens (context + query, chat template included) per length column, and how many samples were
     shortened so that prompt + output budget fit the model's positions (``fitted_length``, see
@@ -368,6 +397,8 @@ def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Seque
     if not rows:
         raise SystemExit(f"no records of the tasks {list(tasks or [])} in {[str(d) for d in (out_dir, *also)]}")
     md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
+    compressed = compression_table(rows)
+    md += ("\n" + compressed) if compressed else ""
     ablation = scorer_ablation_table(rows)
     md += ("\n" + ablation) if ablation else ""
     pngs = plots(rows, Path(out_dir))
