@@ -92,6 +92,23 @@ def test_refining_every_page_with_exact_mass_is_dense_attention(rule, kw, scope)
     assert_close(res.lse, lse, what="fp32", msg=f"{rule} {scope} lse")
 
 
+@pytest.mark.parametrize("rule,kw", [("top_k", {"k": 1}), ("top_fraction", {"fraction": 0.3})])
+def test_per_token_choice_equals_one_token_per_call(rule, kw):
+    """A chunk of S scored tokens stands for S decode steps: with ``per_token`` each token chooses (for all
+    heads) what a call with that token alone chooses; the per-forward choice differs."""
+    q, ks, vs, kp, vp, kr, vr = _pages(seed=5)
+    S = q.shape[2]
+    call = dict(scale=0.35, rule=rule, mass="exact", scope="shared", **kw)
+    chunk = clustered_attention(q, ks, vs, kp, vp, kr, vr, per_token=True, **call)
+    for s in range(S):
+        one = clustered_attention(q[:, :, s : s + 1], ks, vs, kp, vp, kr, vr, **call)
+        assert torch.equal(chunk.child_idx[:, s : s + 1], one.child_idx), (rule, s)
+        assert_close(chunk.out[:, :, s : s + 1], one.out, what="fp32", msg=f"{rule} token {s} out")
+        assert_close(chunk.lse[:, :, s : s + 1], one.lse, what="fp32", msg=f"{rule} token {s} lse")
+    forward = clustered_attention(q, ks, vs, kp, vp, kr, vr, **call)
+    assert not torch.equal(forward.child_idx, chunk.child_idx), rule  # the data make the rows disagree
+
+
 def test_mass_preserving_refinement_matches_eq1_to_4_written_out():
     q, ks, vs, kp, vp, kr, vr = _pages(seed=3)
     H, G, S, D = q.shape

@@ -298,3 +298,18 @@ def test_runner_records_the_decode_stats(monkeypatch):
     group = [("dense", 100, "easy", i, cfg, f"k{i}") for i in range(2)]
     with_stats, without = runner._run_group(args, engine, None, group)
     assert with_stats["decode_stats"] == stats and "decode_stats" not in without
+
+
+def test_scored_chunks_choose_pages_per_token(monkeypatch):
+    """After the query's forward, a scored chunk of E tokens stands for E decode steps: its tokens choose their
+    pages one by one (per_token), as decoding would; the query's own forward chooses once (before_query)."""
+    import magnetar.luka.decoder as decoder
+
+    seen, real = [], decoder.clustered_attention
+    monkeypatch.setattr(decoder, "clustered_attention",
+                        lambda q, *a, **kw: seen.append((q.shape[2], kw["per_token"])) or real(q, *a, **kw))
+    model = tiny_model("llama", seed=27, num_hidden_layers=2)
+    ctx, cont = _ids(8, m=12)
+    cfg = LukaConfig(luka_mode="clustered", luka_recent=32, luka_compress_every=4, luka_regime="before_query")
+    _engine(model).score_variants(ctx, cont, [cfg])
+    assert seen == [(4, False)] * 2 + [(4, True)] * 4, seen  # 2 layers x 3 chunks of 4

@@ -107,7 +107,8 @@ def compress_pages(kp: torch.Tensor, vp: torch.Tensor, kind: str, *, mass: Optio
 # -- refinement rules ------------------------------------------------------------------------------------
 
 def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float = 0.1, eps: float = 0.01,
-                 scope: str = "shared", rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scope: str = "shared", rows: Optional[int] = None, per_token: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pages to refine from the summaries' masses ``alpha (H, G, S, P)`` (Eq. 1 per query head and token).
 
     ``scope="shared"`` (the authors' code, ``modeling/refinement.py``): one set of pages per call -- a forward of
@@ -121,6 +122,9 @@ def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float 
     whose mass exceeds ``eps`` for some query head of the group, refined for the whole group.
     ``none`` refines nothing. The scopes agree for one query head and one query token (and ``top_fraction``
     for one KV head and one query token).
+    ``per_token`` (``shared`` only): each query token chooses its own set, shared by all heads -- what S forwards
+    of one token each would choose. The decoder asks for it when a forward of S tokens stands for S decode
+    steps (teacher-forced scoring in chunks); ``threshold`` is per token either way.
 
     Returns ``idx (H, S, n)`` and ``valid (H, G, S, n)``: page ``idx[h, s, j]`` is refined for query head
     ``(h, g)`` at token ``s`` iff ``valid[h, g, s, j]`` (threshold: a row may refine fewer than n pages).
@@ -141,10 +145,12 @@ def choose_pages(alpha: torch.Tensor, rule: str, *, k: int = 3, fraction: float 
             pages = hot[:, :, :rows].flatten(0, 2).any(0).nonzero().flatten()  # (n,)
             idx = pages.view(1, 1, -1).expand(H, S, pages.numel())
             return idx, hot[..., pages]
-        if rule == "top_k":
-            n, score = min(k, P), real.flatten(0, 2).amax(0)
-        else:
-            n, score = min(P, math.ceil(fraction * P)), real.flatten(0, 2).sum(0)
+        n = min(k, P) if rule == "top_k" else min(P, math.ceil(fraction * P))
+        if per_token:  # (S, P): each token ranks the pages over all heads
+            score = alpha.flatten(0, 1).amax(0) if rule == "top_k" else alpha.flatten(0, 1).sum(0)
+            pages = score.topk(n, dim=-1).indices  # (S, n)
+            return pages[None].expand(H, S, n), torch.ones(H, G, S, n, dtype=torch.bool, device=alpha.device)
+        score = real.flatten(0, 2).amax(0) if rule == "top_k" else real.flatten(0, 2).sum(0)
         pages = score.topk(n).indices
         return pages.view(1, 1, n).expand(H, S, n), torch.ones(H, G, S, n, dtype=torch.bool, device=alpha.device)
     rank = alpha.sum(1)  # (H, S, P)
@@ -174,13 +180,14 @@ class CoverResult:
 def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
                         kr: torch.Tensor, vr: torch.Tensor, *, scale: float, rule: str = "top_k", k: int = 3,
                         fraction: float = 0.1, eps: float = 0.01, mass: str = "exact", scope: str = "shared",
-                        rows: Optional[int] = None, summary_bias: float = 0.0, timer: Optional[Callable] = None
-                        ) -> CoverResult:
+                        rows: Optional[int] = None, per_token: bool = False, summary_bias: float = 0.0,
+                        timer: Optional[Callable] = None) -> CoverResult:
     """Algorithm 1 for queries ``q (H, G, S, D)`` over the cover ``[summaries ks/vs (H, P, D) ‖ raw kr/vr (H, R, D)]``,
     refining pages whose tokens are ``kp/vp (H, P, L, D)``. Every key precedes every query (no mask).
 
     Eq. 1: ``alpha_c = softmax_c(q . k_c)`` over the cover. The pages refined: :func:`choose_pages` with
-    ``rule``, ``scope`` and ``rows`` (the real query tokens; the rest is padding). A refined page's children
+    ``rule``, ``scope``, ``rows`` (the real query tokens; the rest is padding) and ``per_token``. A refined
+    page's children
     get, with ``mass="exact"`` (the authors' code), their own mass: the page's logit is replaced by the
     log-sum-exp of its children, i.e. the cover is expanded there and renormalised (refining every page is then
     dense attention exactly); with ``mass="preserve"`` (the paper's Eq. 2-3) ``alpha_page * softmax_i(q . k_i)``
@@ -199,7 +206,8 @@ def clustered_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, kp:
         lse = torch.logsumexp(torch.cat((ls, lr), -1), -1)  # (H, G, S)
         a_s = torch.exp(ls - lse[..., None])
     with timer("refine"):
-        idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps, scope=scope, rows=rows)
+        idx, valid = choose_pages(a_s, rule, k=k, fraction=fraction, eps=eps, scope=scope, rows=rows,
+                                  per_token=per_token)
         n = idx.shape[-1]
         heads = torch.arange(H, device=q.device)[:, None, None]
         kc = kp[heads, idx].float()  # (H, S, n, L, D): the refined pages' tokens, gathered (never a mask)

@@ -257,7 +257,9 @@ class LukaDecoder:
     def _cover(self, st: LukaLayerState, qg: torch.Tensor, kv: LayerKV, gen: Optional[LayerKV], scale: float,
                pend: _Pending, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Algorithm 1 over [the summaries of the shard's and the Phase-2 store's pages ‖ the shard's raw tail];
-        ``rows``: the forward's real query positions (the shared refinement ranks pages over them only)."""
+        ``rows``: the forward's real query positions (the shared refinement ranks pages over them only). After
+        the query's forward, a forward of several tokens stands for as many decode steps (teacher-forced scoring
+        in chunks): each token then chooses its own pages (``per_token``), as its own decode step would."""
         H, G, S, D = qg.shape
         N, ps = kv.k.shape[2], self.cfg.luka_page_size
         cut = st.pages * ps
@@ -271,7 +273,8 @@ class LukaDecoder:
                                   rule=self.cfg.luka_refine, k=self.cfg.luka_refine_k,
                                   fraction=self.cfg.luka_refine_fraction, eps=self.cfg.luka_refine_eps,
                                   mass=self.cfg.luka_refine_mass, scope=self.cfg.luka_refine_scope, rows=rows,
-                                  timer=self.timer, summary_bias=math.log(ps) if self.cfg.luka_size_bias else 0.0)
+                                  per_token=st.steps > 0, timer=self.timer,
+                                  summary_bias=math.log(ps) if self.cfg.luka_size_bias else 0.0)
         n, R = res.child_idx.shape[-1], N - cut
         # the refined pages' tokens: entry t of the shard for t < cut, else entry t - cut of the Phase-2 store
         child_tok = (res.child_idx[..., None] * ps + torch.arange(ps, device=qg.device)).reshape(H, S, n * ps)
