@@ -19,7 +19,8 @@ Windows are those of the ``ppl`` suite (:mod:`magnetar.eval.ppl`: Shakespeare, a
 then 256 scored tokens). The context is encoded once per window (dense Phase 1, recording each key's attention
 mass); the continuation is then scored teacher-forced with dense decoding and with every variant
 (:meth:`magnetar.Engine.score_variants`), in chunks of ``luka_compress_every`` (16) tokens: LuKA's state
-(accumulated mass, pages) advances after each chunk, as it would after 16 decoded tokens. The paper measures
+(accumulated mass, pages) advances after each chunk, as it would after 16 decoded tokens, and each token of a
+chunk chooses its own refined pages, as its decode step would. The paper measures
 512 / 1024 tokens of one PG-19 book; ours are many windows of longer contexts, with 95 % intervals.
 Results are appended to ``OUT/results.jsonl`` (resumable); the report is ``OUT/report.md`` and PNGs.
 """
