@@ -5,9 +5,11 @@
 
 Per context length: ONE dense Phase 1 (recording each key's attention mass), then, for dense decoding and each
 LuKA mode (lined, clustered, mixed; the paper's settings: top_k 3, pages of 16, raw tail 128, heavy hitters
-1/8, compression every 16 steps), a greedy decode of ``--new-tokens`` tokens, ``--repeats`` times after one
+1/8, compression every 16 steps; the defaults' refinement and regime: the 8-token question is read exactly and
+the pages are cut at the first generated token's forward, a one-off cost inside the mean), a greedy decode of ``--new-tokens`` tokens, ``--repeats`` times after one
 warm-up, each with fresh LuKA state. Reported: decode ms/token and tokens/s (median over repeats of the mean
-over the tokens after the first), the speed-up vs dense, and per token (summed over layers) the time in the
+over the tokens after the first), the speed-up vs dense, the fraction of the context LuKA held compressed at the
+last token (``decode_stats``), and per token (summed over layers) the time in the
 context attention and in LuKA's own parts -- ``select`` (heavy hitters), ``refine`` (choosing pages,
 gathering and weighting their tokens), ``compress`` (segmenter + compressor, every 16 steps) and ``mass``
 (accumulating attention mass). The breakdown synchronises the GPU around each part, so it is measured in a
@@ -108,7 +110,9 @@ def main(argv=None) -> int:
             d = decode(decoder(mode, timer), args.new_tokens)
             steps = len(d.decode_seconds) + 1
             ms = 1e3 * statistics.median(per_token)
+            compressed = (d.decode_stats or {}).get("compressed_fraction")  # at the last token; None for dense
             rows.append({"length": L, "mode": mode, "decode_ms_per_token": ms, "tokens_per_s": 1e3 / ms,
+                         "compressed_fraction": compressed,
                          **{f"{k}_ms_per_token": 1e3 * v / steps for k, v in sorted(timer.seconds.items())}})
             print(f"  {L} {mode}: {ms:.2f} ms/token", file=sys.stderr, flush=True)
 
@@ -116,13 +120,15 @@ def main(argv=None) -> int:
     parts = ("attention", "select", "refine", "compress", "mass")
     print(f"\nLuKA decode speed, {args.model}, {args.device} ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads), {args.dtype}, {args.new_tokens} new tokens, median of {args.repeats}")
-    print("| context | mode | ms/token | tokens/s | vs dense | " + " | ".join(f"{x} ms" for x in parts) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(parts))
+    print("| context | mode | compressed | ms/token | tokens/s | vs dense | " + " | ".join(f"{x} ms" for x in parts)
+          + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(parts))
     for r in rows:
         speed = dense.get(r["length"], float("nan")) / r["decode_ms_per_token"]
         r["speedup_vs_dense"] = speed
         cells = [f"{r.get(f'{x}_ms_per_token', 0.0):.2f}" for x in parts]
-        print(f"| {r['length']} | {r['mode']} | {r['decode_ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
+        held = "-" if r["compressed_fraction"] is None else f"{100 * r['compressed_fraction']:.0f} %"
+        print(f"| {r['length']} | {r['mode']} | {held} | {r['decode_ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | "
               f"{speed:.2f}x | " + " | ".join(cells) + " |")
     print(json.dumps({"benchmark": "luka_decode", "model": args.model, "device": args.device, "dtype": args.dtype,
                       "threads": torch.get_num_threads(), "rows": rows}))
