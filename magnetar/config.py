@@ -2,7 +2,7 @@
 
     EngineConfig
       method          dense | ring | star | pulsar | streaming
-      parallel        cp_size, timeout_s, zigzag, simulate
+      parallel        cp_size, tp_size, timeout_s, zigzag, simulate
       blocks          block_size, anchor_size                     (star, pulsar)
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size
@@ -209,7 +209,10 @@ def _path(name: str, value: Optional[str]) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    cp_size: int = 1  # ranks sharing one context (CP group size); world = cp_size x dp_size
+    cp_size: int = 1  # ranks sharing one context (CP group size); world = tp_size x cp_size x dp_size
+    # ranks sharing one model's weights (TP group size, innermost: consecutive ranks); the engine does not
+    # shard models yet, so init_inference refuses tp_size > 1 (magnetar.parallel.init_groups already lays it out)
+    tp_size: int = 1
     timeout_s: float = 600.0  # every collective of the engine gives up (and raises) after this long
     zigzag: bool = True  # ring: load-balanced zigzag sharding of the context
     # One process stands in for the cp_size ranks: their Phase 1 runs one after another here, Phase 2 attends
@@ -219,6 +222,7 @@ class ParallelConfig:
     def __post_init__(self):
         _check_types(self)
         _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {_short(self.cp_size)}")
+        _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {_short(self.tp_size)}")
         _require(0 < self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
                  f"must be > 0 and at most {_MAX_TIMEOUT_S:g} seconds, got {self.timeout_s}")
 

@@ -148,6 +148,8 @@ CLI_CASES: list[Case] = [
     Case("cfg-int-for-bool", _cfg(zigzag=1), ValueError, ("parallel.zigzag", "true or false")),
     Case("cfg-int-for-str", _cfg(scorer=5), ValueError, ("pulsar.scorer", "expected a string")),
     Case("cfg-cp-size-zero", _cfg(method="star", cp_size=0), ValueError, ("parallel.cp_size", "--cp-size", ">= 1")),
+    Case("cfg-tp-size-zero", _cfg(tp_size=0), ValueError, ("parallel.tp_size", "--tp-size", ">= 1")),
+    Case("cfg-tp-size-bool", _cfg(tp_size=True), ValueError, ("parallel.tp_size", "a bool is not a number")),
     Case("cfg-timeout-negative", _cfg(timeout_s=-1.0), ValueError, ("parallel.timeout_s", "--timeout-s", "> 0")),
     Case("cfg-timeout-huge", _cfg(timeout_s=1e300), ValueError, ("parallel.timeout_s", "at most")),
     Case("cfg-seed-negative", _cfg(seed=-1), ValueError, ("decode.seed", ">= 0")),

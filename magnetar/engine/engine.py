@@ -451,6 +451,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
 
     ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
     process group is started here if needed; the CP/DP groups come from :func:`magnetar.parallel.init_groups`.
+    ``tp_size > 1`` (config or ``groups``) raises NotImplementedError: models are not sharded by TP yet.
     With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
     (tensor-parallel size 1) and its module is used. ``tokenizer`` (needed for string prompts; loaded with a
     model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
@@ -462,6 +463,13 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         config = EngineConfig.create(**flat)
     elif flat:
         config = config.replace(**flat)
+    tp = max(config.parallel.tp_size, groups.tp_size if groups is not None else 1)
+    if tp > 1:  # checked before any model loading or process-group work
+        raise NotImplementedError(
+            f"tp_size={tp} (config tp_size {config.parallel.tp_size}"
+            f"{f', groups.tp_size {groups.tp_size}' if groups is not None else ''}): tensor parallelism is not wired "
+            f"into the engine yet (magnetar.parallel.init_groups lays out the TP groups, but models are not sharded); "
+            f"use tp_size=1 (--tp-size 1)")
     dtype = _TORCH_DTYPES[config.runtime.dtype]
     if inputs.is_model_path(model):
         model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype)
