@@ -126,6 +126,8 @@ def config_key(config: EngineConfig) -> str:
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
     d["runtime"].pop("check_finite", None)
+    if d["parallel"].get("tp_size", 1) == 1:
+        d["parallel"].pop("tp_size", None)  # keys as before the field existed
     if d.get("sparse", {}).get("sparse_policy", "none") == "none":
         d.pop("sparse", None)  # dense decoding: keys as before the sparse section existed
     if d.get("luka", {}).get("luka_mode", "none") == "none":
