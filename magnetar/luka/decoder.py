@@ -222,10 +222,7 @@ class LukaDecoder:
             k, v, k_pos = gen.k[:, :, gen_from:], gen.v[:, :, gen_from:], gen.pos[gen_from:]
             o, l = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, scale=scale, backend=backend)
             if clustered:
-                # a decode step sees every entry of the store (itself included): no mask, the cheap path
-                every = k_pos.numel() == 0 or bool(k_pos.max() <= q_pos[:rows].min())
-                causal = (None, None) if every else (q_pos, k_pos)
-                pend.dense.append((st.gen_mass[:, gen_from:], q, k, *causal, scale))
+                pend.dense.append((st.gen_mass[:, gen_from:], q, k, q_pos, k_pos, scale))
             out, lse = merge_states([out, o], [lse, l])
         self._stash(layer, b, pend)
         if st.steps == 0:

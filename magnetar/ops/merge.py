@@ -122,10 +122,6 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
 
     if backend == "fused":
         return fused_merge.fused_merge_states(outs_t, lses_t)
-    if (
-        os.environ.get("MAGNETAR_FUSED_MERGE", "1") != "0"
-        and not (outs_t.requires_grad or lses_t.requires_grad)  # the fused op has no backward
-        and fused_merge.fused_merge_available(outs_t.device)
-    ):
+    if not (outs_t.requires_grad or lses_t.requires_grad) and prepare_merge(outs_t.device):  # no backward
         return fused_merge.fused_merge_states(outs_t, lses_t)
     return merge_states_torch(outs_t, lses_t)
