@@ -88,6 +88,11 @@ POLICY_IMPLS = {
     "luka": "magnetar.luka.decoder:LukaDecoder",  # LukaConfig.luka_mode
     "prefill": "magnetar.prefill.policy:PrefillPolicy",  # PrefillConfig.prefill_policy
 }
+# string fields with a fixed set of values: their flags' choices, and the names magnetar.engine.agree prints
+FIELD_CHOICES = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES, "sparse_policy": SPARSE_POLICIES,
+                 "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS, "luka_refine": LUKA_REFINE,
+                 "luka_refine_mass": LUKA_REFINE_MASS, "luka_refine_scope": LUKA_REFINE_SCOPE,
+                 "luka_regime": LUKA_REGIMES, "prefill_policy": PREFILL_POLICIES}
 
 
 def _flag(name: str) -> str:
@@ -822,12 +827,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         elif "float" in kind:
             g.add_argument(_flag(name), type=float)
         else:
-            choices = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES,
-                       "sparse_policy": SPARSE_POLICIES, "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS,
-                       "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
-                       "luka_refine_scope": LUKA_REFINE_SCOPE, "luka_regime": LUKA_REGIMES,
-                       "prefill_policy": PREFILL_POLICIES}.get(name)
-            g.add_argument(_flag(name), choices=choices)
+            g.add_argument(_flag(name), choices=FIELD_CHOICES.get(name))
     return parser
 
 

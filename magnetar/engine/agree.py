@@ -31,10 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from magnetar.config import (
-    DTYPES, LUKA_COMPRESSORS, LUKA_MODES, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE, LUKA_REGIMES, METHODS,
-    POSITION_MODES, PREFILL_POLICIES, SCORERS, SPARSE_POLICIES, EngineConfig,
-)
+from magnetar.config import FIELD_CHOICES, METHODS, EngineConfig
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, describe_per_rank
 
@@ -95,9 +92,7 @@ def encode_ids(ids: Sequence[torch.Tensor]) -> tuple[int, int, int]:
 
 # Strings that may appear in a config field, printed by name when a field's digest is one of them.
 _KNOWN_STRINGS = {
-    _hash_value(s): s for s in chain(METHODS, SCORERS, POSITION_MODES, DTYPES, SPARSE_POLICIES, LUKA_MODES,
-                                     LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE, LUKA_REGIMES,
-                                     PREFILL_POLICIES)
+    _hash_value(s): s for s in chain(METHODS, *FIELD_CHOICES.values())
 }
 
 
