@@ -40,7 +40,7 @@ from magnetar.models import load_model
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import GENERATE, SCORE, nvtx_range
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Engine:
         for c, q in toks:
             self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
         shards, qpos, local, prefill = [], [], [], []  # local[request] = per-rank stats this process measured
-        with nvtx_range("magnetar/generate"):
+        with nvtx_range(GENERATE):
             for context_ids, _ in toks:
                 if cfg.parallel.simulate and cfg.parallel.cp_size > 1:
                     shard, query_position, stats = self._phase1_simulated(context_ids)
@@ -393,7 +393,7 @@ class Engine:
             raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
                              f"(prefill_policy {self.config.prefill.prefill_policy!r}); score them without it")
         out = []
-        with nvtx_range("magnetar/score"):
+        with nvtx_range(SCORE):
             if self.simulated:
                 shard, start, stats = self._phase1_simulated(c, variants=decoders)
             else:

@@ -31,7 +31,7 @@ def magnetar_attention(module, query, key, value, attention_mask, scaling=None, 
         # the query tokens being the last ones of the keys.
         out, _ = attention_with_lse(query, key, value, scale=scaling, window=window)
     else:
-        with nvtx_range(f"{ctx.name}/layer{module.layer_idx}"):
+        with nvtx_range(ctx.layer_range, n=module.layer_idx):
             out = ctx.attend(module.layer_idx, query, key, value, scaling, window)
     return out.transpose(1, 2), None
 

@@ -22,7 +22,7 @@ from magnetar.engine.plan import RankPlan, Segment
 from magnetar.engine.strategy import ContextMethod, LayerContext, PrefillPolicy, PrefillRun, context_method, \
     prefill_policy
 from magnetar.parallel import ParallelGroups
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import PHASE1, PHASE1_BLOCK, PHASE1_LAYER, nvtx_range
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Phase1Result:
 class Phase1Context(LayerContext):
     """The Phase-1 forward of one plan segment (see :class:`magnetar.engine.strategy.Phase1Layer`)."""
 
+    layer_range = PHASE1_LAYER
+
     def __init__(self, method: ContextMethod, config: EngineConfig, segment: Segment, shard: KVShard, *,
                  group: Optional[torch.distributed.ProcessGroup], timeout: Optional[timedelta],
                  prefill: Optional[PrefillRun] = None, mass: Optional[Callable[..., torch.Tensor]] = None,
@@ -47,7 +49,6 @@ class Phase1Context(LayerContext):
         self.group, self.timeout = group, timeout
         self.backend = config.runtime.attention_backend
         self.prefill, self.mass = prefill, mass
-        self.name = f"phase1_{method.name}"
         self.wants_hidden = prefill is not None and prefill.needs_hidden
         self.hidden = None
         self.flags = flags
@@ -86,11 +87,11 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     method.begin(shard)
     flags = LayerFlags(model.config.num_hidden_layers, device) if config.runtime.check_finite else None
     t0 = time.perf_counter()
-    with nvtx_range(f"phase1/{config.method}"):
+    with nvtx_range(PHASE1):
         for seg in plan.segments:
             ctx = Phase1Context(method, config, seg, shard, group=groups.cp_group, timeout=groups.timeout,
                                 prefill=run, mass=mass, device=device, flags=flags)
-            with nvtx_range(f"phase1/block{seg.block}"):
+            with nvtx_range(PHASE1_BLOCK, i=seg.block):
                 base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
                      use_cache=False, magnetar=ctx)
             if progress is not None:

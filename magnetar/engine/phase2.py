@@ -27,7 +27,8 @@ from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import wait_all
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
+                                 PHASE2_SCORE, nvtx_range)
 
 
 class Phase2Context(LayerContext):
@@ -46,7 +47,7 @@ class Phase2Context(LayerContext):
     Every rank ends with the same output, so every rank runs the same model forward.
     """
 
-    name = "phase2"
+    layer_range = PHASE2_LAYER
 
     def __init__(self, positions: torch.Tensor, shards: list[KVShard], gens: Optional[list[KVShard]],
                  valid: list[int], groups: ParallelGroups, backend: str, policy: Optional[DecodePolicy] = None,
@@ -80,8 +81,9 @@ class Phase2Context(LayerContext):
         local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
         if self.flags is not None:
             self.flags.record(layer, local_o)
-        with nvtx_range(f"phase2/merge/layer{layer}"):  # one collective per layer for the whole batch
+        with nvtx_range(PHASE2_GATHER, n=layer):  # one collective per layer for the whole batch
             outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
+        with nvtx_range(PHASE2_MERGE, n=layer):
             out, lse = merge_states(outs, lses)
         if self.policy is not None:  # e.g. LuKA accumulates the attention mass, normalised by the merged lse
             self.policy.after_merge(layer, lse)
@@ -207,7 +209,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     for b, q in enumerate(queries):
         padded[b, : lengths[b]] = q  # right padding: after the real tokens, so none of them sees it
     t0 = time.perf_counter()
-    with nvtx_range("phase2/query"):
+    with nvtx_range(PHASE2_QUERY):
         logits = forward(list(range(B)), padded, list(query_positions), lengths, "the query")
         tokens = choose(list(range(B)), logits)
     ttft = time.perf_counter() - t0
@@ -231,7 +233,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
             break
         step += 1
         t1 = time.perf_counter()
-        with nvtx_range("phase2/decode_step"):
+        with nvtx_range(PHASE2_DECODE_STEP, t=step):
             ids = torch.tensor([[results[b].token_ids[-1]] for b in active])
             logits = forward(active, ids, [next_pos[b] for b in active], [1] * len(active), f"decode step {step}")
             tokens = choose(active, logits)
@@ -272,7 +274,7 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
         ctx = Phase2Context(pos, [shard], gens, [n], groups, config.runtime.attention_backend, policy,
                             [context_tokens] if context_tokens is not None else None,
                             check_finite=config.runtime.check_finite)
-        with nvtx_range("phase2/score"):
+        with nvtx_range(PHASE2_SCORE):
             logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
                                 logits_to_keep=0, magnetar=ctx).logits[0].float())
         ctx.check_logits(logits[-1], f"scoring tokens {a}..{a + n - 1}")

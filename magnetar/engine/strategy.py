@@ -25,6 +25,7 @@ import torch
 from magnetar.config import METHODS, POLICY_IMPLS, EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.plan import RankPlan
+from magnetar.utils.nvtx import FORWARD_LAYER
 from magnetar.utils.registry import load_class
 
 
@@ -37,7 +38,7 @@ class LayerContext:
     :func:`magnetar.engine.hf.capture_attention_inputs` then stores ``(layer, hidden)`` in ``hidden``.
     """
 
-    name = "forward"  # NVTX range prefix
+    layer_range = FORWARD_LAYER  # the profiler range of each layer's attend (magnetar.utils.nvtx.RANGES)
     wants_hidden = False
     hidden: Optional[tuple[int, torch.Tensor]] = None
 

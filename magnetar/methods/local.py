@@ -14,7 +14,7 @@ import torch
 
 from magnetar.engine.strategy import MethodBase, Phase1Layer
 from magnetar.ops import attention_with_lse
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import PHASE1_LUKA_MASS, PHASE1_PREFILL_SPARSE, nvtx_range
 
 
 class LocalMethod(MethodBase):
@@ -26,7 +26,7 @@ class LocalMethod(MethodBase):
         if ctx.prefill is not None and ctx.prefill.applies(layer, window):
             hidden = ctx.hidden[1] if ctx.hidden is not None and ctx.hidden[0] == layer else None
             ctx.hidden = None
-            with nvtx_range(f"prefill_sparse/layer{layer}"):  # the sparse trajectory: later layers see this
+            with nvtx_range(PHASE1_PREFILL_SPARSE, n=layer):  # the sparse trajectory: later layers see this
                 out, lse = ctx.prefill.attend(layer, q, k, v, scale=scale, pos=pos, hidden=hidden, backend=ctx.backend)
         else:
             out, lse = attention_with_lse(q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
@@ -34,7 +34,7 @@ class LocalMethod(MethodBase):
         keep = ctx.keep
         mass = None
         if ctx.mass is not None:  # H2O's scores start in prefill: the mass the local queries gave each kept key
-            with nvtx_range(f"luka/prefill_mass/layer{layer}"):
+            with nvtx_range(PHASE1_LUKA_MASS, n=layer):
                 mass = ctx.mass(q, k[:, :, keep], lse, scale=scale, q_pos=pos, k_pos=pos[keep], window=window)[None]
         ctx.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep], mass)
         return out

@@ -43,7 +43,7 @@ from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCal
 from magnetar.ops.merge import merge_states
 from magnetar.ops.nonfinite import attend_nonfinite, fast_path_finite
 from magnetar.ops.runs import Piece, plan_pieces
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import ATTENTION, nvtx_range
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -164,7 +164,7 @@ def _attend_pieces(call: AttentionCall, pieces: list[Piece], backend: str) -> tu
         sub = AttentionCall(q[:, :, p.q0 : p.q1], k[:, :, p.k0 : p.k1], v[:, :, p.k0 : p.k1], None, None, call.scale,
                             CAUSAL_BOTTOM_RIGHT if p.causal else FULL)
         impl = select_backend(sub, backend)
-        with nvtx_range(f"attention_with_lse[{impl.name}]"):
+        with nvtx_range(ATTENTION, backend=impl.name):
             o, l = impl.forward(sub)
         rows = slice(p.q0, p.q1)
         if not bool(seen[rows].any()):
@@ -233,7 +233,7 @@ def _attend(call: AttentionCall, backend: str) -> tuple[torch.Tensor, torch.Tens
             return _attend_pieces(call, pieces, backend)
 
     impl = select_backend(call, backend)
-    with nvtx_range(f"attention_with_lse[{impl.name}]"):
+    with nvtx_range(ATTENTION, backend=impl.name):
         out, lse = impl.forward(call)
     if call.mask_kind == POSITIONS:
         # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.

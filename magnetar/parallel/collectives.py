@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.parallel.groups import DEFAULT_TIMEOUT, group_size
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import ALL_GATHER_STATES, nvtx_range
 
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); support both.
@@ -71,7 +71,7 @@ def all_gather_states(
         return out.unsqueeze(0), lse.unsqueeze(0)
     packed = torch.cat((_as_bytes(out), _as_bytes(lse)))
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
-    with nvtx_range("all_gather_states"):
+    with nvtx_range(ALL_GATHER_STATES):
         work = _all_gather_flat(gathered, packed, group=group, async_op=True)
         wait_all(work, timeout, f"all_gather_states over {world} ranks")
     gathered = gathered.view(world, packed.numel())

@@ -27,7 +27,7 @@ from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.attention import check_options, check_positions, validate_qkv
 from magnetar.parallel.collectives import all_gather_ints, describe_per_rank, wait_all
 from magnetar.parallel.groups import group_rank, group_ranks, group_size
-from magnetar.utils.nvtx import nvtx_range
+from magnetar.utils.nvtx import PHASE1_RING_STEP, nvtx_range
 
 _NO_KEYS = torch.iinfo(torch.long).max  # min position of an empty shard: never visible
 
@@ -151,7 +151,7 @@ def ring_attention(
         if window is not None and not skip:  # every key of the shard is older than every query's window
             skip = maxs[src] <= qmin - window
         if not skip:
-            with nvtx_range(f"ring_attention/step{step}"):
+            with nvtx_range(PHASE1_RING_STEP, s=step):
                 out, lse = attention_with_lse(
                     q, kv[0], kv[1], q_pos=q_pos, k_pos=pos, causal=causal, scale=scale, window=window,
                     backend=backend,
