@@ -494,6 +494,9 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         tokenizer = tokenizer or loaded_tok
     hf.check_supported(model.config)
     hf.check_tensor_parallel(model.config, tp)
+    if tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
+        raise ValueError(f"the model was sharded by an engine with tp_size {len(model._magnetar_tp)}: give tp_size "
+                         f"{len(model._magnetar_tp)}, or pass an unsharded model (a copy of it) for tp_size 1")
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))
     if groups is None:  # simulated ranks live in this process: no group, no collective (even under a launcher)
         timeout = _timedelta(config.parallel.timeout_s)
@@ -535,7 +538,15 @@ def shard_tensor_parallel(model, groups: ParallelGroups, dtype: torch.dtype):
     group, and splits the LM head's input features (its partial logits all-reduced, so every rank has all of
     them). Embeddings and norms stay whole on every rank. The attention function then sees this rank's
     heads only. Every rank of the world calls it (DeepSpeed broadcasts its RNG state over the world here).
+    The model is changed in place (pass a copy to keep it whole); a model already sharded for this TP group is
+    returned as it is, so several engines can share it.
     """
+    done = getattr(model, "_magnetar_tp", None)
+    if done is not None:  # a model already sharded for this TP group (several engines over one model) is kept
+        if done != groups.tp_ranks:
+            raise ValueError(f"the model is already sharded over TP ranks {list(done)}, not this engine's TP group "
+                             f"{list(groups.tp_ranks)}: pass an unsharded model (a copy of it)")
+        return model
     deepspeed = import_deepspeed()
     if not deepspeed.comm.is_initialized():  # torch.distributed started without DeepSpeed: let it wrap that group
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
@@ -546,6 +557,7 @@ def shard_tensor_parallel(model, groups: ParallelGroups, dtype: torch.dtype):
     with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints its AutoTP plan on stdout
         engine = deepspeed.init_inference(model, tensor_parallel=tp, dtype=dtype, replace_with_kernel_inject=False)
     log.info("tp rank %d/%d: %s", groups.tp_rank, groups.tp_size, said.getvalue().strip())
+    engine.module._magnetar_tp = groups.tp_ranks
     return engine.module
 
 
