@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import magnetar
-from magnetar.engine.engine import weight_bytes
+from magnetar.engine.tensor_parallel import weight_bytes
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
-from tests.tiny_models import reference, tiny_model
+from tests.tiny_models import reference, save_tiny, tiny_model
 
 L, Q, NEW = 77, 5, 6  # context, query, generated tokens
 TP_ARCHS = ("llama", "qwen3")  # 4 query / 2 KV heads (tests/tiny_models.py)
@@ -109,3 +109,32 @@ def test_star_pulsar_and_decoders_at_tp2_equal_tp1():
 def test_refusals_before_any_process_group(flat, match):
     with pytest.raises(ValueError, match=match):
         magnetar.init_inference(tiny_model("llama"), **flat)
+
+
+def _load_worker(rank, world, folders):
+    """Loading by path: each rank builds only its shard from the safetensors (tp 2) or the whole model on its
+    device (tp 1, here qwen3 with tied embeddings), and answers like the model object does."""
+    for folder, arch, tp in folders:
+        model = tiny_model(arch, seed=5, num_hidden_layers=3, **({"tie_word_embeddings": True} if tp == 1 else {}))
+        ctx, q = _ids(400)
+        ref_logits, ref_tokens = reference(model, ctx, q, NEW)
+        eng = magnetar.init_inference(folder, method="star", block_size=L, cp_size=4 // tp, tp_size=tp, timeout_s=60)
+        res = eng.generate(ctx, q, max_new_tokens=NEW, return_logits=True)
+        what = f"[rank {rank} {arch} tp {tp} from {folder}]"
+        assert res.token_ids == ref_tokens, f"{what}: {res.token_ids} != {ref_tokens}"
+        assert_close(res.first_token_logits, ref_logits, what="logits", msg=what)
+        if tp > 1:  # the very parameters AutoTP cuts from the whole model
+            cut = _engine(model, method="star", block_size=L, cp_size=4 // tp, tp_size=tp).model.state_dict()
+            for name, t in eng.model.state_dict().items():
+                assert torch.equal(t, cut[name]), (what, name)
+        else:
+            assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight, what  # still tied
+
+
+def test_loading_by_path_builds_only_the_rank_shard(tmp_path):
+    folders = []
+    for arch, tp in (("llama", 2), ("qwen3", 1)):
+        out = tmp_path / f"{arch}-tp{tp}"
+        save_tiny(out, arch, seed=5, num_hidden_layers=3, **({"tie_word_embeddings": True} if tp == 1 else {}))
+        folders.append((str(out), arch, tp))
+    run_distributed(_load_worker, 4, folders)

@@ -13,9 +13,7 @@ returned on every rank.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import logging
 import math
 import os
@@ -38,12 +36,13 @@ from magnetar.engine.phase2 import run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
+from magnetar.engine.tensor_parallel import checkpoint_index, load_for_rank, shard_tensor_parallel, weight_bytes
 from magnetar.models import load_model
+from magnetar.models.prepare import model_path
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.collectives import all_gather_ints
-from magnetar.parallel.mpu import MPU
-from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
+from magnetar.parallel.launcher import device_for_rank, init_distributed
 from magnetar.utils.nvtx import nvtx_range
 
 log = logging.getLogger(__name__)
@@ -489,12 +488,17 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     tp = config.parallel.tp_size
     _check_tp_config(config, groups)  # before any model loading or process-group work
     dtype = _TORCH_DTYPES[config.runtime.dtype]
-    if inputs.is_model_path(model):
-        model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype)
-        tokenizer = tokenizer or loaded_tok
-    hf.check_supported(model.config)
-    hf.check_tensor_parallel(model.config, tp)
-    if tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
+    folder = None
+    if inputs.is_model_path(model):  # loaded below, on each rank's device (only its shard under TP)
+        from transformers import AutoConfig
+
+        folder = model_path(os.fsdecode(model))
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    else:
+        hf_config = model.config
+    hf.check_supported(hf_config)
+    hf.check_tensor_parallel(hf_config, tp)
+    if folder is None and tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
         raise ValueError(f"the model was sharded by an engine with tp_size {len(model._magnetar_tp)}: give tp_size "
                          f"{len(model._magnetar_tp)}, or pass an unsharded model (a copy of it) for tp_size 1")
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))
@@ -507,9 +511,16 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         raise ValueError(f"groups.cp_size ({groups.cp_size}) != {want} (config cp_size {config.parallel.cp_size}"
                          f"{', simulated in this process' if config.parallel.simulate else ''})")
     device = device_for_rank()
-    model = model.to(device=device, dtype=dtype)
-    if tp > 1:
-        model = shard_tensor_parallel(model, groups, dtype)
+    if folder is not None and checkpoint_index(folder) is not None:
+        model, loaded_tok = load_for_rank(folder, dtype, device, groups)
+        tokenizer = tokenizer or loaded_tok
+    else:
+        if folder is not None:  # no safetensors: the whole model through from_pretrained, then cut
+            model, loaded_tok = load_model(folder, dtype=dtype)
+            tokenizer = tokenizer or loaded_tok
+        model = model.to(device=device, dtype=dtype)
+        if tp > 1:
+            model = shard_tensor_parallel(model, groups, dtype)
     hf.prepare_model(model)
     return Engine(model, config, groups, tokenizer)
 
@@ -527,49 +538,6 @@ def _check_tp_config(config: EngineConfig, groups: Optional[ParallelGroups]) -> 
     if not config.runtime.deepspeed_inference:
         raise ValueError(f"tp_size {tp} shards the model with DeepSpeed AutoTP (deepspeed.init_inference): set "
                          f"runtime.deepspeed_inference true (--deepspeed-inference) or tp_size 1")
-
-
-def shard_tensor_parallel(model, groups: ParallelGroups, dtype: torch.dtype):
-    """Split ``model``'s weights over ``groups.tp_group`` with DeepSpeed AutoTP; returns the sharded module.
-
-    ``deepspeed.init_inference(tensor_parallel={"tp_size", "tp_group"}, replace_with_kernel_inject=False)``
-    replaces, in place, q/k/v and gate/up projections by column-parallel layers (each rank its heads' / its
-    slice of the intermediate units) and o/down by row-parallel layers followed by an all-reduce on the TP
-    group, and splits the LM head's input features (its partial logits all-reduced, so every rank has all of
-    them). Embeddings and norms stay whole on every rank. The attention function then sees this rank's
-    heads only. Every rank of the world calls it (DeepSpeed broadcasts its RNG state over the world here).
-    The model is changed in place (pass a copy to keep it whole); a model already sharded for this TP group is
-    returned as it is, so several engines can share it.
-    """
-    done = getattr(model, "_magnetar_tp", None)
-    if done is not None:  # a model already sharded for this TP group (several engines over one model) is kept
-        if done != groups.tp_ranks:
-            raise ValueError(f"the model is already sharded over TP ranks {list(done)}, not this engine's TP group "
-                             f"{list(groups.tp_ranks)}: pass an unsharded model (a copy of it)")
-        return model
-    deepspeed = import_deepspeed()
-    if not deepspeed.comm.is_initialized():  # torch.distributed started without DeepSpeed: let it wrap that group
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
-    # Both the mpu and tp_group: without an mpu, DeepSpeed 0.19.8 makes its own group of global ranks
-    # [0, tp_size) (wrong for every other TP group, and cached on the class for later engines); with the mpu
-    # alone, its layer replacement reads tensor_parallel.tp_group, left None, and shards nothing.
-    tp = {"tp_size": groups.tp_size, "tp_group": groups.tp_group, "mpu": MPU(groups)}
-    with contextlib.redirect_stdout(io.StringIO()) as said:  # DeepSpeed prints its AutoTP plan on stdout
-        engine = deepspeed.init_inference(model, tensor_parallel=tp, dtype=dtype, replace_with_kernel_inject=False)
-    log.info("tp rank %d/%d: %s", groups.tp_rank, groups.tp_size, said.getvalue().strip())
-    engine.module._magnetar_tp = groups.tp_ranks
-    return engine.module
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the parameters and buffers this process holds for ``model`` (its shard under TP)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    seen, total = set(), 0
-    for t in tensors:  # tied weights (embedding = LM head) count once
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def _timedelta(seconds: float) -> timedelta:
