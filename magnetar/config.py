@@ -291,7 +291,7 @@ class DecodeConfig:
 class RuntimeConfig:
     dtype: str = "float32"
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
-    deepspeed_inference: bool = True  # wrap the model with deepspeed.init_inference (tp_size 1)
+    deepspeed_inference: bool = True  # shard with DeepSpeed AutoTP when tp_size > 1 (nothing is called at tp_size 1)
     # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's
     # logits are not finite, instead of decoding from NaN; one reduction per layer, no extra device sync
     check_finite: bool = True

@@ -42,6 +42,9 @@ def test_bench_engine_tiny(capsys):
         for key in ("ttft_seconds", "decode_ms_per_token", "peak_memory_bytes_per_rank", "seconds_per_pflop"):
             assert r[key] is not None
         assert r["predicted"]["critical_phase1_flops"] > 0
+        # every simulated rank holds the whole model (tp 1): the same bytes as dense's one rank
+        assert r["weight_bytes_per_rank"] == rows["dense"]["weight_bytes_per_rank"] * 2
+    assert record["tp"] == 1 and rows["dense"]["weight_bytes_per_rank"][0] > 0
     # star's block 1 = anchor (48) + block (48); pulsar's = sink (4) + Σ_0 (2 chunks of 4, budget 1/8) + block
     assert rows["star"]["predicted"]["phase1_input_lengths"] == [[48], [96]]
     assert rows["pulsar"]["predicted"]["critical_input_len"] < 96
@@ -53,6 +56,8 @@ def test_bench_engine_bad_flags():
         bench.main(["--tiny", "--methods", "nope"])
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--lengths", "x"])
+    with pytest.raises(SystemExit):  # TP needs a process per rank
+        bench.main(["--tiny", "--simulate-ranks", "2", "--tp-size", "2"])
 
 
 def test_allow_positions_past_the_trained_length():

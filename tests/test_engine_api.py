@@ -10,6 +10,7 @@ import torch
 
 import magnetar
 from magnetar.config import EngineConfig, add_cli_args
+from magnetar.engine.engine import weight_bytes
 from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count
 from magnetar.engine.strategy import plan_rank
 from tests.conftest import assert_close, assert_differs
@@ -132,14 +133,18 @@ def test_unsupported_architecture_lists_supported():
         magnetar.init_inference(gpt2, deepspeed_inference=False)
 
 
-def test_deepspeed_init_inference_wraps_the_model():
+def test_tp1_serves_the_model_object_itself():
+    # at tp_size 1 DeepSpeed has nothing to shard and is not called: the engine runs the very module it was given,
+    # on the same parameter storage (tensor parallelism: tests/test_tensor_parallel.py)
     model = tiny_model("qwen3", seed=2)
     ctx, q = torch.randint(0, 256, (20,)), torch.randint(0, 256, (3,))
     ref_logits, ref_tokens = reference(model, ctx, q, 3)
-    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=True)
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
+    eng = magnetar.init_inference(model, deepspeed_inference=True)
+    assert eng.model is model and {n: p.data_ptr() for n, p in eng.model.named_parameters()} == storage
     res = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
-    assert res.token_ids == ref_tokens
-    assert_close(res.first_token_logits, ref_logits, what="logits", msg="deepspeed_inference")
+    assert res.token_ids == ref_tokens and res.weight_bytes_per_rank == [weight_bytes(model)]
+    assert_close(res.first_token_logits, ref_logits, what="logits", msg="tp_size 1")
 
 
 # ------------------------------------------------------------------------------------------------- plug-ins

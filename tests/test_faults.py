@@ -24,7 +24,7 @@ import pytest
 from magnetar.parallel import lifetime
 from magnetar.parallel.launcher import init_distributed
 from tests.dist_utils import free_port
-from tests.tiny_models import tiny_model
+from tests.tiny_models import save_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 20  # the jobs' collective timeout (--timeout-s) where a dead peer must be noticed
@@ -44,16 +44,8 @@ def _launcher(name: str) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny llama saved with a byte-level tokenizer (256 ids = its vocabulary), loadable by ``--model``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     out = tmp_path_factory.mktemp("tiny-llama")
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
-    tiny_model("llama").save_pretrained(out)
+    save_tiny(out, "llama")
     return out
 
 

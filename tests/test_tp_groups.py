@@ -92,16 +92,16 @@ def test_local_groups_and_their_mpu():
     assert (m.get_sequence_parallel_world_size(), m.get_data_parallel_rank()) == (1, 0)
 
 
-def test_config_tp_size_field_and_engine_refusal():
+def test_config_tp_size_field_and_simulate_refusal():
     cfg = EngineConfig.create(method="star", cp_size=2, tp_size=2)
     assert cfg.parallel.tp_size == 2 and EngineConfig.create().tp_size == 1
     args = add_cli_args(argparse.ArgumentParser()).parse_args(["--tp-size", "4"])
     assert EngineConfig.from_cli(args).parallel.tp_size == 4
     with pytest.raises(ValueError, match=r"parallel.tp_size \(--tp-size\): must be an int >= 1, got 0"):
         EngineConfig.create(tp_size=0)
-    # checked before the model is touched: a model object that is never used is enough
-    with pytest.raises(NotImplementedError, match="tp_size=2 .*tensor parallelism is not wired into the engine"):
-        magnetar.init_inference("no-model-needed", method="dense", tp_size=2)
+    # checked before the model is touched: a model name that is never loaded is enough
+    with pytest.raises(ValueError, match="tp_size 2 needs one process per TP rank, but simulate"):
+        magnetar.init_inference("no-model-needed", method="star", cp_size=2, simulate=True, tp_size=2)
 
 
 def _all_gather_ranks(group, size):
@@ -123,6 +123,8 @@ def _worker(rank, world):
         group, ranks = getattr(g, f"{kind}_group"), getattr(g, f"{kind}_ranks")
         assert _all_gather_ranks(group, len(ranks)) == ranks, (rank, kind)
         assert dist.get_process_group_ranks(group) == list(ranks)
+    assert g.replica_ranks == (0, 1, 2, 3) and g.replica_size == 4  # one replica: tp 2 x cp 2
+    assert _all_gather_ranks(g.replica_group, 4) == g.replica_ranks
     m = MPU(g)
     assert m.get_sequence_parallel_group() is g.cp_group and m.get_tensor_model_parallel_group() is g.tp_group
     assert m.get_model_parallel_group() is g.tp_group and m.get_data_parallel_group() is g.dp_group
@@ -145,6 +147,9 @@ def _worker(rank, world):
                                                        (rank,))
     assert (g1.cp_rank, g1.dp_rank, g1.tp_rank, g1.tp_size) == (rank % 2, rank // 2, 0, 1)
     assert _all_gather_ranks(g1.cp_group, 2) == g1.cp_ranks and _all_gather_ranks(g1.tp_group, 1) == (rank,)
+    assert g1.replica_group is g1.cp_group and g1.replica_ranks == g1.cp_ranks  # tp 1: the replica is the CP group
+    g2 = init_groups(1, tp_size=2, timeout=timeout)  # cp 1: the replica is the TP group
+    assert g2.replica_group is g2.tp_group and g2.replica_ranks == g2.tp_ranks == ((0, 1) if rank < 2 else (2, 3))
     assert MPU(g1).get_model_parallel_world_size() == 1
     assert dist.get_process_group_ranks(MPU(g1).get_model_parallel_group()) == [rank]
     with pytest.raises(ValueError, match="world size 4 is not divisible by cp_size 2 x tp_size 4|tp_size 4"):

@@ -58,3 +58,19 @@ def reference(model, context_ids: torch.Tensor, query_ids: torch.Tensor, max_new
         tokens.append(int(logits.argmax()))
         ids = torch.cat((ids, torch.tensor([[tokens[-1]]])), dim=1)
     return first, tokens
+
+
+def save_tiny(out, arch: str = "llama", seed: int = 0, **overrides):
+    """Save :func:`tiny_model` with a byte-level tokenizer (256 ids = its vocabulary) into the folder ``out``, loadable
+    by ``--model`` / ``init_inference(path)``; returns the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
+    model = tiny_model(arch, seed=seed, **overrides)
+    model.save_pretrained(out)
+    return model

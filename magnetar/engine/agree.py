@@ -1,7 +1,8 @@
-"""Before Phase 1, the ranks of a CP group check that they serve the same request (one small collective).
+"""Before Phase 1, the ranks of a model replica (its TP x CP ranks) check that they serve the same request (one
+small collective).
 
-Every rank of a CP group encodes its own blocks of ONE context and Phase 2 merges their KV, so every rank must
-get the same context, query, generation parameters and config. Given different ones (another needle on one rank,
+Every rank of a CP group encodes its own blocks of ONE context and Phase 2 merges their KV, and the TP ranks
+of a CP rank each compute some of its heads, so every rank must get the same context, query, generation parameters and config. Given different ones (another needle on one rank,
 star on one and pulsar on the other, another context length) the ranks would merge two requests into a plausible
 answer, or their block plans would disagree and a collective abort. :func:`check_request` makes every rank raise
 the same :class:`RequestMismatchError` instead, naming what differs and on which ranks.
@@ -16,8 +17,8 @@ fields fill a vector of fixed length (:data:`SLOTS` fields) whose first element 
 so ranks running different versions get an error too, never a collective of mismatched sizes.
 
 Cost per request: hashing the token ids (blake2b, ~1 GB/s: about 10 ms for a million tokens) and one all_gather
-of ``3 * SLOTS + 1`` int64 (3 KiB) per rank -- negligible next to Phase 1. Nothing is checked for ``cp_size`` 1
-or simulated ranks (one process: nothing to disagree with).
+of ``3 * SLOTS + 1`` int64 (3 KiB) per rank -- negligible next to Phase 1. Nothing is checked for a one-rank replica
+(``tp_size`` = ``cp_size`` = 1) or simulated ranks (one process: nothing to disagree with).
 
 This module knows nothing of the model, the plan or the methods.
 """
@@ -42,7 +43,7 @@ _UNUSED = (-1, 0, 0)  # the padding after the last field
 
 
 class RequestMismatchError(ValueError):
-    """The ranks of a CP group were given different requests or configs (raised on every rank alike)."""
+    """The ranks of a model replica were given different requests or configs (raised on every rank alike)."""
 
 
 def _digest(data: bytes) -> int:
@@ -194,18 +195,19 @@ def describe_mismatch(labels: Sequence[str], rows: Sequence[Sequence[int]]) -> O
                     break
     if len(diffs) > MAX_LISTED:
         diffs = diffs[:MAX_LISTED] + [f"and {len(diffs) - MAX_LISTED} more fields differ"]
-    return ("ranks disagree on the request: " + "; ".join(diffs) + ". Every rank of a CP group must get the same "
+    return ("ranks disagree on the request: " + "; ".join(diffs) + ". Every rank of a model replica (TP x CP group) must get the same "
             "context, query, generation parameters and config.")
 
 
 def check_request(groups: ParallelGroups, config: EngineConfig, device: torch.device, **request) -> None:
-    """Raise :class:`RequestMismatchError` on every rank of the CP group unless all got the same request
-    (``request``: the keywords of :func:`request_fields`). One all_gather over ``groups.cp_group`` with
-    ``config.parallel.timeout_s``; nothing for ``cp_size`` 1 or simulated ranks."""
-    if groups.cp_size == 1 or config.parallel.simulate:
+    """Raise :class:`RequestMismatchError` on every rank of the model replica (TP x CP ranks) unless all got the
+    same request (``request``: the keywords of :func:`request_fields`). One all_gather over
+    ``groups.replica_group`` with ``config.parallel.timeout_s``; nothing for a one-rank replica or simulated
+    ranks."""
+    if groups.replica_size == 1 or config.parallel.simulate:
         return
     fields = request_fields(config, **request)
-    rows = all_gather_ints(digest(fields), groups.cp_group, device,
+    rows = all_gather_ints(digest(fields), groups.replica_group, device,
                            timeout=timedelta(seconds=config.parallel.timeout_s))
     message = describe_mismatch([f.label for f in fields], rows.tolist())
     if message is not None:

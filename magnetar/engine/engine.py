@@ -36,10 +36,13 @@ from magnetar.engine.phase2 import run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
+from magnetar.engine.tensor_parallel import checkpoint_index, load_for_rank, shard_tensor_parallel, weight_bytes
 from magnetar.models import load_model
+from magnetar.models.prepare import model_path
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
-from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
+from magnetar.parallel.collectives import all_gather_ints
+from magnetar.parallel.launcher import device_for_rank, init_distributed
 from magnetar.utils.nvtx import GENERATE, SCORE, nvtx_range
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,9 @@ class GenerationResult:
     # the decode policy's stats() when the answer's last token was produced, summed over the ranks (LuKA: the
     # fraction of the context held as page summaries, ...); None without a policy or when it keeps none
     decode_stats: Optional[dict] = None
+    # parameter + buffer bytes held by each rank of the model replica, index cp_rank * tp_size + tp_rank (the CP
+    # rank at tp_size 1); under TP each is a shard
+    weight_bytes_per_rank: list[int] = field(default_factory=list)
 
     @property
     def phase1_critical_path_seconds(self) -> float:
@@ -151,24 +157,38 @@ class Engine:
         self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
         self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
-        self.policy: Optional[DecodePolicy] = decode_policy(self._policy_config, model.config)
+        # prepare_merge first, then each policy's ops: build or load every JIT op this engine's requests will use
+        # before any request -- a first build inside a step would keep the other ranks waiting in a collective
+        # until its timeout (op builds wait for each other under a file lock, so the ranks leave here within
+        # about one build of each other)
+        prepare_merge(self.device)
+        self.policy: Optional[DecodePolicy] = self._prepare(decode_policy(self._policy_config, model.config))
         # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
-        self.prefill = prefill_policy(config.prefill, model.config)
+        self.prefill = self._prepare(prefill_policy(config.prefill, model.config))
         self.last_prefill_stats = None  # PrefillStats of the last request's Phase 1 (all ranks), or None
         if self.prefill is not None and self.prefill.needs_hidden:
             hf.capture_attention_inputs(model)
-        self._prepare_ops()
-
-    def _prepare_ops(self) -> None:
-        """Build or load every JIT op this engine's requests will use, before any request: a first build inside
-        a step would keep the other ranks waiting in a collective until its timeout (op builds wait for each
-        other under a file lock, so the ranks leave here within about one build of each other)."""
-        prepare_merge(self.device)
-        for policy in (self.policy, self.prefill):
-            self._prepare(policy)
+        # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP)
+        mine = weight_bytes(model)
+        if self.simulated:
+            self.weight_bytes_per_rank = [mine] * config.parallel.cp_size  # each stand-in rank holds the model
+        else:
+            self.weight_bytes_per_rank = all_gather_ints([mine], groups.replica_group, self.device,
+                                                         timeout=groups.timeout)[:, 0].tolist()
 
     def _prepare(self, policy):
-        """``policy.prepare(device)`` when the policy has one (an optional method of the strategy protocols)."""
+        """``policy.prepare(device)`` when the policy has one, and under tensor parallelism
+        ``policy.shard_heads(...)`` with this rank's KV heads (optional methods of the strategy protocols)."""
+        if policy is None:
+            return None
+        tp, rank = self.groups.tp_size, self.groups.tp_rank
+        if tp > 1:
+            shard_heads = getattr(policy, "shard_heads", None)
+            if shard_heads is None:
+                raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads (it has "
+                                 f"no shard_heads): use tp_size 1 with it")
+            total = int(getattr(self.model.config, "num_key_value_heads", None) or self.model.config.num_attention_heads)
+            shard_heads(rank * total // tp, total // tp, total)
         prepare = getattr(policy, "prepare", None)
         if prepare is not None:
             prepare(self.device)
@@ -285,6 +305,7 @@ class Engine:
                 peak_memory_bytes_per_rank=[s.peak_memory_bytes for s in per_rank],
                 first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=prefill[i],
                 decode_stats=_sum_stats([s.decode_stats for s in per_rank]),
+                weight_bytes_per_rank=list(self.weight_bytes_per_rank),
             ))
         return results
 
@@ -450,10 +471,11 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     """Prepare ``model`` (a loaded HF causal LM, a local directory or a ``magnetar.models`` name) for Magnetar.
 
     ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
-    process group is started here if needed; the CP/DP groups come from :func:`magnetar.parallel.init_groups`.
-    ``tp_size > 1`` (config or ``groups``) raises NotImplementedError: models are not sharded by TP yet.
-    With ``config.runtime.deepspeed_inference`` the model is wrapped by ``deepspeed.init_inference``
-    (tensor-parallel size 1) and its module is used. ``tokenizer`` (needed for string prompts; loaded with a
+    process group is started here if needed; the TP/CP/DP groups come from :func:`magnetar.parallel.init_groups`.
+    With ``tp_size > 1`` the model is sharded over its TP group by DeepSpeed AutoTP
+    (:func:`shard_tensor_parallel`; ``runtime.deepspeed_inference`` must be on) and ``tp_size`` must divide
+    its KV heads. At ``tp_size`` 1 DeepSpeed is not called: with kernel injection off it has nothing to do
+    (docs/engine.md, "What DeepSpeed does in Magnetar"). ``tokenizer`` (needed for string prompts; loaded with a
     model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
     add_special_tokens=False, split_special_tokens=True)`` returns ``{"input_ids": [...]}`` and that has
     ``decode`` (user text is tokenized with ``split_special_tokens``: it never yields a control token).
@@ -463,35 +485,59 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         config = EngineConfig.create(**flat)
     elif flat:
         config = config.replace(**flat)
-    tp = max(config.parallel.tp_size, groups.tp_size if groups is not None else 1)
-    if tp > 1:  # checked before any model loading or process-group work
-        raise NotImplementedError(
-            f"tp_size={tp} (config tp_size {config.parallel.tp_size}"
-            f"{f', groups.tp_size {groups.tp_size}' if groups is not None else ''}): tensor parallelism is not wired "
-            f"into the engine yet (magnetar.parallel.init_groups lays out the TP groups, but models are not sharded); "
-            f"use tp_size=1 (--tp-size 1)")
+    tp = config.parallel.tp_size
+    _check_tp_config(config, groups)  # before any model loading or process-group work
     dtype = _TORCH_DTYPES[config.runtime.dtype]
-    if inputs.is_model_path(model):
-        model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype)
-        tokenizer = tokenizer or loaded_tok
-    hf.check_supported(model.config)
+    folder = None
+    if inputs.is_model_path(model):  # loaded below, on each rank's device (only its shard under TP)
+        from transformers import AutoConfig
+
+        folder = model_path(os.fsdecode(model))
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    else:
+        hf_config = model.config
+    hf.check_supported(hf_config)
+    hf.check_tensor_parallel(hf_config, tp)
+    if folder is None and tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
+        raise ValueError(f"the model was sharded by an engine with tp_size {len(model._magnetar_tp)}: give tp_size "
+                         f"{len(model._magnetar_tp)}, or pass an unsharded model (a copy of it) for tp_size 1")
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))
     if groups is None:  # simulated ranks live in this process: no group, no collective (even under a launcher)
         timeout = _timedelta(config.parallel.timeout_s)
         groups = local_groups(timeout=timeout) if config.parallel.simulate else \
-            init_groups(config.parallel.cp_size, timeout=timeout)
+            init_groups(config.parallel.cp_size, tp_size=tp, timeout=timeout)
     want = 1 if config.parallel.simulate else config.parallel.cp_size
     if groups.cp_size != want:
         raise ValueError(f"groups.cp_size ({groups.cp_size}) != {want} (config cp_size {config.parallel.cp_size}"
                          f"{', simulated in this process' if config.parallel.simulate else ''})")
     device = device_for_rank()
-    model = model.to(device=device, dtype=dtype)
-    if config.runtime.deepspeed_inference:
-        deepspeed = import_deepspeed()
-        model = deepspeed.init_inference(model, tensor_parallel={"tp_size": 1}, dtype=dtype,
-                                         replace_with_kernel_inject=False).module
+    if folder is not None and checkpoint_index(folder) is not None:
+        model, loaded_tok = load_for_rank(folder, dtype, device, groups)
+        tokenizer = tokenizer or loaded_tok
+    else:
+        if folder is not None:  # no safetensors: the whole model through from_pretrained, then cut
+            model, loaded_tok = load_model(folder, dtype=dtype)
+            tokenizer = tokenizer or loaded_tok
+        model = model.to(device=device, dtype=dtype)
+        if tp > 1:
+            model = shard_tensor_parallel(model, groups, dtype)
     hf.prepare_model(model)
     return Engine(model, config, groups, tokenizer)
+
+
+def _check_tp_config(config: EngineConfig, groups: Optional[ParallelGroups]) -> None:
+    tp = config.parallel.tp_size
+    if groups is not None and groups.tp_size != tp:
+        raise ValueError(f"groups.tp_size ({groups.tp_size}) != config tp_size ({tp}): build the groups with "
+                         f"init_groups(cp_size, tp_size={tp}) or set tp_size={groups.tp_size}")
+    if tp == 1:
+        return
+    if config.parallel.simulate:
+        raise ValueError(f"tp_size {tp} needs one process per TP rank, but simulate runs the CP ranks in this one "
+                         f"process: set simulate false (launch tp_size x cp_size ranks) or tp_size 1")
+    if not config.runtime.deepspeed_inference:
+        raise ValueError(f"tp_size {tp} shards the model with DeepSpeed AutoTP (deepspeed.init_inference): set "
+                         f"runtime.deepspeed_inference true (--deepspeed-inference) or tp_size 1")
 
 
 def _timedelta(seconds: float) -> timedelta:

@@ -57,6 +57,21 @@ def check_supported(config) -> None:
         raise ValueError(f"{model_type}: attention logit soft-capping is not supported by Magnetar's attention")
 
 
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """Raise a ValueError unless ``tp_size`` divides the model's KV heads (and so its query heads).
+
+    DeepSpeed AutoTP would split an uneven head count unevenly (some ranks one KV head more); Magnetar wants
+    every TP rank to hold the same heads' share, so the per-layer work and the per-head policy state match."""
+    if tp_size == 1:
+        return
+    hq = int(config.num_attention_heads)
+    hkv = int(getattr(config, "num_key_value_heads", None) or hq)
+    if hkv % tp_size or hq % tp_size:
+        fits = [d for d in range(1, hkv + 1) if hkv % d == 0 and hq % d == 0]
+        raise ValueError(f"tp_size {tp_size} does not divide the model's {hkv} KV heads ({hq} query heads): each TP "
+                         f"rank holds an equal share of the heads; choose tp_size from {fits}")
+
+
 def _capture_hook(module, args, kwargs):
     ctx = kwargs.get(ATTN_NAME)
     if isinstance(ctx, LayerContext) and ctx.wants_hidden:

@@ -154,10 +154,12 @@ def choose_token(logits: torch.Tensor, cfg: DecodeConfig, generator: Optional[to
 
 
 def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
-    if groups.cp_size == 1:
+    """The tokens chosen on the replica's first rank, on every rank of the replica (TP x CP): the ranks never
+    choose for themselves, so sampling (or a tie in bitwise-different logits) cannot make them diverge."""
+    if groups.replica_size == 1:
         return tokens
     t = torch.tensor(tokens, dtype=torch.long, device=device)
-    work = dist.broadcast(t, src=groups.cp_ranks[0], group=groups.cp_group, async_op=True)
+    work = dist.broadcast(t, src=groups.replica_ranks[0], group=groups.replica_group, async_op=True)
     wait_all(work, groups.timeout, "next-token broadcast")
     return t.tolist()
 
@@ -176,9 +178,9 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
     tokens.
     """
     B = len(shards)
-    leader = groups.is_cp_leader
+    chooser = groups.cp_rank == 0 and groups.tp_rank == 0  # the replica's first rank
     gens = None
-    if leader:
+    if groups.is_cp_leader:  # every TP rank of CP rank 0 keeps its heads of the query's and generated KV
         gens = [KVShard(model.config.num_hidden_layers) for _ in range(B)]
         for g in gens:
             g.freeze()
@@ -200,7 +202,7 @@ def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list
         return logits
 
     def choose(active, logits) -> list[int]:
-        picked = [choose_token(logits[i], config.decode, generators[b]) for i, b in enumerate(active)] if leader \
+        picked = [choose_token(logits[i], config.decode, generators[b]) for i, b in enumerate(active)] if chooser \
             else [-1] * len(active)
         return _broadcast_tokens(picked, groups, device)
 

@@ -153,7 +153,12 @@ class DecodePolicy(Protocol):
     * ``prepare(device)`` (also on :class:`PrefillPolicy`) -- build or load the JIT ops the policy will use; the
       engine calls it once at start, never inside a request;
     * ``stats(shard: KVShard, context_tokens: int) -> dict`` -- after decoding, figures of this rank for one
-      request whose values add up over the ranks (surfaced, summed, as ``GenerationResult.decode_stats``).
+      request whose values add up over the ranks (surfaced, summed, as ``GenerationResult.decode_stats``);
+    * ``shard_heads(first: int, count: int, total: int)`` (also on :class:`PrefillPolicy`) -- under tensor
+      parallelism this rank computes KV heads ``[first, first + count)`` of ``total`` (and their query heads):
+      every tensor the policy is given has only those heads. The policy keeps its per-head parameters for
+      them, or raises a ValueError naming the option to change when its choice needs every head. The engine
+      calls it once at start when ``tp_size > 1``; a policy without it cannot run with ``tp_size > 1``.
     """
 
     needs_prefill_mass: bool

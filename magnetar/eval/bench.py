@@ -3,9 +3,11 @@
     magnetar-bench --tiny --methods dense,star,pulsar --lengths 512 --cp 4 --simulate-ranks 4
     magnetar-bench --methods star,pulsar --lengths 4096 --simulate-ranks 4       # SmolLM2-135M-Instruct
     torchrun --nproc-per-node 4 -m magnetar.eval.bench --methods ring,star,pulsar --cp 4   # real ranks
+    torchrun --nproc-per-node 4 -m magnetar.eval.bench --tiny --methods star --cp 2 --tp-size 2  # TP x CP
 
 Per (method, length): Phase-1 seconds per rank and the critical path (the slowest rank), Phase-2 TTFT,
-decode ms/token, context KV bytes per rank and peak memory, medians over ``--repeats`` after ``--warmup``.
+decode ms/token, context KV bytes per rank, peak memory and the weight bytes each rank holds (a shard of
+them per rank with ``--tp-size``), medians over ``--repeats`` after ``--warmup``.
 
 Two ways to get several ranks:
 
@@ -101,7 +103,9 @@ def parse_args(argv):
     p.add_argument("--summary-budget", type=float, default=None)
     p.add_argument("--window-size", type=int, default=None, help="streaming window")
     p.add_argument("--attention-backend", default=None)
-    p.add_argument("--deepspeed", action="store_true", help="wrap the model with deepspeed.init_inference")
+    p.add_argument("--tp-size", type=int_at_least(1), default=1,
+                   help="tensor-parallel ranks sharing each CP rank's weights (DeepSpeed AutoTP; under a launcher: "
+                        "world size = tp x cp)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     args = p.parse_args(argv)
@@ -112,6 +116,9 @@ def parse_args(argv):
         if sim is not None and args.cp is not None and args.cp != sim:
             raise ValueError(f"--cp ({args.cp}) and --simulate-ranks ({sim}) differ: simulate exactly the CP ranks "
                              "you want")
+        if sim is not None and args.tp_size > 1:
+            raise ValueError(f"--tp-size {args.tp_size} needs one process per TP rank; --simulate-ranks runs the CP "
+                             "ranks in one process: launch tp x cp ranks (torchrun/deepspeed) instead")
         for method in args.methods:  # the engine options hold for every method (e.g. --block-size >= 1)
             check_attention_backend(engine_config(args, method, args.cp or sim or 1))
         if args.text and args.tiny:
@@ -152,7 +159,8 @@ def _engine_run(engine, ctx, query, max_new_tokens: int) -> dict:
     return dict(phase1_seconds=res.phase1_seconds, ttft_seconds=res.ttft_seconds,
                 decode_seconds_per_token=res.decode_seconds_per_token,
                 context_kv_tokens_per_rank=res.context_kv_tokens_per_rank, kv_bytes_per_rank=res.kv_bytes_per_rank,
-                peak_memory_bytes_per_rank=res.peak_memory_bytes_per_rank)
+                peak_memory_bytes_per_rank=res.peak_memory_bytes_per_rank,
+                weight_bytes_per_rank=res.weight_bytes_per_rank)
 
 
 def _median_runs(runs: list[dict]) -> dict:
@@ -171,12 +179,13 @@ def _median_runs(runs: list[dict]) -> dict:
 
 def _fmt_table(rows: list[dict]) -> str:
     head = ("| method | L | ranks | P1 per rank (s) | P1 crit (s) | pred. crit GFLOP | s/PFLOP norm | "
-            "TTFT (s) | decode ms/tok | KV MB/rank | pred. KV MB (max) | peak MB (max) |")
-    lines = [head, "|" + "---|" * 12]
+            "TTFT (s) | decode ms/tok | KV MB/rank | pred. KV MB (max) | peak MB (max) | weights MB/rank |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['method']} | {r['context_len']} | {r['ranks']} | {r['skipped']} |" + " |" * 8)
+            lines.append(f"| {r['method']} | {r['context_len']} | {r['ranks']} | {r['skipped']} |" + " |" * 9)
             continue
+        weights = " ".join(f"{b / 1e6:.3g}" for b in r["weight_bytes_per_rank"])
         per = " ".join(f"{t:.2f}" for t in r["phase1_seconds"])
         dec = f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-"
         kv = " ".join(f"{b / 1e6:.3g}" for b in r["kv_bytes_per_rank"])
@@ -184,7 +193,8 @@ def _fmt_table(rows: list[dict]) -> str:
             f"| {r['method']}{' (sim)' if r['simulated'] else ''} | {r['context_len']} | {r['ranks']} | {per} | "
             f"{r['phase1_critical_path_seconds']:.2f} | {r['predicted']['critical_phase1_flops'] / 1e9:.4g} | "
             f"{r['time_per_flop_norm']:.2f} | {r['ttft_seconds']:.3f} | {dec} | {kv} | "
-            f"{r['predicted']['max_kv_bytes'] / 1e6:.3g} | {max(r['peak_memory_bytes_per_rank']) / 1e6:.0f} |")
+            f"{r['predicted']['max_kv_bytes'] / 1e6:.3g} | {max(r['peak_memory_bytes_per_rank']) / 1e6:.0f} | "
+            f"{weights} |")
     return "\n".join(lines)
 
 
@@ -241,7 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     sim = args.simulate_ranks
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    cp = args.cp or sim or world or 1
+    tp = args.tp_size
+    cp = args.cp or sim or (world // tp if world else 1)
     engines = {}
 
     def engine_for(cfg):
@@ -301,14 +312,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         dev = next(model.parameters()).device
         print(f"model {name} ({args.dtype}), device {dev.type}"
               f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
-              f"torch threads {torch.get_num_threads()}, cp {cp}"
+              f"torch threads {torch.get_num_threads()}, cp {cp}, tp {tp}"
               f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
               f"new tokens {args.max_new_tokens}, warmup {args.warmup}, repeats {args.repeats}")
         print(_fmt_table(rows))
         print()
         print("Phase-1 critical path vs the cost model:")
         print(_fmt_vs_model(rows))
-        record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, simulate_ranks=sim,
+        record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, tp=tp, simulate_ranks=sim,
                       world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
                       torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
         line = json.dumps(record)

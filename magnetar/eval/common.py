@@ -100,9 +100,10 @@ def check_cp_size(cp_size: int, world_size: int, flag: str) -> None:
 
 def engine_config(args, method: str, cp: int) -> EngineConfig:
     """The EngineConfig of ``method`` from the command line's engine options (``magnetar-bench`` and the cost
-    model's CLI): ``cp`` ranks for the context-parallel methods, one for dense and streaming."""
+    model's CLI): ``cp`` ranks for the context-parallel methods, one for dense and streaming; ``--tp-size``
+    (where the CLI has it) ranks share each one's weights."""
     flat = dict(method=method, cp_size=1 if method in ("dense", "streaming") else cp, dtype=args.dtype,
-                deepspeed_inference=getattr(args, "deepspeed", False))
+                tp_size=getattr(args, "tp_size", 1))
     for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
                  "attention_backend"):
         if getattr(args, name, None) is not None:

@@ -118,6 +118,17 @@ class LukaDecoder:
         """LuKA in this layer? Not in sliding-window (local) layers: they keep their window."""
         return window is None and self.kind(layer) != "none"
 
+    def shard_heads(self, first: int, count: int, total: int) -> None:
+        """Tensor parallelism: this rank sees ``count`` of ``total`` KV heads. Summaries, heavy hitters and
+        per-KV-head refinement are per head; the ``shared`` refinement picks one page set from every head's mass,
+        which no rank sees, so it is refused."""
+        clustered = any(self.kind(i) == "clustered" for i in range(self.num_layers))
+        if clustered and self.cfg.luka_refine_scope == "shared":
+            raise ValueError(
+                f"luka_refine_scope 'shared' chooses one page set from the mass of all {total} KV heads, but with "
+                f"tensor parallelism each rank holds {count} of them: set luka_refine_scope per_kv_head "
+                f"(--luka-refine-scope per_kv_head) or tp_size 1")
+
     def check(self, context_tokens: int) -> None:
         """Raise a ValueError if this config cannot run on a context of ``context_tokens``."""
         cfg = self.cfg

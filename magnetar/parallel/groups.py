@@ -13,6 +13,10 @@ Worked example, world_size = 8, tp_size = 2, cp_size = 2 (so dp_size = 2); mesh[
     tp groups : [0, 1]  [2, 3]  [4, 5]  [6, 7]      rank 5 -> tp_rank 1 in tp group [4, 5]
     cp groups : [0, 2]  [1, 3]  [4, 6]  [5, 7]      rank 5 -> cp_rank 0 in cp group [5, 7]
     dp groups : [0, 4]  [1, 5]  [2, 6]  [3, 7]      rank 5 -> dp_rank 1 in dp group [1, 5]
+    replicas  : [0, 1, 2, 3]  [4, 5, 6, 7]          rank 5 -> in replica [4, 5, 6, 7]
+
+A *replica* is the TP x CP unit that serves one request together (``mesh[dp]``): its ranks agree on the
+request and receive the chosen token from its first rank.
 
 With ``tp_size`` 1 (today's engine) every TP group is one rank and the layout is CP innermost; world_size = 8,
 cp_size = 4::
@@ -23,7 +27,7 @@ cp_size = 4::
 Groups are created once by :func:`init_groups` and carried in the frozen :class:`ParallelGroups`; every
 collective in Magnetar takes one of these groups explicitly (never the implicit WORLD group) and a timeout.
 :mod:`magnetar.parallel.mpu` exposes them as the Megatron/DeepSpeed ``mpu`` interface and a ``DeviceMesh``.
-This module knows nothing about attention or models (nor does the engine shard models by TP yet).
+This module knows nothing about attention or models.
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ class RankGrid:
     ``mesh[d][c][t]`` is the global rank at dp index ``d``, cp index ``c``, tp index ``t`` (shape
     ``dp_size x cp_size x tp_size``, row-major: ``torch.tensor(mesh)`` is a DeviceMesh's mesh for dims
     ``("dp", "cp", "tp")``). Each ``*_groups`` list holds every group of that kind, in group order, ranks
-    ascending; every rank is in exactly one group of each kind.
+    ascending; every rank is in exactly one group of each kind. ``replica_groups[d]`` is ``mesh[d]`` flattened:
+    the ``tp_size x cp_size`` ranks of one model replica.
     """
 
     world_size: int
@@ -74,6 +79,7 @@ class RankGrid:
     tp_groups: list[list[int]]
     cp_groups: list[list[int]]
     dp_groups: list[list[int]]
+    replica_groups: list[list[int]]
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(dp_index, cp_index, tp_index)`` of global ``rank``; these are also its dp/cp/tp rank."""
@@ -112,8 +118,9 @@ def rank_grid(world_size: int, cp_size: int, tp_size: int = 1) -> RankGrid:
     tp_groups = [mesh[d][c] for d in range(dp_size) for c in range(cp_size)]
     cp_groups = [[mesh[d][c][t] for c in range(cp_size)] for d in range(dp_size) for t in range(tp_size)]
     dp_groups = [[mesh[d][c][t] for d in range(dp_size)] for c in range(cp_size) for t in range(tp_size)]
+    replica_groups = [[r for tp_group in mesh[d] for r in tp_group] for d in range(dp_size)]
     return RankGrid(world_size=world_size, tp_size=tp_size, cp_size=cp_size, dp_size=dp_size, mesh=mesh,
-                    tp_groups=tp_groups, cp_groups=cp_groups, dp_groups=dp_groups)
+                    tp_groups=tp_groups, cp_groups=cp_groups, dp_groups=dp_groups, replica_groups=replica_groups)
 
 
 def rank_layout(world_size: int, cp_size: int, tp_size: int = 1) -> tuple[list[list[int]], list[list[int]]]:
@@ -145,11 +152,19 @@ class ParallelGroups:
     tp_rank: int = 0
     tp_group: Optional[dist.ProcessGroup] = None
     tp_ranks: tuple[int, ...] = ()
+    # the TP x CP ranks of this rank's model replica (the CP group at tp_size 1, the TP group at cp_size 1)
+    replica_group: Optional[dist.ProcessGroup] = None
+    replica_ranks: tuple[int, ...] = ()
 
     @property
     def is_cp_leader(self) -> bool:
         """cp_rank 0: the rank that owns the query's and generated tokens' KV (no other rank appends them)."""
         return self.cp_rank == 0
+
+    @property
+    def replica_size(self) -> int:
+        """``tp_size x cp_size``: the ranks that serve one request together."""
+        return self.tp_size * self.cp_size
 
 
 def local_groups(*, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
@@ -158,7 +173,8 @@ def local_groups(*, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
     _check_timeout(timeout)
     return ParallelGroups(rank=0, world_size=1, cp_size=1, cp_rank=0, cp_group=None, cp_ranks=(0,),
                           dp_size=1, dp_rank=0, dp_group=None, dp_ranks=(0,), timeout=timeout,
-                          tp_size=1, tp_rank=0, tp_group=None, tp_ranks=(0,))
+                          tp_size=1, tp_rank=0, tp_group=None, tp_ranks=(0,), replica_group=None,
+                          replica_ranks=(0,))
 
 
 def init_groups(cp_size: int, *, tp_size: int = 1, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
@@ -183,18 +199,26 @@ def init_groups(cp_size: int, *, tp_size: int = 1, timeout: timedelta = DEFAULT_
     mine = {}
     # new_group is collective over the world: every rank creates every group, in the same order. CP and DP
     # groups come first, as before TP existed; TP groups (one rank each at tp_size 1) are created too, so that
-    # the mpu interface never hands out None (which torch.distributed reads as WORLD).
+    # the mpu interface never hands out None (which torch.distributed reads as WORLD). A replica is the CP group
+    # when tp_size is 1 and the TP group when cp_size is 1: those reuse the group already made.
     for kind, groups in (("cp", grid.cp_groups), ("dp", grid.dp_groups), ("tp", grid.tp_groups)):
         for ranks in groups:
             g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[kind] = (g, tuple(ranks))
+    if tp_size == 1 or cp_size == 1:
+        mine["replica"] = mine["cp" if tp_size == 1 else "tp"]
+    else:
+        for ranks in grid.replica_groups:
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine["replica"] = (g, tuple(ranks))
     dp_index, cp_index, tp_index = grid.coords(rank)
     return ParallelGroups(
         rank=rank, world_size=world, cp_size=cp_size, cp_rank=cp_index, cp_group=mine["cp"][0],
         cp_ranks=mine["cp"][1], dp_size=grid.dp_size, dp_rank=dp_index, dp_group=mine["dp"][0],
         dp_ranks=mine["dp"][1], timeout=timeout, tp_size=tp_size, tp_rank=tp_index, tp_group=mine["tp"][0],
-        tp_ranks=mine["tp"][1],
+        tp_ranks=mine["tp"][1], replica_group=mine["replica"][0], replica_ranks=mine["replica"][1],
     )
 
 

@@ -67,6 +67,16 @@ class HashBank(torch.nn.Module):
         self.trained_layers: list[int] = []
         self.meta: dict = {}
 
+    def keep_heads(self, first: int, count: int, total: int) -> None:
+        """Keep the hash functions of KV heads ``[first, first + count)`` only (a tensor-parallel rank's heads);
+        ``total`` is checked against the bank's heads. The signature still names the whole model."""
+        heads = self.signature["num_key_value_heads"]
+        if total != heads or not 0 <= first < first + count <= heads:
+            raise ValueError(f"hash bank of {heads} KV heads: cannot keep heads [{first}, {first + count}) of {total}")
+        for name, param in list(self.named_parameters()):
+            setattr(self, name, torch.nn.Parameter(param.detach()[:, first:first + count].clone(),
+                                                   requires_grad=param.requires_grad))
+
     @property
     def words(self) -> int:
         return self.bits // 32

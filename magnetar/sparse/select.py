@@ -76,6 +76,12 @@ class SparseDecoder:
         if self.hashes is not None and self.hash_backend != "torch":
             HAMMING_OP.available(device)
 
+    def shard_heads(self, first: int, count: int, total: int) -> None:
+        """Tensor parallelism: this rank sees KV heads ``[first, first + count)``. Every policy chooses per KV head,
+        so only the hash functions (one per KV head) are narrowed to those heads."""
+        if self.hashes is not None:
+            self.hashes.keep_heads(first, count, total)
+
     def check(self, context_tokens: int) -> None:
         """Raise a ValueError if a fixed ``sparse_budget`` exceeds a context of ``context_tokens``."""
         budget = self.cfg.sparse_budget
