@@ -36,7 +36,7 @@ from magnetar.engine.phase2 import run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
-from magnetar.models import load_model
+from magnetar.models import load_model, model_dtype
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, import_deepspeed, init_distributed
@@ -446,8 +446,10 @@ class Engine:
 
 
 def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,
-                   groups: Optional[ParallelGroups] = None, **flat) -> Engine:
-    """Prepare ``model`` (a loaded HF causal LM, a local directory or a ``magnetar.models`` name) for Magnetar.
+                   groups: Optional[ParallelGroups] = None, revision: Optional[str] = None,
+                   trust_remote_code: bool = False, cache_dir=None, **flat) -> Engine:
+    """Prepare ``model`` (a loaded HF causal LM, a ``magnetar.models`` name, a local directory or a Hugging Face
+    Hub id ``org/name``, told apart in that order: :func:`magnetar.models.load_model`) for Magnetar.
 
     ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
     process group is started here if needed; the CP/DP groups come from :func:`magnetar.parallel.init_groups`.
@@ -457,8 +459,13 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
     add_special_tokens=False, split_special_tokens=True)`` returns ``{"input_ids": [...]}`` and that has
     ``decode`` (user text is tokenized with ``split_special_tokens``: it never yields a control token).
+    A model given by name is loaded in ``config.runtime.dtype``; ``revision``, ``trust_remote_code`` and
+    ``cache_dir`` (the Hub cache of a Hub id, the prepared-model cache of a registry name) go to its loading; a
+    missing Hub model raises ``magnetar.models.ModelNotFoundError`` saying how to get it (``HF_HUB_OFFLINE=1``:
+    cache only). ``dtype="auto"`` keeps the checkpoint's dtype, or a given model's own: nothing is cast.
     """
-    inputs.check_init(model, config, tokenizer, groups)
+    inputs.check_init(model, config, tokenizer, groups, revision=revision, trust_remote_code=trust_remote_code,
+                      cache_dir=cache_dir)
     if config is None:
         config = EngineConfig.create(**flat)
     elif flat:
@@ -470,10 +477,12 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
             f"{f', groups.tp_size {groups.tp_size}' if groups is not None else ''}): tensor parallelism is not wired "
             f"into the engine yet (magnetar.parallel.init_groups lays out the TP groups, but models are not sharded); "
             f"use tp_size=1 (--tp-size 1)")
-    dtype = _TORCH_DTYPES[config.runtime.dtype]
+    dtype = _TORCH_DTYPES.get(config.runtime.dtype)  # None: "auto"
     if inputs.is_model_path(model):
-        model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype)
+        model, loaded_tok = load_model(os.fsdecode(model), dtype=dtype or "auto", revision=revision,
+                                       trust_remote_code=trust_remote_code, cache_dir=cache_dir)
         tokenizer = tokenizer or loaded_tok
+    dtype = dtype or model_dtype(model)
     hf.check_supported(model.config)
     init_distributed(timeout=_timedelta(config.parallel.timeout_s))
     if groups is None:  # simulated ranks live in this process: no group, no collective (even under a launcher)
