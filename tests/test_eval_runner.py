@@ -52,7 +52,7 @@ def _fake_runner(monkeypatch, world: int = 1) -> dict:
 
     seen = {"answered": [], "barrier": [], "init_distributed": []}
     monkeypatch.setattr(magnetar.models, "prepare_model", lambda name: None)
-    monkeypatch.setattr(magnetar.models, "load_model", lambda name: (SimpleNamespace(), None))
+    monkeypatch.setattr(magnetar.models, "load_model", lambda name, **kw: (SimpleNamespace(), None))
     monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(model=model,
                                                                                               simulated=False))
 

@@ -37,8 +37,7 @@ from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
 from magnetar.engine.tensor_parallel import checkpoint_index, load_for_rank, shard_tensor_parallel, weight_bytes
-from magnetar.models import load_model
-from magnetar.models.prepare import model_path
+from magnetar.models import load_model, model_dtype, model_kind, model_path
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.collectives import all_gather_ints
@@ -467,8 +466,10 @@ class Engine:
 
 
 def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,
-                   groups: Optional[ParallelGroups] = None, **flat) -> Engine:
-    """Prepare ``model`` (a loaded HF causal LM, a local directory or a ``magnetar.models`` name) for Magnetar.
+                   groups: Optional[ParallelGroups] = None, revision: Optional[str] = None,
+                   trust_remote_code: bool = False, cache_dir=None, **flat) -> Engine:
+    """Prepare ``model`` (a loaded HF causal LM, a ``magnetar.models`` name, a local directory or a Hugging Face
+    Hub id ``org/name``, told apart in that order: :func:`magnetar.models.load_model`) for Magnetar.
 
     ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
     process group is started here if needed; the TP/CP/DP groups come from :func:`magnetar.parallel.init_groups`.
@@ -479,23 +480,38 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
     add_special_tokens=False, split_special_tokens=True)`` returns ``{"input_ids": [...]}`` and that has
     ``decode`` (user text is tokenized with ``split_special_tokens``: it never yields a control token).
+    A model given by name is loaded in ``config.runtime.dtype``; ``revision``, ``trust_remote_code`` and
+    ``cache_dir`` (the Hub cache of a Hub id, the prepared-model cache of a registry name) go to its loading; a
+    missing Hub model raises ``magnetar.models.ModelNotFoundError`` saying how to get it (``HF_HUB_OFFLINE=1``:
+    cache only). ``dtype="auto"`` keeps the checkpoint's dtype, or a given model's own: nothing is cast.
     """
-    inputs.check_init(model, config, tokenizer, groups)
+    inputs.check_init(model, config, tokenizer, groups, revision=revision, trust_remote_code=trust_remote_code,
+                      cache_dir=cache_dir)
     if config is None:
         config = EngineConfig.create(**flat)
     elif flat:
         config = config.replace(**flat)
     tp = config.parallel.tp_size
     _check_tp_config(config, groups)  # before any model loading or process-group work
-    dtype = _TORCH_DTYPES[config.runtime.dtype]
-    folder = None
-    if inputs.is_model_path(model):  # loaded below, on each rank's device (only its shard under TP)
-        from transformers import AutoConfig
+    dtype = _TORCH_DTYPES.get(config.runtime.dtype)  # None: "auto"
+    folder = None  # a local folder with safetensors: loaded below on each rank's device, only its shard under TP
+    if inputs.is_model_path(model):
+        name = os.fsdecode(model)
+        if model_kind(name) != "hub" and not trust_remote_code:
+            folder = model_path(name, cache_dir)
+        if folder is not None and checkpoint_index(folder) is not None:
+            from transformers import AutoConfig
 
-        folder = model_path(os.fsdecode(model))
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    else:
+            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            dtype = dtype or _checkpoint_dtype(hf_config)
+        else:  # from_pretrained resolves (downloads) Hub ids, runs remote code, reads other formats: whole, then cut
+            model, loaded_tok = load_model(folder or name, dtype=dtype or "auto", revision=revision,
+                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+            tokenizer = tokenizer or loaded_tok
+            folder = None
+    if folder is None:
         hf_config = model.config
+        dtype = dtype or model_dtype(model)
     hf.check_supported(hf_config)
     hf.check_tensor_parallel(hf_config, tp)
     if folder is None and tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
@@ -511,18 +527,24 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         raise ValueError(f"groups.cp_size ({groups.cp_size}) != {want} (config cp_size {config.parallel.cp_size}"
                          f"{', simulated in this process' if config.parallel.simulate else ''})")
     device = device_for_rank()
-    if folder is not None and checkpoint_index(folder) is not None:
+    if folder is not None:
         model, loaded_tok = load_for_rank(folder, dtype, device, groups)
         tokenizer = tokenizer or loaded_tok
     else:
-        if folder is not None:  # no safetensors: the whole model through from_pretrained, then cut
-            model, loaded_tok = load_model(folder, dtype=dtype)
-            tokenizer = tokenizer or loaded_tok
         model = model.to(device=device, dtype=dtype)
         if tp > 1:
             model = shard_tensor_parallel(model, groups, dtype)
     hf.prepare_model(model)
     return Engine(model, config, groups, tokenizer)
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype:
+    """``dtype="auto"`` for a checkpoint folder: the dtype its config names (``dtype`` / ``torch_dtype``), else
+    float32."""
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.float32
 
 
 def _check_tp_config(config: EngineConfig, groups: Optional[ParallelGroups]) -> None:

@@ -15,10 +15,12 @@ compute or collective; nothing is coerced silently (a ``bool`` is not an ``int``
 * ``stop``: None or a list/tuple of non-empty strings. ``return_logits``: a ``bool``.
 * ``requests`` (``generate_batch``): a non-empty list/tuple of ``(context, query)`` pairs.
 * ``sparse`` (``score_variants``): a non-empty list/tuple of None / ``SparseConfig`` / ``LukaConfig``.
-* ``init_inference``: ``model`` a loaded HF causal LM (``torch.nn.Module`` with a ``.config``), a local model
-  folder or a registered model name; ``config`` None or an ``EngineConfig`` (a dict is refused: build it with
-  ``EngineConfig.from_dict``); ``tokenizer`` None or callable with ``decode``; ``groups`` None or
-  ``ParallelGroups``.
+* ``init_inference``: ``model`` a loaded HF causal LM (``torch.nn.Module`` with a ``.config``), a registered
+  model name, a local model folder or a Hugging Face Hub id ``org/name`` (a ``str``, ``bytes`` or
+  ``os.PathLike``: which one is decided when it is loaded); ``config`` None or an ``EngineConfig`` (a dict is
+  refused: build it with ``EngineConfig.from_dict``); ``tokenizer`` None or callable with ``decode``; ``groups``
+  None or ``ParallelGroups``; ``revision`` None or a non-empty ``str``, ``trust_remote_code`` a ``bool``,
+  ``cache_dir`` None or a path -- all three only with a model given by name (a loaded model has nothing to load).
 
 This module knows nothing about methods, phases or ranks.
 """
@@ -32,6 +34,7 @@ import torch
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.models import MODELS
+from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
 
 _MIN_TOKENS_WHY = {
@@ -181,14 +184,26 @@ def check_score(context, continuation, variants) -> None:
 
 # -- init_inference ---------------------------------------------------------------------------------------
 def is_model_path(model) -> bool:
+    """True for a model given by name (registry name, local folder or Hub id), to be loaded by ``load_model``."""
     return isinstance(model, (str, bytes)) or isinstance(model, os.PathLike)
 
 
-def check_init(model, config, tokenizer, groups) -> None:
-    """``init_inference``'s arguments (the flat config fields are checked by ``EngineConfig``)."""
+def check_init(model, config, tokenizer, groups, *, revision=None, trust_remote_code=False, cache_dir=None) -> None:
+    """``init_inference``'s arguments (the flat config fields are checked by ``EngineConfig``; whether a model name
+    is a registry name, a local folder or a Hub id is decided by ``load_model``)."""
     if not is_model_path(model) and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
-        raise ValueError(f"model must be a loaded Hugging Face causal LM (a transformers PreTrainedModel), a local "
-                         f"model folder or a registered model name ({', '.join(sorted(MODELS))}); got {_kind(model)}")
+        raise ValueError(f"model must be a loaded Hugging Face causal LM (a transformers PreTrainedModel), a "
+                         f"registered model name ({', '.join(sorted(MODELS))}), a local model folder or a Hugging "
+                         f"Face Hub id (org/name); got {_kind(model)}")
+    check_hub_options(revision, trust_remote_code, cache_dir)
+    if not is_model_path(model):
+        given = [name for name, value, default in (("revision", revision, None), ("cache_dir", cache_dir, None),
+                                                   ("trust_remote_code", trust_remote_code, False))
+                 if value is not default]
+        if given:
+            raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to a model given by name "
+                             f"(Hub id, folder or registry name), which init_inference loads; this model is loaded "
+                             f"already: drop {'it' if len(given) == 1 else 'them'}")
     if config is not None and not isinstance(config, EngineConfig):
         raise ValueError(f"config must be an EngineConfig, got {_kind(config)}; build one with "
                          f"EngineConfig.from_dict(d) / EngineConfig.from_file(path), or pass fields as keywords "

@@ -79,7 +79,10 @@ def tiny_model(max_positions: int, seed: int = 0):
 def parse_args(argv):
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct", help="magnetar.models name or local HF folder")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a magnetar.models name, a local HF folder or a Hub id org/name")
+    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of --model (quick runs)")
     p.add_argument("--methods", default="dense,star,pulsar", help=f"comma-separated, from {','.join(METHODS)}")
     p.add_argument("--lengths", default="4096,8192", help="context lengths in tokens, comma-separated")
@@ -126,7 +129,7 @@ def parse_args(argv):
         if not args.tiny:
             from magnetar.models import check_model
 
-            check_model(args.model)
+            check_model(args.model, revision=args.revision)
         if args.json_out is not None:
             check_output_file(args.json_out, flag="--json-out")
     return args
@@ -239,7 +242,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from magnetar.models import ModelNotInstalledError, load_model
 
         with user_errors(PROG, extra=(ModelNotInstalledError,)):
-            model, tokenizer = load_model(args.model, dtype=dtype)
+            model, tokenizer = load_model(args.model, dtype=dtype, revision=args.revision,
+                                          trust_remote_code=args.trust_remote_code)
         name = args.model
         name = allow_positions(model, longest, name, "--lengths + --query-len + --max-new-tokens",
                                args.beyond_trained_length)

@@ -148,7 +148,10 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     dims = _model_dims(model_config)
     cfg, L, Q = engine_config, context_len, query_len
     W = cfg.parallel.cp_size
-    b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES[cfg.runtime.dtype]
+    b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES.get(cfg.runtime.dtype)
+    if b is None:  # runtime.dtype "auto": only the loaded checkpoint knows its dtype
+        raise ValueError("engine_config.runtime.dtype is 'auto' (the checkpoint's dtype); pass dtype_bytes (e.g. 2 "
+                         "for bfloat16) or a fixed dtype")
     kv_tok_bytes = 2 * dims.layers * dims.kv_dim * b
     lin_tok = dims.layers * dims.linear_flops_per_token_layer
     attn_pair_flops = 4 * dims.q_dim  # per pair per layer
@@ -318,7 +321,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="registry name, HF model folder or config.json (only the config is read)")
+                   help="registry name, HF model folder, Hub id org/name already in the Hub cache (nothing is "
+                        "downloaded) or config.json (only the config is read)")
     p.add_argument("--methods", default="dense,star,pulsar", help=f"comma-separated, from {','.join(METHODS)}")
     p.add_argument("--lengths", default="16k,64k", help="context lengths, e.g. 32k,128k,1m (k = 1024)")
     p.add_argument("--cp", type=int, default=4, help="CP ranks of ring/star/pulsar (dense, streaming: 1)")

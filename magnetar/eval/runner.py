@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -56,7 +55,10 @@ CP_METHODS = ("ring", "star", "pulsar")
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="magnetar-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a magnetar.models name, a local HF folder or a Hub id org/name (default %(default)s)")
+    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
     p.add_argument("--suite", choices=tuple(SUITES), default="ruler")
     p.add_argument("--tasks", help="comma-separated subset of the suite's tasks (default: all)")
     p.add_argument("--methods", default="dense,star,pulsar,ring")
@@ -307,7 +309,7 @@ def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
 
 def run(args) -> int:
     import magnetar
-    from magnetar.models import load_model, prepare_model
+    from magnetar.models import MODELS, load_model, prepare_model
 
     out = Path(args.out)
     suite = get_suite(args.suite)
@@ -326,10 +328,12 @@ def run(args) -> int:
     problem = _broadcast_obj(write_problem(out, names) if rank == 0 else None)  # before any model is loaded
     if problem:
         raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
-    if rank == 0:
-        prepare_model(args.model) if not os.path.isdir(args.model) else None
+    if rank == 0 and args.model in MODELS:
+        prepare_model(args.model)  # converts once into the cache; the other ranks then just load it
     barrier(timeout=timeout)
-    model, tokenizer = load_model(args.model)
+    dtype = base.runtime.dtype if base.runtime.dtype == "auto" else getattr(torch, base.runtime.dtype)
+    model, tokenizer = load_model(args.model, dtype=dtype, revision=args.revision,
+                                  trust_remote_code=args.trust_remote_code)
     results_path = out / names[rank if dealt else 0]
     done = _broadcast_obj(load_done(out) if rank == 0 else None)
 
@@ -420,7 +424,7 @@ def check_args(args) -> None:
     for name in ("hash_path", "prefill_indexer_path"):
         if getattr(base, name) is not None:
             check_input_file(getattr(base, name), flag="--" + name.replace("_", "-"))
-    check_model(args.model)
+    check_model(args.model, revision=args.revision)
 
 
 def main(argv=None) -> int:

