@@ -36,7 +36,7 @@ from magnetar.engine.phase2 import run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
-from magnetar.engine.tensor_parallel import checkpoint_index, load_for_rank, shard_tensor_parallel, weight_bytes
+from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_tensor_parallel, weight_bytes
 from magnetar.models import load_model, model_dtype, model_kind, model_path
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
@@ -494,17 +494,17 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     tp = config.parallel.tp_size
     _check_tp_config(config, groups)  # before any model loading or process-group work
     dtype = _TORCH_DTYPES.get(config.runtime.dtype)  # None: "auto"
-    folder = None  # a local folder with safetensors: loaded below on each rank's device, only its shard under TP
+    folder = None  # under TP, a local folder with safetensors: each rank loads only its shard, below
     if inputs.is_model_path(model):
         name = os.fsdecode(model)
-        if model_kind(name) != "hub" and not trust_remote_code:
+        if tp > 1 and model_kind(name) != "hub" and not trust_remote_code:
             folder = model_path(name, cache_dir)
         if folder is not None and checkpoint_index(folder) is not None:
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
             dtype = dtype or _checkpoint_dtype(hf_config)
-        else:  # from_pretrained resolves (downloads) Hub ids, runs remote code, reads other formats: whole, then cut
+        else:  # from_pretrained: resolves (downloads) Hub ids, runs remote code, reads any format; whole (cut by TP)
             model, loaded_tok = load_model(folder or name, dtype=dtype or "auto", revision=revision,
                                            trust_remote_code=trust_remote_code, cache_dir=cache_dir)
             tokenizer = tokenizer or loaded_tok
@@ -528,7 +528,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
                          f"{', simulated in this process' if config.parallel.simulate else ''})")
     device = device_for_rank()
     if folder is not None:
-        model, loaded_tok = load_for_rank(folder, dtype, device, groups)
+        model, loaded_tok = load_shard(folder, dtype, groups)
         tokenizer = tokenizer or loaded_tok
     else:
         model = model.to(device=device, dtype=dtype)

@@ -1,17 +1,16 @@
 """Tensor parallelism for the engine: shard a model over the TP group with DeepSpeed AutoTP
-(:func:`shard_tensor_parallel`), and load a model onto each rank straight from the checkpoint's safetensors, only
-this rank's shard under TP (:func:`load_for_rank`).
+(:func:`shard_tensor_parallel`), and load only this rank's shard straight from the checkpoint's safetensors
+(:func:`load_shard`).
 
-``from_pretrained`` followed by AutoTP would build the whole model in host memory on every rank and then cut it:
-the host peak per rank is the full model (and more: the loader's transient copies) however large ``tp_size`` is.
-Here:
+``from_pretrained`` followed by AutoTP would build the whole model on every rank -- in host memory, or on the GPU
+when moved there before cutting -- and then cut it: the peak per rank is the full model (plus a converted copy
+when the dtype changes) however large ``tp_size`` is. Here:
 
 1. the model is built from its config with parameters on the ``meta`` device (``accelerate.init_empty_weights``,
    buffers real: RoPE's ``inv_freq`` is computed, not stored);
 2. DeepSpeed AutoTP shards that empty model over the TP group (:func:`shard_tensor_parallel`);
    its inference engine then gives every parameter uninitialised storage of the sharded shape on the rank's
-   device (``Module.to_empty``) -- and the buffers too, which are put back. At ``tp_size`` 1 the whole model
-   gets its storage on the device the same way;
+   device (``Module.to_empty``) -- and the buffers too, which are put back;
 3. each parameter is read from the safetensors files as the slice this rank owns (``safe_open(...).get_slice``:
    only those bytes are read), cast to the engine's dtype and copied in.
 
@@ -22,7 +21,10 @@ whole. An LM head tied to the embeddings (no ``lm_head.weight`` in the file) is 
 
 DeepSpeed's own checkpoint loading is not used: it reads pickled ``.pt`` shards with ``weights_only=False``,
 which Magnetar never does (docs/design.md, "untrusted files"). Only safetensors checkpoints load this way;
-:func:`magnetar.engine.init_inference` loads others with ``from_pretrained`` (whole, then cut).
+:func:`magnetar.engine.init_inference` loads others with ``from_pretrained`` (whole, then cut). At ``tp_size`` 1 it
+uses ``from_pretrained`` too: on CPU a checkpoint already in the engine's dtype then stays a read-only mapping of
+the file (page cache, shared by the ranks of a host) instead of a private copy per rank (docs/results.md,
+"Per-rank loading").
 """
 from __future__ import annotations
 
@@ -124,10 +126,10 @@ def _owner_slice(module, local: torch.Size, full: list[int]) -> tuple[slice, ...
     return tuple(slice(start, start + local[dim]) if d == dim else slice(None) for d in range(len(full)))
 
 
-def load_for_rank(folder: Path, dtype: torch.dtype, device: torch.device, groups: ParallelGroups):
-    """``(model, tokenizer)``: the model of the local Hugging Face folder ``folder`` built on ``device`` in ``dtype``
-    from its safetensors, holding only this rank's TP shard of every layer when ``groups.tp_size > 1`` (see the
-    module docstring); no whole copy is ever built in host memory."""
+def load_shard(folder: Path, dtype: torch.dtype, groups: ParallelGroups):
+    """``(model, tokenizer)``: the model of the local Hugging Face folder ``folder`` in ``dtype`` holding only this
+    rank's TP shard of every layer (``groups.tp_size > 1``), on the device DeepSpeed's accelerator names, built
+    from its safetensors (see the module docstring); no whole copy is ever built, in host or device memory."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -144,11 +146,7 @@ def load_for_rank(folder: Path, dtype: torch.dtype, device: torch.device, groups
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    if groups.tp_size > 1:
-        model = shard_tensor_parallel(model, groups, dtype)  # DeepSpeed gives the shards empty storage on the device
-    else:
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty gave tied parameters separate storage
+    model = shard_tensor_parallel(model, groups, dtype)  # DeepSpeed gives the shards empty storage on the device
     device = next(model.parameters()).device
     for name, b in buffers.items():  # to_empty gave the buffers fresh storage too: put the computed ones back
         owner, _, leaf = name.rpartition(".")
@@ -171,6 +169,6 @@ def load_for_rank(folder: Path, dtype: torch.dtype, device: torch.device, groups
                 with safe_open(files[key], framework="pt") as f:
                     part = f.get_slice(key)
                     param.copy_(part[_owner_slice(module, param.shape, part.get_shape())].to(dtype))
-    log.info("tp rank %d/%d: loaded %s from %s in %.1f s", groups.tp_rank, groups.tp_size,
-             "its shard" if groups.tp_size > 1 else "the model", folder, time.perf_counter() - t0)
+    log.info("tp rank %d/%d: loaded its shard of %s in %.1f s", groups.tp_rank, groups.tp_size, folder,
+             time.perf_counter() - t0)
     return model, tokenizer
