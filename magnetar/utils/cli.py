@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator, NoReturn, Sequence
 
 __all__ = ["ArgumentParser", "UsageError", "fail", "user_errors", "USER_ERRORS", "read_text_file",
-           "check_output_file", "check_input_file", "int_at_least", "world_size_from_env"]
+           "check_output_file", "check_input_file", "int_at_least"]
 
 # What a CLI reports as the user's error (the message already names the field, flag or file): bad values,
 # files that are missing, directories or unreadable. Anything else is an internal failure with its traceback.
@@ -135,17 +135,3 @@ def int_at_least(low: int):
 
     parse.__name__ = f"int >= {low}"
     return parse
-
-
-def world_size_from_env() -> int:
-    """``WORLD_SIZE`` as the launcher exported it (1 without a launcher); ValueError naming it if it is not an
-    int >= 1."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    try:
-        world = int(text)
-    except ValueError:
-        world = 0
-    if world < 1:
-        raise ValueError(f"the environment's WORLD_SIZE={text!r} is not an int >= 1 (the launcher sets it; unset "
-                         "it to run one process)")
-    return world
