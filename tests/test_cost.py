@@ -49,6 +49,17 @@ def test_dense_hand_computed():
     assert nf.activation_bytes_per_layer == [16 * 24 * 4 + 2 * 16 * 16 * 4]
 
 
+def test_tensor_parallel_is_per_tp_rank():
+    one, two = (estimate(LLAMA_8B, cfg("star", cp_size=2, tp_size=tp), 4096, query_len=8) for tp in (1, 2))
+    assert two.kv_bytes == [b // 2 for b in one.kv_bytes]  # 8 KV heads, 4 per TP rank
+    assert two.phase1_attention_flops == [f // 2 for f in one.phase1_attention_flops]
+    assert two.phase1_linear_flops == [f // 2 for f in one.phase1_linear_flops]
+    emb = 128256 * 4096 * 4
+    assert two.weight_bytes == (one.weight_bytes - emb) // 2 + emb  # embeddings whole, the rest halved
+    assert two.phase2_comm_bytes_per_layer_decode * 2 == one.phase2_comm_bytes_per_layer_decode
+    assert any("tp_size 2" in a for a in two.assumptions) and not any("tp_size" in a for a in one.assumptions)
+
+
 def test_ring_zigzag_hand_computed():
     e = estimate(TINY, cfg("ring", cp_size=2), 16, query_len=4)
     # chunks of 4: rank 0 holds [0,4) + [12,16): (1+2+3+4) + (13+14+15+16) = 68; rank 1 [4,12): 26 + 42 = 68

@@ -251,10 +251,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch.distributed as dist
 
-    from magnetar.parallel.launcher import init_distributed  # noqa: F401
+    from magnetar.parallel.launcher import init_distributed
 
     sim = args.simulate_ranks
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    init_distributed()  # under a launcher (a no-op without one): the world size, and rank 0 prints
+    world = dist.get_world_size() if dist.is_initialized() else None
     tp = args.tp_size
     cp = args.cp or sim or (world // tp if world else 1)
     engines = {}

@@ -88,14 +88,16 @@ def check_attention_backend(config: EngineConfig) -> None:
                          f"{', '.join(list_backends())}")
 
 
-def check_cp_size(cp_size: int, world_size: int, flag: str) -> None:
-    """ValueError naming ``flag`` and ``WORLD_SIZE`` when ``cp_size`` ranks per context do not divide the
-    launched processes (world = cp_size x data-parallel groups)."""
-    if world_size % cp_size:
-        small = [d for d in range(1, int(world_size ** 0.5) + 1) if world_size % d == 0]
-        divisors = sorted({*small, *(world_size // d for d in small)})
-        raise ValueError(f"{flag} {cp_size} does not divide the launched world size (WORLD_SIZE={world_size}): "
-                         f"launch a multiple of {cp_size} processes, or pass {flag} one of {divisors}")
+def check_cp_size(cp_size: int, world_size: int, flag: str, tp_size: int = 1) -> None:
+    """ValueError naming ``flag`` and ``WORLD_SIZE`` when ``cp_size`` ranks per context (each ``tp_size`` processes)
+    do not divide the launched processes (world = tp_size x cp_size x data-parallel groups)."""
+    if world_size % (cp_size * tp_size):
+        per = world_size // tp_size if world_size % tp_size == 0 else 0
+        divisors = [d for d in range(1, per + 1) if per % d == 0]
+        with_tp = f" x --tp-size {tp_size} = {cp_size * tp_size}" if tp_size > 1 else ""
+        hint = f"pass {flag} one of {divisors}" if divisors else f"choose a --tp-size that divides {world_size}"
+        raise ValueError(f"{flag} {cp_size}{with_tp} does not divide the launched world size "
+                         f"(WORLD_SIZE={world_size}): launch a multiple of {cp_size * tp_size} processes, or {hint}")
 
 
 def engine_config(args, method: str, cp: int) -> EngineConfig:

@@ -152,11 +152,17 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     if b is None:  # runtime.dtype "auto": only the loaded checkpoint knows its dtype
         raise ValueError("engine_config.runtime.dtype is 'auto' (the checkpoint's dtype); pass dtype_bytes (e.g. 2 "
                          "for bfloat16) or a fixed dtype")
-    kv_tok_bytes = 2 * dims.layers * dims.kv_dim * b
-    lin_tok = dims.layers * dims.linear_flops_per_token_layer
-    attn_pair_flops = 4 * dims.q_dim  # per pair per layer
-    weight_bytes = dims.params * b
-    assumptions = []
+    # under tensor parallelism every figure is one TP rank's: heads (so KV and attention), the layers' projections
+    # and the LM head split tp ways; embeddings and norms whole (DeepSpeed AutoTP)
+    tp = cfg.parallel.tp_size
+    kv_tok_bytes = 2 * dims.layers * dims.kv_dim * b // tp
+    lin_tok = dims.layers * dims.linear_flops_per_token_layer // tp
+    attn_pair_flops = 4 * dims.q_dim // tp  # per pair per layer
+    head_flops = 2 * dims.hidden * dims.vocab // tp  # the LM head, per token
+    emb = dims.vocab * dims.hidden
+    weight_bytes = ((dims.params - emb) // tp + emb) * b if tp > 1 else dims.params * b
+    assumptions = [f"tp_size {tp}: figures per TP rank (heads, projections and LM head split {tp} ways, embeddings "
+                   f"whole); the two TP all-reduces per layer are not counted"] if tp > 1 else []
     if cfg.method == "pulsar" and context_ids is None:
         assumptions.append("pulsar summaries assumed not to overlap the sink (Eq. 4 upper bound)"
                            if cfg.pulsar.scorer != "even" else "pulsar even scorer: exact")
@@ -233,14 +239,14 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
         qp = torch.arange(qpos0, qpos0 + Q)
         own = qp if r == 0 else torch.zeros(0, dtype=torch.long)
         q_pairs = sum(_pairs_per_layer(qp, kept, dims)) + sum(_pairs_per_layer(qp, own, dims))
-        fields_["phase2_query_flops"].append(q_pairs * attn_pair_flops + Q * lin_tok + 2 * dims.hidden * dims.vocab)
+        fields_["phase2_query_flops"].append(q_pairs * attn_pair_flops + Q * lin_tok + head_flops)
         dp = torch.tensor([qpos0 + Q])  # the first decode step (one generated token in the KV)
         own_d = torch.arange(qpos0, qpos0 + Q + 1) if r == 0 else torch.zeros(0, dtype=torch.long)
         d_pairs = sum(_pairs_per_layer(dp, kept, dims)) + sum(_pairs_per_layer(dp, own_d, dims))
-        fields_["decode_flops_per_token"].append(d_pairs * attn_pair_flops + lin_tok + 2 * dims.hidden * dims.vocab)
+        fields_["decode_flops_per_token"].append(d_pairs * attn_pair_flops + lin_tok + head_flops)
         fields_["decode_kv_read_bytes_per_token"].append((kv_tokens + (Q + 1 if r == 0 else 0)) * kv_tok_bytes)
 
-    per_tok = dims.heads * (dims.head_dim * b + 4) if W > 1 else 0
+    per_tok = dims.heads // tp * (dims.head_dim * b + 4) if W > 1 else 0
     crit = max(range(W), key=lambda r: fields_["phase1_flops"][r])
     n_crit = max((max(l) for l in fields_["phase1_input_lengths"] if l), default=0)
     return CostEstimate(

@@ -58,14 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> EngineConfig:
     """The engine config of the flags; ``--cp-size`` defaults to the launched world size (any launcher:
-    :func:`magnetar.parallel.launcher.launched_world_size`) for ring/star/pulsar and must divide it (unless
-    ``--simulate true``: one process stands in for the ranks)."""
+    :func:`magnetar.parallel.launcher.launched_world_size`) over ``--tp-size`` for ring/star/pulsar, and
+    ``--cp-size`` x ``--tp-size`` must divide it (unless ``--simulate true``: one process stands in for the ranks)."""
     config = EngineConfig.from_cli(args)
-    world = launched_world_size()
-    if args.cp_size is None and config.method in DISTRIBUTED_METHODS:
-        config = config.replace(cp_size=world)
+    world, tp = launched_world_size(), config.parallel.tp_size
+    if args.cp_size is None and config.method in DISTRIBUTED_METHODS and world % tp == 0:
+        config = config.replace(cp_size=world // tp)
     if not config.parallel.simulate:
-        check_cp_size(config.parallel.cp_size, world, "--cp-size")
+        check_cp_size(config.parallel.cp_size, world, "--cp-size", tp_size=tp)
     check_attention_backend(config)
     return config
 
