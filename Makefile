@@ -46,5 +46,14 @@ ops-demo: install
 bench: install
 	$(BIN)/python benchmarks/bench_ops.py
 
+# On a GPU machine: every CUDA path against the CPU / fp64 references (the tests marked `gpu`, tests/test_gpu.py;
+# each skips with its reason where it cannot run), after the install with GPU=1 (the [gpu] extra: flash-attn).
+# Needs the CUDA toolkit (nvcc) for the CUDA ops. GPU=1 is not part of the install stamp: after a CPU-only
+# `make install`, run `make clean` first.
+.PHONY: gpu-check
+gpu-check: GPU = 1
+gpu-check: install
+	$(BIN)/python -m pytest -m gpu -v
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -160,6 +160,7 @@ def test_bad_input_raises_value_error(desc, build, match):
         attention_with_lse(q, k, v, **kw)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_mismatch_raises():
     with pytest.raises(ValueError, match="one device"):

@@ -542,6 +542,7 @@ def test_build_is_cached_across_processes(cpu_op):
 # ------------------------------------------------------------------------------------------------------- CUDA
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n_parts", [1, 2, 3, 8, 16])
@@ -560,6 +561,7 @@ def test_cuda_op_matches_references(dtype, n_parts, D):
     assert torch.isneginf(lse.cpu()[empty]).all()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_op_attention_union_and_extremes():
     assert fused_merge.fused_merge_available("cuda"), fused_merge.fused_merge_unavailable_reason("cuda")

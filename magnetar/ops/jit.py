@@ -1,10 +1,13 @@
-"""Lazy, once-per-process loading of a JIT-built DeepSpeed op, per device type, that never raises on failure.
+"""Lazy, once-per-process loading of a prebuilt or JIT-built DeepSpeed op, per device type, that never raises on
+failure.
 
-:class:`LazyOp` is the loader behind the Hamming ops (:mod:`magnetar.sparse.codes`): the first
-``available(device)`` / ``load(device)`` for a device type builds or loads the op for it under a lock (torch's
-file lock serialises concurrent first builds in other processes; see :mod:`magnetar.ops.op_builder` for the
-build cache). A failure is cached with its reason and logged once; ``available`` then returns False and
-``load`` raises ``RuntimeError`` with the reason, so callers fall back to their torch implementation.
+:class:`LazyOp` is the loader behind every fused op (the merge, :mod:`magnetar.sparse.codes`' Hamming op, the
+sparse prefill op): the first ``available(device)`` / ``load(device)`` for a device type imports the module
+``pip install`` prebuilt when the builder has a usable one (``builder.load_prebuilt()``, see
+:mod:`magnetar.ops.op_builder`), else builds or loads it by JIT under a lock (torch's file lock serialises
+concurrent first builds in other processes; see :mod:`magnetar.ops.op_builder` for the build cache). A failure
+is cached with its reason and logged once; ``available`` then returns False and ``load`` raises
+``RuntimeError`` with the reason, so callers fall back to their torch implementation.
 Build output is printed only with ``MAGNETAR_VERBOSE_BUILD=1``.
 
 No load waits forever. torch serialises builds of one extension with a bare lock file ``<build dir>/lock``
@@ -48,6 +51,23 @@ def build_directory(name: str) -> Path:
     from torch.utils.cpp_extension import _get_build_directory  # torch's own rule (TORCH_EXTENSIONS_DIR, ...)
 
     return Path(_get_build_directory(name, verbose=False))
+
+
+def extensions_root() -> Path:
+    """The folder of torch's JIT builds: ``$TORCH_EXTENSIONS_DIR``, or
+    ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>`` (created if needed, as torch does for any build)."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule; "" names the root itself
+
+    return Path(_get_build_directory("", verbose=False))
+
+
+def jit_cached(name: str) -> Optional[Path]:
+    """The extension ``torch.utils.cpp_extension.load(name=name)`` built earlier, if its library exists (it is
+    reused unless a source or flag changed since); None otherwise. Creates nothing for ``name``."""
+    from torch.utils.cpp_extension import LIB_EXT
+
+    path = extensions_root() / name / f"{name}{LIB_EXT}"
+    return path if path.is_file() else None
 
 
 def lock_timeout_s() -> float:
@@ -117,10 +137,15 @@ class LazyOp:
             builder = self.make_builder(dtype)
             if builder is None:
                 return None, f"no {self.what} op for device type {dtype!r} (there is one for cpu and cuda)"
-            if not builder.is_compatible(verbose):
-                return None, builder.error_log or f"{builder.name} is not compatible with this machine"
-            with build_lock(build_directory(builder.name), lock_timeout_s(), self.logger):
-                module = builder.jit_load(verbose=verbose)
+            # magnetar's builders offer the module `pip install` prebuilt (DS_BUILD_MAGNETAR_OPS=1): no compiler
+            # or build lock needed for it. A builder without one (a test's stand-in) always JIT-builds.
+            load_prebuilt = getattr(builder, "load_prebuilt", None)
+            module = load_prebuilt() if load_prebuilt is not None else None
+            if module is None:
+                if not builder.is_compatible(verbose):
+                    return None, builder.error_log or f"{builder.name} is not compatible with this machine"
+                with build_lock(build_directory(builder.name), lock_timeout_s(), self.logger):
+                    module = builder.jit_load(verbose=verbose)
             missing = [n for n in self.required if not hasattr(module, n)]
             if missing:
                 return None, f"{builder.name} loaded but lacks {missing} (stale build cache?)"

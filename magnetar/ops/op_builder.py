@@ -16,20 +16,42 @@ behind; :class:`magnetar.ops.jit.LazyOp` loads under its own ``flock`` first and
 :mod:`magnetar.ops.jit`), so no load waits forever.
 
 The sources are resolved to absolute paths from this file, so the builders work from a source checkout and from
-an installed package (``setup.py`` ships ``magnetar/ops/csrc/*``).
+an installed package (``pyproject.toml`` ships ``magnetar/ops/csrc/*``).
+
+Prebuilt ops (DeepSpeed's ``DS_BUILD_OPS`` convention): ``DS_BUILD_MAGNETAR_OPS=1 pip install --no-build-isolation .``
+compiles every op that :meth:`is_compatible` on the build machine at install time (``setup.py`` adds each
+builder's :meth:`builder` extension, built by torch's ``BuildExtension``); ``DS_BUILD_MAGNETAR_<OP>=1`` / ``=0``
+(each builder's ``BUILD_VAR``) turns one op on or off whatever ``DS_BUILD_MAGNETAR_OPS`` says. An op is installed
+as the module :meth:`absolute_name` (``magnetar/ops/<NAME>_op.*.so``) and recorded in ``magnetar/ops/
+prebuilt_ops.json`` (:data:`PREBUILT_RECORD`, DeepSpeed's ``installed_ops``) with the torch version it was built
+against and a digest of its sources. :meth:`load` (and :class:`magnetar.ops.jit.LazyOp`) imports a recorded
+module when the running torch and the shipped sources are still those of the record, and JIT-builds otherwise,
+with a warning saying why the prebuilt one was passed over. ``python -m magnetar.ops`` reports every op.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
+import json
+import logging
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Mapping, Optional
 
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
+logger = logging.getLogger(__name__)
+
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# What setup.py prebuilt into this package (DeepSpeed's installed_ops): written by the build, read by load().
+PREBUILT_RECORD = Path(__file__).resolve().parent / "prebuilt_ops.json"
+PREBUILT_FORMAT = 1
+BUILD_ALL_VAR = "DS_BUILD_MAGNETAR_OPS"
 
 
 def _build_name(base: str) -> str:
@@ -52,7 +74,93 @@ def _use_openmp() -> bool:
     return sys.platform.startswith("linux") and torch.backends.openmp.is_available()
 
 
-class MergeStatesBuilder(OpBuilder):
+def read_prebuilt_record(path: Optional[Path] = None) -> tuple[dict, Optional[str]]:
+    """``(record, problem)``: the prebuilt-ops record at ``path`` (default :data:`PREBUILT_RECORD`; ``{}`` when
+    there is none) and, for a record that cannot be used, why (``record`` is then ``{}``). Never raises: a broken
+    record only means JIT builds."""
+    path = PREBUILT_RECORD if path is None else path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}, None
+    except OSError as err:
+        return {}, f"cannot read {path}: {err}"
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        return {}, f"{path} is not valid JSON ({err}); reinstall magnetar"
+    ok = isinstance(record, dict) and record.get("format") == PREBUILT_FORMAT and isinstance(record.get("ops"), dict)
+    if not ok:
+        return {}, f"{path} is not a format-{PREBUILT_FORMAT} prebuilt-ops record; reinstall magnetar"
+    return record, None
+
+
+@dataclass(frozen=True)
+class PrebuiltStatus:
+    """Whether an op's prebuilt module may be imported: ``recorded`` (the install's record lists the op, or the
+    record cannot be read), ``usable`` (listed, and built against this torch from these sources) and ``reason``
+    (why not, when not usable)."""
+
+    recorded: bool
+    usable: bool
+    reason: str
+
+
+class PrebuiltOp:
+    """DeepSpeed's ``load()`` for Magnetar's builders: the module ``setup.py`` prebuilt when it is usable, else
+    a JIT build. Mixed in before :class:`OpBuilder` (whose ``load`` consults DeepSpeed's own ``installed_ops``,
+    which never lists Magnetar's ops)."""
+
+    def sources_digest(self) -> str:
+        """sha256 over the op's sources and the csrc headers (names and bytes): what a prebuild is tied to."""
+        h = hashlib.sha256()
+        for path in [Path(s) for s in self.sources()] + sorted(CSRC_DIR.glob("*.h")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return h.hexdigest()
+
+    def prebuilt_status(self, record_path: Optional[Path] = None) -> PrebuiltStatus:
+        """Whether :meth:`load` may import the prebuilt module, per the record (default :data:`PREBUILT_RECORD`)."""
+        record, problem = read_prebuilt_record(record_path)
+        if problem is not None:
+            return PrebuiltStatus(True, False, problem)
+        entry = record.get("ops", {}).get(self.NAME)
+        if not isinstance(entry, dict):
+            return PrebuiltStatus(False, False, f"not prebuilt (install with {BUILD_ALL_VAR}=1 or {self.BUILD_VAR}=1)")
+        reinstall = f"reinstall with {BUILD_ALL_VAR}=1 to prebuild it again"
+        if entry.get("module") != self.absolute_name():
+            return PrebuiltStatus(True, False, f"recorded as module {entry.get('module')!r}, expected "
+                                               f"{self.absolute_name()!r}; {reinstall}")
+        if record.get("torch") != str(torch.__version__):
+            return PrebuiltStatus(True, False, f"prebuilt against torch {record.get('torch')}, running torch "
+                                               f"{torch.__version__}; {reinstall}")
+        try:
+            digest = self.sources_digest()
+        except OSError as err:
+            return PrebuiltStatus(True, False, f"cannot read the op's sources to check the prebuild: {err}")
+        if entry.get("sources_sha256") != digest:
+            return PrebuiltStatus(True, False, f"prebuilt from other sources than {CSRC_DIR} holds now; {reinstall}")
+        return PrebuiltStatus(True, True, "")
+
+    def load_prebuilt(self) -> Optional[ModuleType]:
+        """The prebuilt module, or None (not prebuilt, or not usable: then a warning says why). Never raises."""
+        status = self.prebuilt_status()
+        if status.usable:
+            try:
+                return importlib.import_module(self.absolute_name())
+            except Exception as err:  # noqa: BLE001 -- e.g. an undefined symbol: fall back to JIT, never fail
+                status = PrebuiltStatus(True, False, f"importing {self.absolute_name()} failed: "
+                                                     f"{type(err).__name__}: {err}")
+        if status.recorded:
+            logger.warning("magnetar: the prebuilt %s op is not used, it is JIT-built instead: %s", self.NAME,
+                           status.reason)
+        return None
+
+    def load(self, verbose=False):
+        module = self.load_prebuilt()
+        return module if module is not None else self.jit_load(verbose)
+
+
+class MergeStatesBuilder(PrebuiltOp, OpBuilder):
     """CPU build of the fused merge of partial attention states (``csrc/merge_states.cpp``)."""
 
     BUILD_VAR = "DS_BUILD_MAGNETAR_MERGE_STATES"
@@ -95,7 +203,7 @@ class MergeStatesBuilder(OpBuilder):
         return super().is_compatible(verbose)
 
 
-class MergeStatesCUDABuilder(CUDAOpBuilder):
+class MergeStatesCUDABuilder(PrebuiltOp, CUDAOpBuilder):
     """CUDA build of the fused merge (``csrc/merge_states_cuda.cpp`` + ``csrc/merge_states_kernel.cu``).
 
     Not yet compiled on a GPU: see the header of ``merge_states_kernel.cu``.
@@ -187,3 +295,46 @@ class SparseAttentionBuilder(MergeStatesBuilder):
 
     def sources(self):
         return [str(CSRC_DIR / "sparse_attention.cpp")]
+
+
+# Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
+ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
+                                     SparseAttentionBuilder)}
+
+
+def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
+    text = environ.get(name)
+    if text is None:
+        return None
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r}: set it to 1 (prebuild at install time) or 0 (JIT-build on first use)")
+    return text == "1"
+
+
+def prebuild_plan(environ: Mapping[str, str] = os.environ) -> list[tuple[OpBuilder, Optional[str]]]:
+    """The ops the install should prebuild, as DeepSpeed's setup.py decides: ``DS_BUILD_MAGNETAR_OPS`` is the
+    default for every op and an op's own ``BUILD_VAR`` overrides it. Returns ``(builder, None)`` for an op to
+    build and ``(builder, reason)`` for a requested op skipped as incompatible with this machine (requested only
+    by ``DS_BUILD_MAGNETAR_OPS``). Raises ``ValueError`` for a flag that is not 0/1 and for an op requested by
+    its own flag that cannot be built here (the reason says why)."""
+    default = bool(_flag(environ, BUILD_ALL_VAR))
+    plan = []
+    for cls in ALL_OPS.values():
+        own = _flag(environ, cls.BUILD_VAR)
+        if not (default if own is None else own):
+            continue
+        builder = cls()
+        if builder.is_compatible(verbose=False):
+            plan.append((builder, None))
+        elif own:
+            raise ValueError(f"{cls.BUILD_VAR}=1 asks to prebuild {cls.NAME}, which cannot be built here: "
+                             f"{builder.error_log}; set {cls.BUILD_VAR}=0")
+        else:
+            plan.append((builder, builder.error_log or "incompatible with this machine"))
+    return plan
+
+
+def prebuilt_record(builders) -> dict:
+    """The record of ``builders`` prebuilt against the running torch (written next to the built modules)."""
+    return {"format": PREBUILT_FORMAT, "torch": str(torch.__version__), "cuda": torch.version.cuda,
+            "ops": {b.NAME: {"module": b.absolute_name(), "sources_sha256": b.sources_digest()} for b in builders}}

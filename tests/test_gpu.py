@@ -1,0 +1,386 @@
+"""Every CUDA path against the CPU / fp64 references: ``pytest -m gpu`` (``make gpu-check``) on a machine with a GPU.
+
+The CPU suite checks each path on CPU tensors; these tests run the same checks on CUDA tensors: the flash_attn
+backend's forward and lse, the ``tiled`` and ``torch`` backends, the fused merge op (CUDA build, also as
+``merge_states``' automatic choice), the Hamming op (CUDA build), the engine in bf16 against Hugging Face's own
+forward on the GPU, and NCCL process groups on one GPU. References run on CPU copies (``tests/reference.py``);
+tolerances come from the table in ``tests/conftest.py``.
+
+Every test is marked ``gpu`` and skips with the reason where it cannot run: "needs CUDA" without a GPU,
+"needs flash-attn" without the ``[gpu]`` extra. A CUDA op that fails to build on a GPU machine FAILS (as the CPU
+op does on CPU): ``make gpu-check`` needs the CUDA toolkit (nvcc). More CUDA cases live next to their CPU
+versions, marked ``gpu`` too (tests/test_fused_merge.py, tests/test_attention.py).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_close, tolerance
+from tests.reference import dense_attention_fp64
+from tests.test_fused_merge import attention_parts, check_against, merge_fp64, synthetic_states
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+HAS_FLASH_ATTN = any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")]
+# (without CUDA the module's mark gives the reason: "needs CUDA")
+needs_flash_attn = pytest.mark.skipif(CUDA and not HAS_FLASH_ATTN, reason="needs flash-attn (pip install "
+                                      "'magnetar[gpu]', or make install GPU=1)")
+
+LOW = [torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, *LOW]
+
+
+def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, gen, scale=1.0):
+    """Seeded CPU inputs rounded to ``dtype`` (the reference sees exactly what the GPU sees)."""
+    q = (torch.randn(B, Hq, Sq, D, generator=gen) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, Sk, D, generator=gen) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _check_cuda(q, k, v, backend, msg="", **kw):
+    """attention_with_lse on CUDA copies of CPU inputs against the fp64 reference on the CPU inputs."""
+    from magnetar.ops import attention_with_lse
+
+    dev = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), backend=backend, **dev)
+    assert out.is_cuda and lse.is_cuda, msg
+    assert out.dtype == q.dtype and out.shape == q.shape, msg
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3], msg
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, **kw)
+    assert_close(out.cpu(), ref_out, q.dtype, "out", msg)
+    assert_close(lse.cpu(), ref_lse, q.dtype, "lse", msg)
+    return out.cpu(), lse.cpu()
+
+
+# ---------------------------------------------------------------------------------------- flash_attn backend
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_flash_attn_forward_and_lse(dtype, group, D, seeded):
+    # decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk): full and bottom-right causal masks
+    for Sq, Sk in [(1, 37), (23, 23), (9, 40), (130, 300)]:
+        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
+        _check_cuda(q, k, v, "flash_attn", f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
+        _check_cuda(q, k, v, "flash_attn", f"non-causal Sq={Sq} Sk={Sk}", causal=False,
+                    q_pos=torch.zeros(Sq, dtype=torch.long))
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_flash_attn_is_auto_choice_and_serves_positions(dtype, seeded):
+    from magnetar.ops.backends import select_backend
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, AttentionCall
+
+    q, k, v = _inputs(1, 4, 2, 8, 24, 64, dtype, seeded)
+    call = AttentionCall(q.cuda(), k.cuda(), v.cuda(), None, None, 0.125, CAUSAL_BOTTOM_RIGHT)
+    assert select_backend(call).name == "flash_attn"
+    # explicit positions that are bottom-right causal, and a Star block [anchor | block] (mask-free pieces)
+    k_pos = torch.arange(100, 124)
+    _check_cuda(q, k, v, "flash_attn", "explicit bottom-right positions", q_pos=k_pos[-8:], k_pos=k_pos)
+    q, k, v = _inputs(1, 6, 3, 16, 24, 64, dtype, seeded)
+    _check_cuda(q, k, v, "auto", "star block", q_pos=torch.arange(32, 48),
+                k_pos=torch.cat((torch.arange(8), torch.arange(32, 48))))
+
+
+@needs_flash_attn
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_flash_attn_extreme_logits(dtype, seeded):
+    # integer-valued q, k: every score is exact, so this tests the kernel's softmax / lse at |q.k| ~ 1e4
+    q = torch.randint(-30, 31, (1, 4, 8, 64), generator=seeded).to(dtype)
+    k = torch.randint(-30, 31, (1, 2, 33, 64), generator=seeded).to(dtype)
+    v = torch.randn(1, 2, 33, 64, generator=seeded).to(dtype)
+    _, lse = _check_cuda(q, k, v, "flash_attn", "extreme logits", scale=1.0)
+    assert lse.abs().max() > 2e3, "the test must exercise extreme logits"
+
+
+@needs_flash_attn
+def test_flash_attn_refuses_what_it_cannot_express_and_auto_falls_through(seeded):
+    from magnetar.ops import attention_with_lse
+    from magnetar.ops.backends import explain
+    from magnetar.ops.call import POSITIONS, AttentionCall
+
+    # per-sequence positions: no mask-free pieces, and no full / bottom-right mask: flash_attn refuses, auto takes
+    # the next CUDA backend
+    q, k, v = _inputs(2, 4, 2, 6, 14, 64, torch.bfloat16, seeded)
+    k_pos = torch.stack([torch.randperm(14, generator=seeded) for _ in range(2)])
+    q_pos = torch.randint(-2, 16, (2, 6), generator=seeded)
+    with pytest.raises(ValueError, match="flash_attn.*not full or bottom-right causal"):
+        attention_with_lse(q.cuda(), k.cuda(), v.cuda(), q_pos=q_pos.cuda(), k_pos=k_pos.cuda(), backend="flash_attn")
+    _check_cuda(q, k, v, "auto", "per-sequence positions via auto", q_pos=q_pos, k_pos=k_pos)
+    call = AttentionCall(q.cuda(), k.cuda(), v.cuda(), torch.arange(8, 14).cuda(), torch.arange(0, 28, 2).cuda(),
+                         0.125, POSITIONS)
+    assert explain(call)["flash_attn"], "gapped key positions are not a full or bottom-right mask"
+    # causal with Sq > Sk: the leading rows see no key, the rest is a square causal piece flash_attn serves
+    q, k, v = _inputs(1, 4, 2, 12, 5, 64, torch.bfloat16, seeded)
+    out, lse = _check_cuda(q, k, v, "flash_attn", "Sq > Sk as pieces")
+    assert torch.isneginf(lse[:, :, :7]).all() and (out[:, :, :7] == 0).all()
+
+
+# ------------------------------------------------------------------------------- pure-torch backends on CUDA
+
+
+TORCH_BACKENDS = ["tiled", "torch"]
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_torch_backends_default_positions(backend, dtype, group, seeded):
+    for Sq, Sk in [(1, 37), (23, 23), (9, 40), (12, 5)]:
+        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
+        _check_cuda(q, k, v, backend, f"{backend} Sq={Sq} Sk={Sk} G={group}")
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_backends_gapped_unsorted_positions_and_empty_rows(backend, dtype, seeded):
+    q, k, v = _inputs(2, 8, 2, 11, 29, 32, dtype, seeded)
+    k_pos = torch.randperm(29, generator=seeded) * 3 + 5
+    q_pos = torch.randint(5, 3 * 29 + 10, (11,), generator=seeded)
+    q_pos[:3] = torch.tensor([0, 4, 2])  # below every key: rows with no visible key
+    out, lse = _check_cuda(q, k, v, backend, "gapped", q_pos=q_pos, k_pos=k_pos)
+    assert torch.isneginf(lse[:, :, :3]).all() and (out[:, :, :3] == 0).all()
+    # per-sequence positions
+    q, k, v = _inputs(3, 4, 2, 6, 14, 8, torch.float32, seeded)
+    k_pos = torch.stack([torch.randperm(14, generator=seeded) for _ in range(3)])
+    _check_cuda(q, k, v, backend, "per-sequence", q_pos=torch.randint(-2, 16, (3, 6), generator=seeded),
+                k_pos=k_pos)
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_backends_extreme_logits(backend, dtype, seeded):
+    q = torch.randint(-30, 31, (1, 4, 8, 16), generator=seeded).to(dtype)
+    k = torch.randint(-30, 31, (1, 2, 33, 16), generator=seeded).to(dtype)
+    v = torch.randn(1, 2, 33, 16, generator=seeded).to(dtype)
+    _, lse = _check_cuda(q, k, v, backend, "extreme logits", scale=1.0)
+    assert lse.abs().max() > 2e3
+
+
+def test_tiled_chunked_paths_on_cuda(seeded, monkeypatch):
+    import magnetar.ops.backends.tiled as tiled
+
+    monkeypatch.setattr(tiled, "_SCORE_BUDGET", 2000)  # tiles and row chunks far smaller than the problem
+    q, k, v = _inputs(1, 4, 2, 40, 200, 16, torch.float32, seeded)
+    k_pos = torch.cat((torch.arange(0, 50), torch.arange(100, 250)))  # sorted with a gap: future tiles skipped
+    _check_cuda(q, k, v, "tiled", "chunked", q_pos=torch.arange(210, 250), k_pos=k_pos)
+    import magnetar.ops.runs as runs
+
+    monkeypatch.setattr(runs, "MAX_RUN_PAIRS", 0)  # the mask path instead of mask-free pieces
+    _check_cuda(q, k, v, "tiled", "chunked, mask path", q_pos=torch.arange(210, 250), k_pos=k_pos)
+
+
+# ---------------------------------------------------------------------------------------- fused merge (CUDA)
+
+
+def _cuda_merge_op():
+    from magnetar.ops import fused_merge
+
+    assert fused_merge.fused_merge_available("cuda"), fused_merge.fused_merge_unavailable_reason("cuda")
+    return fused_merge
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_states_auto_uses_the_cuda_op(dtype):
+    from magnetar.ops.merge import merge_states, prepare_merge
+
+    fused_merge = _cuda_merge_op()
+    assert prepare_merge(torch.device("cuda")), "merge_states(backend='auto') must take the CUDA op"
+    gen = torch.Generator().manual_seed(5)
+    outs, lses, ref_out, ref_lse = attention_parts(4, dtype, 64, gen)
+    out, lse = merge_states(outs.cuda(), lses.cuda())
+    assert out.is_cuda and lse.is_cuda
+    op_out, op_lse = fused_merge.fused_merge_states(outs.cuda(), lses.cuda())
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse), "auto must be the fused op on CUDA"
+    check_against(out.cpu(), lse.cpu(), ref_out, ref_lse, dtype, f"auto merge {dtype} vs attention over all keys")
+    outs, lses = synthetic_states(6, dtype, gen)  # -inf / +inf / NaN parts and all-empty rows
+    out, lse = merge_states(outs.cuda(), lses.cuda())
+    check_against(out.cpu(), lse.cpu(), *merge_fp64(outs, lses), dtype, f"auto merge {dtype} specials")
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_cuda_attention_shards_merged_on_cuda_equal_dense(dtype, seeded):
+    """The Phase-2 pattern on one GPU: attention over disjoint key shards, merged by the CUDA op."""
+    from magnetar.ops import attention_with_lse
+    from magnetar.ops.merge import merge_states
+
+    _cuda_merge_op()
+    q, k, v = _inputs(1, 8, 2, 4, 96, 64, dtype, seeded)
+    shards = torch.randperm(96, generator=seeded).chunk(3)
+    q_pos = torch.arange(96, 100)
+    parts = [attention_with_lse(q.cuda(), k[:, :, i].cuda(), v[:, :, i].cuda(), q_pos=q_pos.cuda(),
+                                k_pos=i.cuda(), backend="tiled") for i in shards]
+    out, lse = merge_states([o for o, _ in parts], [l for _, l in parts], backend="fused")
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, q_pos=q_pos, k_pos=torch.arange(96))
+    assert_close(out.cpu(), ref_out, dtype, "out", "sharded + CUDA merge")
+    assert_close(lse.cpu(), ref_lse, dtype, "lse", "sharded + CUDA merge")
+
+
+# -------------------------------------------------------------------------------------- Hamming op (CUDA)
+
+
+def _unpack(words: torch.Tensor, nbits: int) -> torch.Tensor:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return ((w[..., :, None] >> torch.arange(32)) & 1).reshape(*words.shape[:-1], nbits).bool()
+
+
+def test_cuda_hamming_op_pack_bits():
+    from magnetar.sparse.codes import HAMMING_OP, pack_bits
+
+    assert HAMMING_OP.available("cuda"), HAMMING_OP.unavailable_reason("cuda")
+    bits = torch.zeros(2, 64, dtype=torch.bool)
+    bits[0, 0] = bits[1, 31] = bits[1, 33] = True  # LSB first; bit 31 is word 0's sign bit
+    words = pack_bits(bits.cuda(), backend="op")
+    assert words.is_cuda and words.dtype == torch.int32 and words.cpu().tolist() == [[1, 0], [-(2**31), 2]]
+    rnd = torch.rand(7, 5, 96, generator=torch.Generator().manual_seed(0)) > 0.5
+    assert torch.equal(_unpack(pack_bits(rnd.cuda(), backend="op").cpu(), 96), rnd)
+    assert torch.equal(pack_bits(rnd.to(torch.uint8).cuda(), backend="op").cpu(), pack_bits(rnd, backend="torch"))
+
+
+@pytest.mark.parametrize("nbits,G", [(32, 1), (128, 3)])
+@pytest.mark.parametrize("N", [301, 4099])
+def test_cuda_hamming_op_scores_and_topk(nbits, G, N):
+    from magnetar.sparse.codes import HAMMING_OP, hamming_scores, hamming_topk, pack_bits
+
+    assert HAMMING_OP.available("cuda"), HAMMING_OP.unavailable_reason("cuda")
+    g = torch.Generator().manual_seed(nbits + G + N)
+    H, M = 2, 3
+    q = pack_bits(torch.rand(H, M, G, nbits, generator=g) > 0.5, backend="torch")
+    k = pack_bits(torch.rand(H, N, nbits, generator=g) > 0.5, backend="torch")
+    want = hamming_scores(q, k, backend="torch")  # CPU reference; exact integers
+    got = hamming_scores(q.cuda(), k.cuda(), backend="op")
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    for kk in (1, 17, N):
+        s, idx = hamming_topk(q.cuda(), k.cuda(), kk, backend="op")
+        ws, widx = hamming_topk(q, k, kk, backend="torch")  # score desc, ties by index asc: deterministic
+        assert torch.equal(idx.cpu(), widx) and torch.equal(s.cpu(), ws), kk
+    s, idx = hamming_topk(q.cuda(), k.cuda(), 17)  # auto takes the op on CUDA
+    assert torch.equal(idx.cpu(), hamming_topk(q, k, 17, backend="torch")[1])
+
+
+# ------------------------------------------------------------------------------------ the engine, bf16, CUDA
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids: torch.Tensor, steps: int):
+    """Hugging Face's own greedy decoding on the model's device: a full forward per step (no cache). Returns
+    (first-token logits, tokens, logits of each step)."""
+    ids = ids[None].to(model.device)
+    tokens, logits = [], []
+    for _ in range(steps):
+        step = model(ids, use_cache=False).logits[0, -1].float()
+        logits.append(step)
+        tokens.append(int(step.argmax()))
+        ids = torch.cat((ids, ids.new_tensor([[tokens[-1]]])), dim=1)
+    return logits[0], tokens, logits
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("method", ["dense", "star"])
+def test_engine_bf16_equals_hf_on_cuda(arch, method, backend):
+    import magnetar
+    from tests.tiny_models import ARCHS, tiny_model
+
+    assert arch in ARCHS
+    L, Q, NEW = 61, 5, 6
+    g = torch.Generator().manual_seed(3)
+    ctx, query = torch.randint(0, 256, (L,), generator=g), torch.randint(0, 256, (Q,), generator=g)
+    model = tiny_model(arch, seed=ARCHS.index(arch))
+    hf = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)
+    ref_first, ref_tokens, ref_logits = _hf_greedy(hf, torch.cat((ctx, query)), NEW)
+    flat = dict(block_size=L) if method == "star" else {}  # star with one block is exact
+    engine = magnetar.init_inference(copy.deepcopy(model), method=method, dtype="bfloat16", attention_backend=backend,
+                                     deepspeed_inference=False, **flat)
+    assert next(engine.model.parameters()).is_cuda
+    res = engine.generate(ctx, query, max_new_tokens=NEW, return_logits=True)
+    msg = f"[{arch} {method} {backend}]"
+    assert_close(res.first_token_logits.float(), ref_first, torch.bfloat16, "out", msg + " first-token logits")
+    # greedy tokens: equal at every step, except that the two may part at a near tie -- the engine's token
+    # scoring within twice the bf16 tolerance of the reference's best in the reference's own logits, a tie
+    # either side may break its own way -- after which they continue different sequences
+    tol = tolerance("out", torch.bfloat16)
+    assert len(res.token_ids) == NEW, res.token_ids
+    for step, (mine, want, logits) in enumerate(zip(res.token_ids, ref_tokens, ref_logits, strict=True)):
+        if mine == want:
+            continue
+        gap, bound = float(logits[want] - logits[mine]), 2 * (tol.atol + tol.rtol * float(logits[want].abs()))
+        assert gap <= bound, (f"{msg} step {step}: token {mine} != reference {want}, which the reference scores "
+                              f"{gap:.3g} higher (> {bound:.3g}); tokens {res.token_ids} vs {ref_tokens}")
+        break
+
+
+# --------------------------------------------------------------------------------------- NCCL on one GPU
+
+
+def nccl_worker(store_path: str) -> None:
+    """One NCCL rank on GPU 0 (a FileStore, no launcher): Magnetar's groups, a barrier and collectives on them,
+    and the Phase-2 gather + merge over the CP group. Run by test_nccl_groups_on_one_gpu in its own process."""
+    import torch.distributed as dist
+
+    from magnetar.ops import attention_with_lse
+    from magnetar.ops.merge import merge_states
+    from magnetar.parallel import all_gather_states, device_mesh, init_groups
+    from magnetar.parallel.collectives import all_gather_ints, barrier
+    from magnetar.parallel.launcher import device_for_rank
+
+    timeout = timedelta(seconds=60)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, 1), rank=0, world_size=1, timeout=timeout,
+                            device_id=torch.device("cuda", 0))
+    try:
+        groups = init_groups(1, timeout=timeout)
+        assert (groups.world_size, groups.cp_size, groups.dp_size, groups.tp_size) == (1, 1, 1, 1)
+        for g in (groups.cp_group, groups.dp_group, groups.tp_group):
+            assert g is not None and dist.get_backend(g) == "nccl"
+            t = torch.arange(4.0, device="cuda")
+            dist.all_reduce(t, group=g)  # a real NCCL collective on each group
+            assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert device_for_rank() == torch.device("cuda", 0)
+        barrier(groups.cp_group, timeout=timeout)
+        assert all_gather_ints([3, 5], groups.cp_group, "cuda", timeout=timeout).tolist() == [[3, 5]]
+        assert device_mesh(groups).device_type == "cuda"
+
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = _inputs(1, 4, 2, 3, 48, 64, torch.bfloat16, gen)
+        q_pos = torch.arange(48, 51)
+        outs, lses = [], []
+        for shard in torch.arange(48).chunk(3):  # three KV shards, as three ranks would hold them
+            o, l = attention_with_lse(q.cuda(), k[:, :, shard].cuda(), v[:, :, shard].cuda(), q_pos=q_pos.cuda(),
+                                      k_pos=shard.cuda())
+            go, gl = all_gather_states(o, l, groups.cp_group, timeout=timeout)
+            outs.append(go[0])
+            lses.append(gl[0])
+        out, lse = merge_states(outs, lses)
+        ref_out, ref_lse = dense_attention_fp64(q, k, v, q_pos=q_pos, k_pos=torch.arange(48))
+        assert_close(out.cpu(), ref_out, torch.bfloat16, "out", "NCCL gather + merge")
+        assert_close(lse.cpu(), ref_lse, torch.bfloat16, "lse", "NCCL gather + merge")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    print("NCCL-OK")
+
+
+def test_nccl_groups_on_one_gpu(tmp_path):
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("needs NCCL (this torch build has none)")
+    code = "import sys\nfrom tests.test_gpu import nccl_worker\nnccl_worker(sys.argv[1])\n"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "NCCL-OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]
