@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             distributed = METHODS[method].distributed
             engines = {on: magnetar.init_inference(
                 model, tokenizer=tok, method=method, cp_size=args.simulate_ranks if distributed else 1,
-                simulate=distributed, check_finite=on, deepspeed_inference=False, dtype=args.dtype)
+                simulate=distributed, check_finite=on, dtype=args.dtype, context_cache_mb=0)  # every repeat: Phase 1
                 for on in (True, False)}
             times = {on: {"phase1": [], "decode": []} for on in engines}
             for rep in range(args.repeats + 1):

@@ -79,14 +79,16 @@ def main(argv=None) -> int:
         dist.all_gather_object(rows, mine)
     if rows[0] is not mine and dist.get_rank() != 0:
         return 0
-    print(f"model {args.model} ({args.dtype}), mode {args.mode}, tp {args.tp_size} x cp {args.cp_size} ({len(rows)} ranks), "
+    print(f"model {args.model} ({args.dtype}), mode {args.mode}, tp {args.tp_size} x cp {args.cp_size} "
+          f"({len(rows)} ranks), "
           f"{platform.node()}")
     print("| rank | baseline MiB | peak after load MiB | peak after generate MiB | then anon MiB | then file MiB | "
           "load s | weights MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r, b, a, g, an, fi, s, w in rows:
         print(f"| {r} | {b:.0f} | {a:.0f} | {g:.0f} | {an:.0f} | {fi:.0f} | {s:.1f} | {w / 2**20:.0f} |")
-    print(json.dumps(dict(bench="load", model=args.model, dtype=args.dtype, mode=args.mode, tp=args.tp_size, cp=args.cp_size,
+    print(json.dumps(dict(bench="load", model=args.model, dtype=args.dtype, mode=args.mode, tp=args.tp_size,
+                          cp=args.cp_size,
                           platform=platform.platform(), torch=torch.__version__,
                           ranks=[dict(rank=r, baseline_mib=b, peak_after_load_mib=a, peak_after_generate_mib=g,
                                       anon_after_generate_mib=an, file_after_generate_mib=fi, load_seconds=s,

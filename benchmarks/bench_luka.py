@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import magnetar
     from magnetar.config import EngineConfig, LukaConfig
-    from magnetar.engine.phase2 import run_phase2
+    from magnetar.engine.phase2 import GreedyOrSampled, Phase2Request, run_phase2
     from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
     from magnetar.luka.decoder import LukaDecoder
@@ -94,11 +94,11 @@ def main(argv=None) -> int:
     for L in (parse_length(x) for x in args.lengths.split(",")):
         win = ppl_window(tokenizer, L, 0, target_tokens=16)
         query = win.continuation_ids[:8]
-        shard, qpos, _ = eng._phase1_distributed(win.context_ids, variants=[decoder("lined")])  # LuKA's Phase-1 mass
+        shard, qpos, _, _ = eng._phase1_distributed(win.context_ids, variants=[decoder("lined")])  # LuKA's mass
 
         def decode(dec, n):
-            return run_phase2(model, eng.config, [shard], [query], [qpos], eng.groups, eng.device, max_new_tokens=n,
-                              policy=dec, context_tokens=[L])[0]
+            request = Phase2Request(shard.view(), query, qpos, L, GreedyOrSampled(eng.config.decode, n))
+            return run_phase2(model, eng.config, [request], eng.groups, eng.device, policy=dec)[0]
 
         for mode in modes:
             decode(decoder(mode), 4)  # warm-up

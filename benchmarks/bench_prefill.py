@@ -128,7 +128,8 @@ def main(argv=None) -> int:
     mlist = modes([m.strip() for m in args.modes.split(",") if m.strip()], args.block, args.indexer_path)
 
     def engine(flat: dict):
-        cfg = EngineConfig.create(method="dense", deepspeed_inference=False, dtype=args.dtype, **flat)
+        # context_cache_mb 0: every timed request runs its Phase 1
+        cfg = EngineConfig.create(method="dense", dtype=args.dtype, context_cache_mb=0, **flat)
         if flat.get("prefill_policy"):
             cfg = cfg.replace(prefill_topk=flat.get("prefill_topk", args.topk), prefill_d_idx=args.d_idx)
         return magnetar.init_inference(model, cfg, tokenizer=tokenizer)

@@ -17,7 +17,7 @@
       prefill         prefill_policy, prefill_topk, prefill_schedule, prefill_b_sel, prefill_dense_layers,
                       prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
                       (sparse prefill of global attention layers: dense, star, pulsar)
-      runtime         dtype, attention_backend, deepspeed_inference, check_finite
+      runtime         dtype, attention_backend, deepspeed_inference, check_finite, context_cache_mb
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
 (``EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25")``), from a JSON/YAML file
@@ -295,9 +295,14 @@ class RuntimeConfig:
     # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's
     # logits are not finite, instead of decoding from NaN; one reduction per layer, no extra device sync
     check_finite: bool = True
+    # encoded contexts kept per rank for later questions (Engine.encode / ask, prefix reuse), least recently used
+    # out; 0 keeps none (every request runs its Phase 1)
+    context_cache_mb: int = 1024
 
     def __post_init__(self):
         _check_types(self)
+        _require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
+                 f"{self.context_cache_mb}")
         _choice("dtype", self.dtype, DTYPES, "dtype")
         _require(bool(self.attention_backend.strip()), "attention_backend",
                  "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")

@@ -13,6 +13,7 @@ returned on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -32,7 +33,8 @@ from magnetar.engine.agree import check_request
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
-from magnetar.engine.phase2 import run_phase2, run_scoring
+from magnetar.engine.context import ContextCache, ContextHandle, context_key
+from magnetar.engine.phase2 import GreedyOrSampled, Phase2Request, run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
@@ -77,6 +79,8 @@ class GenerationResult:
     # parameter + buffer bytes held by each rank of the model replica, index cp_rank * tp_size + tp_rank (the CP
     # rank at tp_size 1); under TP each is a shard
     weight_bytes_per_rank: list[int] = field(default_factory=list)
+    # the context tokens whose Phase 1 was reused from the context cache (all of them on a hit, else 0)
+    cached_context_tokens: int = 0
 
     @property
     def phase1_critical_path_seconds(self) -> float:
@@ -153,6 +157,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._layers = int(model.config.num_hidden_layers)
+        self.cache = ContextCache(config.runtime.context_cache_mb * 2**20)  # encoded contexts (encode / ask)
         self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
         self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
@@ -186,7 +192,8 @@ class Engine:
             if shard_heads is None:
                 raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads (it has "
                                  f"no shard_heads): use tp_size 1 with it")
-            total = int(getattr(self.model.config, "num_key_value_heads", None) or self.model.config.num_attention_heads)
+            cfg = self.model.config
+            total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
             shard_heads(rank * total // tp, total // tp, total)
         prepare = getattr(policy, "prepare", None)
         if prepare is not None:
@@ -201,14 +208,37 @@ class Engine:
             if not (isinstance(context, torch.Tensor) and isinstance(query, torch.Tensor)):
                 raise ValueError("pass context and query both as strings or both as token-id tensors")
             c, q = context.reshape(-1).long().cpu(), query.reshape(-1).long().cpu()
-        elif self.tokenizer is None:
-            raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
         else:
-            p = split_prompt(self.tokenizer, context, query)
+            p = self._prompt(context, query)
             c, q = p.context_ids, p.query_ids
         inputs.check_token_ids(c, "context", self.vocab_size, tokenized=strings)
         inputs.check_token_ids(q, "query", self.vocab_size, tokenized=strings)
         return c, q
+
+    def _context_ids(self, context) -> torch.Tensor:
+        """Checked context ids for :meth:`encode`: a string is cut from the chat template rendered with a stand-in
+        question (the split is at the end of the context, so the ids are those ``generate`` gets)."""
+        if isinstance(context, torch.Tensor):
+            c, strings = context.reshape(-1).long().cpu(), False
+        else:
+            c, strings = self._prompt(context, "?").context_ids, True
+        inputs.check_token_ids(c, "context", self.vocab_size, tokenized=strings)
+        return c
+
+    def _query_ids(self, query) -> torch.Tensor:
+        """Checked query ids for :meth:`ask`: a string is cut from the template rendered with a stand-in context
+        (the question part -- question, end of turn, assistant header -- does not depend on the context)."""
+        if isinstance(query, torch.Tensor):
+            q, strings = query.reshape(-1).long().cpu(), False
+        else:
+            q, strings = self._prompt(".", query).query_ids, True
+        inputs.check_token_ids(q, "query", self.vocab_size, tokenized=strings)
+        return q
+
+    def _prompt(self, context: str, query: str):
+        if self.tokenizer is None:
+            raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
+        return split_prompt(self.tokenizer, context, query)
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -249,62 +279,133 @@ class Engine:
                        return_logits: bool = False) -> list[GenerationResult]:
         """Several independent ``(context, query)`` requests of any lengths; one result each.
 
-        Phase 1 encodes the requests one after another (each has its own block plan and KV shard); Phase 2
-        and decoding run them as one batch (one model forward and one collective per layer per step for
-        all unfinished requests). Results equal those of separate :meth:`generate` calls.
+        Each context is encoded (:meth:`encode`: its own block plan and KV shard; a context in the cache skips
+        Phase 1); Phase 2 and decoding run the requests as one batch (:meth:`ask_batch`: one model forward and one
+        collective per layer per step for all unfinished requests). Results equal those of separate
+        :meth:`generate` calls.
         """
         inputs.check_generate(requests, max_new_tokens, stop, return_logits)
-        cfg, groups = self.config, self.groups
         toks = [self._tokens(c, q) for c, q in requests]
-        check_request(groups, cfg, self.device, entry="generate", contexts=[c for c, _ in toks],
+        check_request(self.groups, self.config, self.device, entry="generate", contexts=[c for c, _ in toks],
                       queries=[q for _, q in toks], max_new_tokens=max_new_tokens, stop=stop,
                       return_logits=return_logits)
         for c, q in toks:
             self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
-        shards, qpos, local, prefill = [], [], [], []  # local[request] = per-rank stats this process measured
         with nvtx_range(GENERATE):
-            for context_ids, _ in toks:
-                if cfg.parallel.simulate and cfg.parallel.cp_size > 1:
-                    shard, query_position, stats = self._phase1_simulated(context_ids)
-                else:
-                    shard, query_position, stats = self._phase1_distributed(context_ids)
-                prefill.append(None if self.last_prefill_stats is None else self.last_prefill_stats.as_dict())
-                shards.append(shard)
-                qpos.append(query_position)
-                local.append(stats)
-            checker = self._stop_checker(stop)
-            decs = run_phase2(self.model, cfg, shards, [q for _, q in toks], qpos, groups, self.device,
-                              max_new_tokens=max_new_tokens, eos_ids=self._eos_ids(),
-                              stop_checks=[checker] * len(toks) if checker else None, keep_logits=return_logits,
-                              policy=self.policy, context_tokens=[int(c.numel()) for c, _ in toks])
+            encoded = [self._encode(c) for c, _ in toks]
+            return self._ask([h for h, _ in encoded], [q for _, q in toks], [hit for _, hit in encoded],
+                             max_new_tokens=max_new_tokens, stop=stop, return_logits=return_logits)
 
+    # -- encoded contexts: encode once, ask many --------------------------------------------------------------
+    def encode(self, context: Union[str, torch.Tensor]) -> ContextHandle:
+        """Run Phase 1 on ``context`` (a string, tokenized as the chat template's context part, or token ids
+        ``(L,)``) on every rank of the replica and return its handle for :meth:`ask`. A context whose token ids
+        match a cached handle (``runtime.context_cache_mb``) returns that handle without running Phase 1. Every
+        rank calls it with the same context."""
+        inputs.check_prompt(context, "context")
+        c = self._context_ids(context)
+        check_request(self.groups, self.config, self.device, entry="encode", contexts=[c], queries=[])
+        self._check_lengths(int(c.numel()), 1, 1)
+        with nvtx_range(GENERATE):
+            return self._encode(c)[0]
+
+    def ask(self, handle: ContextHandle, query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
+            stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
+        """Answer ``query`` (a string, tokenized as the chat template's question part, or token ids) about the
+        context of ``handle`` (from :meth:`encode`): Phase 2 and decoding only. The question's decode-policy
+        state (LuKA pages and masses, sparse codes) is its own: nothing carries over to the next question.
+        ``ask(encode(c), q)`` equals ``generate(c, q)``."""
+        return self.ask_batch([handle], [query], max_new_tokens=max_new_tokens, stop=stop,
+                              return_logits=return_logits)[0]
+
+    def ask_batch(self, handles: Sequence[ContextHandle], queries: Sequence[Union[str, torch.Tensor]], *,
+                  max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
+                  return_logits: bool = False) -> list[GenerationResult]:
+        """:meth:`ask` for several ``(handle, query)`` pairs decoded as one batch (handles may repeat)."""
+        inputs.check_max_new_tokens(max_new_tokens)
+        inputs.check_stop(stop)
+        inputs.check_flag(return_logits, "return_logits")
+        if not isinstance(handles, (list, tuple)) or not isinstance(queries, (list, tuple)) or \
+                len(handles) != len(queries) or not handles:
+            raise ValueError("handles and queries must be non-empty lists of the same length (one query per handle)")
+        for i, h in enumerate(handles):
+            if not isinstance(h, ContextHandle) or h.shard is None or len(h.shard.layers) != self._layers:
+                raise ValueError(f"handles[{i}] must be a ContextHandle from this engine's encode(), got "
+                                 f"{type(h).__name__}")
+        for q in queries:
+            inputs.check_prompt(q, "query")
+        qids = [self._query_ids(q) for q in queries]
+        check_request(self.groups, self.config, self.device, entry="ask", contexts=[h.context_ids for h in handles],
+                      queries=qids, max_new_tokens=max_new_tokens, stop=stop, return_logits=return_logits)
+        for h, q in zip(handles, qids):
+            self._check_lengths(h.context_tokens, int(q.numel()), max_new_tokens)
+        with nvtx_range(GENERATE):
+            return self._ask(list(handles), qids, [False] * len(handles), max_new_tokens=max_new_tokens, stop=stop,
+                             return_logits=return_logits)
+
+    def release(self, handle: ContextHandle) -> bool:
+        """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""
+        if not isinstance(handle, ContextHandle):
+            raise ValueError(f"handle must be a ContextHandle from encode(), got {type(handle).__name__}")
+        return self.cache.release(handle)
+
+    def _encode(self, context_ids: torch.Tensor) -> tuple[ContextHandle, bool]:
+        """(the handle of ``context_ids``, whether it came from the cache); Phase 1 runs on a miss."""
+        key = context_key(context_ids)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, True
+        if self.simulated:
+            shard, query_position, stats = self._phase1_simulated(context_ids)
+            largest = max(st.kv_bytes for st in stats)
+        else:
+            shard, query_position, stats, largest = self._phase1_distributed(context_ids)
+        prefill = None if self.last_prefill_stats is None else self.last_prefill_stats.as_dict()
+        handle = ContextHandle(key, context_ids, shard, query_position, stats, prefill, largest)
+        self.cache.put(handle)
+        return handle, False
+
+    def _ask(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool], *, max_new_tokens: int,
+             stop, return_logits: bool) -> list[GenerationResult]:
+        cfg, groups = self.config, self.groups
+        checker, eos = self._stop_checker(stop), self._eos_ids()
+        requests = [Phase2Request(h.shard.view(), q, h.query_position, h.context_tokens,
+                                  GreedyOrSampled(cfg.decode, max_new_tokens, eos, checker))
+                    for h, q in zip(handles, qids)]
+        decs = run_phase2(self.model, cfg, requests, groups, self.device, keep_logits=return_logits,
+                          policy=self.policy)
         peak = _peak_memory(self.device)
-        for per, d in zip(local, decs):
-            for r, st in enumerate(per):  # generated KV sits with the query rank (rank 0, or this one)
-                st.gen_kv_tokens = d.gen_kv_tokens if (r == 0 or not self.simulated) else 0
-                # simulated ranks decode over one joined shard: its stats are every rank's, once
-                st.decode_stats = d.decode_stats if (r == 0 or not self.simulated) else None
-                st.peak_memory_bytes = peak if st.peak_memory_bytes is None else st.peak_memory_bytes
+        local = []  # local[request] = per-rank stats this process measured
+        for h, hit, d in zip(handles, hits, decs):
+            per = []
+            for r, st in enumerate(h.stats):  # generated KV sits with the query rank (rank 0, or this one)
+                mine = r == 0 or not self.simulated  # simulated ranks decode over one joined shard: stats once
+                per.append(dataclasses.replace(
+                    st, phase1_seconds=0.0 if hit else st.phase1_seconds,
+                    gen_kv_tokens=d.gen_kv_tokens if mine else 0, decode_stats=d.decode_stats if mine else None,
+                    peak_memory_bytes=peak if st.peak_memory_bytes is None else st.peak_memory_bytes))
+            local.append(per)
         if self.simulated:  # every rank's figures were measured here
             stats = local
         else:
             gathered = self._gather([per[0] for per in local])  # gathered[rank][request]
-            stats = [[g[i] for g in gathered] for i in range(len(toks))]
+            stats = [[g[i] for g in gathered] for i in range(len(handles))]
         results = []
-        for i, ((c, q), dec) in enumerate(zip(toks, decs)):
+        for i, (h, q, dec) in enumerate(zip(handles, qids, decs)):
             per_rank = stats[i]
             results.append(GenerationResult(
                 text=self._decode_text(dec.token_ids, stop), token_ids=dec.token_ids, method=cfg.method,
-                context_tokens=int(c.numel()), query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
+                context_tokens=h.context_tokens, query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
                 phase1_seconds=[s.phase1_seconds for s in per_rank], ttft_seconds=dec.ttft_seconds,
                 decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds
                 else None,
                 context_kv_tokens_per_rank=[s.context_kv_tokens for s in per_rank],
                 kv_tokens_per_rank=[s.kv_tokens for s in per_rank], kv_bytes_per_rank=[s.kv_bytes for s in per_rank],
                 peak_memory_bytes_per_rank=[s.peak_memory_bytes for s in per_rank],
-                first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=prefill[i],
+                first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=h.prefill_stats,
                 decode_stats=_sum_stats([s.decode_stats for s in per_rank]),
                 weight_bytes_per_rank=list(self.weight_bytes_per_rank),
+                cached_context_tokens=h.context_tokens if hits[i] else 0,
             ))
         return results
 
@@ -333,19 +434,21 @@ class Engine:
         return None
 
     def _phase1_distributed(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()):
-        """This rank's Phase 1: (its KV shard, the query position, [its RankStats]); ``variants``: other decode
-        policies the shard will serve (LuKA's need the Phase-1 attention mass)."""
+        """This rank's Phase 1: (its KV shard, the query position, [its RankStats], the largest shard's bytes over
+        the CP ranks); ``variants``: other decode policies the shard will serve (LuKA's need the Phase-1 mass)."""
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
                         mass=self._mass(variants), prefill=self.prefill)
-        agreed = self._gather((kept_token_count(plan), p1.nonfinite_layer))  # one collective for both checks
+        # one collective for the checks and the shard sizes
+        agreed = self._gather((kept_token_count(plan), p1.nonfinite_layer, p1.shard.nbytes()))
         self._check_kept([a[0] for a in agreed], int(context_ids.numel()))
         self._check_finite([a[1] for a in agreed])
         self.last_prefill_stats = None
         if self.prefill is not None:  # every rank's counts of this request, summed
             per_rank = self._gather(p1.prefill_stats)
             self.last_prefill_stats = functools.reduce(lambda a, b: a.merge(b), per_rank)
-        return p1.shard, plan.query_position, [RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())]
+        stats = RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())
+        return p1.shard, plan.query_position, [stats], max(a[2] for a in agreed)
 
     def _phase1_simulated(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()):
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
@@ -417,7 +520,7 @@ class Engine:
             if self.simulated:
                 shard, start, stats = self._phase1_simulated(c, variants=decoders)
             else:
-                shard, start, stats = self._phase1_distributed(c, variants=decoders)
+                shard, start, stats, _ = self._phase1_distributed(c, variants=decoders)
             seconds = [s.phase1_seconds for s in stats] if self.simulated else \
                 [g[0].phase1_seconds for g in self._gather(stats)]
             for dec in decoders:

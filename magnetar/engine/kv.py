@@ -80,6 +80,17 @@ class LayerKV:
         self._k, self._v, self._pos, self._mass = [], [], [], []
         self.frozen = True
 
+    def view(self) -> "LayerKV":
+        """This frozen layer's KV (the same tensors, never copied) with a policy state of its own: what one
+        request decodes over, so that what its decode policy derives or accumulates (LuKA's pages and masses,
+        sparse codes) never reaches another request reading the same context."""
+        if not self.frozen:
+            raise RuntimeError("LayerKV.view() needs a frozen layer (after Phase 1)")
+        out = LayerKV()
+        out.frozen = True
+        out.k, out.v, out.pos, out.mass = self.k, self.v, self.pos, self.mass
+        return out
+
     def __len__(self) -> int:
         if self.frozen:
             return 0 if self.k is None else self.k.shape[2]
@@ -106,6 +117,12 @@ class KVShard:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def view(self) -> "KVShard":
+        """Every layer's :meth:`LayerKV.view`: one request's own window on a frozen shard (no copy)."""
+        out = KVShard(0)
+        out.layers = [layer.view() for layer in self.layers]
+        return out
 
     @classmethod
     def join(cls, shards: "list[KVShard]") -> "KVShard":

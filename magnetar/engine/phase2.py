@@ -6,15 +6,17 @@ over those tokens causally; one packed all-gather of ``(out, lse)`` per layer an
 rank's output identical. The next token is chosen on the query rank (greedy or seeded sampling) and
 broadcast, so all ranks decode the same sequence. Stops at EOS, a stop string or ``max_new_tokens``.
 
-Several independent requests decode as one batch: each has its own KV (attention runs per request inside
-the layer, everything else batched, one collective per layer for the batch); queries of different lengths
-are right-padded and the padding never reaches a KV store.
+Several independent requests decode as one batch (:class:`DecodeBatch`): each has its own KV (attention runs
+per request inside the layer, everything else batched, one collective per layer for the batch); queries of
+different lengths are right-padded and the padding never reaches a KV store. Requests join the batch between
+steps and leave it when finished (continuous batching); each has its own :class:`TokenChooser`.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,10 +133,48 @@ class DecodeResult:
     token_ids: list[int]
     ttft_seconds: float
     decode_seconds: list[float] = field(default_factory=list)  # per generated token after the first
-    stop_reason: str = "max_new_tokens"
+    stop_reason: Optional[str] = None  # eos, stop_string or max_new_tokens once finished
     first_logits: Optional[torch.Tensor] = None
     gen_kv_tokens: int = 0
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
+
+
+class TokenChooser(Protocol):
+    """One request's decoding rule: which token follows (asked on the replica's first rank only; the token is
+    broadcast) and whether the request is finished (asked on every rank, from the same token ids)."""
+
+    def choose(self, logits: torch.Tensor) -> int: ...
+
+    def stop_reason(self, token_ids: list[int]) -> Optional[str]: ...
+
+
+@dataclass
+class GreedyOrSampled:
+    """The engine's :class:`magnetar.config.DecodeConfig` rule: greedy (temperature 0) or temperature / top-k /
+    top-p sampling from its own generator seeded with ``decode.seed`` -- a request's tokens never depend on the
+    other requests of its batch; stop at an EOS id, when ``stop_check(token_ids)`` holds, or at ``max_new_tokens``."""
+
+    decode: DecodeConfig
+    max_new_tokens: int
+    eos_ids: Sequence[int] = ()
+    stop_check: Optional[Callable[[list[int]], bool]] = None
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        if self.decode.temperature > 0 and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.decode.seed)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        return choose_token(logits, self.decode, self.generator)
+
+    def stop_reason(self, token_ids: list[int]) -> Optional[str]:
+        if token_ids[-1] in self.eos_ids:
+            return "eos"
+        if self.stop_check is not None and self.stop_check(token_ids):
+            return "stop_string"
+        if len(token_ids) >= self.max_new_tokens:
+            return "max_new_tokens"
+        return None
 
 
 def choose_token(logits: torch.Tensor, cfg: DecodeConfig, generator: Optional[torch.Generator]) -> int:
@@ -164,91 +204,147 @@ def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list
     return t.tolist()
 
 
-@torch.inference_mode()
-def run_phase2(model, config: EngineConfig, shards: list[KVShard], queries: list[torch.Tensor],
-               query_positions: list[int], groups: ParallelGroups, device, *, max_new_tokens: int,
-               eos_ids: Sequence[int] = (), stop_checks=None, keep_logits: bool = False,
-               policy: Optional[DecodePolicy] = None, context_tokens: Optional[list[int]] = None) -> list[DecodeResult]:
-    """Run a batch of queries through the model over their distributed KV, then decode each up to
-    ``max_new_tokens``. Request b has context KV ``shards[b]``, query ids ``queries[b]`` starting at RoPE
-    position ``query_positions[b]``; ``stop_checks[b](token_ids) -> bool`` (optional) ends it early.
-    Finished requests leave the batch; the others go on. One result per request. ``policy`` (a
-    :class:`~magnetar.engine.strategy.DecodePolicy`: sparse decoding or LuKA) makes every Phase-2 token attend
-    to its choice of the context KV of request b, whose whole context (over all ranks) is ``context_tokens[b]``
-    tokens.
+@dataclass
+class Phase2Request:
+    """One question over one context's distributed KV: this rank's context KV ``shard`` (a
+    :meth:`~magnetar.engine.kv.KVShard.view` of its own, so the decode policy's per-request state starts
+    empty), the query ids ``(Q,)`` starting at RoPE position ``query_position``, the whole context's length over
+    all ranks, and the request's :class:`TokenChooser`."""
+
+    shard: KVShard
+    query: torch.Tensor
+    query_position: int
+    context_tokens: int
+    chooser: TokenChooser
+
+
+@dataclass
+class _Live:
+    req: Phase2Request
+    result: DecodeResult
+    gen: Optional[KVShard]  # the query rank's store of this request's query/generated KV
+    next_pos: int
+
+
+class DecodeBatch:
+    """Requests decoding together over their distributed KV: they :meth:`join` between steps (their query
+    forward, which also chooses their first token) and leave when finished (EOS, stop string, limit); each
+    :meth:`step` is ONE model forward and one collective per layer for every unfinished request.
+
+    Every rank of the replica makes the same calls in the same order (the engine, or a server loop that
+    broadcasts what rank 0 decided). Requests are independent: a request's tokens equal those of it alone.
     """
-    B = len(shards)
-    chooser = groups.cp_rank == 0 and groups.tp_rank == 0  # the replica's first rank
-    gens = None
-    if groups.is_cp_leader:  # every TP rank of CP rank 0 keeps its heads of the query's and generated KV
-        gens = [KVShard(model.config.num_hidden_layers) for _ in range(B)]
-        for g in gens:
-            g.freeze()
-    generators = [torch.Generator().manual_seed(config.decode.seed + b) if config.decode.temperature > 0 else None
-                  for b in range(B)]
-    backend = config.runtime.attention_backend
-    def forward(active: list[int], ids: torch.Tensor, starts: list[int], valid: list[int], what: str) -> torch.Tensor:
-        S = ids.shape[1]
+
+    def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device, *,
+                 policy: Optional[DecodePolicy] = None, keep_logits: bool = False):
+        self.model, self.config, self.groups, self.device = model, config, groups, device
+        self.policy, self.keep_logits = policy, keep_logits
+        self.chooses = groups.cp_rank == 0 and groups.tp_rank == 0  # the replica's first rank
+        self._live: dict[int, _Live] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+
+    @property
+    def active(self) -> list[int]:
+        """The ids of the unfinished requests, in joining order."""
+        return [rid for rid, r in self._live.items() if r.result.stop_reason is None]
+
+    def result(self, rid: int) -> DecodeResult:
+        return self._live[rid].result
+
+    def pop(self, rid: int) -> DecodeResult:
+        """Remove a finished request; its result with the decode policy's stats of this rank."""
+        live = self._live.pop(rid)
+        stats = getattr(self.policy, "stats", None)
+        live.result.gen_kv_tokens = live.gen.tokens() if live.gen is not None else 0
+        live.result.decode_stats = stats(live.req.shard, live.req.context_tokens) if stats is not None else None
+        return live.result
+
+    def _forward(self, live: list[_Live], ids: torch.Tensor, starts: list[int], valid: list[int],
+                 what: str) -> torch.Tensor:
+        device, S = self.device, ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
-        ctx = Phase2Context(pos, [shards[b] for b in active], [gens[b] for b in active] if gens is not None else None,
-                            valid, groups, backend, policy,
-                            [context_tokens[b] for b in active] if context_tokens else None,
-                            check_finite=config.runtime.check_finite)
-        logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
-                       logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
-        last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else torch.zeros(len(valid), dtype=torch.long, device=device)
-        logits = logits[torch.arange(len(valid), device=device), last]  # (B_active, V): each request's last real token
+        ctx = Phase2Context(pos, [r.req.shard for r in live],
+                            [r.gen for r in live] if self.groups.is_cp_leader else None, valid, self.groups,
+                            self.config.runtime.attention_backend, self.policy,
+                            [r.req.context_tokens for r in live], check_finite=self.config.runtime.check_finite)
+        logits = self.model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
+                            logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
+        last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else \
+            torch.zeros(len(valid), dtype=torch.long, device=device)
+        logits = logits[torch.arange(len(valid), device=device), last]  # (B, V): each request's last real token
         ctx.check_logits(logits, what)
         return logits
 
-    def choose(active, logits) -> list[int]:
-        picked = [choose_token(logits[i], config.decode, generators[b]) for i, b in enumerate(active)] if chooser \
-            else [-1] * len(active)
-        return _broadcast_tokens(picked, groups, device)
+    def _choose(self, live: list[_Live], logits: torch.Tensor) -> list[int]:
+        picked = [r.req.chooser.choose(logits[i]) for i, r in enumerate(live)] if self.chooses else [-1] * len(live)
+        return _broadcast_tokens(picked, self.groups, self.device)
 
-    lengths = [int(q.numel()) for q in queries]
-    padded = torch.zeros(B, max(lengths), dtype=torch.long)
-    for b, q in enumerate(queries):
-        padded[b, : lengths[b]] = q  # right padding: after the real tokens, so none of them sees it
-    t0 = time.perf_counter()
-    with nvtx_range(PHASE2_QUERY):
-        logits = forward(list(range(B)), padded, list(query_positions), lengths, "the query")
-        tokens = choose(list(range(B)), logits)
-    ttft = time.perf_counter() - t0
-    results = [DecodeResult([tokens[b]], ttft, first_logits=logits[b].float().cpu() if keep_logits else None)
-               for b in range(B)]
-    next_pos = [query_positions[b] + lengths[b] for b in range(B)]
-    active = list(range(B))
-    step = 0
-    while True:
-        still = []
-        for b in active:
-            r = results[b]
-            if r.token_ids[-1] in eos_ids:
-                r.stop_reason = "eos"
-            elif stop_checks is not None and stop_checks[b] is not None and stop_checks[b](r.token_ids):
-                r.stop_reason = "stop_string"
-            elif len(r.token_ids) < max_new_tokens:
-                still.append(b)
-        active = still
-        if not active:
-            break
-        step += 1
+    @torch.inference_mode()
+    def join(self, requests: Sequence[Phase2Request]) -> list[int]:
+        """Run the queries of ``requests`` (one forward, right-padded) and choose their first tokens; returns
+        their ids. Requests finished by their first token are finished at once (``stop_reason`` set)."""
+        t0 = time.perf_counter()
+        live = []
+        for req in requests:
+            gen = None
+            if self.groups.is_cp_leader:  # every TP rank of CP rank 0 keeps its heads of the query/generated KV
+                gen = KVShard(self.model.config.num_hidden_layers)
+                gen.freeze()
+            live.append(_Live(req, DecodeResult([], 0.0), gen, req.query_position + int(req.query.numel())))
+        lengths = [int(r.req.query.numel()) for r in live]
+        padded = torch.zeros(len(live), max(lengths), dtype=torch.long)
+        for b, r in enumerate(live):
+            padded[b, : lengths[b]] = r.req.query  # right padding: after the real tokens, so none of them sees it
+        with nvtx_range(PHASE2_QUERY):
+            logits = self._forward(live, padded, [r.req.query_position for r in live], lengths, "the query")
+            tokens = self._choose(live, logits)
+        ttft = time.perf_counter() - t0
+        rids = []
+        for b, (r, t) in enumerate(zip(live, tokens)):
+            r.result.token_ids.append(t)
+            r.result.ttft_seconds = ttft
+            r.result.first_logits = logits[b].float().cpu() if self.keep_logits else None
+            r.result.stop_reason = r.req.chooser.stop_reason(r.result.token_ids)
+            rid = next(self._ids)
+            self._live[rid] = r
+            rids.append(rid)
+        return rids
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """One decode step of every unfinished request; returns the ids that got a token (in joining order)."""
+        rids = self.active
+        if not rids:
+            return []
+        self._steps += 1
+        live = [self._live[rid] for rid in rids]
         t1 = time.perf_counter()
-        with nvtx_range(PHASE2_DECODE_STEP, t=step):
-            ids = torch.tensor([[results[b].token_ids[-1]] for b in active])
-            logits = forward(active, ids, [next_pos[b] for b in active], [1] * len(active), f"decode step {step}")
-            tokens = choose(active, logits)
+        with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
+            ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
+            logits = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live),
+                                   f"decode step {self._steps}")
+            tokens = self._choose(live, logits)
         dt = time.perf_counter() - t1
-        for b, t in zip(active, tokens):
-            results[b].token_ids.append(t)
-            results[b].decode_seconds.append(dt)
-            next_pos[b] += 1
-    stats = getattr(policy, "stats", None) if context_tokens else None
-    for b in range(B):
-        results[b].gen_kv_tokens = gens[b].tokens() if gens is not None else 0
-        results[b].decode_stats = stats(shards[b], context_tokens[b]) if stats is not None else None
-    return results
+        for r, t in zip(live, tokens):
+            r.result.token_ids.append(t)
+            r.result.decode_seconds.append(dt)
+            r.next_pos += 1
+            r.result.stop_reason = r.req.chooser.stop_reason(r.result.token_ids)
+        return rids
+
+
+def run_phase2(model, config: EngineConfig, requests: Sequence[Phase2Request], groups: ParallelGroups, device, *,
+               keep_logits: bool = False, policy: Optional[DecodePolicy] = None) -> list[DecodeResult]:
+    """Run ``requests`` as one batch (their queries in one forward, then decode steps until each is finished);
+    one result each, in order. Finished requests leave the batch; the others go on. ``policy`` (a
+    :class:`~magnetar.engine.strategy.DecodePolicy`: sparse decoding or LuKA) makes every Phase-2 token attend to
+    its choice of its request's context KV."""
+    batch = DecodeBatch(model, config, groups, device, policy=policy, keep_logits=keep_logits)
+    rids = batch.join(requests)
+    while batch.step():
+        pass
+    return [batch.pop(rid) for rid in rids]
 
 
 @torch.inference_mode()

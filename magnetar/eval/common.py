@@ -104,8 +104,9 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     """The EngineConfig of ``method`` from the command line's engine options (``magnetar-bench`` and the cost
     model's CLI): ``cp`` ranks for the context-parallel methods, one for dense and streaming; ``--tp-size``
     (where the CLI has it) ranks share each one's weights."""
+    # context_cache_mb 0: every timed request runs its Phase 1 (a cached context would skip it)
     flat = dict(method=method, cp_size=1 if method in ("dense", "streaming") else cp, dtype=args.dtype,
-                tp_size=getattr(args, "tp_size", 1))
+                tp_size=getattr(args, "tp_size", 1), context_cache_mb=0)
     for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
                  "attention_backend"):
         if getattr(args, name, None) is not None:

@@ -1,0 +1,113 @@
+"""Encoded contexts: :class:`ContextHandle` (one context's Phase 1, kept on every rank) and :class:`ContextCache`.
+
+Phase 1 of Star, Pulsar, Ring and dense does not depend on the question, so a context encoded once can answer
+any number of questions (``Engine.ask``). The engine keeps recent handles in a :class:`ContextCache` under a byte
+budget (``runtime.context_cache_mb``); a request whose context token ids match a cached handle reuses it and
+skips Phase 1 (prefix reuse by exact match of the whole context).
+
+Every rank of a replica holds its own handle object (its own KV shard) under the same key, and every rank makes
+the same cache decisions: the budget counts a handle's largest shard over the ranks (gathered once at encode),
+so no rank evicts what another keeps -- a rank that skipped Phase 1 while its peers ran it would leave them
+waiting in a collective.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from magnetar.engine.kv import KVShard
+
+
+def context_key(context_ids: torch.Tensor) -> str:
+    """The cache key of a context: a blake2b digest of its int64 token ids (and their count)."""
+    ids = context_ids.reshape(-1).to(torch.int64).cpu().contiguous()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(int(ids.numel()).to_bytes(8, "little"))
+    h.update(ids.numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(eq=False)
+class ContextHandle:
+    """One context encoded by Phase 1 on every rank of the replica; this object holds this rank's part.
+
+    ``shard`` is frozen and never changed by a question: each question decodes over its own
+    :meth:`~magnetar.engine.kv.KVShard.view`. ``stats`` are the Phase-1 figures this process measured (one per
+    CP rank when simulated, else this rank's); ``nbytes`` the largest KV shard over the ranks (what the cache
+    budget counts, the same on every rank).
+    """
+
+    key: str
+    context_ids: torch.Tensor  # (L,) int64 on CPU
+    shard: KVShard
+    query_position: int  # the RoPE position of the first query token
+    stats: list = field(repr=False)  # list[magnetar.engine.engine.RankStats]
+    prefill_stats: Optional[dict]
+    nbytes: int
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.context_ids.numel())
+
+
+class ContextCache:
+    """Handles by key, least recently used first out, within ``budget_bytes`` (0: nothing is kept).
+
+    A handle larger than the whole budget is not kept. Eviction only drops the cache's reference: a question
+    still decoding over an evicted handle keeps it alive until it is done.
+    """
+
+    def __init__(self, budget_bytes: int):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self._handles: OrderedDict[str, ContextHandle] = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._handles
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self._handles.values())
+
+    def get(self, key: str) -> Optional[ContextHandle]:
+        """The cached handle of ``key`` (now the most recently used; counted as a hit), or None (a miss)."""
+        handle = self._handles.get(key)
+        if handle is None:
+            self.misses += 1
+            return None
+        self._handles.move_to_end(key)
+        self.hits += 1
+        return handle
+
+    def put(self, handle: ContextHandle) -> bool:
+        """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
+        returns whether it is kept."""
+        self._handles.pop(handle.key, None)
+        if handle.nbytes > self.budget_bytes:
+            return False
+        while self._handles and self.nbytes + handle.nbytes > self.budget_bytes:
+            self._handles.popitem(last=False)
+            self.evictions += 1
+        self._handles[handle.key] = handle
+        return True
+
+    def release(self, handle_or_key) -> bool:
+        """Drop a handle (or key) from the cache; returns whether it was there."""
+        key = handle_or_key.key if isinstance(handle_or_key, ContextHandle) else handle_or_key
+        return self._handles.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self._handles.clear()
+
+    def stats(self) -> dict:
+        return dict(handles=len(self._handles), bytes=self.nbytes, budget_bytes=self.budget_bytes, hits=self.hits,
+                    misses=self.misses, evictions=self.evictions)
