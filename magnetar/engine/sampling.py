@@ -1,0 +1,400 @@
+"""Per-request generation parameters: choosing the next token, deciding when to stop, streaming text.
+
+* :class:`SamplingParams` -- one request's parameters (``max_new_tokens``, ``temperature``, ``top_p``,
+  ``top_k``, ``seed``, ``stop``), validated when built.
+* :class:`RequestSampler` -- one per request: its own ``torch.Generator`` seeded with ``params.seed`` (so the
+  tokens a request samples never depend on its position in a batch or on the other requests), the token
+  history, the choice of the next token with transformers' logits warpers (temperature, top-k, top-p, in the
+  order ``generate`` applies them) and the stop decision with transformers' stopping criteria.
+* :class:`TextDeltas` -- the text of a request as it grows, in deltas (transformers' ``TextStreamer``), never
+  showing text past a stop string.
+
+This module knows nothing about models, ranks or batches: the engine hands each request's logits to its
+sampler on the rank that chooses, and the chosen token to the samplers of the ranks that follow.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria, StopStringCriteria
+from transformers.generation.streamers import TextStreamer
+
+from magnetar.config import DecodeConfig
+from magnetar.engine.inputs import _kind, check_max_new_tokens, check_stop, is_int
+
+# The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
+# float32 and softmax turns them into NaN (vLLM treats temperatures under 1e-5 as greedy; here they are refused).
+MIN_TEMPERATURE = 1e-5
+_MAX_INT = 2**63  # seeds go to torch.Generator.manual_seed, counts to int64 tensors (the ranks' agreement gather)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """One request's generation parameters.
+
+    * ``max_new_tokens``: an int >= 1, the most tokens generated.
+    * ``temperature``: a finite number; 0 is greedy (argmax), else >= :data:`MIN_TEMPERATURE` samples from
+      ``softmax(logits / temperature)``. With 0, ``top_k`` / ``top_p`` / ``seed`` are unused.
+    * ``top_k``: an int >= 0, 0 = off; else only the ``top_k`` most likely tokens can be drawn.
+    * ``top_p``: a number in (0, 1], 1 = off; else the smallest set of most likely tokens whose probability
+      reaches ``top_p`` (nucleus sampling).
+    * ``seed``: an int in [0, 2**63), the seed of the request's own generator.
+    * ``stop``: stop strings, a list or tuple of non-empty ``str`` (stored as a tuple; None means none). A single
+      ``str`` is refused rather than wrapped, as ``Engine.generate(stop=...)`` refuses it: pass ``stop=["\\n"]``.
+
+    Every bad value is a ``ValueError`` naming the field and what to pass; nothing is coerced (a bool is not an
+    int, 2.5 is not 2, NaN and inf are refused). numpy-style scalars become plain ``int`` / ``float``.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        check_max_new_tokens(self.max_new_tokens)
+        _require(self.max_new_tokens < _MAX_INT, "max_new_tokens", f"must be < 2**63, got {_show(self.max_new_tokens)}")
+        _number("temperature", self.temperature, "0 for greedy or a temperature such as 0.7")
+        _require(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
+                 f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits), "
+                 f"got {self.temperature!r}")
+        _number("top_p", self.top_p, "a number in (0, 1], 1 for off")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1] (1: off), got {self.top_p!r}")
+        _integer("top_k", self.top_k, "an int >= 0 (0: off)")
+        _integer("seed", self.seed, "an int in [0, 2**63)")
+        check_stop(self.stop)
+        stop = () if self.stop is None else tuple(self.stop)
+        # plain Python numbers: transformers' warpers check isinstance(top_k, int) / isinstance(temperature, float)
+        for name, value in (("max_new_tokens", int(self.max_new_tokens)), ("temperature", float(self.temperature)),
+                            ("top_p", float(self.top_p)), ("top_k", int(self.top_k)), ("seed", int(self.seed)),
+                            ("stop", stop)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_decode_config(cls, cfg: DecodeConfig, *, max_new_tokens: int = 64,
+                           stop: Optional[Sequence[str]] = None) -> "SamplingParams":
+        """The engine's defaults: ``cfg``'s temperature, top_k, top_p and seed, with these two per-call values."""
+        if not isinstance(cfg, DecodeConfig):
+            raise ValueError(f"cfg must be a magnetar.config.DecodeConfig (EngineConfig.decode), got {_kind(cfg)}")
+        return cls(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   seed=cfg.seed, stop=stop)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with ``changes`` (field=value), validated like a new one; an unknown field is a ValueError."""
+        names = [f.name for f in dataclasses.fields(self)]
+        for name in changes:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"SamplingParams has no field {name!r} (fields: {', '.join(names)}){hint}")
+        return dataclasses.replace(self, **changes)
+
+
+def _show(value: Any) -> str:
+    """``_kind(value)``, but a huge int by its size (its repr is slow, and refused past 4300 digits)."""
+    if is_int(value) and int(value).bit_length() > 128:
+        return f"int of {int(value).bit_length()} bits"
+    return _kind(value)
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} {msg}")
+
+
+def _number(name: str, value: Any, what: str) -> None:
+    _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name,
+             f"must be {what}, got {_show(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    _require(finite, name, f"must be finite ({what}), got {_show(value)}")
+
+
+def _integer(name: str, value: Any, what: str) -> None:
+    rounded = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    _require(is_int(value), name, f"must be {what}, got {_show(value)}"
+             + (" (write a whole number; nothing is rounded)" if rounded else ""))
+    _require(0 <= value < _MAX_INT, name, f"must be {what}, got {_show(value)}")
+
+
+# -- the stop criteria --------------------------------------------------------------------------------------
+class DecodedStopCriteria(StoppingCriteria):
+    """Stop strings for a tokenizer that is not a transformers one (no vocabulary for
+    :class:`~transformers.generation.stopping_criteria.StopStringCriteria`): true when a stop string occurs in
+    ``tokenizer.decode(ids, skip_special_tokens=True)`` of the ids given. Checked after every token, as the
+    engine did before this module."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        done = [any(s in self.tokenizer.decode(row.tolist(), skip_special_tokens=True) for s in self.stop_strings)
+                for row in input_ids]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+# StopStringCriteria preprocesses the whole vocabulary (~0.3-0.6 s for a 49k one) and transformers' own cache of
+# it misses (its key is the order of tokenizer.get_vocab(), which a fast tokenizer returns shuffled): keep the
+# built criteria per tokenizer object and stop strings. The criteria are stateless between calls, so requests
+# share them.
+_STOP_CACHE: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
+_STOP_CACHE_SIZE = 16  # stop-string sets kept per tokenizer
+_STOP_LOCK = threading.Lock()
+
+
+def stop_string_criteria(tokenizer, stop: tuple[str, ...]) -> StoppingCriteria:
+    """The stopping criterion of the stop strings ``stop`` (non-empty) on the generated ids: transformers'
+    ``StopStringCriteria`` for a transformers tokenizer (it matches across token boundaries on the token
+    strings, byte-level vocabularies by bytes), :class:`DecodedStopCriteria` for any other. Both must be called
+    after every generated token: StopStringCriteria only matches a stop string that ends in the last token."""
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        return DecodedStopCriteria(tokenizer, stop)
+    key = (stop, len(tokenizer))  # len: tokens added to the tokenizer change its vocabulary
+    with _STOP_LOCK:
+        per_tokenizer = _STOP_CACHE.setdefault(tokenizer, OrderedDict())
+        if key in per_tokenizer:
+            per_tokenizer.move_to_end(key)
+            return per_tokenizer[key]
+    try:
+        criteria = StopStringCriteria(tokenizer, list(stop))
+    except ValueError as e:  # transformers': a stop string that no token of the vocabulary can end
+        raise ValueError(f"stop: the tokenizer cannot produce one of the stop strings {list(stop)!r} ({e}); "
+                         f"remove it or use the model's own tokenizer") from e
+    with _STOP_LOCK:
+        per_tokenizer[key] = criteria
+        while len(per_tokenizer) > _STOP_CACHE_SIZE:
+            per_tokenizer.popitem(last=False)
+    return criteria
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to (without) the earliest occurrence of any stop string; all of it when none occurs."""
+    ends = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
+# -- one request --------------------------------------------------------------------------------------------
+class RequestSampler:
+    """One request's token choice and stop decision.
+
+    ``vocab_size`` is the length of the model's logits (``model.config.vocab_size``); ``eos_ids`` (ints >= 0) end
+    the request when generated; ``tokenizer`` (a transformers tokenizer, or any object with ``decode(ids,
+    skip_special_tokens=True)``) is needed for stop strings and :meth:`text`.
+
+    Each step, exactly one of two calls adds the step's token to the history: :meth:`choose` on the rank that
+    chooses (it returns the token it records), :meth:`record` on the ranks that receive the chosen token (the
+    broadcast). Both then update :attr:`stop_reason`; adding a token to a stopped request is a RuntimeError.
+    The sampler draws from its own generator only, seeded with ``params.seed``: neither the global torch RNG nor
+    other requests' samplers, nor the order in which they are called, change its tokens.
+    """
+
+    def __init__(self, params: SamplingParams, *, vocab_size: int, eos_ids: Sequence[int] = (), tokenizer=None):
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (SamplingParams(temperature=..., ...) or "
+                             f"SamplingParams.from_decode_config(config.decode)), got {_kind(params)}")
+        if not is_int(vocab_size) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1 (model.config.vocab_size), got {_show(vocab_size)}")
+        if not isinstance(eos_ids, (list, tuple)):
+            raise ValueError(f"eos_ids must be a list or tuple of token ids, got {_kind(eos_ids)}")
+        for i, t in enumerate(eos_ids):  # one beyond the vocabulary (a tokenizer's) is never generated: harmless
+            if not is_int(t) or not 0 <= t < _MAX_INT:
+                raise ValueError(f"eos_ids[{i}] must be a token id, an int >= 0, got {_show(t)}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"tokenizer must be None or a tokenizer with .decode(ids), got {_kind(tokenizer)}")
+        if params.stop and tokenizer is None:
+            raise ValueError(f"stop {list(params.stop)!r} needs a tokenizer to read the generated text: pass "
+                             f"tokenizer=... (init_inference(model, config, tokenizer=...)) or no stop strings")
+        self.params = params
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = tuple(int(t) for t in eos_ids)
+        self.tokenizer = tokenizer
+        self.generator = torch.Generator().manual_seed(params.seed)
+        self._ids: list[int] = []
+        self._stop_reason: Optional[str] = None
+        warpers = []
+        if not params.greedy:  # as GenerationMixin._get_logits_processor: temperature, then top-k, then top-p
+            if params.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k != 0:
+                warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+        self.warpers = LogitsProcessorList(warpers)
+        self._eos = EosTokenCriteria(list(self.eos_ids)) if self.eos_ids else None
+        self._stop = stop_string_criteria(tokenizer, params.stop) if params.stop else None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens so far (a copy)."""
+        return list(self._ids)
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """``"eos"`` (the last token is an EOS id), ``"stop_string"`` (a stop string appeared in the generated
+        text; checked after every token), ``"max_new_tokens"`` (that many were generated), in that precedence
+        when several hold at once; None while the request goes on."""
+        return self._stop_reason
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits (V,)`` (any float dtype, any device) after the warpers: float32 on the CPU, ``-inf`` for the
+        tokens top-k / top-p remove; unchanged values (as float32) for greedy requests."""
+        self._check_logits(logits)
+        scores = logits.detach().reshape(1, -1).float().cpu()
+        history = torch.tensor([self._ids], dtype=torch.long).reshape(1, -1)
+        return self.warpers(history, scores)[0]
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token for ``logits (V,)`` of this request's last position, recorded in the history.
+
+        Greedy: exactly ``int(torch.argmax(logits))`` (NaN logits are the engine's ``runtime.check_finite``
+        to catch). Sampling: ``torch.multinomial`` of the softmax of :meth:`process`'s scores, in float32 on the
+        CPU, with this request's generator; logits with NaN or +inf, or no finite entry, are a ValueError."""
+        self._check_open()
+        if self.params.greedy:
+            self._check_logits(logits)
+            token = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(self.process(logits), dim=-1)
+            if not bool(torch.isfinite(probs).all()):
+                raise ValueError("logits hold NaN or +inf, or no finite value: nothing to sample from "
+                                 "(runtime.check_finite reports where non-finite logits come from)")
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self._add(token)
+        return token
+
+    def record(self, token: int) -> None:
+        """Add ``token``, chosen on another rank, to the history (the ranks that do not call :meth:`choose`)."""
+        self._check_open()
+        if not is_int(token) or not 0 <= token < self.vocab_size:
+            raise ValueError(f"token must be a token id, an int in [0, vocab_size={self.vocab_size}), "
+                             f"got {_show(token)}")
+        self._add(int(token))
+
+    def text(self) -> str:
+        """The generated text: the history without EOS ids, decoded with ``skip_special_tokens=True`` and cut at
+        the first stop string (the stop string itself excluded); "" without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        ids = [t for t in self._ids if t not in self.eos_ids]
+        return cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), self.params.stop)
+
+    def _add(self, token: int) -> None:
+        self._ids.append(token)
+        ids = torch.tensor([self._ids], dtype=torch.long)
+        if self._eos is not None and bool(self._eos(ids, None)[0]):
+            self._stop_reason = "eos"
+        elif self._stop is not None and bool(self._stop(ids, None)[0]):
+            self._stop_reason = "stop_string"
+        elif len(self._ids) >= self.params.max_new_tokens:
+            self._stop_reason = "max_new_tokens"
+
+    def _check_open(self) -> None:
+        if self._stop_reason is not None:
+            raise RuntimeError(f"this request already stopped ({self._stop_reason}) after {len(self._ids)} tokens; "
+                               f"a finished request must leave the batch")
+
+    def _check_logits(self, logits) -> None:
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            raise ValueError(f"logits must be a float tensor (V,) of the request's last position, got "
+                             f"{logits.dtype if isinstance(logits, torch.Tensor) else _kind(logits)}")
+        if tuple(logits.shape) != (self.vocab_size,):
+            raise ValueError(f"logits must have shape ({self.vocab_size},) (vocab_size), got {tuple(logits.shape)}; "
+                             f"pass one request's last position, e.g. logits[b, -1]")
+
+
+# -- streaming ----------------------------------------------------------------------------------------------
+class TextDeltas(TextStreamer):
+    """A request's text in pieces as its tokens come: ``push(token_id)`` returns the new text (maybe ""),
+    ``finish()`` the rest. The pieces joined equal :meth:`RequestSampler.text` of the same tokens (decoded in
+    the pieces ``TextStreamer`` decodes: up to each newline).
+
+    transformers' :class:`~transformers.generation.streamers.TextStreamer` decides what is final (the
+    ``TextIteratorStreamer`` semantics): text up to the last space, a whole line at a newline, a CJK character
+    at once; so a piece never ends in a word a later token may extend, nor inside a multi-byte character (its
+    bytes decode to U+FFFD until complete, and that is never before a space). On top of it, with ``stop``
+    strings, text that may begin a stop string is held back until the next token decides, and nothing from a
+    stop string on is ever returned (later pushes return ""). EOS ids in ``eos_ids`` are dropped, as in
+    :meth:`RequestSampler.text`.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, stop: Optional[Sequence[str]] = None,
+                 eos_ids: Sequence[int] = ()):
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"tokenizer must be a tokenizer with .decode(ids), got {_kind(tokenizer)}")
+        if not isinstance(skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be True or False, got {_kind(skip_special_tokens)}")
+        check_stop(stop)
+        if not isinstance(eos_ids, (list, tuple)) or not all(is_int(t) for t in eos_ids):
+            raise ValueError(f"eos_ids must be a list or tuple of int token ids, got {_kind(eos_ids)}")
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=skip_special_tokens)
+        self.stop = tuple(stop or ())
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self._final = ""  # the text TextStreamer has finalized
+        self._sent = 0  # characters of it returned
+        self._stopped = False  # a stop string was found: nothing more is returned
+        self._finished = False
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self._final += text
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; returns the text that became final (maybe "")."""
+        if self._finished:
+            raise RuntimeError("TextDeltas.push after finish(): make a new TextDeltas for a new request")
+        if not is_int(token_id):
+            raise ValueError(f"token_id must be an int token id, got {_show(token_id)}")
+        if int(token_id) not in self.eos_ids:
+            self.put(torch.tensor([int(token_id)]))
+        return self._release(end=False)
+
+    def finish(self) -> str:
+        """The rest of the text, when the request has ended."""
+        if self._finished:
+            return ""
+        self._finished = True
+        self.end()
+        return self._release(end=True)
+
+    def _release(self, end: bool) -> str:
+        if self._stopped:
+            return ""
+        text, start = self._final, self._sent
+        # a stop string starts at or after start: a suffix that could begin one was held back
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self._stopped = True
+            upto = min(hits)
+        elif end:
+            upto = len(text)
+        else:
+            upto = len(text) - self._held(text, start)
+        self._sent = upto
+        return text[start:upto]
+
+    def _held(self, text: str, start: int) -> int:
+        """Length of the longest suffix of ``text[start:]`` that is a proper prefix of a stop string."""
+        for k in range(min(len(text) - start, max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(text[-k:]) for s in self.stop):
+                return k
+        return 0
