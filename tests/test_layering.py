@@ -30,6 +30,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "eval": BELOW_TOP + ("<root>",),  # the top: the engine's public API, the strategies' reports
     "calibrate": BELOW_TOP + ("<root>",),
     "launch": BELOW_TOP + ("<root>", "eval"),
+    "serve": BELOW_TOP + ("<root>", "eval", "launch"),  # the HTTP server: the engine's API, launch's CLI conventions
     "<root>": ("version", "config", "engine", "ops", "parallel"),  # magnetar/__init__.py: the public API
 }
 

@@ -5,7 +5,8 @@ everything through the context (system prompt, user header, context) is Phase 1;
 the user turn and the assistant header are Phase 2. Both halves are tokenized with
 ``add_special_tokens=False`` (the template already holds the special tokens). Base models without a chat
 template use the plain ``{context}{query}`` template (Star paper, Appendix B.3), with the BOS token first
-when the tokenizer normally adds one.
+when the tokenizer normally adds one. :func:`split_messages` does the same for a whole conversation (the server's
+chat requests): the last user message is the question, everything before it the context.
 
 User text is text: no special-token id ever comes from the context or the query. A ``<|im_start|>assistant``,
 ``<|eot_id|>``, ``</s>`` or the tokenizer's BOS/EOS string inside them is tokenized as the characters it is
@@ -25,7 +26,9 @@ supported versions.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -102,13 +105,76 @@ def split_prompt(tokenizer, context: str, query: str) -> Prompt:
         raise ValueError("the query is empty: Phase 2 needs at least one query token; pass a question")
     if getattr(tokenizer, "chat_template", None):
         content = _wrap_special(tokenizer, context, "context") + _SPLIT + _wrap_special(tokenizer, query, "query")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
-        if rendered.count(_SPLIT) != 1:
-            raise ValueError("the chat template altered the context/query boundary; pass token ids instead")
-        head, tail = rendered.split(_SPLIT)
-        return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
+        return _split_rendered(tokenizer, [{"role": "user", "content": content}])
+    return split_plain(tokenizer, context, query)
+
+
+def _split_rendered(tokenizer, messages: list[dict]) -> Prompt:
+    """Render ``messages`` (user text already wrapped, ``_SPLIT`` once in the last one) with the chat template and
+    cut it at ``_SPLIT``."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if rendered.count(_SPLIT) != 1:
+        raise ValueError("the chat template altered the context/query boundary; pass token ids instead")
+    head, tail = rendered.split(_SPLIT)
+    return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
+
+
+def split_messages(tokenizer, messages, context: Optional[str] = None) -> Prompt:
+    """A chat conversation into the two phases: the last message is the user's question (Phase 2, with the end
+    of its turn and the assistant header); everything before it is the context (Phase 1).
+
+    ``messages`` is a non-empty list of ``{"role": str, "content": str}``; the last one must have role ``user``
+    and a non-blank content. ``context`` (optional) is a document placed at the start of the last user turn,
+    before the question: ``split_messages(tok, [{"role": "user", "content": q}], context=doc)`` is exactly
+    ``split_prompt(tok, doc, q)``. Without ``context``, Phase 1 is the rendered conversation up to the question
+    (system prompt, earlier turns, the last user header). Special-token strings in any message or in ``context``
+    are text, as in :func:`split_prompt`.
+
+    Without a chat template (base models) the roles are not rendered: the context is ``context`` and the
+    earlier messages' contents joined by blank lines (``"\n\n"``), the query is the last message's content
+    (BOS first as in :func:`split_prompt`); an empty context is a ValueError (there is nothing to encode).
+    Bad messages raise ValueError naming ``messages[i].role`` / ``messages[i].content``.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts (the last one "
+                         f"the user's question), got {_describe(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}] must be a dict with a non-empty str 'role' and a str 'content', got "
+                             f"{_describe(m)}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a str, got {_describe(m.get('content'))}")
+    last = messages[-1]
+    if last["role"] != "user":
+        raise ValueError(f"messages[{len(messages) - 1}].role must be 'user': the last message is the question, "
+                         f"got role {last['role']!r}")
+    if not last["content"].strip():
+        raise ValueError(f"messages[{len(messages) - 1}].content is empty: Phase 2 needs at least one query "
+                         f"token; pass a question")
+    if context is not None and not isinstance(context, str):
+        raise ValueError(f"context must be a str or None, got {_describe(context)}")
+    if getattr(tokenizer, "chat_template", None):
+        wrapped = [dict(m, content=_wrap_special(tokenizer, m["content"], f"messages[{i}].content"))
+                   for i, m in enumerate(messages)]
+        head = "" if context is None else _wrap_special(tokenizer, context, "context")
+        wrapped[-1]["content"] = head + _SPLIT + wrapped[-1]["content"]
+        return _split_rendered(tokenizer, wrapped)
+    parts = ([] if context is None else [context]) + [m["content"] for m in messages[:-1]]
+    text = "\n\n".join(parts)
+    if not text:
+        raise ValueError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
+                         "before the question (or a given context); add the document before the question")
+    return split_plain(tokenizer, text, last["content"])
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def split_plain(tokenizer, context: str, query: str) -> Prompt:
+    """The template-free split (base models, raw completions): ``context`` as text, with the tokenizer's BOS
+    first when it adds one, and ``query`` as text (special-token strings in either are text)."""
     ids = encode_text(tokenizer, context)  # a BOS string in the context is text: the real BOS goes first
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None:

@@ -1,0 +1,205 @@
+"""The HTTP side (FastAPI, on the replica's first rank): OpenAI's endpoints, server-sent events, errors.
+
+Handlers parse and check a request (:mod:`magnetar.serve.protocol`, :mod:`magnetar.serve.prompts`; tokenizing
+runs in a worker thread), hand it to the engine loop (:class:`~magnetar.serve.loop.EngineLoop`, a thread-safe
+queue) and read its events from an asyncio queue. A request refused here never reaches the other ranks.
+A client that disconnects (mid-stream, or while waiting for a whole answer) cancels its request, which frees
+its slot in the decode batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from magnetar.engine.context import context_key
+from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
+from magnetar.serve.prompts import PinnedContext, context_id_of
+from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
+                                     ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
+                                     CompletionRequest, ContextObject, ContextRequest, Delta, ModelCard, ModelList,
+                                     PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body)
+from magnetar.version import __version__
+
+_DISCONNECT_POLL_S = 0.5  # how often a whole-answer request checks that its client is still there
+
+
+def usage_of(result) -> Usage:
+    prompt = result.context_tokens + result.query_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=len(result.token_ids),
+                 total_tokens=prompt + len(result.token_ids),
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_context_tokens))
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump_json(exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def build_app(server) -> FastAPI:
+    """The FastAPI app of ``server`` (a :class:`magnetar.serve.server.Server`)."""
+    app = FastAPI(title="Magnetar", version=__version__, docs_url=None, redoc_url=None)
+    loop, preparer, metrics = server.loop, server.preparer, server.metrics
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        if request.url.path in ("/v1/chat/completions", "/v1/completions") and exc.status < 500:
+            metrics.requests.labels(endpoint=request.url.path, outcome="rejected").inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}", None,
+                                       "invalid_request_error"), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        refused = loop.refusal()
+        if refused is not None:
+            return JSONResponse({"status": "failed" if loop.failed else "draining", "message": refused.message},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=server.model_name, created=server.created)]).model_dump()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _generate(request, parse_body(ChatCompletionRequest, await request.body()))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, parse_body(CompletionRequest, await request.body()))
+
+    async def _generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest]):
+        _open()
+        chat_kind = isinstance(req, ChatCompletionRequest)
+        prepared = await run_in_threadpool(preparer.chat if chat_kind else preparer.completion, req)
+        sink = Sink(asyncio.get_running_loop())
+        sid = loop.new_sid()
+        loop.submit(Job("generate", sid, sink, prepared, endpoint=request.url.path))
+        rid = new_id("chatcmpl" if chat_kind else "cmpl")
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(_stream(sink, sid, rid, chat_kind, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, done = await _collect(request, sink, sid)
+        if chat_kind:
+            return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage_of(done.result),
+                                  choices=[ChatChoice(message=AssistantMessage(content=text),
+                                                      finish_reason=done.finish_reason)]).model_dump()
+        return Completion(id=rid, created=now(), model=server.model_name, usage=usage_of(done.result),
+                          choices=[CompletionChoice(text=text, finish_reason=done.finish_reason)]).model_dump()
+
+    async def _collect(request: Request, sink: Sink, sid: int) -> tuple[str, Done]:
+        """The whole answer; cancels the request if the client goes away meanwhile."""
+        parts = []
+        getter = asyncio.ensure_future(sink.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+                if not done:
+                    if await request.is_disconnected():
+                        loop.cancel(sid)
+                        raise RequestError("the client disconnected", status=499)
+                    continue
+                item = getter.result()
+                if isinstance(item, Failed):
+                    raise item.error
+                if isinstance(item, Done):
+                    return "".join(parts), item
+                parts.append(item.text)
+                getter = asyncio.ensure_future(sink.queue.get())
+        finally:
+            getter.cancel()
+
+    async def _stream(sink: Sink, sid: int, rid: str, chat_kind: bool, include_usage: bool):
+        created, name = now(), server.model_name
+        finished = False
+
+        def chunk(text: Optional[str], finish: Optional[str] = None, role: bool = False):
+            if chat_kind:
+                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ChunkChoice(
+                    delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish)])
+            return Completion(id=rid, created=created, model=name,
+                              choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+
+        try:
+            if chat_kind:
+                yield _sse(chunk("", role=True))
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, Token):
+                    if item.text:
+                        yield _sse(chunk(item.text))
+                elif isinstance(item, Done):
+                    yield _sse(chunk(None if chat_kind else "", item.finish_reason))
+                    if include_usage:
+                        usage = usage_of(item.result)
+                        final = ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage) \
+                            if chat_kind else Completion(id=rid, created=created, model=name, choices=[], usage=usage)
+                        yield _sse(final)
+                    finished = True
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(item, Failed):  # the status line is sent: the error goes as an event
+                    finished = True
+                    yield _sse(item.error.body())
+                    return
+        finally:
+            if not finished:  # the client went away (or the response was cancelled): free the slot
+                loop.cancel(sid)
+
+    @app.post("/v1/contexts")
+    async def post_context(request: Request):
+        req = parse_body(ContextRequest, await request.body())
+        _open()
+        ids = await run_in_threadpool(preparer.context, req)
+        key = context_key(ids)
+        cid = context_id_of(key)
+        pinned = server.contexts.get(cid)
+        if pinned is None:
+            if len(server.contexts) >= server.contexts.limit:
+                raise RequestError(f"this server pins at most {server.contexts.limit} contexts (--max-contexts); "
+                                   f"DELETE /v1/contexts/{{id}} one first", "context")
+            sink = Sink(asyncio.get_running_loop())
+            loop.submit(Job("encode", loop.new_sid(), sink, cid=cid, context_ids=ids, key=key))
+            item = await sink.queue.get()
+            if isinstance(item, Failed):
+                raise item.error
+            assert isinstance(item, Encoded)
+            pinned = PinnedContext(cid, key, req.format, item.tokens, now())
+            server.contexts.add(pinned)
+        return _context_object(pinned).model_dump()
+
+    @app.delete("/v1/contexts/{cid}")
+    async def delete_context(cid: str):
+        pinned = server.contexts.get(cid)
+        if pinned is None:
+            raise RequestError(f"context {cid!r} is not a context of this server (or was deleted)", "context_id",
+                               status=404)
+        loop.submit(Job("release", loop.new_sid(), cid=cid))
+        server.contexts.remove(cid)
+        return _context_object(pinned, deleted=True).model_dump()
+
+    def _context_object(p: PinnedContext, deleted: bool = False) -> ContextObject:
+        return ContextObject(id=p.id, created=p.created, model=server.model_name, format=p.format, tokens=p.tokens,
+                             deleted=deleted)
+
+    def _open() -> None:
+        refused = loop.refusal()
+        if refused is not None:
+            raise refused
+
+    return app

@@ -1,0 +1,128 @@
+"""Serve a model over an OpenAI-compatible HTTP API (docs/serving.md).
+
+    magnetar serve --model smollm2-135m-instruct --method dense --port 8000            # one process
+    torchrun --nproc-per-node 4 -m magnetar.serve --model M --method pulsar --cp-size 4 --port 8000
+    deepspeed --num_gpus 4 --module magnetar.serve --model M --method star --port 8000
+    python -m magnetar.serve ...                                                          # = magnetar serve
+
+Every rank loads the model and runs the engine loop; the first rank of each replica (cp_rank 0, tp_rank 0)
+also serves HTTP on ``--host``, port ``--port + dp_rank`` (with several data-parallel replicas, put a load
+balancer in front). Every engine field has a flag, as in ``magnetar-run`` (``--method``, ``--cp-size``,
+``--tp-size``, ``--block-size``, ``--temperature``, ``--context-cache-mb``, ``--timeout-s``, ``--config FILE``,
+...). SIGTERM (or Ctrl-C) drains: new requests get 503, those in flight are answered, then every rank exits 0.
+A rank that fails ends every request in flight with a 500 and every rank exits non-zero within the collective
+timeout (``--timeout-s``). A bad flag ends every rank with ``magnetar serve: error: ...`` and status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from magnetar.config import add_cli_args
+from magnetar.launch.run import config_from_args
+from magnetar.models import ModelNotInstalledError, check_model
+from magnetar.parallel.launcher import add_launcher_args, launched_world_size
+from magnetar.utils.cli import ArgumentParser, check_input_file, fail, int_at_least, user_errors
+
+PROG = "magnetar serve"
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (an int in 1..65535), got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
+    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
+    p.add_argument("--port", type=_port, default=8000, help="port of the first replica; replica d listens on port + d")
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--max-batch-size", type=int_at_least(1), default=16, help="requests decoding together")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=256,
+                   help="max_tokens of a request that gives none (capped to the positions left)")
+    p.add_argument("--max-contexts", type=int_at_least(0), default=16,
+                   help="contexts pinned by POST /v1/contexts at most")
+    p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
+    add_cli_args(p)
+    add_launcher_args(p)
+    return p
+
+
+def check_inputs(args):
+    """Every check that needs no model (the config, --model, files, ports); ValueError names the flag."""
+    config = config_from_args(args)
+    check_model(args.model, revision=args.revision)
+    for name in ("hash_path", "prefill_indexer_path"):
+        path = getattr(config, name)
+        if path is not None:
+            check_input_file(path, flag="--" + name.replace("_", "-"))
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
+    if not config.parallel.simulate:
+        replicas = max(1, launched_world_size() // (config.parallel.cp_size * config.parallel.tp_size))
+        if args.port + replicas - 1 > 65535:
+            raise ValueError(f"--port {args.port}: the {replicas} replicas listen on ports {args.port}.."
+                             f"{args.port + replicas - 1}, past 65535; choose a lower --port")
+    return config
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        fail(PROG, f"the server needs the serve extra ({e.name} is not installed): pip install 'magnetar[serve]'")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    with user_errors(PROG):
+        config = check_inputs(args)
+    import magnetar
+    from magnetar.serve.server import Server
+
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        engine = magnetar.init_inference(args.model, config, revision=args.revision,
+                                         trust_remote_code=args.trust_remote_code)
+    server = Server(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+                    max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
+                    log_level=args.log_level)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.drain())
+    status = server.run()
+    if status:
+        # a failed peer: leave at once, without tearing down process groups whose peers are gone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return 0
+
+
+def umbrella(argv=None) -> int:
+    """``magnetar COMMAND ...``: ``magnetar serve ...`` runs :func:`main`. The other tools keep their own commands
+    (``magnetar-run``, ``magnetar-eval``, ``magnetar-bench``, ``magnetar-calibrate``, ``magnetar-demo``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"serve": main}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: magnetar COMMAND [ARGS]\n\ncommands:\n  serve    an OpenAI-compatible server "
+              "(magnetar serve --help)\n\nother tools: magnetar-run, magnetar-eval, magnetar-bench, "
+              "magnetar-calibrate, magnetar-demo")
+        return 0 if argv else 2
+    if argv[0] not in commands:
+        fail("magnetar", f"unknown command {argv[0]!r}; commands: {', '.join(commands)} (see magnetar --help)")
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""The lockstep engine loop: every rank of a replica runs it; the replica's first rank also decides.
+
+Each tick:
+
+1. the leader (cp_rank 0, tp_rank 0) turns what the HTTP thread queued into a :class:`~magnetar.serve.ticks.Tick`
+   -- cancels, releases of pinned contexts, at most ONE request or context that needs a Phase 1 plus any
+   number that hit the context cache, up to ``max_batch_size`` decoding requests;
+2. :func:`~magnetar.serve.ticks.broadcast_tick` gives it to every rank of the replica (timeout: the groups');
+3. every rank applies it to its :class:`~magnetar.engine.batch.ContinuousBatch` in the same order (``cancel``,
+   ``add`` -- a Phase 1 on a cache miss, then the query forward and the first token --, ``pop`` of finished
+   requests) and runs one ``step()`` while requests are decoding;
+4. the leader hands each request's events to its HTTP handler (:class:`Sink`: ``call_soon_threadsafe`` onto the
+   handler's asyncio queue).
+
+Idle, the leader waits on its inbox and sends an empty tick (a heartbeat) every ``heartbeat_s`` -- well under the
+collective timeout -- so the other ranks, blocked in the broadcast, never time out while nothing happens. A
+request the engine refuses with ValueError (on every rank alike) fails alone with a 400; any other exception
+(a dead rank's TimeoutError, a gloo error, non-finite logits) ends the loop: the leader answers every request in
+flight with a 500 and every rank returns a non-zero status.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from magnetar.engine.sampling import SamplingParams
+from magnetar.serve.prompts import Prepared
+from magnetar.serve.protocol import FINISH_REASONS, RequestError
+from magnetar.serve.ticks import Add, Encode, Tick, broadcast_tick, is_leader
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often an idle leader looks at the drain flag
+
+
+@dataclass
+class Token:
+    text: str
+    token_id: int
+
+
+@dataclass
+class Done:
+    result: Any  # GenerationResult
+    finish_reason: Optional[str]  # OpenAI's: "stop" / "length"
+
+
+@dataclass
+class Encoded:
+    tokens: int
+
+
+@dataclass
+class Failed:
+    error: RequestError
+
+
+class Sink:
+    """A request's events, handed from the engine thread to the HTTP handler's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the HTTP loop is closed: nobody listens any more
+            pass
+
+
+@dataclass
+class Job:
+    """What the HTTP thread asks of the engine loop (leader only)."""
+
+    kind: str  # "generate" | "encode" | "release" | "cancel"
+    sid: int
+    sink: Optional[Sink] = None
+    prepared: Optional[Prepared] = None
+    endpoint: str = ""
+    cid: Optional[str] = None
+    context_ids: Optional[torch.Tensor] = None  # encode
+    key: Optional[str] = None  # encode: the context's cache key
+    arrived: float = field(default_factory=time.monotonic)
+    last: Optional[float] = None  # when its last token was routed
+
+
+class EngineLoop:
+    """See the module docstring. ``metrics`` (a :class:`~magnetar.serve.metrics.Metrics`) and ``contexts`` are
+    the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
+
+    def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None):
+        self.engine, self.groups = engine, engine.groups
+        self.leader = is_leader(self.groups)
+        self.max_batch_size = max_batch_size
+        self.metrics = metrics
+        timeout = self.groups.timeout.total_seconds()
+        self.heartbeat_s = min(5.0, timeout / 4) if heartbeat_s is None else heartbeat_s
+        self.batch = None
+        self.handles: dict = {}  # cid -> ContextHandle, on every rank (pinned contexts)
+        self.rids: dict[int, int] = {}  # sid -> the batch's rid, on every rank
+        self.sids: dict[int, int] = {}  # rid -> sid
+        # the leader's side
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}  # sid -> job, from submission to its last event
+        self.pending: list[Job] = []  # taken from the inbox, not yet in a tick
+        self._cancels: list[int] = []
+        self._sid = itertools.count(1)
+        self._gate = threading.Lock()
+        self.closed = False  # no more submissions (stopping)
+        self.draining = False  # set by SIGTERM: finish what was accepted, take nothing new, then stop
+        self.failed: Optional[str] = None
+        self.start_error: Optional[str] = None  # the leader could not start serving: stop every rank
+
+    # -- the HTTP thread's side (leader) ----------------------------------------------------------------------
+    def new_sid(self) -> int:
+        return next(self._sid)
+
+    def refusal(self) -> Optional[RequestError]:
+        """The 503 a new request gets now (draining, failed or stopped), or None."""
+        if self.failed is not None:
+            return RequestError(f"the server failed and is shutting down ({self.failed})", status=503,
+                                type="server_error")
+        if self.draining or self.closed:
+            return RequestError("the server is shutting down (draining the requests in flight); retry on another "
+                                "replica", status=503, type="server_error")
+        return None
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; RequestError 503 when the server takes no more requests."""
+        with self._gate:
+            refused = self.refusal()
+            if refused is not None:
+                raise refused
+            self.inbox.put(job)
+
+    def cancel(self, sid: int) -> None:
+        """The client of ``sid`` left: drop the request (queued or decoding); a no-op once it has finished."""
+        self.inbox.put(Job("cancel", sid))
+
+    # -- every rank -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until a stop tick; returns the exit status (0 after a drain, 1 after a failure)."""
+        self.batch = self.engine.open_batch()
+        try:
+            while True:
+                tick = self._decide() if self.leader else None
+                tick = broadcast_tick(tick, self.groups, self.engine.device)
+                if tick.stop:
+                    if tick.error is not None:
+                        log.error("the server stops: %s", tick.error)
+                    return 0 if tick.error is None else 1
+                self._apply(tick)
+                if self.batch.active:
+                    self._route(self.batch.step())
+                if self.leader:
+                    self._gauges()
+        except Exception as e:  # a dead peer, a collective timeout, an engine failure: never a hang
+            log.exception("the engine loop failed on rank %d", self.groups.rank)
+            if self.leader:
+                self._fail_all(f"{type(e).__name__}: {e}")
+            return 1
+        finally:
+            if self.leader:
+                self._close()
+
+    # -- the leader's decisions -------------------------------------------------------------------------------
+    def _decide(self) -> Tick:
+        deadline = time.monotonic() + self.heartbeat_s
+        while True:
+            busy = bool(self.batch.active)
+            self._take(block=not busy and not self.pending, until=deadline)
+            if self.start_error is not None:
+                return Tick(stop=True, error=self.start_error)
+            if self.draining and not self.batch.active and not self.pending and not self._cancels:
+                with self._gate:
+                    if self.inbox.empty():
+                        self.closed = True
+                        return Tick(stop=True)
+                continue
+            tick = self._schedule()
+            if not tick.empty or busy or time.monotonic() >= deadline:
+                return tick
+
+    def _take(self, *, block: bool, until: float) -> None:
+        """Move the inbox into ``pending`` (cancels apart); waits up to ``_POLL_S`` for the first job if ``block``."""
+        while True:
+            try:
+                if block:
+                    job = self.inbox.get(timeout=max(0.0, min(_POLL_S, until - time.monotonic())))
+                    block = False
+                else:
+                    job = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job.kind == "cancel":
+                self._take_cancel(job.sid)
+            else:
+                self.jobs[job.sid] = job
+                self.pending.append(job)
+
+    def _take_cancel(self, sid: int) -> None:
+        waiting = next((j for j in self.pending if j.sid == sid), None)
+        if waiting is not None:
+            self.pending.remove(waiting)
+            self._finish_job(sid, "cancelled")
+        elif sid in self.rids:
+            self._cancels.append(sid)
+
+    def _schedule(self) -> Tick:
+        tick = Tick(cancels=self._cancels)
+        self._cancels = []
+        room = self.max_batch_size - (len(self.batch.active) - len(tick.cancels))
+        phase1, keys = False, set()
+        for job in list(self.pending):
+            if job.kind == "release":
+                if not any(j.kind == "generate" and j.prepared.context_id == job.cid for j in self.pending):
+                    tick.releases.append(job.cid)
+                    self.pending.remove(job)
+                    self.jobs.pop(job.sid, None)
+                continue
+            key = job.key if job.kind == "encode" else job.prepared.key
+            pinned = job.kind == "generate" and job.prepared.context_id is not None
+            if pinned and job.prepared.context_id not in self.handles:  # deleted after the request was checked
+                self.pending.remove(job)
+                self._reject(job.sid, ValueError(f"magnetar.context_id {job.prepared.context_id!r} was deleted"),
+                             "magnetar.context_id")
+                continue
+            needs = not pinned and key not in self.engine.cache and key not in keys
+            if (job.kind == "generate" and room <= 0) or (needs and phase1):
+                continue
+            phase1, room = phase1 or needs, room - (job.kind == "generate")
+            keys.add(key)
+            self.pending.remove(job)
+            if job.kind == "encode":
+                tick.encodes.append(Encode(job.sid, job.cid, job.context_ids.tolist()))
+            else:
+                p = job.prepared
+                tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
+                                     None if p.context_ids is None else p.context_ids.tolist(), p.context_id))
+        return tick
+
+    # -- every rank: apply a tick, route events ---------------------------------------------------------------
+    def _apply(self, tick: Tick) -> None:
+        for sid in tick.cancels:
+            rid = self.rids.get(sid)
+            if rid is not None and rid in self.batch.active:
+                self.batch.cancel(rid)
+                self._forget(sid)
+                self._finish_job(sid, "cancelled")
+        for enc in tick.encodes:
+            try:
+                self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
+            except ValueError as e:  # every rank refuses alike
+                self._reject(enc.sid, e, "context")
+                continue
+            self._send(enc.sid, Encoded(handle.context_tokens))
+            self._finish_job(enc.sid, None)
+        for add in tick.adds:
+            context = self.handles[add.context_id] if add.context_id is not None else \
+                torch.tensor(add.context_ids, dtype=torch.long)
+            try:
+                rid, first = self.batch.add(context, torch.tensor(add.query_ids, dtype=torch.long),
+                                            SamplingParams(**add.params))
+            except ValueError as e:
+                self._reject(add.sid, e, None)
+                continue
+            self.rids[add.sid], self.sids[rid] = rid, add.sid
+            self._route([first])
+        for cid in tick.releases:  # after the adds: a request of this tick may still read the context
+            handle = self.handles.pop(cid, None)
+            if handle is not None:
+                self.engine.release(handle)
+
+    def _route(self, events) -> None:
+        for ev in events:
+            sid = self.sids[ev.rid]
+            self._token(sid, ev)
+            if ev.stop_reason is not None:
+                result = self.batch.pop(ev.rid)  # every rank: a small collective
+                self._forget(sid)
+                self._send(sid, Done(result, FINISH_REASONS.get(ev.stop_reason)))
+                if self.leader:
+                    self.metrics.finished(result)
+                self._finish_job(sid, FINISH_REASONS.get(ev.stop_reason, ev.stop_reason))
+
+    def _forget(self, sid: int) -> None:
+        rid = self.rids.pop(sid)
+        self.sids.pop(rid, None)
+
+    # -- the leader's bookkeeping (no-ops elsewhere) ----------------------------------------------------------
+    def _send(self, sid: int, item) -> None:
+        job = self.jobs.get(sid) if self.leader else None
+        if job is not None and job.sink is not None:
+            job.sink.put(item)
+
+    def _token(self, sid: int, ev) -> None:
+        job = self.jobs.get(sid) if self.leader else None
+        if job is None:
+            return
+        now = time.monotonic()
+        (self.metrics.ttft if job.last is None else self.metrics.tpot).observe(now - (job.last or job.arrived))
+        job.last = now
+        if job.sink is not None:
+            job.sink.put(Token(ev.text, ev.token_id))
+
+    def _reject(self, sid: int, error: ValueError, param: Optional[str]) -> None:
+        self._send(sid, Failed(RequestError(str(error), param)))
+        self._finish_job(sid, "rejected")
+
+    def _finish_job(self, sid: int, outcome: Optional[str]) -> None:
+        job = self.jobs.pop(sid, None) if self.leader else None
+        if job is not None and outcome is not None and job.endpoint:
+            self.metrics.requests.labels(endpoint=job.endpoint, outcome=outcome).inc()
+
+    def _gauges(self) -> None:
+        self.metrics.active.set(len(self.batch.active))
+        self.metrics.queued.set(len(self.pending) + self.inbox.qsize())
+        self.metrics.cache(self.engine.cache.stats(), len(self.handles))
+
+    def _fail_all(self, why: str) -> None:
+        self.failed = why
+        err = RequestError(f"the engine failed ({why}); the server is shutting down", status=500, type="server_error")
+        for sid in list(self.jobs):
+            self._send(sid, Failed(err))
+            self._finish_job(sid, "error")
+
+    def _close(self) -> None:
+        """No more submissions; whatever is still queued gets a 503."""
+        with self._gate:
+            self.closed = True
+        refused = self.refusal()
+        while True:
+            try:
+                job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if job.kind != "cancel":
+                self.jobs[job.sid] = job
+        for sid in list(self.jobs):
+            self._send(sid, Failed(refused))
+            self._finish_job(sid, "rejected")

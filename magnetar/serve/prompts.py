@@ -1,0 +1,297 @@
+"""Requests -> (Phase-1 context ids, Phase-2 query ids, sampling parameters), checked on the serving rank before
+anything reaches the other ranks.
+
+How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"):
+
+* chat, ``"magnetar": {"context": doc}``: the document opens the last user turn, the last user message is the
+  question -- with one user message exactly ``Engine.generate(doc, question)``
+  (:func:`magnetar.engine.template.split_messages`);
+* chat without it: everything before the last user message (system prompt, earlier turns, the user header) is
+  the context, the last user message the question;
+* chat or completion with ``"magnetar": {"context_id": id}`` (``POST /v1/contexts``): the encoded context; the
+  messages are then one user message, the question;
+* completion, ``"magnetar": {"context": doc}``: the document as plain text (BOS first when the tokenizer adds
+  one), the prompt as the query; without it the raw prompt is cut after its last blank line (``"\\n\\n"``, else
+  its last newline) before non-blank text: what precedes is the context, the rest (the question) the query.
+
+Per-request options (the ``magnetar`` object): ``context`` and ``context_id``. Engine options (``method``,
+``cp_size``, ``block_size``, ``scorer``, ...) cannot change per request -- the context KV, the cache key and the
+ranks' plans are those of the server's one config -- so they are accepted only when equal to the server's value
+and otherwise refused with a 400 saying how to start a server with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from magnetar.config import FLAT_FIELDS, EngineConfig
+from magnetar.engine import inputs
+from magnetar.engine.context import context_key
+from magnetar.engine.strategy import context_method
+from magnetar.engine.template import split_messages, split_plain
+from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
+                                     refuse_unsupported)
+
+OPTIONS = ("context", "context_id")
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checked generation request. Exactly one of ``context_ids`` (``(L,)`` int64) and ``context_id`` (a pinned
+    context of ``POST /v1/contexts``) is set; ``key`` is the context's cache key; ``params`` the
+    :class:`~magnetar.engine.sampling.SamplingParams` fields (JSON-able: what the ranks receive)."""
+
+    context_ids: Optional[torch.Tensor]
+    context_id: Optional[str]
+    query_ids: torch.Tensor  # (Q,) int64
+    key: str
+    context_tokens: int
+    params: dict
+
+
+@dataclass(frozen=True)
+class PinnedContext:
+    id: str
+    key: str
+    format: str
+    tokens: int
+    created: int
+
+
+class ContextRegistry:
+    """The pinned contexts the serving rank knows about (thread-safe: HTTP handlers and the engine loop)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._items: dict[str, PinnedContext] = {}
+
+    def get(self, cid: str) -> Optional[PinnedContext]:
+        with self._lock:
+            return self._items.get(cid)
+
+    def add(self, item: PinnedContext) -> None:
+        with self._lock:
+            self._items[item.id] = item
+
+    def remove(self, cid: str) -> Optional[PinnedContext]:
+        with self._lock:
+            return self._items.pop(cid, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+def context_id_of(key: str) -> str:
+    """The id of a pinned context: from its cache key, so posting the same document twice gives the same id."""
+    return f"ctx-{key}"
+
+
+class Preparer:
+    """Tokenizes and checks requests for ``engine`` (only its tokenizer, config and limits are read: thread-safe
+    next to the engine loop). ``default_max_tokens`` is used when a request gives none, capped to the positions
+    left after its prompt."""
+
+    def __init__(self, engine, model_name: str, default_max_tokens: int, contexts: ContextRegistry):
+        self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
+        self.contexts = contexts
+        self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        self._lock = threading.Lock()  # one tokenization at a time (fast tokenizers are not re-entrant)
+
+    # -- the three request kinds ------------------------------------------------------------------------------
+    def chat(self, req: ChatCompletionRequest) -> Prepared:
+        self._common(req)
+        if not req.messages:
+            raise RequestError("messages is empty: send at least one message, the question as the last user "
+                               "message", "messages")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        context, cid = self._options(req.magnetar)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
+            raise RequestError("with magnetar.context_id the encoded context is Phase 1: send only the question, as "
+                               "one user message", "messages")
+        with self._lock:
+            try:
+                if cid is not None:  # the template's question part: split after a stand-in context
+                    prompt = split_messages(self.tokenizer, messages, context=".")
+                else:
+                    prompt = split_messages(self.tokenizer, messages, context=context)
+            except ValueError as e:
+                raise RequestError(str(e), _message_param(str(e), context)) from None
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        where = "magnetar.context" if context is not None else "messages"
+        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where)
+
+    def completion(self, req: CompletionRequest) -> Prepared:
+        self._common(req)
+        prompt = req.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise RequestError(f"prompt: one prompt per request (got a list of {len(prompt)}); send one string",
+                                   "prompt")
+            prompt = prompt[0]
+        if not prompt.strip():
+            raise RequestError("prompt is empty: Phase 2 needs at least one query token", "prompt")
+        context, cid = self._options(req.magnetar)
+        where = "magnetar.context"
+        if context is None and cid is None:
+            context, prompt = split_completion(prompt)
+            where = "prompt"
+        with self._lock:
+            p = split_plain(self.tokenizer, "." if cid is not None else context, prompt)
+        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where)
+
+    def context(self, req: ContextRequest) -> torch.Tensor:
+        """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
+        self._model(req.model)
+        if not req.context.strip():
+            raise RequestError("context is empty: give the document to encode", "context")
+        with self._lock:
+            if req.format == "chat":  # the chat template's context part, as magnetar.context in a chat request
+                ids = split_messages(self.tokenizer, [{"role": "user", "content": "?"}], context=req.context)
+            else:
+                ids = split_plain(self.tokenizer, req.context, "?")
+        self._check_context(ids.context_ids, 1, "context")
+        return ids.context_ids
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def _model(self, name: str) -> None:
+        if name != self.model_name:
+            raise RequestError(f"model {name!r} is not served here; this server serves {self.model_name!r} "
+                               f"(GET /v1/models)", "model")
+
+    def _common(self, req) -> None:
+        self._model(req.model)
+        refuse_unsupported(req)
+        if req.stream_options is not None and not req.stream:
+            raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+
+    def _options(self, options: Optional[dict[str, Any]]) -> tuple[Optional[str], Optional[str]]:
+        """(magnetar.context, magnetar.context_id) of a request's ``magnetar`` object."""
+        if not options:
+            return None, None
+        for name, value in options.items():
+            if name in OPTIONS:
+                continue
+            param = f"magnetar.{name}"
+            if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens"):
+                raise RequestError(f"{param}: set {name} as a field of the request itself, not in magnetar", param)
+            if name == "method" or name in FLAT_FIELDS:
+                current = self.config.method if name == "method" else \
+                    getattr(getattr(self.config, FLAT_FIELDS[name]), name)
+                if value == current and type(value) is type(current):
+                    continue
+                raise RequestError(
+                    f"{param}={value!r} cannot change per request: the server's ranks encode contexts and cache their "
+                    f"KV with one engine config ({name}={current!r}); start a server with "
+                    f"--{name.replace('_', '-')} {value} for it", param)
+            close = difflib.get_close_matches(name, [*OPTIONS, "method", *FLAT_FIELDS], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}){hint}", param)
+        context, cid = options.get("context"), options.get("context_id")
+        if context is not None and not isinstance(context, str):
+            raise RequestError(f"magnetar.context must be a string (the document), got {type(context).__name__}",
+                               "magnetar.context")
+        if cid is not None and not isinstance(cid, str):
+            raise RequestError(f"magnetar.context_id must be a string from POST /v1/contexts, got "
+                               f"{type(cid).__name__}", "magnetar.context_id")
+        if context is not None and cid is not None:
+            raise RequestError("give magnetar.context or magnetar.context_id, not both", "magnetar.context_id")
+        if context is not None and not context.strip():
+            raise RequestError("magnetar.context is empty: give the document (or leave the option out)",
+                               "magnetar.context")
+        if cid is not None and self.contexts.get(cid) is None:
+            raise RequestError(f"magnetar.context_id {cid!r} is not a context of this server (POST /v1/contexts "
+                               f"returns one; deleted ones are gone)", "magnetar.context_id")
+        return context, cid
+
+    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str) -> None:
+        L = int(ids.numel())
+        try:
+            inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
+            if self.engine.max_positions is not None and L + query_tokens + 1 > self.engine.max_positions:
+                raise ValueError(f"the context ({L} tokens) + query ({query_tokens}) + one new token exceeds the "
+                                 f"model's {self.engine.max_positions} positions; shorten the context by at least "
+                                 f"{L + query_tokens + 1 - self.engine.max_positions} tokens")
+            reasons = context_method(self.config.method).validate(self.config, L)
+            if reasons:
+                raise ValueError("; ".join(reasons))
+            if self.engine.policy is not None:
+                self.engine.policy.check(L)
+        except ValueError as e:
+            raise RequestError(f"{param}: {e}", param) from None
+
+    def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
+                max_tokens: Optional[int], max_name: str, where: str) -> Prepared:
+        if cid is not None:
+            pinned = self.contexts.get(cid)
+            L, key = pinned.tokens, pinned.key
+        else:
+            L, key = int(context_ids.numel()), context_key(context_ids)
+        Q = int(query_ids.numel())
+        query_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        try:
+            inputs.check_token_ids(query_ids, "query", self.engine.vocab_size, tokenized=True)
+        except ValueError as e:
+            raise RequestError(f"{query_param}: {e}", query_param) from None
+        if cid is None:
+            self._check_context(context_ids, Q, where)
+        room = None if self.engine.max_positions is None else self.engine.max_positions - L - Q
+        if room is not None and room < 1:
+            raise RequestError(f"{where}: the context ({L} tokens) and query ({Q}) fill the model's "
+                               f"{self.engine.max_positions} positions; shorten them", where)
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
+        given = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                     seed=req.seed, stop=req.stop_list())
+        try:
+            params = self.engine.sampling_params(**{k: v for k, v in given.items() if v is not None})
+        except ValueError as e:
+            msg = str(e)
+            field = msg.split(" ", 1)[0].split("[", 1)[0]
+            param = max_name if field == "max_new_tokens" else (field if field in _SAMPLING else None)
+            if param == max_name:
+                msg = max_name + msg[len("max_new_tokens"):]
+            raise RequestError(msg, param) from None
+        if room is not None and params.max_new_tokens > room:
+            raise RequestError(f"{max_name}: context ({L}) + query ({Q}) + {max_name} ({params.max_new_tokens}) "
+                               f"exceeds the model's {self.engine.max_positions} positions; lower {max_name} to at "
+                               f"most {room} or shorten the prompt", max_name)
+        fields = dataclasses.asdict(params)
+        fields["stop"] = list(fields["stop"])
+        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields)
+
+
+def split_completion(prompt: str) -> tuple[str, str]:
+    """A raw prompt's (context, query): cut after its last blank line before non-blank text, else after its last
+    newline; RequestError (param ``prompt``) when it has neither or the context would be blank."""
+    body = prompt.rstrip()
+    cut = body.rfind("\n\n")
+    cut = cut + 2 if cut >= 0 else body.rfind("\n") + 1
+    if cut <= 0 or not prompt[:cut].strip():
+        raise RequestError("prompt: cannot tell the context from the question -- Magnetar encodes the context (Phase 1) "
+                           "apart from the question (Phase 2); put the question after a blank line, or the "
+                           "document in magnetar.context", "prompt")
+    return prompt[:cut], prompt[cut:]
+
+
+def _message_param(message: str, context: Optional[str]) -> Optional[str]:
+    """The request field a split_messages error is about."""
+    found = re.search(r"messages\[\d+\]\.\w+", message)
+    if found:
+        return found.group(0)
+    if message.startswith("context ") or "the context contains" in message:
+        return "magnetar.context"
+    return "messages"

@@ -1,0 +1,292 @@
+"""The OpenAI wire format: pydantic models of the requests and responses, and OpenAI-style errors.
+
+Requests are parsed strictly from the raw body (:func:`parse_body`): nothing is coerced (``"5"`` is not 5, ``true``
+is not 1, 2.5 is not 2), unknown fields are refused by name, and every problem becomes a :class:`RequestError`
+whose ``param`` names the field (``messages[0].content``, ``max_tokens``) -- the 400 body is OpenAI's
+``{"error": {"message", "type": "invalid_request_error", "param", "code": null}}``.
+
+OpenAI fields Magnetar does not implement are declared too, so that their non-default values are refused by name
+(:func:`refuse_unsupported`) instead of silently ignored. This module knows nothing about the engine.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status``, a message naming the field and what to change, ``param``
+    (the field, or None) and OpenAI's error ``type``."""
+
+    def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.param, self.type)
+
+
+def error_body(message: str, param: Optional[str] = None, type: str = "invalid_request_error") -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": None}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# -- requests --------------------------------------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined, as OpenAI reads them)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    """The fields chat and text completions share. ``None`` means "not given": the server's defaults apply
+    (``--temperature``, ``--top-p``, ``--top-k``, ``--seed``; ``--max-tokens`` capped to the positions left)."""
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # not OpenAI's; vLLM's and SGLang's extension
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # Magnetar's per-request options (docs/serving.md, "Per-request options"); checked by magnetar.serve.prompts
+    magnetar: Optional[dict[str, Any]] = None
+    # OpenAI fields that are refused unless they hold their default (refuse_unsupported)
+    n: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[Any] = None
+
+    def stop_list(self) -> Optional[list[str]]:
+        """``stop`` as a list: OpenAI allows one string or a list of them."""
+        return [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_Generation):
+    prompt: Union[str, list[str]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ContextRequest(_Strict):
+    """``POST /v1/contexts``: encode ``context`` once; ``format`` says which requests will use it: ``chat``
+    (tokenized as the chat template's context part, like a chat request's ``magnetar.context``) or ``raw``
+    (plain text, like a completion's ``magnetar.context``)."""
+
+    model: str
+    context: str
+    format: Literal["chat", "raw"] = "chat"
+
+
+# The unsupported OpenAI fields and the values they may hold: (field, allowed values, why)
+_UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
+    ("n", (None, 1), "one choice per request; send n requests"),
+    ("best_of", (None, 1), "one choice per request"),
+    ("presence_penalty", (None, 0, 0.0), "no penalties"),
+    ("frequency_penalty", (None, 0, 0.0), "no penalties"),
+    ("logit_bias", (None,), "no logit bias"),
+    ("logprobs", (None, False), "no log-probabilities"),
+    ("top_logprobs", (None, 0), "no log-probabilities"),
+    ("tools", (None,), "no tool calls"),
+    ("tool_choice", (None, "none"), "no tool calls"),
+    ("echo", (None, False), "the prompt is not echoed"),
+    ("suffix", (None,), "no insertion"),
+)
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    """RequestError for an OpenAI field Magnetar does not implement, set to something else than its default."""
+    for name, allowed, why in _UNSUPPORTED:
+        value = getattr(req, name, None)
+        if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
+            raise RequestError(f"{name}={value!r} is not supported by Magnetar ({why}); leave it out", name)
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("response_format other than {'type': 'text'} is not supported by Magnetar; leave it out",
+                           "response_format")
+
+
+def _param(loc: tuple) -> Optional[str]:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``; the type tags pydantic adds under a union
+    (``"str"``, ``"list[str]"``) are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in ("str", "int", "float", "bool", "list"):
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    """``body`` (the raw request body) as ``model``; a RequestError naming the field on any problem."""
+    if not body.strip():
+        raise RequestError("the request body is empty; send a JSON object", None)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise RequestError(f"the body is not valid JSON ({first['msg']})", None) from None
+        param = _param(first["loc"])
+        same = [err for err in errors if _param(err["loc"]) == param]
+        msgs = list(dict.fromkeys(_message(err) for err in same))
+        where = param or "the body"
+        raise RequestError(f"{where}: {' or '.join(msgs)}", param) from None
+
+
+def _message(err: dict) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown field (not part of the API; Magnetar's own options go in the 'magnetar' object)"
+    if kind == "missing":
+        return "field required"
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return f"{err['msg'].lower()} (got {shown})"
+
+
+# -- responses -------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Optional[str]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Optional[str] = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "magnetar"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ContextObject(BaseModel):
+    """A context encoded by ``POST /v1/contexts``: pass ``"magnetar": {"context_id": id}`` to use it."""
+
+    id: str
+    object: Literal["context"] = "context"
+    created: int
+    model: str
+    format: Literal["chat", "raw"]
+    tokens: int
+    deleted: bool = False
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# finish reasons: the engine's stop reasons -> OpenAI's
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}

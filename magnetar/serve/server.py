@@ -1,0 +1,106 @@
+"""One replica's server: the engine loop on every rank, uvicorn + FastAPI in a thread on the replica's first rank.
+
+    server = Server(engine, model_name="tiny", port=8000)
+    status = server.run()      # every rank of the replica; returns 0 after a drain, 1 after a failure
+
+Under data parallelism each replica is a server of its own: its first rank listens on ``port + dp_rank`` (a
+load balancer in front deals requests to the replicas). :meth:`Server.drain` (SIGTERM, SIGINT in the CLI) stops
+taking requests (503), finishes those in flight, then stops every rank of the replica with status 0.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from magnetar.serve.loop import EngineLoop
+from magnetar.serve.prompts import ContextRegistry, Preparer
+from magnetar.serve.protocol import now
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 60.0  # for uvicorn to bind its port
+GRACEFUL_S = 10  # after the loop stops, for the last responses to be written
+
+
+class Server:
+    """Serve ``engine`` (every rank of a replica builds one with the same arguments and calls :meth:`run`).
+
+    ``max_batch_size``: requests decoding together; ``max_tokens``: a request's ``max_tokens`` when it gives
+    none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
+    ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
+    """
+
+    def __init__(self, engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+                 max_batch_size: int = 16, max_tokens: int = 256, max_contexts: int = 16,
+                 heartbeat_s: Optional[float] = None, log_level: str = "warning"):
+        self.engine, self.model_name, self.host = engine, model_name, host
+        self.port = port + engine.groups.dp_rank
+        self.log_level = log_level
+        self.created = now()
+        self.contexts = ContextRegistry(max_contexts)
+        self.preparer = Preparer(engine, model_name, max_tokens, self.contexts)
+        self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s)
+        self.metrics = None
+        self.app = None
+        self._http = None
+        self._thread: Optional[threading.Thread] = None
+        self.started = threading.Event()  # set once the leader listens (or failed to)
+        if self.loop.leader:
+            from magnetar.serve.app import build_app
+            from magnetar.serve.metrics import Metrics
+
+            self.metrics = self.loop.metrics = Metrics()
+            self.app = build_app(self)
+
+    @property
+    def leader(self) -> bool:
+        return self.loop.leader
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def run(self) -> int:
+        """Serve until drained (0) or failed (1); on every rank of the replica."""
+        if self.leader:
+            error = self._start_http()
+            if error is not None:
+                log.error("%s", error)
+                self.loop.start_error = error
+        try:
+            return self.loop.run()
+        finally:
+            if self.leader:
+                self._stop_http()
+
+    def drain(self) -> None:
+        """Stop taking requests and stop once those in flight are answered (safe in a signal handler: it only
+        sets a flag the loop polls). On ranks other than the leader it does nothing: they follow its ticks."""
+        self.loop.draining = True
+
+    def _start_http(self) -> Optional[str]:
+        import uvicorn
+
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level, lifespan="off",
+                                timeout_graceful_shutdown=GRACEFUL_S, access_log=False)
+        self._http = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._http.run, name="magnetar-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self._http.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.started.set()
+        if not self._http.started:
+            return (f"the HTTP server could not listen on {self.host}:{self.port} (in use, or not an address of this "
+                    f"host?); choose another --host/--port")
+        log.warning("serving %s on %s (rank %d, dp_rank %d)", self.model_name, self.url, self.engine.groups.rank,
+                    self.engine.groups.dp_rank)
+        return None
+
+    def _stop_http(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=GRACEFUL_S + 5)
