@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import magnetar
     from magnetar.config import EngineConfig, LukaConfig
-    from magnetar.engine.phase2 import GreedyOrSampled, Phase2Request, run_phase2
+    from magnetar.engine.phase2 import Phase2Request, run_phase2
     from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
     from magnetar.luka.decoder import LukaDecoder
@@ -97,7 +97,8 @@ def main(argv=None) -> int:
         shard, qpos, _, _ = eng._phase1_distributed(win.context_ids, variants=[decoder("lined")])  # LuKA's mass
 
         def decode(dec, n):
-            request = Phase2Request(shard.view(), query, qpos, L, GreedyOrSampled(eng.config.decode, n))
+            sampler = eng.sampler(eng.sampling_params(max_new_tokens=n))
+            request = Phase2Request(shard.view(), query, qpos, L, sampler)
             return run_phase2(model, eng.config, [request], eng.groups, eng.device, policy=dec)[0]
 
         for mode in modes:

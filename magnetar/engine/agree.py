@@ -7,14 +7,14 @@ parameters and config. Given different ones (another needle on one rank, star on
 another context length) the ranks would merge two requests into a plausible answer, or their block plans would disagree and a collective abort. :func:`check_request` makes every rank raise
 the same :class:`RequestMismatchError` instead, naming what differs and on which ranks.
 
-What is compared: the entry point (generate or score), the number of requests, the context and the query (or
-scored continuation) token ids (count and a blake2b digest), ``max_new_tokens``, the stop strings,
-``return_logits``, score's variant configs, and every leaf field of the :class:`EngineConfig` (``method``,
-``pulsar.scorer``, ...; ``parallel.timeout_s`` included). Each is one field of three int64 ``(tag, a, b)``:
-small values (None, bools, ints, floats, strings up to 8 bytes) exactly, so the error can print them; anything
-else as a digest (printed as a name when it is one of the config's known choices, else as ``#`` + hex). The
-fields fill a vector of fixed length (:data:`SLOTS` fields) whose first element is a digest of the fields' keys,
-so ranks running different versions get an error too, never a collective of mismatched sizes.
+What is compared: the entry point (generate or score), the number of requests, the context and the query (or scored
+continuation) token ids (count and a blake2b digest), ``max_new_tokens``, the stop strings, ``return_logits``, the
+sampling parameters, score's variant configs, and every leaf field of the :class:`EngineConfig` (``method``,
+``pulsar.scorer``, ...; ``parallel.timeout_s`` included). Each is one field of three int64 ``(tag, a, b)``: small
+values (None, bools, ints, floats, strings up to 8 bytes) exactly, so the error can print them; anything else as a
+digest (printed as a name when it is one of the config's known choices, else as ``#`` + hex). The fields fill a
+vector of fixed length (:data:`SLOTS` fields) whose first element is a digest of the fields' keys, so ranks running
+different versions get an error too, never a collective of mismatched sizes.
 
 Cost per request: hashing the token ids (blake2b, ~1 GB/s: about 10 ms for a million tokens) and one all_gather
 of ``3 * SLOTS + 1`` int64 (3 KiB) per rank -- negligible next to Phase 1. Nothing is checked for a one-rank replica
@@ -139,7 +139,7 @@ class Field(NamedTuple):
 
 def request_fields(config: EngineConfig, *, entry: str, contexts: Sequence[torch.Tensor],
                    queries: Sequence[torch.Tensor], max_new_tokens: Any = None, stop: Any = None,
-                   return_logits: Any = None, variants: Any = None) -> list[Field]:
+                   return_logits: Any = None, variants: Any = None, sampling: Any = None) -> list[Field]:
     """Everything the ranks must agree on; ``entry`` "generate" or "score" (then ``queries`` are the scored
     continuations and ``variants`` score_variants' decode configs). Fields a kind has not are None."""
     n_variants = len(variants) if isinstance(variants, (list, tuple)) else None
@@ -151,6 +151,7 @@ def request_fields(config: EngineConfig, *, entry: str, contexts: Sequence[torch
         Field("max_new_tokens", "max_new_tokens", encode(max_new_tokens)),
         Field("stop", "stop strings", encode(stop)),
         Field("return_logits", "return_logits", encode(return_logits)),
+        Field("sampling", "sampling parameters (temperature, top_p, top_k, seed)", encode(sampling)),
         Field("n_variants", "number of variants", encode(n_variants)),
         Field("variants", "variant configs", encode(variants)),
     ]

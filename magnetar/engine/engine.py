@@ -22,20 +22,22 @@ import resource
 import time
 from datetime import timedelta
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Generator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf, inputs
-from magnetar.engine.agree import check_request
+from magnetar.engine.batch import ContinuousBatch
+from magnetar.engine.agree import RequestMismatchError, check_request, describe_mismatch, digest, request_fields
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.context import ContextCache, ContextHandle, context_key
-from magnetar.engine.phase2 import GreedyOrSampled, Phase2Request, run_phase2, run_scoring
+from magnetar.engine.phase2 import DecodeResult, Phase2Request, run_phase2, run_scoring
 from magnetar.engine.plan import kept_token_count
+from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.strategy import DecodePolicy, context_method, decode_policy, plan_rank, prefill_policy
 from magnetar.engine.template import encode_text, split_prompt
 from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_tensor_parallel, weight_bytes
@@ -215,9 +217,10 @@ class Engine:
         inputs.check_token_ids(q, "query", self.vocab_size, tokenized=strings)
         return c, q
 
-    def _context_ids(self, context) -> torch.Tensor:
+    def context_ids(self, context) -> torch.Tensor:
         """Checked context ids for :meth:`encode`: a string is cut from the chat template rendered with a stand-in
         question (the split is at the end of the context, so the ids are those ``generate`` gets)."""
+        inputs.check_prompt(context, "context")
         if isinstance(context, torch.Tensor):
             c, strings = context.reshape(-1).long().cpu(), False
         else:
@@ -225,9 +228,10 @@ class Engine:
         inputs.check_token_ids(c, "context", self.vocab_size, tokenized=strings)
         return c
 
-    def _query_ids(self, query) -> torch.Tensor:
+    def query_ids(self, query) -> torch.Tensor:
         """Checked query ids for :meth:`ask`: a string is cut from the template rendered with a stand-in context
         (the question part -- question, end of turn, assistant header -- does not depend on the context)."""
+        inputs.check_prompt(query, "query")
         if isinstance(query, torch.Tensor):
             q, strings = query.reshape(-1).long().cpu(), False
         else:
@@ -265,36 +269,117 @@ class Engine:
         return out
 
     # -- requests -----------------------------------------------------------------------------------------
+    def sampling_params(self, *, max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
+                        temperature: Optional[float] = None, top_p: Optional[float] = None,
+                        top_k: Optional[int] = None, seed: Optional[int] = None) -> SamplingParams:
+        """One request's :class:`~magnetar.engine.sampling.SamplingParams`: the values given, and for the sampling
+        ones left None this engine's ``config.decode`` (temperature, top_p, top_k, seed). A bad value is a
+        ValueError naming the field."""
+        given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed))
+                 if v is not None}
+        return SamplingParams.from_decode_config(self.config.decode, max_new_tokens=max_new_tokens,
+                                                 stop=stop).replace(**given)
+
+    def sampler(self, params: SamplingParams) -> RequestSampler:
+        """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request of this engine."""
+        return RequestSampler(params, vocab_size=int(self.model.config.vocab_size), eos_ids=self._eos_ids(),
+                              tokenizer=self.tokenizer)
+
     def generate(self, context: Union[str, torch.Tensor], query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
-                 stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
+                 stop: Optional[Sequence[str]] = None, return_logits: bool = False,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                 seed: Optional[int] = None) -> GenerationResult:
         """Answer ``query`` about ``context`` with ``config.method``; see :class:`GenerationResult`.
 
         ``context`` and ``query`` are both strings (tokenized with the chat template) or both integer token-id
-        tensors ``(N,)`` / ``(1, N)``; bad arguments raise ``ValueError`` (:mod:`magnetar.engine.inputs`)."""
+        tensors ``(N,)`` / ``(1, N)``; bad arguments raise ``ValueError`` (:mod:`magnetar.engine.inputs`).
+        ``temperature``, ``top_p``, ``top_k`` and ``seed`` default to ``config.decode``'s (:meth:`sampling_params`).
+        ``generate(c, q)`` is ``ask(encode(c), q)``."""
         return self.generate_batch([(context, query)], max_new_tokens=max_new_tokens, stop=stop,
-                                   return_logits=return_logits)[0]
+                                   return_logits=return_logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   seed=seed)[0]
 
     def generate_batch(self, requests: Sequence[tuple[Union[str, torch.Tensor], Union[str, torch.Tensor]]], *,
-                       max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
-                       return_logits: bool = False) -> list[GenerationResult]:
-        """Several independent ``(context, query)`` requests of any lengths; one result each.
+                       max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None, return_logits: bool = False,
+                       temperature: Optional[float] = None, top_p: Optional[float] = None,
+                       top_k: Optional[int] = None, seed: Optional[int] = None) -> list[GenerationResult]:
+        """Several independent ``(context, query)`` requests of any lengths; one result each, on every rank.
 
         Each context is encoded (:meth:`encode`: its own block plan and KV shard; a context in the cache skips
         Phase 1); Phase 2 and decoding run the requests as one batch (:meth:`ask_batch`: one model forward and one
         collective per layer per step for all unfinished requests). Results equal those of separate
-        :meth:`generate` calls.
+        :meth:`generate` calls: each request samples from its own generator seeded with ``seed``. Under data
+        parallelism the requests are dealt to the replicas (request i to replica ``i % dp_size``) and the
+        results gathered over the DP group, so every rank returns all of them.
         """
         inputs.check_generate(requests, max_new_tokens, stop, return_logits)
+        params = self.sampling_params(max_new_tokens=max_new_tokens, stop=stop, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, seed=seed)
+        dp, dp_rank = (1, 0) if self.simulated else (self.groups.dp_size, self.groups.dp_rank)
+        if dp > 1:
+            # every replica must be dealt from the same list: a mismatch would return other requests' answers
+            self._check_dp(requests, params, return_logits)
+        mine = list(requests)[dp_rank::dp]
+        results = self._generate_share(mine, params, return_logits) if mine else []
+        if dp == 1:
+            return results
+        shares = [None] * dp
+        dist.all_gather_object(shares, results, group=self.groups.dp_group)
+        return [shares[i % dp][i // dp] for i in range(len(requests))]
+
+    def _generate_share(self, requests, params: SamplingParams, return_logits: bool) -> list[GenerationResult]:
         toks = [self._tokens(c, q) for c, q in requests]
         check_request(self.groups, self.config, self.device, entry="generate", contexts=[c for c, _ in toks],
-                      queries=[q for _, q in toks], max_new_tokens=max_new_tokens, stop=stop,
-                      return_logits=return_logits)
+                      queries=[q for _, q in toks], max_new_tokens=params.max_new_tokens, stop=params.stop,
+                      return_logits=return_logits, sampling=_sampling_key(params))
         for c, q in toks:
-            self._check_lengths(int(c.numel()), int(q.numel()), max_new_tokens)
+            self._check_lengths(int(c.numel()), int(q.numel()), params.max_new_tokens)
         with nvtx_range(GENERATE):
             encoded = [self._encode(c) for c, _ in toks]
             return self._ask([h for h, _ in encoded], [q for _, q in toks], [hit for _, hit in encoded],
-                             max_new_tokens=max_new_tokens, stop=stop, return_logits=return_logits)
+                             [params] * len(toks), return_logits=return_logits)
+
+    def _check_dp(self, requests, params: SamplingParams, return_logits: bool) -> None:
+        """Every DP replica got the same request list (one all_gather of a digest over the DP group)."""
+        ids = [self._tokens(c, q) for c, q in requests]
+        fields = request_fields(self.config, entry="generate", contexts=[c for c, _ in ids],
+                                queries=[q for _, q in ids], max_new_tokens=params.max_new_tokens, stop=params.stop,
+                                return_logits=return_logits, sampling=_sampling_key(params))
+        rows = all_gather_ints(digest(fields), self.groups.dp_group, self.device, timeout=self.groups.timeout)
+        message = describe_mismatch([f.label for f in fields], rows.tolist())
+        if message is not None:
+            raise RequestMismatchError(f"the data-parallel replicas were given different request lists: {message}")
+
+    def stream(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor], *,
+               max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None, temperature: Optional[float] = None,
+               top_p: Optional[float] = None, top_k: Optional[int] = None,
+               seed: Optional[int] = None) -> Generator[str, None, GenerationResult]:
+        """:meth:`generate`, yielding the answer's text in pieces as its tokens are chosen (transformers'
+        ``TextIteratorStreamer`` semantics: a piece ends at a space or a newline, never inside a word or a
+        character a later token may extend, and never shows text from a stop string on). The pieces joined are
+        ``generate(...).text``; the :class:`GenerationResult` is the generator's return value
+        (``StopIteration.value``; ``yield from`` gets it). ``context`` may be a handle from :meth:`encode`.
+        Every rank iterates to the end (the steps are collectives); closing it early cancels the request on
+        the rank that closes it, so close it on every rank alike."""
+        batch = self.open_batch()
+        rid, event = batch.add(context, query, self.sampling_params(
+            max_new_tokens=max_new_tokens, stop=stop, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
+        try:
+            while True:
+                if event.text:
+                    yield event.text
+                if event.stop_reason is not None:
+                    break
+                [event] = batch.step()
+        finally:
+            if rid in batch.active:  # the consumer stopped early
+                batch.cancel(rid)
+        return batch.pop(rid)
+
+    def open_batch(self, *, return_logits: bool = False) -> "ContinuousBatch":
+        """A :class:`~magnetar.engine.batch.ContinuousBatch` on this engine: requests join it between decode steps
+        and leave when finished (a server's loop; every rank of the replica makes the same calls)."""
+        return ContinuousBatch(self, return_logits=return_logits)
 
     # -- encoded contexts: encode once, ask many --------------------------------------------------------------
     def encode(self, context: Union[str, torch.Tensor]) -> ContextHandle:
@@ -302,46 +387,63 @@ class Engine:
         ``(L,)``) on every rank of the replica and return its handle for :meth:`ask`. A context whose token ids
         match a cached handle (``runtime.context_cache_mb``) returns that handle without running Phase 1. Every
         rank calls it with the same context."""
-        inputs.check_prompt(context, "context")
-        c = self._context_ids(context)
+        return self.admit_context(context)[0]
+
+    def admit_context(self, context: Union[str, torch.Tensor, ContextHandle]) -> tuple[ContextHandle, bool]:
+        """``(handle, whether it came from the cache)`` for ``context`` (as :meth:`encode`; a handle is returned
+        as it is, counted as cached)."""
+        if isinstance(context, ContextHandle):
+            self._check_handle(context, "context")
+            return context, True
+        c = self.context_ids(context)
         check_request(self.groups, self.config, self.device, entry="encode", contexts=[c], queries=[])
         self._check_lengths(int(c.numel()), 1, 1)
         with nvtx_range(GENERATE):
-            return self._encode(c)[0]
+            return self._encode(c)
 
     def ask(self, handle: ContextHandle, query: Union[str, torch.Tensor], *, max_new_tokens: int = 64,
-            stop: Optional[Sequence[str]] = None, return_logits: bool = False) -> GenerationResult:
+            stop: Optional[Sequence[str]] = None, return_logits: bool = False, temperature: Optional[float] = None,
+            top_p: Optional[float] = None, top_k: Optional[int] = None,
+            seed: Optional[int] = None) -> GenerationResult:
         """Answer ``query`` (a string, tokenized as the chat template's question part, or token ids) about the
         context of ``handle`` (from :meth:`encode`): Phase 2 and decoding only. The question's decode-policy
         state (LuKA pages and masses, sparse codes) is its own: nothing carries over to the next question.
         ``ask(encode(c), q)`` equals ``generate(c, q)``."""
         return self.ask_batch([handle], [query], max_new_tokens=max_new_tokens, stop=stop,
-                              return_logits=return_logits)[0]
+                              return_logits=return_logits, temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=seed)[0]
 
     def ask_batch(self, handles: Sequence[ContextHandle], queries: Sequence[Union[str, torch.Tensor]], *,
-                  max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None,
-                  return_logits: bool = False) -> list[GenerationResult]:
+                  max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None, return_logits: bool = False,
+                  temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                  seed: Optional[int] = None) -> list[GenerationResult]:
         """:meth:`ask` for several ``(handle, query)`` pairs decoded as one batch (handles may repeat)."""
-        inputs.check_max_new_tokens(max_new_tokens)
-        inputs.check_stop(stop)
         inputs.check_flag(return_logits, "return_logits")
+        params = self.sampling_params(max_new_tokens=max_new_tokens, stop=stop, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, seed=seed)
         if not isinstance(handles, (list, tuple)) or not isinstance(queries, (list, tuple)) or \
                 len(handles) != len(queries) or not handles:
             raise ValueError("handles and queries must be non-empty lists of the same length (one query per handle)")
         for i, h in enumerate(handles):
-            if not isinstance(h, ContextHandle) or h.shard is None or len(h.shard.layers) != self._layers:
-                raise ValueError(f"handles[{i}] must be a ContextHandle from this engine's encode(), got "
-                                 f"{type(h).__name__}")
-        for q in queries:
-            inputs.check_prompt(q, "query")
-        qids = [self._query_ids(q) for q in queries]
-        check_request(self.groups, self.config, self.device, entry="ask", contexts=[h.context_ids for h in handles],
-                      queries=qids, max_new_tokens=max_new_tokens, stop=stop, return_logits=return_logits)
-        for h, q in zip(handles, qids):
-            self._check_lengths(h.context_tokens, int(q.numel()), max_new_tokens)
+            self._check_handle(h, f"handles[{i}]")
+        qids = [self.query_ids(q) for q in queries]
+        self.check_ask(handles, qids, params, return_logits)
         with nvtx_range(GENERATE):
-            return self._ask(list(handles), qids, [False] * len(handles), max_new_tokens=max_new_tokens, stop=stop,
+            return self._ask(list(handles), qids, [False] * len(handles), [params] * len(handles),
                              return_logits=return_logits)
+
+    def check_ask(self, handles: Sequence[ContextHandle], qids: Sequence[torch.Tensor],
+                  params: SamplingParams, return_logits: bool) -> None:
+        """The ranks agree on the questions (one small collective) and each fits the model's positions."""
+        check_request(self.groups, self.config, self.device, entry="ask", contexts=[h.context_ids for h in handles],
+                      queries=list(qids), max_new_tokens=params.max_new_tokens, stop=params.stop,
+                      return_logits=return_logits, sampling=_sampling_key(params))
+        for h, q in zip(handles, qids):
+            self._check_lengths(h.context_tokens, int(q.numel()), params.max_new_tokens)
+
+    def _check_handle(self, h, name: str) -> None:
+        if not isinstance(h, ContextHandle) or h.shard is None or len(h.shard.layers) != self._layers:
+            raise ValueError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}")
 
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""
@@ -365,15 +467,22 @@ class Engine:
         self.cache.put(handle)
         return handle, False
 
-    def _ask(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool], *, max_new_tokens: int,
-             stop, return_logits: bool) -> list[GenerationResult]:
-        cfg, groups = self.config, self.groups
-        checker, eos = self._stop_checker(stop), self._eos_ids()
-        requests = [Phase2Request(h.shard.view(), q, h.query_position, h.context_tokens,
-                                  GreedyOrSampled(cfg.decode, max_new_tokens, eos, checker))
-                    for h, q in zip(handles, qids)]
-        decs = run_phase2(self.model, cfg, requests, groups, self.device, keep_logits=return_logits,
+    def phase2_request(self, handle: ContextHandle, qids: torch.Tensor, sampler: RequestSampler) -> Phase2Request:
+        """One question over ``handle``'s KV: a fresh view of the shard (its own decode-policy state)."""
+        return Phase2Request(handle.shard.view(), qids, handle.query_position, handle.context_tokens, sampler)
+
+    def _ask(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool],
+             params: list[SamplingParams], *, return_logits: bool) -> list[GenerationResult]:
+        samplers = [self.sampler(p) for p in params]
+        requests = [self.phase2_request(h, q, s) for h, q, s in zip(handles, qids, samplers)]
+        decs = run_phase2(self.model, self.config, requests, self.groups, self.device, keep_logits=return_logits,
                           policy=self.policy)
+        return self.results(handles, qids, hits, decs, samplers)
+
+    def results(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool],
+                decs: list[DecodeResult], samplers: list[RequestSampler]) -> list[GenerationResult]:
+        """The :class:`GenerationResult` of finished requests, with every rank's figures (one gather)."""
+        cfg = self.config
         peak = _peak_memory(self.device)
         local = []  # local[request] = per-rank stats this process measured
         for h, hit, d in zip(handles, hits, decs):
@@ -391,10 +500,10 @@ class Engine:
             gathered = self._gather([per[0] for per in local])  # gathered[rank][request]
             stats = [[g[i] for g in gathered] for i in range(len(handles))]
         results = []
-        for i, (h, q, dec) in enumerate(zip(handles, qids, decs)):
+        for i, (h, q, dec, sampler) in enumerate(zip(handles, qids, decs, samplers)):
             per_rank = stats[i]
             results.append(GenerationResult(
-                text=self._decode_text(dec.token_ids, stop), token_ids=dec.token_ids, method=cfg.method,
+                text=sampler.text(), token_ids=dec.token_ids, method=cfg.method,
                 context_tokens=h.context_tokens, query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
                 phase1_seconds=[s.phase1_seconds for s in per_rank], ttft_seconds=dec.ttft_seconds,
                 decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds
@@ -550,22 +659,10 @@ class Engine:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
         return encode_text(self.tokenizer, x)  # user text is text: never a special-token id
 
-    def _stop_checker(self, stop):
-        if not stop:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: init_inference(model, config, tokenizer=...)")
-        stops = list(stop)
-        return lambda ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stops)
 
-    def _decode_text(self, ids: list[int], stop) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode([i for i in ids if i not in self._eos_ids()], skip_special_tokens=True)
-        for s in stop or ():
-            if s in text:
-                text = text[: text.index(s)]
-        return text
+def _sampling_key(params: SamplingParams) -> tuple:
+    """The sampling fields the ranks must agree on (max_new_tokens and stop are fields of their own)."""
+    return params.temperature, params.top_p, params.top_k, params.seed
 
 
 def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,

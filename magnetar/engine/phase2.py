@@ -16,12 +16,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from magnetar.config import DecodeConfig, EngineConfig
+from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import DecodePolicy, LayerContext
@@ -140,57 +140,17 @@ class DecodeResult:
 
 
 class TokenChooser(Protocol):
-    """One request's decoding rule: which token follows (asked on the replica's first rank only; the token is
-    broadcast) and whether the request is finished (asked on every rank, from the same token ids)."""
+    """One request's decoding rule (:class:`magnetar.engine.sampling.RequestSampler` is the engine's): each step,
+    :meth:`choose` on the replica's first rank (it picks the next token and records it; the token is then
+    broadcast) or :meth:`record` of the broadcast token on the other ranks; then every rank reads
+    :attr:`stop_reason` (the same on every rank: it depends on the token ids only)."""
 
     def choose(self, logits: torch.Tensor) -> int: ...
 
-    def stop_reason(self, token_ids: list[int]) -> Optional[str]: ...
+    def record(self, token: int) -> None: ...
 
-
-@dataclass
-class GreedyOrSampled:
-    """The engine's :class:`magnetar.config.DecodeConfig` rule: greedy (temperature 0) or temperature / top-k /
-    top-p sampling from its own generator seeded with ``decode.seed`` -- a request's tokens never depend on the
-    other requests of its batch; stop at an EOS id, when ``stop_check(token_ids)`` holds, or at ``max_new_tokens``."""
-
-    decode: DecodeConfig
-    max_new_tokens: int
-    eos_ids: Sequence[int] = ()
-    stop_check: Optional[Callable[[list[int]], bool]] = None
-    generator: Optional[torch.Generator] = None
-
-    def __post_init__(self):
-        if self.decode.temperature > 0 and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.decode.seed)
-
-    def choose(self, logits: torch.Tensor) -> int:
-        return choose_token(logits, self.decode, self.generator)
-
-    def stop_reason(self, token_ids: list[int]) -> Optional[str]:
-        if token_ids[-1] in self.eos_ids:
-            return "eos"
-        if self.stop_check is not None and self.stop_check(token_ids):
-            return "stop_string"
-        if len(token_ids) >= self.max_new_tokens:
-            return "max_new_tokens"
-        return None
-
-
-def choose_token(logits: torch.Tensor, cfg: DecodeConfig, generator: Optional[torch.Generator]) -> int:
-    """Greedy (temperature 0) or temperature / top-k / top-p sampling from ``logits (V,)``."""
-    if cfg.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
-    if cfg.top_k:
-        kth = torch.topk(probs, min(cfg.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sorted_p, 0) - sorted_p > cfg.top_p * sorted_p.sum()
-        sorted_p[drop] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs.cpu() / probs.sum(), 1, generator=generator))
+    @property
+    def stop_reason(self) -> Optional[str]: ...
 
 
 def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
@@ -277,8 +237,16 @@ class DecodeBatch:
         return logits
 
     def _choose(self, live: list[_Live], logits: torch.Tensor) -> list[int]:
+        """The next token of every request in ``live`` (chosen on the replica's first rank, recorded by every
+        rank's chooser) appended to its result, with its stop reason."""
         picked = [r.req.chooser.choose(logits[i]) for i, r in enumerate(live)] if self.chooses else [-1] * len(live)
-        return _broadcast_tokens(picked, self.groups, self.device)
+        tokens = _broadcast_tokens(picked, self.groups, self.device)
+        for r, t in zip(live, tokens):
+            if not self.chooses:
+                r.req.chooser.record(t)
+            r.result.token_ids.append(t)
+            r.result.stop_reason = r.req.chooser.stop_reason
+        return tokens
 
     @torch.inference_mode()
     def join(self, requests: Sequence[Phase2Request]) -> list[int]:
@@ -298,14 +266,12 @@ class DecodeBatch:
             padded[b, : lengths[b]] = r.req.query  # right padding: after the real tokens, so none of them sees it
         with nvtx_range(PHASE2_QUERY):
             logits = self._forward(live, padded, [r.req.query_position for r in live], lengths, "the query")
-            tokens = self._choose(live, logits)
+            self._choose(live, logits)
         ttft = time.perf_counter() - t0
         rids = []
-        for b, (r, t) in enumerate(zip(live, tokens)):
-            r.result.token_ids.append(t)
+        for b, r in enumerate(live):
             r.result.ttft_seconds = ttft
             r.result.first_logits = logits[b].float().cpu() if self.keep_logits else None
-            r.result.stop_reason = r.req.chooser.stop_reason(r.result.token_ids)
             rid = next(self._ids)
             self._live[rid] = r
             rids.append(rid)
@@ -324,14 +290,21 @@ class DecodeBatch:
             ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
             logits = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live),
                                    f"decode step {self._steps}")
-            tokens = self._choose(live, logits)
+            self._choose(live, logits)
         dt = time.perf_counter() - t1
-        for r, t in zip(live, tokens):
-            r.result.token_ids.append(t)
+        for r in live:
             r.result.decode_seconds.append(dt)
             r.next_pos += 1
-            r.result.stop_reason = r.req.chooser.stop_reason(r.result.token_ids)
         return rids
+
+    def cancel(self, rid: int) -> None:
+        """Finish the unfinished request ``rid`` now (``stop_reason`` "cancelled"): it leaves the next step; its
+        KV goes with :meth:`pop`. Every rank of the replica cancels the same request between the same steps."""
+        live = self._live.get(rid)
+        if live is None:
+            raise ValueError(f"rid {rid} is not in this batch (finished requests leave it with pop)")
+        if live.result.stop_reason is None:
+            live.result.stop_reason = "cancelled"
 
 
 def run_phase2(model, config: EngineConfig, requests: Sequence[Phase2Request], groups: ParallelGroups, device, *,

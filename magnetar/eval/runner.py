@@ -123,11 +123,13 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
 
 def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
-    were real or simulated: both give the same answers, nor runtime.check_finite, which only stops a run)."""
+    were real or simulated: both give the same answers, nor runtime.check_finite, which only stops a run, nor the
+    context cache's budget, which only decides what is kept between requests)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
     d["runtime"].pop("check_finite", None)
+    d["runtime"].pop("context_cache_mb", None)
     if d["parallel"].get("tp_size", 1) == 1:
         d["parallel"].pop("tp_size", None)  # keys as before the field existed
     if d.get("sparse", {}).get("sparse_policy", "none") == "none":

@@ -1,0 +1,135 @@
+"""Continuous batching: requests join the Phase-2 decode batch between steps and leave when finished.
+
+:class:`ContinuousBatch` is what a server loop drives: :meth:`~ContinuousBatch.add` a request (its context's
+Phase 1 -- skipped when the context cache holds it -- and its query forward, which chooses its first token),
+:meth:`~ContinuousBatch.step` every unfinished request by one token (one model forward and one collective per
+layer for all of them), :meth:`~ContinuousBatch.cancel` one, :meth:`~ContinuousBatch.pop` a finished one's
+:class:`~magnetar.engine.engine.GenerationResult`. Each request has its own sampler (seeded generator, stop
+criteria) and decode-policy state, so its tokens equal those of it alone (``Engine.generate``), whatever joins
+or leaves around it. Every rank of the model replica makes the same calls in the same order (they run
+collectives); the server broadcasts what its leader decided.
+
+Each token comes out as a :class:`TokenEvent` with the text it made final (transformers' ``TextStreamer``
+rules, via :class:`~magnetar.engine.sampling.TextDeltas`): the deltas of a request joined are its answer text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+
+from magnetar.engine.context import ContextHandle
+from magnetar.engine.phase2 import DecodeBatch
+from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
+
+if TYPE_CHECKING:  # the engine module builds batches; importing it here would be a cycle
+    from magnetar.engine.engine import Engine, GenerationResult
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of request ``rid``: its id, the text it made final (maybe ""; the last event of a
+    request carries the rest of its text) and, on the request's last event, why it ended ("eos",
+    "stop_string", "max_new_tokens" or "cancelled"; else None)."""
+
+    rid: int
+    token_id: int
+    text: str
+    stop_reason: Optional[str] = None
+
+
+@dataclass
+class _Entry:
+    handle: ContextHandle
+    cached: bool
+    query_ids: torch.Tensor
+    sampler: RequestSampler
+    deltas: Optional[TextDeltas]
+
+
+class ContinuousBatch:
+    """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()``."""
+
+    def __init__(self, engine: "Engine", *, return_logits: bool = False):
+        self.engine = engine
+        self._batch = DecodeBatch(engine.model, engine.config, engine.groups, engine.device, policy=engine.policy,
+                                  keep_logits=return_logits)
+        self._entries: dict[int, _Entry] = {}
+        self.return_logits = return_logits
+
+    @property
+    def active(self) -> list[int]:
+        """The unfinished requests' ids, in joining order."""
+        return self._batch.active
+
+    @property
+    def finished(self) -> list[int]:
+        """The finished requests not yet popped."""
+        active = set(self._batch.active)
+        return [rid for rid in self._entries if rid not in active]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
+            params: Optional[SamplingParams] = None) -> tuple[int, TokenEvent]:
+        """Add one request: ``context`` (a string, token ids ``(L,)``, or a handle from ``Engine.encode``) is
+        encoded unless the context cache holds it; ``query`` (string or ids) runs over it and chooses the first
+        token. Returns the request's id and that token's event (the request may already be finished).
+        ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
+        ``Engine.sampling_params()``). Bad arguments are a ValueError before anything runs on any rank."""
+        eng = self.engine
+        if params is None:
+            params = eng.sampling_params()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams (engine.sampling_params(...)), got "
+                             f"{type(params).__name__}")
+        qids = eng.query_ids(query)
+        handle, cached = eng.admit_context(context)
+        eng.check_ask([handle], [qids], params, self.return_logits)
+        sampler = eng.sampler(params)
+        [rid] = self._batch.join([eng.phase2_request(handle, qids, sampler)])
+        deltas = None
+        if eng.tokenizer is not None:
+            deltas = TextDeltas(eng.tokenizer, stop=params.stop, eos_ids=tuple(sampler.eos_ids))
+        self._entries[rid] = _Entry(handle, cached, qids, sampler, deltas)
+        return rid, self._event(rid)
+
+    def step(self) -> list[TokenEvent]:
+        """One decode step of every unfinished request: their new tokens' events (none when nothing is active)."""
+        return [self._event(rid) for rid in self._batch.step()]
+
+    def cancel(self, rid: int) -> TokenEvent:
+        """End the unfinished request ``rid`` now (its last event, stop reason "cancelled", no new token: its
+        ``token_id`` is the last one it had); :meth:`pop` it to free its KV."""
+        self._check(rid)
+        self._batch.cancel(rid)
+        return self._event(rid, new_token=False)
+
+    def pop(self, rid: int) -> "GenerationResult":
+        """Remove the finished request ``rid``; its :class:`~magnetar.engine.engine.GenerationResult` (a small
+        gather of every rank's figures: every rank pops the same requests in the same order)."""
+        entry = self._check(rid)
+        if rid in self._batch.active:
+            raise ValueError(f"request {rid} is not finished: step until its last event, or cancel it")
+        dec = self._batch.pop(rid)
+        del self._entries[rid]
+        return self.engine.results([entry.handle], [entry.query_ids], [entry.cached], [dec], [entry.sampler])[0]
+
+    def _check(self, rid) -> _Entry:
+        entry = self._entries.get(rid) if isinstance(rid, int) and not isinstance(rid, bool) else None
+        if entry is None:
+            raise ValueError(f"rid must be the id of a request in this batch (add() returned it; popped requests "
+                             f"leave it), got {rid!r}")
+        return entry
+
+    def _event(self, rid: int, new_token: bool = True) -> TokenEvent:
+        res, entry = self._batch.result(rid), self._entries[rid]
+        text = ""
+        if entry.deltas is not None:
+            if new_token:
+                text = entry.deltas.push(res.token_ids[-1])
+            if res.stop_reason is not None:
+                text += entry.deltas.finish()
+        return TokenEvent(rid, res.token_ids[-1], text, res.stop_reason)
