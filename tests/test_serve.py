@@ -38,6 +38,9 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% 
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "Magnetar serves long contexts on many ranks. " * 5,
         "A needle: the special magic number is 7351. Remember it well. " * 4]
+POSITIONS = 4096  # room for requests long enough to be still decoding when the test acts (~3 ms a token)
+LONG = 3000  # the max_tokens of a request that must still be decoding when its client leaves
+DRAINED = 1000  # the max_tokens of one still decoding when SIGTERM comes (and drained by the server in a few s)
 QUESTIONS = [" What jumps?", " Who serves?", " What is the number?", " Say it again."]
 
 
@@ -46,7 +49,7 @@ def model_dir(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     out = tmp_path_factory.mktemp("tiny-chat")
-    save_tiny(out, "llama")
+    save_tiny(out, "llama", max_position_embeddings=POSITIONS)
     tok = AutoTokenizer.from_pretrained(out)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(out)
@@ -134,12 +137,13 @@ def test_text_completions(client, ref):
 
 
 def test_stop_string_finishes_with_stop(client, ref):
-    full = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=12).text
-    stop = next((full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip() and full[i:i + 2].isprintable()),
-                None)
-    assert stop is not None, f"no printable stop string in {full!r}"
-    want = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=12, stop=[stop])
-    got = _chat(client, DOCS[1], QUESTIONS[0], max_tokens=12, stop=stop)
+    full = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=40).text
+    # an ASCII letter or digit after the start (random bytes also decode to U+FFFD, which no token ends in)
+    stop = next((c for c in full[3:] if c.isascii() and c.isalnum()), None)
+    assert stop is not None, f"no ASCII letter in {full!r}"
+    want = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=40, stop=[stop])
+    assert want.stop_reason == "stop_string"
+    got = _chat(client, DOCS[1], QUESTIONS[0], max_tokens=40, stop=stop)
     assert got.choices[0].message.content == want.text and stop not in want.text
     assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == len(want.token_ids)
 
@@ -192,14 +196,14 @@ def test_16_concurrent_clients_get_their_one_at_a_time_answers(client, ref):
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(served, client):
     before = _metrics(served).get(("magnetar_requests_total", (("endpoint", "/v1/chat/completions"),
                                                                 ("outcome", "cancelled"))), 0)
-    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 900,
+    body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": LONG,
             "stream": True, "magnetar": {"context": DOCS[0]}}
+    completed = _metrics(served)[("magnetar_completion_tokens_total", ())]
     with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        seen = 0
+        assert r.status_code == 200
         for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen == 3:
-                break  # leaving the block closes the connection
+            if line.startswith("data: "):
+                break  # the first chunk (the assistant role); leaving the block closes the connection
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = _metrics(served)
@@ -211,6 +215,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(served, client):
     else:
         pytest.fail(f"the disconnected request was not cancelled: {m}")
     assert not served.loop.batch.active and not served.loop.jobs
+    assert m[("magnetar_completion_tokens_total", ())] - completed < LONG  # it ended before its max_tokens
     assert _chat(client, DOCS[0], QUESTIONS[0], max_tokens=2).usage.completion_tokens == 2
 
 
@@ -231,8 +236,8 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("max_tokens 2.5", "chat", _chat_body(max_tokens=2.5), "max_tokens"),
     ("max_tokens a bool", "chat", _chat_body(max_tokens=True), "max_tokens"),
     ("unknown model", "chat", _chat_body(model="gpt-4"), "model"),
-    ("context over the positions", "chat", _chat_body(magnetar={"context": "x" * 2000}), "magnetar.context"),
-    ("max_tokens over the positions", "chat", _chat_body(max_tokens=1000), "max_tokens"),
+    ("context over the positions", "chat", _chat_body(magnetar={"context": "x" * (POSITIONS + 10)}), "magnetar.context"),
+    ("max_tokens over the positions", "chat", _chat_body(max_tokens=POSITIONS), "max_tokens"),
     ("malformed JSON", "chat", b'{"model": "tiny", "messages": [', None),
     ("empty body", "chat", b"", None),
     ("not an object", "chat", b"[1, 2]", None),
@@ -441,7 +446,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         lines, started = [], threading.Event()
 
         def stream():
-            body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 600,
+            body = {"model": NAME, "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": DRAINED,
                     "stream": True, "stream_options": {"include_usage": True}, "magnetar": {"context": DOCS[0]}}
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
@@ -458,7 +463,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
         reader.join(120)
         assert lines[-1] == "data: [DONE]", lines[-3:]
-        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 600  # answered in full
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == DRAINED  # answered in full
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

@@ -253,9 +253,7 @@ class EngineLoop:
         for sid in tick.cancels:
             rid = self.rids.get(sid)
             if rid is not None and rid in self.batch.active:
-                self.batch.cancel(rid)
-                self._forget(sid)
-                self._finish_job(sid, "cancelled")
+                self._route([self.batch.cancel(rid)])  # its last event; the pop frees its KV
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
@@ -283,7 +281,8 @@ class EngineLoop:
     def _route(self, events) -> None:
         for ev in events:
             sid = self.sids[ev.rid]
-            self._token(sid, ev)
+            if ev.stop_reason != "cancelled":  # a cancelled request's last event has no new token
+                self._token(sid, ev)
             if ev.stop_reason is not None:
                 result = self.batch.pop(ev.rid)  # every rank: a small collective
                 self._forget(sid)
