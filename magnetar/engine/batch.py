@@ -15,17 +15,13 @@ rules, via :class:`~magnetar.engine.sampling.TextDeltas`): the deltas of a reque
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from magnetar.engine.context import ContextHandle
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
-
-if TYPE_CHECKING:  # the engine module builds batches; importing it here would be a cycle
-    from magnetar.engine.engine import Engine, GenerationResult
-
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -49,9 +45,10 @@ class _Entry:
 
 
 class ContinuousBatch:
-    """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()``."""
+    """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()``
+    (``engine``: the :class:`~magnetar.engine.engine.Engine`, which imports this module)."""
 
-    def __init__(self, engine: "Engine", *, return_logits: bool = False):
+    def __init__(self, engine, *, return_logits: bool = False):
         self.engine = engine
         self._batch = DecodeBatch(engine.model, engine.config, engine.groups, engine.device, policy=engine.policy,
                                   keep_logits=return_logits)
@@ -107,7 +104,7 @@ class ContinuousBatch:
         self._batch.cancel(rid)
         return self._event(rid, new_token=False)
 
-    def pop(self, rid: int) -> "GenerationResult":
+    def pop(self, rid: int):
         """Remove the finished request ``rid``; its :class:`~magnetar.engine.engine.GenerationResult` (a small
         gather of every rank's figures: every rank pops the same requests in the same order)."""
         entry = self._check(rid)
