@@ -1,0 +1,174 @@
+"""The server on 2 CPU ranks under the real ``torchrun`` (star, cp_size 2): rank 0 serves HTTP and broadcasts each
+tick, rank 1 follows. Answers equal the one-process (simulated) engine's; SIGTERM drains and every rank exits 0; a
+killed rank makes the request in flight fail with a 5xx and the job exit non-zero within the collective timeout
+(never a hang). The tick broadcast's own timeout: a follower whose leader sends nothing raises TimeoutError.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
+
+import magnetar  # noqa: E402
+from magnetar.parallel import lifetime  # noqa: E402
+from magnetar.parallel.groups import init_groups  # noqa: E402
+from magnetar.parallel.launcher import device_for_rank  # noqa: E402
+from magnetar.serve.ticks import Add, Tick, broadcast_tick  # noqa: E402
+from tests.dist_utils import free_port, run_distributed  # noqa: E402
+from tests.tiny_models import save_tiny  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny"
+TIMEOUT_S = 20  # the job's collective timeout (--timeout-s): where a dead rank must be noticed
+STARTUP_S = 240  # two ranks import torch, transformers and deepspeed on a busy machine
+FLAGS = ["--method", "star", "--cp-size", "2", "--block-size", "64"]
+DOC = "The quick brown fox jumps over the lazy dog. " * 8
+QUESTIONS = [" What jumps?", " Who is lazy?"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny(out, "llama", max_position_embeddings=4096)
+    return out
+
+
+def _start(model_dir: Path, tmp: Path, port: int) -> subprocess.Popen:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("the torchrun launcher is not installed")
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "magnetar.serve", "--model", str(model_dir), *FLAGS, "--port", str(port), "--served-model-name", NAME,
+           "--timeout-s", str(TIMEOUT_S)]
+    env = {k: v for k, v in os.environ.items() if k not in (lifetime.WATCHDOG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
+    with open(tmp / "job.log", "wb") as log:
+        return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _ranks(job: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The job's rank processes by RANK."""
+    found = {}
+    for p in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if any("magnetar.serve" in a for a in p.cmdline()) and "RANK" in p.environ():
+                found[int(p.environ()["RANK"])] = p
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _log(tmp: Path) -> str:
+    return (tmp / "job.log").read_text(errors="replace")[-6000:]
+
+
+def _wait_serving(url: str, job: subprocess.Popen, tmp: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline and job.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server did not start (exit {job.poll()}):\n{_log(tmp)}")
+
+
+def _end(job: subprocess.Popen) -> None:
+    if job.poll() is None:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+
+
+def _chat(url, question, max_tokens, timeout=120):
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout, json={
+        "model": NAME, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+        "magnetar": {"context": DOC}})
+
+
+def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_path):
+    sim = magnetar.init_inference(str(model_dir), simulate=True, method="star", cp_size=2, block_size=64)
+    want = [sim.generate(DOC, q, max_new_tokens=6) for q in QUESTIONS]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    job = _start(model_dir, tmp_path, port)
+    try:
+        _wait_serving(url, job, tmp_path)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = {}
+
+        def ask(i):
+            got[i] = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[i]}],
+                                                    max_tokens=6, extra_body={"magnetar": {"context": DOC}})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, w in enumerate(want):
+            assert got[i].choices[0].message.content == w.text, i
+            assert got[i].usage.completion_tokens == 6 and got[i].usage.prompt_tokens == w.context_tokens + w.query_tokens
+        assert got[0].usage.prompt_tokens_details.cached_tokens + got[1].usage.prompt_tokens_details.cached_tokens \
+            == w.context_tokens  # one of the two encoded the document, the other hit the cache
+        ranks = _ranks(job)
+        assert sorted(ranks) == [0, 1], ranks
+        for p in ranks.values():  # as a scheduler stopping the job would
+            p.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 0, _log(tmp_path)
+    finally:
+        _end(job)
+
+
+def test_a_killed_rank_fails_the_request_in_flight_and_ends_the_job(model_dir, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    job = _start(model_dir, tmp_path, port)
+    try:
+        _wait_serving(url, job, tmp_path)
+        status = []
+        request = threading.Thread(target=lambda: status.append(_chat(url, QUESTIONS[0], 3000, timeout=TIMEOUT_S + 60)))
+        request.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until it is decoding
+            if "magnetar_active_requests 1.0" in httpx.get(url + "/metrics", timeout=10).text:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the request never started decoding:\n{_log(tmp_path)}")
+        t0 = time.monotonic()
+        _ranks(job)[1].kill()
+        request.join(TIMEOUT_S + 60)
+        assert status and status[0].status_code >= 500, (status and status[0].text, _log(tmp_path))
+        assert status[0].json()["error"]["type"] == "server_error"
+        code = job.wait(TIMEOUT_S + 30)
+        assert code != 0 and time.monotonic() - t0 <= TIMEOUT_S + 30, _log(tmp_path)
+    finally:
+        _end(job)
+
+
+def _tick_worker(rank, world):
+    groups = init_groups(2, timeout=timedelta(seconds=3))
+    tick = Tick(adds=[Add(1, [1, 2, 3], {"max_new_tokens": 2, "stop": []}, context_ids=[4, 5])], cancels=[7])
+    got = broadcast_tick(tick if rank == 0 else None, groups, device_for_rank())
+    assert got == tick
+    if rank == 1:  # the leader sends nothing more: the follower gives up after the timeout, naming the tick
+        with pytest.raises(TimeoutError, match="tick broadcast"):
+            broadcast_tick(None, groups, device_for_rank())
+
+
+def test_the_tick_reaches_every_rank_and_a_missing_leader_times_out():
+    run_distributed(_tick_worker, 2)
