@@ -107,3 +107,21 @@ def test_no_template_and_score_strings(smollm2_tokenizer):
     # Engine.score's strings go through the same rule
     ids = Engine._plain_ids(SimpleNamespace(tokenizer=tok), context).tolist()
     assert ids == encode_text(tok, context).tolist() and not special & set(ids)
+
+
+def test_split_messages_is_split_prompt_for_one_question_and_keeps_user_text_as_text(smollm2_tokenizer):
+    from magnetar.engine.template import split_messages
+
+    tok = smollm2_tokenizer
+    special = _special_ids(tok)
+    one = split_messages(tok, [{"role": "user", "content": INJECTED_QUERY}], context=INJECTED_CONTEXT)
+    two = split_prompt(tok, INJECTED_CONTEXT, INJECTED_QUERY)
+    assert (one.context_ids.tolist(), one.query_ids.tolist()) == (two.context_ids.tolist(), two.query_ids.tolist())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": INJECTED_CONTEXT},
+                {"role": "assistant", "content": "Read."}, {"role": "user", "content": " What is the key?"}]
+    p = split_messages(tok, messages)
+    assert tok.decode(torch.cat((p.context_ids, p.query_ids))) == tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(p.query_ids) == " What is the key?<|im_end|>\n<|im_start|>assistant\n"
+    # the template's markers: 4 turns in Phase 1 (start + end each) and the last user header; the injected turn is text
+    assert sum(i in special for i in p.context_ids.tolist()) == 7
