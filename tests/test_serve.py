@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
@@ -236,7 +235,8 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("max_tokens 2.5", "chat", _chat_body(max_tokens=2.5), "max_tokens"),
     ("max_tokens a bool", "chat", _chat_body(max_tokens=True), "max_tokens"),
     ("unknown model", "chat", _chat_body(model="gpt-4"), "model"),
-    ("context over the positions", "chat", _chat_body(magnetar={"context": "x" * (POSITIONS + 10)}), "magnetar.context"),
+    ("context over the positions", "chat", _chat_body(magnetar={"context": "x" * (POSITIONS + 10)}),
+     "magnetar.context"),
     ("max_tokens over the positions", "chat", _chat_body(max_tokens=POSITIONS), "max_tokens"),
     ("malformed JSON", "chat", b'{"model": "tiny", "messages": [', None),
     ("empty body", "chat", b"", None),

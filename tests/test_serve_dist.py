@@ -121,7 +121,8 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
             t.join(120)
         for i, w in enumerate(want):
             assert got[i].choices[0].message.content == w.text, i
-            assert got[i].usage.completion_tokens == 6 and got[i].usage.prompt_tokens == w.context_tokens + w.query_tokens
+            assert got[i].usage.completion_tokens == 6
+            assert got[i].usage.prompt_tokens == w.context_tokens + w.query_tokens
         assert got[0].usage.prompt_tokens_details.cached_tokens + got[1].usage.prompt_tokens_details.cached_tokens \
             == w.context_tokens  # one of the two encoded the document, the other hit the cache
         ranks = _ranks(job)

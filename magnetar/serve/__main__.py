@@ -1,4 +1,4 @@
-"""``python -m magnetar.serve`` (also under ``torchrun -m`` and ``deepspeed --module``): :func:`magnetar.serve.cli.main`."""
+"""``python -m magnetar.serve`` (also ``torchrun -m`` and ``deepspeed --module``): :func:`magnetar.serve.cli.main`."""
 import sys
 
 from magnetar.serve.cli import main

@@ -128,7 +128,7 @@ class Preparer:
                 else:
                     prompt = split_messages(self.tokenizer, messages, context=context)
             except ValueError as e:
-                raise RequestError(str(e), _message_param(str(e), context)) from None
+                raise RequestError(str(e), _message_param(str(e))) from None
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if context is not None else "messages"
@@ -281,13 +281,13 @@ def split_completion(prompt: str) -> tuple[str, str]:
     cut = body.rfind("\n\n")
     cut = cut + 2 if cut >= 0 else body.rfind("\n") + 1
     if cut <= 0 or not prompt[:cut].strip():
-        raise RequestError("prompt: cannot tell the context from the question -- Magnetar encodes the context (Phase 1) "
-                           "apart from the question (Phase 2); put the question after a blank line, or the "
+        raise RequestError("prompt: cannot tell the context from the question -- Magnetar encodes the context "
+                           "(Phase 1) apart from the question (Phase 2); put the question after a blank line, or the "
                            "document in magnetar.context", "prompt")
     return prompt[:cut], prompt[cut:]
 
 
-def _message_param(message: str, context: Optional[str]) -> Optional[str]:
+def _message_param(message: str) -> Optional[str]:
     """The request field a split_messages error is about."""
     found = re.search(r"messages\[\d+\]\.\w+", message)
     if found:
