@@ -1,0 +1,291 @@
+"""Serving benchmark: the context cache (ask a document many questions) and concurrent streaming clients.
+
+    python benchmarks/bench_serve.py                          # SmolLM2-135M, pulsar, 4 simulated ranks, 8K doc
+    python benchmarks/bench_serve.py --parts cache --context-tokens 4096
+    python benchmarks/bench_serve.py --tiny                   # random tiny model: a smoke run of a few seconds
+
+Part ``cache`` -- ``--questions`` questions about one ``--context-tokens`` document (Paul Graham essays with a
+needle; the needle question first, then questions about the essays), ``--new-tokens`` each, greedy:
+
+* ``10 x generate``: a fresh ``generate(doc, q)`` per question with the context cache off (Phase 1 every time);
+* ``cached, one at a time``: ``generate(doc, q)`` with the cache on (the first question encodes the document,
+  the others reuse its KV: automatic prefix reuse);
+* ``cached, batched``: ``encode(doc)`` once, then ``ask_batch`` of all the questions (one decode batch).
+
+Every cached answer must equal its uncached one (checked, reported). Goal on the 2-core CPU: >= 5x.
+
+Part ``clients`` -- the OpenAI-compatible server (``magnetar.serve``) in this process on 127.0.0.1, queried by
+``--clients`` (default 1,4,8,16) concurrent streaming clients (threads with the ``openai`` client), each asking
+``--rounds`` questions about one of a few shared documents (cache hits after the first), against one-at-a-time
+serving (one client, the same requests in a row). Reported: completion tokens/s over the wall time, p50/p99
+time to first token (first streamed chunk with text) and the speed-up in tokens/s. Goal: >= 2x at 8 clients.
+
+Prints the tables, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+QUESTIONS = [  # after the needle question
+    "What is the first essay about? Answer in one sentence.",
+    "Name one person mentioned in the text.",
+    "What advice does the author give to founders?",
+    "Which city is mentioned first?",
+    "What does the author say about programming languages?",
+    "Summarize the last paragraph in one sentence.",
+    "What is the main argument of the text?",
+    "Which company is mentioned in the text?",
+    "What does the author think about ambition?",
+    "Give a title for the document.",
+    "What year is mentioned first?",
+    "What is the tone of the text?",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name, folder or Hub id")
+    p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a byte tokenizer (smoke run)")
+    p.add_argument("--method", default="pulsar")
+    p.add_argument("--ranks", type=int, default=4, help="simulated CP ranks (one process)")
+    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients")
+    p.add_argument("--context-tokens", type=int, default=8000, help="(SmolLM2 has 8192 positions in all)")
+    p.add_argument("--questions", type=int, default=10)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--clients", default="1,4,8,16", help="concurrent streaming clients per round")
+    p.add_argument("--client-context-tokens", type=int, default=1024, help="documents of the clients part")
+    p.add_argument("--documents", type=int, default=2, help="distinct documents of the clients part")
+    p.add_argument("--rounds", type=int, default=2, help="requests per client in the clients part")
+    p.add_argument("--max-batch", type=int, default=16, help="the server's decode batch limit")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    bad = [x for x in parts if x not in ("cache", "clients")]
+    if bad or not parts:
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients (comma separated)")
+    args.parts = parts
+    try:
+        args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--clients must be comma-separated ints such as 1,4,8,16, got {args.clients!r}")
+    if not args.clients or min(args.clients) < 1:
+        p.error("--clients: each count must be >= 1")
+    for name in ("ranks", "context_tokens", "questions", "new_tokens", "client_context_tokens", "documents", "rounds",
+                 "max_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def load(args):
+    """(model, tokenizer) of ``--model`` or the tiny stand-in."""
+    if args.tiny:
+        import tempfile
+
+        from magnetar.models import load_model
+        from tests.tiny_models import save_tiny
+
+        folder = tempfile.mkdtemp(prefix="magnetar-bench-serve-")
+        save_tiny(folder, "llama", seed=args.seed, max_position_embeddings=1 << 16)
+        return load_model(folder)
+    from magnetar.models import load_model
+
+    return load_model(args.model)
+
+
+def engine(model, tokenizer, args, **flat):
+    import magnetar
+
+    simulate = args.ranks > 1
+    return magnetar.init_inference(model, tokenizer=tokenizer, method=args.method, cp_size=args.ranks,
+                                   simulate=simulate, deepspeed_inference=False, **flat)
+
+
+def documents(tokenizer, tokens: int, n: int, seed: int):
+    """``n`` needle documents of about ``tokens`` tokens: [(context, needle question, answer)]."""
+    from magnetar.data.niah import needle_prompt
+
+    out = []
+    for i in range(n):
+        s = needle_prompt(tokenizer, tokens, 0.5, seed=seed + i)
+        out.append((s.context, s.query, s.answer))
+    return out
+
+
+def part_cache(model, tokenizer, args) -> dict:
+    [(doc, needle_q, answer)] = documents(tokenizer, args.context_tokens, 1, args.seed)
+    questions = ([needle_q] + QUESTIONS)[: args.questions]
+    if len(questions) < args.questions:
+        questions += [f"Question {i}: what is said in paragraph {i}?" for i in range(len(questions), args.questions)]
+    new = args.new_tokens
+    cold = engine(model, tokenizer, args, context_cache_mb=0)
+    warm = engine(model, tokenizer, args)
+    cold.generate("warm-up. " * 8, "ok?", max_new_tokens=2)  # first-call costs (ops, allocator) out of the timing
+    rows = []
+
+    t0 = time.perf_counter()
+    uncached = [cold.generate(doc, q, max_new_tokens=new) for q in questions]
+    t_uncached = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    cached = [warm.generate(doc, q, max_new_tokens=new) for q in questions]
+    t_cached = time.perf_counter() - t0
+
+    warm.cache.clear()
+    t0 = time.perf_counter()
+    handle = warm.encode(doc)
+    batched = warm.ask_batch([handle] * len(questions), questions, max_new_tokens=new)
+    t_batched = time.perf_counter() - t0
+
+    same_cached = all(a.token_ids == b.token_ids for a, b in zip(uncached, cached))
+    same_batched = all(a.token_ids == b.token_ids for a, b in zip(uncached, batched))
+    L = uncached[0].context_tokens
+    for label, seconds, same in (("10 x generate (no cache)", t_uncached, True),
+                                 ("cached, one at a time", t_cached, same_cached),
+                                 ("cached, batched (encode + ask_batch)", t_batched, same_batched)):
+        rows.append(dict(mode=label, seconds=seconds, speedup=t_uncached / seconds, same_tokens=same))
+    print(f"\n## {len(questions)} questions about one {L}-token document ({args.method}, {args.ranks} simulated "
+          f"ranks, {new} new tokens, greedy)\n")
+    print("| mode | total s | speed-up | answers equal the uncached ones |")
+    print("|---|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['seconds']:.1f} | {r['speedup']:.2f}x | {'yes' if r['same_tokens'] else 'NO'} |")
+    print(f"\nneedle answer {answer}: uncached {uncached[0].text.strip()!r}, cached {cached[0].text.strip()!r}")
+    print(f"Phase 1 of the document (uncached, summed over ranks): {sum(uncached[0].phase1_seconds):.1f} s; "
+          f"cache {warm.cache.stats()}")
+    return dict(context_tokens=L, questions=len(questions), rows=rows,
+                phase1_seconds=sum(uncached[0].phase1_seconds))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client_round(url: str, jobs: list[tuple[str, str]], clients: int, new: int) -> dict:
+    """``jobs`` (context, question) shared out to ``clients`` threads, each streaming its requests in a row with the
+    ``openai`` client; returns wall seconds, completion tokens, TTFTs and the answers by job index."""
+    import threading
+
+    from openai import OpenAI
+
+    ttfts, tokens, answers, errors = [], [0], {}, []
+    lock = threading.Lock()
+
+    def client(mine: list[int]):
+        api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        for i in mine:
+            context, question = jobs[i]
+            t0 = time.perf_counter()
+            first, text, used = None, [], 0
+            try:
+                stream = api.chat.completions.create(
+                    model="bench", messages=[{"role": "user", "content": question}], max_tokens=new, temperature=0,
+                    stream=True, stream_options={"include_usage": True}, extra_body={"magnetar": {"context": context}})
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        used = chunk.usage.completion_tokens
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if first is None:
+                            first = time.perf_counter() - t0
+                        text.append(chunk.choices[0].delta.content)
+            except Exception as e:  # reported below: a failed request must not pass as a fast one
+                with lock:
+                    errors.append(f"job {i}: {e}")
+                continue
+            with lock:
+                ttfts.append(first if first is not None else time.perf_counter() - t0)
+                tokens[0] += used
+                answers[i] = "".join(text)
+
+    shares = [list(range(k, len(jobs), clients)) for k in range(clients)]
+    threads = [threading.Thread(target=client, args=(share,)) for share in shares if share]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed: {errors[:3]}")
+    return dict(seconds=wall, tokens=tokens[0], ttfts=ttfts, answers=answers)
+
+
+def part_clients(model, tokenizer, args) -> dict:
+    """The server in this process; rounds of 1 (one at a time), then each ``--clients`` count."""
+    import threading
+
+    from magnetar.serve.server import Server
+
+    eng = engine(model, tokenizer, args)
+    docs = documents(tokenizer, args.client_context_tokens, args.documents, args.seed + 100)
+    port = _free_port()
+    server = Server(eng, model_name="bench", port=port, max_batch_size=args.max_batch, max_tokens=args.new_tokens)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    if not server.started.wait(120) or server.loop.start_error is not None:
+        raise RuntimeError(f"the server did not start: {server.loop.start_error}")
+    url = server.url
+    try:
+        for context, _, _ in docs:  # encode every document once, so every round sees cache hits only
+            _client_round(url, [(context, "Hello?")], 1, 1)
+        rows, answers = [], None
+        for clients in args.clients:
+            n = max(clients * args.rounds, args.rounds)
+            jobs = [(docs[i % len(docs)][0], QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+            alone = _client_round(url, jobs, 1, args.new_tokens)
+            together = _client_round(url, jobs, clients, args.new_tokens)
+            same = alone["answers"] == together["answers"]
+            answers = answers or alone["answers"]
+            for label, r in (("one at a time", alone), (f"{clients} concurrent", together)):
+                q = statistics.quantiles(r["ttfts"], n=100, method="inclusive") if len(r["ttfts"]) > 1 else \
+                    [r["ttfts"][0]] * 99
+                rows.append(dict(clients=clients, mode=label, requests=n, tokens=r["tokens"], seconds=r["seconds"],
+                                 tokens_per_s=r["tokens"] / r["seconds"], ttft_p50=q[49], ttft_p99=q[98],
+                                 same_answers=same))
+            rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / rows[-2]["tokens_per_s"]
+    finally:
+        server.drain()
+        thread.join(timeout=120)
+    print(f"\n## Streaming clients ({args.method}, {args.ranks} simulated ranks, {args.documents} documents of "
+          f"~{args.client_context_tokens} tokens in the context cache, {args.new_tokens} new tokens, greedy, "
+          f"decode batch <= {args.max_batch})\n")
+    print("| clients | serving | requests | tokens | s | tokens/s | TTFT p50 s | TTFT p99 s | speed-up | same answers |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        print(f"| {r['clients']} | {r['mode']} | {r['requests']} | {r['tokens']} | {r['seconds']:.1f} | "
+              f"{r['tokens_per_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {speed} | "
+              f"{'yes' if r['same_answers'] else 'NO'} |")
+    return dict(rows=rows, server_status=status[0] if status else None)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args)
+    out = dict(bench="serve", model="tiny" if args.tiny else args.model, method=args.method, ranks=args.ranks,
+               machine=f"{platform.machine()} {platform.processor() or ''}".strip(), torch_threads=torch.get_num_threads())
+    if "cache" in args.parts:
+        out["cache"] = part_cache(model, tokenizer, args)
+    if "clients" in args.parts:
+        out["clients"] = part_clients(model, tokenizer, args)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
