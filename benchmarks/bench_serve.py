@@ -239,8 +239,8 @@ def part_clients(model, tokenizer, args) -> dict:
         raise RuntimeError(f"the server did not start: {server.loop.start_error}")
     url = server.url
     try:
-        for context, _, _ in docs:  # encode every document once, so every round sees cache hits only
-            _client_round(url, [(context, "Hello?")], 1, 1)
+        for context, _, _ in docs:  # encode every document once, so every round sees cache hits only; and a
+            _client_round(url, [(context, "Hello?")], 1, args.new_tokens)  # full-length warm-up of the decode path
         rows, answers = [], None
         for clients in args.clients:
             n = max(clients * args.rounds, args.rounds)

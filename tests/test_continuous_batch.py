@@ -178,3 +178,35 @@ def _dp_worker(rank, world):
 
 def test_data_parallel_replicas_share_the_requests():
     run_distributed(_dp_worker, 4)
+
+
+def test_per_request_method_options():
+    # one engine (pulsar) serving a request encoded with star, and its own: each equals an engine of that config;
+    # the same context encoded two ways is two cache entries
+    model = tiny_model("llama", seed=7)
+    base = dict(cp_size=2, simulate=True, sink_size=4, chunk_size=8, summary_budget=0.25)
+    eng = _engine(model, method="pulsar", **base)
+    star_ref = _engine(model, method="star", block_size=24, context_cache_mb=0, **base)
+    pulsar_ref = _engine(model, method="pulsar", context_cache_mb=0, **base)
+    c, q = _ids(60, 100), _ids(61, 4)
+    batch = eng.open_batch()
+    params = eng.sampling_params(max_new_tokens=5)
+    star_rid, _ = batch.add(c, q, params, options={"method": "star", "block_size": 24})
+    own_rid, _ = batch.add(c, q, params)
+    while batch.active:
+        batch.step()
+    star, own = batch.pop(star_rid), batch.pop(own_rid)
+    assert star.token_ids == star_ref.generate(c, q, max_new_tokens=5).token_ids and star.method == "star"
+    assert own.token_ids == pulsar_ref.generate(c, q, max_new_tokens=5).token_ids and own.method == "pulsar"
+    assert star.context_kv_tokens_per_rank != own.context_kv_tokens_per_rank  # two encodings of one context
+    assert len(eng.cache) == 2 and eng.cache.misses == 2
+    assert eng.variant(method="star", block_size=24) is eng.variant(block_size=24, method="star")
+    assert eng.variant(method="pulsar") is eng and eng.variant() is eng
+    with pytest.raises(ValueError, match="sparse_policy cannot change per request"):
+        eng.variant(sparse_policy="quest")
+    with pytest.raises(ValueError, match="cp_size cannot change per request"):
+        batch.add(c, q, params, options={"cp_size": 1})
+    with pytest.raises(ValueError, match="block_size"):
+        batch.add(c, q, params, options={"method": "star", "block_size": -3})
+    with pytest.raises(ValueError, match="this context is a handle, already encoded"):
+        batch.add(eng.encode(c), q, params, options={"method": "star"})

@@ -135,6 +135,21 @@ def test_text_completions(client, ref):
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
 
 
+def test_method_options_per_request(client, ref):
+    # the dense server encodes this request's context the streaming way: as that engine variant does
+    doc = "Streams keep a window of recent tokens and a few sinks. " * 8
+    options = {"method": "streaming", "window_size": 24, "sink_tokens": 4}
+    want = ref.variant(**options).generate(doc, QUESTIONS[0], max_new_tokens=6)
+    dense = ref.generate(doc, QUESTIONS[0], max_new_tokens=6)
+    assert want.method == "streaming" and want.token_ids != dense.token_ids
+    got = _chat(client, doc, QUESTIONS[0], max_tokens=6, extra_body={"magnetar": {"context": doc, **options}})
+    assert got.choices[0].message.content == want.text and got.usage.prompt_tokens_details.cached_tokens == 0
+    # the same document with the server's own method is another cache entry: encoded again, not a hit
+    plain = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                           max_tokens=6, extra_body={"magnetar": {"context": doc}})
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0 and plain.choices[0].message.content == dense.text
+
+
 def test_stop_string_finishes_with_stop(client, ref):
     full = ref.generate(DOCS[1], QUESTIONS[0], max_new_tokens=40).text
     # an ASCII letter or digit after the start (random bytes also decode to U+FFFD, which no token ends in)
@@ -257,7 +272,13 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("n 2", "chat", _chat_body(n=2), "n"),
     ("unknown field", "chat", _chat_body(frobnicate=1), "frobnicate"),
     ("stream_options without stream", "chat", _chat_body(stream_options={"include_usage": True}), "stream_options"),
-    ("method per request", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "ring"}), "magnetar.method"),
+    ("unknown method", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "warp"}), "magnetar.method"),
+    ("bad block size", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "star", "block_size": 0}),
+     "magnetar.block_size"),
+    ("layout option per request", "chat", _chat_body(magnetar={"context": DOCS[0], "cp_size": 2}),
+     "magnetar.cp_size"),
+    ("decode option per request", "chat", _chat_body(magnetar={"context": DOCS[0], "sparse_policy": "quest"}),
+     "magnetar.sparse_policy"),
     ("unknown option", "chat", _chat_body(magnetar={"contxt": DOCS[0]}), "magnetar.contxt"),
     ("context not a string", "chat", _chat_body(magnetar={"context": 5}), "magnetar.context"),
     ("unknown context id", "chat", _chat_body(magnetar={"context_id": "ctx-nope"}), "magnetar.context_id"),

@@ -70,20 +70,30 @@ class ContinuousBatch:
         return len(self._entries)
 
     def add(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
-            params: Optional[SamplingParams] = None) -> tuple[int, TokenEvent]:
+            params: Optional[SamplingParams] = None, *, options: Optional[dict] = None) -> tuple[int, TokenEvent]:
         """Add one request: ``context`` (a string, token ids ``(L,)``, or a handle from ``Engine.encode``) is
         encoded unless the context cache holds it; ``query`` (string or ids) runs over it and chooses the first
         token. Returns the request's id and that token's event (the request may already be finished).
         ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
-        ``Engine.sampling_params()``). Bad arguments are a ValueError before anything runs on any rank."""
+        ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
+        engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
+        encoded with other options is another cache entry). Bad arguments are a ValueError before anything runs
+        on any rank."""
         eng = self.engine
         if params is None:
             params = eng.sampling_params()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (engine.sampling_params(...)), got "
                              f"{type(params).__name__}")
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
+                             f"{type(options).__name__}")
+        if options and isinstance(context, ContextHandle):
+            raise ValueError("options choose how a context is encoded; this context is a handle, already encoded: "
+                             "pass its text or ids, or no options")
+        source = eng.variant(**options) if options else eng
         qids = eng.query_ids(query)
-        handle, cached = eng.admit_context(context)
+        handle, cached = source.admit_context(context)
         eng.check_ask([handle], [qids], params, self.return_logits)
         sampler = eng.sampler(params)
         [rid] = self._batch.join([eng.phase2_request(handle, qids, sampler)])

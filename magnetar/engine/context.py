@@ -22,12 +22,14 @@ import torch
 from magnetar.engine.kv import KVShard
 
 
-def context_key(context_ids: torch.Tensor) -> str:
-    """The cache key of a context: a blake2b digest of its int64 token ids (and their count)."""
+def context_key(context_ids: torch.Tensor, options: str = "") -> str:
+    """The cache key of a context: a blake2b digest of its int64 token ids (and their count) and of ``options``,
+    the engine options that shape its KV (``Engine.cache_key`` passes them: method, blocks, pulsar, ...)."""
     ids = context_ids.reshape(-1).to(torch.int64).cpu().contiguous()
     h = hashlib.blake2b(digest_size=16)
     h.update(int(ids.numel()).to_bytes(8, "little"))
     h.update(ids.numpy().tobytes())
+    h.update(options.encode())
     return h.hexdigest()
 
 
@@ -48,6 +50,7 @@ class ContextHandle:
     stats: list = field(repr=False)  # list[magnetar.engine.engine.RankStats]
     prefill_stats: Optional[dict]
     nbytes: int
+    method: str = ""  # the method that encoded it (an engine's variant may encode with another than its own)
 
     @property
     def context_tokens(self) -> int:

@@ -13,8 +13,10 @@ returned on every rank.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -161,6 +163,8 @@ class Engine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._layers = int(model.config.num_hidden_layers)
         self.cache = ContextCache(config.runtime.context_cache_mb * 2**20)  # encoded contexts (encode / ask)
+        self._kv_options = _kv_options(config)  # what else than the ids keys a context's KV in the cache
+        self._variants: dict = {}  # EngineConfig -> this engine with other per-request options (variant())
         self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
         self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
@@ -445,6 +449,33 @@ class Engine:
         if not isinstance(h, ContextHandle) or h.shard is None or len(h.shard.layers) != self._layers:
             raise ValueError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}")
 
+    def cache_key(self, context_ids: torch.Tensor) -> str:
+        """The context cache's key of ``context_ids`` (int64 ``(L,)``) encoded by this engine: a digest of the ids
+        and of the options that shape the KV (all but the decoding, timeouts and cache budget)."""
+        return context_key(context_ids, self._kv_options)
+
+    def variant(self, **options) -> "Engine":
+        """This engine with other per-request options (:data:`REQUEST_OPTIONS`: ``method`` and the fields of the
+        ``blocks``, ``pulsar`` and ``streaming`` sections -- how a context is encoded, not the ranks' layout nor
+        the decoding): the same model, groups, tokenizer, decode policy and context cache (whose keys include these
+        options, so a context encoded two ways is two entries). No option, or the engine's own values: this
+        engine. Made once per options, without a collective; every rank of the replica uses the same variants.
+        Another option is a ValueError naming it."""
+        for name in options:
+            if name not in REQUEST_OPTIONS:
+                raise ValueError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
+                                 f"change how a context is encoded, not the ranks' layout or the decoding); start an "
+                                 f"engine with {name}={options[name]!r} for it")
+        config = self.config.replace(**options)  # validates each value and the method's needs
+        if config == self.config:
+            return self
+        variant = self._variants.get(config)
+        if variant is None:
+            variant = copy.copy(self)  # shares the model, groups, policies and the cache
+            variant.config, variant._kv_options, variant._variants = config, _kv_options(config), {}
+            self._variants[config] = variant
+        return variant
+
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""
         if not isinstance(handle, ContextHandle):
@@ -453,7 +484,7 @@ class Engine:
 
     def _encode(self, context_ids: torch.Tensor) -> tuple[ContextHandle, bool]:
         """(the handle of ``context_ids``, whether it came from the cache); Phase 1 runs on a miss."""
-        key = context_key(context_ids)
+        key = self.cache_key(context_ids)
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True
@@ -463,7 +494,7 @@ class Engine:
         else:
             shard, query_position, stats, largest = self._phase1_distributed(context_ids)
         prefill = None if self.last_prefill_stats is None else self.last_prefill_stats.as_dict()
-        handle = ContextHandle(key, context_ids, shard, query_position, stats, prefill, largest)
+        handle = ContextHandle(key, context_ids, shard, query_position, stats, prefill, largest, self.config.method)
         self.cache.put(handle)
         return handle, False
 
@@ -503,7 +534,7 @@ class Engine:
         for i, (h, q, dec, sampler) in enumerate(zip(handles, qids, decs, samplers)):
             per_rank = stats[i]
             results.append(GenerationResult(
-                text=sampler.text(), token_ids=dec.token_ids, method=cfg.method,
+                text=sampler.text(), token_ids=dec.token_ids, method=h.method or cfg.method,
                 context_tokens=h.context_tokens, query_tokens=int(q.numel()), stop_reason=dec.stop_reason,
                 phase1_seconds=[s.phase1_seconds for s in per_rank], ttft_seconds=dec.ttft_seconds,
                 decode_seconds_per_token=(sum(dec.decode_seconds) / len(dec.decode_seconds)) if dec.decode_seconds
@@ -658,6 +689,23 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
         return encode_text(self.tokenizer, x)  # user text is text: never a special-token id
+
+
+# the options a request may set for itself (Engine.variant): how its context is encoded
+REQUEST_OPTIONS = ("method",) + tuple(f.name for sec in ("blocks", "pulsar", "streaming")
+                                      for f in dataclasses.fields(type(getattr(EngineConfig(), sec))))
+
+
+def _kv_options(config: EngineConfig) -> str:
+    """The options of ``config`` that shape an encoded context's KV, as a stable string (a cache-key part): all
+    but the decoding, the timeout, the cache budget and the finiteness check."""
+    d = config.to_dict()
+    d.pop("decode", None)
+    for name in ("timeout_s",):
+        d["parallel"].pop(name, None)
+    for name in ("context_cache_mb", "check_finite"):
+        d["runtime"].pop(name, None)
+    return json.dumps(d, sort_keys=True, default=str)
 
 
 def _sampling_key(params: SamplingParams) -> tuple:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from magnetar.engine.context import context_key
 from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
 from magnetar.serve.prompts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
@@ -166,7 +165,7 @@ def build_app(server) -> FastAPI:
         req = parse_body(ContextRequest, await request.body())
         _open()
         ids = await run_in_threadpool(preparer.context, req)
-        key = context_key(ids)
+        key = server.engine.cache_key(ids)
         cid = context_id_of(key)
         pinned = server.contexts.get(cid)
         if pinned is None:

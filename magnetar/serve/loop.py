@@ -245,7 +245,8 @@ class EngineLoop:
             else:
                 p = job.prepared
                 tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
-                                     None if p.context_ids is None else p.context_ids.tolist(), p.context_id))
+                                     None if p.context_ids is None else p.context_ids.tolist(), p.context_id,
+                                     dict(p.options)))
         return tick
 
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
@@ -267,7 +268,7 @@ class EngineLoop:
                 torch.tensor(add.context_ids, dtype=torch.long)
             try:
                 rid, first = self.batch.add(context, torch.tensor(add.query_ids, dtype=torch.long),
-                                            SamplingParams(**add.params))
+                                            SamplingParams(**add.params), options=add.options or None)
             except ValueError as e:
                 self._reject(add.sid, e, None)
                 continue

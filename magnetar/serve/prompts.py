@@ -14,10 +14,13 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
   one), the prompt as the query; without it the raw prompt is cut after its last blank line (``"\\n\\n"``, else
   its last newline) before non-blank text: what precedes is the context, the rest (the question) the query.
 
-Per-request options (the ``magnetar`` object): ``context`` and ``context_id``. Engine options (``method``,
-``cp_size``, ``block_size``, ``scorer``, ...) cannot change per request -- the context KV, the cache key and the
-ranks' plans are those of the server's one config -- so they are accepted only when equal to the server's value
-and otherwise refused with a 400 saying how to start a server with it.
+Per-request options (the ``magnetar`` object): ``context``, ``context_id``, and the engine options that only
+decide how the context is encoded (``method``, ``block_size``, ``anchor_size``, pulsar's and streaming's fields:
+:data:`magnetar.engine.engine.REQUEST_OPTIONS`): the request's context is then encoded by ``Engine.variant`` (the
+same model, ranks, decode policy and context cache, whose key includes these options). Other engine options
+(``cp_size``, ``tp_size``, sparse decoding, LuKA, ...) change the ranks' layout or the decoding of the whole
+batch: accepted only when equal to the server's value, otherwise refused with a 400 saying how to start a
+server with it.
 """
 from __future__ import annotations
 
@@ -25,14 +28,14 @@ import dataclasses
 import difflib
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from magnetar.config import FLAT_FIELDS, EngineConfig
 from magnetar.engine import inputs
-from magnetar.engine.context import context_key
+from magnetar.engine.engine import REQUEST_OPTIONS
 from magnetar.engine.strategy import context_method
 from magnetar.engine.template import split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
@@ -54,6 +57,7 @@ class Prepared:
     key: str
     context_tokens: int
     params: dict
+    options: dict = field(default_factory=dict)  # engine options of this request's encoding (Engine.variant)
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ class Preparer:
                                "message", "messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        context, cid = self._options(req.magnetar)
+        context, cid, options = self._options(req.magnetar)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
@@ -132,7 +136,7 @@ class Preparer:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if context is not None else "messages"
-        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where)
+        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options)
 
     def completion(self, req: CompletionRequest) -> Prepared:
         self._common(req)
@@ -144,14 +148,14 @@ class Preparer:
             prompt = prompt[0]
         if not prompt.strip():
             raise RequestError("prompt is empty: Phase 2 needs at least one query token", "prompt")
-        context, cid = self._options(req.magnetar)
+        context, cid, options = self._options(req.magnetar)
         where = "magnetar.context"
         if context is None and cid is None:
             context, prompt = split_completion(prompt)
             where = "prompt"
         with self._lock:
             p = split_plain(self.tokenizer, "." if cid is not None else context, prompt)
-        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where)
+        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options)
 
     def context(self, req: ContextRequest) -> torch.Tensor:
         """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
@@ -178,28 +182,45 @@ class Preparer:
         if req.stream_options is not None and not req.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
 
-    def _options(self, options: Optional[dict[str, Any]]) -> tuple[Optional[str], Optional[str]]:
-        """(magnetar.context, magnetar.context_id) of a request's ``magnetar`` object."""
+    def _options(self, options: Optional[dict[str, Any]]) -> tuple[Optional[str], Optional[str], dict[str, Any]]:
+        """(magnetar.context, magnetar.context_id, the engine options) of a request's ``magnetar`` object. Engine
+        options are those :data:`~magnetar.engine.engine.REQUEST_OPTIONS` (how the context is encoded: ``method``,
+        ``block_size``, pulsar's and streaming's fields); the others would change the ranks' layout or the
+        decoding of the whole batch, so only the server's own value is accepted."""
         if not options:
-            return None, None
+            return None, None, {}
+        engine_options = {}
         for name, value in options.items():
             if name in OPTIONS:
                 continue
             param = f"magnetar.{name}"
             if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens"):
                 raise RequestError(f"{param}: set {name} as a field of the request itself, not in magnetar", param)
-            if name == "method" or name in FLAT_FIELDS:
-                current = self.config.method if name == "method" else \
-                    getattr(getattr(self.config, FLAT_FIELDS[name]), name)
+            if name in REQUEST_OPTIONS:
+                engine_options[name] = value
+                continue
+            if name in FLAT_FIELDS:
+                current = getattr(getattr(self.config, FLAT_FIELDS[name]), name)
                 if value == current and type(value) is type(current):
                     continue
                 raise RequestError(
-                    f"{param}={value!r} cannot change per request: the server's ranks encode contexts and cache their "
-                    f"KV with one engine config ({name}={current!r}); start a server with "
+                    f"{param}={value!r} cannot change per request (only {', '.join(REQUEST_OPTIONS)} can: they change "
+                    f"how a context is encoded, not the ranks' layout or the decoding); start a server with "
                     f"--{name.replace('_', '-')} {value} for it", param)
-            close = difflib.get_close_matches(name, [*OPTIONS, "method", *FLAT_FIELDS], n=1)
+            close = difflib.get_close_matches(name, [*OPTIONS, *FLAT_FIELDS], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}){hint}", param)
+            raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}, "
+                               f"{', '.join(REQUEST_OPTIONS)}){hint}", param)
+        if engine_options:
+            try:
+                self.engine.variant(**engine_options)  # validates the values together (a method's needs)
+            except ValueError as e:
+                name = next((n for n in engine_options if n in str(e)), next(iter(engine_options)))
+                raise RequestError(f"magnetar: {e}", f"magnetar.{name}") from None
+            if options.get("context_id") is not None:
+                raise RequestError("magnetar.context_id is a context already encoded with the server's options: "
+                                   "send the document in magnetar.context to encode it with others",
+                                   f"magnetar.{next(iter(engine_options))}")
         context, cid = options.get("context"), options.get("context_id")
         if context is not None and not isinstance(context, str):
             raise RequestError(f"magnetar.context must be a string (the document), got {type(context).__name__}",
@@ -215,17 +236,18 @@ class Preparer:
         if cid is not None and self.contexts.get(cid) is None:
             raise RequestError(f"magnetar.context_id {cid!r} is not a context of this server (POST /v1/contexts "
                                f"returns one; deleted ones are gone)", "magnetar.context_id")
-        return context, cid
+        return context, cid, engine_options
 
-    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str) -> None:
+    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None) -> None:
         L = int(ids.numel())
+        config = self.engine.variant(**options).config if options else self.config
         try:
             inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
             if self.engine.max_positions is not None and L + query_tokens + 1 > self.engine.max_positions:
                 raise ValueError(f"the context ({L} tokens) + query ({query_tokens}) + one new token exceeds the "
                                  f"model's {self.engine.max_positions} positions; shorten the context by at least "
                                  f"{L + query_tokens + 1 - self.engine.max_positions} tokens")
-            reasons = context_method(self.config.method).validate(self.config, L)
+            reasons = context_method(config.method).validate(config, L)
             if reasons:
                 raise ValueError("; ".join(reasons))
             if self.engine.policy is not None:
@@ -234,12 +256,13 @@ class Preparer:
             raise RequestError(f"{param}: {e}", param) from None
 
     def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
-                max_tokens: Optional[int], max_name: str, where: str) -> Prepared:
+                max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None) -> Prepared:
         if cid is not None:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
         else:
-            L, key = int(context_ids.numel()), context_key(context_ids)
+            source = self.engine.variant(**options) if options else self.engine
+            L, key = int(context_ids.numel()), source.cache_key(context_ids)
         Q = int(query_ids.numel())
         query_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
@@ -247,7 +270,7 @@ class Preparer:
         except ValueError as e:
             raise RequestError(f"{query_param}: {e}", query_param) from None
         if cid is None:
-            self._check_context(context_ids, Q, where)
+            self._check_context(context_ids, Q, where, options)
         room = None if self.engine.max_positions is None else self.engine.max_positions - L - Q
         if room is not None and room < 1:
             raise RequestError(f"{where}: the context ({L} tokens) and query ({Q}) fill the model's "
@@ -271,7 +294,7 @@ class Preparer:
                                f"most {room} or shorten the prompt", max_name)
         fields = dataclasses.asdict(params)
         fields["stop"] = list(fields["stop"])
-        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields)
+        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields, dict(options or {}))
 
 
 def split_completion(prompt: str) -> tuple[str, str]:

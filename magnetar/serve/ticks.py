@@ -23,13 +23,15 @@ from magnetar.parallel.collectives import wait_all
 @dataclass
 class Add:
     """One request to add: ``sid`` the server's id; the context as ``context_ids`` or a pinned ``context_id``;
-    ``params`` the SamplingParams fields."""
+    ``params`` the SamplingParams fields; ``options`` the engine options its context is encoded with
+    (``Engine.variant``; empty: the server's)."""
 
     sid: int
     query_ids: list[int]
     params: dict
     context_ids: Optional[list[int]] = None
     context_id: Optional[str] = None
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
