@@ -360,8 +360,8 @@ def test_sliding_window_layers_stay_dense():
     dense = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False)
     sparse = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, prefill_policy="oracle",
                                      prefill_topk=3, prefill_dense_layers=0)
-    a, _, _ = dense._phase1_distributed(ctx)
-    b, _, _ = sparse._phase1_distributed(ctx)
+    a, _, _, _ = dense._phase1_distributed(ctx)
+    b, _, _, _ = sparse._phase1_distributed(ctx)
     for layer in range(3):  # layers 0, 1 (local) and the inputs of layer 2 are untouched
         assert torch.equal(a.layers[layer].k, b.layers[layer].k) and torch.equal(a.layers[layer].v, b.layers[layer].v)
     for layer in range(3, 6):  # layer 2's sparse output reaches the later layers

@@ -70,15 +70,22 @@ def config_from_args(args) -> EngineConfig:
     return config
 
 
-def check_inputs(args) -> tuple[EngineConfig, str]:
-    """Every check that needs no model: the config, ``--model``, the context, query, stop strings and the
-    files to read and write. Returns (config, context); ValueError / FileNotFoundError name the flag."""
+def check_engine_args(args) -> EngineConfig:
+    """The engine config of the flags, ``--model`` and the files the config reads (``--hash-path``,
+    ``--prefill-indexer-path``); ValueError / FileNotFoundError name the flag. Shared with ``magnetar serve``."""
     config = config_from_args(args)
     check_model(args.model, revision=args.revision)
     for name in ("hash_path", "prefill_indexer_path"):
         path = getattr(config, name)
         if path is not None:
             check_input_file(path, flag="--" + name.replace("_", "-"))
+    return config
+
+
+def check_inputs(args) -> tuple[EngineConfig, str]:
+    """Every check that needs no model: the config, ``--model``, the context, query, stop strings and the
+    files to read and write. Returns (config, context); ValueError / FileNotFoundError name the flag."""
+    config = check_engine_args(args)
     if args.context_file is not None:
         context = read_text_file(args.context_file, flag="--context-file", encoding=args.encoding)
     elif not args.context.strip():

@@ -22,10 +22,10 @@ import signal
 import sys
 
 from magnetar.config import add_cli_args
-from magnetar.launch.run import config_from_args
-from magnetar.models import ModelNotInstalledError, check_model
+from magnetar.launch.run import check_engine_args
+from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, launched_world_size
-from magnetar.utils.cli import ArgumentParser, check_input_file, fail, int_at_least, user_errors
+from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -62,12 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_inputs(args):
     """Every check that needs no model (the config, --model, files, ports); ValueError names the flag."""
-    config = config_from_args(args)
-    check_model(args.model, revision=args.revision)
-    for name in ("hash_path", "prefill_indexer_path"):
-        path = getattr(config, name)
-        if path is not None:
-            check_input_file(path, flag="--" + name.replace("_", "-"))
+    config = check_engine_args(args)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
     if not config.parallel.simulate:
