@@ -85,6 +85,32 @@ def _interleaved_against(eng, ref_eng, what):
     assert eng.cache.hits == 1 and eng.cache.misses == 3, what
 
 
+def test_prepared_requests_join_in_one_forward():
+    # three requests of different lengths and sampling prepared apart, their queries joined in one forward while
+    # another request is decoding: each equals its one-at-a-time generate
+    model = tiny_model("llama", seed=8)
+    flat = dict(method="star", cp_size=2, block_size=24, simulate=True)
+    eng, ref = _engine(model, **flat), _engine(model, context_cache_mb=0, **flat)
+    batch = eng.open_batch()
+    first, _ = batch.add(*_args(eng, REQUESTS[0]))
+    batch.step()
+    ready = [batch.prepare(*_args(eng, r)) for r in REQUESTS[1:]]
+    assert [r.cached for r in ready] == [False, False, True]  # the last repeats the first request's context
+    joined = batch.join(ready)
+    while batch.active:
+        batch.step()
+    for (rid, ev), req in zip([(first, None)] + joined, REQUESTS):
+        want = ref.generate(*_args(ref, req)[:2], **req[4])
+        assert batch.pop(rid).token_ids == want.token_ids, req
+    with pytest.raises(ValueError, match=r"prepared\[0\] must be a Ready from ContinuousBatch.prepare\(\)"):
+        batch.join(["not ready"])
+
+
+def _args(eng, req):
+    cs, cl, qs, ql, kw = req
+    return _ids(cs, cl), _ids(qs, ql), eng.sampling_params(**kw)
+
+
 def _two_rank_worker(rank, world):
     model = tiny_model("qwen3", seed=3)
     flat = dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25)

@@ -1,7 +1,8 @@
 """Continuous batching: requests join the Phase-2 decode batch between steps and leave when finished.
 
 :class:`ContinuousBatch` is what a server loop drives: :meth:`~ContinuousBatch.add` a request (its context's
-Phase 1 -- skipped when the context cache holds it -- and its query forward, which chooses its first token),
+Phase 1 -- skipped when the context cache holds it -- and its query forward, which chooses its first token; or
+:meth:`~ContinuousBatch.prepare` several and :meth:`~ContinuousBatch.join` them: their queries in one forward),
 :meth:`~ContinuousBatch.step` every unfinished request by one token (one model forward and one collective per
 layer for all of them), :meth:`~ContinuousBatch.cancel` one, :meth:`~ContinuousBatch.pop` a finished one's
 :class:`~magnetar.engine.engine.GenerationResult`. Each request has its own sampler (seeded generator, stop
@@ -15,7 +16,7 @@ rules, via :class:`~magnetar.engine.sampling.TextDeltas`): the deltas of a reque
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -33,6 +34,16 @@ class TokenEvent:
     token_id: int
     text: str
     stop_reason: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A checked request whose context is encoded (:meth:`ContinuousBatch.prepare`), ready to :meth:`join`."""
+
+    handle: ContextHandle
+    cached: bool  # the context came from the cache (no Phase 1)
+    query_ids: torch.Tensor  # (Q,) int64
+    params: SamplingParams
 
 
 @dataclass
@@ -71,14 +82,19 @@ class ContinuousBatch:
 
     def add(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
             params: Optional[SamplingParams] = None, *, options: Optional[dict] = None) -> tuple[int, TokenEvent]:
-        """Add one request: ``context`` (a string, token ids ``(L,)``, or a handle from ``Engine.encode``) is
-        encoded unless the context cache holds it; ``query`` (string or ids) runs over it and chooses the first
-        token. Returns the request's id and that token's event (the request may already be finished).
+        """Add one request (:meth:`prepare`, then :meth:`join`): returns its id and its first token's event (the
+        request may already be finished)."""
+        return self.join([self.prepare(context, query, params, options=options)])[0]
+
+    def prepare(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
+                params: Optional[SamplingParams] = None, *, options: Optional[dict] = None) -> Ready:
+        """Check one request and encode its context: ``context`` (a string, token ids ``(L,)``, or a handle from
+        ``Engine.encode``) runs Phase 1 unless the context cache holds it; ``query`` is a string or ids.
         ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
         ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
         engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
-        encoded with other options is another cache entry). Bad arguments are a ValueError before anything runs
-        on any rank."""
+        encoded with other options is another cache entry). A bad request is a ValueError on every rank alike
+        (nothing of it is left behind); the ranks check they prepare the same request (a small collective)."""
         eng = self.engine
         if params is None:
             params = eng.sampling_params()
@@ -95,13 +111,27 @@ class ContinuousBatch:
         qids = eng.query_ids(query)
         handle, cached = source.admit_context(context)
         eng.check_ask([handle], [qids], params, self.return_logits)
-        sampler = eng.sampler(params)
-        [rid] = self._batch.join([eng.phase2_request(handle, qids, sampler)])
-        deltas = None
-        if eng.tokenizer is not None:
-            deltas = TextDeltas(eng.tokenizer, stop=params.stop, eos_ids=tuple(sampler.eos_ids))
-        self._entries[rid] = _Entry(handle, cached, qids, sampler, deltas)
-        return rid, self._event(rid)
+        return Ready(handle, cached, qids, params)
+
+    def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:
+        """Add prepared requests to the batch: their queries run as ONE forward (right-padded) between two
+        steps, which also chooses their first tokens. Returns ``(rid, first event)`` per request, in order."""
+        eng = self.engine
+        if not prepared:
+            return []
+        for i, p in enumerate(prepared):
+            if not isinstance(p, Ready):
+                raise ValueError(f"prepared[{i}] must be a Ready from ContinuousBatch.prepare(), got {type(p).__name__}")
+        samplers = [eng.sampler(p.params) for p in prepared]
+        rids = self._batch.join([eng.phase2_request(p.handle, p.query_ids, s) for p, s in zip(prepared, samplers)])
+        out = []
+        for rid, p, sampler in zip(rids, prepared, samplers):
+            deltas = None
+            if eng.tokenizer is not None:
+                deltas = TextDeltas(eng.tokenizer, stop=p.params.stop, eos_ids=tuple(sampler.eos_ids))
+            self._entries[rid] = _Entry(p.handle, p.cached, p.query_ids, sampler, deltas)
+            out.append((rid, self._event(rid)))
+        return out
 
     def step(self) -> list[TokenEvent]:
         """One decode step of every unfinished request: their new tokens' events (none when nothing is active)."""

@@ -7,8 +7,9 @@ Each tick:
    number that hit the context cache, up to ``max_batch_size`` decoding requests;
 2. :func:`~magnetar.serve.ticks.broadcast_tick` gives it to every rank of the replica (timeout: the groups');
 3. every rank applies it to its :class:`~magnetar.engine.batch.ContinuousBatch` in the same order (``cancel``,
-   ``add`` -- a Phase 1 on a cache miss, then the query forward and the first token --, ``pop`` of finished
-   requests) and runs one ``step()`` while requests are decoding;
+   ``prepare`` each new request -- a Phase 1 on a cache miss --, one ``join`` of them all -- their queries in one
+   forward, which chooses their first tokens --, ``pop`` of finished requests) and runs one ``step()`` while
+   requests are decoding;
 4. the leader hands each request's events to its HTTP handler (:class:`Sink`: ``call_soon_threadsafe`` onto the
    handler's asyncio queue).
 
@@ -263,16 +264,18 @@ class EngineLoop:
                 continue
             self._send(enc.sid, Encoded(handle.context_tokens))
             self._finish_job(enc.sid, None)
-        for add in tick.adds:
+        ready, sids = [], []
+        for add in tick.adds:  # each checked and encoded alone (a refused one fails alone) ...
             context = self.handles[add.context_id] if add.context_id is not None else \
                 torch.tensor(add.context_ids, dtype=torch.long)
             try:
-                rid, first = self.batch.add(context, torch.tensor(add.query_ids, dtype=torch.long),
-                                            SamplingParams(**add.params), options=add.options or None)
+                ready.append(self.batch.prepare(context, torch.tensor(add.query_ids, dtype=torch.long),
+                                                SamplingParams(**add.params), options=add.options or None))
+                sids.append(add.sid)
             except ValueError as e:
                 self._reject(add.sid, e, None)
-                continue
-            self.rids[add.sid], self.sids[rid] = rid, add.sid
+        for sid, (rid, first) in zip(sids, self.batch.join(ready)):  # ... then their queries in one forward
+            self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
             handle = self.handles.pop(cid, None)
