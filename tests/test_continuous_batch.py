@@ -183,12 +183,12 @@ def test_per_request_sampling_parameters():
 
 
 def _dp_worker(rank, world):
-    # 4 ranks: cp 2 x dp 2; three requests dealt to the two replicas; every rank returns all three results
+    # 4 ranks: cp 2 x dp 2; three requests dealt to the two replicas (deal=True); every rank returns all three
     model = tiny_model("llama", seed=6)
     flat = dict(method="star", cp_size=2, block_size=24)
     eng = _engine(model, **flat)
     reqs = [(_ids(40 + i, 60 + 10 * i), _ids(50 + i, 4)) for i in range(3)]
-    results = eng.generate_batch(reqs, max_new_tokens=4)
+    results = eng.generate_batch(reqs, max_new_tokens=4, deal=True)
     assert eng.groups.dp_size == 2
     mine = [i for i in range(3) if i % 2 == eng.groups.dp_rank]
     assert eng.cache.misses == len(mine), f"rank {rank} encoded {eng.cache.misses} contexts, its share is {mine}"
@@ -199,7 +199,13 @@ def _dp_worker(rank, world):
     if eng.groups.dp_rank == 1:  # a replica given another list: every rank of the DP group raises
         reqs = reqs[::-1]
     with pytest.raises(magnetar.engine.agree.RequestMismatchError, match="data-parallel replicas"):
-        eng.generate_batch(reqs, max_new_tokens=4)
+        eng.generate_batch(reqs, max_new_tokens=4, deal=True)
+    # without deal a replica runs what it is given, alone (replica 1 is not called here)
+    if eng.groups.dp_rank == 0:
+        alone = eng.generate_batch(reqs[:1], max_new_tokens=4)
+        assert alone[0].token_ids == sim.generate(*reqs[0], max_new_tokens=4).token_ids
+    with pytest.raises(ValueError, match="deal"):
+        eng.generate_batch(reqs, deal="yes")
 
 
 def test_data_parallel_replicas_share_the_requests():

@@ -306,20 +306,26 @@ class Engine:
     def generate_batch(self, requests: Sequence[tuple[Union[str, torch.Tensor], Union[str, torch.Tensor]]], *,
                        max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None, return_logits: bool = False,
                        temperature: Optional[float] = None, top_p: Optional[float] = None,
-                       top_k: Optional[int] = None, seed: Optional[int] = None) -> list[GenerationResult]:
+                       top_k: Optional[int] = None, seed: Optional[int] = None,
+                       deal: bool = False) -> list[GenerationResult]:
         """Several independent ``(context, query)`` requests of any lengths; one result each, on every rank.
 
         Each context is encoded (:meth:`encode`: its own block plan and KV shard; a context in the cache skips
         Phase 1); Phase 2 and decoding run the requests as one batch (:meth:`ask_batch`: one model forward and one
         collective per layer per step for all unfinished requests). Results equal those of separate
-        :meth:`generate` calls: each request samples from its own generator seeded with ``seed``. Under data
-        parallelism the requests are dealt to the replicas (request i to replica ``i % dp_size``) and the
-        results gathered over the DP group, so every rank returns all of them.
+        :meth:`generate` calls: each request samples from its own generator seeded with ``seed``.
+
+        Data parallelism: by default a replica runs the requests it is given (the caller decides what each
+        replica serves, as ``magnetar-eval`` and the server do; other replicas need not call). With
+        ``deal=True`` every rank of the world calls it with the same list: the requests are dealt to the replicas
+        (request i to replica ``i % dp_size``), each runs its share, and the results are gathered over the DP
+        group, so every rank returns all of them (the replicas first check they got the same list).
         """
         inputs.check_generate(requests, max_new_tokens, stop, return_logits)
+        inputs.check_flag(deal, "deal")
         params = self.sampling_params(max_new_tokens=max_new_tokens, stop=stop, temperature=temperature,
                                       top_p=top_p, top_k=top_k, seed=seed)
-        dp, dp_rank = (1, 0) if self.simulated else (self.groups.dp_size, self.groups.dp_rank)
+        dp, dp_rank = (1, 0) if self.simulated or not deal else (self.groups.dp_size, self.groups.dp_rank)
         if dp > 1:
             # every replica must be dealt from the same list: a mismatch would return other requests' answers
             self._check_dp(requests, params, return_logits)
