@@ -24,6 +24,7 @@ from magnetar.engine.context import ContextHandle
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
 
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token of request ``rid``: its id, the text it made final (maybe ""; the last event of a
@@ -38,7 +39,8 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class Ready:
-    """A checked request whose context is encoded (:meth:`ContinuousBatch.prepare`), ready to :meth:`join`."""
+    """A checked request whose context is encoded (:meth:`ContinuousBatch.prepare`), ready to
+    :meth:`ContinuousBatch.join`."""
 
     handle: ContextHandle
     cached: bool  # the context came from the cache (no Phase 1)
