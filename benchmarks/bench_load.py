@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import magnetar
     from magnetar.models import load_model, prepare_model
     from magnetar.models.registry import MODELS
-    from magnetar.parallel.launcher import import_deepspeed, init_distributed
+    from magnetar.parallel.launcher import finish_distributed, import_deepspeed, init_distributed
 
     init_distributed()
     import_deepspeed()
@@ -78,6 +78,7 @@ def main(argv=None) -> int:
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, mine)
     if rows[0] is not mine and dist.get_rank() != 0:
+        finish_distributed()
         return 0
     print(f"model {args.model} ({args.dtype}), mode {args.mode}, tp {args.tp_size} x cp {args.cp_size} "
           f"({len(rows)} ranks), "
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
                           ranks=[dict(rank=r, baseline_mib=b, peak_after_load_mib=a, peak_after_generate_mib=g,
                                       anon_after_generate_mib=an, file_after_generate_mib=fi, load_seconds=s,
                                       weight_bytes=w) for r, b, a, g, an, fi, s, w in rows])))
+    finish_distributed()
     return 0
 
 

@@ -251,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import torch.distributed as dist
 
-    from magnetar.parallel.launcher import init_distributed
+    from magnetar.parallel.launcher import finish_distributed, init_distributed
 
     sim = args.simulate_ranks
     init_distributed()  # under a launcher (a no-op without one): the world size, and rank 0 prints
@@ -332,6 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json_out:
             with open(args.json_out, "w") as f:
                 f.write(line + "\n")
+    finish_distributed()
     return 0
 
 

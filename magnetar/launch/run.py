@@ -25,7 +25,7 @@ import sys
 from magnetar.config import DISTRIBUTED_METHODS, EngineConfig, add_cli_args
 from magnetar.eval.common import check_attention_backend, check_cp_size
 from magnetar.models import ModelNotInstalledError, check_model
-from magnetar.parallel.launcher import add_launcher_args, launched_world_size
+from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.utils.cli import (
     ArgumentParser,
     check_input_file,
@@ -137,6 +137,7 @@ def main(argv=None) -> int:
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(summary, f, indent=1)
+    finish_distributed(timeout=engine.groups.timeout)
     return 0
 
 

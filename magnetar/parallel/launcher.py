@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from magnetar.parallel.collectives import barrier
 from magnetar.parallel.groups import DEFAULT_TIMEOUT
 from magnetar.parallel.lifetime import watch_launcher
 
@@ -286,6 +287,17 @@ def init_distributed(
     log.info("rank %d/%d (local %d) on %s, launched by %s, rendezvous %s:%d", dist.get_rank(),
              dist.get_world_size(), info.local_rank, backend, info.launcher, addr, info.master_port)
     return True
+
+
+def finish_distributed(*, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """End a rank's distributed work in order: a barrier (no rank leaves while another still communicates) and
+    ``destroy_process_group``. A rank left to tear the group down at interpreter exit can abort there ("terminate
+    called without an active exception", status 134: gloo's threads destroyed while running), seen under
+    ``mpirun``. No-op without a process group."""
+    if not dist.is_initialized():
+        return
+    barrier(timeout=timeout)
+    dist.destroy_process_group()
 
 
 def device_for_rank() -> torch.device:

@@ -24,7 +24,7 @@ import sys
 from magnetar.config import add_cli_args
 from magnetar.launch.run import check_engine_args
 from magnetar.models import ModelNotInstalledError
-from magnetar.parallel.launcher import add_launcher_args, launched_world_size
+from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
@@ -101,6 +101,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+    finish_distributed(timeout=engine.groups.timeout)
     return 0
 
 
