@@ -138,16 +138,6 @@ class PrefillRun:
                                   context_tokens=context_tokens)
         self._causal: tuple[Optional[torch.Tensor], int] = (None, 0)  # (positions, their visible pairs)
 
-    def shard_heads(self, first: int, count: int, total: int) -> None:
-        """Tensor parallelism: this rank sees ``count`` of ``total`` KV heads. The indexer scores the (whole,
-        replicated) hidden states, so its choice is the same on every rank; the oracle averages the attention
-        of ALL query heads, which no rank holds, so it is refused."""
-        if self.cfg.prefill_policy == "oracle":
-            raise ValueError(
-                f"prefill_policy 'oracle' averages the attention of every query head, but with tensor parallelism "
-                f"each rank holds {count} of {total} KV heads' queries: use prefill_policy indexer "
-                f"(--prefill-policy indexer) or tp_size 1")
-
     @property
     def needs_hidden(self) -> bool:
         return self.policy.needs_hidden
