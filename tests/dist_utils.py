@@ -3,18 +3,39 @@
 ``run_distributed(fn, world_size, *args)`` spawns W processes; each initialises the default group with a
 short timeout and calls ``fn(rank, world_size, *args)``. An exception in any rank fails the test with that
 rank's traceback; a rank that hangs is killed by the timeout instead of stalling the suite.
+``wait_serving(url, proc, timeout_s, log)`` waits for a server started as a subprocess (``magnetar serve``).
 """
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TEST_TIMEOUT = timedelta(seconds=60)
+
+
+def wait_serving(url: str, proc: subprocess.Popen, timeout_s: float, log: Callable[[], str]) -> None:
+    """Return once ``GET url/health`` answers 200; fail the test, with the exit status and ``log()``, when
+    ``proc`` exits or ``timeout_s`` passes first."""
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server did not start (exit {proc.poll()}):\n{log()}")
 
 
 def free_port() -> int:

@@ -46,3 +46,12 @@ def dense_attention_fp64(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=
                 out[b, h, i] = (p / z) @ vd[b, kv_h]
                 lse[b, h, i] = m + torch.log(z)
     return out, lse
+
+
+def random_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, gen, scale=1.0):
+    """Seeded ``q (B, Hq, Sq, D)``, ``k, v (B, Hkv, Sk, D)`` drawn in float32 from ``gen`` (q, k scaled by
+    ``scale``), then rounded to ``dtype``: the inputs the attention tests give the library and the reference."""
+    q = (torch.randn(B, Hq, Sq, D, generator=gen) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, Sk, D, generator=gen) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype)
+    return q, k, v

@@ -7,17 +7,10 @@ import torch
 from magnetar.ops import attention_with_lse
 from magnetar.ops.backends import explain, list_backends
 from tests.conftest import assert_close
-from tests.reference import dense_attention_fp64
+from tests.reference import dense_attention_fp64, random_qkv
 
 CPU_BACKENDS = ["torch", "tiled", "cpu_flash"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, gen, scale=1.0):
-    q = (torch.randn(B, Hq, Sq, D, generator=gen) * scale).to(dtype)
-    k = (torch.randn(B, Hkv, Sk, D, generator=gen) * scale).to(dtype)
-    v = torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype)
-    return q, k, v
 
 
 def _check(q, k, v, backend, msg="", **kw):
@@ -36,7 +29,7 @@ def _check(q, k, v, backend, msg="", **kw):
 def test_random_shapes_default_positions(backend, dtype, group, seeded):
     # decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk) and Sq>Sk (leading rows see nothing)
     for Sq, Sk in [(1, 37), (23, 23), (9, 40), (12, 5)]:
-        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
+        q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
         _check(q, k, v, backend, f"Sq={Sq} Sk={Sk} G={group}")
 
 
@@ -44,7 +37,7 @@ def test_random_shapes_default_positions(backend, dtype, group, seeded):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gapped_unsorted_positions_and_empty_rows(backend, dtype, seeded):
     B, Hq, Hkv, Sq, Sk, D = 2, 8, 2, 11, 29, 32
-    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, seeded)
+    q, k, v = random_qkv(B, Hq, Hkv, Sq, Sk, D, dtype, seeded)
     k_pos = torch.randperm(Sk, generator=seeded) * 3 + 5  # gapped, unsorted, starting at 5
     q_pos = torch.randint(5, 3 * Sk + 10, (Sq,), generator=seeded)  # every row sees key 5
     q_pos[:3] = torch.tensor([0, 4, 2])  # below every key position: rows with no visible key
@@ -56,7 +49,7 @@ def test_gapped_unsorted_positions_and_empty_rows(backend, dtype, seeded):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_per_sequence_positions(backend, seeded):
     B, Hq, Hkv, Sq, Sk, D = 3, 4, 2, 6, 14, 8
-    q, k, v = _inputs(B, Hq, Hkv, Sq, Sk, D, torch.float32, seeded)
+    q, k, v = random_qkv(B, Hq, Hkv, Sq, Sk, D, torch.float32, seeded)
     k_pos = torch.stack([torch.randperm(Sk, generator=seeded) for _ in range(B)])
     q_pos = torch.randint(-2, Sk + 2, (B, Sq), generator=seeded)
     _check(q, k, v, backend, q_pos=q_pos, k_pos=k_pos)
@@ -65,7 +58,7 @@ def test_per_sequence_positions(backend, seeded):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_star_like_anchor_prefix(backend, seeded):
     # a Star block: anchor tokens 0..7 then block tokens 32..47, queries are the block itself
-    q, k, v = _inputs(1, 6, 3, 16, 24, 16, torch.float32, seeded)
+    q, k, v = random_qkv(1, 6, 3, 16, 24, 16, torch.float32, seeded)
     k_pos = torch.cat((torch.arange(8), torch.arange(32, 48)))
     q_pos = torch.arange(32, 48)
     _check(q, k, v, backend, q_pos=q_pos, k_pos=k_pos)
@@ -74,7 +67,7 @@ def test_star_like_anchor_prefix(backend, seeded):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_causal(backend, dtype, seeded):
-    q, k, v = _inputs(1, 4, 1, 7, 19, 16, dtype, seeded)
+    q, k, v = random_qkv(1, 4, 1, 7, 19, 16, dtype, seeded)
     _check(q, k, v, backend, causal=False, q_pos=torch.zeros(7, dtype=torch.long))
 
 
@@ -93,28 +86,28 @@ def test_extreme_logits(backend, dtype, seeded):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_custom_scale_and_fp64(backend, seeded):
-    q, k, v = _inputs(2, 4, 4, 5, 9, 8, torch.float64, seeded)
+    q, k, v = random_qkv(2, 4, 4, 5, 9, 8, torch.float64, seeded)
     _check(q, k, v, backend, scale=0.37)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_empty_query_or_keys(backend, seeded):
-    q, k, v = _inputs(1, 4, 2, 3, 0, 8, torch.float32, seeded)
+    q, k, v = random_qkv(1, 4, 2, 3, 0, 8, torch.float32, seeded)
     out, lse = attention_with_lse(q, k, v, backend=backend)
     assert (out == 0).all() and torch.isneginf(lse).all() and lse.shape == (1, 4, 3)
-    q, k, v = _inputs(1, 4, 2, 0, 5, 8, torch.float32, seeded)
+    q, k, v = random_qkv(1, 4, 2, 0, 5, 8, torch.float32, seeded)
     out, lse = attention_with_lse(q, k, v, backend=backend)
     assert out.shape == (1, 4, 0, 8) and lse.shape == (1, 4, 0)
 
 
-def test_backends_agree_on_long_sorted_and_chunked_inputs(seeded, monkeypatch):
+def test_backends_agree_on_long_sorted_and_chunkedrandom_qkv(seeded, monkeypatch):
     # force the chunked code paths (mask budget / tiles far smaller than the problem)
     import magnetar.ops.backends.cpu_flash as cpu_flash
     import magnetar.ops.backends.tiled as tiled
 
     monkeypatch.setattr(cpu_flash, "_MASK_BUDGET", 300)
     monkeypatch.setattr(tiled, "_SCORE_BUDGET", 2000)
-    q, k, v = _inputs(1, 4, 2, 40, 200, 16, torch.float32, seeded)
+    q, k, v = random_qkv(1, 4, 2, 40, 200, 16, torch.float32, seeded)
     k_pos = torch.cat((torch.arange(0, 50), torch.arange(100, 250)))  # sorted with a gap
     q_pos = torch.arange(210, 250)
     for backend in CPU_BACKENDS:
@@ -125,7 +118,7 @@ def test_auto_picks_cpu_flash_on_cpu_and_flash_attn_refuses(seeded):
     from magnetar.ops.attention import AttentionCall, FULL
     from magnetar.ops.backends import select_backend
 
-    q, k, v = _inputs(1, 2, 2, 1, 4, 8, torch.float32, seeded)
+    q, k, v = random_qkv(1, 2, 2, 1, 4, 8, torch.float32, seeded)
     call = AttentionCall(q, k, v, torch.tensor([3]), torch.arange(4), 1.0, FULL)
     assert select_backend(call).name == "cpu_flash"
     reasons = explain(call)
@@ -206,5 +199,5 @@ def test_run_structured_positions_both_paths(backend, planned, seeded, monkeypat
     for trial in range(6):
         k_pos = _random_runs(seeded, 1 + trial % 3, 12, 40)
         q_pos = _random_runs(seeded, 1 + trial % 2, 9, 50)
-        q, k, v = _inputs(1, 4, 2, q_pos.numel(), k_pos.numel(), 8, torch.float32, seeded)
+        q, k, v = random_qkv(1, 4, 2, q_pos.numel(), k_pos.numel(), 8, torch.float32, seeded)
         _check(q, k, v, backend, f"trial {trial}", q_pos=q_pos, k_pos=k_pos)

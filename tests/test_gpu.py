@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_close, tolerance
-from tests.reference import dense_attention_fp64
+from tests.reference import dense_attention_fp64, random_qkv
 from tests.test_fused_merge import attention_parts, check_against, merge_fp64, synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,14 +39,6 @@ needs_flash_attn = pytest.mark.skipif(CUDA and not HAS_FLASH_ATTN, reason="needs
 
 LOW = [torch.float16, torch.bfloat16]
 DTYPES = [torch.float32, *LOW]
-
-
-def _inputs(B, Hq, Hkv, Sq, Sk, D, dtype, gen, scale=1.0):
-    """Seeded CPU inputs rounded to ``dtype`` (the reference sees exactly what the GPU sees)."""
-    q = (torch.randn(B, Hq, Sq, D, generator=gen) * scale).to(dtype)
-    k = (torch.randn(B, Hkv, Sk, D, generator=gen) * scale).to(dtype)
-    v = torch.randn(B, Hkv, Sk, D, generator=gen).to(dtype)
-    return q, k, v
 
 
 def _check_cuda(q, k, v, backend, msg="", **kw):
@@ -74,7 +66,7 @@ def _check_cuda(q, k, v, backend, msg="", **kw):
 def test_flash_attn_forward_and_lse(dtype, group, D, seeded):
     # decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk): full and bottom-right causal masks
     for Sq, Sk in [(1, 37), (23, 23), (9, 40), (130, 300)]:
-        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
+        q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
         _check_cuda(q, k, v, "flash_attn", f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
         _check_cuda(q, k, v, "flash_attn", f"non-causal Sq={Sq} Sk={Sk}", causal=False,
                     q_pos=torch.zeros(Sq, dtype=torch.long))
@@ -86,13 +78,13 @@ def test_flash_attn_is_auto_choice_and_serves_positions(dtype, seeded):
     from magnetar.ops.backends import select_backend
     from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, AttentionCall
 
-    q, k, v = _inputs(1, 4, 2, 8, 24, 64, dtype, seeded)
+    q, k, v = random_qkv(1, 4, 2, 8, 24, 64, dtype, seeded)
     call = AttentionCall(q.cuda(), k.cuda(), v.cuda(), None, None, 0.125, CAUSAL_BOTTOM_RIGHT)
     assert select_backend(call).name == "flash_attn"
     # explicit positions that are bottom-right causal, and a Star block [anchor | block] (mask-free pieces)
     k_pos = torch.arange(100, 124)
     _check_cuda(q, k, v, "flash_attn", "explicit bottom-right positions", q_pos=k_pos[-8:], k_pos=k_pos)
-    q, k, v = _inputs(1, 6, 3, 16, 24, 64, dtype, seeded)
+    q, k, v = random_qkv(1, 6, 3, 16, 24, 64, dtype, seeded)
     _check_cuda(q, k, v, "auto", "star block", q_pos=torch.arange(32, 48),
                 k_pos=torch.cat((torch.arange(8), torch.arange(32, 48))))
 
@@ -116,7 +108,7 @@ def test_flash_attn_refuses_what_it_cannot_express_and_auto_falls_through(seeded
 
     # per-sequence positions: no mask-free pieces, and no full / bottom-right mask: flash_attn refuses, auto takes
     # the next CUDA backend
-    q, k, v = _inputs(2, 4, 2, 6, 14, 64, torch.bfloat16, seeded)
+    q, k, v = random_qkv(2, 4, 2, 6, 14, 64, torch.bfloat16, seeded)
     k_pos = torch.stack([torch.randperm(14, generator=seeded) for _ in range(2)])
     q_pos = torch.randint(-2, 16, (2, 6), generator=seeded)
     with pytest.raises(ValueError, match="flash_attn.*not full or bottom-right causal"):
@@ -126,7 +118,7 @@ def test_flash_attn_refuses_what_it_cannot_express_and_auto_falls_through(seeded
                          0.125, POSITIONS)
     assert explain(call)["flash_attn"], "gapped key positions are not a full or bottom-right mask"
     # causal with Sq > Sk: the leading rows see no key, the rest is a square causal piece flash_attn serves
-    q, k, v = _inputs(1, 4, 2, 12, 5, 64, torch.bfloat16, seeded)
+    q, k, v = random_qkv(1, 4, 2, 12, 5, 64, torch.bfloat16, seeded)
     out, lse = _check_cuda(q, k, v, "flash_attn", "Sq > Sk as pieces")
     assert torch.isneginf(lse[:, :, :7]).all() and (out[:, :, :7] == 0).all()
 
@@ -142,21 +134,21 @@ TORCH_BACKENDS = ["tiled", "torch"]
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_torch_backends_default_positions(backend, dtype, group, seeded):
     for Sq, Sk in [(1, 37), (23, 23), (9, 40), (12, 5)]:
-        q, k, v = _inputs(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
+        q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, 16, dtype, seeded)
         _check_cuda(q, k, v, backend, f"{backend} Sq={Sq} Sk={Sk} G={group}")
 
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_torch_backends_gapped_unsorted_positions_and_empty_rows(backend, dtype, seeded):
-    q, k, v = _inputs(2, 8, 2, 11, 29, 32, dtype, seeded)
+    q, k, v = random_qkv(2, 8, 2, 11, 29, 32, dtype, seeded)
     k_pos = torch.randperm(29, generator=seeded) * 3 + 5
     q_pos = torch.randint(5, 3 * 29 + 10, (11,), generator=seeded)
     q_pos[:3] = torch.tensor([0, 4, 2])  # below every key: rows with no visible key
     out, lse = _check_cuda(q, k, v, backend, "gapped", q_pos=q_pos, k_pos=k_pos)
     assert torch.isneginf(lse[:, :, :3]).all() and (out[:, :, :3] == 0).all()
     # per-sequence positions
-    q, k, v = _inputs(3, 4, 2, 6, 14, 8, torch.float32, seeded)
+    q, k, v = random_qkv(3, 4, 2, 6, 14, 8, torch.float32, seeded)
     k_pos = torch.stack([torch.randperm(14, generator=seeded) for _ in range(3)])
     _check_cuda(q, k, v, backend, "per-sequence", q_pos=torch.randint(-2, 16, (3, 6), generator=seeded),
                 k_pos=k_pos)
@@ -176,7 +168,7 @@ def test_tiled_chunked_paths_on_cuda(seeded, monkeypatch):
     import magnetar.ops.backends.tiled as tiled
 
     monkeypatch.setattr(tiled, "_SCORE_BUDGET", 2000)  # tiles and row chunks far smaller than the problem
-    q, k, v = _inputs(1, 4, 2, 40, 200, 16, torch.float32, seeded)
+    q, k, v = random_qkv(1, 4, 2, 40, 200, 16, torch.float32, seeded)
     k_pos = torch.cat((torch.arange(0, 50), torch.arange(100, 250)))  # sorted with a gap: future tiles skipped
     _check_cuda(q, k, v, "tiled", "chunked", q_pos=torch.arange(210, 250), k_pos=k_pos)
     import magnetar.ops.runs as runs
@@ -220,7 +212,7 @@ def test_cuda_attention_shards_merged_on_cuda_equal_dense(dtype, seeded):
     from magnetar.ops.merge import merge_states
 
     _cuda_merge_op()
-    q, k, v = _inputs(1, 8, 2, 4, 96, 64, dtype, seeded)
+    q, k, v = random_qkv(1, 8, 2, 4, 96, 64, dtype, seeded)
     shards = torch.randperm(96, generator=seeded).chunk(3)
     q_pos = torch.arange(96, 100)
     parts = [attention_with_lse(q.cuda(), k[:, :, i].cuda(), v[:, :, i].cuda(), q_pos=q_pos.cuda(),
@@ -357,7 +349,7 @@ def nccl_worker(store_path: str) -> None:
         assert device_mesh(groups).device_type == "cuda"
 
         gen = torch.Generator().manual_seed(0)
-        q, k, v = _inputs(1, 4, 2, 3, 48, 64, torch.bfloat16, gen)
+        q, k, v = random_qkv(1, 4, 2, 3, 48, 64, torch.bfloat16, gen)
         q_pos = torch.arange(48, 51)
         outs, lses = [], []
         for shard in torch.arange(48).chunk(3):  # three KV shards, as three ranks would hold them

@@ -27,7 +27,7 @@ from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_b
 from magnetar.serve.prompts import split_completion  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.dist_utils import free_port, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -454,16 +454,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         proc = subprocess.Popen(_serve_cmd(model_dir, port), env=_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the server did not start:\n{(tmp_path / 'server.log').read_text()}")
+        wait_serving(url, proc, 240, lambda: (tmp_path / "server.log").read_text())
         lines, started = [], threading.Event()
 
         def stream():

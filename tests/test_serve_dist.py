@@ -27,7 +27,7 @@ from magnetar.parallel import lifetime  # noqa: E402
 from magnetar.parallel.groups import init_groups  # noqa: E402
 from magnetar.parallel.launcher import device_for_rank  # noqa: E402
 from magnetar.serve.ticks import Add, Tick, broadcast_tick  # noqa: E402
-from tests.dist_utils import free_port, run_distributed  # noqa: E402
+from tests.dist_utils import free_port, run_distributed, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,18 +75,6 @@ def _log(tmp: Path) -> str:
     return (tmp / "job.log").read_text(errors="replace")[-6000:]
 
 
-def _wait_serving(url: str, job: subprocess.Popen, tmp: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline and job.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the server did not start (exit {job.poll()}):\n{_log(tmp)}")
-
-
 def _end(job: subprocess.Popen) -> None:
     if job.poll() is None:
         os.killpg(job.pid, signal.SIGKILL)
@@ -106,7 +94,7 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
     url = f"http://127.0.0.1:{port}"
     job = _start(model_dir, tmp_path, port)
     try:
-        _wait_serving(url, job, tmp_path)
+        wait_serving(url, job, STARTUP_S, lambda: _log(tmp_path))
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         got = {}
 
@@ -139,7 +127,7 @@ def test_a_killed_rank_fails_the_request_in_flight_and_ends_the_job(model_dir, t
     url = f"http://127.0.0.1:{port}"
     job = _start(model_dir, tmp_path, port)
     try:
-        _wait_serving(url, job, tmp_path)
+        wait_serving(url, job, STARTUP_S, lambda: _log(tmp_path))
         status = []
         request = threading.Thread(target=lambda: status.append(_chat(url, QUESTIONS[0], 3000, timeout=TIMEOUT_S + 60)))
         request.start()
