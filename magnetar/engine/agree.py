@@ -200,16 +200,19 @@ def describe_mismatch(labels: Sequence[str], rows: Sequence[Sequence[int]]) -> O
             "group) must get the same context, query, generation parameters and config.")
 
 
-def check_request(groups: ParallelGroups, config: EngineConfig, device: torch.device, **request) -> None:
+def check_request(groups: ParallelGroups, config: EngineConfig, device: torch.device, *, across: str = "replica",
+                  **request) -> None:
     """Raise :class:`RequestMismatchError` on every rank of the model replica (TP x CP ranks) unless all got the
     same request (``request``: the keywords of :func:`request_fields`). One all_gather over
     ``groups.replica_group`` with ``config.parallel.timeout_s``; nothing for a one-rank replica or simulated
-    ranks."""
-    if groups.replica_size == 1 or config.parallel.simulate:
+    ranks. ``across="dp"``: the same over this rank's DP group (the replicas were given the same requests)."""
+    group, size = (groups.replica_group, groups.replica_size) if across == "replica" else \
+        (groups.dp_group, groups.dp_size)
+    if size == 1 or config.parallel.simulate:
         return
     fields = request_fields(config, **request)
-    rows = all_gather_ints(digest(fields), groups.replica_group, device,
-                           timeout=timedelta(seconds=config.parallel.timeout_s))
+    rows = all_gather_ints(digest(fields), group, device, timeout=timedelta(seconds=config.parallel.timeout_s))
     message = describe_mismatch([f.label for f in fields], rows.tolist())
     if message is not None:
-        raise RequestMismatchError(message)
+        raise RequestMismatchError(message if across == "replica" else
+                                   f"the data-parallel replicas were given different request lists: {message}")

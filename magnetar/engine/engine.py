@@ -32,7 +32,7 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig, LukaConfig, SparseConfig
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch
-from magnetar.engine.agree import RequestMismatchError, check_request, describe_mismatch, digest, request_fields
+from magnetar.engine.agree import check_request
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
@@ -326,10 +326,14 @@ class Engine:
         params = self.sampling_params(max_new_tokens=max_new_tokens, stop=stop, temperature=temperature,
                                       top_p=top_p, top_k=top_k, seed=seed)
         dp, dp_rank = (1, 0) if self.simulated or not deal else (self.groups.dp_size, self.groups.dp_rank)
+        toks = [self._tokens(c, q) for c, q in requests]
         if dp > 1:
             # every replica must be dealt from the same list: a mismatch would return other requests' answers
-            self._check_dp(requests, params, return_logits)
-        mine = list(requests)[dp_rank::dp]
+            check_request(self.groups, self.config, self.device, across="dp", entry="generate",
+                          contexts=[c for c, _ in toks], queries=[q for _, q in toks],
+                          max_new_tokens=params.max_new_tokens, stop=params.stop, return_logits=return_logits,
+                          sampling=_sampling_key(params))
+        mine = toks[dp_rank::dp]
         results = self._generate_share(mine, params, return_logits) if mine else []
         if dp == 1:
             return results
@@ -337,8 +341,9 @@ class Engine:
         dist.all_gather_object(shares, results, group=self.groups.dp_group)
         return [shares[i % dp][i // dp] for i in range(len(requests))]
 
-    def _generate_share(self, requests, params: SamplingParams, return_logits: bool) -> list[GenerationResult]:
-        toks = [self._tokens(c, q) for c, q in requests]
+    def _generate_share(self, toks: list[tuple[torch.Tensor, torch.Tensor]], params: SamplingParams,
+                        return_logits: bool) -> list[GenerationResult]:
+        """This replica's ``(context ids, query ids)`` requests: agreement, length checks, Phase 1, Phase 2."""
         check_request(self.groups, self.config, self.device, entry="generate", contexts=[c for c, _ in toks],
                       queries=[q for _, q in toks], max_new_tokens=params.max_new_tokens, stop=params.stop,
                       return_logits=return_logits, sampling=_sampling_key(params))
@@ -348,17 +353,6 @@ class Engine:
             encoded = [self._encode(c) for c, _ in toks]
             return self._ask([h for h, _ in encoded], [q for _, q in toks], [hit for _, hit in encoded],
                              [params] * len(toks), return_logits=return_logits)
-
-    def _check_dp(self, requests, params: SamplingParams, return_logits: bool) -> None:
-        """Every DP replica got the same request list (one all_gather of a digest over the DP group)."""
-        ids = [self._tokens(c, q) for c, q in requests]
-        fields = request_fields(self.config, entry="generate", contexts=[c for c, _ in ids],
-                                queries=[q for _, q in ids], max_new_tokens=params.max_new_tokens, stop=params.stop,
-                                return_logits=return_logits, sampling=_sampling_key(params))
-        rows = all_gather_ints(digest(fields), self.groups.dp_group, self.device, timeout=self.groups.timeout)
-        message = describe_mismatch([f.label for f in fields], rows.tolist())
-        if message is not None:
-            raise RequestMismatchError(f"the data-parallel replicas were given different request lists: {message}")
 
     def stream(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor], *,
                max_new_tokens: int = 64, stop: Optional[Sequence[str]] = None, temperature: Optional[float] = None,
