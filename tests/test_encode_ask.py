@@ -103,6 +103,26 @@ def test_ask_batch_with_repeated_handles_equals_one_at_a_time():
         eng.ask("not a handle", qs[0])
 
 
+def test_a_handle_answers_only_on_the_engine_that_encoded_it():
+    """Issue 28: a handle from another engine -- the same shapes with other weights, other head counts, or the
+    same model loaded twice -- is refused by ask, ask_batch, generate's batch and the continuous batch; the
+    engine's variants (per-request options) share its handles."""
+    ctx, q = _ids(40, L), _ids(41, 4)
+    eng = _engine(tiny_model("llama", seed=4), method="dense")
+    handle = eng.encode(ctx)
+    others = [_engine(tiny_model("llama", seed=5), method="dense"),  # same shapes, other weights
+              _engine(tiny_model("llama", seed=4, num_attention_heads=2, num_key_value_heads=1), method="dense"),
+              _engine(tiny_model("llama", seed=4), method="dense")]  # the same weights, another engine
+    for other in others:
+        with pytest.raises(ValueError, match=r"handles\[0\] was encoded by another engine .*encode the context "
+                                             r"with this engine"):
+            other.ask(handle, q, max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"context was encoded by another engine"):
+            other.open_batch().add(handle, q, other.sampling_params(max_new_tokens=2))
+    star = eng.variant(method="streaming", window_size=L * 2, sink_tokens=4)
+    assert star.ask(handle, q, max_new_tokens=2).token_ids == eng.ask(handle, q, max_new_tokens=2).token_ids
+
+
 def test_sampled_tokens_do_not_depend_on_the_batch():
     # seeded per request: the second request of a batch samples what it samples alone (it used to get seed + 1)
     model = tiny_model("qwen2", seed=4)

@@ -4,6 +4,8 @@ as unavailable (callers fall back to torch) with a warning that names the lock."
 from __future__ import annotations
 
 import fcntl
+import shutil
+import signal
 import os
 import subprocess
 import sys
@@ -141,3 +143,90 @@ def test_the_engine_loads_its_ops_at_start_not_inside_a_request(monkeypatch):
     monkeypatch.setenv("MAGNETAR_FUSED_MERGE", "0")  # the torch merge: nothing to build
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
     assert asked == [], asked
+
+
+# -- a build that was not completed (issue 28, item 3) ---------------------------------------------------------
+# A builder whose jit_load does what torch's does for a build it finds in its cache: load the library in the build
+# folder (here a plain C library with a large data segment, built with gcc the first time), with dlopen.
+C_BUILDER = '''
+import ctypes, subprocess
+from magnetar.ops.jit import build_directory
+
+
+class CBuilder:
+    name = "magnetar_cut_build_test_op"
+    error_log = None
+
+    def is_compatible(self, verbose=False):
+        return True
+
+    def jit_load(self, verbose=False):
+        folder = build_directory(self.name)
+        lib = folder / (self.name + ".so")
+        if not lib.exists():
+            (folder / "op.c").write_text("int answer(void) { return 42; }\\nint table[200000] = {1};\\n")
+            subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(folder / "op.c")], check=True)
+        return ctypes.CDLL(str(lib))
+'''
+LOAD_C_OP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from c_builder import CBuilder
+from magnetar.ops.jit import LazyOp
+print("answer", LazyOp("cut-test", lambda dtype: CBuilder(), ("answer",)).load("cpu").answer())
+"""
+
+
+def _load_c_op(tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LOAD_C_OP, str(tmp_path)], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the test library")
+@pytest.mark.parametrize("record", ["with its build record", "from before build records"])
+def test_a_cut_build_in_the_cache_is_rebuilt_not_loaded(tmp_path, record):
+    """A library cut short with a valid ELF header (a full disk, a killed copy) made every later run die of SIGBUS
+    with no message. Now the load finds it incomplete, says so, rebuilds it and runs."""
+    from magnetar.ops.jit import BUILT_RECORD, library_problem
+
+    (tmp_path / "c_builder.py").write_text(C_BUILDER)
+    first = _load_c_op(tmp_path)
+    assert first.returncode == 0 and "answer 42" in first.stdout, first.stderr
+    folder = tmp_path / "ext" / "magnetar_cut_build_test_op"
+    lib = folder / "magnetar_cut_build_test_op.so"
+    assert (folder / BUILT_RECORD).exists() and library_problem(lib) is None
+    whole = lib.read_bytes()
+    lib.write_bytes(whole[: len(whole) // 2])
+    if record != "with its build record":
+        (folder / BUILT_RECORD).unlink()
+    assert "cut short" in library_problem(lib)
+    # the premise: loading the cut library as it is kills the process with SIGBUS
+    crash = subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(lib)!r})"], capture_output=True,
+                           timeout=60)
+    assert crash.returncode == -signal.SIGBUS, crash
+    second = _load_c_op(tmp_path)
+    assert second.returncode == 0 and "answer 42" in second.stdout, second.stderr
+    assert "the cached build of the cut-test op was not completed" in second.stderr and "cut short" in second.stderr
+    assert lib.read_bytes() == whole or library_problem(lib) is None
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the test library")
+def test_a_library_changed_after_its_build_is_rebuilt(tmp_path):
+    """Same size, other bytes (not a cut): the build record's sha256 tells it from the completed build."""
+    (tmp_path / "c_builder.py").write_text(C_BUILDER)
+    assert _load_c_op(tmp_path).returncode == 0
+    lib = tmp_path / "ext" / "magnetar_cut_build_test_op" / "magnetar_cut_build_test_op.so"
+    data = bytearray(lib.read_bytes())
+    data[-100:] = b"\0" * 100
+    lib.write_bytes(bytes(data))
+    again = _load_c_op(tmp_path)
+    assert again.returncode == 0 and "answer 42" in again.stdout, again.stderr
+    assert "sha256 differ" in again.stderr
+
+
+def test_library_problem_reads_headers_only():
+    from magnetar.ops.jit import library_problem
+
+    here = Path(sys.executable).resolve()
+    assert library_problem(here) is None  # the python binary: a whole ELF file
+    assert "not an ELF" in library_problem(Path(__file__))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from magnetar.config import DecodeConfig
-from magnetar.engine.sampling import (DecodedStopCriteria, RequestSampler, SamplingParams, TextDeltas,
-                                      stop_string_criteria)
+from magnetar.engine.inputs import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from magnetar.engine.sampling import RequestSampler, SamplingParams, StopStrings, TextDeltas
 from tests.conftest import assert_close
 from tests.tiny_models import tiny_model
 
@@ -175,17 +175,46 @@ def test_stop_reason_precedence_eos_stop_string_max():
 
 
 def test_stop_strings_of_a_tokenizer_without_vocabulary():
-    """A tokenizer that is not a transformers one: the stop string is looked for in the decoded text."""
+    """Any tokenizer with decode: the stop string is looked for in the decoded text."""
     s = RequestSampler(SamplingParams(stop=["zz"]), vocab_size=256, tokenizer=CharTokenizer())
-    assert isinstance(stop_string_criteria(CharTokenizer(), ("zz",)), DecodedStopCriteria)
     assert _feed(s, [ord(c) for c in "a zz"]) == [None, None, None, "stop_string"]
     assert s.text() == "a "
 
 
-def test_stop_criteria_are_built_once_per_tokenizer():
-    tok = byte_tokenizer()
-    assert stop_string_criteria(tok, ("STOP",)) is stop_string_criteria(tok, ("STOP",))
-    assert stop_string_criteria(tok, ("STOP",)) is not stop_string_criteria(tok, ("STOP", "x"))
+class CountingTokenizer(CharTokenizer):
+    """Records every decode call's length; any other use of the tokenizer fails the test."""
+
+    def __init__(self):
+        self.decoded: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+    def __getattr__(self, name):
+        raise AssertionError(f"stop strings must not read the tokenizer's {name} (a vocabulary scan)")
+
+
+def test_stop_strings_cost_nothing_up_front_and_decode_a_bounded_tail():
+    """Issue 28: stop strings used to be transformers' StopStringCriteria, which walks the whole vocabulary per
+    stop string when a request starts (64 strings stalled the engine loop for 25 s on SmolLM2). Now nothing is
+    read up front, and each token decodes only the tail a stop string can end in -- yet a stop string is found
+    after a long answer, across tokens and inside a multi-byte character."""
+    tok = CountingTokenizer()
+    stops = [f"stop-{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["日本"]
+    s = RequestSampler(SamplingParams(max_new_tokens=5000, stop=stops), vocab_size=2**16, tokenizer=tok)
+    assert tok.decoded == [], "building the stop criteria decoded something"
+    text = "x " * 1000 + "a stop-7"
+    reasons = _feed(s, [ord(c) for c in text])
+    assert reasons[-1] == "stop_string" and set(reasons[:-1]) == {None}
+    window = max(len(x.encode()) for x in stops) + 8
+    assert max(tok.decoded) == window and len(tok.decoded) == len(text), "a decode longer than the tail"
+    # byte tokens: the stop string is found at the byte that completes its last character
+    bt = byte_tokenizer()
+    crit = StopStrings(bt, ("日本",))
+    ids = ids_of("abc 日本 d")
+    hits = [bool(crit(torch.tensor([ids[:n]]))[0]) for n in range(1, len(ids) + 1)]
+    assert hits.index(True) == len(ids_of("abc 日本")) - 1
 
 
 def test_choose_records_the_token():
@@ -315,6 +344,8 @@ BAD_PARAMS = [
     (dict(stop=[""]), "stop[0]", "non-empty"),
     (dict(stop=["a", 3]), "stop[1]", "int 3"),
     (dict(stop={"a"}), "stop", "set"),
+    (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop", f"at most {MAX_STOP_STRINGS}"),
+    (dict(stop=["a", "x" * (MAX_STOP_CHARS + 1)]), "stop[1]", f"at most {MAX_STOP_CHARS}"),
 ]
 
 

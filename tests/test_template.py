@@ -105,7 +105,7 @@ def test_no_template_and_score_strings(smollm2_tokenizer):
     assert p.context_ids.tolist() == plain("Plain text.")["input_ids"]
     assert p.query_ids.tolist() == tok(" Why?", add_special_tokens=False)["input_ids"]
     # Engine.score's strings go through the same rule
-    ids = Engine._plain_ids(SimpleNamespace(tokenizer=tok), context).tolist()
+    ids = Engine._plain_ids(SimpleNamespace(tokenizer=tok, max_positions=8192), context).tolist()
     assert ids == encode_text(tok, context).tolist() and not special & set(ids)
 
 

@@ -51,6 +51,8 @@ class ContextHandle:
     prefill_stats: Optional[dict]
     nbytes: int
     method: str = ""  # the method that encoded it (an engine's variant may encode with another than its own)
+    # the engine that encoded it (Engine.identity, shared with its variants): a handle answers on that engine only
+    engine: str = ""
 
     @property
     def context_tokens(self) -> int:

@@ -21,7 +21,10 @@ import logging
 import math
 import os
 import resource
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from datetime import timedelta
 from dataclasses import dataclass, field
 from typing import Generator, Optional, Sequence, Union
@@ -160,11 +163,15 @@ class Engine:
         self.groups = groups
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        # what a ContextHandle is tied to: this engine and its variants (same model object, weights, groups); a
+        # handle from another engine -- another model, or the same shapes with other weights -- is refused by ask
+        self.identity = f"{type(model).__name__}:{getattr(model.config, 'name_or_path', '') or '?'}:{uuid.uuid4().hex}"
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self._layers = int(model.config.num_hidden_layers)
         self.cache = ContextCache(config.runtime.context_cache_mb * 2**20)  # encoded contexts (encode / ask)
         self._kv_options = _kv_options(config)  # what else than the ids keys a context's KV in the cache
-        self._variants: dict = {}  # EngineConfig -> this engine with other per-request options (variant())
+        # EngineConfig -> this engine with other per-request options (variant()), least recently used first
+        self._variants: OrderedDict = OrderedDict()
+        self._variants_lock = threading.Lock()
         self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
         self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
@@ -246,7 +253,7 @@ class Engine:
     def _prompt(self, context: str, query: str):
         if self.tokenizer is None:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
-        return split_prompt(self.tokenizer, context, query)
+        return split_prompt(self.tokenizer, context, query, limit=self.max_positions)
 
     @property
     def vocab_size(self) -> Optional[int]:
@@ -446,34 +453,53 @@ class Engine:
             self._check_lengths(h.context_tokens, int(q.numel()), params.max_new_tokens)
 
     def _check_handle(self, h, name: str) -> None:
-        if not isinstance(h, ContextHandle) or h.shard is None or len(h.shard.layers) != self._layers:
+        if not isinstance(h, ContextHandle) or h.shard is None:
             raise ValueError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}")
+        if h.engine != self.identity:
+            made = h.engine.rsplit(":", 1)[0] if h.engine else "no engine"
+            raise ValueError(f"{name} was encoded by another engine ({made}), not this one "
+                             f"({self.identity.rsplit(':', 1)[0]}): its KV belongs to that engine's model and "
+                             f"weights, so it answers only there; encode the context with this engine "
+                             f"(engine.encode(context)) and ask with that handle")
 
-    def cache_key(self, context_ids: torch.Tensor) -> str:
-        """The context cache's key of ``context_ids`` (int64 ``(L,)``) encoded by this engine: a digest of the ids
-        and of the options that shape the KV (all but the decoding, timeouts and cache budget)."""
-        return context_key(context_ids, self._kv_options)
+    def cache_key(self, context_ids: torch.Tensor, config: Optional[EngineConfig] = None) -> str:
+        """The context cache's key of ``context_ids`` (int64 ``(L,)``) encoded by this engine (or by its variant of
+        ``config``, from :meth:`variant_config`): a digest of the ids and of the options that shape the KV (all
+        but the decoding, timeouts and cache budget)."""
+        return context_key(context_ids, self._kv_options if config is None else _kv_options(config))
+
+    def variant_config(self, **options) -> EngineConfig:
+        """The config of :meth:`variant` with ``options``, checked (a ValueError naming an option that cannot
+        change per request, or a bad value), without making the variant."""
+        for name in options:
+            if name not in REQUEST_OPTIONS:
+                raise ValueError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
+                                 f"change how a context is encoded, not the ranks' layout or the decoding); start an "
+                                 f"engine with {name}={_short_repr(options[name])} for it")
+        return self.config.replace(**options)  # validates each value and the method's needs
 
     def variant(self, **options) -> "Engine":
         """This engine with other per-request options (:data:`REQUEST_OPTIONS`: ``method`` and the fields of the
         ``blocks``, ``pulsar`` and ``streaming`` sections -- how a context is encoded, not the ranks' layout nor
         the decoding): the same model, groups, tokenizer, decode policy and context cache (whose keys include these
         options, so a context encoded two ways is two entries). No option, or the engine's own values: this
-        engine. Made once per options, without a collective; every rank of the replica uses the same variants.
-        Another option is a ValueError naming it."""
-        for name in options:
-            if name not in REQUEST_OPTIONS:
-                raise ValueError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
-                                 f"change how a context is encoded, not the ranks' layout or the decoding); start an "
-                                 f"engine with {name}={options[name]!r} for it")
-        config = self.config.replace(**options)  # validates each value and the method's needs
+        engine. Made without a collective and kept for reuse, the :data:`MAX_VARIANTS` most recently used (a
+        variant is a few references; one dropped is made again when asked for); every rank of the replica uses
+        the same variants. Another option is a ValueError naming it."""
+        config = self.variant_config(**options)
         if config == self.config:
             return self
-        variant = self._variants.get(config)
-        if variant is None:
-            variant = copy.copy(self)  # shares the model, groups, policies and the cache
-            variant.config, variant._kv_options, variant._variants = config, _kv_options(config), {}
-            self._variants[config] = variant
+        with self._variants_lock:
+            variant = self._variants.get(config)
+            if variant is None:
+                variant = copy.copy(self)  # shares the model, groups, policies and the cache
+                variant.config, variant._kv_options = config, _kv_options(config)
+                variant._variants, variant._variants_lock = OrderedDict(), threading.Lock()
+                self._variants[config] = variant
+                while len(self._variants) > MAX_VARIANTS:
+                    self._variants.popitem(last=False)
+            else:
+                self._variants.move_to_end(config)
         return variant
 
     def release(self, handle: ContextHandle) -> bool:
@@ -494,7 +520,8 @@ class Engine:
         else:
             shard, query_position, stats, largest = self._phase1_distributed(context_ids)
         prefill = None if self.last_prefill_stats is None else self.last_prefill_stats.as_dict()
-        handle = ContextHandle(key, context_ids, shard, query_position, stats, prefill, largest, self.config.method)
+        handle = ContextHandle(key, context_ids, shard, query_position, stats, prefill, largest, self.config.method,
+                               engine=self.identity)
         self.cache.put(handle)
         return handle, False
 
@@ -688,12 +715,24 @@ class Engine:
             return x.reshape(-1).long().cpu()
         if self.tokenizer is None:
             raise ValueError("string inputs need a tokenizer: init_inference(model, config, tokenizer=...)")
-        return encode_text(self.tokenizer, x)  # user text is text: never a special-token id
+        # user text is text: never a special-token id; one too long for the positions is refused from a prefix
+        return encode_text(self.tokenizer, x, limit=self.max_positions, name="context or continuation")
 
+
+MAX_VARIANTS = 32  # Engine.variant keeps this many (per-request option sets) for reuse
 
 # the options a request may set for itself (Engine.variant): how its context is encoded
 REQUEST_OPTIONS = ("method",) + tuple(f.name for sec in ("blocks", "pulsar", "streaming")
                                       for f in dataclasses.fields(type(getattr(EngineConfig(), sec))))
+
+
+def _short_repr(value) -> str:
+    """``value`` for an error message, cheaply (a request's value may be megabytes or a 5000-digit int)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<a {value.bit_length()}-bit int>"
+    text = repr(value[:60]) if isinstance(value, (str, bytes)) else \
+        (f"<{type(value).__name__}>" if isinstance(value, (list, dict, tuple, set)) else repr(value))
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kv_options(config: EngineConfig) -> str:

@@ -48,6 +48,8 @@ def _kind(value) -> str:
     """``value`` for an error message: type and (short) repr of a scalar or string, else the type alone."""
     if not isinstance(value, (bool, numbers.Number, str, bytes)):
         return type(value).__name__
+    if isinstance(value, (str, bytes)) and len(value) > 80:
+        return f"{type(value).__name__} of {len(value)} characters {repr(value[:50])[:57]}..."
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
@@ -125,17 +127,30 @@ def check_positions(context: int, query: int, max_new_tokens: int, max_positions
                      f"exceeds the model's {max_positions} positions (max_position_embeddings); {fix}")
 
 
-def check_stop(stop) -> None:
+# Stop strings are looked for in the decoded tail of the answer after every token (engine.sampling.StopStrings):
+# the longest one sets how much is decoded. The server allows fewer (--max-stop-strings, OpenAI's 4 by default).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+
+
+def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:
+    """``stop``: None or a list/tuple of at most ``max_count`` non-empty strings of at most
+    :data:`MAX_STOP_CHARS` characters each."""
     if stop is None:
         return
     if isinstance(stop, (str, bytes)):
-        raise ValueError(f"stop must be a list of strings, got the {type(stop).__name__} {stop!r}; "
-                         f"wrap it: stop=[{stop!r}]")
+        wrapped = repr(stop) if len(stop) <= 60 else "..."
+        raise ValueError(f"stop must be a list of strings, got the {_kind(stop)}; wrap it: stop=[{wrapped}]")
     if not isinstance(stop, (list, tuple)):
         raise ValueError(f"stop must be None or a list of strings, got {_kind(stop)}")
+    if len(stop) > max_count:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {max_count} are allowed: keep the ones that matter")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop[{i}] must be a non-empty str (an empty one would stop at once), got {_kind(s)}")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
+                             f"{MAX_STOP_CHARS}")
 
 
 def check_flag(value, name: str) -> None:

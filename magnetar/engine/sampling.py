@@ -18,17 +18,13 @@ import dataclasses
 import difflib
 import math
 import numbers
-import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from transformers import PreTrainedTokenizerBase
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
-from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria, StopStringCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria
 from transformers.generation.streamers import TextStreamer
 
 from magnetar.config import DecodeConfig
@@ -138,54 +134,31 @@ def _integer(name: str, value: Any, what: str) -> None:
 
 
 # -- the stop criteria --------------------------------------------------------------------------------------
-class DecodedStopCriteria(StoppingCriteria):
-    """Stop strings for a tokenizer that is not a transformers one (no vocabulary for
-    :class:`~transformers.generation.stopping_criteria.StopStringCriteria`): true when a stop string occurs in
-    ``tokenizer.decode(ids, skip_special_tokens=True)`` of the ids given. Checked after every token, as the
-    engine did before this module."""
+# Stop strings are looked for in the decoded text of the last tokens, as vLLM and SGLang detokenize to find them.
+# transformers' StopStringCriteria was used before: it preprocesses the whole vocabulary once per stop string
+# (~0.4 s for SmolLM2's 49k tokens), on the thread that runs the request -- a request with 64 stop strings
+# stalled every rank's engine loop for 25 s. The decoded tail costs O(its length) per token and nothing up front.
+_STOP_MARGIN = 8  # tokens decoded beyond the longest stop string's UTF-8 bytes (special tokens decode to nothing)
+
+
+class StopStrings(StoppingCriteria):
+    """True for a row when one of ``stop_strings`` occurs in ``tokenizer.decode(last ids, skip_special_tokens=
+    True)``; called after every generated token (so a stop string is found at the token that completes it, also
+    across token boundaries and inside a multi-byte character split over byte tokens). Only the last
+    ``longest stop string's UTF-8 bytes + 8`` ids are decoded: every token but a special one adds at least a
+    byte to the text, so a stop string that the newest token completes lies within them."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str]):
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
+        self.window = max(len(s.encode("utf-8", "surrogatepass")) for s in self.stop_strings) + _STOP_MARGIN
 
     def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        done = [any(s in self.tokenizer.decode(row.tolist(), skip_special_tokens=True) for s in self.stop_strings)
-                for row in input_ids]
+        done = []
+        for row in input_ids:
+            tail = self.tokenizer.decode(row[-self.window:].tolist(), skip_special_tokens=True)
+            done.append(any(s in tail for s in self.stop_strings))
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-# StopStringCriteria preprocesses the whole vocabulary (~0.3-0.6 s for a 49k one) and transformers' own cache of
-# it misses (its key is the order of tokenizer.get_vocab(), which a fast tokenizer returns shuffled): keep the
-# built criteria per tokenizer object and stop strings. The criteria are stateless between calls, so requests
-# share them.
-_STOP_CACHE: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
-_STOP_CACHE_SIZE = 16  # stop-string sets kept per tokenizer
-_STOP_LOCK = threading.Lock()
-
-
-def stop_string_criteria(tokenizer, stop: tuple[str, ...]) -> StoppingCriteria:
-    """The stopping criterion of the stop strings ``stop`` (non-empty) on the generated ids: transformers'
-    ``StopStringCriteria`` for a transformers tokenizer (it matches across token boundaries on the token
-    strings, byte-level vocabularies by bytes), :class:`DecodedStopCriteria` for any other. Both must be called
-    after every generated token: StopStringCriteria only matches a stop string that ends in the last token."""
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        return DecodedStopCriteria(tokenizer, stop)
-    key = (stop, len(tokenizer))  # len: tokens added to the tokenizer change its vocabulary
-    with _STOP_LOCK:
-        per_tokenizer = _STOP_CACHE.setdefault(tokenizer, OrderedDict())
-        if key in per_tokenizer:
-            per_tokenizer.move_to_end(key)
-            return per_tokenizer[key]
-    try:
-        criteria = StopStringCriteria(tokenizer, list(stop))
-    except ValueError as e:  # transformers': a stop string that no token of the vocabulary can end
-        raise ValueError(f"stop: the tokenizer cannot produce one of the stop strings {list(stop)!r} ({e}); "
-                         f"remove it or use the model's own tokenizer") from e
-    with _STOP_LOCK:
-        per_tokenizer[key] = criteria
-        while len(per_tokenizer) > _STOP_CACHE_SIZE:
-            per_tokenizer.popitem(last=False)
-    return criteria
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -242,7 +215,7 @@ class RequestSampler:
                 warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
         self.warpers = LogitsProcessorList(warpers)
         self._eos = EosTokenCriteria(list(self.eos_ids)) if self.eos_ids else None
-        self._stop = stop_string_criteria(tokenizer, params.stop) if params.stop else None
+        self._stop = StopStrings(tokenizer, params.stop) if params.stop else None
 
     @property
     def token_ids(self) -> list[int]:

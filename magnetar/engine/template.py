@@ -22,6 +22,11 @@ the template's own handling of the content (Llama 3 trims it) and never splits a
 edge (Mistral's ``[INST] `` + text). transformers' ``apply_chat_template(sanitize_control_tokens=True)``
 marks the same way, but returns one id list (no split into the two phases) and is missing from older
 supported versions.
+
+A text too long for the model is refused before it is tokenized whole (``limit``, the model's positions): when
+the user text is longer than ``(limit + 1) * 8`` characters, only that many are tokenized first, and if they
+alone exceed ``limit`` tokens the request is a ValueError saying so -- the work and memory a refusal costs are
+bounded by the model's size, not by the text's (a 50 MB context used to take 140 s and 10 GiB to be refused).
 """
 from __future__ import annotations
 
@@ -48,11 +53,42 @@ def _encode(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def encode_text(tokenizer, text: str) -> torch.Tensor:
+def encode_text(tokenizer, text: str, limit: Optional[int] = None, name: str = "text") -> torch.Tensor:
     """``text`` as ``(N,)`` int64 ids without added BOS/EOS, special-token strings in it tokenized as text
-    (never a special id). Text without special-token strings gets the ids of ``tokenizer(text)``."""
+    (never a special id). Text without special-token strings gets the ids of ``tokenizer(text)``. ``limit``:
+    :func:`check_fits` first (``name`` is the argument the error names)."""
+    check_fits(tokenizer, [text], limit, name)
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+# The characters per token below which a text's prefix is tokenized to find that it cannot fit: English averages
+# about 4 per token, code and CJK fewer; a text that compresses better than 8 is tokenized whole.
+PREFIX_CHARS_PER_TOKEN = 8
+
+
+def check_fits(tokenizer, texts, limit: Optional[int], name: str) -> None:
+    """ValueError naming ``name`` when the user texts ``texts`` (one prompt's parts, in order) certainly make
+    more than ``limit`` tokens: when they hold more than ``(limit + 1) * PREFIX_CHARS_PER_TOKEN`` characters,
+    that many of them are tokenized (as text), and more than ``limit + len(texts)`` tokens from them alone
+    (a part boundary may merge two tokens) cannot fit. Texts that may fit pass; None: no limit."""
+    if limit is None:
+        return
+    total = sum(len(t) for t in texts)
+    cut = (limit + 1) * PREFIX_CHARS_PER_TOKEN
+    if total <= cut:
+        return
+    prefix, room = [], cut
+    for t in texts:
+        prefix.append(t[:room])
+        room -= len(prefix[-1])
+        if room <= 0:
+            break
+    n = len(tokenizer("".join(prefix), add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    if n > limit + len(texts):
+        raise ValueError(f"{name}: too long for the model's {limit} positions: its first {cut} characters alone "
+                         f"are {n} tokens (of {total} characters in all); shorten it to about {cut * limit // n} "
+                         f"characters")
 
 
 def special_tokens(tokenizer) -> tuple[str, ...]:
@@ -97,12 +133,14 @@ def _encode_rendered(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def split_prompt(tokenizer, context: str, query: str) -> Prompt:
-    """Tokenize ``context`` and ``query`` into the two phases (see module docstring)."""
+def split_prompt(tokenizer, context: str, query: str, limit: Optional[int] = None) -> Prompt:
+    """Tokenize ``context`` and ``query`` into the two phases (see module docstring); ``limit``: the model's
+    positions (:func:`check_fits`)."""
     if not isinstance(context, str) or not isinstance(query, str):
         raise ValueError("context and query must both be strings (or pass token-id tensors to Engine.generate)")
     if not query.strip():
         raise ValueError("the query is empty: Phase 2 needs at least one query token; pass a question")
+    check_fits(tokenizer, [context, query], limit, "context" if len(context) >= len(query) else "query")
     if getattr(tokenizer, "chat_template", None):
         content = _wrap_special(tokenizer, context, "context") + _SPLIT + _wrap_special(tokenizer, query, "query")
         return _split_rendered(tokenizer, [{"role": "user", "content": content}])
@@ -119,7 +157,7 @@ def _split_rendered(tokenizer, messages: list[dict]) -> Prompt:
     return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
 
 
-def split_messages(tokenizer, messages, context: Optional[str] = None) -> Prompt:
+def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Optional[int] = None) -> Prompt:
     """A chat conversation into the two phases: the last message is the user's question (Phase 2, with the end
     of its turn and the assistant header); everything before it is the context (Phase 1).
 
@@ -133,7 +171,8 @@ def split_messages(tokenizer, messages, context: Optional[str] = None) -> Prompt
     Without a chat template (base models) the roles are not rendered: the context is ``context`` and the
     earlier messages' contents joined by blank lines (``"\n\n"``), the query is the last message's content
     (BOS first as in :func:`split_prompt`); an empty context is a ValueError (there is nothing to encode).
-    Bad messages raise ValueError naming ``messages[i].role`` / ``messages[i].content``.
+    Bad messages raise ValueError naming ``messages[i].role`` / ``messages[i].content``. ``limit``: the model's
+    positions (:func:`check_fits` over ``context`` and the contents).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts (the last one "
@@ -153,6 +192,9 @@ def split_messages(tokenizer, messages, context: Optional[str] = None) -> Prompt
                          f"token; pass a question")
     if context is not None and not isinstance(context, str):
         raise ValueError(f"context must be a str or None, got {_describe(context)}")
+    longest = max((len(m["content"]) for m in messages), default=0)
+    check_fits(tokenizer, ([] if context is None else [context]) + [m["content"] for m in messages], limit,
+               "context" if context is not None and len(context) >= longest else "messages")
     if getattr(tokenizer, "chat_template", None):
         wrapped = [dict(m, content=_wrap_special(tokenizer, m["content"], f"messages[{i}].content"))
                    for i, m in enumerate(messages)]
@@ -164,17 +206,23 @@ def split_messages(tokenizer, messages, context: Optional[str] = None) -> Prompt
     if not text:
         raise ValueError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
                          "before the question (or a given context); add the document before the question")
-    return split_plain(tokenizer, text, last["content"])
+    return split_plain(tokenizer, text, last["content"], limit)
 
 
 def _describe(value) -> str:
-    text = repr(value)
+    """``value`` for an error message, cheaply: a string's start, a container's type and size (never the repr of
+    a whole client-sent value)."""
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"{type(value).__name__} of {len(value)} items"
+    text = repr(value[:60]) if isinstance(value, (str, bytes)) else repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def split_plain(tokenizer, context: str, query: str) -> Prompt:
+def split_plain(tokenizer, context: str, query: str, limit: Optional[int] = None) -> Prompt:
     """The template-free split (base models, raw completions): ``context`` as text, with the tokenizer's BOS
-    first when it adds one, and ``query`` as text (special-token strings in either are text)."""
+    first when it adds one, and ``query`` as text (special-token strings in either are text). ``limit``: the
+    model's positions (:func:`check_fits`)."""
+    check_fits(tokenizer, [context, query], limit, "context" if len(context) >= len(query) else "query")
     ids = encode_text(tokenizer, context)  # a BOS string in the context is text: the real BOS goes first
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None:

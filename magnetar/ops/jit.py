@@ -18,13 +18,26 @@ a build of that directory, so a torch ``lock`` found then is stale: it is remove
 for ``magnetar.lock`` (another process building right now) is bounded by ``MAGNETAR_OP_LOCK_TIMEOUT_S``
 (default 600 s); past it the op counts as unavailable (torch fallback) with a warning that names the lock,
 its holder's pid and how to clear it.
+
+No load maps a library that was not completed. A build cut short (a full disk, a killed linker, a partial copy
+of the cache) can leave a library whose ELF header is valid but whose segments run past the end of the file:
+``dlopen`` maps it and the process dies of SIGBUS, with no message, in every later run. So before torch loads a
+cached build (under the lock), :func:`library_problem` checks the file's ELF structure (every segment and header
+table inside the file) and, once a build has completed, the size and sha256 recorded next to it
+(``magnetar.built``); a library that fails either is removed with the rest of its build folder and built again,
+with a warning -- and if the rebuild fails, the torch fallback is used with the warning every failed load gets.
+A prebuilt library (``pip install`` with the ops) that fails the ELF check is not imported (JIT instead).
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import logging
 import os
+import shutil
+import struct
 import threading
 import time
 from pathlib import Path
@@ -119,6 +132,105 @@ def build_lock(directory: Path, timeout_s: float, log: logging.Logger = logger) 
         os.close(fd)  # releases the flock
 
 
+BUILT_RECORD = "magnetar.built"  # {"size", "sha256"} of a completed build's library, next to it
+
+
+def library_problem(path: Path) -> Optional[str]:
+    """Why the shared library ``path`` cannot be a completed build, or None: not an ELF file, or an ELF file cut
+    short (its program headers, a segment or its section headers run past the end of the file -- what makes
+    ``dlopen`` die of SIGBUS). Reads the headers only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or len(head) < 52 or head[4] not in (1, 2) or head[5] not in (1, 2):
+                return f"{path} is not an ELF shared library ({size} bytes)"
+            wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            if wide and len(head) < 64:
+                return f"{path} is cut inside its ELF header ({size} bytes)"
+            if wide:
+                phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
+                phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36)
+            else:
+                phoff, shoff = struct.unpack_from(order + "II", head, 0x1C)
+                phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x2A)
+            if phoff + phnum * phentsize > size:
+                return f"{path} is cut short: its program headers end at byte {phoff + phnum * phentsize}, the file " \
+                       f"has {size}"
+            if shoff and shoff + shnum * shentsize > size:
+                return f"{path} is cut short: its section headers end at byte {shoff + shnum * shentsize}, the file " \
+                       f"has {size}"
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+        for i in range(phnum):
+            if wide:
+                p_offset, = struct.unpack_from(order + "Q", table, i * phentsize + 8)
+                p_filesz, = struct.unpack_from(order + "Q", table, i * phentsize + 32)
+            else:
+                p_offset, = struct.unpack_from(order + "I", table, i * phentsize + 4)
+                p_filesz, = struct.unpack_from(order + "I", table, i * phentsize + 16)
+            if p_offset + p_filesz > size:
+                return f"{path} is cut short: segment {i} ends at byte {p_offset + p_filesz}, the file has {size}"
+    except (OSError, struct.error) as err:
+        return f"{path} cannot be read as an ELF library ({err})"
+    return None
+
+
+def _file_record(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def cached_build_problem(directory: Path, name: str) -> Optional[str]:
+    """Why the library torch would load from ``directory`` (its build folder for op ``name``) is not a completed
+    build, or None (no library there yet, or a sound one): :func:`library_problem`, and a library that differs
+    from the size and sha256 recorded when its build completed (:data:`BUILT_RECORD`)."""
+    from torch.utils.cpp_extension import LIB_EXT
+
+    lib = directory / f"{name}{LIB_EXT}"
+    if not lib.exists():
+        return None
+    problem = library_problem(lib)
+    if problem is not None:
+        return problem
+    record = directory / BUILT_RECORD
+    if record.exists():
+        try:
+            want = json.loads(record.read_text())
+        except (OSError, ValueError):
+            want = None
+        if want != _file_record(lib):
+            return f"{lib} is not the library its build completed (size or sha256 differ from {record})"
+    return None
+
+
+def record_completed_build(directory: Path, name: str) -> None:
+    """Write :data:`BUILT_RECORD` for the library of a build that just loaded (atomically: a cut write leaves the
+    old record or none)."""
+    from torch.utils.cpp_extension import LIB_EXT
+
+    lib = directory / f"{name}{LIB_EXT}"
+    if lib.exists():
+        tmp = directory / (BUILT_RECORD + ".tmp")
+        tmp.write_text(json.dumps(_file_record(lib)))
+        os.replace(tmp, directory / BUILT_RECORD)
+
+
+def clear_build(directory: Path) -> None:
+    """Remove everything in a build folder but Magnetar's lock (held by the caller): the next load builds anew."""
+    for entry in directory.iterdir():
+        if entry.name == "magnetar.lock":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+
+
 class LazyOp:
     """``make_builder(device_type)`` returns a DeepSpeed ``OpBuilder`` (or None: no op for that device type);
     the loaded module must define every name in ``required``."""
@@ -144,8 +256,15 @@ class LazyOp:
             if module is None:
                 if not builder.is_compatible(verbose):
                     return None, builder.error_log or f"{builder.name} is not compatible with this machine"
-                with build_lock(build_directory(builder.name), lock_timeout_s(), self.logger):
+                directory = build_directory(builder.name)
+                with build_lock(directory, lock_timeout_s(), self.logger):
+                    problem = cached_build_problem(directory, builder.name)
+                    if problem is not None:
+                        self.logger.warning("magnetar: the cached build of the %s op was not completed (%s); it is "
+                                            "removed and built again", self.what, problem)
+                        clear_build(directory)
                     module = builder.jit_load(verbose=verbose)
+                    record_completed_build(directory, builder.name)
             missing = [n for n in self.required if not hasattr(module, n)]
             if missing:
                 return None, f"{builder.name} loaded but lacks {missing} (stale build cache?)"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -145,6 +146,11 @@ class PrebuiltOp:
         """The prebuilt module, or None (not prebuilt, or not usable: then a warning says why). Never raises."""
         status = self.prebuilt_status()
         if status.usable:
+            problem = _prebuilt_library_problem(self.absolute_name())
+            if problem is not None:
+                status = PrebuiltStatus(True, False, f"its library is damaged ({problem}); reinstall with "
+                                                     f"{BUILD_ALL_VAR}=1 to prebuild it again")
+        if status.usable:
             try:
                 return importlib.import_module(self.absolute_name())
             except Exception as err:  # noqa: BLE001 -- e.g. an undefined symbol: fall back to JIT, never fail
@@ -158,6 +164,20 @@ class PrebuiltOp:
     def load(self, verbose=False):
         module = self.load_prebuilt()
         return module if module is not None else self.jit_load(verbose)
+
+
+def _prebuilt_library_problem(module: str) -> Optional[str]:
+    """:func:`magnetar.ops.jit.library_problem` of a prebuilt module's library file (None when it has none)."""
+    from magnetar.ops.jit import library_problem
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None  # the import below says why
+    origin = getattr(spec, "origin", None)
+    if spec is None or not origin or not origin.endswith((".so", ".pyd", ".dylib")):
+        return None
+    return library_problem(Path(origin))
 
 
 class MergeStatesBuilder(PrebuiltOp, OpBuilder):

@@ -13,11 +13,11 @@ import json
 from typing import Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from magnetar.serve.gate import Refused, error_response_body
 from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
 from magnetar.serve.prompts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
@@ -52,6 +52,12 @@ def build_app(server) -> FastAPI:
             metrics.requests.labels(endpoint=request.url.path, outcome="rejected").inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, exc: Refused):  # raised by the gate while a route reads the body
+        metrics.refused(exc.status)
+        return Response(error_response_body(exc.message, exc.code), status_code=exc.status,
+                        media_type="application/json", headers={"connection": "close"})
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}", None,
@@ -84,7 +90,7 @@ def build_app(server) -> FastAPI:
     async def _generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest]):
         _open()
         chat_kind = isinstance(req, ChatCompletionRequest)
-        prepared = await run_in_threadpool(preparer.chat if chat_kind else preparer.completion, req)
+        prepared = await preparer.run(preparer.chat if chat_kind else preparer.completion, req)
         sink = Sink(asyncio.get_running_loop())
         sid = loop.new_sid()
         loop.submit(Job("generate", sid, sink, prepared, endpoint=request.url.path))
@@ -164,7 +170,7 @@ def build_app(server) -> FastAPI:
     async def post_context(request: Request):
         req = parse_body(ContextRequest, await request.body())
         _open()
-        ids = await run_in_threadpool(preparer.context, req)
+        ids = await preparer.run(preparer.context, req)
         key = server.engine.cache_key(ids)
         cid = context_id_of(key)
         pinned = server.contexts.get(cid)

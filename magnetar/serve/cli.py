@@ -22,12 +22,15 @@ import signal
 import sys
 
 from magnetar.config import add_cli_args
+from magnetar.engine.inputs import MAX_STOP_STRINGS
 from magnetar.launch.run import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
+from magnetar.serve.gate import is_loopback
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
+API_KEY_ENV = "MAGNETAR_API_KEY"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -39,6 +42,23 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.001 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"must be between 0.001 and 86400 seconds, got {text!r}")
+    return value
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated host names, got {text!r}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-contexts", type=int_at_least(0), default=16,
                    help="contexts pinned by POST /v1/contexts at most")
     p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
+    g = p.add_argument_group("what clients may send (docs/serving.md, \"Limits and access\")")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}; "
+                        "prefer the variable: a flag is visible in the process list)")
+    g.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    g.add_argument("--allowed-hosts", type=_host_list, default=(),
+                   help="comma-separated Host names accepted besides localhost/127.0.0.1/::1 (DNS-rebinding "
+                        "guard; checked when --host is loopback, or always once this is given)")
+    g.add_argument("--max-request-bytes", type=int_at_least(1024), default=None,
+                   help="largest request body, else 413 (default: 64 bytes per model position, at least 1 MiB)")
+    g.add_argument("--request-timeout-s", type=_positive_seconds, default=60.0,
+                   help="a request's head, and then its body, must arrive within this (default 60)")
+    g.add_argument("--max-connections", type=int_at_least(1), default=512,
+                   help="open connections at most; more get 503 (default 512)")
+    g.add_argument("--max-stop-strings", type=int_at_least(1), default=4,
+                   help=f"stop strings a request may send (default 4, OpenAI's limit; at most {MAX_STOP_STRINGS})")
     add_cli_args(p)
     add_launcher_args(p)
     return p
@@ -65,6 +101,12 @@ def check_inputs(args):
     config = check_engine_args(args)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
+    if args.max_stop_strings > MAX_STOP_STRINGS:
+        raise ValueError(f"--max-stop-strings {args.max_stop_strings}: at most {MAX_STOP_STRINGS} (the engine's limit)")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    elif not args.api_key.strip():
+        raise ValueError("--api-key is empty; give the key clients must send (or leave the flag out)")
     if not config.parallel.simulate:
         replicas = max(1, launched_world_size() // (config.parallel.cp_size * config.parallel.tp_size))
         if args.port + replicas - 1 > 65535:
@@ -90,9 +132,15 @@ def main(argv=None) -> int:
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
         engine = magnetar.init_inference(args.model, config, revision=args.revision,
                                          trust_remote_code=args.trust_remote_code)
+    if args.api_key is None and not is_loopback(args.host):
+        logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
+                                        "model; set %s (or --api-key)", args.host, API_KEY_ENV)
     server = Server(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
                     max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
-                    log_level=args.log_level)
+                    log_level=args.log_level, max_request_bytes=args.max_request_bytes,
+                    request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
+                    max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
+                    allowed_hosts=args.allowed_hosts)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

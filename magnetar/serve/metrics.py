@@ -4,6 +4,8 @@ Every name starts with ``magnetar_``:
 
 * ``requests_total{endpoint, outcome}`` -- finished requests; outcome ``stop`` / ``length`` (OpenAI's finish
   reasons), ``cancelled`` (the client left), ``error`` (5xx), ``rejected`` (4xx, 503);
+* ``http_refused_total{status}`` -- requests the gate refused before any route (:mod:`magnetar.serve.gate`:
+  400 Host, 401 key, 408 slow body, 413 too large, 415 not JSON);
 * ``prompt_tokens_total``, ``completion_tokens_total``, ``cached_prompt_tokens_total`` (context tokens whose
   Phase 1 came from the context cache);
 * ``time_to_first_token_seconds`` (from the request's arrival to its first token, Phase 1 and queueing
@@ -54,6 +56,8 @@ class Metrics:
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.active = Gauge("magnetar_active_requests", "Requests decoding", registry=r)
         self.queued = Gauge("magnetar_queued_requests", "Requests waiting for a slot or their Phase 1", registry=r)
+        self.http_refused = Counter("magnetar_http_refused", "Requests refused at the gate (by HTTP status)",
+                                    ["status"], registry=r)
         self.kv_bytes = Gauge("magnetar_kv_bytes", "KV bytes per rank of the last finished request", ["rank"],
                               registry=r)
         self._cache = _CacheCollector()
@@ -63,6 +67,9 @@ class Metrics:
         """The engine's ``cache.stats()`` and the number of pinned contexts (called by the engine loop)."""
         self._cache.snapshot = {"hits": stats["hits"], "misses": stats["misses"], "evictions": stats["evictions"],
                                 "bytes": stats["bytes"], "handles": stats["handles"], "pinned": pinned}
+
+    def refused(self, status: int) -> None:
+        self.http_refused.labels(status=str(status)).inc()
 
     def finished(self, result) -> None:
         """A finished request's :class:`~magnetar.engine.engine.GenerationResult`."""

@@ -24,10 +24,14 @@ server with it.
 """
 from __future__ import annotations
 
+import asyncio
+import copy
 import dataclasses
 import difflib
+import queue
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,6 +39,7 @@ import torch
 
 from magnetar.config import FLAT_FIELDS, EngineConfig
 from magnetar.engine import inputs
+from magnetar.engine.inputs import MAX_STOP_CHARS
 from magnetar.engine.engine import REQUEST_OPTIONS
 from magnetar.engine.strategy import context_method
 from magnetar.engine.template import split_messages, split_plain
@@ -100,16 +105,41 @@ def context_id_of(key: str) -> str:
 
 
 class Preparer:
-    """Tokenizes and checks requests for ``engine`` (only its tokenizer, config and limits are read: thread-safe
-    next to the engine loop). ``default_max_tokens`` is used when a request gives none, capped to the positions
-    left after its prompt."""
+    """Tokenizes and checks requests for ``engine`` (only its config and limits are read: thread-safe next to the
+    engine loop). ``default_max_tokens`` is used when a request gives none, capped to the positions left after its
+    prompt; ``max_stop_strings``: the most stop strings a request may send (OpenAI's 4 by default).
 
-    def __init__(self, engine, model_name: str, default_max_tokens: int, contexts: ContextRegistry):
+    Requests are prepared on a pool of ``workers`` threads (:meth:`run`), each with its own copy of the
+    tokenizer: a fast tokenizer is not safe to share between threads (``split_special_tokens`` toggles its state),
+    and one lock for all of them let one large request stall every client. The Rust tokenizer releases the GIL,
+    so the HTTP loop and the engine loop go on meanwhile; a text too long for the model is refused from a bounded
+    prefix (:func:`magnetar.engine.template.check_fits`)."""
+
+    def __init__(self, engine, model_name: str, default_max_tokens: int, contexts: ContextRegistry, *,
+                 max_stop_strings: int = 4, workers: int = 4):
         self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
         self.contexts = contexts
+        self.max_stop_strings = max_stop_strings
         self.config: EngineConfig = engine.config
-        self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()  # one tokenization at a time (fast tokenizers are not re-entrant)
+        self.limit = engine.max_positions
+        self._local = threading.local()
+        copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):
+            copies.put(copy.deepcopy(engine.tokenizer))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="magnetar-prepare",
+                                       initializer=lambda: setattr(self._local, "tokenizer", copies.get()))
+
+    @property
+    def tokenizer(self):
+        """This worker thread's tokenizer (the engine's own outside the pool: tests, one thread)."""
+        return getattr(self._local, "tokenizer", None) or self.engine.tokenizer
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` (one of :meth:`chat`, :meth:`completion`, :meth:`context`) on the pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the three request kinds ------------------------------------------------------------------------------
     def chat(self, req: ChatCompletionRequest) -> Prepared:
@@ -125,14 +155,13 @@ class Preparer:
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
             raise RequestError("with magnetar.context_id the encoded context is Phase 1: send only the question, as "
                                "one user message", "messages")
-        with self._lock:
-            try:
-                if cid is not None:  # the template's question part: split after a stand-in context
-                    prompt = split_messages(self.tokenizer, messages, context=".")
-                else:
-                    prompt = split_messages(self.tokenizer, messages, context=context)
-            except ValueError as e:
-                raise RequestError(str(e), _message_param(str(e))) from None
+        try:
+            if cid is not None:  # the template's question part: split after a stand-in context
+                prompt = split_messages(self.tokenizer, messages, context=".", limit=self.limit)
+            else:
+                prompt = split_messages(self.tokenizer, messages, context=context, limit=self.limit)
+        except ValueError as e:
+            raise RequestError(str(e), _message_param(str(e))) from None
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if context is not None else "messages"
@@ -153,8 +182,11 @@ class Preparer:
         if context is None and cid is None:
             context, prompt = split_completion(prompt)
             where = "prompt"
-        with self._lock:
-            p = split_plain(self.tokenizer, "." if cid is not None else context, prompt)
+        try:
+            p = split_plain(self.tokenizer, "." if cid is not None else context, prompt, limit=self.limit)
+        except ValueError as e:
+            raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
+                               where if not str(e).startswith("query:") else "prompt") from None
         return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options)
 
     def context(self, req: ContextRequest) -> torch.Tensor:
@@ -162,11 +194,14 @@ class Preparer:
         self._model(req.model)
         if not req.context.strip():
             raise RequestError("context is empty: give the document to encode", "context")
-        with self._lock:
+        try:
             if req.format == "chat":  # the chat template's context part, as magnetar.context in a chat request
-                ids = split_messages(self.tokenizer, [{"role": "user", "content": "?"}], context=req.context)
+                ids = split_messages(self.tokenizer, [{"role": "user", "content": "?"}], context=req.context,
+                                     limit=self.limit)
             else:
-                ids = split_plain(self.tokenizer, req.context, "?")
+                ids = split_plain(self.tokenizer, req.context, "?", limit=self.limit)
+        except ValueError as e:
+            raise RequestError(f"context: {e}", "context") from None
         self._check_context(ids.context_ids, 1, "context")
         return ids.context_ids
 
@@ -177,10 +212,19 @@ class Preparer:
                                f"(GET /v1/models)", "model")
 
     def _common(self, req) -> None:
+        """The checks that need no tokenizing (before any)."""
         self._model(req.model)
         refuse_unsupported(req)
         if req.stream_options is not None and not req.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+        stop = req.stop_list()
+        if stop is not None and len(stop) > self.max_stop_strings:
+            raise RequestError(f"stop holds {len(stop)} strings; this server allows at most {self.max_stop_strings} "
+                               f"(OpenAI's limit is 4; the server's --max-stop-strings)", "stop")
+        for i, s in enumerate(stop or ()):
+            if len(s) > MAX_STOP_CHARS:
+                raise RequestError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
+                                   f"{MAX_STOP_CHARS}", "stop")
 
     def _options(self, options: Optional[dict[str, Any]]) -> tuple[Optional[str], Optional[str], dict[str, Any]]:
         """(magnetar.context, magnetar.context_id, the engine options) of a request's ``magnetar`` object. Engine
@@ -212,8 +256,8 @@ class Preparer:
             raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}, "
                                f"{', '.join(REQUEST_OPTIONS)}){hint}", param)
         if engine_options:
-            try:
-                self.engine.variant(**engine_options)  # validates the values together (a method's needs)
+            try:  # validates the values together (a method's needs); makes no variant for a refused request
+                self.engine.variant_config(**engine_options)
             except ValueError as e:
                 name = next((n for n in engine_options if n in str(e)), next(iter(engine_options)))
                 raise RequestError(f"magnetar: {e}", f"magnetar.{name}") from None
@@ -240,7 +284,7 @@ class Preparer:
 
     def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None) -> None:
         L = int(ids.numel())
-        config = self.engine.variant(**options).config if options else self.config
+        config = self.engine.variant_config(**options) if options else self.config
         try:
             inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
             if self.engine.max_positions is not None and L + query_tokens + 1 > self.engine.max_positions:
@@ -261,8 +305,8 @@ class Preparer:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
         else:
-            source = self.engine.variant(**options) if options else self.engine
-            L, key = int(context_ids.numel()), source.cache_key(context_ids)
+            config = self.engine.variant_config(**options) if options else None
+            L, key = int(context_ids.numel()), self.engine.cache_key(context_ids, config)
         Q = int(query_ids.numel())
         query_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
@@ -315,6 +359,6 @@ def _message_param(message: str) -> Optional[str]:
     found = re.search(r"messages\[\d+\]\.\w+", message)
     if found:
         return found.group(0)
-    if message.startswith("context ") or "the context contains" in message:
+    if message.startswith(("context ", "context:")) or "the context contains" in message:
         return "magnetar.context"
     return "messages"

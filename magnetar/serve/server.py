@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from magnetar.serve.loop import EngineLoop
 from magnetar.serve.prompts import ContextRegistry, Preparer
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 60.0  # for uvicorn to bind its port
 GRACEFUL_S = 10  # after the loop stops, for the last responses to be written
+BYTES_PER_POSITION = 64  # the default --max-request-bytes: this many per model position (JSON-escaped CJK: ~12)
+MIN_REQUEST_BYTES = 2**20
 
 
 class Server:
@@ -30,29 +32,48 @@ class Server:
     ``max_batch_size``: requests decoding together; ``max_tokens``: a request's ``max_tokens`` when it gives
     none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
+    What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
+    :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
+    and again for its body), ``max_connections``, ``max_stop_strings``; ``api_key`` (None: none) with
+    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's).
     """
 
     def __init__(self, engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  max_batch_size: int = 16, max_tokens: int = 256, max_contexts: int = 16,
-                 heartbeat_s: Optional[float] = None, log_level: str = "warning"):
+                 heartbeat_s: Optional[float] = None, log_level: str = "warning",
+                 max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
+                 max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
+                 public_metrics: bool = False, allowed_hosts: Sequence[str] = ()):
         self.engine, self.model_name, self.host = engine, model_name, host
         self.port = port + engine.groups.dp_rank
         self.log_level = log_level
         self.created = now()
+        if max_request_bytes is None:
+            positions = engine.max_positions
+            max_request_bytes = 64 * MIN_REQUEST_BYTES if positions is None else \
+                max(MIN_REQUEST_BYTES, BYTES_PER_POSITION * positions)
+        self.max_request_bytes, self.request_timeout_s = max_request_bytes, request_timeout_s
+        self.max_connections, self.api_key = max_connections, api_key
+        self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
-        self.preparer = Preparer(engine, model_name, max_tokens, self.contexts)
+        self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s)
         self.metrics = None
         self.app = None
         self._http = None
         self._thread: Optional[threading.Thread] = None
         self.started = threading.Event()  # set once the leader listens (or failed to)
-        if self.loop.leader:
+        if self.loop.leader:  # only the replica's first rank reads requests
             from magnetar.serve.app import build_app
+            from magnetar.serve.gate import Gate
             from magnetar.serve.metrics import Metrics
 
+            self.preparer = Preparer(engine, model_name, max_tokens, self.contexts, max_stop_strings=max_stop_strings)
             self.metrics = self.loop.metrics = Metrics()
             self.app = build_app(self)
+            self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout_s,
+                             bound_host=host, allowed_hosts=allowed_hosts, api_key=api_key,
+                             public_metrics=public_metrics, on_refused=self.metrics.refused)
 
     @property
     def leader(self) -> bool:
@@ -83,8 +104,11 @@ class Server:
     def _start_http(self) -> Optional[str]:
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=self.log_level, lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_S, access_log=False)
+        from magnetar.serve.gate import bounded_protocol
+
+        config = uvicorn.Config(self.asgi, host=self.host, port=self.port, log_level=self.log_level, lifespan="off",
+                                timeout_graceful_shutdown=GRACEFUL_S, access_log=False,
+                                http=bounded_protocol(self.request_timeout_s), limit_concurrency=self.max_connections)
         self._http = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._http.run, name="magnetar-http", daemon=True)
         self._thread.start()
@@ -104,3 +128,5 @@ class Server:
             self._http.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=GRACEFUL_S + 5)
+        if self.preparer is not None:
+            self.preparer.close()

@@ -1,0 +1,219 @@
+"""What every HTTP request passes before a route sees it, and the HTTP protocol that bounds a connection.
+
+:class:`Gate` is an ASGI middleware around the FastAPI app. In this order, a request is refused with OpenAI's
+error body when
+
+1. its ``Host`` header names another host than the server's (DNS rebinding: a web page whose name resolves to
+   127.0.0.1 must not read the answers) -- checked when the server is bound to a loopback address, or always
+   with ``--allowed-hosts``: **400** ``invalid_host``;
+2. an API key is set (``--api-key`` or ``MAGNETAR_API_KEY``) and the request to ``/v1/...`` (or ``/metrics``,
+   unless ``--public-metrics``) does not carry ``Authorization: Bearer KEY``: **401** ``invalid_api_key``
+   (``/health`` and the OpenAPI schema stay open, as in vLLM and SGLang);
+3. a POST body is not ``application/json`` (a form, ``text/plain`` or no content type: the "simple" requests a
+   browser sends cross-site without asking): **415**;
+4. its body is larger than ``--max-request-bytes`` -- told by ``Content-Length`` before anything is read, or
+   counted as a chunked body arrives: **413** ``request_too_large``;
+5. its body does not arrive whole within ``--request-timeout-s`` of its headers (a body shorter than its
+   ``Content-Length``, a client that trickles): **408**.
+
+A request's headers are bounded by :class:`BoundedH11Protocol`: a connection that has not sent a whole request
+head within ``--request-timeout-s`` (nothing at all, or half the headers) is closed; uvicorn's own
+``limit_concurrency`` (``--max-connections``) answers 503 past that many connections, and h11 refuses a head
+larger than its 64 KiB limit. This module knows nothing about the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from typing import Iterable, Optional
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+JSON_TYPES = ("application/json",)
+
+
+def error_response_body(message: str, code: Optional[str], type: str = "invalid_request_error") -> bytes:
+    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the address ``host`` (a name or an IP) is this machine's loopback."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(header: str) -> str:
+    """The host name of a ``Host`` header value (``example.com:8000`` -> ``example.com``, ``[::1]:80`` -> ``::1``),
+    lower-cased."""
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class Refused(Exception):
+    """A request the gate refuses: HTTP ``status``, OpenAI's error ``code`` and a message."""
+
+    def __init__(self, status: int, message: str, code: Optional[str], headers: Iterable[tuple[bytes, bytes]] = ()):
+        super().__init__(message)
+        self.status, self.message, self.code, self.headers = status, message, code, list(headers)
+
+
+class Gate:
+    """ASGI middleware: the checks of the module docstring, then ``app``. ``bound_host``: the address the server
+    listens on; ``allowed_hosts``: ``Host`` names accepted besides the loopback names (with any, only those and
+    the loopback names are accepted even off loopback); ``api_key``: None for no key."""
+
+    def __init__(self, app, *, max_request_bytes: int, request_timeout_s: float, bound_host: str,
+                 allowed_hosts: Iterable[str] = (), api_key: Optional[str] = None, public_metrics: bool = False,
+                 on_refused=None):
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        self.request_timeout_s = request_timeout_s
+        self.allowed_hosts = {h.lower() for h in allowed_hosts}
+        self.check_host = bool(self.allowed_hosts) or is_loopback(bound_host)
+        if self.check_host:
+            self.allowed_hosts |= set(LOOPBACK_NAMES)
+            if not bound_host.startswith("0.") and bound_host not in ("::", ""):
+                self.allowed_hosts.add(bound_host.lower().strip("[]"))
+        self.api_key = api_key.encode() if api_key else None
+        self.public_metrics = public_metrics
+        self.on_refused = on_refused  # called with the status of every refusal (metrics)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        headers = {}
+        for name, value in scope.get("headers") or ():
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        try:
+            self._check(scope, headers)
+        except Refused as r:
+            return await self._refuse(send, r)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = self._bounded(receive, started)
+        await self.app(scope, receive, send)
+
+    def _check(self, scope, headers: dict) -> None:
+        path = scope["path"]
+        if self.check_host:
+            host = host_of(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                raise Refused(400, f"Host {headers.get('host', '')[:100]!r} is not a name of this server (allowed: "
+                                   f"{', '.join(sorted(self.allowed_hosts))}); start it with --allowed-hosts NAME to "
+                                   f"accept another", "invalid_host")
+        if self.api_key is not None and (path.startswith("/v1/") or path == "/v1" or
+                                         (path == "/metrics" and not self.public_metrics)):
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                raise Refused(401, "missing or incorrect API key: send the server's key (--api-key / "
+                                   "MAGNETAR_API_KEY) as 'Authorization: Bearer KEY' (the openai client's api_key)",
+                              "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media not in JSON_TYPES:
+                shown = repr(media[:60]) if media else "none"
+                raise Refused(415, f"the request body must be JSON with 'Content-Type: application/json' (got "
+                                   f"{shown})", "unsupported_media_type")
+            length = headers.get("content-length")
+            if length is not None:
+                if not length.strip().isdigit():
+                    raise Refused(400, f"Content-Length {length[:40]!r} is not a number of bytes", None)
+                if int(length) > self.max_request_bytes:
+                    raise Refused(413, self._too_large(f"{int(length)} bytes"), "request_too_large")
+
+    def _too_large(self, size: str) -> str:
+        return (f"the request body ({size}) is larger than this server accepts ({self.max_request_bytes} bytes, "
+                f"--max-request-bytes); a context that long does not fit the model anyway -- shorten it")
+
+    def _bounded(self, receive, started: float):
+        """``receive`` that refuses a body past the byte limit (413) or still incomplete at the deadline (408);
+        once the body is whole it passes every message through (the disconnect a streaming response waits for)."""
+        state = {"bytes": 0, "done": False}
+        deadline = started + self.request_timeout_s
+
+        async def bounded():
+            if state["done"]:
+                return await receive()
+            left = deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise Refused(408, f"the request body did not arrive whole within {self.request_timeout_s:g} s "
+                                   f"(--request-timeout-s): send all the bytes its Content-Length announces",
+                              "request_timeout") from None
+            if message["type"] == "http.request":
+                state["bytes"] += len(message.get("body", b""))
+                if state["bytes"] > self.max_request_bytes:
+                    raise Refused(413, self._too_large(f"more than {self.max_request_bytes} bytes"),
+                                  "request_too_large")
+                if not message.get("more_body", False):
+                    state["done"] = True
+            else:
+                state["done"] = True
+            return message
+
+        return bounded
+
+    async def _refuse(self, send, r: Refused) -> None:
+        if self.on_refused is not None:
+            self.on_refused(r.status)
+        body = error_response_body(r.message, r.code)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close"), *r.headers]
+        await send({"type": "http.response.start", "status": r.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def bounded_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol, with a connection closed when it has not sent a whole request head within
+    ``header_timeout_s`` of connecting (or of the bytes of its next request)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11Protocol(H11Protocol):
+        _head_timer: Optional[asyncio.TimerHandle] = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:
+                if self._head_timer is None:
+                    self._arm()  # the bytes of a next request on a kept-alive connection
+            else:
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closing a connection that sent no whole request head within %g s", header_timeout_s)
+                self.transport.close()
+
+    return BoundedH11Protocol
