@@ -117,6 +117,10 @@ def _short(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: a hostile value must not make a megabyte message."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"<a {value.bit_length()}-bit int>"  # repr of a huge int is slow, or refused past 4300 digits
+    if isinstance(value, (list, tuple, dict, set)):  # never the repr of a whole value: a YAML alias bomb is huge
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value = value[:limit]
     text = repr(value)
     if len(text) <= limit:
         return text
@@ -202,6 +206,7 @@ def _check_types(obj: Any) -> None:
 
 _MAX_INT = 2**63  # every int field ends up in a torch int64 or a C long (seeds: torch.Generator.manual_seed)
 _MAX_TIMEOUT_S = 1e9  # about 31 years: a timedelta and every process group backend still hold it
+_MIN_TIMEOUT_S = 1e-3  # seconds: a process-group timeout rounds to whole milliseconds
 
 
 def _seed(name: str, value: int) -> None:
@@ -228,8 +233,10 @@ class ParallelConfig:
         _check_types(self)
         _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {_short(self.cp_size)}")
         _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {_short(self.tp_size)}")
-        _require(0 < self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
-                 f"must be > 0 and at most {_MAX_TIMEOUT_S:g} seconds, got {self.timeout_s}")
+        # at least a millisecond: below it the process-group timeout rounds to 0 and the rendezvous fails
+        _require(_MIN_TIMEOUT_S <= self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
+                 f"must be > 0 (at least {_MIN_TIMEOUT_S:g} s) and at most {_MAX_TIMEOUT_S:g} seconds, got "
+                 f"{self.timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -741,6 +748,9 @@ def _split(data: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     return top, per
 
 
+MAX_CONFIG_BYTES = 2**20
+
+
 def _read_file(path: Any) -> dict[str, Any]:
     """The top-level mapping of a JSON or YAML config file, with every way a file can be wrong named."""
     if not isinstance(path, (str, os.PathLike)):
@@ -753,10 +763,17 @@ def _read_file(path: Any) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {p} does not exist")
     if p.is_dir():
         raise ValueError(f"config file {p} is a directory; pass a .json or .yaml file")
+    if not p.is_file():  # a FIFO would block forever, a device never end
+        raise ValueError(f"config file {p} is not a regular file (a FIFO, device or socket); save the config to a "
+                         f"file and pass that")
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ValueError(f"config file {p} cannot be read ({e.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config file {p} is larger than {MAX_CONFIG_BYTES // 2**20} MiB, more than a config can "
+                         f"be; pass the config file itself")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -787,15 +804,61 @@ def _parse_json(text: str) -> Any:
         return dict(pairs)
 
     try:
-        return json.loads(text, object_pairs_hook=unique)
+        return json.loads(text, object_pairs_hook=unique, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+MAX_INT_DIGITS = 100  # an integer of a config is far shorter; Python refuses to read ints past 4300 digits
+MAX_YAML_NODES = 10_000  # the values of a config, aliases expanded: a billion-laughs file is refused before built
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("+-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('+-'))} digits ({text[:20]}...); config values are far "
+                         f"smaller -- fix the number")
+    return int(text)
+
+
+def _yaml_size(node, memo: dict) -> int:
+    """Nodes of ``node`` with its aliases expanded (each shared node counted once per use, computed once); a
+    recursive alias counts as too many."""
+    import yaml
+
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_YAML_NODES + 1  # a node reached again while being counted: a recursive value
+    if isinstance(node, yaml.SequenceNode):
+        n = 1 + sum(_yaml_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        n = 1 + sum(_yaml_size(k, memo) + _yaml_size(v, memo) for k, v in node.value)
+    else:
+        n = 1
+    memo[id(node)] = n
+    return n
 
 
 def _parse_yaml(text: str) -> Any:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
+        def construct_document(self, node):
+            size = _yaml_size(node, {})
+            if size > MAX_YAML_NODES:
+                raise yaml.constructor.ConstructorError(None, None, f"the document expands to more than "
+                                                        f"{MAX_YAML_NODES} values (aliases repeated or recursive); "
+                                                        f"a config holds a few dozen -- write the values out",
+                                                        node.start_mark)
+            return super().construct_document(node)
+
+        def construct_yaml_int(self, node):
+            digits = str(node.value).lstrip("+-").replace("_", "")
+            if len(digits) > MAX_INT_DIGITS:
+                raise yaml.constructor.ConstructorError(None, None, f"an integer of {len(digits)} digits; config "
+                                                        f"values are far smaller -- fix the number",
+                                                        node.start_mark)
+            return super().construct_yaml_int(node)
+
         def construct_mapping(self, node, deep=False):
             self.flatten_mapping(node)
             seen = set()
@@ -809,6 +872,7 @@ def _parse_yaml(text: str) -> Any:
                 seen.add(key)
             return super().construct_mapping(node, deep)
 
+    UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
     try:
         return yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:

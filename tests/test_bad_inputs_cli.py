@@ -31,7 +31,7 @@ class Case:
 
 # -- bad files, written once per run into a private temporary folder -------------------------------------------
 _TMP: list[tempfile.TemporaryDirectory] = []
-_FILES: dict[str, bytes | None] = {  # None: a directory
+_FILES: dict[str, bytes | str | None] = {  # None: a directory; "fifo": a named pipe; "sparse": 65 MiB of holes
     "corrupt.json": b'{"method": "star",\n "cp_size": }',
     "syntax.yaml": b"method: [star\ncp_size: 2\n",
     "latin1.yaml": b"scorer: caf\xe9\n",
@@ -48,6 +48,14 @@ _FILES: dict[str, bytes | None] = {  # None: a directory
     "blank.txt": b" \n\t\n",
     "context.txt": b"The special magic number is 42.",
     "a_dir": None,
+    # issue 28: a billion-laughs file under a known key, a 5000-digit int, a FIFO (reading one blocks forever)
+    "bomb.yaml": b"summary_budget:\n  - &a [x, x, x, x, x, x, x, x, x]\n  - &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n  - &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n  - &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n  - &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n  - &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\n  - &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\n  - &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\n  - &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]\n",
+    "recursive.yaml": b"summary_budget: &a [*a]\n",
+    "bigint.json": b'{"block_size": ' + b"9" * 5000 + b"}",
+    "bigint.yaml": b"block_size: " + b"9" * 5000 + b"\n",
+    "fifo.json": "fifo",
+    "fifo.txt": "fifo",
+    "huge.txt": "sparse",  # 65 MiB of holes: past the 64 MiB a context file may hold
 }
 
 
@@ -59,6 +67,11 @@ def _path(name: str) -> str:
         for fname, data in _FILES.items():
             if data is None:
                 (root / fname).mkdir()
+            elif data == "fifo":
+                os.mkfifo(root / fname)
+            elif data == "sparse":
+                with open(root / fname, "wb") as f:
+                    f.truncate(65 * 2**20)
             else:
                 (root / fname).write_bytes(data)
     return str(Path(_TMP[0].name) / name)
@@ -151,6 +164,7 @@ CLI_CASES: list[Case] = [
     Case("cfg-tp-size-zero", _cfg(tp_size=0), ValueError, ("parallel.tp_size", "--tp-size", ">= 1")),
     Case("cfg-tp-size-bool", _cfg(tp_size=True), ValueError, ("parallel.tp_size", "a bool is not a number")),
     Case("cfg-timeout-negative", _cfg(timeout_s=-1.0), ValueError, ("parallel.timeout_s", "--timeout-s", "> 0")),
+    Case("cfg-timeout-sub-ms", _cfg(timeout_s=0.0005), ValueError, ("parallel.timeout_s", "at least 0.001 s")),
     Case("cfg-timeout-huge", _cfg(timeout_s=1e300), ValueError, ("parallel.timeout_s", "at most")),
     Case("cfg-seed-negative", _cfg(seed=-1), ValueError, ("decode.seed", ">= 0")),
     Case("cfg-empty-hash-path", _cfg(hash_path=""), ValueError, ("sparse.hash_path", "empty")),
@@ -196,6 +210,18 @@ CLI_CASES: list[Case] = [
     Case("file-duplicate-key-yaml", _file("dup.yaml"), ValueError, ("dup.yaml", "'scorer' appears twice", "line")),
     Case("file-wrong-type", _file("typed.json"), ValueError, ("typed.json", "blocks.block_size", "without quotes")),
     Case("file-path-not-a-path", lambda: EngineConfig.from_file(None), ValueError, ("str or Path", "NoneType")),
+    Case("file-yaml-alias-bomb", _file("bomb.yaml"), ValueError, ("bomb.yaml", "more than 10000 values", "aliases")),
+    Case("file-yaml-recursive", _file("recursive.yaml"), ValueError, ("recursive.yaml", "recursive")),
+    Case("file-json-5000-digits", _file("bigint.json"), ValueError, ("bigint.json", "5000 digits", "fix the number")),
+    Case("file-yaml-5000-digits", _file("bigint.yaml"), ValueError, ("bigint.yaml", "5000 digits", "fix the number")),
+    Case("file-fifo", _file("fifo.json"), ValueError, ("fifo.json", "not a regular file")),
+    Case("run-config-fifo", _run(*CTX, "--config", "@fifo.json"), SystemExit, (E_RUN, "fifo.json", "regular file")),
+    Case("run-context-file-fifo", _run("--context-file", "@fifo.txt"), SystemExit,
+         (E_RUN, "--context-file", "fifo.txt", "is a FIFO, not a regular file")),
+    Case("run-context-file-huge", _run("--context-file", "@huge.txt"), SystemExit,
+         (E_RUN, "--context-file", "huge.txt", "larger than 64 MiB")),
+    Case("run-context-file-device", _run("--context-file", "/dev/zero"), SystemExit,
+         (E_RUN, "--context-file", "/dev/zero", "is a device, not a regular file")),
     # -- magnetar-run ------------------------------------------------------------------------------------------
     Case("run-unknown-model", _cli(RUN, "--model", "nope", "--query", "q", *CTX), SystemExit,
          (E_RUN, "'nope'", "smollm2-135m-instruct", "config.json")),

@@ -125,3 +125,40 @@ def test_split_messages_is_split_prompt_for_one_question_and_keeps_user_text_as_
     assert tok.decode(p.query_ids) == " What is the key?<|im_end|>\n<|im_start|>assistant\n"
     # the template's markers: 4 turns in Phase 1 (start + end each) and the last user header; the injected turn is text
     assert sum(i in special for i in p.context_ids.tolist()) == 7
+
+
+class _Recording:
+    """A tokenizer that records the length of every text it tokenizes."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def __call__(self, text, *args, **kw):
+        self.seen.append(len(text))
+        return self.inner(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_text_too_long_for_the_model_is_refused_from_a_prefix(smollm2_tokenizer):
+    """Issue 28, item 1: a 50 MB context took 140 s and 10 GiB to be refused for the model's positions. Now at
+    most (limit + 1) * 8 characters are tokenized before the refusal, which names the argument."""
+    from magnetar.engine.template import PREFIX_CHARS_PER_TOKEN, check_fits, split_messages, split_plain
+
+    limit, huge = 1024, "All work and no play makes Jack a dull boy. " * 100_000  # 4.4 MB
+    cut = (limit + 1) * PREFIX_CHARS_PER_TOKEN
+    for call, name in ((lambda t: split_prompt(t, huge, " Who?", limit=limit), "context"),
+                       (lambda t: split_prompt(t, "Doc.", huge, limit=limit), "query"),
+                       (lambda t: split_plain(t, huge, " Who?", limit=limit), "context"),
+                       (lambda t: split_messages(t, [{"role": "user", "content": huge}], limit=limit), "messages"),
+                       (lambda t: encode_text(t, huge, limit=limit, name="continuation"), "continuation")):
+        tok = _Recording(smollm2_tokenizer)
+        with pytest.raises(ValueError, match=rf"^{name}: too long for the model's {limit} positions"):
+            call(tok)
+        assert tok.seen and max(tok.seen) <= cut, f"{name}: tokenized {max(tok.seen)} characters before refusing"
+    # a text that fits is tokenized whole, whatever its length in characters (16 characters per token here)
+    spaces = "x" + " " * (cut + 100) + "y"
+    check_fits(smollm2_tokenizer, [spaces], limit, "context")
+    assert len(encode_text(smollm2_tokenizer, spaces, limit=limit)) <= limit
+    check_fits(smollm2_tokenizer, [huge], None, "context")  # no limit: nothing to check

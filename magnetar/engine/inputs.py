@@ -64,6 +64,7 @@ def check_prompt(value, name: str) -> None:
     """``value`` is a ``str`` or an integer token-id tensor ``(N,)`` / ``(1, N)``; else a ``ValueError`` naming
     ``name``."""
     if isinstance(value, str):
+        check_unicode(value, name)
         return
     if isinstance(value, (bytes, bytearray)):
         raise ValueError(f"{name} is bytes; pass a str (decode it first: .decode('utf-8')) or a tensor of token ids")
@@ -79,6 +80,15 @@ def check_prompt(value, name: str) -> None:
         raise ValueError(
             f"{name} has shape {tuple(value.shape)}; one request takes token ids of shape (N,) or (1, N) -- "
             f"for several requests use generate_batch([(context, query), ...])")
+
+
+def check_unicode(text: str, name: str) -> None:
+    """``text`` holds no lone surrogate (a Python ``str`` can; no tokenizer or UTF-8 text can)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} holds a lone surrogate (U+{ord(text[e.start]):04X} at index {e.start}), which is not "
+                         f"Unicode text; decode the source with errors='replace' or remove it") from None
 
 
 def check_token_ids(ids: torch.Tensor, name: str, vocab_size: Optional[int], *, min_tokens: int = 1,

@@ -102,6 +102,9 @@ def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caller: str 
         raise ValueError(f"{caller}: batch sizes differ: q has B={q.shape[0]}, k/v have B={k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{caller}: head dims differ: q has D={q.shape[-1]}, k/v have D={k.shape[-1]}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"{caller}: the head dimension D (the last axis of q, k, v) is 0; attention needs D >= 1 "
+                         f"(the softmax scale is 1/sqrt(D))")
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(

@@ -14,11 +14,12 @@ import argparse
 import codecs
 import contextlib
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Iterator, NoReturn, Sequence
 
-__all__ = ["ArgumentParser", "UsageError", "fail", "user_errors", "USER_ERRORS", "read_text_file",
+__all__ = ["ArgumentParser", "UsageError", "fail", "user_errors", "USER_ERRORS", "read_text_file", "read_bounded",
            "check_output_file", "check_input_file", "int_at_least"]
 
 # What a CLI reports as the user's error (the message already names the field, flag or file): bad values,
@@ -63,24 +64,49 @@ def user_errors(prog: str, extra: Sequence[type[BaseException]] = ()) -> Iterato
         fail(prog, str(e))
 
 
-def read_text_file(path: str, *, flag: str, encoding: str = "utf-8") -> str:
+MAX_TEXT_FILE_BYTES = 64 * 2**20  # a context file: 16x a million-token English text
+
+
+def read_bounded(path: str, *, flag: str, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path`` (given as ``flag``), at most ``max_bytes`` of them. Raises
+    FileNotFoundError or ValueError naming the flag and file for a missing file, a directory, a FIFO, device or
+    socket (reading one could block forever or never end), an unreadable file or one larger than ``max_bytes``.
+    """
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{flag} {path} is a directory; pass a {what}")
+    if not stat.S_ISREG(mode):
+        kind = "FIFO" if stat.S_ISFIFO(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+            "socket" if stat.S_ISSOCK(mode) else "special file"
+        raise ValueError(f"{flag} {path} is a {kind}, not a regular file; save the {what} to a file and pass that")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be read ({e.strerror})") from None
+    if len(data) > max_bytes:
+        raise ValueError(f"{flag} {path} is larger than {max_bytes // 2**20} MiB, more than a {what} can be; "
+                         f"pass a shorter one")
+    return data
+
+
+def read_text_file(path: str, *, flag: str, encoding: str = "utf-8", max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
     """The text of ``path`` (given as ``flag``); a UTF-8 byte-order mark is dropped. Raises FileNotFoundError or
-    ValueError naming the flag and file for a missing file, a directory, an unreadable or undecodable file,
-    an unknown ``encoding`` and a file that holds only whitespace."""
+    ValueError naming the flag and file for a missing file, a directory or other non-regular file, an unreadable
+    or undecodable file, one over ``max_bytes`` (:func:`read_bounded`), an unknown ``encoding`` and a file that
+    holds only whitespace."""
     try:
         codec = codecs.lookup(encoding).name
     except LookupError:
         raise ValueError(f"--encoding {encoding!r} is not a text encoding Python knows (e.g. utf-8, latin-1, "
                          "utf-16)") from None
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{flag} {path}: no such file")
-    if p.is_dir():
-        raise ValueError(f"{flag} {path} is a directory; pass a text file")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{flag} {path} cannot be read ({e.strerror})") from None
+    data = read_bounded(path, flag=flag, max_bytes=max_bytes, what="text file")
     try:
         text = data.decode("utf-8-sig" if codec == "utf-8" else codec)
     except UnicodeDecodeError as e:

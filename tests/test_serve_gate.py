@@ -1,0 +1,274 @@
+"""What a client may send (issue 28): the request-body limit (413), texts too long for the model refused from a
+bounded prefix, stop-string bounds, the API key (401), JSON-only POSTs (415), the Host check (DNS rebinding),
+request heads and bodies that never arrive (closed / 408), the connection limit (503), and tokenizing that does
+not serialise the clients. Real servers on 127.0.0.1 with a tiny llama; the real ``openai`` client or raw HTTP."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
+
+import magnetar  # noqa: E402
+from magnetar.serve.server import Server  # noqa: E402
+from tests.dist_utils import free_port  # noqa: E402
+from tests.tiny_models import save_tiny  # noqa: E402
+
+NAME = "tiny"
+KEY = "sk-magnetar-test"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+POSITIONS = 1024
+BODY_LIMIT = 256 * 1024
+TIMEOUT_S = 2.0  # the server's --request-timeout-s
+DOC = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny-gate")
+    save_tiny(out, "llama", max_position_embeddings=POSITIONS)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@contextlib.contextmanager
+def serving(model_dir, **kw):
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=4, **kw)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    assert server.started.wait(60) and server.loop.start_error is None
+    try:
+        yield server
+    finally:
+        server.drain()
+        thread.join(60)
+        assert status == [0], "the drained server did not stop with status 0"
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dir):
+    with serving(model_dir, api_key=KEY, max_request_bytes=BODY_LIMIT, request_timeout_s=TIMEOUT_S) as server:
+        yield server
+
+
+def _client(server, key=KEY):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _chat(client, doc=DOC, question=" What jumps?", **kw):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}],
+                                          extra_body={"magnetar": {"context": doc}}, max_tokens=3, **kw)
+
+
+def _error(exc) -> dict:
+    return exc.response.json()["error"]
+
+
+def _raw(server, request: bytes, *, wait_s: float = 30.0) -> bytes:
+    """Send ``request`` bytes on a new connection and read until the server closes it (or ``wait_s``)."""
+    with socket.create_connection((server.host, server.port), timeout=wait_s) as s:
+        s.sendall(request)
+        out = b""
+        with contextlib.suppress(socket.timeout, ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+
+# -- the API key -----------------------------------------------------------------------------------------------
+def test_api_key_is_required_on_v1_and_metrics_and_the_client_key_just_works(keyed):
+    assert _chat(_client(keyed)).choices[0].finish_reason in ("stop", "length")
+    for key in ("wrong", ""):
+        with pytest.raises(openai.AuthenticationError) as e:
+            _chat(_client(keyed, key=key or "x"))
+        err = _error(e.value)
+        assert err["code"] == "invalid_api_key" and "Authorization: Bearer" in err["message"]
+    assert e.value.response.headers["www-authenticate"] == "Bearer"
+    for path in ("/v1/models", "/v1/contexts/ctx-x", "/metrics"):
+        assert httpx.get(keyed.url + path, timeout=30).status_code == 401, path
+    assert httpx.get(keyed.url + "/health", timeout=30).status_code == 200  # open, as in vLLM and SGLang
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(keyed.url + "/metrics", headers=auth, timeout=30).status_code == 200
+    assert httpx.get(keyed.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == NAME
+
+
+def test_public_metrics_and_no_key(model_dir):
+    with serving(model_dir, api_key=KEY, public_metrics=True) as server:
+        assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+        assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401
+
+
+# -- what a request may hold ----------------------------------------------------------------------------------
+def test_a_body_over_the_limit_is_413_and_the_server_keeps_serving(keyed):
+    client = _client(keyed)
+    with pytest.raises(openai.APIStatusError) as e:
+        _chat(client, doc="x" * (BODY_LIMIT + 10))
+    assert e.value.status_code == 413 and _error(e.value)["code"] == "request_too_large"
+    assert f"{BODY_LIMIT} bytes, --max-request-bytes" in _error(e.value)["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(BODY_LIMIT // 4096 + 2):
+            yield b"y" * 4096
+        yield b'"}]}'
+
+    r = httpx.post(keyed.url + "/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert _chat(client).choices[0].message.content is not None
+
+
+def test_a_context_that_cannot_fit_is_refused_from_a_prefix(keyed):
+    """Under the body limit, far over the model's positions: a 400 naming the field, before it is tokenized
+    whole (the prefix rule itself: tests/test_template.py)."""
+    client = _client(keyed)
+    for kw, param in ((dict(doc="word " * 40000), "magnetar.context"),
+                      (dict(question="word " * 40000 + "?"), "messages")):
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, **kw)
+        err = _error(e.value)
+        assert err["param"] == param and "too long for the model's 1024 positions" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/contexts", body={"model": NAME, "context": "word " * 40000}, cast_to=httpx.Response)
+    assert _error(e.value)["param"] == "context" and "too long" in _error(e.value)["message"]
+
+
+def test_stop_lists_are_bounded(keyed):
+    client = _client(keyed)
+    assert _chat(client, stop=["a", "b", "c", "d"]).choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, stop=[f"s{i}" for i in range(5)])
+    err = _error(e.value)
+    assert err["param"] == "stop" and "at most 4" in err["message"] and "--max-stop-strings" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, stop=["x" * 600])
+    assert _error(e.value)["param"] == "stop" and "at most 512" in _error(e.value)["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_post_bodies_must_be_json(keyed, content_type):
+    """A web page can make a browser send such 'simple' cross-site requests without asking; JSON needs a
+    preflight."""
+    headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": content_type} if content_type else {})
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    r = httpx.post(keyed.url + "/v1/chat/completions", content=body, headers=headers, timeout=30)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    r = httpx.post(keyed.url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text  # a charset parameter is fine
+
+
+@pytest.mark.parametrize("host,status", [("evil.example", 400), (f"evil.example:{8000}", 400),
+                                         ("localhost", 200), ("127.0.0.1", 200), ("[::1]", 200)])
+def test_host_must_name_this_server_on_loopback(keyed, host, status):
+    """DNS rebinding: a page at evil.example that resolves to 127.0.0.1 sends Host: evil.example."""
+    r = httpx.get(keyed.url + "/health", headers={"Host": host}, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["code"] == "invalid_host" and "--allowed-hosts" in r.json()["error"]["message"]
+
+
+def test_allowed_hosts_flag(model_dir):
+    with serving(model_dir, allowed_hosts=("magnetar.internal",)) as server:
+        assert httpx.get(server.url + "/health", headers={"Host": "magnetar.internal:80"}, timeout=30).status_code \
+            == 200
+        assert httpx.get(server.url + "/health", headers={"Host": "other.internal"}, timeout=30).status_code == 400
+
+
+# -- requests that never arrive, and too many connections -----------------------------------------------------
+def test_a_body_shorter_than_its_content_length_gets_408(keyed):
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    t0 = time.monotonic()
+    out = _raw(keyed, head + b'{"model": ')
+    assert out.startswith(b"HTTP/1.1 408"), out[:200]
+    assert b"--request-timeout-s" in out and time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0"])
+def test_a_request_head_that_never_completes_is_closed(keyed, sent):
+    t0 = time.monotonic()
+    assert _raw(keyed, sent) == b""  # closed by the server, nothing answered
+    assert time.monotonic() - t0 < 30, "the server kept a half-sent request open"
+    assert _chat(_client(keyed)).choices  # and it still serves
+
+
+def test_connections_past_the_limit_get_503(model_dir):
+    with serving(model_dir, max_connections=3, request_timeout_s=60) as server:
+        idle = [socket.create_connection((server.host, server.port), timeout=30) for _ in range(3)]
+        try:
+            time.sleep(0.3)
+            r = httpx.get(server.url + "/health", timeout=30)
+            assert r.status_code == 503, r.text
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+# -- tokenizing does not serialise the clients ----------------------------------------------------------------
+class _Gate:
+    """Held by the test: a tokenizer call on text holding ``BLOCK`` waits until it is released."""
+    release = threading.Event()
+    entered = threading.Event()
+
+
+class BlockingTokenizer:
+    """A tokenizer that blocks on text holding ``BLOCK`` (deep-copied per worker, the events are shared)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, text, *args, **kw):
+        if "BLOCK" in text:
+            _Gate.entered.set()
+            assert _Gate.release.wait(60)
+        return self.inner(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return BlockingTokenizer(copy.deepcopy(self.inner, memo))
+
+
+def test_one_slow_tokenization_does_not_stall_other_clients(model_dir):
+    """Issue 28, item 1: one lock for every tokenization let a 4 MB context stall every client for ~9 s. Requests
+    are now prepared on a pool, each worker with its own tokenizer copy: while one request's tokenization is
+    stuck, another client's request is prepared and answered."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    engine.tokenizer = BlockingTokenizer(engine.tokenizer)
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=3)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert server.started.wait(60)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    stuck = threading.Thread(target=lambda: _chat(client, doc="BLOCK " + DOC), daemon=True)
+    try:
+        stuck.start()
+        assert _Gate.entered.wait(30), "the blocked request never reached its tokenizer"
+        assert _chat(client).choices[0].finish_reason in ("stop", "length")
+        assert stuck.is_alive(), "the blocked request finished: the test did not hold it"
+    finally:
+        _Gate.release.set()
+        stuck.join(60)
+        server.drain()
+        thread.join(60)
