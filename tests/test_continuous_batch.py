@@ -242,3 +242,45 @@ def test_per_request_method_options():
         batch.add(c, q, params, options={"method": "star", "block_size": -3})
     with pytest.raises(ValueError, match="this context is a handle, already encoded"):
         batch.add(eng.encode(c), q, params, options={"method": "star"})
+
+
+def _poison_token(model, token: int) -> None:
+    """NaN in ``token``'s embedding row: any forward that reads that token turns NaN (for its own request)."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token] = float("nan")
+
+
+@pytest.mark.parametrize("label,flat", VARIANTS[:2], ids=[v[0] for v in VARIANTS[:2]])
+def test_one_requests_nan_fails_it_alone(label, flat):
+    """Issue 28, item 5: one request whose tokens reach a NaN embedding row ended the whole server. In a batch it
+    fails alone -- in its query forward (joined with a healthy request) or in its Phase 1 -- and the others
+    decode what they decode alone; Engine.stream and generate still raise NonFiniteError."""
+    from magnetar.engine.finite import NonFiniteError
+
+    model = tiny_model("llama", seed=2)
+    _poison_token(model, 255)
+    eng = _engine(model, **flat)
+    ctx, q = _ids(1, 96) % 255, _ids(10, 4) % 255  # never token 255
+    alone = eng.generate(ctx, q, max_new_tokens=6)
+    batch = eng.open_batch()
+    bad_q = q.clone()
+    bad_q[1] = 255
+    ready = [batch.prepare(ctx, q, eng.sampling_params(max_new_tokens=6)),
+             batch.prepare(ctx, bad_q, eng.sampling_params(max_new_tokens=6))]
+    (good, first), (bad, failed) = batch.join(ready)
+    assert failed.stop_reason == "nonfinite" and failed.token_id == -1 and "non-finite logits in Phase 2 (the query)" \
+        in failed.error
+    assert batch.pop(bad).stop_reason == "nonfinite" and batch.active == [good]
+    tokens = [first.token_id]
+    while batch.active:
+        tokens += [ev.token_id for ev in batch.step()]
+    assert tokens == alone.token_ids and batch.pop(good).token_ids == alone.token_ids
+    bad_ctx = ctx.clone()
+    bad_ctx[5] = 255
+    with pytest.raises(NonFiniteError, match="Phase 1"):  # its Phase 1: every rank raises alike, nothing is cached
+        batch.prepare(bad_ctx, q, eng.sampling_params(max_new_tokens=2))
+    assert eng.generate(ctx, q, max_new_tokens=6).token_ids == alone.token_ids  # the engine goes on
+    with pytest.raises(NonFiniteError, match="the query"):
+        list(eng.stream(ctx, bad_q, max_new_tokens=3))
+    with pytest.raises(NonFiniteError, match="the query"):
+        eng.generate(ctx, bad_q, max_new_tokens=3)

@@ -272,3 +272,99 @@ def test_one_slow_tokenization_does_not_stall_other_clients(model_dir):
         stuck.join(60)
         server.drain()
         thread.join(60)
+
+
+# -- one request's fault stays its own ------------------------------------------------------------------------
+def test_one_requests_nan_is_a_500_for_it_alone_and_the_server_keeps_serving(model_dir):
+    """Issue 28, item 5: a NaN embedding row reached by one request's token ended the whole server. Now that
+    request gets a 500 (in its Phase 1 or its query forward) while a streamed request decodes on to its end."""
+    import torch
+
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    poison = engine.tokenizer("~", add_special_tokens=False)["input_ids"][0]
+    with torch.no_grad():
+        engine.model.model.embed_tokens.weight[poison] = float("nan")
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=4)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    assert server.started.wait(60)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        stream = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": " What jumps?"}], max_tokens=200, stream=True,
+            extra_body={"magnetar": {"context": DOC}}, stream_options={"include_usage": True})
+        chunks = iter(stream)
+        next(chunks)  # the role chunk: the request is decoding
+        for kw in (dict(doc=DOC + " ~"), dict(question=" What ~ jumps?")):  # Phase 1, then the query forward
+            with pytest.raises(openai.InternalServerError) as e:
+                _chat(client, **kw)
+            assert "non-finite values for this request" in _error(e.value)["message"]
+        rest = list(chunks)
+        assert rest[-1].usage.completion_tokens == 200, "the streamed request did not decode to its end"
+        assert _chat(client).choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        server.drain()
+        thread.join(60)
+    assert status == [0]
+
+
+# -- pinned contexts and per-request options: bounded -----------------------------------------------------------
+def test_max_contexts_holds_under_concurrent_posts_and_formats_are_enforced(model_dir):
+    """Item 6: the --max-contexts check and the pinning were two steps, so concurrent POSTs passed the limit
+    together (pinned KV is outside the cache budget). Item 7: a context is tokenized for one endpoint's format."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serving(model_dir, max_contexts=2) as server:
+        docs = [f"Document {i}: " + "the fox and the dog. " * (3 + i) for i in range(8)]
+
+        def post(doc):
+            return httpx.post(server.url + "/v1/contexts", json={"model": NAME, "context": doc}, timeout=60)
+
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(post, docs))
+        ok = [r for r in replies if r.status_code == 200]
+        assert len(ok) == 2, [r.status_code for r in replies]
+        assert all("--max-contexts" in r.json()["error"]["message"] for r in replies if r.status_code != 200)
+        assert len(server.contexts) == 2
+        time.sleep(0.5)  # a tick for releases of the refused ones (none were encoded)
+        assert len(server.loop.handles) == 2
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        chat_id = ok[0].json()["id"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt=" What?", max_tokens=2,
+                                      extra_body={"magnetar": {"context_id": chat_id}})
+        err = _error(e.value)
+        assert err["param"] == "magnetar.context_id" and "format 'chat'" in err["message"] and \
+            "/v1/chat/completions" in err["message"]
+        assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " What?"}],
+                                              max_tokens=2, extra_body={"magnetar": {"context_id": chat_id}}).choices
+        httpx.delete(server.url + f"/v1/contexts/{ok[1].json()['id']}", timeout=30)
+        raw = httpx.post(server.url + "/v1/contexts", json={"model": NAME, "context": docs[5], "format": "raw"},
+                         timeout=60).json()["id"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " What?"}],
+                                           max_tokens=2, extra_body={"magnetar": {"context_id": raw}})
+        assert "format 'raw'" in _error(e.value)["message"] and "/v1/completions" in _error(e.value)["message"]
+        assert client.completions.create(model=NAME, prompt=" What?", max_tokens=2,
+                                         extra_body={"magnetar": {"context_id": raw}}).choices
+
+
+def test_per_request_option_sets_are_bounded_and_refused_ones_make_nothing(keyed):
+    """Item 8: every distinct option set made an Engine variant kept forever, even for refused requests."""
+    from magnetar.engine.engine import MAX_VARIANTS
+
+    engine, client = keyed.engine, _client(keyed)
+    for block in range(8, 8 + MAX_VARIANTS + 5):
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": " What?"}], max_tokens=1,
+            extra_body={"magnetar": {"context": DOC, "method": "streaming", "window_size": block,
+                                     "sink_tokens": 2}})
+    assert len(engine._variants) == MAX_VARIANTS
+    before = dict(engine._variants)
+    for bad in ({"method": "star", "block_size": 0}, {"method": "streaming", "window_size": -1}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " What?"}], max_tokens=1,
+                                           extra_body={"magnetar": {"context": DOC, **bad}})
+    assert dict(engine._variants) == before

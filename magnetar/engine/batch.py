@@ -29,12 +29,14 @@ from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
 class TokenEvent:
     """One generated token of request ``rid``: its id, the text it made final (maybe ""; the last event of a
     request carries the rest of its text) and, on the request's last event, why it ended ("eos",
-    "stop_string", "max_new_tokens" or "cancelled"; else None)."""
+    "stop_string", "max_new_tokens" or "cancelled"; "nonfinite" when its logits turned NaN/inf -- it failed
+    alone, no new token, ``error`` says where; else None). ``token_id`` is -1 when the request has none."""
 
     rid: int
     token_id: int
     text: str
     stop_reason: Optional[str] = None
+    error: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,9 @@ class ContinuousBatch:
 
     def __init__(self, engine, *, return_logits: bool = False):
         self.engine = engine
+        # one request's NaN fails that request alone (a server keeps serving the others)
         self._batch = DecodeBatch(engine.model, engine.config, engine.groups, engine.device, policy=engine.policy,
-                                  keep_logits=return_logits)
+                                  keep_logits=return_logits, isolate=True)
         self._entries: dict[int, _Entry] = {}
         self.return_logits = return_logits
 
@@ -165,10 +168,11 @@ class ContinuousBatch:
 
     def _event(self, rid: int, new_token: bool = True) -> TokenEvent:
         res, entry = self._batch.result(rid), self._entries[rid]
+        new_token = new_token and res.stop_reason != "nonfinite"  # a failed request got no token
         text = ""
         if entry.deltas is not None:
             if new_token:
                 text = entry.deltas.push(res.token_ids[-1])
             if res.stop_reason is not None:
                 text += entry.deltas.finish()
-        return TokenEvent(rid, res.token_ids[-1], text, res.stop_reason)
+        return TokenEvent(rid, res.token_ids[-1] if res.token_ids else -1, text, res.stop_reason, res.error)

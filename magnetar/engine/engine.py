@@ -379,6 +379,9 @@ class Engine:
             while True:
                 if event.text:
                     yield event.text
+                if event.stop_reason == "nonfinite":  # as generate raises it
+                    batch.pop(rid)
+                    raise NonFiniteError(event.error)
                 if event.stop_reason is not None:
                     break
                 [event] = batch.step()

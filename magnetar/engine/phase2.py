@@ -65,12 +65,19 @@ class Phase2Context(LayerContext):
         rank raises; they first gather where their local states turned non-finite)."""
         if self.flags is None or all_finite(logits):
             return
+        raise NonFiniteError(self.nonfinite_message(what))
+
+    def nonfinite_message(self, what: str) -> str:
+        """Why logits of this forward were not finite: where the local states first turned non-finite on each CP
+        rank (``runtime.check_finite``; a gather over the CP group: every rank of it calls this together)."""
+        if self.flags is None:
+            return f"non-finite logits in Phase 2 ({what}); {HINT}"
         mine = self.flags.first()
         per_rank = [mine]
         if self.groups.cp_size > 1:
             per_rank = [None] * self.groups.cp_size
             dist.all_gather_object(per_rank, mine, group=self.group)
-        raise NonFiniteError(f"non-finite logits in Phase 2 ({what}): {describe(per_rank)}; {HINT}")
+        return f"non-finite logits in Phase 2 ({what}): {describe(per_rank)}; {HINT}"
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
@@ -133,7 +140,8 @@ class DecodeResult:
     token_ids: list[int]
     ttft_seconds: float
     decode_seconds: list[float] = field(default_factory=list)  # per generated token after the first
-    stop_reason: Optional[str] = None  # eos, stop_string or max_new_tokens once finished
+    stop_reason: Optional[str] = None  # eos, stop_string or max_new_tokens once finished ("nonfinite": failed)
+    error: Optional[str] = None  # why a request failed alone (stop_reason "nonfinite", DecodeBatch.isolate)
     first_logits: Optional[torch.Tensor] = None
     gen_kv_tokens: int = 0
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
@@ -193,12 +201,17 @@ class DecodeBatch:
 
     Every rank of the replica makes the same calls in the same order (the engine, or a server loop that
     broadcasts what rank 0 decided). Requests are independent: a request's tokens equal those of it alone.
+
+    ``isolate``: a request whose logits turn non-finite (a NaN its own tokens reach) fails alone -- it ends with
+    ``stop_reason`` "nonfinite" and ``error`` saying where (no token is chosen for it) -- and the others go on;
+    the first rank decides and the token broadcast carries the decision. Otherwise (``run_phase2``) any
+    non-finite logits raise :class:`~magnetar.engine.finite.NonFiniteError` on every rank (``check_finite``).
     """
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device, *,
-                 policy: Optional[DecodePolicy] = None, keep_logits: bool = False):
+                 policy: Optional[DecodePolicy] = None, keep_logits: bool = False, isolate: bool = False):
         self.model, self.config, self.groups, self.device = model, config, groups, device
-        self.policy, self.keep_logits = policy, keep_logits
+        self.policy, self.keep_logits, self.isolate = policy, keep_logits, isolate
         self.chooses = groups.cp_rank == 0 and groups.tp_rank == 0  # the replica's first rank
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count()
@@ -221,7 +234,7 @@ class DecodeBatch:
         return live.result
 
     def _forward(self, live: list[_Live], ids: torch.Tensor, starts: list[int], valid: list[int],
-                 what: str) -> torch.Tensor:
+                 what: str) -> tuple[torch.Tensor, Phase2Context]:
         device, S = self.device, ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
         ctx = Phase2Context(pos, [r.req.shard for r in live],
@@ -233,15 +246,24 @@ class DecodeBatch:
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else \
             torch.zeros(len(valid), dtype=torch.long, device=device)
         logits = logits[torch.arange(len(valid), device=device), last]  # (B, V): each request's last real token
-        ctx.check_logits(logits, what)
-        return logits
+        if not self.isolate:
+            ctx.check_logits(logits, what)
+        return logits, ctx
 
-    def _choose(self, live: list[_Live], logits: torch.Tensor) -> list[int]:
+    def _choose(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str) -> list[int]:
         """The next token of every request in ``live`` (chosen on the replica's first rank, recorded by every
-        rank's chooser) appended to its result, with its stop reason."""
-        picked = [r.req.chooser.choose(logits[i]) for i, r in enumerate(live)] if self.chooses else [-1] * len(live)
+        rank's chooser) appended to its result, with its stop reason. With ``isolate``, a request whose logits
+        are not finite gets token -1 in the broadcast: every rank then fails it alone (no token appended)."""
+        picked = [-1] * len(live)
+        if self.chooses:
+            finite = torch.isfinite(logits).all(dim=-1).tolist() if self.isolate else [True] * len(live)
+            picked = [r.req.chooser.choose(logits[i]) if finite[i] else -1 for i, r in enumerate(live)]
         tokens = _broadcast_tokens(picked, self.groups, self.device)
+        error = ctx.nonfinite_message(what) if any(t < 0 for t in tokens) else None  # every rank alike
         for r, t in zip(live, tokens):
+            if t < 0:
+                r.result.stop_reason, r.result.error = "nonfinite", error
+                continue
             if not self.chooses:
                 r.req.chooser.record(t)
             r.result.token_ids.append(t)
@@ -265,8 +287,8 @@ class DecodeBatch:
         for b, r in enumerate(live):
             padded[b, : lengths[b]] = r.req.query  # right padding: after the real tokens, so none of them sees it
         with nvtx_range(PHASE2_QUERY):
-            logits = self._forward(live, padded, [r.req.query_position for r in live], lengths, "the query")
-            self._choose(live, logits)
+            logits, ctx = self._forward(live, padded, [r.req.query_position for r in live], lengths, "the query")
+            self._choose(live, logits, ctx, "the query")
         ttft = time.perf_counter() - t0
         rids = []
         for b, r in enumerate(live):
@@ -288,9 +310,9 @@ class DecodeBatch:
         t1 = time.perf_counter()
         with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
             ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
-            logits = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live),
-                                   f"decode step {self._steps}")
-            self._choose(live, logits)
+            what = f"decode step {self._steps}"
+            logits, ctx = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
+            self._choose(live, logits, ctx, what)
         dt = time.perf_counter() - t1
         for r in live:
             r.result.decode_seconds.append(dt)

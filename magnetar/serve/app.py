@@ -9,6 +9,7 @@ its slot in the decode batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Optional, Union
 
@@ -175,15 +176,19 @@ def build_app(server) -> FastAPI:
         cid = context_id_of(key)
         pinned = server.contexts.get(cid)
         if pinned is None:
-            if len(server.contexts) >= server.contexts.limit:
-                raise RequestError(f"this server pins at most {server.contexts.limit} contexts (--max-contexts); "
-                                   f"DELETE /v1/contexts/{{id}} one first", "context")
-            sink = Sink(asyncio.get_running_loop())
-            loop.submit(Job("encode", loop.new_sid(), sink, cid=cid, context_ids=ids, key=key))
-            item = await sink.queue.get()
-            if isinstance(item, Failed):
-                raise item.error
-            assert isinstance(item, Encoded)
+            server.contexts.reserve(cid)  # the --max-contexts check and the place taken in one step
+            try:
+                sink = Sink(asyncio.get_running_loop())
+                loop.submit(Job("encode", loop.new_sid(), sink, cid=cid, context_ids=ids, key=key))
+                item = await sink.queue.get()
+                if isinstance(item, Failed):
+                    raise item.error
+                assert isinstance(item, Encoded)
+            except BaseException:  # refused, failed, or the client left while it was encoded
+                if server.contexts.unreserve(cid):  # an encode that completes anyway must not stay pinned
+                    with contextlib.suppress(RequestError):
+                        loop.submit(Job("release", loop.new_sid(), cid=cid))
+                raise
             pinned = PinnedContext(cid, key, req.format, item.tokens, now())
             server.contexts.add(pinned)
         return _context_object(pinned).model_dump()

@@ -15,9 +15,10 @@ Each tick:
 
 Idle, the leader waits on its inbox and sends an empty tick (a heartbeat) every ``heartbeat_s`` -- well under the
 collective timeout -- so the other ranks, blocked in the broadcast, never time out while nothing happens. A
-request the engine refuses with ValueError (on every rank alike) fails alone with a 400; any other exception
-(a dead rank's TimeoutError, a gloo error, non-finite logits) ends the loop: the leader answers every request in
-flight with a 500 and every rank returns a non-zero status.
+request the engine refuses with ValueError (on every rank alike) fails alone with a 400, and one whose own tokens
+turn the model's values non-finite (Phase 1's NonFiniteError, or its logits in the decode batch) fails alone with a
+500; any other exception (a dead rank's TimeoutError, a gloo error) ends the loop: the leader answers every request
+in flight with a 500 and every rank returns a non-zero status.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.sampling import SamplingParams
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
@@ -128,7 +130,7 @@ class EngineLoop:
     def refusal(self) -> Optional[RequestError]:
         """The 503 a new request gets now (draining, failed or stopped), or None."""
         if self.failed is not None:
-            return RequestError(f"the server failed and is shutting down ({self.failed})", status=503,
+            return RequestError("the server failed and is shutting down (its log says why)", status=503,
                                 type="server_error")
         if self.draining or self.closed:
             return RequestError("the server is shutting down (draining the requests in flight); retry on another "
@@ -223,7 +225,9 @@ class EngineLoop:
         phase1, keys = False, set()
         for job in list(self.pending):
             if job.kind == "release":
-                if not any(j.kind == "generate" and j.prepared.context_id == job.cid for j in self.pending):
+                # after the requests that read it, and after an encode of it still queued (a POST whose client left)
+                if not any((j.kind == "generate" and j.prepared.context_id == job.cid) or
+                           (j.kind == "encode" and j.cid == job.cid) for j in self.pending):
                     tick.releases.append(job.cid)
                     self.pending.remove(job)
                     self.jobs.pop(job.sid, None)
@@ -259,7 +263,7 @@ class EngineLoop:
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
-            except ValueError as e:  # every rank refuses alike
+            except (ValueError, NonFiniteError) as e:  # every rank refuses alike
                 self._reject(enc.sid, e, "context")
                 continue
             self._send(enc.sid, Encoded(handle.context_tokens))
@@ -272,7 +276,7 @@ class EngineLoop:
                 ready.append(self.batch.prepare(context, torch.tensor(add.query_ids, dtype=torch.long),
                                                 SamplingParams(**add.params), options=add.options or None))
                 sids.append(add.sid)
-            except ValueError as e:
+            except (ValueError, NonFiniteError) as e:  # a bad request, or its own NaN in Phase 1: it fails alone
                 self._reject(add.sid, e, None)
         for sid, (rid, first) in zip(sids, self.batch.join(ready)):  # ... then their queries in one forward
             self.rids[sid], self.sids[rid] = rid, sid
@@ -285,11 +289,17 @@ class EngineLoop:
     def _route(self, events) -> None:
         for ev in events:
             sid = self.sids[ev.rid]
-            if ev.stop_reason != "cancelled":  # a cancelled request's last event has no new token
+            if ev.stop_reason not in ("cancelled", "nonfinite"):  # their last event has no new token
                 self._token(sid, ev)
             if ev.stop_reason is not None:
                 result = self.batch.pop(ev.rid)  # every rank: a small collective
                 self._forget(sid)
+                if ev.stop_reason == "nonfinite":  # this request's own NaN: it fails alone, the server goes on
+                    log.error("request %d failed: %s", sid, ev.error)
+                    self._send(sid, Failed(RequestError(f"the model produced non-finite values for this request "
+                                                        f"({ev.error})", status=500, type="server_error")))
+                    self._finish_job(sid, "error")
+                    continue
                 self._send(sid, Done(result, FINISH_REASONS.get(ev.stop_reason)))
                 if self.leader:
                     self.metrics.finished(result)
@@ -315,7 +325,13 @@ class EngineLoop:
         if job.sink is not None:
             job.sink.put(Token(ev.text, ev.token_id))
 
-    def _reject(self, sid: int, error: ValueError, param: Optional[str]) -> None:
+    def _reject(self, sid: int, error: Exception, param: Optional[str]) -> None:
+        if isinstance(error, NonFiniteError):  # not the client's fault: a 500 for this request alone
+            log.error("request %d failed: %s", sid, error)
+            self._send(sid, Failed(RequestError(f"the model produced non-finite values for this request ({error})",
+                                                status=500, type="server_error")))
+            self._finish_job(sid, "error")
+            return
         self._send(sid, Failed(RequestError(str(error), param)))
         self._finish_job(sid, "rejected")
 
@@ -330,8 +346,9 @@ class EngineLoop:
         self.metrics.cache(self.engine.cache.stats(), len(self.handles))
 
     def _fail_all(self, why: str) -> None:
-        self.failed = why
-        err = RequestError(f"the engine failed ({why}); the server is shutting down", status=500, type="server_error")
+        self.failed = why  # the cause stays in the server's log (log.exception above): clients see no internals
+        err = RequestError("the engine failed and the server is shutting down (its log says why); retry on another "
+                           "replica or after a restart", status=500, type="server_error")
         for sid in list(self.jobs):
             self._send(sid, Failed(err))
             self._finish_job(sid, "error")

@@ -75,20 +75,51 @@ class PinnedContext:
 
 
 class ContextRegistry:
-    """The pinned contexts the serving rank knows about (thread-safe: HTTP handlers and the engine loop)."""
+    """The pinned contexts the serving rank knows about (thread-safe: HTTP handlers and the engine loop), at most
+    ``limit`` of them counting those being encoded: :meth:`reserve` takes a place before the encode is queued
+    (check and take in one step, so concurrent POSTs cannot pass the limit together), :meth:`add` fills it,
+    :meth:`unreserve` gives it back when the encode fails."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._lock = threading.Lock()
         self._items: dict[str, PinnedContext] = {}
+        self._reserved: dict[str, int] = {}  # cid -> POSTs of it being encoded
 
     def get(self, cid: str) -> Optional[PinnedContext]:
         with self._lock:
             return self._items.get(cid)
 
+    def reserve(self, cid: str) -> None:
+        """Take a place for ``cid`` (RequestError when the registry is full; a cid pinned or being encoded already
+        takes no second place)."""
+        with self._lock:
+            if cid not in self._items and cid not in self._reserved and \
+                    len(self._items) + len(self._reserved) >= self.limit:
+                raise RequestError(f"this server pins at most {self.limit} contexts (--max-contexts); DELETE "
+                                   f"/v1/contexts/{{id}} one first", "context")
+            self._reserved[cid] = self._reserved.get(cid, 0) + 1
+
+    def unreserve(self, cid: str) -> bool:
+        """Give back a place :meth:`reserve` took; returns whether ``cid`` is now neither pinned nor being encoded
+        (then nothing holds its encoded KV: the caller releases it)."""
+        with self._lock:
+            n = self._reserved.get(cid, 0) - 1
+            if n > 0:
+                self._reserved[cid] = n
+            else:
+                self._reserved.pop(cid, None)
+            return cid not in self._items and cid not in self._reserved
+
     def add(self, item: PinnedContext) -> None:
+        """Pin ``item`` in the place :meth:`reserve` took for it."""
         with self._lock:
             self._items[item.id] = item
+            n = self._reserved.get(item.id, 0) - 1
+            if n > 0:
+                self._reserved[item.id] = n
+            else:
+                self._reserved.pop(item.id, None)
 
     def remove(self, cid: str) -> Optional[PinnedContext]:
         with self._lock:
@@ -149,7 +180,7 @@ class Preparer:
                                "message", "messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        context, cid, options = self._options(req.magnetar)
+        context, cid, options = self._options(req.magnetar, "chat")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
@@ -177,7 +208,7 @@ class Preparer:
             prompt = prompt[0]
         if not prompt.strip():
             raise RequestError("prompt is empty: Phase 2 needs at least one query token", "prompt")
-        context, cid, options = self._options(req.magnetar)
+        context, cid, options = self._options(req.magnetar, "raw")
         where = "magnetar.context"
         if context is None and cid is None:
             context, prompt = split_completion(prompt)
@@ -226,8 +257,10 @@ class Preparer:
                 raise RequestError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
                                    f"{MAX_STOP_CHARS}", "stop")
 
-    def _options(self, options: Optional[dict[str, Any]]) -> tuple[Optional[str], Optional[str], dict[str, Any]]:
-        """(magnetar.context, magnetar.context_id, the engine options) of a request's ``magnetar`` object. Engine
+    def _options(self, options: Optional[dict[str, Any]], fmt: str) -> tuple[Optional[str], Optional[str],
+                                                                              dict[str, Any]]:
+        """(magnetar.context, magnetar.context_id, the engine options) of a request's ``magnetar`` object; ``fmt``:
+        the format a pinned context must have for this endpoint (``chat`` or ``raw``). Engine
         options are those :data:`~magnetar.engine.engine.REQUEST_OPTIONS` (how the context is encoded: ``method``,
         ``block_size``, pulsar's and streaming's fields); the others would change the ranks' layout or the
         decoding of the whole batch, so only the server's own value is accepted."""
@@ -277,9 +310,16 @@ class Preparer:
         if context is not None and not context.strip():
             raise RequestError("magnetar.context is empty: give the document (or leave the option out)",
                                "magnetar.context")
-        if cid is not None and self.contexts.get(cid) is None:
-            raise RequestError(f"magnetar.context_id {cid!r} is not a context of this server (POST /v1/contexts "
-                               f"returns one; deleted ones are gone)", "magnetar.context_id")
+        pinned = self.contexts.get(cid) if cid is not None else None
+        if cid is not None and pinned is None:
+            raise RequestError(f"magnetar.context_id {cid[:80]!r} is not a context of this server (POST "
+                               f"/v1/contexts returns one; deleted ones are gone)", "magnetar.context_id")
+        if pinned is not None and pinned.format != fmt:
+            endpoint = "/v1/chat/completions" if pinned.format == "chat" else "/v1/completions"
+            raise RequestError(f"magnetar.context_id {cid!r} was encoded with format {pinned.format!r} (tokenized as "
+                               f"the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
+                               f"{endpoint}, or POST /v1/contexts with format {fmt!r} for this endpoint",
+                               "magnetar.context_id")
         return context, cid, engine_options
 
     def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None) -> None:
