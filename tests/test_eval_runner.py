@@ -142,6 +142,37 @@ def test_unwritable_out_fails_before_the_model_loads(tmp_path, monkeypatch):
             main(RUN + ["--samples", "1", "--out", str(out)])
 
 
+def test_a_second_run_on_one_out_is_refused_naming_the_first(tmp_path, monkeypatch):
+    """Issue 28, item 14: two runs on one --out appended every record twice. The first run holds the folder's lock
+    (flock: it goes with the process); a second is refused before its model loads, naming the holder."""
+    import subprocess
+    import sys
+    import magnetar.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(magnetar.models, "prepare_model", no_model)
+    monkeypatch.setattr(magnetar.models, "load_model", no_model)
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from magnetar.eval.results import lock_output; "
+                               "assert lock_output(sys.argv[1]) is None; print('locked', flush=True); time.sleep(60)",
+                               str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit, match=rf"^--out {re.escape(str(out))}: another magnetar-eval run writes to it "
+                                             rf"\(pid {holder.pid} on .*\); wait for it"):
+            main(RUN + ["--samples", "1", "--out", str(out)])
+    finally:
+        holder.kill()
+        holder.wait()
+    from magnetar.eval.results import lock_output, unlock_output
+
+    assert lock_output(out) is None  # the holder is gone: its lock went with it
+    unlock_output(out)
+
+
 def test_every_wait_honours_timeout_s(tmp_path, monkeypatch):
     # rank 0 of two answers the dense items while rank 1 waits: the waits use --timeout-s, not a default
     seen = _fake_runner(monkeypatch, world=2)

@@ -128,6 +128,46 @@ def append_records(path: Path, records: Sequence[dict]) -> None:
         f.write(b"".join(json.dumps(r).encode() + b"\n" for r in records))
 
 
+LOCK_NAME = ".magnetar-eval.lock"
+_HELD: dict = {}  # out_dir -> the open lock file of this process (kept open while the run lasts)
+
+
+def lock_output(out_dir: Path) -> Optional[str]:
+    """Take ``out_dir``'s run lock (``flock`` on :data:`LOCK_NAME`, released by the kernel when this process ends)
+    so that two runs never append the same items to one folder; the reason it is held by another run (naming its
+    pid, host and start), or None once taken. Call after :func:`write_problem` (the folder exists)."""
+    import fcntl
+    import socket
+    import time
+
+    out_dir = Path(out_dir).resolve()
+    if out_dir in _HELD:
+        return None
+    path = out_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as e:
+        return f"cannot create its lock file {path} ({e.strerror or e})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process that wrote no details"
+        os.close(fd)
+        return (f"another magnetar-eval run writes to it ({holder}); wait for it to end (the lock goes with it) "
+                f"or pass another --out")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    _HELD[out_dir] = fd
+    return None
+
+
+def unlock_output(out_dir: Path) -> None:
+    fd = _HELD.pop(Path(out_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def write_problem(out_dir: Path, names: Sequence[str]) -> Optional[str]:
     """Why the files ``names`` of ``out_dir`` cannot be appended to (``out_dir`` is created if missing), or None;
     the reason speaks of ``out_dir`` as "it".

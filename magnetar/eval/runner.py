@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from magnetar.config import METHODS, EngineConfig, add_cli_args
 from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
-from magnetar.eval.results import append_records, set_aside_bad_lines, write_problem
+from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
 from magnetar.parallel.collectives import barrier
@@ -327,7 +327,8 @@ def run(args) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     dealt = sim is not None and world > 1  # data parallel: each process runs its share of the items alone
     names = [f"results.rank{r}.jsonl" for r in range(world)] if dealt else ["results.jsonl"]
-    problem = _broadcast_obj(write_problem(out, names) if rank == 0 else None)  # before any model is loaded
+    # before any model is loaded: the folder can be written, and no other run writes to it (rank 0 holds the lock)
+    problem = _broadcast_obj((write_problem(out, names) or lock_output(out)) if rank == 0 else None)
     if problem:
         raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
     if rank == 0 and args.model in MODELS:
@@ -391,6 +392,8 @@ def run(args) -> int:
         from magnetar.eval.report import write_report
 
         print(write_report(out))
+    if rank == 0:
+        unlock_output(out)
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
     return 0
