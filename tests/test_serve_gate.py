@@ -368,3 +368,67 @@ def test_per_request_option_sets_are_bounded_and_refused_ones_make_nothing(keyed
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " What?"}], max_tokens=1,
                                            extra_body={"magnetar": {"context": DOC, **bad}})
     assert dict(engine._variants) == before
+
+
+# -- the small things a deployment meets at once ----------------------------------------------------------------
+def test_a_port_in_use_is_found_before_the_model_loads(model_dir, monkeypatch, capsys):
+    from magnetar.serve import cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(magnetar, "init_inference", no_model)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--model", str(model_dir), "--port", str(port)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"magnet serve: error: --port {port}: cannot listen on 127.0.0.1:{port}".replace("magnet ", "magnetar ") \
+        in err and "choose another --port" in err
+
+
+def test_the_served_name_of_a_local_folder_is_its_name_not_its_path(model_dir):
+    from magnetar.serve.cli import served_name
+
+    assert served_name(str(model_dir)) == model_dir.name and "/" not in served_name(str(model_dir))
+    assert served_name("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert served_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_openapi_declares_the_request_bodies_and_405_says_allow(keyed):
+    schema = httpx.get(keyed.url + "/openapi.json", timeout=30).json()
+    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"),
+                        ("/v1/contexts", "ContextRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert "model" in schema["components"]["schemas"][model]["properties"]
+    assert "ChatMessage" in schema["components"]["schemas"]  # the nested models resolve
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    r = httpx.get(keyed.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+
+
+def _counts(server, endpoint: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "magnetar_requests_total" and s.labels.get("endpoint") == endpoint}
+
+
+def test_a_client_that_leaves_while_waiting_is_counted_once(keyed):
+    endpoint = "/v1/chat/completions"
+    before = _counts(keyed, endpoint)
+    body = {"model": NAME, "messages": [{"role": "user", "content": " What?"}], "max_tokens": 700,
+            "magnetar": {"context": DOC}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while its answer is decoding
+        httpx.post(keyed.url + endpoint, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _counts(keyed, endpoint).get("cancelled", 0) == before.get("cancelled", 0):
+        time.sleep(0.2)
+    after = _counts(keyed, endpoint)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert after.get("rejected", 0) == before.get("rejected", 0), "the cancelled request was also counted rejected"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from typing import Optional, Union
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,8 @@ from magnetar.serve.prompts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, ModelCard, ModelList,
-                                     PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body)
+                                     PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
+                                     show)
 from magnetar.version import __version__
 
 _DISCONNECT_POLL_S = 0.5  # how often a whole-answer request checks that its client is still there
@@ -49,7 +51,8 @@ def build_app(server) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        if request.url.path in ("/v1/chat/completions", "/v1/completions") and exc.status < 500:
+        # a client that left (499) is counted as "cancelled" by the loop: not also as rejected
+        if request.url.path in ("/v1/chat/completions", "/v1/completions") and exc.status < 500 and exc.status != 499:
             metrics.requests.labels(endpoint=request.url.path, outcome="rejected").inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -61,8 +64,9 @@ def build_app(server) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path}", None,
-                                       "invalid_request_error"), status_code=exc.status_code)
+        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path[:200]}", None,
+                                       "invalid_request_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))  # a 405's Allow
 
     @app.get("/health")
     async def health():
@@ -112,13 +116,17 @@ def build_app(server) -> FastAPI:
         """The whole answer; cancels the request if the client goes away meanwhile."""
         parts = []
         getter = asyncio.ensure_future(sink.queue.get())
+        checked = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-                if not done:
+                # every poll period, also while tokens keep coming (they did not let a check run before)
+                if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         loop.cancel(sid)
                         raise RequestError("the client disconnected", status=499)
+                if not done:
                     continue
                 item = getter.result()
                 if isinstance(item, Failed):
@@ -197,7 +205,7 @@ def build_app(server) -> FastAPI:
     async def delete_context(cid: str):
         pinned = server.contexts.get(cid)
         if pinned is None:
-            raise RequestError(f"context {cid!r} is not a context of this server (or was deleted)", "context_id",
+            raise RequestError(f"context {show(cid)} is not a context of this server (or was deleted)", "context_id",
                                status=404)
         loop.submit(Job("release", loop.new_sid(), cid=cid))
         server.contexts.remove(cid)
@@ -206,6 +214,28 @@ def build_app(server) -> FastAPI:
     def _context_object(p: PinnedContext, deleted: bool = False) -> ContextObject:
         return ContextObject(id=p.id, created=p.created, model=server.model_name, format=p.format, tokens=p.tokens,
                              deleted=deleted)
+
+    def openapi() -> dict:
+        """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body)
+        and ``/metrics`` as Prometheus text."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+                                ("/v1/contexts", ContextRequest)):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
+                "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def _open() -> None:
         refused = loop.refusal()

@@ -19,7 +19,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+from pathlib import Path
+from typing import Optional
 
 from magnetar.config import add_cli_args
 from magnetar.engine.inputs import MAX_STOP_STRINGS
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     p.add_argument("--port", type=_port, default=8000, help="port of the first replica; replica d listens on port + d")
-    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    p.add_argument("--served-model-name",
+                   help="the model name clients send (default: --model, or a local folder's own name)")
     p.add_argument("--max-batch-size", type=int_at_least(1), default=16, help="requests decoding together")
     p.add_argument("--max-tokens", type=int_at_least(1), default=256,
                    help="max_tokens of a request that gives none (capped to the positions left)")
@@ -115,6 +119,65 @@ def check_inputs(args):
     return config
 
 
+def served_name(model: str) -> str:
+    """``--served-model-name``'s default: a local model folder's own name (its path would tell every client where
+    the server keeps its files), else ``--model`` as given (a registry name or a Hub id)."""
+    path = Path(model).expanduser()
+    return (path.resolve().name or model) if path.is_dir() else model
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening; uvicorn listens on it). OSError when it cannot be."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_first(args, config) -> Optional[socket.socket]:
+    """The HTTP socket of this rank's replica, bound before the model loads, on the replica's first rank (None on
+    the others): a port in use is found in seconds, not after minutes of loading. Under a launcher the process
+    group is started here and every rank learns whether any replica's port failed (one small gather), so every
+    rank ends with the same ValueError naming ``--port``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from magnetar.parallel.collectives import all_gather_ints
+    from magnetar.parallel.launcher import device_for_rank, init_distributed
+
+    timeout = timedelta(seconds=config.parallel.timeout_s)
+    distributed = not config.parallel.simulate and init_distributed(timeout=timeout)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    per_replica = config.parallel.cp_size * config.parallel.tp_size if distributed else 1
+    sock, error = None, None
+    if rank % per_replica == 0:
+        port = args.port + rank // per_replica
+        try:
+            sock = bind_socket(args.host, port)
+        except OSError as e:
+            error = (f"--port {port}: cannot listen on {args.host}:{port} ({e.strerror or e}: in use, or not an "
+                     f"address of this host); choose another --port or --host")
+    if world > 1:
+        failed = all_gather_ints([int(error is not None)], dist.group.WORLD, device_for_rank(),
+                                 timeout=timeout)[:, 0].tolist()
+        if error is None and any(failed):
+            bad = [r for r, f in enumerate(failed) if f]
+            error = (f"--port: the replica port of rank(s) {bad} cannot be bound (their message says why); choose "
+                     f"another --port")
+    if error is not None:
+        if sock is not None:
+            sock.close()
+        raise ValueError(error)
+    return sock
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -126,6 +189,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     with user_errors(PROG):
         config = check_inputs(args)
+        sock = bind_first(args, config)  # before the model loads (minutes for a large one)
     import magnetar
     from magnetar.serve.server import Server
 
@@ -135,12 +199,12 @@ def main(argv=None) -> int:
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
-    server = Server(engine, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+    server = Server(engine, model_name=args.served_model_name or served_name(args.model), host=args.host, port=args.port,
                     max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
                     log_level=args.log_level, max_request_bytes=args.max_request_bytes,
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
                     max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
-                    allowed_hosts=args.allowed_hosts)
+                    allowed_hosts=args.allowed_hosts, sock=sock)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

@@ -44,7 +44,7 @@ from magnetar.engine.engine import REQUEST_OPTIONS
 from magnetar.engine.strategy import context_method
 from magnetar.engine.template import split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
-                                     refuse_unsupported)
+                                     refuse_unsupported, show)
 
 OPTIONS = ("context", "context_id")
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_new_tokens")
@@ -239,7 +239,7 @@ class Preparer:
     # -- checks ------------------------------------------------------------------------------------------------
     def _model(self, name: str) -> None:
         if name != self.model_name:
-            raise RequestError(f"model {name!r} is not served here; this server serves {self.model_name!r} "
+            raise RequestError(f"model {show(name)} is not served here; this server serves {self.model_name!r} "
                                f"(GET /v1/models)", "model")
 
     def _common(self, req) -> None:
@@ -270,7 +270,7 @@ class Preparer:
         for name, value in options.items():
             if name in OPTIONS:
                 continue
-            param = f"magnetar.{name}"
+            param = f"magnetar.{name if len(name) <= 60 else name[:57] + '...'}"
             if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens"):
                 raise RequestError(f"{param}: set {name} as a field of the request itself, not in magnetar", param)
             if name in REQUEST_OPTIONS:
@@ -281,10 +281,10 @@ class Preparer:
                 if value == current and type(value) is type(current):
                     continue
                 raise RequestError(
-                    f"{param}={value!r} cannot change per request (only {', '.join(REQUEST_OPTIONS)} can: they change "
-                    f"how a context is encoded, not the ranks' layout or the decoding); start a server with "
-                    f"--{name.replace('_', '-')} {value} for it", param)
-            close = difflib.get_close_matches(name, [*OPTIONS, *FLAT_FIELDS], n=1)
+                    f"{param}={show(value)} cannot change per request (only {', '.join(REQUEST_OPTIONS)} can: they "
+                    f"change how a context is encoded, not the ranks' layout or the decoding); start a server with "
+                    f"--{name.replace('_', '-')} {show(value)} for it", param)
+            close = difflib.get_close_matches(name[:100], [*OPTIONS, *FLAT_FIELDS], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}, "
                                f"{', '.join(REQUEST_OPTIONS)}){hint}", param)
@@ -312,11 +312,11 @@ class Preparer:
                                "magnetar.context")
         pinned = self.contexts.get(cid) if cid is not None else None
         if cid is not None and pinned is None:
-            raise RequestError(f"magnetar.context_id {cid[:80]!r} is not a context of this server (POST "
+            raise RequestError(f"magnetar.context_id {show(cid)} is not a context of this server (POST "
                                f"/v1/contexts returns one; deleted ones are gone)", "magnetar.context_id")
         if pinned is not None and pinned.format != fmt:
             endpoint = "/v1/chat/completions" if pinned.format == "chat" else "/v1/completions"
-            raise RequestError(f"magnetar.context_id {cid!r} was encoded with format {pinned.format!r} (tokenized as "
+            raise RequestError(f"magnetar.context_id {show(cid)} was encoded with format {pinned.format!r} (tokenized as "
                                f"the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
                                f"{endpoint}, or POST /v1/contexts with format {fmt!r} for this endpoint",
                                "magnetar.context_id")

@@ -31,8 +31,25 @@ class RequestError(Exception):
 
 
 def error_body(message: str, param: Optional[str] = None, type: str = "invalid_request_error") -> dict:
-    """OpenAI's error object."""
+    """OpenAI's error object (a ``param`` longer than 100 characters -- a client's own field name -- is cut)."""
+    if param is not None and len(param) > 100:
+        param = param[:97] + "..."
     return {"error": {"message": message, "type": type, "param": param, "code": None}}
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A client's value for an error message, cheaply and short: never the whole of a megabyte string, a container's
+    contents or a 5000-digit int."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<a {value.bit_length()}-bit int>"
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class _Strict(BaseModel):
@@ -134,7 +151,7 @@ def refuse_unsupported(req: BaseModel) -> None:
     for name, allowed, why in _UNSUPPORTED:
         value = getattr(req, name, None)
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
-            raise RequestError(f"{name}={value!r} is not supported by Magnetar ({why}); leave it out", name)
+            raise RequestError(f"{name}={show(value)} is not supported by Magnetar ({why}); leave it out", name)
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt != {"type": "text"}:
         raise RequestError("response_format other than {'type': 'text'} is not supported by Magnetar; leave it out",
@@ -166,8 +183,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         first = errors[0]
         if first["type"] == "json_invalid":
             raise RequestError(f"the body is not valid JSON ({first['msg']})", None) from None
-        param = _param(first["loc"])
-        same = [err for err in errors if _param(err["loc"]) == param]
+        full = _param(first["loc"])
+        same = [err for err in errors if _param(err["loc"]) == full]
+        param = full if full is None or len(full) <= 100 else full[:97] + "..."  # a client's field name may be huge
         msgs = list(dict.fromkeys(_message(err) for err in same))
         where = param or "the body"
         raise RequestError(f"{where}: {' or '.join(msgs)}", param) from None

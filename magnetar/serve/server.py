@@ -10,6 +10,7 @@ taking requests (503), finishes those in flight, then stops every rank of the re
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Optional, Sequence
@@ -35,7 +36,8 @@ class Server:
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
     and again for its body), ``max_connections``, ``max_stop_strings``; ``api_key`` (None: none) with
-    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's).
+    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's). ``sock``: a socket already bound
+    to ``host:port`` (``magnetar serve`` binds it before loading the model), else uvicorn binds one.
     """
 
     def __init__(self, engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
@@ -43,8 +45,9 @@ class Server:
                  heartbeat_s: Optional[float] = None, log_level: str = "warning",
                  max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
                  max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
-                 public_metrics: bool = False, allowed_hosts: Sequence[str] = ()):
-        self.engine, self.model_name, self.host = engine, model_name, host
+                 public_metrics: bool = False, allowed_hosts: Sequence[str] = (),
+                 sock: Optional[socket.socket] = None):
+        self.engine, self.model_name, self.host, self.sock = engine, model_name, host, sock
         self.port = port + engine.groups.dp_rank
         self.log_level = log_level
         self.created = now()
@@ -110,7 +113,8 @@ class Server:
                                 timeout_graceful_shutdown=GRACEFUL_S, access_log=False,
                                 http=bounded_protocol(self.request_timeout_s), limit_concurrency=self.max_connections)
         self._http = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._http.run, name="magnetar-http", daemon=True)
+        self._thread = threading.Thread(target=self._http.run, name="magnetar-http", daemon=True,
+                                        kwargs={"sockets": [self.sock]} if self.sock is not None else {})
         self._thread.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self._http.started and self._thread.is_alive() and time.monotonic() < deadline:
