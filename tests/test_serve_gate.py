@@ -432,3 +432,17 @@ def test_a_client_that_leaves_while_waiting_is_counted_once(keyed):
     after = _counts(keyed, endpoint)
     assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
     assert after.get("rejected", 0) == before.get("rejected", 0), "the cancelled request was also counted rejected"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_option_that_cannot_apply_is_a_400_naming_it_also_streamed(keyed, stream):
+    """A block larger than the context was a 400 with param null, and streamed a 200 followed by an error event."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client = _client(keyed)
+        reply = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": " What?"}], max_tokens=2, stream=stream,
+            extra_body={"magnetar": {"context": DOC, "method": "star", "block_size": 100000}})
+        if stream:
+            list(reply)
+    err = _error(e.value)
+    assert err["param"] == "magnetar.block_size" and "larger than the context" in err["message"]

@@ -102,7 +102,11 @@ def build_app(server) -> FastAPI:
         rid = new_id("chatcmpl" if chat_kind else "cmpl")
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(_stream(sink, sid, rid, chat_kind, include_usage), media_type="text/event-stream",
+            # the status line waits for the request's first event: a request the engine refuses (or fails) gets
+            # its own HTTP status, not a 200 followed by an error event
+            first = await _first(request, sink, sid)
+            return StreamingResponse(_stream(sink, sid, rid, chat_kind, include_usage, first),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text, done = await _collect(request, sink, sid)
         if chat_kind:
@@ -138,7 +142,27 @@ def build_app(server) -> FastAPI:
         finally:
             getter.cancel()
 
-    async def _stream(sink: Sink, sid: int, rid: str, chat_kind: bool, include_usage: bool):
+    async def _first(request: Request, sink: Sink, sid: int):
+        """A request's first event (its first token, or Done); RequestError when it failed, or the client left
+        meanwhile (then the request is cancelled)."""
+        getter = asyncio.ensure_future(sink.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    loop.cancel(sid)
+                    raise RequestError("the client disconnected", status=499)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        item = getter.result()
+        if isinstance(item, Failed):
+            raise item.error
+        return item
+
+    async def _stream(sink: Sink, sid: int, rid: str, chat_kind: bool, include_usage: bool, first=None):
         created, name = now(), server.model_name
         finished = False
 
@@ -153,7 +177,7 @@ def build_app(server) -> FastAPI:
             if chat_kind:
                 yield _sse(chunk("", role=True))
             while True:
-                item = await sink.queue.get()
+                item, first = (first, None) if first is not None else (await sink.queue.get(), None)
                 if isinstance(item, Token):
                     if item.text:
                         yield _sse(chunk(item.text))
