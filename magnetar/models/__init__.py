@@ -9,6 +9,7 @@ loading of any local Hugging Face folder or Hub id.
 The weights are 4-bit quantisations expanded to fp32: real models, close to but not identical to the
 originals. For fast unit tests use tiny random-weight models of the same architectures instead.
 """
+from magnetar.models.check import DamagedModelError, check_folder
 from magnetar.models.hub import ModelNotFoundError, is_hub_id, model_kind
 from magnetar.models.prepare import (
     MARKER,
@@ -31,7 +32,7 @@ from magnetar.models.registry import (
     get_spec,
 )
 
-__all__ = ["MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
+__all__ = ["DamagedModelError", "check_folder", "MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
            "CONVERTER_REQUIREMENTS", "MARKER", "get_spec", "cache_root", "model_dir", "read_marker",
            "prepare_model", "load_model", "check_model", "model_path", "model_dtype", "model_kind", "is_hub_id",
            "ModelNotFoundError"]

@@ -20,6 +20,7 @@ know how a model is used (templates, engines); see :mod:`magnetar.engine`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import importlib.metadata
 import json
@@ -33,6 +34,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from magnetar.models.check import check_folder
 from magnetar.models.hub import cached_folder, check_cached, check_hub_options, hub_errors, model_kind
 from magnetar.models.registry import (
     ModelNotInstalledError,
@@ -132,10 +134,16 @@ def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | N
     kind = model_kind(name_or_path)
     check_hub_options(revision, False, cache_dir, kind)
     if kind == "registry":
-        return prepare_model(os.fsdecode(name_or_path), cache_dir)
+        name = os.fsdecode(name_or_path)
+        folder = prepare_model(name, cache_dir)
+        check_folder(folder, f"convert it again: python -m magnetar.models prepare {name} --force"
+                             + (f" --cache-dir {cache_dir}" if cache_dir is not None else ""))
+        return folder
     if kind == "hub":
         return cached_folder(os.fsdecode(name_or_path), revision, cache_dir)
-    return Path(os.fsdecode(name_or_path)).expanduser()
+    folder = Path(os.fsdecode(name_or_path)).expanduser()
+    check_folder(folder, "replace that file from the model's source (or download the model again)")
+    return folder
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32,
@@ -212,8 +220,15 @@ def _convert(spec: ModelSpec, version: str, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         out = work / "model"
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        need = sum(p.numel() * p.element_size() for p in model.parameters()) + 64 * 2**20  # + tokenizer, slack
+        check_space(work, need, spec.name)
+        try:
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise ValueError(_no_space(work, need, spec.name)) from None
+            raise
         marker = {"name": spec.name, "distribution": spec.distribution, "version": version,
                   "gguf_file": spec.gguf_file, "arch": model.config.model_type,
                   "transformers": transformers_version, "torch": torch.__version__}
@@ -222,6 +237,20 @@ def _convert(spec: ModelSpec, version: str, target: Path) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log.info("prepared %s in %.1f s -> %s", spec.name, time.perf_counter() - t0, target)
+
+
+def _no_space(folder: Path, need: int, name: str) -> str:
+    free = shutil.disk_usage(folder).free
+    return (f"not enough disk space to prepare {name} in {folder.parent}: it needs about {need / 2**20:.0f} MiB, "
+            f"{free / 2**20:.0f} MiB are free; free space there, or put the cache on a disk with room "
+            f"(MAGNETAR_CACHE=DIR, or python -m magnetar.models --cache-dir DIR prepare {name})")
+
+
+def check_space(folder: Path, need: int, name: str) -> None:
+    """ValueError saying how much space preparing ``name`` needs when ``folder``'s disk has less than ``need``
+    bytes free (checked before writing; a disk that fills meanwhile gives the same message)."""
+    if shutil.disk_usage(folder).free < need:
+        raise ValueError(_no_space(folder, need, name))
 
 
 def _locate_gguf(spec: ModelSpec, scratch: Path) -> Path:
