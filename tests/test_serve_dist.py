@@ -118,6 +118,7 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
         for p in ranks.values():  # as a scheduler stopping the job would
             p.send_signal(signal.SIGTERM)
         assert job.wait(60) == 0, _log(tmp_path)
+        assert "rank 0 drained: exit status 0" in _log(tmp_path) and "rank 1 drained: exit status 0" in _log(tmp_path)
     finally:
         _end(job)
 

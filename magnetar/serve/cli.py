@@ -214,6 +214,9 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(status)
     finish_distributed(timeout=engine.groups.timeout)
+    # the rank's own status (a launcher that was signalled itself exits non-zero whatever its ranks return:
+    # docs/serving.md, "Stopping and exit statuses")
+    logging.getLogger(PROG).warning("rank %d drained: exit status 0", engine.groups.rank)
     return 0
 
 
