@@ -28,13 +28,10 @@ from magnetar.serve.prompts import split_completion  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
 from tests.dist_utils import free_port, wait_serving  # noqa: E402
-from tests.tiny_models import save_tiny  # noqa: E402
+from tests.tiny_models import save_tiny_chat  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
-# a chat template of plain text markers (the byte-level tokenizer has no special tokens)
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "Magnetar serves long contexts on many ranks. " * 5,
         "A needle: the special magic number is 7351. Remember it well. " * 4]
 POSITIONS = 4096  # room for requests long enough to be still decoding when the test acts (~3 ms a token)
@@ -45,14 +42,7 @@ QUESTIONS = [" What jumps?", " Who serves?", " What is the number?", " Say it ag
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-chat")
-    save_tiny(out, "llama", max_position_embeddings=POSITIONS)
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), POSITIONS)
 
 
 @pytest.fixture(scope="module")

@@ -19,28 +19,19 @@ pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[se
 import magnetar  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from tests.dist_utils import free_port  # noqa: E402
-from tests.tiny_models import save_tiny  # noqa: E402
+from tests.tiny_models import save_tiny_chat  # noqa: E402
 
 NAME = "tiny"
 KEY = "sk-magnetar-test"
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 POSITIONS = 1024
 BODY_LIMIT = 256 * 1024
-TIMEOUT_S = 2.0  # the server's --request-timeout-s
+TIMEOUT_S = 1.5  # the server's --request-timeout-s
 DOC = "The quick brown fox jumps over the lazy dog. " * 4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-gate")
-    save_tiny(out, "llama", max_position_embeddings=POSITIONS)
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-gate"), POSITIONS)
 
 
 @contextlib.contextmanager

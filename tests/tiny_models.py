@@ -74,3 +74,21 @@ def save_tiny(out, arch: str = "llama", seed: int = 0, **overrides):
     model = tiny_model(arch, seed=seed, **overrides)
     model.save_pretrained(out)
     return model
+
+
+# A chat template of plain text markers (the byte-level tokenizer has no special tokens): the server tests' model.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def save_tiny_chat(out, positions: int, template: str = CHAT_TEMPLATE):
+    """:func:`save_tiny` (a llama with ``positions`` positions) with ``template`` as its tokenizer's chat template;
+    returns ``out``."""
+    from transformers import AutoTokenizer
+
+    save_tiny(out, "llama", max_position_embeddings=positions)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = template
+    tok.save_pretrained(out)
+    return out
+
