@@ -49,7 +49,8 @@ _FILES: dict[str, bytes | str | None] = {  # None: a directory; "fifo": a named 
     "context.txt": b"The special magic number is 42.",
     "a_dir": None,
     # issue 28: a billion-laughs file under a known key, a 5000-digit int, a FIFO (reading one blocks forever)
-    "bomb.yaml": b"summary_budget:\n  - &a [x, x, x, x, x, x, x, x, x]\n  - &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n  - &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n  - &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n  - &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\n  - &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\n  - &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\n  - &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\n  - &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]\n",
+    "bomb.yaml": b"summary_budget:\n  - &a [x, x, x, x, x, x, x, x, x]\n" + b"".join(
+        b"  - &%c [" % b + b", ".join([b"*%c" % a] * 9) + b"]\n" for a, b in zip(b"abcdefgh", b"bcdefghi")),
     "recursive.yaml": b"summary_budget: &a [*a]\n",
     "bigint.json": b'{"block_size": ' + b"9" * 5000 + b"}",
     "bigint.yaml": b"block_size: " + b"9" * 5000 + b"\n",

@@ -106,6 +106,6 @@ def test_a_full_disk_names_the_space_needed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * 2**30, 10 * 2**30 - 2**20,
                                                                                     2**20))
-    with pytest.raises(ValueError, match=r"not enough disk space to prepare smollm2-135m-instruct in .*: it needs about "
-                                         r"1024 MiB, 1 MiB are free; .*MAGNETAR_CACHE"):
+    with pytest.raises(ValueError, match=r"not enough disk space to prepare smollm2-135m-instruct in .*: it needs "
+                                         r"about 1024 MiB, 1 MiB are free; .*MAGNETAR_CACHE"):
         prepare.check_space(tmp_path, 2**30, "smollm2-135m-instruct")

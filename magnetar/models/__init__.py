@@ -32,7 +32,8 @@ from magnetar.models.registry import (
     get_spec,
 )
 
-__all__ = ["DamagedModelError", "check_folder", "MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
+__all__ = ["DamagedModelError", "check_folder",
+           "MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
            "CONVERTER_REQUIREMENTS", "MARKER", "get_spec", "cache_root", "model_dir", "read_marker",
            "prepare_model", "load_model", "check_model", "model_path", "model_dtype", "model_kind", "is_hub_id",
            "ModelNotFoundError"]

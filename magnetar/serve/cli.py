@@ -199,7 +199,8 @@ def main(argv=None) -> int:
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
-    server = Server(engine, model_name=args.served_model_name or served_name(args.model), host=args.host, port=args.port,
+    server = Server(engine, model_name=args.served_model_name or served_name(args.model), host=args.host,
+                    port=args.port,
                     max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
                     log_level=args.log_level, max_request_bytes=args.max_request_bytes,
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,

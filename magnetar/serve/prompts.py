@@ -316,8 +316,8 @@ class Preparer:
                                f"/v1/contexts returns one; deleted ones are gone)", "magnetar.context_id")
         if pinned is not None and pinned.format != fmt:
             endpoint = "/v1/chat/completions" if pinned.format == "chat" else "/v1/completions"
-            raise RequestError(f"magnetar.context_id {show(cid)} was encoded with format {pinned.format!r} (tokenized as "
-                               f"the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
+            raise RequestError(f"magnetar.context_id {show(cid)} was encoded with format {pinned.format!r} (tokenized "
+                               f"as the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
                                f"{endpoint}, or POST /v1/contexts with format {fmt!r} for this endpoint",
                                "magnetar.context_id")
         return context, cid, engine_options
