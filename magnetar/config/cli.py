@@ -1,0 +1,37 @@
+"""Command-line flags of the config: one ``--flag`` per field plus ``--config FILE``
+(:meth:`magnetar.config.EngineConfig.from_cli` reads them back)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from magnetar.config.checks import _flag
+from magnetar.config.registry import FIELD_CHOICES, METHODS
+from magnetar.config.tree import FLAT_FIELDS, SECTIONS
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per config field (``--cp-size``, ``--summary-budget``, ...) plus ``--config FILE``."""
+    g = parser.add_argument_group("engine config (defaults in magnetar/config/sections.py)")
+    g.add_argument("--config", help="JSON/YAML file with config fields (flags override it)")
+    g.add_argument("--method", choices=tuple(METHODS))
+    for name, section in FLAT_FIELDS.items():
+        f = next(f for f in fields(SECTIONS[section]) if f.name == name)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if "bool" in kind:
+            g.add_argument(_flag(name), type=_parse_bool, metavar="{true,false}")
+        elif "int" in kind:
+            g.add_argument(_flag(name), type=int)
+        elif "float" in kind:
+            g.add_argument(_flag(name), type=float)
+        else:
+            g.add_argument(_flag(name), choices=FIELD_CHOICES.get(name))
+    return parser
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

@@ -1,0 +1,362 @@
+"""The config sections: one frozen, keyword-only dataclass per area (parallel layout, blocks, Pulsar, StreamingLLM,
+decoding, runtime, sparse decoding, LuKA, sparse prefill), each checking its own fields in ``__post_init__``; and
+the sparse-prefill budget schedule (parsed here so that config stays a leaf)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
+                                    _require, _seed, _short)
+from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_MODES, LUKA_REFINE, LUKA_REFINE_MASS,
+                                      LUKA_REFINE_SCOPE, LUKA_REGIMES, POSITION_MODES, PREFILL_D_IDX,
+                                      PREFILL_POLICIES, SCORERS, SPARSE_POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    cp_size: int = 1  # ranks sharing one context (CP group size); world = tp_size x cp_size x dp_size
+    # ranks sharing one model's weights (TP group size, innermost: consecutive ranks); tp_size > 1 shards the
+    # model with DeepSpeed AutoTP (init_inference; runtime.deepspeed_inference must be on)
+    tp_size: int = 1
+    timeout_s: float = 600.0  # every collective of the engine gives up (and raises) after this long
+    zigzag: bool = True  # ring: load-balanced zigzag sharding of the context
+    # One process stands in for the cp_size ranks: their Phase 1 runs one after another here, Phase 2 attends
+    # to all their KV (the same result as the merge over ranks); no collectives. For evaluation on few devices.
+    simulate: bool = False
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {_short(self.cp_size)}")
+        _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {_short(self.tp_size)}")
+        # at least a millisecond: below it the process-group timeout rounds to 0 and the rendezvous fails
+        _require(_MIN_TIMEOUT_S <= self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
+                 f"must be > 0 (at least {_MIN_TIMEOUT_S:g} s) and at most {_MAX_TIMEOUT_S:g} seconds, got "
+                 f"{self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    block_size: Optional[int] = None  # tokens per context block; default: context length / cp_size (one block per rank)
+    anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size", f"must be >= 0, got {self.anchor_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PulsarConfig:
+    sink_size: int = 64  # first tokens of block 0 prefixed to every later block
+    chunk_size: int = 32  # summary granularity
+    summary_budget: float = 0.125  # fraction of each earlier block kept as its summary
+    scorer: str = "max_idf"
+    positions: str = "sparse"  # sparse: original position ids; contiguous: renumbered (Pulsar App. E)
+    discard_summary_kv: bool = True  # drop sink and summary KV after Phase 1
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.sink_size >= 0, "sink_size", f"must be >= 0, got {self.sink_size}")
+        _require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
+        _require(0 < self.summary_budget <= 1, "summary_budget", f"must be in (0, 1], got {self.summary_budget}")
+        _choice("scorer", self.scorer, SCORERS, "scorer")
+        _choice("positions", self.positions, POSITION_MODES, "positions mode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamingConfig:
+    sink_tokens: int = 4  # StreamingLLM attention sinks
+    window_size: int = 1024  # recent tokens kept besides the sinks
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.sink_tokens >= 0, "sink_tokens", f"must be >= 0, got {self.sink_tokens}")
+        _require(self.window_size >= 1, "window_size", f"must be >= 1, got {self.window_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0  # sampling seed (the token is drawn on one rank and broadcast)
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _seed("seed", self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    dtype: str = "float32"  # the model's dtype; "auto": the checkpoint's (a given model's own), nothing is cast
+    attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
+    deepspeed_inference: bool = True  # shard with DeepSpeed AutoTP when tp_size > 1 (nothing is called at tp_size 1)
+    # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's
+    # logits are not finite, instead of decoding from NaN; one reduction per layer, no extra device sync
+    check_finite: bool = True
+    # encoded contexts kept per rank for later questions (Engine.encode / ask, prefix reuse), least recently used
+    # out; 0 keeps none (every request runs its Phase 1)
+    context_cache_mb: int = 1024
+
+    def __post_init__(self):
+        _check_types(self)
+        _require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
+                 f"{self.context_cache_mb}")
+        _choice("dtype", self.dtype, DTYPES, "dtype")
+        _require(bool(self.attention_backend.strip()), "attention_backend",
+                 "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")
+
+
+# (sinks, window) each policy keeps by default, on top of its budget: MagicPIG's setting for lsh; none otherwise
+SPARSE_DEFAULT_SINKS_WINDOW = {"lsh": (4, 64)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseConfig:
+    """Sparse decoding (Spotlight Attention paper): every Phase-2 token attends, in each layer from
+    ``dense_layers`` on, to a budget of the context KV chosen for it by the policy (plus, always, the query's
+    and generated tokens' own KV). Nothing is evicted: the choice is made again at every step."""
+
+    sparse_policy: str = "none"  # none | oracle_topk | lsh | spotlight | quest
+    sparse_budget: int = 0  # context KV entries per step and KV head; 0: from sparse_pruning
+    sparse_pruning: float = 0.0  # or the fraction of the context KV pruned, e.g. 0.98 (budget >= 20 as in App. A.5)
+    dense_layers: int = 2  # the first layers attend densely (the paper keeps layers [0, 1] dense)
+    sparse_sinks: int = -1  # first context tokens always kept; -1: the policy's default (lsh 4, others 0)
+    sparse_window: int = -1  # last context tokens always kept; -1: the policy's default (lsh 64, others 0)
+    code_bits: int = 128  # lsh / spotlight hash code length (a multiple of 32)
+    page_size: int = 16  # quest: keys per page
+    hash_path: Optional[str] = None  # spotlight: trained hash weights (magnetar-calibrate spotlight); lsh: optional
+    hash_seed: int = 0  # lsh: seed of the random rotations
+
+    def __post_init__(self):
+        _check_types(self)
+        _choice("sparse_policy", self.sparse_policy, SPARSE_POLICIES, "policy")
+        _require(self.sparse_budget >= 0, "sparse_budget",
+                 f"must be an int >= 0 tokens (0: use sparse_pruning), got {self.sparse_budget!r}")
+        _require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
+                 f"must be in [0, 1) (the fraction of context KV pruned, e.g. 0.98), got {self.sparse_pruning}")
+        if self.sparse_policy != "none":
+            _require((self.sparse_budget > 0) != (self.sparse_pruning > 0), "sparse_budget",
+                     "give exactly one of sparse_budget (tokens, > 0) and sparse_pruning (a rate in (0, 1)) for "
+                     f"policy {self.sparse_policy!r}, got budget {self.sparse_budget} and pruning {self.sparse_pruning}")
+        _require(self.dense_layers >= 0, "dense_layers", f"must be >= 0, got {self.dense_layers}")
+        _require(self.sparse_sinks >= -1, "sparse_sinks", f"must be >= 0 (or -1: the policy default), got {self.sparse_sinks}")
+        _require(self.sparse_window >= -1, "sparse_window",
+                 f"must be >= 0 (or -1: the policy default), got {self.sparse_window}")
+        _require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
+                 f"must be a positive multiple of 32 (codes are packed 32 bits to a word), got {self.code_bits}")
+        _require(self.page_size >= 1, "page_size", f"must be >= 1 keys per page, got {self.page_size}")
+        _path("hash_path", self.hash_path)
+        _seed("hash_seed", self.hash_seed)
+        _require(self.sparse_policy != "spotlight" or bool(self.hash_path), "hash_path",
+                 "policy 'spotlight' needs trained hash weights: make them with `magnetar-calibrate spotlight "
+                 "--out hashes.pt` and pass hash_path=hashes.pt")
+
+    @property
+    def sinks(self) -> int:
+        return self.sparse_sinks if self.sparse_sinks >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[0]
+
+    @property
+    def window(self) -> int:
+        return self.sparse_window if self.sparse_window >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[1]
+
+    def budget(self, context_tokens: int) -> int:
+        """Context KV entries attended per step for a context of ``context_tokens`` (retrieved, besides the
+        sinks and window); at most the context."""
+        if self.sparse_budget > 0:
+            return min(self.sparse_budget, context_tokens)
+        return min(context_tokens, max(20, math.ceil((1.0 - self.sparse_pruning) * context_tokens)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LukaConfig:
+    """LuKA (``../shared/papers/003``): decode-time structures over the context KV, per layer.
+
+    * ``lined`` (H2O): each step attends to the heavy hitters -- the ``luka_heavy_fraction`` of the context
+      with the largest attention mass accumulated (without decay) over prefill and decode -- plus the raw
+      recent ``luka_recent`` tokens, each once.
+    * ``clustered``: the oldest raw tokens (all but the last ``luka_recent``) are cut into pages of
+      ``luka_page_size``, each with one summary key/value (``luka_compressor``); a step attends to the cover
+      (summaries + raw tokens) and refines the pages chosen by ``luka_refine`` (for all heads of a forward,
+      ``shared``, or per KV head, ``per_kv_head``) into their tokens, giving the children their exact mass
+      (``exact``: the authors' code) or the page's mass (``preserve``: the paper's Eq. 3). New pages are cut
+      every ``luka_compress_every`` decode steps.
+    * ``mixed``: the first and last ``luka_lined_layers`` layers lined, the others clustered.
+
+    ``luka_regime`` -- when LuKA starts, counted in Phase-2 forwards (the query's, then one per generated token):
+    * ``after_query`` (the paper's regime): the query (question) attends the whole context exactly, its mass
+      joins the accumulated mass, and the context is paged from the next forward on (then every
+      ``luka_compress_every`` steps); lined layers use heavy hitters from the next forward on.
+    * ``after_generation`` (the authors' code's schedule): the query and the first ``luka_compress_every - 1``
+      generated tokens are read exactly (so the first ``luka_compress_every`` generated tokens are dense's); the
+      first pages are cut at the forward that reads generated token ``luka_compress_every``.
+    * ``before_query``: the context is paged before the query is read (Magnetar's behaviour before the option).
+    """
+
+    luka_mode: str = "none"  # none | lined | clustered | mixed
+    luka_lined_layers: int = 8  # mixed: this many first and last layers are lined (paper: 8 + 8 of 36)
+    luka_heavy_fraction: float = 0.125  # lined: heavy hitters per step, as a fraction of the context (paper ~1/8)
+    luka_recent: int = 128  # raw recent tokens: lined's window and clustered's uncompressed tail (paper >= 128)
+    luka_page_size: int = 16  # clustered: tokens per page (paper's fixed segmenter: 16)
+    luka_compressor: str = "attention_weighted"  # attention_weighted | mean | random
+    luka_tau: float = 1.0  # attention_weighted: softmax temperature over the tokens' mass (averaged over the group)
+    luka_refine: str = "top_k"  # top_k | top_fraction | threshold | none
+    luka_refine_k: int = 3  # top_k: pages refined per step (paper: 3)
+    luka_refine_fraction: float = 0.1  # top_fraction: fraction rho of the pages refined per step
+    luka_refine_eps: float = 0.01  # threshold: refine a page whose mass exceeds eps (0: every page)
+    luka_refine_mass: str = "exact"  # exact: children get their own mass (authors' code); preserve: the page's (Eq. 3)
+    luka_refine_scope: str = "shared"  # shared: one page set per forward for all heads (authors'); per_kv_head
+    luka_compress_every: int = 16  # clustered: decode steps between runs of the segmenter + compressor
+    luka_regime: str = "after_query"  # after_query | after_generation | before_query: when LuKA starts (see above)
+    luka_zero_values: bool = False  # ablation: summary values are 0 (an unrefined page contributes nothing)
+    luka_size_bias: bool = False  # add log(page size) to summary logits: a page weighs as its tokens (not in the paper)
+    luka_seed: int = 0  # the random compressor's seed
+
+    def __post_init__(self):
+        _check_types(self)
+        _choice("luka_mode", self.luka_mode, LUKA_MODES, "mode")
+        _require(self.luka_lined_layers >= 0, "luka_lined_layers",
+                 f"must be an int >= 0 (first and last layers lined in mode 'mixed'), got {self.luka_lined_layers!r}")
+        _require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
+                 f"must be in (0, 1] (a fraction of the context, e.g. 0.125), got {self.luka_heavy_fraction}")
+        _require(self.luka_recent >= 0, "luka_recent",
+                 f"must be an int >= 0 tokens (the raw tail), got {self.luka_recent!r}")
+        _require(self.luka_page_size >= 1, "luka_page_size",
+                 f"must be an int >= 1 tokens per page, got {self.luka_page_size!r}")
+        _choice("luka_compressor", self.luka_compressor, LUKA_COMPRESSORS, "compressor")
+        _require(self.luka_tau > 0, "luka_tau", f"must be > 0, got {self.luka_tau}")
+        _choice("luka_refine", self.luka_refine, LUKA_REFINE, "refinement rule")
+        _require(self.luka_refine_k >= 0, "luka_refine_k",
+                 f"must be an int >= 0 pages, got {self.luka_refine_k!r}")
+        _require(0.0 <= self.luka_refine_fraction <= 1.0, "luka_refine_fraction",
+                 f"must be in [0, 1], got {self.luka_refine_fraction}")
+        _require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
+                 f"must be in [0, 1] (an attention mass), got {self.luka_refine_eps}")
+        _choice("luka_refine_mass", self.luka_refine_mass, LUKA_REFINE_MASS, "refinement mass rule")
+        _choice("luka_refine_scope", self.luka_refine_scope, LUKA_REFINE_SCOPE, "refinement scope")
+        _require(self.luka_compress_every >= 1, "luka_compress_every",
+                 f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
+        _choice("luka_regime", self.luka_regime, LUKA_REGIMES, "regime")
+        _seed("luka_seed", self.luka_seed)
+
+    def layer_kind(self, layer: int, num_layers: int) -> str:
+        """``lined``, ``clustered`` or ``none`` for ``layer`` of a model with ``num_layers`` layers."""
+        if self.luka_mode in ("none", "lined", "clustered"):
+            return self.luka_mode
+        n = self.luka_lined_layers
+        return "lined" if layer < n or layer >= num_layers - n else "clustered"
+
+    def heavy_budget(self, context_tokens: int) -> int:
+        """Heavy hitters attended per step (lined layers) for a context of ``context_tokens``."""
+        return min(context_tokens, max(1, math.ceil(self.luka_heavy_fraction * context_tokens)))
+
+
+# -- the sparse-prefill budget schedule (parsed here so that config stays a leaf; magnetar.prefill.schedule
+# re-exports it beside the sparsity accounting) ---------------------------------------------------------
+# Sec. 5.1 / Table 2: 256 / 512 / 1024 / 2048 for 4K / 8K / 16K / >= 32K tokens
+PAPER_SCHEDULE = "4096:256,8192:512,16384:1024,*:2048"
+
+Schedule = tuple[tuple[Optional[int], int], ...]
+
+
+def parse_schedule(text: str) -> Schedule:
+    """``"4096:256,8192:512,*:2048"`` -> ``((4096, 256), (8192, 512), (None, 2048))``.
+
+    Entries ``MAX_LEN:K`` with strictly increasing ``MAX_LEN``, then one ``*:K`` for every longer input; a
+    length ``L`` gets the ``K`` of the first entry with ``L <= MAX_LEN``. Raises ValueError on anything else.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a schedule is 'MAX_LEN:K,...,*:K', got {text!r}")
+    out: list[tuple[Optional[int], int]] = []
+    for part in text.split(","):
+        bound, sep, k = part.strip().partition(":")
+        if not sep:
+            raise ValueError(f"schedule entry {part.strip()!r} is not 'MAX_LEN:K' (e.g. '4096:256' or '*:2048')")
+        try:
+            kk = int(k)
+            length = None if bound.strip() == "*" else int(bound)
+        except ValueError:
+            raise ValueError(f"schedule entry {part.strip()!r}: MAX_LEN must be an int or '*', K an int") from None
+        if kk < 1 or (length is not None and length < 1):
+            raise ValueError(f"schedule entry {part.strip()!r}: MAX_LEN and K must be >= 1")
+        if out and out[-1][0] is None:
+            raise ValueError(f"schedule {text!r}: the '*:K' entry must come last")
+        if length is not None and out and length <= out[-1][0]:
+            raise ValueError(f"schedule {text!r}: MAX_LEN values must increase ({out[-1][0]} then {length})")
+        out.append((length, kk))
+    if out[-1][0] is not None:
+        raise ValueError(f"schedule {text!r} must end with a '*:K' entry for inputs longer than {out[-1][0]}")
+    return tuple(out)
+
+
+def budget_for_length(L: int, schedule: Sequence[tuple[Optional[int], int]] | str) -> int:
+    """The top-k the schedule gives a ``L``-token input: the first entry with ``L <= MAX_LEN`` (``None``: any)."""
+    sched = parse_schedule(schedule) if isinstance(schedule, str) else tuple(schedule)
+    for length, k in sched:
+        if length is None or L <= length:
+            return int(k)
+    raise ValueError(f"the schedule {sched} has no entry for {L} tokens; end it with (None, K) ('*:K')")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig:
+    """Sparse prefill (``../shared/papers/004``): in Phase 1, every global attention layer from
+    ``prefill_dense_layers`` on attends, per query (``prefill_b_sel`` 1) or per block of ``prefill_b_sel``
+    consecutive queries, to a top-``k`` support of the keys only, and the model continues from that sparse
+    output (the sparse trajectory). Sliding-window layers and decoding stay dense.
+
+    * ``oracle``: the support is the top-k of the dense attention averaged over the query heads (Algorithm 1)
+      -- a measuring instrument (it computes dense attention to choose), not an acceleration;
+    * ``indexer``: a head-collapsed indexer distilled from the oracle ranks the keys (Algorithm 2);
+      ``prefill_indexer_random_init`` runs it untrained -- a stress test of the path, never quality evidence.
+
+    ``b_sel`` defaults to 1 (the paper's per-query oracle); 64 is its fused selection-block-shared setting.
+    """
+
+    prefill_policy: str = "none"  # none | oracle | indexer
+    prefill_topk: int = 0  # keys per query (block); 0: from prefill_schedule by context length
+    prefill_schedule: str = PAPER_SCHEDULE  # MAX_LEN:K,...,*:K (the paper's 4K-32K+ budgets)
+    prefill_b_sel: int = 1  # query rows sharing one support (1: per query; the paper's fused path: 64)
+    prefill_dense_layers: int = 0  # the first layers stay dense
+    prefill_indexer_path: Optional[str] = None  # indexer: distilled weights (IndexerBank file)
+    prefill_indexer_random_init: bool = False  # indexer: untrained random weights -- stress test only
+    prefill_d_idx: int = 0  # indexer width 64 | 128 | 256; 0: the file's (random init: 128)
+    prefill_seed: int = 0  # seed of the random-init indexer
+
+    def __post_init__(self):
+        _check_types(self)
+        _choice("prefill_policy", self.prefill_policy, PREFILL_POLICIES, "policy")
+        _require(self.prefill_topk >= 0, "prefill_topk",
+                 f"must be an int >= 1 keys per query (or 0: from prefill_schedule), got {self.prefill_topk!r}")
+        try:
+            parse_schedule(self.prefill_schedule)
+        except ValueError as e:
+            _require(False, "prefill_schedule", str(e))
+        _require(self.prefill_b_sel >= 1, "prefill_b_sel",
+                 f"must be an int >= 1 query rows per selection block (1: per query), got {self.prefill_b_sel!r}")
+        _require(self.prefill_dense_layers >= 0, "prefill_dense_layers",
+                 f"must be an int >= 0 layers, got {self.prefill_dense_layers!r}")
+        _require(self.prefill_d_idx == 0 or self.prefill_d_idx in PREFILL_D_IDX, "prefill_d_idx",
+                 f"must be one of {PREFILL_D_IDX} (or 0: the weight file's), got {self.prefill_d_idx!r}")
+        _path("prefill_indexer_path", self.prefill_indexer_path)
+        _seed("prefill_seed", self.prefill_seed)
+        if self.prefill_policy == "indexer":
+            _require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
+                     "policy 'indexer' needs distilled indexer weights (prefill_indexer_path=FILE); an untrained "
+                     "indexer runs only with prefill_indexer_random_init=true, as a stress test, not quality evidence")
+            _require(not (self.prefill_indexer_path and self.prefill_indexer_random_init),
+                     "prefill_indexer_random_init",
+                     "give either prefill_indexer_path (distilled weights) or prefill_indexer_random_init, not both")
+
+    @property
+    def schedule(self) -> tuple:
+        return parse_schedule(self.prefill_schedule)
+
+    def budget(self, context_tokens: int) -> int:
+        """Keys per query (block) for a context of ``context_tokens``: ``prefill_topk`` or the schedule's."""
+        return self.prefill_topk if self.prefill_topk > 0 else budget_for_length(context_tokens, self.schedule)
