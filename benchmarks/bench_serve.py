@@ -262,7 +262,8 @@ def part_clients(model, tokenizer, args) -> dict:
     print(f"\n## Streaming clients ({args.method}, {args.ranks} simulated ranks, {args.documents} documents of "
           f"~{args.client_context_tokens} tokens in the context cache, {args.new_tokens} new tokens, greedy, "
           f"decode batch <= {args.max_batch})\n")
-    print("| clients | serving | requests | tokens | s | tokens/s | TTFT p50 s | TTFT p99 s | speed-up | same answers |")
+    print("| clients | serving | requests | tokens | s | tokens/s | TTFT p50 s | TTFT p99 s | speed-up "
+          "| same answers |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
@@ -278,7 +279,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
     out = dict(bench="serve", model="tiny" if args.tiny else args.model, method=args.method, ranks=args.ranks,
-               machine=f"{platform.machine()} {platform.processor() or ''}".strip(), torch_threads=torch.get_num_threads())
+               machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+               torch_threads=torch.get_num_threads())
     if "cache" in args.parts:
         out["cache"] = part_cache(model, tokenizer, args)
     if "clients" in args.parts:

@@ -13,5 +13,5 @@ from magnetar.engine import Engine, GenerationResult, init_inference
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.parallel import ParallelGroups, all_gather_states, init_groups, ring_attention
 
-__all__ = ["__version__", "EngineConfig", "Engine", "GenerationResult", "init_inference", "attention_with_lse", "merge_states", "ParallelGroups", "init_groups",
-           "all_gather_states", "ring_attention"]
+__all__ = ["__version__", "EngineConfig", "Engine", "GenerationResult", "init_inference", "attention_with_lse",
+           "merge_states", "ParallelGroups", "init_groups", "all_gather_states", "ring_attention"]

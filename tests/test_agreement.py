@@ -17,7 +17,8 @@ from tests.dist_utils import TEST_TIMEOUT, run_distributed
 from tests.tiny_models import tiny_model
 
 L, Q = 40, 4
-TAIL = r"\. Every rank of a model replica \(TP x CP group\) must get the same context, query, generation parameters and config\.$"
+TAIL = (r"\. Every rank of a model replica \(TP x CP group\) must get the same context, query, generation parameters "
+        r"and config\.$")
 
 
 def _ids(seed=0, length=L):

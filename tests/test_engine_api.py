@@ -175,8 +175,10 @@ def test_design_doc_worked_example_is_one_module_plus_one_registry_line(tmp_path
     from magnetar import config
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
-    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# magnetar/methods/prefix.py"))
-    line = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# magnetar/config/registry.py"))
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+                if b.startswith("# magnetar/methods/prefix.py"))
+    line = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+                if b.startswith("# magnetar/config/registry.py"))
     (tmp_path / "prefix_plugin.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = eval(line.split(":", 1)[1].strip().rstrip(","), vars(config))  # the registry line's MethodSpec

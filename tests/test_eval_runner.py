@@ -198,7 +198,8 @@ def test_report_table_intervals_and_plots(tmp_path):
     assert "qa_1 (substitute)" in md and "**average** | **100.0** | **50.0**" in md
     # star misses items 2 and 3 of both tasks: -50 on average, paired per item (dense is always right, so the
     # differences have the spread of star's scores: 1.96 * sqrt(2 * (1/3) / 4) / 2 per task-average)
-    assert f"| **average − dense** (paired) |  | -50.0 ± {100 * 1.96 * math.sqrt(2 * (1 / 3) / 4) / 2:.1f} (8 items) |" in md
+    assert ("| **average − dense** (paired) |  | -50.0 ± "
+            f"{100 * 1.96 * math.sqrt(2 * (1 / 3) / 4) / 2:.1f} (8 items) |" in md)
     for png in ("ruler_accuracy_vs_length.png", "ruler_per_task.png", "niah_heatmap_dense.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert "Prompt tokens" not in md  # records without prompt_tokens (older runs): no note
@@ -352,8 +353,9 @@ def test_report_scorer_ablation_pivot():
     md = scorer_ablation_table(rows)  # max_idf is 0.02 nats/token better than even on every window
     assert f"| max_idf | {100 * (math.exp(-0.02) - 1):+.2f} [" in md.split("Change vs `even`")[1]
     # task suites: the mean over tasks and samples
-    acc = [{"suite": "babilong", "method": "pulsar", "task": t, "length": 4096, "index": i, "score": float(sc == "even"),
-            "config": pulsar(sc, 0.125)} for sc in ("even", "tfidf") for t in ("qa1", "qa3") for i in range(2)]
+    acc = [{"suite": "babilong", "method": "pulsar", "task": t, "length": 4096, "index": i,
+            "score": float(sc == "even"), "config": pulsar(sc, 0.125)}
+           for sc in ("even", "tfidf") for t in ("qa1", "qa3") for i in range(2)]
     md = scorer_ablation_table(acc)
     assert "| tfidf | 0.0 ± 0.0 (n=4) |" in md and "| even | 100.0 ± 0.0 (n=4) |" in md
     assert scorer_ablation_table(acc[:4]) == ""  # one scorer, one budget: no ablation

@@ -227,8 +227,10 @@ def test_resolution_order(hub, offline, tmp_path, monkeypatch):
 def test_bad_loading_arguments_are_named(hub, offline):
     cache, saved, root = hub
     cases = [
-        (lambda: magnetar.init_inference(saved["main"], revision="v2"), "revision applies to a model given by name.*loaded already"),
-        (lambda: magnetar.init_inference(saved["main"], cache_dir=cache), "cache_dir applies .*loaded already: drop it"),
+        (lambda: magnetar.init_inference(saved["main"], revision="v2"),
+         "revision applies to a model given by name.*loaded already"),
+        (lambda: magnetar.init_inference(saved["main"], cache_dir=cache),
+         "cache_dir applies .*loaded already: drop it"),
         (lambda: magnetar.init_inference(saved["main"], trust_remote_code=True), "trust_remote_code applies .*loaded"),
         (lambda: magnetar.init_inference(REPO, revision=""), "revision must be a non-empty str"),
         (lambda: magnetar.init_inference(REPO, revision=2), "revision must be a non-empty str"),
@@ -236,7 +238,8 @@ def test_bad_loading_arguments_are_named(hub, offline):
         (lambda: magnetar.init_inference(REPO, cache_dir=3), "cache_dir must be a folder path"),
         (lambda: load_model(root / "main", revision="v2"), "revision='v2' applies to Hub ids .*local folder"),
         (lambda: check_model("smollm2-135m-instruct", revision="v2"), "registered model: drop revision"),
-        (lambda: load_model(REPO, cache_dir=cache, dtype="fp16"), r"dtype must be a floating torch.dtype .* or 'auto'.*got 'fp16'"),
+        (lambda: load_model(REPO, cache_dir=cache, dtype="fp16"),
+         r"dtype must be a floating torch.dtype .* or 'auto'.*got 'fp16'"),
         (lambda: load_model(REPO, cache_dir=cache, dtype=torch.int8), "dtype must be a floating torch.dtype"),
     ]
     for call, match in cases:

@@ -58,7 +58,8 @@ def test_column_mass_matches_attention_weights():
 
 def test_compressors_match_their_formulas():
     g = torch.Generator().manual_seed(2)
-    kp, vp, w = torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g), torch.rand(2, 3, 5, generator=g)
+    kp, vp, w = (torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g),
+                 torch.rand(2, 3, 5, generator=g))
     ks, vs = compress_pages(kp, vp, "mean")
     assert_close(ks, kp.mean(2), what="fp32_reorder", msg="mean k")
     assert_close(vs, vp.mean(2), what="fp32_reorder", msg="mean v")
@@ -344,7 +345,8 @@ def _star_worker(rank, world):
     assert_close(full.first_token_logits, base.first_token_logits, what="same_computation", msg=f"rank {rank}")
     assert full.token_ids == base.token_ids
     mixed = magnetar.init_inference(copy.deepcopy(model), method="star", cp_size=world, deepspeed_inference=False,
-                                    luka_mode="mixed", luka_lined_layers=1, luka_recent=16).generate(ctx, q, max_new_tokens=5)
+                                    luka_mode="mixed", luka_lined_layers=1,
+                                    luka_recent=16).generate(ctx, q, max_new_tokens=5)
     assert len(mixed.token_ids) == 5
 
 

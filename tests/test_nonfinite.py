@@ -266,7 +266,8 @@ def test_reference_block_keeps_nan_rows():
 @pytest.fixture(scope="module")
 def fused_cpu():
     ok = fused_merge.fused_merge_available("cpu")
-    assert ok, f"the fused merge_states CPU op failed to build/load: {fused_merge.fused_merge_unavailable_reason('cpu')}"
+    assert ok, ("the fused merge_states CPU op failed to build/load: "
+                f"{fused_merge.fused_merge_unavailable_reason('cpu')}")
     return "fused"
 
 

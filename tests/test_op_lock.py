@@ -115,7 +115,8 @@ def test_the_fused_merge_loads_past_a_stale_lock_in_its_real_build_directory():
     lock.write_text("")
     script = ("import torch; from magnetar.ops.merge import merge_states; "
               "o, l = merge_states(torch.zeros(2, 1, 1, 3, 4), torch.zeros(2, 1, 1, 3)); "
-              "from magnetar.ops.fused_merge import fused_merge_available; print('fused', fused_merge_available('cpu'))")
+              "from magnetar.ops.fused_merge import fused_merge_available; "
+              "print('fused', fused_merge_available('cpu'))")
     proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -178,22 +178,26 @@ def test_oracle_and_quest_selections_match_direct_implementations():
     out, lse = dec.attend(0, q, kv, q_pos, 7, scale, 50)
     assert_close(out, _masked_reference(q, kv, idx, scale, q_pos), what="fp32", msg="oracle out")
     # quest: pages of 4 keys ranked by sum_d max(q_d max_d, q_d min_d), max over the group
-    dec = SparseDecoder(SparseConfig(sparse_policy="quest", sparse_budget=10, page_size=4, dense_layers=0), model.config)
+    dec = SparseDecoder(SparseConfig(sparse_policy="quest", sparse_budget=10, page_size=4, dense_layers=0),
+                        model.config)
     idx, valid = dec.select(0, q, kv, 10, scale, 50)
     for h in range(2):
         for s in range(3):
             scores = []
             for p in range(13):  # 50 keys: 12 full pages and one of 2
                 kp = kv.k[0, h, 4 * p:4 * p + 4]
-                scores.append(max(float(torch.maximum(q[0, 2 * h + j, s] * kp.amax(0), q[0, 2 * h + j, s] * kp.amin(0)).sum())
+                scores.append(max(float(torch.maximum(q[0, 2 * h + j, s] * kp.amax(0),
+                                                      q[0, 2 * h + j, s] * kp.amin(0)).sum())
                                   for j in range(2)))
             best = sorted(range(13), key=lambda p: -scores[p])[:3]  # ceil(10 / 4) pages
             want = {n for p in best for n in range(4 * p, min(4 * p + 4, 50))}
             assert set(idx[h, s][valid[h, s]].tolist()) == want
     out, _ = dec.attend(0, q, kv, q_pos, 10, scale, 50)
     sel = [[idx[h, s][valid[h, s]] for s in range(3)] for h in range(2)]
-    ref = torch.cat([torch.cat([dense_attention_fp64(q[:, hq:hq + 1, s:s + 1], kv.k[:, hq // 2:hq // 2 + 1, sel[hq // 2][s]],
-                                                     kv.v[:, hq // 2:hq // 2 + 1, sel[hq // 2][s]], q_pos=q_pos[s:s + 1],
+    ref = torch.cat([torch.cat([dense_attention_fp64(q[:, hq:hq + 1, s:s + 1],
+                                                     kv.k[:, hq // 2:hq // 2 + 1, sel[hq // 2][s]],
+                                                     kv.v[:, hq // 2:hq // 2 + 1, sel[hq // 2][s]],
+                                                     q_pos=q_pos[s:s + 1],
                                                      k_pos=kv.pos[sel[hq // 2][s]], scale=scale)[0]
                                 for hq in range(4)], 1) for s in range(3)], 2)
     assert_close(out, ref, what="fp32", msg="quest out")
@@ -229,7 +233,8 @@ def test_oracle_full_budget_equals_dense_decoding(arch):
     assert res.token_ids == ref_tokens
     # a real budget changes the answer's logits (the test can fail) but still decodes
     small = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, sparse_policy="oracle_topk",
-                                    sparse_budget=4, dense_layers=1).generate(ctx, q, max_new_tokens=6, return_logits=True)
+                                    sparse_budget=4, dense_layers=1).generate(ctx, q, max_new_tokens=6,
+                                                                              return_logits=True)
     assert_differs(small.first_token_logits, ref_logits, msg="budget 4")
     with pytest.raises(ValueError, match="exceeds the context"):
         magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, sparse_policy="oracle_topk",

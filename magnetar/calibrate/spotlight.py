@@ -11,8 +11,9 @@
    pairs. AdamW with linear warm-up and cosine decay to 0, gradient clipping (Table 7, scaled to our data).
 3. **Measure** retrieval IoU with the oracle selection on held-out sequences, before and after (Table 1).
 
-Resumable: the collected tensors are cached next to the output (shared by every hash trained on them), and the hash file is rewritten after every
-layer with the list of trained layers; a rerun with the same options goes on from the next layer.
+Resumable: the collected tensors are cached next to the output (shared by every hash trained on them), and the hash
+file is rewritten after every layer with the list of trained layers; a rerun with the same options goes on from the
+next layer.
 """
 from __future__ import annotations
 

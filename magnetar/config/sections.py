@@ -44,7 +44,8 @@ class BlockConfig:
     def __post_init__(self):
         _check_types(self)
         _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size", f"must be >= 0, got {self.anchor_size}")
+        _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
+                 f"must be >= 0, got {self.anchor_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,9 +144,11 @@ class SparseConfig:
         if self.sparse_policy != "none":
             _require((self.sparse_budget > 0) != (self.sparse_pruning > 0), "sparse_budget",
                      "give exactly one of sparse_budget (tokens, > 0) and sparse_pruning (a rate in (0, 1)) for "
-                     f"policy {self.sparse_policy!r}, got budget {self.sparse_budget} and pruning {self.sparse_pruning}")
+                     f"policy {self.sparse_policy!r}, got budget {self.sparse_budget} and pruning "
+                     f"{self.sparse_pruning}")
         _require(self.dense_layers >= 0, "dense_layers", f"must be >= 0, got {self.dense_layers}")
-        _require(self.sparse_sinks >= -1, "sparse_sinks", f"must be >= 0 (or -1: the policy default), got {self.sparse_sinks}")
+        _require(self.sparse_sinks >= -1, "sparse_sinks",
+                 f"must be >= 0 (or -1: the policy default), got {self.sparse_sinks}")
         _require(self.sparse_window >= -1, "sparse_window",
                  f"must be >= 0 (or -1: the policy default), got {self.sparse_window}")
         _require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
@@ -159,11 +162,13 @@ class SparseConfig:
 
     @property
     def sinks(self) -> int:
-        return self.sparse_sinks if self.sparse_sinks >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[0]
+        return (self.sparse_sinks if self.sparse_sinks >= 0
+                else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[0])
 
     @property
     def window(self) -> int:
-        return self.sparse_window if self.sparse_window >= 0 else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[1]
+        return (self.sparse_window if self.sparse_window >= 0
+                else SPARSE_DEFAULT_SINKS_WINDOW.get(self.sparse_policy, (0, 0))[1])
 
     def budget(self, context_tokens: int) -> int:
         """Context KV entries attended per step for a context of ``context_tokens`` (retrieved, besides the

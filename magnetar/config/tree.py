@@ -63,8 +63,8 @@ class EngineConfig:
                      "(set prefill_policy none or luka_mode none)")
         if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
-                     f"method {self.method!r} runs on one rank; use cp_size=1 (or method {'/'.join(DISTRIBUTED_METHODS)} "
-                     "to spread it)")
+                     f"method {self.method!r} runs on one rank; use cp_size=1 (or method "
+                     f"{'/'.join(DISTRIBUTED_METHODS)} to spread it)")
 
     # -- flat access to the names used throughout the docs ------------------------------------------------
     def __getattr__(self, name):  # only called when normal lookup fails: config.cp_size, config.scorer, ...

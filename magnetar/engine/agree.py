@@ -4,8 +4,9 @@ small collective).
 Every rank of a CP group encodes its own blocks of ONE context and Phase 2 merges their KV, and the TP ranks
 of a CP rank each compute some of its heads, so every rank must get the same context, query, generation
 parameters and config. Given different ones (another needle on one rank, star on one and pulsar on the other,
-another context length) the ranks would merge two requests into a plausible answer, or their block plans would disagree and a collective abort. :func:`check_request` makes every rank raise
-the same :class:`RequestMismatchError` instead, naming what differs and on which ranks.
+another context length) the ranks would merge two requests into a plausible answer, or their block plans would
+disagree and a collective abort. :func:`check_request` makes every rank raise the same :class:`RequestMismatchError`
+instead, naming what differs and on which ranks.
 
 What is compared: the entry point (generate or score), the number of requests, the context and the query (or scored
 continuation) token ids (count and a blake2b digest), ``max_new_tokens``, the stop strings, ``return_logits``, the

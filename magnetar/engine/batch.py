@@ -126,7 +126,8 @@ class ContinuousBatch:
             return []
         for i, p in enumerate(prepared):
             if not isinstance(p, Ready):
-                raise ValueError(f"prepared[{i}] must be a Ready from ContinuousBatch.prepare(), got {type(p).__name__}")
+                raise ValueError(f"prepared[{i}] must be a Ready from ContinuousBatch.prepare(), "
+                                 f"got {type(p).__name__}")
         samplers = [eng.sampler(p.params) for p in prepared]
         rids = self._batch.join([eng.phase2_request(p.handle, p.query_ids, s) for p, s in zip(prepared, samplers)])
         out = []

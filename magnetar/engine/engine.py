@@ -659,8 +659,8 @@ class Engine:
 
         Phase 1 encodes the context as for :meth:`generate`; the continuation then runs teacher-forced as
         the Phase-2 query over the distributed KV (with ``config.sparse`` or ``config.luka``: each of its tokens
-        attends to its choice of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is scored
-        given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
+        attends to its choice of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is
+        scored given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
         Strings are tokenized as plain text (no chat template, no special tokens).
         """
         return self.score_variants(context, continuation, [self._policy_config])[0]

@@ -2,10 +2,11 @@
 instead of decoding plausible tokens from garbage.
 
 Each forward records, per layer and without a device sync, whether its attention output holds a non-finite
-value (one ``aminmax`` reduction per layer, :func:`magnetar.ops.nonfinite.finite_flag`); the phase drivers read the record once: Phase 1 after the rank's last
-segment (the ranks then agree through the collective that already checks the block plan), Phase 2 only when
-a step's logits are not finite (every rank sees the same logits, so every rank takes that path and they
-gather their records). The error names the phase, the step, the first layer and the CP rank where it began.
+value (one ``aminmax`` reduction per layer, :func:`magnetar.ops.nonfinite.finite_flag`); the phase drivers read the
+record once: Phase 1 after the rank's last segment (the ranks then agree through the collective that already checks
+the block plan), Phase 2 only when a step's logits are not finite (every rank sees the same logits, so every rank
+takes that path and they gather their records). The error names the phase, the step, the first layer and the CP rank
+where it began.
 """
 from __future__ import annotations
 

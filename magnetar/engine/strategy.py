@@ -52,10 +52,10 @@ class LayerContext:
 class Phase1Layer(Protocol):
     """What a :class:`ContextMethod` reads of the Phase-1 context of one forward (one plan segment).
 
-    ``config`` the engine's configuration; ``positions (S,)`` RoPE positions of the input tokens; ``keep`` the slice whose KV the rank stores;
-    ``shard`` receives it; ``group``/``timeout`` the CP group (ring); ``backend`` the attention backend;
-    ``prefill`` the sparse-prefill run of this request (or None); ``mass`` the decode policy's recorder of
-    the attention mass each kept key received (or None); ``hidden`` the captured attention input.
+    ``config`` the engine's configuration; ``positions (S,)`` RoPE positions of the input tokens; ``keep`` the slice
+    whose KV the rank stores; ``shard`` receives it; ``group``/``timeout`` the CP group (ring); ``backend`` the
+    attention backend; ``prefill`` the sparse-prefill run of this request (or None); ``mass`` the decode policy's
+    recorder of the attention mass each kept key received (or None); ``hidden`` the captured attention input.
     """
 
     config: EngineConfig

@@ -139,7 +139,8 @@ def load_shard(folder: Path, dtype: torch.dtype, groups: ParallelGroups):
     files = checkpoint_index(folder)
     if files is None:
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json (per-rank loading "
-                                f"reads safetensors; save the model with save_pretrained(..., safe_serialization=True))")
+                                f"reads safetensors; save the model with "
+                                f"save_pretrained(..., safe_serialization=True))")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with init_empty_weights(include_buffers=False):

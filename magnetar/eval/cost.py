@@ -290,7 +290,8 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
         rows.append(f"| {e.method} | {e.context_len} | {e.cp_size} | {e.critical_input_len} | "
                     f"{_fmt(e.critical_phase1_flops, 'FLOP')} | {share:.0%} | {ratio} | "
                     f"{_fmt(e.critical_activation_bytes_per_layer, 'B')} | {_fmt(e.max_kv_bytes, 'B')} | "
-                    f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | {_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
+                    f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | "
+                    f"{_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
     return "\n".join(rows)
 
 

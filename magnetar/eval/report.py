@@ -262,7 +262,8 @@ def scorer_ablation_table(rows: list[dict]) -> str:
                     line.append("-")
                 elif ppl:
                     ch = paired_change(_window_nll(g), dense[length])
-                    line.append("no dense rows" if ch is None else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
+                    line.append("no dense rows" if ch is None
+                                else f"{ch[0]:+.2f} [{ch[1]:+.2f}, {ch[2]:+.2f}] (n={ch[3]})")
                 else:
                     sc_ = [float(r["score"]) for r in g if r.get("score") is not None]
                     line.append(_fmt(mean_ci(sc_)) if sc_ else "-")
@@ -343,8 +344,8 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
         width = 0.8 / max(1, len(methods))
         longest = lengths[-1]
         for i, m in enumerate(methods):
-            ys = [100 * sum(by[(suite, m, longest, t)]) / len(by[(suite, m, longest, t)]) if by.get((suite, m, longest, t))
-                  else 0 for t in tasks]
+            ys = [100 * sum(by[(suite, m, longest, t)]) / len(by[(suite, m, longest, t)])
+                  if by.get((suite, m, longest, t)) else 0 for t in tasks]
             ax.bar([j + i * width for j in range(len(tasks))], ys, width=width, label=m)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks, rotation=45, ha="right")
         ax.set(ylabel="score", title=f"{suite} per task at {longest // 1024}K", ylim=(0, 100))

@@ -33,7 +33,8 @@ from magnetar.eval.suite import EvalSample, GenerationSuite
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
          "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
 MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
-SUBSTITUTE_TASKS = {"qa_1": "SQuAD substitute: single-hop facts in essays", "qa_2": "HotpotQA substitute: two-hop facts in essays"}
+SUBSTITUTE_TASKS = {"qa_1": "SQuAD substitute: single-hop facts in essays",
+                    "qa_2": "HotpotQA substitute: two-hop facts in essays"}
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NIAH_INSTRUCTION = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
@@ -173,7 +174,8 @@ def _vt(tokenizer, length: int, rng: random.Random, hops: int = 4) -> EvalSample
     n, _ = _fit(lambda m: " ".join([NOISE] * m), max(0, budget), tokenizer)
     body = " ".join(_insert_at_depths([NOISE] * n, [c + "." for c in chain], rng))
     return EvalSample(task="vt", context=f"{instruction}\n{body}", query=f"\n{question}", answer_prefix=prefix,
-                      answers=tuple(names), metric="all", max_new_tokens=MAX_NEW_TOKENS["vt"], metadata={"chain": chain})
+                      answers=tuple(names), metric="all", max_new_tokens=MAX_NEW_TOKENS["vt"],
+                      metadata={"chain": chain})
 
 
 def _cwe(tokenizer, length: int, rng: random.Random, n_common: int = 10, freq_common: int = 30,
@@ -181,7 +183,8 @@ def _cwe(tokenizer, length: int, rng: random.Random, n_common: int = 10, freq_co
     vocab = list(_words())
     rng.shuffle(vocab)
     common, uncommon_pool = vocab[:n_common], vocab[n_common:]
-    instruction = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often."
+    instruction = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                   "Memorize the ones that appear most often.")
     question = f"Question: What are the {n_common} most common words in the above list?"
     prefix = f"Answer: The top {n_common} words that appear most often in the list are:"
     overhead = count_tokens(tokenizer, f"{instruction}\n{question}\n{prefix}") + 4
@@ -249,8 +252,10 @@ def _qa(task: str, tokenizer, length: int, rng: random.Random, n_docs: int = 6) 
         question = f"In which city is the company that {people[target]} works for headquartered?"
         answer, facts = cities[target], works + based
     rng.shuffle(facts)
-    instruction = "Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nThe following are given documents."
-    q = f"Answer the question based on the given documents. Only give me the answer and do not output any other words.\n\nQuestion: {question}"
+    instruction = ("Answer the question based on the given documents. Only give me the answer and do not output any "
+                   "other words.\n\nThe following are given documents.")
+    q = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
+         f"words.\n\nQuestion: {question}")
     prefix = "Answer:"
     budget = length - count_tokens(tokenizer, f"{instruction}\n{q}\n{prefix}") - \
         sum(count_tokens(tokenizer, " " + f) for f in facts) - 8 * n_docs

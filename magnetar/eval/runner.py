@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=10, help="samples per task (niah: per depth; ppl: windows)")
     p.add_argument("--target-tokens", type=int, default=256,
                    help="ppl: tokens scored per window (the window slides by this much)")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated samples (--seed is the sampling seed)")
+    p.add_argument("--data-seed", type=int, default=0,
+                   help="seed of the generated samples (--seed is the sampling seed)")
     p.add_argument("--cp", type=int, help="cp_size for ring/star/pulsar (default: the world size)")
     p.add_argument("--simulate-ranks", type=int, metavar="W",
                    help="each process stands in for W CP ranks; launched processes split the items (see above)")
@@ -171,7 +172,8 @@ def method_label(config: EngineConfig) -> str:
     if sp.sparse_policy != "none":  # sparse decoding on top of the method, e.g. dense+spotlight(90% pruned)
         amount = f"{100 * sp.sparse_pruning:g}% pruned" if sp.sparse_pruning else f"budget {sp.sparse_budget}"
         label += f"+{sp.sparse_policy}({amount})"
-    if config.luka.luka_mode != "none":  # LuKA on top of the method, e.g. dense+luka(clustered, attention_weighted, top_k 3)
+    # LuKA on top of the method, e.g. dense+luka(clustered, attention_weighted, top_k 3)
+    if config.luka.luka_mode != "none":
         label += "+" + luka_label(config.luka)
     pf = config.prefill
     if pf.prefill_policy != "none":  # sparse prefill, e.g. dense+prefill_oracle(top-k 256, b_sel 64)
@@ -265,8 +267,8 @@ def _batches(todo: list, size: int) -> Iterator[list]:
 
 def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
     """Answer (or score) one group of items with ``engine``; one result record per item. A group of several
-    generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding; the decode
-    step, memory-bound on small models, is shared), recorded with ``batch`` = the group size."""
+    generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding;
+    the decode step, memory-bound on small models, is shared), recorded with ``batch`` = the group size."""
     records, t0 = [], time.perf_counter()
     suite = get_suite(args.suite)
     if suite.perplexity:

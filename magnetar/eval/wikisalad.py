@@ -244,7 +244,8 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
     prefix = answer_prefix(question)
     # (Budgeted with one name: the names are drawn after the essays; the final fit measures the real text.)
     fact_tokens = sum(count_tokens(tokenizer, " " + TEMPLATES[i][0].format(a=NAMES[0])) for i in picked)
-    overhead = count_tokens(tokenizer, query) + count_tokens(tokenizer, " " + prefix) + fact_tokens + n_seg * max(1, count_tokens(tokenizer, "\n\n"))
+    overhead = (count_tokens(tokenizer, query) + count_tokens(tokenizer, " " + prefix) + fact_tokens
+                + n_seg * max(1, count_tokens(tokenizer, "\n\n")))
     text_budget = target - overhead
     per_seg = text_budget // n_seg
     if per_seg < MIN_SEGMENT_TOKENS:

@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"\nNeedle: {sample.needle!r} at depth {sample.depth:.2f}; {rows[0][2].context_tokens} context tokens, "
               f"{world} rank(s), model {args.model}\n")
-        head = f"{'method':<8}{'ranks':>6}{'right':>7}{'phase-1 s':>11}{'TTFT s':>9}{'ms/token':>10}  {'KV tokens per rank':<24} answer"
+        head = (f"{'method':<8}{'ranks':>6}{'right':>7}{'phase-1 s':>11}{'TTFT s':>9}{'ms/token':>10}  "
+                f"{'KV tokens per rank':<24} answer")
         print(head)
         for method, cp, res, ok in rows:
             dec = f"{res.decode_seconds_per_token * 1e3:.0f}" if res.decode_seconds_per_token else "-"

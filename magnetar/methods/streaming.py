@@ -49,4 +49,5 @@ class StreamingMethod(MethodBase):
             if layer.k is None:
                 continue
             sel = (layer.pos < sinks) | (layer.pos >= context_len - window)
-            layer.k, layer.v, layer.pos = layer.k[:, :, sel].contiguous(), layer.v[:, :, sel].contiguous(), layer.pos[sel]
+            layer.k, layer.v, layer.pos = (layer.k[:, :, sel].contiguous(), layer.v[:, :, sel].contiguous(),
+                                           layer.pos[sel])

@@ -286,7 +286,8 @@ class LazyOp:
                 self.failures[dtype] = reason
                 shown = reason if len(reason) <= 4000 else reason[:1000] + "\n...\n" + reason[-3000:]
                 self.logger.warning("magnetar: the %s op is unavailable for %s tensors; the torch implementation is "
-                               "used (MAGNETAR_VERBOSE_BUILD=1 shows the build log). Reason: %s", self.what, dtype, shown)
+                               "used (MAGNETAR_VERBOSE_BUILD=1 shows the build log). Reason: %s",
+                               self.what, dtype, shown)
             return module
 
     def available(self, device: DeviceLike) -> bool:

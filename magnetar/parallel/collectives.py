@@ -64,7 +64,8 @@ def all_gather_states(
         ready for :func:`magnetar.ops.merge_states`.
     """
     if lse.shape != out.shape[:-1]:
-        raise ValueError(f"all_gather_states: lse shape {tuple(lse.shape)} must be out's shape without D {tuple(out.shape[:-1])}")
+        raise ValueError(f"all_gather_states: lse shape {tuple(lse.shape)} must be out's shape without D "
+                         f"{tuple(out.shape[:-1])}")
     lse = lse.float()
     world = group_size(group)
     if world == 1:

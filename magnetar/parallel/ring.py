@@ -144,7 +144,8 @@ def ring_attention(
             if lengths[src] > 0:  # what I send now started on rank src; peers know its length too
                 ops += [dist.P2POp(dist.isend, kv, send_to, group), dist.P2POp(dist.isend, pos, send_to, group)]
             if lengths[nxt] > 0:
-                ops += [dist.P2POp(dist.irecv, new_kv, recv_from, group), dist.P2POp(dist.irecv, new_pos, recv_from, group)]
+                ops += [dist.P2POp(dist.irecv, new_kv, recv_from, group),
+                        dist.P2POp(dist.irecv, new_pos, recv_from, group)]
             if ops:
                 works = dist.batch_isend_irecv(ops)
         skip = lengths[src] == 0 or (causal and (qmax is None or mins[src] > qmax))

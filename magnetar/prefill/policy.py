@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from magnetar.ops import attention_with_lse
-from magnetar.prefill.oracle import SPARSE_ATTENTION_OP, head_averaged_topk, sparse_gqa_attention, support_pairs, visible_pairs
+from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, head_averaged_topk, sparse_gqa_attention, support_pairs,
+                                     visible_pairs)
 from magnetar.prefill.schedule import causal_pair_sparsity
 from magnetar.utils.timing import no_timer
 

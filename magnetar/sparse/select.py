@@ -170,7 +170,8 @@ class SparseDecoder:
         kmax, kmin = bounds.kmax, bounds.kmin
         qg = q[0].reshape(Hkv, G, S, D).float()
         # sum_d max(q_d max_d, q_d min_d) = q+ . max + q- . min (max_d >= min_d): two matmuls, no (.., P, D) tensor
-        page = torch.einsum("hgsd,hpd->hgsp", qg.clamp(min=0), kmax) + torch.einsum("hgsd,hpd->hgsp", qg.clamp(max=0), kmin)
+        page = (torch.einsum("hgsd,hpd->hgsp", qg.clamp(min=0), kmax)
+                + torch.einsum("hgsd,hpd->hgsp", qg.clamp(max=0), kmin))
         page = page.amax(1)  # (Hkv, S, P): upper bound of q.k per page, max over the group
         if forced is not None:  # pages holding a sink or window key are always taken
             fp = torch.zeros(P * ps, dtype=torch.bool, device=forced.device)

@@ -65,9 +65,10 @@ class WeightsFile:
 
     ``format``: the tag, ``magnetar-<kind>-v<version>``; ``what``: the file in words ("hash weights");
     ``option``: the config field / flag that names such a file; ``remake``: how to make a good one (``{path}``
-    in it is the missing file's path, or ``FILE``); ``fields``: required header fields and their types (``int``, ``float``, ``str``, ``list``,
-    ``dict``), besides ``format``, ``signature`` and ``state``; ``defaults``: optional fields and their values
-    when absent. A ``trained_layers`` field, if declared, must list layers of the signature's model."""
+    in it is the missing file's path, or ``FILE``); ``fields``: required header fields and their types (``int``,
+    ``float``, ``str``, ``list``, ``dict``), besides ``format``, ``signature`` and ``state``; ``defaults``: optional
+    fields and their values when absent. A ``trained_layers`` field, if declared, must list layers of the signature's
+    model."""
 
     format: str
     what: str

@@ -138,7 +138,8 @@ def write_report(out: Path) -> str:
         p, lo, hi, n = perplexity_ci([r["nll_sum"] for r in g], [r["tokens"] for r in g])
         ch = paired_change({r["index"]: r["nll_sum"] / r["tokens"] for r in g},
                            {i: r["nll_sum"] / r["tokens"] for i, r in dense.get(L, {}).items()})
-        return p, f"{p:.3f} [{lo:.3f}, {hi:.3f}] (n={n})" + ("" if ch is None else f"; {ch[0]:+.1f} % [{ch[1]:+.1f}, {ch[2]:+.1f}]")
+        return p, (f"{p:.3f} [{lo:.3f}, {hi:.3f}] (n={n})"
+                   + ("" if ch is None else f"; {ch[0]:+.1f} % [{ch[1]:+.1f}, {ch[2]:+.1f}]"))
 
     lengths = sorted({r["length"] for r in rows})
     plots = {}
@@ -157,7 +158,8 @@ def write_report(out: Path) -> str:
                      "values": "Figure 6: the same with summary values V = 0",
                      "exact": "The same with exact mass for refined pages (the authors' code)"}[fig]
             lines += [f"## {title}, context {L}", "",
-                      "| compressor | " + " | ".join(f"rho = {f:g}" for f in fracs) + " |", "|---|" + "---|" * len(fracs)]
+                      "| compressor | " + " | ".join(f"rho = {f:g}" for f in fracs) + " |",
+                      "|---|" + "---|" * len(fracs)]
             for s in series:
                 cells = []
                 for f in fracs:
@@ -219,7 +221,8 @@ def _plots(out: Path, plots: dict, dense_ppl: dict) -> None:
         modes = ("lined", "clustered", "mixed")
         width = 0.8 / (len(modes) + 1)
         for j, name in enumerate(("dense",) + modes):
-            ys = [dense_ppl.get(k[1], float("nan")) if name == "dense" else plots[k].get(name, [(0, float("nan"))])[0][1]
+            ys = [dense_ppl.get(k[1], float("nan")) if name == "dense"
+                  else plots[k].get(name, [(0, float("nan"))])[0][1]
                   for k in keys]
             ax.bar([i + j * width for i in range(len(keys))], ys, width, label=name)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], [f"context {k[1]}" for k in keys])

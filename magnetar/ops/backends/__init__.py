@@ -2,9 +2,9 @@
 
 A backend is an object with ``name``, ``validate(call) -> list[str]`` (the reasons it refuses this call;
 empty means it accepts) and ``forward(call) -> (out, lse)``, where ``call`` is a
-:class:`magnetar.ops.call.AttentionCall` (backends import it and the mask kinds from there). Backends are registered by module path and
-imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend in
-``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
+:class:`magnetar.ops.call.AttentionCall` (backends import it and the mask kinds from there). Backends are registered
+by module path and imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend
+in ``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
 A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`).
 
 Built-in backends:

@@ -72,7 +72,8 @@ class CpuFlashBackend:
         mask_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         kp1 = call.k_pos if call.k_pos.dim() == 1 else None
         sorted_keys = kp1 is not None and bool((kp1[1:] >= kp1[:-1]).all())
-        rows = max(1, min(Sq, _MASK_BUDGET // max(1, Sk * (B if call.q_pos.dim() == 2 or call.k_pos.dim() == 2 else 1))))
+        rows = max(1, min(Sq, _MASK_BUDGET
+                          // max(1, Sk * (B if call.q_pos.dim() == 2 or call.k_pos.dim() == 2 else 1))))
         outs, lses = [], []
         for r0 in range(0, Sq, rows):
             qc = q[:, :, r0 : r0 + rows]
