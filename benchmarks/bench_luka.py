@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     for L in (parse_length(x) for x in args.lengths.split(",")):
         win = ppl_window(tokenizer, L, 0, target_tokens=16)
         query = win.continuation_ids[:8]
-        shard, qpos, _, _ = eng._phase1_distributed(win.context_ids, variants=[decoder("lined")])  # LuKA's mass
+        p1 = eng.encoder.phase1(win.context_ids, variants=[decoder("lined")])  # LuKA's mass
+        shard, qpos = p1.shard, p1.query_position
 
         def decode(dec, n):
             sampler = eng.sampler(eng.sampling_params(max_new_tokens=n))

@@ -18,13 +18,15 @@ import signal
 import sys
 import time
 
+import magnetar.engine.encode as encode_module
 import magnetar.engine.engine as engine_module
 from magnetar.launch import run
 
 
 def _arm(kind: str, phase: str, rank: int, call: int) -> None:
     name = f"run_phase{phase}"
-    original = getattr(engine_module, name)
+    module = encode_module if phase == "1" else engine_module  # Phase 1 runs in the encoder, Phase 2 in the engine
+    original = getattr(module, name)
     me = int(os.environ["RANK"])
     mark_dir = os.environ.get("MAGNETAR_TEST_FAULT_DIR")
 
@@ -57,7 +59,7 @@ def _arm(kind: str, phase: str, rank: int, call: int) -> None:
         finally:
             handle.remove()
 
-    setattr(engine_module, name, faulty)
+    setattr(module, name, faulty)
 
 
 if __name__ == "__main__":

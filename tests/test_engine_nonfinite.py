@@ -49,7 +49,7 @@ def test_check_finite_off_lets_the_nan_through():
 def _poison_shard_after_phase1(monkeypatch, on_rank: int, layer: int, which: str = "v"):
     """Wrap the engine's Phase 1 so that rank ``on_rank``'s context KV (``which``, k or v, of ``layer``) holds a NaN
     afterwards."""
-    import magnetar.engine.engine as engine_mod
+    import magnetar.engine.encode as engine_mod  # where Phase 1 runs
 
     real = engine_mod.run_phase1
 

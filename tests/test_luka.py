@@ -287,7 +287,7 @@ def test_phase1_mass_equals_eager_attention_weights():
     model = tiny_model("llama", seed=5, num_hidden_layers=2)
     ctx, q = _ids(9, L=40)
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, luka_mode="lined")
-    shard, _, _, _ = eng._phase1_distributed(ctx)
+    shard = eng.encoder.phase1(ctx).shard
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     with torch.no_grad():

@@ -81,7 +81,7 @@ def context():
     model = tiny_model("qwen3", seed=21, num_hidden_layers=2)
     ctx = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(21))
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, luka_mode="clustered")
-    shard, _, _, _ = eng._phase1_distributed(ctx)
+    shard = eng.encoder.phase1(ctx).shard
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     with torch.no_grad():

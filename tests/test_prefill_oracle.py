@@ -360,13 +360,14 @@ def test_sliding_window_layers_stay_dense():
     dense = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False)
     sparse = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, prefill_policy="oracle",
                                      prefill_topk=3, prefill_dense_layers=0)
-    a, _, _, _ = dense._phase1_distributed(ctx)
-    b, _, _, _ = sparse._phase1_distributed(ctx)
+    a = dense.encoder.phase1(ctx).shard
+    p1 = sparse.encoder.phase1(ctx)
+    b = p1.shard
     for layer in range(3):  # layers 0, 1 (local) and the inputs of layer 2 are untouched
         assert torch.equal(a.layers[layer].k, b.layers[layer].k) and torch.equal(a.layers[layer].v, b.layers[layer].v)
     for layer in range(3, 6):  # layer 2's sparse output reaches the later layers
         assert_differs(a.layers[layer].k, b.layers[layer].k, msg=f"layer {layer} k")
-    st = sparse.last_prefill_stats  # one patched call: the global layer only, although dense_layers is 0
+    st = p1.prefill_stats  # one patched call: the global layer only, although dense_layers is 0
     assert (st.patched_calls, st.sparse_calls) == (1, 1) and st.kept_pairs == topk_pairs(30, 3)
     ra = dense.generate(ctx, q, max_new_tokens=1, return_logits=True)
     rb = sparse.generate(ctx, q, max_new_tokens=1, return_logits=True)

@@ -86,7 +86,7 @@ def test_ordinary_prompts_tokenize_as_before(smollm2_tokenizer):
 def test_no_template_and_score_strings(smollm2_tokenizer):
     from tokenizers.processors import TemplateProcessing
 
-    from magnetar.engine.engine import Engine
+    from magnetar.engine.requests import Requests
 
     tok = smollm2_tokenizer
     special = _special_ids(tok)
@@ -105,7 +105,8 @@ def test_no_template_and_score_strings(smollm2_tokenizer):
     assert p.context_ids.tolist() == plain("Plain text.")["input_ids"]
     assert p.query_ids.tolist() == tok(" Why?", add_special_tokens=False)["input_ids"]
     # Engine.score's strings go through the same rule
-    ids = Engine._plain_ids(SimpleNamespace(tokenizer=tok, max_positions=8192), context).tolist()
+    ids = Requests(tok, SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192, vocab_size=None)),
+                   None, None, None).plain_ids(context, "context").tolist()
     assert ids == encode_text(tok, context).tolist() and not special & set(ids)
 
 

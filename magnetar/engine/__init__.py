@@ -5,6 +5,7 @@ strategies only through the protocols and registries of :mod:`magnetar.engine.st
 prefill policies are imported by name, lazily). Hugging Face models are driven through transformers'
 ``AttentionInterface`` (:mod:`magnetar.engine.hf`), never modified.
 """
-from magnetar.engine.engine import Engine, GenerationResult, init_inference
+from magnetar.engine.engine import Engine, GenerationResult
+from magnetar.engine.load import init_inference
 
 __all__ = ["Engine", "GenerationResult", "init_inference"]

@@ -5,7 +5,7 @@ Phase 1 -- skipped when the context cache holds it -- and its query forward, whi
 :meth:`~ContinuousBatch.prepare` several and :meth:`~ContinuousBatch.join` them: their queries in one forward),
 :meth:`~ContinuousBatch.step` every unfinished request by one token (one model forward and one collective per
 layer for all of them), :meth:`~ContinuousBatch.cancel` one, :meth:`~ContinuousBatch.pop` a finished one's
-:class:`~magnetar.engine.engine.GenerationResult`. Each request has its own sampler (seeded generator, stop
+:class:`~magnetar.engine.results.GenerationResult`. Each request has its own sampler (seeded generator, stop
 criteria) and decode-policy state, so its tokens equal those of it alone (``Engine.generate``), whatever joins
 or leaves around it. Every rank of the model replica makes the same calls in the same order (they run
 collectives); the server broadcasts what its leader decided.
@@ -16,13 +16,17 @@ rules, via :class:`~magnetar.engine.sampling.TextDeltas`): the deltas of a reque
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from magnetar.engine.context import ContextHandle
-from magnetar.engine.phase2 import DecodeBatch
+from magnetar.engine.encode import Encoder
+from magnetar.engine.phase2 import DecodeBatch, Phase2Request
+from magnetar.engine.requests import Requests
+from magnetar.engine.results import Results
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
+from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,16 @@ class _Entry:
 
 
 class ContinuousBatch:
-    """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()``
-    (``engine``: the :class:`~magnetar.engine.engine.Engine`, which imports this module)."""
+    """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()`` from
+    the engine's parts: ``source(options)`` gives the :class:`~magnetar.engine.requests.Requests` and
+    :class:`~magnetar.engine.encode.Encoder` of the engine (``options`` None) or of its variant with those
+    per-request encoding options; ``decode`` is the :class:`~magnetar.engine.phase2.DecodeBatch` the requests
+    step in; ``results`` assembles a finished request's :class:`~magnetar.engine.results.GenerationResult`."""
 
-    def __init__(self, engine, *, return_logits: bool = False):
-        self.engine = engine
-        # one request's NaN fails that request alone (a server keeps serving the others)
-        self._batch = DecodeBatch(engine.model, engine.config, engine.groups, engine.device, policy=engine.policy,
-                                  keep_logits=return_logits, isolate=True)
+    def __init__(self, source: Callable[[Optional[dict]], tuple[Requests, Encoder]], decode: DecodeBatch,
+                 results: Results, *, return_logits: bool = False):
+        self.source, self._batch, self.results = source, decode, results
+        self.requests, _ = source(None)
         self._entries: dict[int, _Entry] = {}
         self.return_logits = return_logits
 
@@ -99,42 +105,48 @@ class ContinuousBatch:
         ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
         engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
         encoded with other options is another cache entry). A bad request is a ValueError on every rank alike
-        (nothing of it is left behind); the ranks check they prepare the same request (a small collective)."""
-        eng = self.engine
-        if params is None:
-            params = eng.sampling_params()
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams (engine.sampling_params(...)), got "
-                             f"{type(params).__name__}")
+        (nothing of it is left behind); the ranks check they prepare the same request (one small collective,
+        before its Phase 1)."""
+        params = self.requests.sampling_params(params)
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
                              f"{type(options).__name__}")
         if options and isinstance(context, ContextHandle):
             raise ValueError("options choose how a context is encoded; this context is a handle, already encoded: "
                              "pass its text or ids, or no options")
-        source = eng.variant(**options) if options else eng
-        qids = eng.query_ids(query)
-        handle, cached = source.admit_context(context)
-        eng.check_ask([handle], [qids], params, self.return_logits)
+        requests, encoder = self.source(options or None)
+        qids = requests.query_ids(query)
+        if isinstance(context, ContextHandle):
+            encoder.check_handle(context, "context")
+            ids = context.context_ids
+        else:
+            ids = requests.context_ids(context)
+        requests.agree("ask", [ids], [qids], params, return_logits=self.return_logits)
+        requests.check_lengths(int(ids.numel()), int(qids.numel()), params.max_new_tokens)
+        if isinstance(context, ContextHandle):
+            return Ready(context, True, qids, params)
+        with nvtx_range(GENERATE):
+            handle, cached = encoder.encode(ids)
         return Ready(handle, cached, qids, params)
 
     def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:
         """Add prepared requests to the batch: their queries run as ONE forward (right-padded) between two
         steps, which also chooses their first tokens. Returns ``(rid, first event)`` per request, in order."""
-        eng = self.engine
         if not prepared:
             return []
         for i, p in enumerate(prepared):
             if not isinstance(p, Ready):
                 raise ValueError(f"prepared[{i}] must be a Ready from ContinuousBatch.prepare(), "
                                  f"got {type(p).__name__}")
-        samplers = [eng.sampler(p.params) for p in prepared]
-        rids = self._batch.join([eng.phase2_request(p.handle, p.query_ids, s) for p, s in zip(prepared, samplers)])
+        samplers = [self.requests.sampler(p.params) for p in prepared]
+        rids = self._batch.join([Phase2Request(p.handle.shard.view(), p.query_ids, p.handle.query_position,
+                                               p.handle.context_tokens, s) for p, s in zip(prepared, samplers)])
         out = []
+        tokenizer = self.requests.tokenizer
         for rid, p, sampler in zip(rids, prepared, samplers):
             deltas = None
-            if eng.tokenizer is not None:
-                deltas = TextDeltas(eng.tokenizer, stop=p.params.stop, eos_ids=tuple(sampler.eos_ids))
+            if tokenizer is not None:
+                deltas = TextDeltas(tokenizer, stop=p.params.stop, eos_ids=tuple(sampler.eos_ids))
             self._entries[rid] = _Entry(p.handle, p.cached, p.query_ids, sampler, deltas)
             out.append((rid, self._event(rid)))
         return out
@@ -151,14 +163,14 @@ class ContinuousBatch:
         return self._event(rid, new_token=False)
 
     def pop(self, rid: int):
-        """Remove the finished request ``rid``; its :class:`~magnetar.engine.engine.GenerationResult` (a small
+        """Remove the finished request ``rid``; its :class:`~magnetar.engine.results.GenerationResult` (a small
         gather of every rank's figures: every rank pops the same requests in the same order)."""
         entry = self._check(rid)
         if rid in self._batch.active:
             raise ValueError(f"request {rid} is not finished: step until its last event, or cancel it")
         dec = self._batch.pop(rid)
         del self._entries[rid]
-        return self.engine.results([entry.handle], [entry.query_ids], [entry.cached], [dec], [entry.sampler])[0]
+        return self.results.assemble([entry.handle], [entry.query_ids], [entry.cached], [dec], [entry.sampler])[0]
 
     def _check(self, rid) -> _Entry:
         entry = self._entries.get(rid) if isinstance(rid, int) and not isinstance(rid, bool) else None

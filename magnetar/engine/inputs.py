@@ -184,14 +184,6 @@ def check_requests(requests) -> None:
         check_prompt(r[1], f"{where}query")
 
 
-def check_generate(requests, max_new_tokens, stop, return_logits) -> None:
-    """All of ``generate_batch``'s arguments (``generate`` passes one request)."""
-    check_requests(requests)
-    check_max_new_tokens(max_new_tokens)
-    check_stop(stop)
-    check_flag(return_logits, "return_logits")
-
-
 def check_score(context, continuation, variants) -> None:
     """``score_variants``'s arguments: the two prompts and a non-empty list of decoding variants."""
     check_prompt(context, "context")

@@ -1,0 +1,186 @@
+"""Context ids -> :class:`~magnetar.engine.context.ContextHandle`: the context cache and Phase 1, distributed or
+simulated, behind one return type.
+
+:class:`Encoder` holds what Phase 1 needs (model, config, groups, the decode policy whose Phase-1 mass it may
+record, the sparse-prefill policy) and the context cache it shares with the engine's variants. :meth:`Encoder.phase1`
+runs this rank's Phase 1 -- or, with ``simulate``, every CP rank's in turn in this process -- and returns a
+:class:`Phase1Output`; ``if simulated`` lives here alone. The ranks agree on the block plan, on finiteness and on the
+largest shard in one gather. This module knows strategies only through :mod:`magnetar.engine.strategy`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from magnetar.config import EngineConfig
+from magnetar.engine.context import ContextCache, ContextHandle, context_key
+from magnetar.engine.finite import HINT, NonFiniteError, describe
+from magnetar.engine.kv import KVShard
+from magnetar.engine.phase1 import run_phase1
+from magnetar.engine.plan import kept_token_count
+from magnetar.engine.results import RankStats, gather_objects, peak_memory
+from magnetar.engine.strategy import DecodePolicy, PrefillPolicy, PrefillStats, context_method, plan_rank
+from magnetar.parallel import ParallelGroups
+
+
+def kv_options(config: EngineConfig) -> str:
+    """The options of ``config`` that shape an encoded context's KV, as a stable string (a cache-key part): all
+    but the decoding, the timeout, the cache budget and the finiteness check."""
+    d = config.to_dict()
+    d.pop("decode", None)
+    for name in ("timeout_s",):
+        d["parallel"].pop(name, None)
+    for name in ("context_cache_mb", "check_finite"):
+        d["runtime"].pop(name, None)
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Phase1Output:
+    """One context's Phase 1 on this process: its KV ``shard`` (this rank's; simulated: every rank's joined), the
+    RoPE position of the first query token, per-rank figures (``stats``: this rank's, or every simulated rank's),
+    the largest shard's bytes over the CP ranks (what the cache budget counts) and the sparse-prefill counts of
+    every rank summed (``prefill_stats``, a ``PrefillStats``; None without sparse prefill)."""
+
+    shard: KVShard
+    query_position: int
+    stats: list[RankStats]
+    largest_bytes: int
+    prefill_stats: Optional[PrefillStats] = None
+
+
+class Encoder:
+    """Phase 1 and the context cache for one engine configuration (an engine's variants each have their own
+    encoder over the same model, groups, policies and cache). ``identity`` is stamped on every handle it makes."""
+
+    def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device: torch.device,
+                 cache: ContextCache, identity: str, *, policy: Optional[DecodePolicy] = None,
+                 prefill: Optional[PrefillPolicy] = None):
+        self.model, self.config, self.groups, self.device = model, config, groups, device
+        self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
+        self.kv_options = kv_options(config)
+
+    def with_config(self, config: EngineConfig) -> "Encoder":
+        """This encoder with another configuration (a per-request variant): the same cache, policies, identity."""
+        return Encoder(self.model, config, self.groups, self.device, self.cache, self.identity, policy=self.policy,
+                       prefill=self.prefill)
+
+    @property
+    def simulated(self) -> bool:
+        """True when this process stands in for ``cp_size`` ranks (``config.parallel.simulate``)."""
+        return self.config.parallel.simulate and self.config.parallel.cp_size > 1
+
+    def key(self, context_ids: torch.Tensor) -> str:
+        """The cache key of ``context_ids`` encoded with this configuration."""
+        return context_key(context_ids, self.kv_options)
+
+    def check_handle(self, h, name: str) -> None:
+        """ValueError naming ``name`` unless ``h`` is a handle this engine (or one of its variants) encoded: its KV
+        belongs to that engine's model and weights."""
+        if not isinstance(h, ContextHandle) or h.shard is None:
+            raise ValueError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}")
+        if h.engine != self.identity:
+            made = h.engine.rsplit(":", 1)[0] if h.engine else "no engine"
+            raise ValueError(f"{name} was encoded by another engine ({made}), not this one "
+                             f"({self.identity.rsplit(':', 1)[0]}): its KV belongs to that engine's model and "
+                             f"weights, so it answers only there; encode the context with this engine "
+                             f"(engine.encode(context)) and ask with that handle")
+
+    def encode(self, context_ids: torch.Tensor) -> tuple[ContextHandle, bool]:
+        """(the handle of ``context_ids``, whether it came from the cache); Phase 1 runs on a miss (every rank of
+        the replica calls it with the same ids)."""
+        key = self.key(context_ids)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached, True
+        out = self.phase1(context_ids)
+        prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
+        handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
+                               out.largest_bytes, self.config.method, engine=self.identity)
+        self.cache.put(handle)
+        return handle, False
+
+    def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
+        """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's
+        need the Phase-1 attention mass)."""
+        if self.simulated:
+            return self._simulated(context_ids, variants)
+        return self._distributed(context_ids, variants)
+
+    def seconds_per_rank(self, out: Phase1Output) -> list[float]:
+        """Every CP rank's Phase-1 seconds of ``out`` (a gather unless simulated)."""
+        if self.simulated:
+            return [s.phase1_seconds for s in out.stats]
+        return [g[0].phase1_seconds for g in gather_objects(self.groups, out.stats)]
+
+    # -- the two ways ---------------------------------------------------------------------------------------
+    def _distributed(self, context_ids: torch.Tensor, variants) -> Phase1Output:
+        plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
+        p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
+                        mass=self._mass(variants), prefill=self.prefill)
+        # one collective for the checks and the shard sizes
+        agreed = gather_objects(self.groups, (kept_token_count(plan), p1.nonfinite_layer, p1.shard.nbytes()))
+        _check_kept([a[0] for a in agreed], int(context_ids.numel()))
+        _check_finite([a[1] for a in agreed])
+        prefill_stats = None
+        if self.prefill is not None:  # every rank's counts of this request, summed
+            prefill_stats = functools.reduce(lambda a, b: a.merge(b), gather_objects(self.groups, p1.prefill_stats))
+        stats = RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())
+        return Phase1Output(p1.shard, plan.query_position, [stats], max(a[2] for a in agreed), prefill_stats)
+
+    def _simulated(self, context_ids: torch.Tensor, variants) -> Phase1Output:
+        """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
+        over ranks). A method whose ranks run in lock-step (ring: they exchange KV in every layer) gives one plan
+        for all of them, run as one forward: one time for all of them."""
+        cfg, W = self.config, self.config.parallel.cp_size
+        plans = [plan_rank(cfg, context_ids, r) for r in range(W)]
+        _check_kept([kept_token_count(p) for p in plans], int(context_ids.numel()))
+        lockstep = context_method(cfg.method).lockstep(plans)
+        if lockstep is not None:  # attention by position over the union: exactly what the ranks compute
+            p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
+                            self.device)
+            _check_finite([p1.nonfinite_layer])
+            sizes = [kept_token_count(p) for p in plans]
+            per_token = p1.shard.nbytes() / max(1, sum(sizes))
+            stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
+            return Phase1Output(p1.shard, plans[0].query_position, stats, max(s.kv_bytes for s in stats))
+        parts, stats, prefill_stats = [], [], None
+        mass = self._mass(variants)
+        for plan in plans:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device, mass=mass,
+                            prefill=self.prefill)
+            if p1.prefill_stats is not None:
+                prefill_stats = p1.prefill_stats if prefill_stats is None else prefill_stats.merge(p1.prefill_stats)
+            _check_finite([None] * plan.cp_rank + [p1.nonfinite_layer])
+            parts.append(p1.shard)
+            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device)))
+        if len({p.query_position for p in plans}) != 1:
+            raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
+        return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats),
+                            prefill_stats)
+
+    def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
+        """The recorder of the Phase-1 attention mass of every kept key when the decode policy or one of
+        ``variants`` needs it (LuKA), else None."""
+        for p in (self.policy, *variants):
+            if p is not None and p.needs_prefill_mass:
+                return p.prefill_mass
+        return None
+
+
+def _check_kept(kept: list[int], context_len: int) -> None:
+    if sum(kept) != context_len:  # the KV shards must partition the context exactly
+        raise RuntimeError(f"Phase 1 kept {sum(kept)} context tokens over the ranks ({kept}) for a "
+                           f"{context_len}-token context; the block plan is inconsistent")
+
+
+def _check_finite(per_rank: list[Optional[int]]) -> None:
+    """Every rank raises the same error when any rank's Phase-1 attention turned non-finite."""
+    if any(layer is not None for layer in per_rank):
+        raise NonFiniteError(f"non-finite values in Phase 1: {describe(per_rank)}; {HINT}")

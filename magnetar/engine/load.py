@@ -1,0 +1,120 @@
+"""Loading: ``init_inference(model, config) -> Engine`` -- a loaded model, a registry name, a local folder or a Hub
+id; the dtype; the process groups; tensor parallelism (DeepSpeed AutoTP, each rank reading only its shard)."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from magnetar.config import EngineConfig
+from magnetar.engine import hf, inputs
+from magnetar.engine.engine import Engine
+from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_tensor_parallel
+from magnetar.models import load_model, model_dtype, model_kind, model_path
+from magnetar.parallel import ParallelGroups, init_groups, local_groups
+from magnetar.parallel.launcher import device_for_rank, init_distributed
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,
+                   groups: Optional[ParallelGroups] = None, revision: Optional[str] = None,
+                   trust_remote_code: bool = False, cache_dir=None, **flat) -> Engine:
+    """Prepare ``model`` (a loaded HF causal LM, a ``magnetar.models`` name, a local directory or a Hugging Face
+    Hub id ``org/name``, told apart in that order: :func:`magnetar.models.load_model`) for Magnetar.
+
+    ``config`` (or flat fields, e.g. ``method="star", cp_size=4``) picks the method. Under a launcher the
+    process group is started here if needed; the TP/CP/DP groups come from :func:`magnetar.parallel.init_groups`.
+    With ``tp_size > 1`` the model is sharded over its TP group by DeepSpeed AutoTP
+    (:func:`shard_tensor_parallel`; ``runtime.deepspeed_inference`` must be on) and ``tp_size`` must divide
+    its KV heads. At ``tp_size`` 1 DeepSpeed is not called: with kernel injection off it has nothing to do
+    (docs/engine.md, "What DeepSpeed does in Magnetar"). ``tokenizer`` (needed for string prompts; loaded with a
+    model given by name or directory) is a Hugging Face tokenizer, or any object whose ``__call__(text,
+    add_special_tokens=False, split_special_tokens=True)`` returns ``{"input_ids": [...]}`` and that has
+    ``decode`` (user text is tokenized with ``split_special_tokens``: it never yields a control token).
+    A model given by name is loaded in ``config.runtime.dtype``; ``revision``, ``trust_remote_code`` and
+    ``cache_dir`` (the Hub cache of a Hub id, the prepared-model cache of a registry name) go to its loading; a
+    missing Hub model raises ``magnetar.models.ModelNotFoundError`` saying how to get it (``HF_HUB_OFFLINE=1``:
+    cache only). ``dtype="auto"`` keeps the checkpoint's dtype, or a given model's own: nothing is cast.
+    """
+    inputs.check_init(model, config, tokenizer, groups, revision=revision, trust_remote_code=trust_remote_code,
+                      cache_dir=cache_dir)
+    if config is None:
+        config = EngineConfig.create(**flat)
+    elif flat:
+        config = config.replace(**flat)
+    tp = config.parallel.tp_size
+    _check_tp_config(config, groups)  # before any model loading or process-group work
+    dtype = _TORCH_DTYPES.get(config.runtime.dtype)  # None: "auto"
+    folder = None  # under TP, a local folder with safetensors: each rank loads only its shard, below
+    if inputs.is_model_path(model):
+        name = os.fsdecode(model)
+        if tp > 1 and model_kind(name) != "hub" and not trust_remote_code:
+            folder = model_path(name, cache_dir)
+        if folder is not None and checkpoint_index(folder) is not None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            dtype = dtype or _checkpoint_dtype(hf_config)
+        else:  # from_pretrained: resolves (downloads) Hub ids, runs remote code, reads any format; whole (cut by TP)
+            model, loaded_tok = load_model(folder or name, dtype=dtype or "auto", revision=revision,
+                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+            tokenizer = tokenizer or loaded_tok
+            folder = None
+    if folder is None:
+        hf_config = model.config
+        dtype = dtype or model_dtype(model)
+    hf.check_supported(hf_config)
+    hf.check_tensor_parallel(hf_config, tp)
+    if folder is None and tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
+        raise ValueError(f"the model was sharded by an engine with tp_size {len(model._magnetar_tp)}: give tp_size "
+                         f"{len(model._magnetar_tp)}, or pass an unsharded model (a copy of it) for tp_size 1")
+    init_distributed(timeout=_timedelta(config.parallel.timeout_s))
+    if groups is None:  # simulated ranks live in this process: no group, no collective (even under a launcher)
+        timeout = _timedelta(config.parallel.timeout_s)
+        groups = local_groups(timeout=timeout) if config.parallel.simulate else \
+            init_groups(config.parallel.cp_size, tp_size=tp, timeout=timeout)
+    want = 1 if config.parallel.simulate else config.parallel.cp_size
+    if groups.cp_size != want:
+        raise ValueError(f"groups.cp_size ({groups.cp_size}) != {want} (config cp_size {config.parallel.cp_size}"
+                         f"{', simulated in this process' if config.parallel.simulate else ''})")
+    device = device_for_rank()
+    if folder is not None:
+        model, loaded_tok = load_shard(folder, dtype, groups)
+        tokenizer = tokenizer or loaded_tok
+    else:
+        model = model.to(device=device, dtype=dtype)
+        if tp > 1:
+            model = shard_tensor_parallel(model, groups, dtype)
+    hf.prepare_model(model)
+    return Engine(model, config, groups, tokenizer)
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype:
+    """``dtype="auto"`` for a checkpoint folder: the dtype its config names (``dtype`` / ``torch_dtype``), else
+    float32."""
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.float32
+
+
+def _check_tp_config(config: EngineConfig, groups: Optional[ParallelGroups]) -> None:
+    tp = config.parallel.tp_size
+    if groups is not None and groups.tp_size != tp:
+        raise ValueError(f"groups.tp_size ({groups.tp_size}) != config tp_size ({tp}): build the groups with "
+                         f"init_groups(cp_size, tp_size={tp}) or set tp_size={groups.tp_size}")
+    if tp == 1:
+        return
+    if config.parallel.simulate:
+        raise ValueError(f"tp_size {tp} needs one process per TP rank, but simulate runs the CP ranks in this one "
+                         f"process: set simulate false (launch tp_size x cp_size ranks) or tp_size 1")
+    if not config.runtime.deepspeed_inference:
+        raise ValueError(f"tp_size {tp} shards the model with DeepSpeed AutoTP (deepspeed.init_inference): set "
+                         f"runtime.deepspeed_inference true (--deepspeed-inference) or tp_size 1")
+
+
+def _timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
