@@ -134,7 +134,7 @@ def test_generated_pages_enter_the_cover_and_before_query_keeps_the_old_path():
                      luka_compress_every=4, luka_regime="before_query")
     eng = _engine(model)
     paged, = eng.score_variants(ctx, cont, [cfg])
-    eng._policies[cfg] = _RawGenerated(cfg, model.config)  # the same config served by the earlier path
+    eng.scorer._policies[cfg] = _RawGenerated(cfg, model.config)  # the same config served by the earlier path
     raw, = eng.score_variants(ctx, cont, [cfg])
     # the store's first page is cut at the chunk starting at continuation token 24 (position 124: entries before
     # 108 are older than the tail, 8 of the store's); until then both paths compute the same

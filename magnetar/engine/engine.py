@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from typing import Any, Generator, Optional, Sequence, Union
@@ -36,16 +35,17 @@ from magnetar.engine.batch import ContinuousBatch
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.finite import NonFiniteError
-from magnetar.engine.phase2 import DecodeBatch, Phase2Request, run_phase2, run_scoring
+from magnetar.engine.phase2 import DecodeBatch, Phase2Request, run_phase2
 from magnetar.engine.requests import Requests
 from magnetar.engine.results import GenerationResult, RankStats, Results, ScoreResult  # noqa: F401 (re-exported)
 from magnetar.engine.sampling import RequestSampler, SamplingParams
+from magnetar.engine.score import Scorer, ScoreParts
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints
-from magnetar.utils.nvtx import GENERATE, SCORE, nvtx_range
+from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 Context = Union[str, torch.Tensor]
 MAX_VARIANTS = 32  # Engine.variant keeps this many (per-request option sets) for reuse
@@ -69,7 +69,6 @@ class Engine:
         # EngineConfig -> this engine with other per-request options (variant()), least recently used first
         self._variants: OrderedDict = OrderedDict()
         self._variants_lock = threading.Lock()
-        self._policies: dict = {}  # other sparse / LuKA configs scored by score_variants
         # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
         self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
         # prepare_merge first, then each policy's ops: build or load every JIT op this engine's requests will use
@@ -93,25 +92,14 @@ class Engine:
             per_rank = all_gather_ints([mine], groups.replica_group, self.device, timeout=groups.timeout)[:, 0].tolist()
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
                                method=config.method)
+        self.scorer = self._scorer()
+
+    def _scorer(self) -> Scorer:
+        return Scorer(ScoreParts(self.model, self.config, self.groups, self.device, self.requests, self.encoder,
+                                 self.policy, self._policy_config, self.prefill, self._prepare))
 
     def _prepare(self, policy):
-        """``policy.prepare(device)`` when the policy has one, and under tensor parallelism
-        ``policy.shard_heads(...)`` with this rank's KV heads (optional methods of the strategy protocols)."""
-        if policy is None:
-            return None
-        tp, rank = self.groups.tp_size, self.groups.tp_rank
-        if tp > 1:
-            shard_heads = getattr(policy, "shard_heads", None)
-            if shard_heads is None:
-                raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads (it has "
-                                 f"no shard_heads): use tp_size 1 with it")
-            cfg = self.model.config
-            total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-            shard_heads(rank * total // tp, total // tp, total)
-        prepare = getattr(policy, "prepare", None)
-        if prepare is not None:
-            prepare(self.device)
-        return policy
+        return ready_policy(policy, self.model, self.groups, self.device)
 
     @property
     def simulated(self) -> bool:
@@ -324,6 +312,7 @@ class Engine:
                 variant = copy.copy(self)  # shares the model, groups, policies, cache and results
                 variant.config, variant.encoder = config, self.encoder.with_config(config)
                 variant.requests = Requests(self.tokenizer, self.model, config, self.groups, self.device, self.policy)
+                variant.scorer = variant._scorer()
                 variant._variants, variant._variants_lock = OrderedDict(), threading.Lock()
                 self._variants[config] = variant
                 while len(self._variants) > MAX_VARIANTS:
@@ -342,48 +331,35 @@ class Engine:
         scored given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
         Strings are tokenized as plain text (no chat template, no special tokens).
         """
-        return self.score_variants(context, continuation, [self._policy_config])[0]
+        return self.scorer.score_variants(context, continuation, [self._policy_config])[0]
 
     def score_variants(self, context: Context, continuation: Context,
                        sparse: Sequence[Union[None, SparseConfig, LukaConfig]]) -> list[ScoreResult]:
         """:meth:`score` once per decoding variant -- a :class:`SparseConfig` or a :class:`LukaConfig` (None,
         policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
         and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
-        inputs.check_score(context, continuation, sparse)
-        c = self.requests.plain_ids(context, "context")
-        t = self.requests.plain_ids(continuation, "continuation", min_tokens=2)
-        self.requests.agree("score", [c], [t], variants=sparse)
-        self.requests.check_lengths(int(c.numel()), int(t.numel()), 1)
-        decoders = [self._decoder(v) for v in sparse]
-        for dec in decoders:
-            if dec is not None:
-                dec.check(int(c.numel()))
-        if any(d is not None and d.needs_prefill_mass for d in decoders) and self.prefill is not None:
-            raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
-                             f"(prefill_policy {self.config.prefill.prefill_policy!r}); score them without it")
-        out = []
-        with nvtx_range(SCORE):
-            p1 = self.encoder.phase1(c, variants=decoders)
-            seconds = self.encoder.seconds_per_rank(p1)
-            prefill = None if p1.prefill_stats is None else p1.prefill_stats.as_dict()
-            for dec in decoders:
-                t0 = time.perf_counter()
-                logp = run_scoring(self.model, self.config, p1.shard, t, p1.query_position, self.groups, self.device,
-                                   policy=dec, context_tokens=int(c.numel()))
-                out.append(ScoreResult(token_logprobs=logp, method=self.config.method, context_tokens=int(c.numel()),
-                                       phase1_seconds=seconds, phase2_seconds=time.perf_counter() - t0,
-                                       simulated=self.simulated, prefill_stats=prefill))
-        return out
+        return self.scorer.score_variants(context, continuation, sparse)
 
-    def _decoder(self, cfg: Union[None, SparseConfig, LukaConfig]) -> Optional[DecodePolicy]:
-        """The decode policy for a sparse or LuKA config (cached: hash weights load once), None for dense."""
-        if cfg is None:
-            return None
-        if cfg == self._policy_config:
-            return self.policy
-        if cfg not in self._policies:
-            self._policies[cfg] = self._prepare(decode_policy(cfg, self.model.config))
-        return self._policies[cfg]
+
+def ready_policy(policy, model, groups: ParallelGroups, device: torch.device):
+    """``policy`` ready for this rank: under tensor parallelism ``policy.shard_heads(...)`` with this rank's KV
+    heads, then ``policy.prepare(device)`` when the policy has one (optional methods of the strategy protocols);
+    None stays None."""
+    if policy is None:
+        return None
+    tp, rank = groups.tp_size, groups.tp_rank
+    if tp > 1:
+        shard_heads = getattr(policy, "shard_heads", None)
+        if shard_heads is None:
+            raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads (it has "
+                             f"no shard_heads): use tp_size 1 with it")
+        cfg = model.config
+        total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        shard_heads(rank * total // tp, total // tp, total)
+    prepare = getattr(policy, "prepare", None)
+    if prepare is not None:
+        prepare(device)
+    return policy
 
 
 def _short_repr(value) -> str:
