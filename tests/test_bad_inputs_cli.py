@@ -423,3 +423,21 @@ def test_run_reports_the_engines_request_errors(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         _cli(RUN, *RUN_ARGS, *CTX)()
     assert info.value.code == 2 and "magnetar-run: error: " in str(info.value) and "pip install" in str(info.value)
+
+
+def test_the_magnetar_command_dispatches_to_every_tool(capsys):
+    """``magnetar COMMAND``: each subcommand is its tool's own main (its --help is the tool's); an unknown one is
+    one error line with status 2."""
+    from magnetar.commands import COMMANDS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS), out
+    for name, (module, _) in COMMANDS.items():
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name
+    with pytest.raises(SystemExit) as e:
+        main(["srve"])
+    assert e.value.code == 2 and "magnetar: error: unknown command 'srve'" in capsys.readouterr().err

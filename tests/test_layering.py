@@ -27,10 +27,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "sparse": STRATEGY_BASE,
     "luka": STRATEGY_BASE,
     "prefill": STRATEGY_BASE,
-    "eval": BELOW_TOP + ("<root>",),  # the top: the engine's public API, the strategies' reports
-    "calibrate": BELOW_TOP + ("<root>",),
-    "launch": BELOW_TOP + ("<root>", "eval"),
-    "serve": BELOW_TOP + ("<root>", "eval", "launch"),  # the HTTP server: the engine's API, launch's CLI conventions
+    # the command lines' shared checks, below every command line
+    "cli": ("config", "ops", "parallel", "models", "utils"),
+    "eval": BELOW_TOP + ("<root>", "cli"),  # the top: the engine's public API, the strategies' reports
+    "calibrate": BELOW_TOP + ("<root>", "cli"),
+    "launch": BELOW_TOP + ("<root>", "cli"),  # no eval
+    "serve": BELOW_TOP + ("<root>", "cli"),  # the HTTP server: the engine's API; no launch, no eval
+    "commands": ("cli", "launch", "serve", "eval", "calibrate", "utils"),  # `magnetar COMMAND`: the very top
     "<root>": ("version", "config", "engine", "ops", "parallel"),  # magnetar/__init__.py: the public API
 }
 
@@ -155,6 +158,9 @@ def test_the_checker_sees_function_local_and_relative_imports():
                                                        "magnetar.engine.plan"}
     assert not _allowed("magnetar.engine.engine", "magnetar.sparse.select")
     assert not _allowed("magnetar.engine.engine", "magnetar.launch.run")
+    assert not _allowed("magnetar.serve.cli", "magnetar.launch.run")  # the CLI checks live below both: magnetar.cli
+    assert not _allowed("magnetar.launch.run", "magnetar.eval.common")
+    assert _allowed("magnetar.serve.cli", "magnetar.cli.args") and not _allowed("magnetar.cli.args", "magnetar.eval")
     assert _allowed("magnetar.methods.star", "magnetar.engine.plan")
     assert not _allowed("magnetar.methods.star", "magnetar.engine.phase1")
     assert not _allowed("magnetar.sparse.select", "magnetar.eval.report")

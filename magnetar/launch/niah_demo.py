@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import DISTRIBUTED_METHODS, METHODS
-from magnetar.eval.common import parse_names
+from magnetar.cli.args import parse_names
 from magnetar.models import ModelNotInstalledError, check_model
 from magnetar.parallel.collectives import barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size

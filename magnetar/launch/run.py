@@ -22,13 +22,12 @@ import argparse
 import json
 import sys
 
-from magnetar.config import DISTRIBUTED_METHODS, EngineConfig, add_cli_args
-from magnetar.eval.common import check_attention_backend, check_cp_size
-from magnetar.models import ModelNotInstalledError, check_model
-from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
+from magnetar.cli.args import check_engine_args
+from magnetar.config import EngineConfig, add_cli_args
+from magnetar.models import ModelNotInstalledError
+from magnetar.parallel.launcher import add_launcher_args, finish_distributed
 from magnetar.utils.cli import (
     ArgumentParser,
-    check_input_file,
     check_output_file,
     int_at_least,
     read_text_file,
@@ -54,32 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p)
     add_launcher_args(p)
     return p
-
-
-def config_from_args(args) -> EngineConfig:
-    """The engine config of the flags; ``--cp-size`` defaults to the launched world size (any launcher:
-    :func:`magnetar.parallel.launcher.launched_world_size`) over ``--tp-size`` for ring/star/pulsar, and
-    ``--cp-size`` x ``--tp-size`` must divide it (unless ``--simulate true``: one process stands in for the ranks)."""
-    config = EngineConfig.from_cli(args)
-    world, tp = launched_world_size(), config.parallel.tp_size
-    if args.cp_size is None and config.method in DISTRIBUTED_METHODS and world % tp == 0:
-        config = config.replace(cp_size=world // tp)
-    if not config.parallel.simulate:
-        check_cp_size(config.parallel.cp_size, world, "--cp-size", tp_size=tp)
-    check_attention_backend(config)
-    return config
-
-
-def check_engine_args(args) -> EngineConfig:
-    """The engine config of the flags, ``--model`` and the files the config reads (``--hash-path``,
-    ``--prefill-indexer-path``); ValueError / FileNotFoundError name the flag. Shared with ``magnetar serve``."""
-    config = config_from_args(args)
-    check_model(args.model, revision=args.revision)
-    for name in ("hash_path", "prefill_indexer_path"):
-        path = getattr(config, name)
-        if path is not None:
-            check_input_file(path, flag="--" + name.replace("_", "-"))
-    return config
 
 
 def check_inputs(args) -> tuple[EngineConfig, str]:

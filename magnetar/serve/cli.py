@@ -26,7 +26,7 @@ from typing import Optional
 
 from magnetar.config import add_cli_args
 from magnetar.engine.inputs import MAX_STOP_STRINGS
-from magnetar.launch.run import check_engine_args
+from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import is_loopback
@@ -219,21 +219,6 @@ def main(argv=None) -> int:
     # docs/serving.md, "Stopping and exit statuses")
     logging.getLogger(PROG).warning("rank %d drained: exit status 0", engine.groups.rank)
     return 0
-
-
-def umbrella(argv=None) -> int:
-    """``magnetar COMMAND ...``: ``magnetar serve ...`` runs :func:`main`. The other tools keep their own commands
-    (``magnetar-run``, ``magnetar-eval``, ``magnetar-bench``, ``magnetar-calibrate``, ``magnetar-demo``)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"serve": main}
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: magnetar COMMAND [ARGS]\n\ncommands:\n  serve    an OpenAI-compatible server "
-              "(magnetar serve --help)\n\nother tools: magnetar-run, magnetar-eval, magnetar-bench, "
-              "magnetar-calibrate, magnetar-demo")
-        return 0 if argv else 2
-    if argv[0] not in commands:
-        fail("magnetar", f"unknown command {argv[0]!r}; commands: {', '.join(commands)} (see magnetar --help)")
-    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

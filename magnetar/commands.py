@@ -1,0 +1,49 @@
+"""``magnetar COMMAND [ARGS]``: one command for every tool, beside their own console scripts.
+
+    magnetar run ...         = magnetar-run        (magnetar.launch.run)
+    magnetar serve ...       = python -m magnetar.serve
+    magnetar eval ...        = magnetar-eval       (magnetar.eval.runner)
+    magnetar bench ...       = magnetar-bench      (magnetar.eval.bench)
+    magnetar calibrate ...   = magnetar-calibrate  (magnetar.calibrate.cli)
+    magnetar demo ...        = magnetar-demo       (magnetar.launch.niah_demo)
+
+The subcommand's module is imported only when it is run (the server's dependencies are not needed to evaluate).
+Under a launcher: ``torchrun --nproc-per-node 4 -m magnetar.commands serve ...``.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from magnetar.utils.cli import fail
+
+# subcommand -> (module with main(argv), what it does)
+COMMANDS = {
+    "run": ("magnetar.launch.run", "answer one question about a long context (magnetar-run)"),
+    "serve": ("magnetar.serve.cli", "an OpenAI-compatible server"),
+    "eval": ("magnetar.eval.runner", "RULER / BABILong / NIAH / perplexity suites (magnetar-eval)"),
+    "bench": ("magnetar.eval.bench", "speed and memory per method and length (magnetar-bench)"),
+    "calibrate": ("magnetar.calibrate.cli", "train Spotlight hashes or the sparse-prefill indexer"),
+    "demo": ("magnetar.launch.niah_demo", "the needle demo of make demo (magnetar-demo)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "usage: magnetar COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines) + \
+        "\n\n`magnetar COMMAND --help` shows a command's flags."
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        fail("magnetar", f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (see magnetar --help)")
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
