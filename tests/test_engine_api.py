@@ -195,3 +195,37 @@ def test_design_doc_worked_example_is_one_module_plus_one_registry_line(tmp_path
         ctx, q, max_new_tokens=3, return_logits=True)
     assert plugin.token_ids == star.token_ids and plugin.context_kv_tokens_per_rank == [100, 100, 100]
     assert torch.equal(plugin.first_token_logits, star.first_token_logits)
+
+
+def test_eval_knows_a_new_method_only_through_the_registry(tmp_path, monkeypatch):
+    """Issue 29, item 6: magnetar-eval ran a newly registered distributed method at cp 1 without a word (a name
+    list in the runner), and the cost model, the benchmark and the report labels branched on method names. Now
+    the design doc's plug-in, registered as a distributed method, gets its ranks, its label, its cost and its
+    benchmark row like the built-in ones."""
+    import re
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from magnetar import config
+    from magnetar.cli.args import engine_config
+    from magnetar.engine.strategy import context_method
+    from magnetar.eval.cost import estimate
+    from magnetar.eval.runner import method_label
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+                if b.startswith("# magnetar/methods/prefix.py"))
+    (tmp_path / "prefix_plugin2.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(config.METHODS, "prefix", config.MethodSpec("prefix_plugin2:PrefixMethod", True, True))
+    sys.modules.pop("prefix_plugin2", None)
+    args = SimpleNamespace(dtype="float32", tp_size=1, block_size=None, anchor_size=None, sink_size=None,
+                           chunk_size=None, summary_budget=None, window_size=None, attention_backend=None)
+    cfg = engine_config(args, "prefix", 4)
+    assert cfg.parallel.cp_size == 4, "a registered distributed method runs on its ranks"
+    assert method_label(cfg) == "prefix" and not context_method("prefix").lockstep_ranks
+    est = estimate(tiny_model("llama").config, cfg, 400, 8)
+    assert len(est.kv_tokens) == 4 and sum(est.kv_tokens) == 400, est.kv_tokens
+    assert method_label(engine_config(args, "streaming", 4)).startswith("streaming(window")
+    assert engine_config(args, "streaming", 4).parallel.cp_size == 1 and context_method("ring").lockstep_ranks

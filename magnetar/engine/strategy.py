@@ -83,6 +83,17 @@ class ContextMethod(Protocol):
     * :meth:`plan_for_length` -- the plan the cost model assumes when it has no token ids (Pulsar's summaries
       depend on the ids: it places them to give the largest prefix, an upper bound).
 
+    What evaluation, the cost model and benchmarks ask of a method (so that they name no method):
+
+    * :attr:`lockstep_ranks` -- its ranks exchange KV in every layer (ring): each rank's queries see every earlier
+      key of the context and the shards circulate; simulated, the ranks run as one forward, so per-rank times
+      are not measured that way;
+    * :meth:`label_options` -- the options that set a run of it apart in a report (``["block 512", "bm25"]``);
+    * :meth:`visible_keys` / :meth:`kept_positions` -- for the cost model: the key positions one segment's
+      queries attend besides their own (given what the rank saw before), and the context positions whose KV the
+      rank keeps after Phase 1;
+    * :meth:`cost_assumptions` -- what the cost model assumes for it (without token ids).
+
     :class:`MethodBase` gives the defaults (nothing before or after, no lock-step, the plan of any ids).
     """
 
@@ -102,6 +113,16 @@ class ContextMethod(Protocol):
     def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]: ...
 
     def plan_for_length(self, config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan: ...
+
+    lockstep_ranks: bool
+
+    def label_options(self, config: EngineConfig) -> list[str]: ...
+
+    def visible_keys(self, config: EngineConfig, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor: ...
+
+    def kept_positions(self, config: EngineConfig, kept: torch.Tensor, context_len: int) -> torch.Tensor: ...
+
+    def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]: ...
 
 
 class MethodBase:
@@ -130,6 +151,22 @@ class MethodBase:
 
     def plan_for_length(self, config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan:
         return self.plan(config, torch.zeros(context_len, dtype=torch.long), cp_rank)
+
+    lockstep_ranks = False
+
+    def label_options(self, config: EngineConfig) -> list[str]:
+        return []
+
+    def visible_keys(self, config: EngineConfig, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Key positions one segment at ``positions`` attends: by default itself alone (causally)."""
+        return positions
+
+    def kept_positions(self, config: EngineConfig, kept: torch.Tensor, context_len: int) -> torch.Tensor:
+        """The context positions whose KV the rank keeps after Phase 1: by default every kept segment slice."""
+        return kept
+
+    def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]:
+        return []
 
 
 @runtime_checkable

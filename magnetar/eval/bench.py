@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from magnetar.config import METHODS
+from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_names
 from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
 
@@ -281,8 +282,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             ranks = cfg.parallel.cp_size
             row = dict(method=method, context_len=L, query_len=int(query.numel()), ranks=ranks,
                        simulated=bool(sim) and ranks > 1)
-            if sim and method == "ring" and ranks > 1:
-                row["skipped"] = "ring is not simulated (KV exchange every layer): run it under a launcher"
+            if sim and context_method(method).lockstep_ranks and ranks > 1:
+                row["skipped"] = (f"{method} is not simulated (its ranks exchange KV every layer, so one process "
+                                  f"times them as one forward): run it under a launcher")
                 rows.append(row)
                 bar.update(args.warmup + args.repeats)
                 continue

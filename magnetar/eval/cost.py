@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.strategy import plan_for_length, plan_rank
+from magnetar.engine.strategy import context_method, plan_for_length, plan_rank
 from magnetar.models.dims import ModelDims
 
 __all__ = ["CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer", "attention_pairs"]
@@ -163,9 +163,8 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     weight_bytes = ((dims.params - emb) // tp + emb) * b if tp > 1 else dims.params * b
     assumptions = [f"tp_size {tp}: figures per TP rank (heads, projections and LM head split {tp} ways, embeddings "
                    f"whole); the two TP all-reduces per layer are not counted"] if tp > 1 else []
-    if cfg.method == "pulsar" and context_ids is None:
-        assumptions.append("pulsar summaries assumed not to overlap the sink (Eq. 4 upper bound)"
-                           if cfg.pulsar.scorer != "even" else "pulsar even scorer: exact")
+    method = context_method(cfg.method)  # what the method says of its costs: no method is named here
+    assumptions += method.cost_assumptions(cfg, with_ids=context_ids is not None)
 
     fields_ = {k: [] for k in ("phase1_input_lengths", "phase1_tokens", "phase1_attention_pairs",
                                "phase1_attention_flops", "phase1_linear_flops", "phase1_flops",
@@ -178,7 +177,7 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     else:
         plans = [plan_for_length(cfg, L, r) for r in range(W)]
     ring_lengths = None
-    if cfg.method == "ring":  # the ring's communication and all-earlier-keys attention are priced below
+    if method.lockstep_ranks:  # shards that circulate: their communication and all-earlier-keys attention below
         ring_lengths = [int(p.segments[0].indices.numel()) for p in plans]
     for r, plan in enumerate(plans):
         segments, qpos0 = plan.segments, plan.query_position
@@ -197,19 +196,13 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
             # step s sends the shard that started on rank (r - s): W-1 sends of KV (+ int64 positions)
             comm = sum(ring_lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
         else:
-            kept_parts, cache = [], torch.zeros(0, dtype=torch.long)
-            sinks, window = cfg.streaming.sink_tokens, cfg.streaming.window_size
+            kept_parts, seen = [], torch.zeros(0, dtype=torch.long)
             for seg in segments:
                 pos = seg.positions.long()
                 n = int(pos.numel())
                 lengths.append(n)
-                if cfg.method == "streaming":
-                    start = int(pos[0])
-                    sel = cache[(cache < sinks) | (cache >= start - window)]
-                    keys = torch.cat((sel, pos))
-                    cache = torch.cat((cache, pos))
-                else:
-                    keys = pos
+                keys = method.visible_keys(cfg, pos, seen)  # itself, and what the method lets it see before
+                seen = torch.cat((seen, pos))
                 for layer, p in enumerate(_pairs_per_layer(pos, keys, dims)):
                     pairs[layer] += p
                 act = max(act, n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b
@@ -217,8 +210,7 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
                 mlp_act = max(mlp_act, n * (dims.hidden + 2 * dims.intermediate) * b)
                 kept_parts.append(pos[seg.keep])
             kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
-            if cfg.method == "streaming":
-                kept = kept[(kept < sinks) | (kept >= L - window)]
+            kept = method.kept_positions(cfg, kept, L)
         tokens = sum(lengths)
         attn = sum(pairs) * attn_pair_flops
         lin = tokens * lin_tok

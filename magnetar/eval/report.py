@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+from magnetar.config import SCORERS
 from magnetar.eval.results import load, result_files  # the reader of results*.jsonl (also for scripts)
 
 
@@ -244,7 +245,7 @@ def scorer_ablation_table(rows: list[dict]) -> str:
     for r in rows:
         if r.get("method") == "dense" and r.get("suite") == "ppl":
             dense[r["length"]][r["index"]] = r["nll_sum"] / r["tokens"]
-    order = ["max_idf", "tfidf", "bm25", "entropy", "even"]
+    order = list(SCORERS)
     scorers = sorted(scorers, key=lambda x: (order.index(x) if x in order else 99, str(x)))
     budgets = sorted(budgets)
     out = []

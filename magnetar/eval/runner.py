@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import METHODS, EngineConfig, add_cli_args
+from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
 from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
@@ -50,7 +51,6 @@ from magnetar.parallel.collectives import barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
 from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors
 
-CP_METHODS = ("ring", "star", "pulsar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,24 +149,7 @@ def item_key(suite, task, method, length, index, cfg_key) -> str:
 def method_label(config: EngineConfig) -> str:
     """The method plus the options that differ from its defaults, e.g. ``pulsar(bm25, budget 0.25)``: the
     report's column, so that variants of one method (an ablation) are not pooled."""
-    default = EngineConfig()
-    extra = []
-    if config.method in ("star", "pulsar"):
-        if config.blocks.block_size is not None:
-            extra.append(f"block {config.blocks.block_size}")
-    if config.method == "star" and config.blocks.anchor_size is not None:
-        extra.append(f"anchor {config.blocks.anchor_size}")
-    if config.method == "pulsar":
-        p, d = config.pulsar, default.pulsar
-        if p.scorer != d.scorer:
-            extra.append(p.scorer)
-        if p.summary_budget != d.summary_budget:
-            extra.append(f"budget {p.summary_budget:g}")
-        for name in ("sink_size", "chunk_size", "positions", "discard_summary_kv"):
-            if getattr(p, name) != getattr(d, name):
-                extra.append(f"{name} {getattr(p, name)}")
-    if config.method == "streaming":
-        extra.append(f"window {config.streaming.window_size}")
+    extra = context_method(config.method).label_options(config)  # the method says what sets its runs apart
     label = config.method + (f"({', '.join(extra)})" if extra else "")
     sp = config.sparse
     if sp.sparse_policy != "none":  # sparse decoding on top of the method, e.g. dense+spotlight(90% pruned)
@@ -344,7 +327,7 @@ def run(args) -> int:
 
     todo = []
     for method, length, task, index in items(args, tasks, lengths, methods):
-        if method not in CP_METHODS:
+        if not METHODS[method].distributed:
             cfg = base.replace(method=method, cp_size=1)
         elif sim is not None:  # the simulation gives the same answers as real ranks: one key for both
             cfg = base.replace(method=method, cp_size=sim)

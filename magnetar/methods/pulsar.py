@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from magnetar.config import EngineConfig
+from magnetar.config import EngineConfig, PulsarConfig
 from magnetar.engine.plan import RankPlan, Segment, assign_blocks, block_bounds, covers_ranks, my_blocks, \
     resolve_block_size
 from magnetar.methods.local import LocalMethod
@@ -21,6 +21,25 @@ class PulsarMethod(LocalMethod):
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
         return covers_ranks(config, context_len)
+
+    def label_options(self, config: EngineConfig) -> list[str]:
+        """The block size when set, then every Pulsar option that differs from its default."""
+        p, d = config.pulsar, PulsarConfig()
+        out = [f"block {config.blocks.block_size}"] if config.blocks.block_size is not None else []
+        if p.scorer != d.scorer:
+            out.append(p.scorer)
+        if p.summary_budget != d.summary_budget:
+            out.append(f"budget {p.summary_budget:g}")
+        for name in ("sink_size", "chunk_size", "positions", "discard_summary_kv"):
+            if getattr(p, name) != getattr(d, name):
+                out.append(f"{name} {getattr(p, name)}")
+        return out
+
+    def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]:
+        if with_ids:
+            return []
+        return ["pulsar summaries assumed not to overlap the sink (Eq. 4 upper bound)"
+                if config.pulsar.scorer != "even" else "pulsar even scorer: exact"]
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         bounds, mine = my_blocks(config, int(context_ids.numel()), cp_rank)

@@ -25,6 +25,7 @@ class RingPlan(RankPlan):
 
 class RingMethod(MethodBase):
     name = "ring"
+    lockstep_ranks = True  # the shards circulate: every layer exchanges KV with the neighbours
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
         return covers_ranks(config, context_len)

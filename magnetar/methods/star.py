@@ -15,6 +15,10 @@ class StarMethod(LocalMethod):
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
         return covers_ranks(config, context_len)
 
+    def label_options(self, config: EngineConfig) -> list[str]:
+        out = [f"block {config.blocks.block_size}"] if config.blocks.block_size is not None else []
+        return out + ([f"anchor {config.blocks.anchor_size}"] if config.blocks.anchor_size is not None else [])
+
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L = int(context_ids.numel())
         bounds, mine = my_blocks(config, L, cp_rank)

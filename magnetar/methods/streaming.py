@@ -42,6 +42,19 @@ class StreamingMethod(MethodBase):
         cache.append(k, v, pos)
         return out
 
+    def label_options(self, config: EngineConfig) -> list[str]:
+        return [f"window {config.streaming.window_size}"]
+
+    def visible_keys(self, config: EngineConfig, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The chunk itself, the attention sinks and the cached previous ``window_size`` tokens."""
+        sinks, window = config.streaming.sink_tokens, config.streaming.window_size
+        sel = seen[(seen < sinks) | (seen >= int(positions[0]) - window)]
+        return torch.cat((sel, positions))
+
+    def kept_positions(self, config: EngineConfig, kept: torch.Tensor, context_len: int) -> torch.Tensor:
+        sinks, window = config.streaming.sink_tokens, config.streaming.window_size
+        return kept[(kept < sinks) | (kept >= context_len - window)]
+
     def finish(self, shard: KVShard, config: EngineConfig, context_len: int) -> None:
         """StreamingLLM's cache after prefill: the attention sinks and the last ``window_size`` context tokens."""
         sinks, window = config.streaming.sink_tokens, config.streaming.window_size

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from magnetar.config import SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
+from magnetar.config import METHODS, SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
 from magnetar.eval.report import load
 from magnetar.eval.results import append_records  # ends a cut last line first
 
@@ -94,8 +94,9 @@ def run(args) -> int:
         if not todo:
             continue
         if method not in engines:
-            cfg = EngineConfig.create(method=method, cp_size=1 if method == "dense" else args.cp,
-                                      simulate=method != "dense", deepspeed_inference=False)
+            distributed = METHODS[method].distributed
+            cfg = EngineConfig.create(method=method, cp_size=args.cp if distributed else 1, simulate=distributed,
+                                      deepspeed_inference=False)
             engines[method] = magnetar.init_inference(model, cfg, tokenizer=tokenizer)
         win = ppl_window(tokenizer, L, i, target_tokens=args.target_tokens)
         t0 = time.perf_counter()
