@@ -19,8 +19,7 @@ from magnetar.engine.finite import LayerFlags
 from magnetar.engine.hf import capture_attention_inputs
 from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment
-from magnetar.engine.strategy import ContextMethod, LayerContext, PrefillPolicy, PrefillRun, context_method, \
-    prefill_policy
+from magnetar.engine.strategy import ContextMethod, LayerContext, PrefillPolicy, PrefillRun, context_method
 from magnetar.parallel import ParallelGroups
 from magnetar.utils.nvtx import PHASE1, PHASE1_BLOCK, PHASE1_LAYER, nvtx_range
 
@@ -29,7 +28,6 @@ from magnetar.utils.nvtx import PHASE1, PHASE1_BLOCK, PHASE1_LAYER, nvtx_range
 class Phase1Result:
     shard: KVShard
     seconds: float
-    kept_tokens: int  # context tokens whose KV was kept (before streaming eviction)
     prefill_stats: Optional[object] = None  # sparse prefill: this rank's PrefillStats (see engine.strategy)
     nonfinite_layer: Optional[int] = None  # runtime.check_finite: first layer whose attention output was not finite
 
@@ -67,17 +65,14 @@ def _base_model(model):
 
 @torch.inference_mode()
 def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.Tensor, groups: ParallelGroups,
-               device: torch.device, progress=None, mass: Optional[Callable[..., torch.Tensor]] = None,
+               device: torch.device, mass: Optional[Callable[..., torch.Tensor]] = None,
                prefill: Optional[PrefillPolicy] = None) -> Phase1Result:
     """Encode the plan's segments of ``context_ids (L,)``; returns the frozen KV shard.
     ``mass``: a decode policy's recorder of the attention mass every stored key received (LuKA), used by
-    methods with a local Phase 1. ``prefill``: the engine's sparse-prefill policy (made here from
-    ``config.prefill`` when not given); the patched layers of every segment then attend sparsely, budget from
-    the context length."""
+    methods with a local Phase 1. ``prefill``: the engine's sparse-prefill policy (None: dense prefill); the
+    patched layers of every segment then attend sparsely, budget from the context length."""
     method = context_method(config.method)
     local = METHODS[config.method].local_prefill
-    if prefill is None:
-        prefill = prefill_policy(config.prefill, model.config)
     run = prefill.start(int(context_ids.numel())) if prefill is not None and local else None
     if run is not None and run.needs_hidden:
         capture_attention_inputs(model)
@@ -94,13 +89,10 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
             with nvtx_range(PHASE1_BLOCK, i=seg.block):
                 base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
                      use_cache=False, magnetar=ctx)
-            if progress is not None:
-                progress.update(1)
     shard.freeze()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    kept = shard.tokens()
     method.finish(shard, config, int(context_ids.numel()))
-    return Phase1Result(shard, seconds, kept, None if run is None else run.stats,
+    return Phase1Result(shard, seconds, None if run is None else run.stats,
                         None if flags is None else flags.first())

@@ -18,7 +18,8 @@ Worked example, world_size = 8, tp_size = 2, cp_size = 2 (so dp_size = 2); mesh[
 A *replica* is the TP x CP unit that serves one request together (``mesh[dp]``): its ranks agree on the
 request and receive the chosen token from its first rank.
 
-With ``tp_size`` 1 (today's engine) every TP group is one rank and the layout is CP innermost; world_size = 8,
+With ``tp_size`` 1 every TP group is one rank and the layout is CP innermost (``tp_size`` > 1 puts TP innermost:
+consecutive ranks share one model's weights, see ``rank_grid``); world_size = 8,
 cp_size = 4::
 
     cp groups : [0, 1, 2, 3]  [4, 5, 6, 7]          rank 6 -> cp_rank 2 in cp group 1

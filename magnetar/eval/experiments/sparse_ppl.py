@@ -25,10 +25,6 @@ from magnetar.eval.report import load
 from magnetar.eval.results import append_records  # ends a cut last line first
 
 
-def variant_label(v: SparseConfig) -> str:
-    return "dense decoding" if v.sparse_policy == "none" else v.sparse_policy
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.experiments.sparse_ppl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
