@@ -284,3 +284,28 @@ def test_one_requests_nan_fails_it_alone(label, flat):
         list(eng.stream(ctx, bad_q, max_new_tokens=3))
     with pytest.raises(NonFiniteError, match="the query"):
         eng.generate(ctx, bad_q, max_new_tokens=3)
+
+
+def test_the_serving_path_skips_what_its_broadcast_guarantees(monkeypatch):
+    """Issue 29, item 3: the server's ticks give every rank the same requests, so its batch drops the per-request
+    agreement collective (the library path keeps it) and reuses the cache key the leader hashed once."""
+    import magnetar.engine.requests as requests_mod
+    from magnetar.engine.encode import Encoder
+
+    eng = _engine(tiny_model("llama", seed=2))
+    ctx, q = _ids(1, 96), _ids(10, 4)
+    want = eng.generate(ctx, q, max_new_tokens=3).token_ids
+    key = eng.cache_key(ctx)
+    eng.cache.clear()
+    agreed = []
+    real = requests_mod.check_request
+    monkeypatch.setattr(requests_mod, "check_request", lambda *a, **kw: (agreed.append(kw["entry"]), real(*a, **kw)))
+    monkeypatch.setattr(Encoder, "key", lambda self, ids: pytest.fail("the context was hashed again"))
+    batch = eng.open_batch(agree=False)
+    rid, _ = batch.add(ctx, q, eng.sampling_params(max_new_tokens=3), key=key)
+    while batch.active:
+        batch.step()
+    assert batch.pop(rid).token_ids == want and agreed == [] and key in eng.cache
+    library = eng.open_batch()
+    rid, _ = library.add(ctx, q, eng.sampling_params(max_new_tokens=3), key=key)
+    assert agreed == ["ask"]

@@ -68,11 +68,13 @@ class ContinuousBatch:
     the engine's parts: ``source(options)`` gives the :class:`~magnetar.engine.requests.Requests` and
     :class:`~magnetar.engine.encode.Encoder` of the engine (``options`` None) or of its variant with those
     per-request encoding options; ``decode`` is the :class:`~magnetar.engine.phase2.DecodeBatch` the requests
-    step in; ``results`` assembles a finished request's :class:`~magnetar.engine.results.GenerationResult`."""
+    step in; ``results`` assembles a finished request's :class:`~magnetar.engine.results.GenerationResult`.
+    ``agree``: the ranks check they prepare the same request (one small collective each); a caller that already
+    gives every rank the same requests -- the server, whose ticks are one broadcast -- turns it off."""
 
     def __init__(self, source: Callable[[Optional[dict]], tuple[Requests, Encoder]], decode: DecodeBatch,
-                 results: Results, *, return_logits: bool = False):
-        self.source, self._batch, self.results = source, decode, results
+                 results: Results, *, return_logits: bool = False, agree: bool = True):
+        self.source, self._batch, self.results, self.agree = source, decode, results, agree
         self.requests, _ = source(None)
         self._entries: dict[int, _Entry] = {}
         self.return_logits = return_logits
@@ -92,21 +94,24 @@ class ContinuousBatch:
         return len(self._entries)
 
     def add(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
-            params: Optional[SamplingParams] = None, *, options: Optional[dict] = None) -> tuple[int, TokenEvent]:
+            params: Optional[SamplingParams] = None, *, options: Optional[dict] = None,
+            key: Optional[str] = None) -> tuple[int, TokenEvent]:
         """Add one request (:meth:`prepare`, then :meth:`join`): returns its id and its first token's event (the
         request may already be finished)."""
-        return self.join([self.prepare(context, query, params, options=options)])[0]
+        return self.join([self.prepare(context, query, params, options=options, key=key)])[0]
 
     def prepare(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
-                params: Optional[SamplingParams] = None, *, options: Optional[dict] = None) -> Ready:
+                params: Optional[SamplingParams] = None, *, options: Optional[dict] = None,
+                key: Optional[str] = None) -> Ready:
         """Check one request and encode its context: ``context`` (a string, token ids ``(L,)``, or a handle from
         ``Engine.encode``) runs Phase 1 unless the context cache holds it; ``query`` is a string or ids.
         ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
         ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
         engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
-        encoded with other options is another cache entry). A bad request is a ValueError on every rank alike
-        (nothing of it is left behind); the ranks check they prepare the same request (one small collective,
-        before its Phase 1)."""
+        encoded with other options is another cache entry); ``key``: the context's cache key when the caller has
+        it already (``Engine.cache_key``; the server hashes each context once). A bad request is a ValueError on
+        every rank alike (nothing of it is left behind); with ``agree`` the ranks check they prepare the same
+        request (one small collective, before its Phase 1)."""
         params = self.requests.sampling_params(params)
         if options is not None and not isinstance(options, dict):
             raise ValueError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
@@ -121,12 +126,13 @@ class ContinuousBatch:
             ids = context.context_ids
         else:
             ids = requests.context_ids(context)
-        requests.agree("ask", [ids], [qids], params, return_logits=self.return_logits)
+        if self.agree:
+            requests.agree("ask", [ids], [qids], params, return_logits=self.return_logits)
         requests.check_lengths(int(ids.numel()), int(qids.numel()), params.max_new_tokens)
         if isinstance(context, ContextHandle):
             return Ready(context, True, qids, params)
         with nvtx_range(GENERATE):
-            handle, cached = encoder.encode(ids)
+            handle, cached = encoder.encode(ids, key=key)
         return Ready(handle, cached, qids, params)
 
     def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:

@@ -90,10 +90,10 @@ class Encoder:
                              f"weights, so it answers only there; encode the context with this engine "
                              f"(engine.encode(context)) and ask with that handle")
 
-    def encode(self, context_ids: torch.Tensor) -> tuple[ContextHandle, bool]:
+    def encode(self, context_ids: torch.Tensor, key: Optional[str] = None) -> tuple[ContextHandle, bool]:
         """(the handle of ``context_ids``, whether it came from the cache); Phase 1 runs on a miss (every rank of
-        the replica calls it with the same ids)."""
-        key = self.key(context_ids)
+        the replica calls it with the same ids). ``key``: :meth:`key` of the ids, when the caller has it."""
+        key = self.key(context_ids) if key is None else key
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True

@@ -213,12 +213,13 @@ class Engine:
                 batch.cancel(rid)
         return batch.pop(rid)
 
-    def open_batch(self, *, return_logits: bool = False) -> ContinuousBatch:
+    def open_batch(self, *, return_logits: bool = False, agree: bool = True) -> ContinuousBatch:
         """A :class:`~magnetar.engine.batch.ContinuousBatch` on this engine: requests join it between decode steps
-        and leave when finished (a server's loop; every rank of the replica makes the same calls)."""
+        and leave when finished (a server's loop; every rank of the replica makes the same calls). ``agree=False``
+        drops the per-request agreement collective, for a caller that already broadcasts the requests."""
         decode = DecodeBatch(self.model, self.config, self.groups, self.device, policy=self.policy,
                              keep_logits=return_logits, isolate=True)  # one request's NaN fails it alone
-        return ContinuousBatch(self._source, decode, self.results, return_logits=return_logits)
+        return ContinuousBatch(self._source, decode, self.results, return_logits=return_logits, agree=agree)
 
     def _source(self, options: Optional[dict]) -> tuple[Requests, Encoder]:
         """The requests and encoder of this engine, or of its variant with ``options`` (ContinuousBatch)."""

@@ -16,12 +16,35 @@ from magnetar.config import EngineConfig
 from magnetar.engine import inputs
 from magnetar.engine.agree import check_request
 from magnetar.engine.sampling import RequestSampler, SamplingParams
-from magnetar.engine.strategy import DecodePolicy
+from magnetar.engine.strategy import DecodePolicy, plan_for_length
 from magnetar.engine.template import Prompt, encode_text, split_prompt
 from magnetar.parallel import ParallelGroups
 
 # the sampling fields whose None means "this engine's config.decode value"
 DEFAULTED = ("temperature", "top_p", "top_k", "seed")
+
+
+def check_fit(context_tokens: int, query_tokens: int, max_new_tokens: Optional[int], *,
+              max_positions: Optional[int], config: Optional[EngineConfig] = None,
+              policy: Optional[DecodePolicy] = None) -> Optional[int]:
+    """One request's checks against the model and its method -- pure, no collective: the engine's entries and the
+    server's request checks both call it. The context, query and ``max_new_tokens`` fit ``max_positions``
+    (``max_new_tokens`` None: at least one new token); ``config``'s method can run the context (its checks and
+    block plan on the first and last CP rank, e.g. a block larger than the context); ``policy``'s limits hold.
+    Returns the positions left after context and query (None without a limit); ValueError otherwise."""
+    L, Q = context_tokens, query_tokens
+    if max_new_tokens is not None:
+        inputs.check_positions(L, Q, max_new_tokens, max_positions)
+    elif max_positions is not None and L + Q + 1 > max_positions:
+        raise ValueError(f"the context ({L} tokens) + query ({Q}) + one new token exceeds the model's "
+                         f"{max_positions} positions; shorten the context by at least {L + Q + 1 - max_positions} "
+                         f"tokens")
+    if config is not None:
+        for rank in sorted({0, config.parallel.cp_size - 1}):
+            plan_for_length(config, L, rank)
+    if policy is not None:
+        policy.check(L)
+    return None if max_positions is None else max_positions - L - Q
 
 
 def sampling_key(params: SamplingParams) -> tuple:
@@ -102,10 +125,9 @@ class Requests:
 
     # -- checks ---------------------------------------------------------------------------------------------
     def check_lengths(self, context_tokens: int, query_tokens: int, max_new_tokens: int) -> None:
-        """The request fits the model's positions and the decode policy's limits."""
-        inputs.check_positions(context_tokens, query_tokens, max_new_tokens, self.max_positions)
-        if self.policy is not None:
-            self.policy.check(context_tokens)
+        """The request fits the model's positions, this engine's method and its decode policy (:func:`check_fit`)."""
+        check_fit(context_tokens, query_tokens, max_new_tokens, max_positions=self.max_positions, config=self.config,
+                  policy=self.policy)
 
     def agree(self, entry: str, contexts: Sequence[torch.Tensor], queries: Sequence[torch.Tensor],
               params: Optional[SamplingParams] = None, *, return_logits: bool = False, **more: Any) -> None:

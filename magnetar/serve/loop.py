@@ -152,7 +152,8 @@ class EngineLoop:
     # -- every rank -------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until a stop tick; returns the exit status (0 after a drain, 1 after a failure)."""
-        self.batch = self.engine.open_batch()
+        # the tick broadcast gives every rank the same requests: no agreement collective per request
+        self.batch = self.engine.open_batch(agree=False)
         try:
             while True:
                 tick = self._decide() if self.leader else None
@@ -251,7 +252,7 @@ class EngineLoop:
                 p = job.prepared
                 tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
                                      None if p.context_ids is None else p.context_ids.tolist(), p.context_id,
-                                     dict(p.options)))
+                                     dict(p.options), p.key if p.context_id is None else None))
         return tick
 
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
@@ -274,7 +275,8 @@ class EngineLoop:
                 torch.tensor(add.context_ids, dtype=torch.long)
             try:
                 ready.append(self.batch.prepare(context, torch.tensor(add.query_ids, dtype=torch.long),
-                                                SamplingParams(**add.params), options=add.options or None))
+                                                SamplingParams(**add.params), options=add.options or None,
+                                                key=add.key))
                 sids.append(add.sid)
             except (ValueError, NonFiniteError) as e:  # a bad request, or its own NaN in Phase 1: it fails alone
                 self._reject(add.sid, e, None)

@@ -41,7 +41,7 @@ from magnetar.config import FLAT_FIELDS, EngineConfig
 from magnetar.engine import inputs
 from magnetar.engine.inputs import MAX_STOP_CHARS
 from magnetar.engine.engine import REQUEST_OPTIONS
-from magnetar.engine.strategy import plan_for_length
+from magnetar.engine.requests import check_fit
 from magnetar.engine.template import split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
@@ -327,16 +327,10 @@ class Preparer:
         config = self.engine.variant_config(**options) if options else self.config
         try:
             inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
-            if self.engine.max_positions is not None and L + query_tokens + 1 > self.engine.max_positions:
-                raise ValueError(f"the context ({L} tokens) + query ({query_tokens}) + one new token exceeds the "
-                                 f"model's {self.engine.max_positions} positions; shorten the context by at least "
-                                 f"{L + query_tokens + 1 - self.engine.max_positions} tokens")
-            # the method's own checks and its block plan (pure arithmetic: e.g. a block larger than the context), so
-            # that a request the engine would refuse is refused here, by name, before a stream starts
-            for rank in sorted({0, config.parallel.cp_size - 1}):
-                plan_for_length(config, L, rank)
-            if self.engine.policy is not None:
-                self.engine.policy.check(L)
+            # the engine's own checks (positions, the method's block plan, the decode policy), so that a request
+            # the engine would refuse is refused here, by name, before it is queued or a stream starts
+            check_fit(L, query_tokens, None, max_positions=self.engine.max_positions, config=config,
+                      policy=self.engine.policy)
         except ValueError as e:
             option = next((n for n in (options or {}) if n in str(e)), None)
             if option is not None:  # the request's own option made it fail: name it

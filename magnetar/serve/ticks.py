@@ -24,7 +24,8 @@ from magnetar.parallel.collectives import wait_all
 class Add:
     """One request to add: ``sid`` the server's id; the context as ``context_ids`` or a pinned ``context_id``;
     ``params`` the SamplingParams fields; ``options`` the engine options its context is encoded with
-    (``Engine.variant``; empty: the server's)."""
+    (``Engine.variant``; empty: the server's); ``key`` the context's cache key, hashed once by the leader (every
+    rank applies the same tick, so it holds for each)."""
 
     sid: int
     query_ids: list[int]
@@ -32,6 +33,7 @@ class Add:
     context_ids: Optional[list[int]] = None
     context_id: Optional[str] = None
     options: dict = field(default_factory=dict)
+    key: Optional[str] = None
 
 
 @dataclass
