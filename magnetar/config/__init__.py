@@ -30,6 +30,7 @@ have"), :mod:`~magnetar.config.tree` (``EngineConfig``), :mod:`~magnetar.config.
 :mod:`~magnetar.config.cli` (flags) and :mod:`~magnetar.config.checks` (the generic checks). It is the bottom
 layer: it imports nothing of magnetar.
 """
+from magnetar.config.checks import short_repr
 from magnetar.config.cli import add_cli_args
 from magnetar.config.files import MAX_CONFIG_BYTES, MAX_INT_DIGITS, MAX_YAML_NODES
 from magnetar.config.registry import (DISTRIBUTED_METHODS, DTYPES, FIELD_CHOICES, LUKA_COMPRESSORS, LUKA_METHODS,
@@ -47,4 +48,4 @@ __all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "add_cli_args", "MethodSpe
            "LUKA_REFINE_SCOPE", "LUKA_REGIMES", "PREFILL_POLICIES", "PREFILL_D_IDX", "ParallelConfig", "BlockConfig",
            "PulsarConfig", "StreamingConfig", "DecodeConfig", "RuntimeConfig", "SparseConfig", "LukaConfig",
            "PrefillConfig", "Schedule", "PAPER_SCHEDULE", "SPARSE_DEFAULT_SINKS_WINDOW", "parse_schedule",
-           "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES"]
+           "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES", "short_repr"]

@@ -33,8 +33,10 @@ def _require(cond: bool, name: str, msg: str) -> None:
         raise err
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters: a hostile value must not make a megabyte message."""
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: a hostile value must not make a megabyte message (a huge int
+    by its size, a container by its length, a string's start). The one describer of client and config values in
+    error messages (the engine's and the server's too)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"<a {value.bit_length()}-bit int>"  # repr of a huge int is slow, or refused past 4300 digits
     if isinstance(value, (list, tuple, dict, set)):  # never the repr of a whole value: a YAML alias bomb is huge
@@ -57,7 +59,7 @@ def _suggest(word: Any, options) -> str:
 
 def _choice(name: str, value: Any, options: Sequence, noun: str) -> None:
     """``value`` must be one of ``options``; the error lists them (and the nearest one)."""
-    _require(value in options, name, f"unknown {noun} {_short(value)}{_suggest(value, options)} "
+    _require(value in options, name, f"unknown {noun} {short_repr(value)}{_suggest(value, options)} "
                                      f"(choose one of {', '.join(map(str, options))})")
 
 
@@ -77,7 +79,7 @@ def _type_problem(value: Any, want: type) -> Optional[str]:
         except OverflowError:  # an int too large for a float
             finite = False
         if ok and not finite:
-            return f"expected a finite number, got {_short(value)}"
+            return f"expected a finite number, got {short_repr(value)}"
         expected = "a number"
     elif want is str:
         ok, expected = isinstance(value, str), "a string"
@@ -88,7 +90,7 @@ def _type_problem(value: Any, want: type) -> Optional[str]:
                 f"EngineConfig.from_dict / EngineConfig.create, or pass {want.__name__}(...)")
     if ok:
         return None
-    msg = f"expected {expected}, got {type(value).__name__} {_short(value)}"
+    msg = f"expected {expected}, got {type(value).__name__} {short_repr(value)}"
     if want in (int, float) and isinstance(value, bool):
         return msg + " (a bool is not a number)"
     if want is int and isinstance(value, numbers.Real):
@@ -118,7 +120,7 @@ def _check_types(obj: Any) -> None:
             continue
         problem = _type_problem(value, want)
         if problem is None and want is int and not -_MAX_INT <= value < _MAX_INT:
-            problem = f"must fit in 64 bits, got {_short(value)}"
+            problem = f"must fit in 64 bits, got {short_repr(value)}"
         _require(problem is None, f.name, problem or "")
         if want in (int, float) and type(value) not in (int, float):
             object.__setattr__(obj, f.name, int(value) if want is int else float(value))

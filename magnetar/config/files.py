@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from magnetar.config.checks import _short
+from magnetar.config.checks import short_repr
 
 MAX_CONFIG_BYTES = 2**20
 
@@ -15,7 +15,7 @@ MAX_CONFIG_BYTES = 2**20
 def _read_file(path: Any) -> dict[str, Any]:
     """The top-level mapping of a JSON or YAML config file, with every way a file can be wrong named."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"a config file path is a str or Path, got {type(path).__name__} {_short(path)}")
+        raise ValueError(f"a config file path is a str or Path, got {type(path).__name__} {short_repr(path)}")
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
@@ -51,7 +51,7 @@ def _read_file(path: Any) -> dict[str, Any]:
         raise ValueError(f"config file {p}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {p} must hold a mapping of config fields at the top level (e.g. "
-                         f"{{\"method\": \"star\"}}), got {type(data).__name__} {_short(data)}")
+                         f"{{\"method\": \"star\"}}), got {type(data).__name__} {short_repr(data)}")
     return data
 
 

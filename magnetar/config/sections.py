@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
-                                    _require, _seed, _short)
+                                    _require, _seed, short_repr)
 from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_MODES, LUKA_REFINE, LUKA_REFINE_MASS,
                                       LUKA_REFINE_SCOPE, LUKA_REGIMES, POSITION_MODES, PREFILL_D_IDX,
                                       PREFILL_POLICIES, SCORERS, SPARSE_POLICIES)
@@ -28,8 +28,8 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {_short(self.cp_size)}")
-        _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {_short(self.tp_size)}")
+        _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {short_repr(self.cp_size)}")
+        _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {short_repr(self.tp_size)}")
         # at least a millisecond: below it the process-group timeout rounds to 0 and the rendezvous fails
         _require(_MIN_TIMEOUT_S <= self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
                  f"must be > 0 (at least {_MIN_TIMEOUT_S:g} s) and at most {_MAX_TIMEOUT_S:g} seconds, got "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from magnetar.config import checks
-from magnetar.config.checks import _check_types, _choice, _require, _short, _suggest
+from magnetar.config.checks import _check_types, _choice, _require, short_repr, _suggest
 from magnetar.config.files import _read_file
 from magnetar.config.registry import DISTRIBUTED_METHODS, LUKA_METHODS, METHODS, PREFILL_METHODS
 from magnetar.config.sections import (BlockConfig, DecodeConfig, LukaConfig, ParallelConfig, PrefillConfig,
@@ -149,13 +149,13 @@ def _sections_of(config: EngineConfig) -> dict[str, dict[str, Any]]:
 def _unknown(key: Any, section: Optional[str] = None) -> str:
     """The error for a key that is no config field (of ``section``): the nearest names, where it belongs."""
     if not isinstance(key, str):
-        return f"config keys are field names (strings), got {type(key).__name__} {_short(key)}"
+        return f"config keys are field names (strings), got {type(key).__name__} {short_repr(key)}"
     if section is not None:
         names = [f.name for f in fields(SECTIONS[section])]
         home = FLAT_FIELDS.get(key)
         where = f"; {key!r} belongs in section {home!r}" if home else _suggest(key, names)
-        return f"unknown field {_short(key)} in config section {section!r}{where} (its fields: {', '.join(names)})"
-    return (f"unknown config field {_short(key)}{_suggest(key, ['method', *SECTIONS, *FLAT_FIELDS])} (fields: "
+        return f"unknown field {short_repr(key)} in config section {section!r}{where} (its fields: {', '.join(names)})"
+    return (f"unknown config field {short_repr(key)}{_suggest(key, ['method', *SECTIONS, *FLAT_FIELDS])} (fields: "
             f"'method', the sections {', '.join(SECTIONS)} and their fields {', '.join(sorted(FLAT_FIELDS))})")
 
 
@@ -190,7 +190,7 @@ def _split(data: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
             if not isinstance(value, Mapping):
                 first = fields(SECTIONS[key])[0].name
                 raise ValueError(f"config section {key!r} must be a mapping of its fields (e.g. {{{first!r}: ...}}) "
-                                 f"or a {SECTIONS[key].__name__}, got {type(value).__name__} {_short(value)}")
+                                 f"or a {SECTIONS[key].__name__}, got {type(value).__name__} {short_repr(value)}")
             for k, v in value.items():
                 if not isinstance(k, str) or FLAT_FIELDS.get(k) != key:
                     raise ValueError(_unknown(k, key))

@@ -63,6 +63,11 @@ class _Entry:
     deltas: Optional[TextDeltas]
 
 
+def question(handle: ContextHandle, query_ids: torch.Tensor, sampler: RequestSampler) -> Phase2Request:
+    """One question over ``handle``'s KV: a fresh view of the shard (its own decode-policy state)."""
+    return Phase2Request(handle.shard.view(), query_ids, handle.query_position, handle.context_tokens, sampler)
+
+
 class ContinuousBatch:
     """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()`` from
     the engine's parts: ``source(options)`` gives the :class:`~magnetar.engine.requests.Requests` and
@@ -145,8 +150,7 @@ class ContinuousBatch:
                 raise ValueError(f"prepared[{i}] must be a Ready from ContinuousBatch.prepare(), "
                                  f"got {type(p).__name__}")
         samplers = [self.requests.sampler(p.params) for p in prepared]
-        rids = self._batch.join([Phase2Request(p.handle.shard.view(), p.query_ids, p.handle.query_position,
-                                               p.handle.context_tokens, s) for p, s in zip(prepared, samplers)])
+        rids = self._batch.join([question(p.handle, p.query_ids, s) for p, s in zip(prepared, samplers)])
         out = []
         tokenizer = self.requests.tokenizer
         for rid, p, sampler in zip(rids, prepared, samplers):

@@ -29,13 +29,13 @@ from typing import Any, Generator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from magnetar.config import EngineConfig, LukaConfig, SparseConfig
+from magnetar.config import EngineConfig, LukaConfig, SparseConfig, short_repr
 from magnetar.engine import hf, inputs
-from magnetar.engine.batch import ContinuousBatch
+from magnetar.engine.batch import ContinuousBatch, question
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.finite import NonFiniteError
-from magnetar.engine.phase2 import DecodeBatch, Phase2Request, run_phase2
+from magnetar.engine.phase2 import DecodeBatch, run_phase2
 from magnetar.engine.requests import Requests
 from magnetar.engine.results import GenerationResult, RankStats, Results, ScoreResult  # noqa: F401 (re-exported)
 from magnetar.engine.sampling import RequestSampler, SamplingParams
@@ -267,8 +267,7 @@ class Engine:
     def _ask(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool], params: SamplingParams,
              return_logits: bool) -> list[GenerationResult]:
         samplers = [self.requests.sampler(params) for _ in handles]
-        requests = [Phase2Request(h.shard.view(), q, h.query_position, h.context_tokens, s)
-                    for h, q, s in zip(handles, qids, samplers)]
+        requests = [question(h, q, s) for h, q, s in zip(handles, qids, samplers)]
         decs = run_phase2(self.model, self.config, requests, self.groups, self.device, keep_logits=return_logits,
                           policy=self.policy)
         return self.results.assemble(handles, qids, hits, decs, samplers)
@@ -293,7 +292,7 @@ class Engine:
             if name not in REQUEST_OPTIONS:
                 raise ValueError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
                                  f"change how a context is encoded, not the ranks' layout or the decoding); start an "
-                                 f"engine with {name}={_short_repr(options[name])} for it")
+                                 f"engine with {name}={short_repr(options[name])} for it")
         return self.config.replace(**options)  # validates each value and the method's needs
 
     def variant(self, **options) -> "Engine":
@@ -361,15 +360,6 @@ def ready_policy(policy, model, groups: ParallelGroups, device: torch.device):
     if prepare is not None:
         prepare(device)
     return policy
-
-
-def _short_repr(value) -> str:
-    """``value`` for an error message, cheaply (a request's value may be megabytes or a 5000-digit int)."""
-    if isinstance(value, int) and value.bit_length() > 128:
-        return f"<a {value.bit_length()}-bit int>"
-    text = repr(value[:60]) if isinstance(value, (str, bytes)) else \
-        (f"<{type(value).__name__}>" if isinstance(value, (list, dict, tuple, set)) else repr(value))
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 __all__ = ["Engine", "GenerationResult", "ScoreResult", "RankStats", "REQUEST_OPTIONS", "MAX_VARIANTS", "kv_options",

@@ -206,7 +206,7 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
     if not text:
         raise ValueError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
                          "before the question (or a given context); add the document before the question")
-    return split_plain(tokenizer, text, last["content"], limit)
+    return split_plain(tokenizer, text, last["content"])  # check_fits ran above, over the same text
 
 
 def _describe(value) -> str:

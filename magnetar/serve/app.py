@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from magnetar.serve.gate import Refused, error_response_body
+from magnetar.serve.gate import Refused
 from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
 from magnetar.serve.prompts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
@@ -59,7 +59,7 @@ def build_app(server) -> FastAPI:
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused):  # raised by the gate while a route reads the body
         metrics.refused(exc.status)
-        return Response(error_response_body(exc.message, exc.code), status_code=exc.status,
+        return Response(exc.body(), status_code=exc.status,
                         media_type="application/json", headers={"connection": "close"})
 
     @app.exception_handler(StarletteHTTPException)
@@ -118,49 +118,40 @@ def build_app(server) -> FastAPI:
 
     async def _collect(request: Request, sink: Sink, sid: int) -> tuple[str, Done]:
         """The whole answer; cancels the request if the client goes away meanwhile."""
-        parts = []
-        getter = asyncio.ensure_future(sink.queue.get())
-        checked = time.monotonic()
-        try:
-            while True:
-                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-                # every poll period, also while tokens keep coming (they did not let a check run before)
-                if time.monotonic() - checked >= _DISCONNECT_POLL_S:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        loop.cancel(sid)
-                        raise RequestError("the client disconnected", status=499)
-                if not done:
-                    continue
-                item = getter.result()
-                if isinstance(item, Failed):
-                    raise item.error
-                if isinstance(item, Done):
-                    return "".join(parts), item
-                parts.append(item.text)
-                getter = asyncio.ensure_future(sink.queue.get())
-        finally:
-            getter.cancel()
+        parts, checked = [], [time.monotonic()]
+        while True:
+            item = await _next(request, sink, sid, checked)
+            if isinstance(item, Failed):
+                raise item.error
+            if isinstance(item, Done):
+                return "".join(parts), item
+            parts.append(item.text)
 
     async def _first(request: Request, sink: Sink, sid: int):
         """A request's first event (its first token, or Done); RequestError when it failed, or the client left
         meanwhile (then the request is cancelled)."""
+        item = await _next(request, sink, sid, [time.monotonic()])
+        if isinstance(item, Failed):
+            raise item.error
+        return item
+
+    async def _next(request: Request, sink: Sink, sid: int, checked: list[float]):
+        """The request's next event. Its client is checked every poll period since ``checked[0]`` -- also while
+        events keep coming --, and when it has gone the request is cancelled and a 499 raised."""
         getter = asyncio.ensure_future(sink.queue.get())
         try:
             while True:
                 done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+                if time.monotonic() - checked[0] >= _DISCONNECT_POLL_S:
+                    checked[0] = time.monotonic()
+                    if await request.is_disconnected():
+                        loop.cancel(sid)
+                        raise RequestError("the client disconnected", status=499)
                 if done:
-                    break
-                if await request.is_disconnected():
-                    loop.cancel(sid)
-                    raise RequestError("the client disconnected", status=499)
+                    return getter.result()
         finally:
             if not getter.done():
                 getter.cancel()
-        item = getter.result()
-        if isinstance(item, Failed):
-            raise item.error
-        return item
 
     async def _stream(sink: Sink, sid: int, rid: str, chat_kind: bool, include_usage: bool, first=None):
         created, name = now(), server.model_name

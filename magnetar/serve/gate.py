@@ -19,7 +19,8 @@ error body when
 A request's headers are bounded by :class:`BoundedH11Protocol`: a connection that has not sent a whole request
 head within ``--request-timeout-s`` (nothing at all, or half the headers) is closed; uvicorn's own
 ``limit_concurrency`` (``--max-connections``) answers 503 past that many connections, and h11 refuses a head
-larger than its 64 KiB limit. This module knows nothing about the engine.
+larger than its 16 KiB limit. This module knows nothing about the engine (the error bodies are
+:func:`magnetar.serve.protocol.error_body`).
 """
 from __future__ import annotations
 
@@ -31,14 +32,12 @@ import logging
 import time
 from typing import Iterable, Optional
 
+from magnetar.serve.protocol import error_body
+
 log = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 JSON_TYPES = ("application/json",)
-
-
-def error_response_body(message: str, code: Optional[str], type: str = "invalid_request_error") -> bytes:
-    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
 
 
 def is_loopback(host: str) -> bool:
@@ -66,6 +65,10 @@ class Refused(Exception):
     def __init__(self, status: int, message: str, code: Optional[str], headers: Iterable[tuple[bytes, bytes]] = ()):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, list(headers)
+
+    def body(self) -> bytes:
+        """OpenAI's error body, as JSON bytes."""
+        return json.dumps(error_body(self.message, code=self.code)).encode()
 
 
 class Gate:
@@ -169,7 +172,7 @@ class Gate:
     async def _refuse(self, send, r: Refused) -> None:
         if self.on_refused is not None:
             self.on_refused(r.status)
-        body = error_response_body(r.message, r.code)
+        body = r.body()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), *r.headers]
         await send({"type": "http.response.start", "status": r.status, "headers": headers})

@@ -297,10 +297,7 @@ class EngineLoop:
                 result = self.batch.pop(ev.rid)  # every rank: a small collective
                 self._forget(sid)
                 if ev.stop_reason == "nonfinite":  # this request's own NaN: it fails alone, the server goes on
-                    log.error("request %d failed: %s", sid, ev.error)
-                    self._send(sid, Failed(RequestError(f"the model produced non-finite values for this request "
-                                                        f"({ev.error})", status=500, type="server_error")))
-                    self._finish_job(sid, "error")
+                    self._reject(sid, NonFiniteError(ev.error), None)
                     continue
                 self._send(sid, Done(result, FINISH_REASONS.get(ev.stop_reason)))
                 if self.leader:

@@ -39,7 +39,6 @@ import torch
 
 from magnetar.config import FLAT_FIELDS, EngineConfig
 from magnetar.engine import inputs
-from magnetar.engine.inputs import MAX_STOP_CHARS
 from magnetar.engine.engine import REQUEST_OPTIONS
 from magnetar.engine.requests import check_fit
 from magnetar.engine.template import split_messages, split_plain
@@ -104,22 +103,22 @@ class ContextRegistry:
         """Give back a place :meth:`reserve` took; returns whether ``cid`` is now neither pinned nor being encoded
         (then nothing holds its encoded KV: the caller releases it)."""
         with self._lock:
-            n = self._reserved.get(cid, 0) - 1
-            if n > 0:
-                self._reserved[cid] = n
-            else:
-                self._reserved.pop(cid, None)
+            self._give_back(cid)
             return cid not in self._items and cid not in self._reserved
 
     def add(self, item: PinnedContext) -> None:
         """Pin ``item`` in the place :meth:`reserve` took for it."""
         with self._lock:
             self._items[item.id] = item
-            n = self._reserved.get(item.id, 0) - 1
-            if n > 0:
-                self._reserved[item.id] = n
-            else:
-                self._reserved.pop(item.id, None)
+            self._give_back(item.id)
+
+    def _give_back(self, cid: str) -> None:
+        """One reservation of ``cid`` fewer (the lock held)."""
+        n = self._reserved.get(cid, 0) - 1
+        if n > 0:
+            self._reserved[cid] = n
+        else:
+            self._reserved.pop(cid, None)
 
     def remove(self, cid: str) -> Optional[PinnedContext]:
         with self._lock:
@@ -180,7 +179,7 @@ class Preparer:
                                "message", "messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        context, cid, options = self._options(req.magnetar, "chat")
+        context, cid, options, config = self._options(req.magnetar, "chat")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
@@ -196,7 +195,7 @@ class Preparer:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if context is not None else "messages"
-        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options)
+        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options, config)
 
     def completion(self, req: CompletionRequest) -> Prepared:
         self._common(req)
@@ -208,7 +207,7 @@ class Preparer:
             prompt = prompt[0]
         if not prompt.strip():
             raise RequestError("prompt is empty: Phase 2 needs at least one query token", "prompt")
-        context, cid, options = self._options(req.magnetar, "raw")
+        context, cid, options, config = self._options(req.magnetar, "raw")
         where = "magnetar.context"
         if context is None and cid is None:
             context, prompt = split_completion(prompt)
@@ -218,7 +217,8 @@ class Preparer:
         except ValueError as e:
             raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
                                where if not str(e).startswith("query:") else "prompt") from None
-        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options)
+        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options,
+                            config)
 
     def context(self, req: ContextRequest) -> torch.Tensor:
         """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
@@ -249,23 +249,22 @@ class Preparer:
         if req.stream_options is not None and not req.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
         stop = req.stop_list()
-        if stop is not None and len(stop) > self.max_stop_strings:
-            raise RequestError(f"stop holds {len(stop)} strings; this server allows at most {self.max_stop_strings} "
-                               f"(OpenAI's limit is 4; the server's --max-stop-strings)", "stop")
-        for i, s in enumerate(stop or ()):
-            if len(s) > MAX_STOP_CHARS:
-                raise RequestError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
-                                   f"{MAX_STOP_CHARS}", "stop")
+        try:  # the engine's bounds, with this server's count (--max-stop-strings)
+            inputs.check_stop(stop, self.max_stop_strings)
+        except ValueError as e:
+            hint = " (this server's --max-stop-strings; OpenAI's limit is 4)" if str(e).startswith("stop holds") else ""
+            raise RequestError(f"{e}{hint}", "stop") from None
 
     def _options(self, options: Optional[dict[str, Any]], fmt: str) -> tuple[Optional[str], Optional[str],
-                                                                              dict[str, Any]]:
-        """(magnetar.context, magnetar.context_id, the engine options) of a request's ``magnetar`` object; ``fmt``:
+                                                                              dict[str, Any], EngineConfig]:
+        """(magnetar.context, magnetar.context_id, the engine options, the config they make -- checked once here,
+        the server's own without options) of a request's ``magnetar`` object; ``fmt``:
         the format a pinned context must have for this endpoint (``chat`` or ``raw``). Engine
         options are those :data:`~magnetar.engine.engine.REQUEST_OPTIONS` (how the context is encoded: ``method``,
         ``block_size``, pulsar's and streaming's fields); the others would change the ranks' layout or the
         decoding of the whole batch, so only the server's own value is accepted."""
         if not options:
-            return None, None, {}
+            return None, None, {}, self.config
         engine_options = {}
         for name, value in options.items():
             if name in OPTIONS:
@@ -288,9 +287,10 @@ class Preparer:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}, "
                                f"{', '.join(REQUEST_OPTIONS)}){hint}", param)
+        config = self.config
         if engine_options:
             try:  # validates the values together (a method's needs); makes no variant for a refused request
-                self.engine.variant_config(**engine_options)
+                config = self.engine.variant_config(**engine_options)
             except ValueError as e:
                 name = next((n for n in engine_options if n in str(e)), next(iter(engine_options)))
                 raise RequestError(f"magnetar: {e}", f"magnetar.{name}") from None
@@ -320,11 +320,13 @@ class Preparer:
                                f"as the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
                                f"{endpoint}, or POST /v1/contexts with format {fmt!r} for this endpoint",
                                "magnetar.context_id")
-        return context, cid, engine_options
+        return context, cid, engine_options, config
 
-    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None) -> None:
+    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None,
+                       config: Optional[EngineConfig] = None) -> None:
+        """``ids`` can be encoded with ``config`` (default: the server's) for a query of ``query_tokens``."""
         L = int(ids.numel())
-        config = self.engine.variant_config(**options) if options else self.config
+        config = self.config if config is None else config
         try:
             inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
             # the engine's own checks (positions, the method's block plan, the decode policy), so that a request
@@ -338,13 +340,13 @@ class Preparer:
             raise RequestError(f"{param}: {e}", param) from None
 
     def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
-                max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None) -> Prepared:
+                max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None,
+                config: Optional[EngineConfig] = None) -> Prepared:
         if cid is not None:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
         else:
-            config = self.engine.variant_config(**options) if options else None
-            L, key = int(context_ids.numel()), self.engine.cache_key(context_ids, config)
+            L, key = int(context_ids.numel()), self.engine.cache_key(context_ids, config if options else None)
         Q = int(query_ids.numel())
         query_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
@@ -352,7 +354,7 @@ class Preparer:
         except ValueError as e:
             raise RequestError(f"{query_param}: {e}", query_param) from None
         if cid is None:
-            self._check_context(context_ids, Q, where, options)
+            self._check_context(context_ids, Q, where, options, config)
         room = None if self.engine.max_positions is None else self.engine.max_positions - L - Q
         if room is not None and room < 1:
             raise RequestError(f"{where}: the context ({L} tokens) and query ({Q}) fill the model's "

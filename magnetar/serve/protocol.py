@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from magnetar.config import short_repr
+
 
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status``, a message naming the field and what to change, ``param``
@@ -30,26 +32,17 @@ class RequestError(Exception):
         return error_body(self.message, self.param, self.type)
 
 
-def error_body(message: str, param: Optional[str] = None, type: str = "invalid_request_error") -> dict:
+def error_body(message: str, param: Optional[str] = None, type: str = "invalid_request_error",
+               code: Optional[str] = None) -> dict:
     """OpenAI's error object (a ``param`` longer than 100 characters -- a client's own field name -- is cut)."""
     if param is not None and len(param) > 100:
         param = param[:97] + "..."
-    return {"error": {"message": message, "type": type, "param": param, "code": None}}
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """A client's value for an error message, cheaply and short: never the whole of a megabyte string, a container's
-    contents or a 5000-digit int."""
-    if isinstance(value, bool) or value is None:
-        return repr(value)
-    if isinstance(value, int) and value.bit_length() > 128:
-        return f"<a {value.bit_length()}-bit int>"
-    if isinstance(value, (list, tuple, dict, set)):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    if isinstance(value, str) and len(value) > limit:
-        return repr(value[:limit]) + f"... ({len(value)} characters)"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    """A client's value for an error message, cheaply and short (:func:`magnetar.config.short_repr`)."""
+    return short_repr(value, limit)
 
 
 class _Strict(BaseModel):
