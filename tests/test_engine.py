@@ -118,6 +118,8 @@ def _simulated_worker(rank, world):
     bs = -(-L // (2 * world))  # two blocks per rank
     for flat in (dict(method="star", block_size=bs, anchor_size=5),
                  dict(method="pulsar", sink_size=4, chunk_size=4, summary_budget=0.25),
+                 dict(method="star", block_size=bs, anchor_size=5, prefill_policy="oracle", prefill_topk=6,
+                      prefill_dense_layers=0),
                  dict(method="ring")):
         real = _run(model, ctx, q, cp_size=world, **flat)
         sim = _run(model, ctx, q, cp_size=world, simulate=True, **flat)
@@ -128,6 +130,11 @@ def _simulated_worker(rank, world):
         assert sim.context_kv_tokens_per_rank == real.context_kv_tokens_per_rank, what
         assert sim.kv_tokens_per_rank == real.kv_tokens_per_rank, what
         assert len(sim.phase1_seconds) == world and sim.phase1_critical_path_seconds > 0
+        # the ranks' figures travel in one integer gather: the same sizes and counts as measured in one process
+        assert sim.kv_bytes_per_rank == real.kv_bytes_per_rank and sim.prefill_stats == real.prefill_stats, what
+        assert len(real.phase1_seconds) == world and all(t > 0 for t in real.phase1_seconds), what
+        if "prefill_policy" in flat:
+            assert real.prefill_stats["patched_calls"] > 0 and real.prefill_stats["sparse_calls"] > 0, what
         if flat["method"] == "ring":
             ref_logits, ref_tokens = reference(model, ctx, q, NEW)
             _same(sim, ref_logits, ref_tokens, what)

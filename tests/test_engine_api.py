@@ -163,6 +163,13 @@ def test_every_registered_strategy_satisfies_its_protocol():
     assert strategy.prefill_policy(PrefillConfig(), model_config) is None
     with pytest.raises(ValueError, match="unknown method 'nope'; valid options are dense, ring"):
         strategy.context_method("nope")
+    # every registered policy derives from its family's base (the engine calls the optional members, never probes)
+    from magnetar.config import DECODE_SECTIONS, POLICIES
+    from magnetar.utils.registry import load_class
+
+    for name, spec in POLICIES.items():
+        base = strategy.DecodePolicyBase if spec.section in DECODE_SECTIONS else strategy.PrefillPolicyBase
+        assert issubclass(load_class(spec.impl), base), name
 
 
 def test_design_doc_worked_example_is_one_module_plus_one_registry_line(tmp_path, monkeypatch):
@@ -195,6 +202,49 @@ def test_design_doc_worked_example_is_one_module_plus_one_registry_line(tmp_path
         ctx, q, max_new_tokens=3, return_logits=True)
     assert plugin.token_ids == star.token_ids and plugin.context_kv_tokens_per_rank == [100, 100, 100]
     assert torch.equal(plugin.first_token_logits, star.first_token_logits)
+
+
+def test_design_doc_policy_example_is_one_module_plus_one_registry_line(tmp_path, monkeypatch):
+    """Issue 29, item 5: docs/design.md's example decode policy, taken from the doc as written, registered with its
+    one line: the config and the CLI accept it by name, the engine builds it (no probing: the base gives the
+    rest), and over distributed KV it equals Quest with one key per page -- whose page bound is q.k itself."""
+    import argparse
+    import re
+    import sys
+    from pathlib import Path
+
+    from magnetar import config
+    from magnetar.config import EngineConfig, SparseConfig, add_cli_args
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    code = next(b for b in blocks if b.startswith("# magnetar/sparse/mips.py"))
+    line = next(b for b in blocks if b.startswith("# magnetar/config/registry.py, POLICIES"))
+    (tmp_path / "mips_plugin.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = eval(line.split("\n", 1)[1].split(":", 1)[1].strip().rstrip(","), vars(config))
+    assert spec == config.PolicySpec("magnetar.sparse.mips:MipsSelector", "sparse")
+    with pytest.raises(ValueError, match="unknown policy 'mips'"):
+        SparseConfig(sparse_policy="mips", sparse_budget=8)
+    monkeypatch.setitem(config.POLICIES, "mips", config.PolicySpec("mips_plugin:MipsSelector", spec.section))
+    sys.modules.pop("mips_plugin", None)
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(["--sparse-policy", "mips", "--sparse-budget", "8",
+                                                               "--dense-layers", "0"])
+    assert EngineConfig.from_cli(args).decode_config.policy == "mips"
+    model = tiny_model("llama", seed=3)
+    g = torch.Generator().manual_seed(4)
+    ctx, q = torch.randint(0, 256, (120,), generator=g), torch.randint(0, 256, (5,), generator=g)
+    common = dict(method="star", cp_size=3, simulate=True, sparse_budget=8, dense_layers=0)
+    mips = _engine(model, sparse_policy="mips", **common)
+    assert type(mips.policy).__name__ == "MipsSelector" and mips.policy.stats(None, 0) is None
+    got = mips.generate(ctx, q, max_new_tokens=3, return_logits=True)
+    quest = _engine(model, sparse_policy="quest", page_size=1, **common).generate(ctx, q, max_new_tokens=3,
+                                                                                  return_logits=True)
+    dense = _engine(model, method="star", cp_size=3, simulate=True).generate(ctx, q, max_new_tokens=3,
+                                                                            return_logits=True)
+    assert_close(got.first_token_logits, quest.first_token_logits, what="logits", msg="mips vs quest(page 1)")
+    assert got.token_ids == quest.token_ids
+    assert (got.first_token_logits - dense.first_token_logits).abs().max() > 1e-3, "the budget really selects"
 
 
 def test_eval_knows_a_new_method_only_through_the_registry(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from magnetar.calibrate.spotlight import TrainConfig, collect, ranking_loss, ret
 from magnetar.config import EngineConfig, SparseConfig
 from magnetar.sparse.codes import hamming_scores, hamming_topk, pack_bits
 from magnetar.sparse.hashing import HashBank, model_signature, so_rotation
-from magnetar.sparse.select import SparseDecoder
+from magnetar.engine.strategy import decode_policy
 from tests.conftest import assert_close, assert_differs
 from tests.dist_utils import run_distributed
 from tests.reference import dense_attention_fp64
@@ -168,8 +168,8 @@ def test_oracle_and_quest_selections_match_direct_implementations():
     q_pos = torch.arange(60, 63)
     scale = 8 ** -0.5
     # oracle: top-k of the group's attention mass
-    dec = SparseDecoder(SparseConfig(sparse_policy="oracle_topk", sparse_budget=7, dense_layers=0), model.config)
-    idx, valid = dec.select(0, q, kv, 7, scale, 50)
+    dec = decode_policy(SparseConfig(sparse_policy="oracle_topk", sparse_budget=7, dense_layers=0), model.config)
+    idx, valid = dec.choose(0, q, kv, 7, scale, 50)
     assert valid is None
     for h in range(2):
         for s in range(3):
@@ -178,9 +178,9 @@ def test_oracle_and_quest_selections_match_direct_implementations():
     out, lse = dec.attend(0, q, kv, q_pos, 7, scale, 50)
     assert_close(out, _masked_reference(q, kv, idx, scale, q_pos), what="fp32", msg="oracle out")
     # quest: pages of 4 keys ranked by sum_d max(q_d max_d, q_d min_d), max over the group
-    dec = SparseDecoder(SparseConfig(sparse_policy="quest", sparse_budget=10, page_size=4, dense_layers=0),
+    dec = decode_policy(SparseConfig(sparse_policy="quest", sparse_budget=10, page_size=4, dense_layers=0),
                         model.config)
-    idx, valid = dec.select(0, q, kv, 10, scale, 50)
+    idx, valid = dec.choose(0, q, kv, 10, scale, 50)
     for h in range(2):
         for s in range(3):
             scores = []
@@ -206,10 +206,10 @@ def test_oracle_and_quest_selections_match_direct_implementations():
 def test_lsh_sinks_and_window_are_always_selected():
     model = tiny_model("llama")
     kv = _kv(N=200, D=16)
-    dec = SparseDecoder(SparseConfig(sparse_policy="lsh", sparse_budget=5, dense_layers=0, code_bits=64), model.config)
+    dec = decode_policy(SparseConfig(sparse_policy="lsh", sparse_budget=5, dense_layers=0, code_bits=64), model.config)
     assert dec.cfg.sinks == 4 and dec.cfg.window == 64  # MagicPIG-style defaults
     q = torch.randn(1, 4, 2, 16, generator=torch.Generator().manual_seed(2))
-    idx, _ = dec.select(0, q, kv, 5, 0.25, 200)
+    idx, _ = dec.choose(0, q, kv, 5, 0.25, 200)
     assert idx.shape == (2, 2, 4 + 64 + 5)
     for row in idx.reshape(-1, idx.shape[-1]):
         chosen = set(row.tolist())

@@ -33,19 +33,22 @@ layer: it imports nothing of magnetar.
 from magnetar.config.checks import short_repr
 from magnetar.config.cli import add_cli_args
 from magnetar.config.files import MAX_CONFIG_BYTES, MAX_INT_DIGITS, MAX_YAML_NODES
-from magnetar.config.registry import (DISTRIBUTED_METHODS, DTYPES, FIELD_CHOICES, LUKA_COMPRESSORS, LUKA_METHODS,
-                                      LUKA_MODES, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE, LUKA_REGIMES,
-                                      METHODS, POLICY_IMPLS, POSITION_MODES, PREFILL_D_IDX, PREFILL_METHODS,
-                                      PREFILL_POLICIES, SCORERS, SPARSE_POLICIES, MethodSpec)
+from magnetar.config.registry import (DECODE_SECTIONS, DISTRIBUTED_METHODS, DTYPES, FIELD_CHOICES, LUKA_COMPRESSORS,
+                                      LUKA_METHODS, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE, LUKA_REGIMES,
+                                      METHODS, POLICIES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX,
+                                      PREFILL_METHODS, SCORERS, MethodSpec, PolicySpec, field_choices,
+                                      policy_choices)
 from magnetar.config.sections import (PAPER_SCHEDULE, SPARSE_DEFAULT_SINKS_WINDOW, BlockConfig, DecodeConfig,
-                                      LukaConfig, ParallelConfig, PrefillConfig, PulsarConfig, RuntimeConfig,
-                                      Schedule, SparseConfig, StreamingConfig, budget_for_length, parse_schedule)
-from magnetar.config.tree import FLAT_FIELDS, SECTIONS, EngineConfig
+                                      EncodingSection, LukaConfig, ParallelConfig, PolicySection, PrefillConfig,
+                                      PulsarConfig, RuntimeConfig, Schedule, SparseConfig, StreamingConfig,
+                                      budget_for_length, parse_schedule)
+from magnetar.config.tree import FLAT_FIELDS, REQUEST_OPTIONS, SECTIONS, EngineConfig
 
-__all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "add_cli_args", "MethodSpec", "METHODS", "DISTRIBUTED_METHODS",
-           "LUKA_METHODS", "PREFILL_METHODS", "POLICY_IMPLS", "FIELD_CHOICES", "SCORERS", "POSITION_MODES", "DTYPES",
-           "SPARSE_POLICIES", "LUKA_MODES", "LUKA_COMPRESSORS", "LUKA_REFINE", "LUKA_REFINE_MASS",
-           "LUKA_REFINE_SCOPE", "LUKA_REGIMES", "PREFILL_POLICIES", "PREFILL_D_IDX", "ParallelConfig", "BlockConfig",
+__all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "REQUEST_OPTIONS", "add_cli_args", "MethodSpec", "METHODS",
+           "DISTRIBUTED_METHODS", "LUKA_METHODS", "PREFILL_METHODS", "PolicySpec", "POLICIES", "POLICY_FIELDS",
+           "DECODE_SECTIONS", "policy_choices", "field_choices", "PolicySection", "EncodingSection", "FIELD_CHOICES",
+           "SCORERS", "POSITION_MODES", "DTYPES", "LUKA_COMPRESSORS", "LUKA_REFINE", "LUKA_REFINE_MASS",
+           "LUKA_REFINE_SCOPE", "LUKA_REGIMES", "PREFILL_D_IDX", "ParallelConfig", "BlockConfig",
            "PulsarConfig", "StreamingConfig", "DecodeConfig", "RuntimeConfig", "SparseConfig", "LukaConfig",
            "PrefillConfig", "Schedule", "PAPER_SCHEDULE", "SPARSE_DEFAULT_SINKS_WINDOW", "parse_schedule",
            "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES", "short_repr"]

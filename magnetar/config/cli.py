@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from magnetar.config.checks import _flag
-from magnetar.config.registry import FIELD_CHOICES, METHODS
+from magnetar.config.registry import METHODS, field_choices
 from magnetar.config.tree import FLAT_FIELDS, SECTIONS
 
 
@@ -25,7 +25,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         elif "float" in kind:
             g.add_argument(_flag(name), type=float)
         else:
-            g.add_argument(_flag(name), choices=FIELD_CHOICES.get(name))
+            g.add_argument(_flag(name), choices=field_choices(name))
     return parser
 
 

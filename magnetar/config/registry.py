@@ -1,6 +1,7 @@
 """The registries and choice tables of the config: methods by name (what config validates and which module
-implements each), the policies' implementations by section, and the values of every string field with a fixed set.
-Nothing here imports a strategy module: the engine imports them lazily by these names."""
+implements each), policies by name (which module implements each, which section configures it), and the values
+of every string field with a fixed set. Nothing here imports a strategy module: the engine imports them lazily by
+these names."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,6 @@ DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: the checkpoint's (or a given model's) dtype, not cast
-SPARSE_POLICIES = ("none", "oracle_topk", "lsh", "spotlight", "quest")
-LUKA_MODES = ("none", "lined", "clustered", "mixed")
 LUKA_COMPRESSORS = ("attention_weighted", "mean", "random")
 LUKA_REFINE = ("top_k", "top_fraction", "threshold", "none")
 LUKA_REFINE_MASS = ("exact", "preserve")
@@ -44,18 +43,57 @@ LUKA_REFINE_SCOPE = ("shared", "per_kv_head")
 # generated tokens (the authors' code) / before it (Magnetar's earlier behaviour); see LukaConfig
 LUKA_REGIMES = ("after_query", "after_generation", "before_query")
 LUKA_METHODS = tuple(n for n, s in METHODS.items() if s.local_prefill)  # LuKA needs Phase-1 attention mass
-PREFILL_POLICIES = ("none", "oracle", "indexer")
 PREFILL_METHODS = LUKA_METHODS  # sparse prefill replaces a local Phase 1's attention
 PREFILL_D_IDX = (64, 128, 256)  # magnetar.prefill.indexer.D_IDX_CHOICES (kept here: config imports no torch)
-# The decode-time and prefill policies' implementations, by config section ("module:Class", imported lazily by
-# magnetar.engine.strategy): every name but "none" of the section's policy field is served by that class.
-POLICY_IMPLS = {
-    "sparse": "magnetar.sparse.select:SparseDecoder",  # SparseConfig.sparse_policy
-    "luka": "magnetar.luka.decoder:LukaDecoder",  # LukaConfig.luka_mode
-    "prefill": "magnetar.prefill.policy:PrefillPolicy",  # PrefillConfig.prefill_policy
-}
+
 # string fields with a fixed set of values: their flags' choices, and the names magnetar.engine.agree prints
-FIELD_CHOICES = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES, "sparse_policy": SPARSE_POLICIES,
-                 "luka_mode": LUKA_MODES, "luka_compressor": LUKA_COMPRESSORS, "luka_refine": LUKA_REFINE,
-                 "luka_refine_mass": LUKA_REFINE_MASS, "luka_refine_scope": LUKA_REFINE_SCOPE,
-                 "luka_regime": LUKA_REGIMES, "prefill_policy": PREFILL_POLICIES}
+# (the policy fields' values come from POLICIES: field_choices)
+FIELD_CHOICES = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES, "luka_compressor": LUKA_COMPRESSORS,
+                 "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
+                 "luka_refine_scope": LUKA_REFINE_SCOPE, "luka_regime": LUKA_REGIMES}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A decode-time or prefill policy, without importing it: ``impl`` is its class as ``"module:Class"`` (imported
+    lazily by :mod:`magnetar.engine.strategy`, built with its section's config and the model's config), ``section``
+    the config section whose options it reads -- and whose policy field (:data:`POLICY_FIELDS`) names it."""
+
+    impl: str
+    section: str
+
+
+# The config section of each policy family -> its field that names the policy ("none": no policy of that family).
+POLICY_FIELDS = {"sparse": "sparse_policy", "luka": "luka_mode", "prefill": "prefill_policy"}
+# The families of decode-time policies (magnetar.engine.strategy.DecodePolicy): an engine uses at most one.
+DECODE_SECTIONS = ("sparse", "luka")
+
+# The registry of policies, by name: adding one is its module plus one line here (docs/design.md).
+POLICIES: dict[str, PolicySpec] = {
+    # sparse decoding (SparseConfig.sparse_policy): one selector module per policy, magnetar/sparse/
+    "oracle_topk": PolicySpec("magnetar.sparse.oracle:OracleTopK", "sparse"),
+    "lsh": PolicySpec("magnetar.sparse.lsh:LshSelector", "sparse"),
+    "spotlight": PolicySpec("magnetar.sparse.spotlight:SpotlightSelector", "sparse"),
+    "quest": PolicySpec("magnetar.sparse.quest:QuestSelector", "sparse"),
+    # LuKA (LukaConfig.luka_mode): one decoder, the mode picks the layers' structures
+    "lined": PolicySpec("magnetar.luka.decoder:LukaDecoder", "luka"),
+    "clustered": PolicySpec("magnetar.luka.decoder:LukaDecoder", "luka"),
+    "mixed": PolicySpec("magnetar.luka.decoder:LukaDecoder", "luka"),
+    # sparse prefill (PrefillConfig.prefill_policy)
+    "oracle": PolicySpec("magnetar.prefill.policy:PrefillPolicy", "prefill"),
+    "indexer": PolicySpec("magnetar.prefill.policy:PrefillPolicy", "prefill"),
+}
+
+
+def policy_choices(section: str) -> tuple[str, ...]:
+    """The values of ``section``'s policy field: ``none`` and the policies registered for it (read at each call,
+    so a policy registered at run time is a valid choice)."""
+    return ("none",) + tuple(n for n, s in POLICIES.items() if s.section == section)
+
+
+def field_choices(name: str):
+    """The fixed set of values of string field ``name`` (its flag's choices), or None when it is free."""
+    for section, field_name in POLICY_FIELDS.items():
+        if name == field_name:
+            return policy_choices(section)
+    return FIELD_CHOICES.get(name)

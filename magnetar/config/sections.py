@@ -5,13 +5,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
                                     _require, _seed, short_repr)
-from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_MODES, LUKA_REFINE, LUKA_REFINE_MASS,
-                                      LUKA_REFINE_SCOPE, LUKA_REGIMES, POSITION_MODES, PREFILL_D_IDX,
-                                      PREFILL_POLICIES, SCORERS, SPARSE_POLICIES)
+from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE,
+                                      LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX, SCORERS,
+                                      policy_choices)
+
+
+class PolicySection:
+    """A section that configures one family of policies (:data:`~magnetar.config.registry.POLICY_FIELDS`):
+    ``section`` its name in the tree; :attr:`policy` the registered policy it names, or ``"none"``."""
+
+    section: ClassVar[str]
+
+    @property
+    def policy(self) -> str:
+        return getattr(self, POLICY_FIELDS[self.section])
+
+
+class EncodingSection:
+    """A section of how a context is encoded (blocks, Pulsar, StreamingLLM): a request may set its fields for
+    itself (:data:`magnetar.config.REQUEST_OPTIONS`), and a context encoded two ways is two cache entries."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +53,7 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BlockConfig:
+class BlockConfig(EncodingSection):
     block_size: Optional[int] = None  # tokens per context block; default: context length / cp_size (one block per rank)
     anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
 
@@ -49,7 +65,7 @@ class BlockConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PulsarConfig:
+class PulsarConfig(EncodingSection):
     sink_size: int = 64  # first tokens of block 0 prefixed to every later block
     chunk_size: int = 32  # summary granularity
     summary_budget: float = 0.125  # fraction of each earlier block kept as its summary
@@ -67,7 +83,7 @@ class PulsarConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamingConfig:
+class StreamingConfig(EncodingSection):
     sink_tokens: int = 4  # StreamingLLM attention sinks
     window_size: int = 1024  # recent tokens kept besides the sinks
 
@@ -118,12 +134,13 @@ SPARSE_DEFAULT_SINKS_WINDOW = {"lsh": (4, 64)}
 
 
 @dataclass(frozen=True, kw_only=True)
-class SparseConfig:
+class SparseConfig(PolicySection):
     """Sparse decoding (Spotlight Attention paper): every Phase-2 token attends, in each layer from
     ``dense_layers`` on, to a budget of the context KV chosen for it by the policy (plus, always, the query's
     and generated tokens' own KV). Nothing is evicted: the choice is made again at every step."""
 
-    sparse_policy: str = "none"  # none | oracle_topk | lsh | spotlight | quest
+    section: ClassVar[str] = "sparse"
+    sparse_policy: str = "none"  # none | oracle_topk | lsh | spotlight | quest (config.POLICIES, section sparse)
     sparse_budget: int = 0  # context KV entries per step and KV head; 0: from sparse_pruning
     sparse_pruning: float = 0.0  # or the fraction of the context KV pruned, e.g. 0.98 (budget >= 20 as in App. A.5)
     dense_layers: int = 2  # the first layers attend densely (the paper keeps layers [0, 1] dense)
@@ -136,7 +153,7 @@ class SparseConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _choice("sparse_policy", self.sparse_policy, SPARSE_POLICIES, "policy")
+        _choice("sparse_policy", self.sparse_policy, policy_choices(self.section), "policy")
         _require(self.sparse_budget >= 0, "sparse_budget",
                  f"must be an int >= 0 tokens (0: use sparse_pruning), got {self.sparse_budget!r}")
         _require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
@@ -179,7 +196,7 @@ class SparseConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LukaConfig:
+class LukaConfig(PolicySection):
     """LuKA (``../shared/papers/003``): decode-time structures over the context KV, per layer.
 
     * ``lined`` (H2O): each step attends to the heavy hitters -- the ``luka_heavy_fraction`` of the context
@@ -203,6 +220,7 @@ class LukaConfig:
     * ``before_query``: the context is paged before the query is read (Magnetar's behaviour before the option).
     """
 
+    section: ClassVar[str] = "luka"
     luka_mode: str = "none"  # none | lined | clustered | mixed
     luka_lined_layers: int = 8  # mixed: this many first and last layers are lined (paper: 8 + 8 of 36)
     luka_heavy_fraction: float = 0.125  # lined: heavy hitters per step, as a fraction of the context (paper ~1/8)
@@ -224,7 +242,7 @@ class LukaConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _choice("luka_mode", self.luka_mode, LUKA_MODES, "mode")
+        _choice("luka_mode", self.luka_mode, policy_choices(self.section), "mode")
         _require(self.luka_lined_layers >= 0, "luka_lined_layers",
                  f"must be an int >= 0 (first and last layers lined in mode 'mixed'), got {self.luka_lined_layers!r}")
         _require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
@@ -309,7 +327,7 @@ def budget_for_length(L: int, schedule: Sequence[tuple[Optional[int], int]] | st
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrefillConfig:
+class PrefillConfig(PolicySection):
     """Sparse prefill (``../shared/papers/004``): in Phase 1, every global attention layer from
     ``prefill_dense_layers`` on attends, per query (``prefill_b_sel`` 1) or per block of ``prefill_b_sel``
     consecutive queries, to a top-``k`` support of the keys only, and the model continues from that sparse
@@ -323,6 +341,7 @@ class PrefillConfig:
     ``b_sel`` defaults to 1 (the paper's per-query oracle); 64 is its fused selection-block-shared setting.
     """
 
+    section: ClassVar[str] = "prefill"
     prefill_policy: str = "none"  # none | oracle | indexer
     prefill_topk: int = 0  # keys per query (block); 0: from prefill_schedule by context length
     prefill_schedule: str = PAPER_SCHEDULE  # MAX_LEN:K,...,*:K (the paper's 4K-32K+ budgets)
@@ -335,7 +354,7 @@ class PrefillConfig:
 
     def __post_init__(self):
         _check_types(self)
-        _choice("prefill_policy", self.prefill_policy, PREFILL_POLICIES, "policy")
+        _choice("prefill_policy", self.prefill_policy, policy_choices(self.section), "policy")
         _require(self.prefill_topk >= 0, "prefill_topk",
                  f"must be an int >= 1 keys per query (or 0: from prefill_schedule), got {self.prefill_topk!r}")
         try:

@@ -12,9 +12,10 @@ from typing import Any, Optional
 from magnetar.config import checks
 from magnetar.config.checks import _check_types, _choice, _require, short_repr, _suggest
 from magnetar.config.files import _read_file
-from magnetar.config.registry import DISTRIBUTED_METHODS, LUKA_METHODS, METHODS, PREFILL_METHODS
-from magnetar.config.sections import (BlockConfig, DecodeConfig, LukaConfig, ParallelConfig, PrefillConfig,
-                                      PulsarConfig, RuntimeConfig, SparseConfig, StreamingConfig)
+from magnetar.config.registry import DECODE_SECTIONS, DISTRIBUTED_METHODS, LUKA_METHODS, METHODS, PREFILL_METHODS
+from magnetar.config.sections import (BlockConfig, DecodeConfig, EncodingSection, LukaConfig, ParallelConfig,
+                                      PolicySection, PrefillConfig, PulsarConfig, RuntimeConfig, SparseConfig,
+                                      StreamingConfig)
 
 SECTIONS = {
     "parallel": ParallelConfig,
@@ -29,6 +30,10 @@ SECTIONS = {
 }
 FLAT_FIELDS = checks.FLAT_FIELDS  # one dict: the checks name fields by it
 FLAT_FIELDS.update({f.name: sec for sec, cls in SECTIONS.items() for f in fields(cls)})
+# the options a request may set for itself (Engine.variant): the method and the fields of the sections of how a
+# context is encoded (EncodingSection: blocks, pulsar, streaming)
+REQUEST_OPTIONS = ("method",) + tuple(f.name for cls in SECTIONS.values() if issubclass(cls, EncodingSection)
+                                      for f in fields(cls))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +70,13 @@ class EngineConfig:
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "
                      f"{'/'.join(DISTRIBUTED_METHODS)} to spread it)")
+
+    @property
+    def decode_config(self) -> PolicySection:
+        """The section of the decode-time policy the Phase-2 attention asks (one of :data:`DECODE_SECTIONS`: at
+        most one names a policy -- the checks above; the last section, naming ``none``, when none does)."""
+        sections = [getattr(self, name) for name in DECODE_SECTIONS]
+        return next((s for s in sections if s.policy != "none"), sections[-1])
 
     # -- flat access to the names used throughout the docs ------------------------------------------------
     def __getattr__(self, name):  # only called when normal lookup fails: config.cp_size, config.scorer, ...

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from magnetar.config import FIELD_CHOICES, METHODS, EngineConfig
+from magnetar.config import FIELD_CHOICES, METHODS, POLICIES, EngineConfig
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, describe_per_rank
 
@@ -92,10 +92,10 @@ def encode_ids(ids: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     return _IDS, total, int.from_bytes(h.digest(), "little", signed=True)
 
 
-# Strings that may appear in a config field, printed by name when a field's digest is one of them.
-_KNOWN_STRINGS = {
-    _hash_value(s): s for s in chain(METHODS, *FIELD_CHOICES.values())
-}
+def _known_string(code: int) -> Optional[str]:
+    """The string of a config field (a method, a policy -- registered now --, a choice) whose digest is ``code``."""
+    return next((s for s in chain(METHODS, POLICIES, ("none",), *FIELD_CHOICES.values()) if _hash_value(s) == code),
+                None)
 
 
 def show(code: Sequence[int]) -> str:
@@ -114,7 +114,8 @@ def show(code: Sequence[int]) -> str:
     if tag == _IDS:
         return f"{a} tokens #{b & 0xFFFFFFFF:08x}"
     if tag == _HASH:
-        return repr(_KNOWN_STRINGS[a]) if a in _KNOWN_STRINGS else f"#{a & 0xFFFFFFFF:08x}"
+        known = _known_string(a)
+        return repr(known) if known is not None else f"#{a & 0xFFFFFFFF:08x}"
     return f"(unknown field encoding {tag})"
 
 

@@ -9,7 +9,6 @@ largest shard in one gather. This module knows strategies only through :mod:`mag
 """
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -22,9 +21,10 @@ from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.plan import kept_token_count
-from magnetar.engine.results import RankStats, gather_objects, peak_memory
+from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.strategy import DecodePolicy, PrefillPolicy, PrefillStats, context_method, plan_rank
 from magnetar.parallel import ParallelGroups
+from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
 
 
 def kv_options(config: EngineConfig) -> str:
@@ -115,22 +115,28 @@ class Encoder:
         """Every CP rank's Phase-1 seconds of ``out`` (a gather unless simulated)."""
         if self.simulated:
             return [s.phase1_seconds for s in out.stats]
-        return [g[0].phase1_seconds for g in gather_objects(self.groups, out.stats)]
+        g = self.groups
+        seconds = all_gather_numbers([out.stats[0].phase1_seconds], g.cp_group, self.device, timeout=g.timeout)
+        return seconds[:, 0].tolist()
 
     # -- the two ways ---------------------------------------------------------------------------------------
     def _distributed(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
                         mass=self._mass(variants), prefill=self.prefill)
-        # one collective for the checks and the shard sizes
-        agreed = gather_objects(self.groups, (kept_token_count(plan), p1.nonfinite_layer, p1.shard.nbytes()))
-        _check_kept([a[0] for a in agreed], int(context_ids.numel()))
-        _check_finite([a[1] for a in agreed])
+        # one integer gather for the checks, the shard sizes and the sparse-prefill counts
+        mine = [kept_token_count(plan), -1 if p1.nonfinite_layer is None else p1.nonfinite_layer, p1.shard.nbytes()]
+        if self.prefill is not None:  # a local Phase 1 on every rank: every rank has counts
+            mine += p1.prefill_stats.counts()
+        g = self.groups
+        rows = all_gather_ints(mine, g.cp_group, self.device, timeout=g.timeout).tolist()
+        _check_kept([r[0] for r in rows], int(context_ids.numel()))
+        _check_finite([None if r[1] < 0 else r[1] for r in rows])
         prefill_stats = None
         if self.prefill is not None:  # every rank's counts of this request, summed
-            prefill_stats = functools.reduce(lambda a, b: a.merge(b), gather_objects(self.groups, p1.prefill_stats))
+            prefill_stats = p1.prefill_stats.with_counts([sum(col) for col in zip(*(r[3:] for r in rows))])
         stats = RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())
-        return Phase1Output(p1.shard, plan.query_position, [stats], max(a[2] for a in agreed), prefill_stats)
+        return Phase1Output(p1.shard, plan.query_position, [stats], max(r[2] for r in rows), prefill_stats)
 
     def _simulated(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge

@@ -20,7 +20,6 @@ does) and/or its fields as keywords (``max_new_tokens=32, temperature=0.7, stop=
 from __future__ import annotations
 
 import copy
-import dataclasses
 import threading
 import uuid
 from collections import OrderedDict
@@ -29,7 +28,7 @@ from typing import Any, Generator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from magnetar.config import EngineConfig, LukaConfig, SparseConfig, short_repr
+from magnetar.config import REQUEST_OPTIONS, EngineConfig, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, question
 from magnetar.engine.context import ContextCache, ContextHandle
@@ -50,9 +49,6 @@ from magnetar.utils.nvtx import GENERATE, nvtx_range
 Context = Union[str, torch.Tensor]
 MAX_VARIANTS = 32  # Engine.variant keeps this many (per-request option sets) for reuse
 
-# the options a request may set for itself (Engine.variant): how its context is encoded
-REQUEST_OPTIONS = ("method",) + tuple(f.name for sec in ("blocks", "pulsar", "streaming")
-                                      for f in dataclasses.fields(type(getattr(EngineConfig(), sec))))
 
 
 class Engine:
@@ -69,8 +65,8 @@ class Engine:
         # EngineConfig -> this engine with other per-request options (variant()), least recently used first
         self._variants: OrderedDict = OrderedDict()
         self._variants_lock = threading.Lock()
-        # the decode policy the Phase-2 attention asks: sparse decoding (config.sparse) or LuKA (config.luka)
-        self._policy_config = config.sparse if config.sparse.sparse_policy != "none" else config.luka
+        # the decode policy the Phase-2 attention asks (sparse decoding or LuKA: the section that names one)
+        self._policy_config = config.decode_config
         # prepare_merge first, then each policy's ops: build or load every JIT op this engine's requests will use
         # before any request -- a first build inside a step would keep the other ranks waiting in a collective
         # until its timeout (op builds wait for each other under a file lock, so the ranks leave here within
@@ -91,7 +87,7 @@ class Engine:
         else:
             per_rank = all_gather_ints([mine], groups.replica_group, self.device, timeout=groups.timeout)[:, 0].tolist()
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
-                               method=config.method)
+                               method=config.method, stats_keys=self.policy.stats_keys if self.policy else ())
         self.scorer = self._scorer()
 
     def _scorer(self) -> Scorer:
@@ -326,7 +322,7 @@ class Engine:
         """Log-likelihood of ``continuation`` after ``context`` (for perplexity), with ``config.method``.
 
         Phase 1 encodes the context as for :meth:`generate`; the continuation then runs teacher-forced as
-        the Phase-2 query over the distributed KV (with ``config.sparse`` or ``config.luka``: each of its tokens
+        the Phase-2 query over the distributed KV (with a decode policy, ``config.decode_config``: each of its tokens
         attends to its choice of the context KV, as a decoded token would). Token ``i + 1`` of the continuation is
         scored given the context and tokens ``0..i``, so a continuation of T tokens gives T - 1 log-probabilities.
         Strings are tokenized as plain text (no chat template, no special tokens).
@@ -334,7 +330,7 @@ class Engine:
         return self.scorer.score_variants(context, continuation, [self._policy_config])[0]
 
     def score_variants(self, context: Context, continuation: Context,
-                       sparse: Sequence[Union[None, SparseConfig, LukaConfig]]) -> list[ScoreResult]:
+                       sparse: Sequence[Optional[PolicySection]]) -> list[ScoreResult]:
         """:meth:`score` once per decoding variant -- a :class:`SparseConfig` or a :class:`LukaConfig` (None,
         policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
         and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
@@ -343,22 +339,15 @@ class Engine:
 
 def ready_policy(policy, model, groups: ParallelGroups, device: torch.device):
     """``policy`` ready for this rank: under tensor parallelism ``policy.shard_heads(...)`` with this rank's KV
-    heads, then ``policy.prepare(device)`` when the policy has one (optional methods of the strategy protocols);
-    None stays None."""
+    heads (the policy bases refuse by default), then ``policy.prepare(device)``; None stays None."""
     if policy is None:
         return None
     tp, rank = groups.tp_size, groups.tp_rank
     if tp > 1:
-        shard_heads = getattr(policy, "shard_heads", None)
-        if shard_heads is None:
-            raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads (it has "
-                             f"no shard_heads): use tp_size 1 with it")
         cfg = model.config
         total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        shard_heads(rank * total // tp, total // tp, total)
-    prepare = getattr(policy, "prepare", None)
-    if prepare is not None:
-        prepare(device)
+        policy.shard_heads(rank * total // tp, total // tp, total)
+    policy.prepare(device)
     return policy
 
 

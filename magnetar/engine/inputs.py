@@ -14,7 +14,8 @@ compute or collective; nothing is coerced silently (a ``bool`` is not an ``int``
 * ``max_new_tokens``: an ``int`` >= 1 with ``context + query + max_new_tokens`` within the model's positions.
 * ``stop``: None or a list/tuple of non-empty strings. ``return_logits``: a ``bool``.
 * ``requests`` (``generate_batch``): a non-empty list/tuple of ``(context, query)`` pairs.
-* ``sparse`` (``score_variants``): a non-empty list/tuple of None / ``SparseConfig`` / ``LukaConfig``.
+* ``sparse`` (``score_variants``): a non-empty list/tuple of None / a decode-policy section (``SparseConfig``,
+  ``LukaConfig``: ``config.DECODE_SECTIONS``).
 * ``init_inference``: ``model`` a loaded HF causal LM (``torch.nn.Module`` with a ``.config``), a registered
   model name, a local model folder or a Hugging Face Hub id ``org/name`` (a ``str``, ``bytes`` or
   ``os.PathLike``: which one is decided when it is loaded); ``config`` None or an ``EngineConfig`` (a dict is
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from magnetar.config import EngineConfig, LukaConfig, SparseConfig
+from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, PolicySection
 from magnetar.models import MODELS
 from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
@@ -188,15 +189,16 @@ def check_score(context, continuation, variants) -> None:
     """``score_variants``'s arguments: the two prompts and a non-empty list of decoding variants."""
     check_prompt(context, "context")
     check_prompt(continuation, "continuation")
+    kinds = [SECTIONS[s].__name__ for s in DECODE_SECTIONS]  # the decode-policy sections: SparseConfig, LukaConfig
     if not isinstance(variants, (list, tuple)):
-        raise ValueError(f"sparse must be a list of decoding variants (None, SparseConfig or LukaConfig), "
+        raise ValueError(f"sparse must be a list of decoding variants (None, {' or '.join(kinds)}), "
                          f"got {_kind(variants)}; for one variant pass [variant]")
     if not variants:
         raise ValueError("sparse is empty; pass at least one decoding variant (None for dense decoding)")
     for i, v in enumerate(variants):
-        if v is not None and not isinstance(v, (SparseConfig, LukaConfig)):
-            raise ValueError(f"sparse[{i}] must be None, a SparseConfig or a LukaConfig, got {_kind(v)}"
-                             + ("; build it with SparseConfig(**d) or LukaConfig(**d)" if isinstance(v, dict) else ""))
+        if v is not None and not (isinstance(v, PolicySection) and v.section in DECODE_SECTIONS):
+            raise ValueError(f"sparse[{i}] must be None or a {' or a '.join(kinds)}, got {_kind(v)}"
+                             + (f"; build it with {'(**d) or '.join(kinds)}(**d)" if isinstance(v, dict) else ""))
 
 
 # -- init_inference ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
-from magnetar.parallel.collectives import wait_all
+from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
                                  PHASE2_SCORE, nvtx_range)
 
@@ -74,9 +74,10 @@ class Phase2Context(LayerContext):
             return f"non-finite logits in Phase 2 ({what}); {HINT}"
         mine = self.flags.first()
         per_rank = [mine]
-        if self.groups.cp_size > 1:
-            per_rank = [None] * self.groups.cp_size
-            dist.all_gather_object(per_rank, mine, group=self.group)
+        if self.groups.cp_size > 1:  # an integer gather (-1: finite everywhere on that rank)
+            got = all_gather_ints([-1 if mine is None else mine], self.group, self.positions.device,
+                                  timeout=self.groups.timeout)[:, 0].tolist()
+            per_rank = [None if x < 0 else x for x in got]
         return f"non-finite logits in Phase 2 ({what}): {describe(per_rank)}; {HINT}"
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -112,7 +113,7 @@ class Phase2Context(LayerContext):
         if len(ctx) and self.policy is not None and self.policy.applies(layer, window):
             # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of the query
             # rank's own tokens too when it pages them (pages_generated)
-            mine = {"gen": g} if g is not None and getattr(self.policy, "pages_generated", False) else {}
+            mine = {"gen": g} if g is not None and self.policy.pages_generated else {}
             o, l = self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
                                               backend=self.backend, valid=self.valid[b], **mine)
             parts_o.append(o)
@@ -228,9 +229,9 @@ class DecodeBatch:
     def pop(self, rid: int) -> DecodeResult:
         """Remove a finished request; its result with the decode policy's stats of this rank."""
         live = self._live.pop(rid)
-        stats = getattr(self.policy, "stats", None)
         live.result.gen_kv_tokens = live.gen.tokens() if live.gen is not None else 0
-        live.result.decode_stats = stats(live.req.shard, live.req.context_tokens) if stats is not None else None
+        live.result.decode_stats = (None if self.policy is None
+                                    else self.policy.stats(live.req.shard, live.req.context_tokens))
         return live.result
 
     def _forward(self, live: list[_Live], ids: torch.Tensor, starts: list[int], valid: list[int],

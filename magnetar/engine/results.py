@@ -2,7 +2,8 @@
 :class:`RankStats`, and :class:`Results`, which assembles finished requests' results with every rank's figures.
 
 Every rank of a replica assembles the same results: the per-rank figures are gathered once per batch over the CP
-group (simulated ranks measured them all in this process). This module knows nothing of methods or policies.
+group, as numbers in one integer gather (simulated ranks measured them all in this process). This module knows
+nothing of methods or policies (a decode policy's stats are numbers under the keys it declares).
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from magnetar.engine.context import ContextHandle
 from magnetar.engine.phase2 import DecodeResult
 from magnetar.engine.sampling import RequestSampler
 from magnetar.parallel import ParallelGroups
+from magnetar.parallel.collectives import all_gather_numbers
 
 @dataclass
 class GenerationResult:
@@ -116,13 +117,24 @@ def peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def gather_objects(groups: ParallelGroups, value) -> list:
-    """``value`` of every CP rank, in rank order (``[value]`` for a group of one)."""
-    if groups.cp_size == 1:
-        return [value]
-    out = [None] * groups.cp_size
-    dist.all_gather_object(out, value, group=groups.cp_group)
-    return out
+_ROW = ("phase1_seconds", "context_kv_tokens", "kv_bytes", "peak_memory_bytes", "gen_kv_tokens")
+
+
+def stats_row(st: RankStats, keys: tuple[str, ...]) -> list[float]:
+    """One rank's figures of one request as numbers (what the ranks gather): the :class:`RankStats` fields, whether
+    the decode policy reported stats, and its stats in the order of ``keys`` (the policy's ``stats_keys``)."""
+    d = st.decode_stats
+    if d is not None and set(d) != set(keys):
+        raise RuntimeError(f"the decode policy's stats have keys {sorted(d)}, not the {sorted(keys)} it declares "
+                           f"(stats_keys)")
+    return [getattr(st, f) for f in _ROW] + [float(d is not None)] + [d[k] if d is not None else 0.0 for k in keys]
+
+
+def stats_from_row(row: list[float], keys: tuple[str, ...]) -> RankStats:
+    """The inverse of :func:`stats_row`."""
+    ints = {f: int(v) for f, v in zip(_ROW[1:], row[1:len(_ROW)])}
+    decode = dict(zip(keys, row[len(_ROW) + 1:])) if row[len(_ROW)] else None
+    return RankStats(phase1_seconds=row[0], decode_stats=decode, **ints)
 
 
 class Results:
@@ -132,9 +144,10 @@ class Results:
     is reported with every result; ``method`` names a handle's method when it does not say (an old handle)."""
 
     def __init__(self, groups: ParallelGroups, device: torch.device, *, simulated: bool,
-                 weight_bytes_per_rank: list[int], method: str):
+                 weight_bytes_per_rank: list[int], method: str, stats_keys: tuple[str, ...] = ()):
         self.groups, self.device, self.simulated = groups, device, simulated
         self.weight_bytes_per_rank, self.method = list(weight_bytes_per_rank), method
+        self.stats_keys = tuple(stats_keys)  # the decode policy's (DecodePolicy.stats_keys)
 
     def assemble(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool],
                  decs: list[DecodeResult], samplers: list[RequestSampler]) -> list[GenerationResult]:
@@ -150,11 +163,16 @@ class Results:
                     gen_kv_tokens=d.gen_kv_tokens if mine else 0, decode_stats=d.decode_stats if mine else None,
                     peak_memory_bytes=peak if st.peak_memory_bytes is None else st.peak_memory_bytes))
             local.append(per)
-        if self.simulated:  # every rank's figures were measured here
+        if self.simulated or not handles:  # every rank's figures were measured here
             stats = local
-        else:
-            gathered = gather_objects(self.groups, [per[0] for per in local])  # gathered[rank][request]
-            stats = [[g[i] for g in gathered] for i in range(len(handles))]
+        else:  # one gather of numbers: every rank's row of every request
+            keys, g = self.stats_keys, self.groups
+            rows = [stats_row(per[0], keys) for per in local]
+            width = len(rows[0])
+            gathered = all_gather_numbers([x for row in rows for x in row], g.cp_group, self.device,
+                                          timeout=g.timeout).tolist()  # gathered[rank][request * width + field]
+            stats = [[stats_from_row(r[i * width:(i + 1) * width], keys) for r in gathered]
+                     for i in range(len(handles))]
         results = []
         for i, (h, q, dec, sampler) in enumerate(zip(handles, qids, decs, samplers)):
             per_rank = stats[i]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from magnetar.config import EngineConfig, LukaConfig, SparseConfig
+from magnetar.config import EngineConfig, PolicySection
 from magnetar.engine import inputs
 from magnetar.engine.encode import Encoder
 from magnetar.engine.phase2 import run_scoring
@@ -46,7 +46,7 @@ class Scorer:
         self._policies: dict = {}
 
     def score_variants(self, context, continuation,
-                       sparse: Sequence[Union[None, SparseConfig, LukaConfig]]) -> list[ScoreResult]:
+                       sparse: Sequence[Optional[PolicySection]]) -> list[ScoreResult]:
         """:meth:`score` once per decoding variant -- a :class:`SparseConfig` or a :class:`LukaConfig` (None,
         policy ``none`` or mode ``none``: dense decoding) -- over ONE Phase 1: the context KV is encoded once
         and shared, as only the decoding differs (each decoder keeps its own LuKA state)."""
@@ -61,8 +61,8 @@ class Scorer:
             if dec is not None:
                 dec.check(int(c.numel()))
         if any(d is not None and d.needs_prefill_mass for d in decoders) and eng.prefill is not None:
-            raise ValueError("LuKA variants need the attention mass of a dense Phase 1, but sparse prefill is on "
-                             f"(prefill_policy {eng.config.prefill.prefill_policy!r}); score them without it")
+            raise ValueError("variants that need the attention mass of a dense Phase 1 (LuKA) cannot score with "
+                             f"sparse prefill on (prefill_policy {eng.config.prefill.policy!r}); score them without it")
         out = []
         with nvtx_range(SCORE):
             p1 = eng.encoder.phase1(c, variants=decoders)
@@ -77,7 +77,7 @@ class Scorer:
                                        simulated=eng.encoder.simulated, prefill_stats=prefill))
         return out
 
-    def _decoder(self, cfg: Union[None, SparseConfig, LukaConfig]) -> Optional[DecodePolicy]:
+    def _decoder(self, cfg: Optional[PolicySection]) -> Optional[DecodePolicy]:
         """The decode policy for a sparse or LuKA config (cached: hash weights load once), None for dense."""
         eng = self.engine
         if cfg is None:

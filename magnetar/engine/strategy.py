@@ -8,7 +8,9 @@ The engine drives three kinds of plug-in, each found by its configuration name a
   Registry: :data:`magnetar.config.METHODS` (name -> ``"module:Class"`` plus the facts config validates).
 * :class:`DecodePolicy` -- which context KV a Phase-2 token attends to (sparse decoding, LuKA).
 * :class:`PrefillPolicy` -- sparse attention inside a local Phase 1 (oracle, indexer).
-  Registry of both: :data:`magnetar.config.POLICY_IMPLS` (config section -> ``"module:Class"``).
+  Registry of both: :data:`magnetar.config.POLICIES` (policy name -> ``"module:Class"`` and the config section
+  that configures it); :class:`DecodePolicyBase` / :class:`PrefillPolicyBase` give every optional member its
+  default, so the engine asks a policy, never probes it.
 
 The per-layer contexts the phase drivers hand to the model (:class:`LayerContext`) are declared here too, so
 that strategies can read them (:class:`Phase1Layer`) without importing the drivers.
@@ -18,11 +20,11 @@ This module knows no strategy by name and imports none: a strategy module import
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from magnetar.config import METHODS, POLICY_IMPLS, EngineConfig, LukaConfig, SparseConfig
+from magnetar.config import DECODE_SECTIONS, METHODS, POLICIES, EngineConfig, PolicySection
 from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.plan import RankPlan
 from magnetar.utils.nvtx import FORWARD_LAYER
@@ -181,21 +183,24 @@ class DecodePolicy(Protocol):
     (0: all at once); :meth:`check` raises a ValueError naming the field when a context of that length
     cannot be served.
 
-    Optional (the engine looks them up; a policy without them is served as before):
+    The members a policy may leave to :class:`DecodePolicyBase` (its defaults in brackets):
 
-    * ``pages_generated = True`` -- on the query rank :meth:`attend_context` also receives ``gen=`` the
+    * ``pages_generated`` [False] -- on the query rank :meth:`attend_context` also receives ``gen=`` the
       request's store of query/generated KV of this layer (this forward's real tokens already appended) and
       returns the state over the shard and that store together (attended causally by position); the engine then
       does not attend the store itself (LuKA pages generated tokens this way);
-    * ``prepare(device)`` (also on :class:`PrefillPolicy`) -- build or load the JIT ops the policy will use; the
-      engine calls it once at start, never inside a request;
-    * ``stats(shard: KVShard, context_tokens: int) -> dict`` -- after decoding, figures of this rank for one
-      request whose values add up over the ranks (surfaced, summed, as ``GenerationResult.decode_stats``);
-    * ``shard_heads(first: int, count: int, total: int)`` (also on :class:`PrefillPolicy`) -- under tensor
-      parallelism this rank computes KV heads ``[first, first + count)`` of ``total`` (and their query heads):
-      every tensor the policy is given has only those heads. The policy keeps its per-head parameters for
-      them, or raises a ValueError naming the option to change when its choice needs every head. The engine
-      calls it once at start when ``tp_size > 1``; a policy without it cannot run with ``tp_size > 1``.
+    * :meth:`prepare` [nothing] (also on :class:`PrefillPolicy`) -- build or load the JIT ops the policy will use;
+      the engine calls it once at start, never inside a request;
+    * ``stats_keys`` [none] / :meth:`stats` [None] -- after decoding, figures of this rank for one request whose
+      values add up over the ranks (surfaced, summed, as ``GenerationResult.decode_stats``): a dict of numbers
+      with exactly the keys ``stats_keys`` declares (the same on every rank: the ranks gather them as numbers);
+    * :meth:`shard_heads` [refuses] (also on :class:`PrefillPolicy`) -- under tensor parallelism this rank
+      computes KV heads ``[first, first + count)`` of ``total`` (and their query heads): every tensor the policy
+      is given has only those heads. The policy keeps its per-head parameters for them, or raises a ValueError
+      naming the option to change when its choice needs every head. The engine calls it once at start when
+      ``tp_size > 1``; the default refuses (a ValueError: use tp_size 1);
+    * ``needs_prefill_mass`` [False] / :meth:`prefill_mass`, ``score_chunk`` [0], :meth:`check` [accepts any
+      length], :meth:`after_merge` [nothing].
     """
 
     needs_prefill_mass: bool
@@ -214,11 +219,73 @@ class DecodePolicy(Protocol):
     def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float, q_pos: torch.Tensor,
                      k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor: ...
 
+    pages_generated: bool
+
+    def prepare(self, device: torch.device) -> None: ...
+
+    stats_keys: tuple[str, ...]
+
+    def stats(self, shard: KVShard, context_tokens: int) -> Optional[dict]: ...
+
+    def shard_heads(self, first: int, count: int, total: int) -> None: ...
+
+
+def _no_tp_shard(policy, count: int, total: int) -> None:
+    raise ValueError(f"{type(policy).__name__} cannot run on a tensor-parallel shard of the heads ({count} of "
+                     f"{total} KV heads per rank): use tp_size 1 with it")
+
+
+class DecodePolicyBase:
+    """Defaults of a :class:`DecodePolicy`; a policy is built as ``Policy(section_config, model_config)`` and
+    defines :meth:`applies` and :meth:`attend_context` (and what it changes of the rest)."""
+
+    needs_prefill_mass = False
+    score_chunk = 0  # stateless: teacher-forced scoring runs the whole continuation at once
+    pages_generated = False
+    stats_keys: tuple[str, ...] = ()
+
+    def __init__(self, cfg: PolicySection, model_config):
+        self.cfg = cfg
+
+    def prepare(self, device: torch.device) -> None:
+        pass
+
+    def shard_heads(self, first: int, count: int, total: int) -> None:
+        _no_tp_shard(self, count, total)
+
+    def check(self, context_tokens: int) -> None:
+        pass
+
+    def applies(self, layer: int, window: Optional[int]) -> bool:
+        raise NotImplementedError
+
+    def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, scale: float,
+                       context_tokens: int, *, backend: str = "auto", valid: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def after_merge(self, layer: int, lse: torch.Tensor) -> None:
+        pass
+
+    def prefill_mass(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} needs no Phase-1 attention mass (needs_prefill_mass is "
+                                  f"False)")
+
+    def stats(self, shard: KVShard, context_tokens: int) -> Optional[dict]:
+        return None
+
 
 class PrefillStats(Protocol):
-    """Counts of what sparse prefill did for one request on one rank; ranks' counts add up."""
+    """Counts of what sparse prefill did for one request on one rank; ranks' counts add up. :meth:`counts` are
+    the integers the ranks gather (as many on every rank), :meth:`with_counts` the same request's stats with
+    other counts (another rank's)."""
 
     def merge(self, other: "PrefillStats") -> "PrefillStats": ...
+
+    def counts(self) -> list[int]: ...
+
+    def with_counts(self, counts: Sequence[int]) -> "PrefillStats": ...
 
     def as_dict(self) -> dict: ...
 
@@ -244,6 +311,29 @@ class PrefillPolicy(Protocol):
     needs_hidden: bool
 
     def start(self, context_tokens: int) -> PrefillRun: ...
+
+    def prepare(self, device: torch.device) -> None: ...
+
+    def shard_heads(self, first: int, count: int, total: int) -> None: ...
+
+
+class PrefillPolicyBase:
+    """Defaults of a :class:`PrefillPolicy` (built as ``Policy(prefill_config, model_config)``): no captured
+    hidden states, no ops to prepare, no tensor-parallel shard; a policy defines :meth:`start`."""
+
+    needs_hidden = False
+
+    def __init__(self, cfg: PolicySection, model_config):
+        self.cfg = cfg
+
+    def start(self, context_tokens: int) -> PrefillRun:
+        raise NotImplementedError
+
+    def prepare(self, device: torch.device) -> None:
+        pass
+
+    def shard_heads(self, first: int, count: int, total: int) -> None:
+        _no_tp_shard(self, count, total)
 
 
 # -- the registries ----------------------------------------------------------------------------------------
@@ -278,24 +368,26 @@ def _validated(config: EngineConfig, context_len: int) -> ContextMethod:
     return method
 
 
-def decode_policy(cfg, model_config) -> Optional[DecodePolicy]:
-    """The :class:`DecodePolicy` for a ``SparseConfig`` or ``LukaConfig`` (None: policy / mode ``none``)."""
-    section, name = _policy_name(cfg)
-    if name == "none":
+def decode_policy(cfg: Optional[PolicySection], model_config) -> Optional[DecodePolicy]:
+    """The :class:`DecodePolicy` that a decode section names (``config.decode_config``: a ``SparseConfig`` or a
+    ``LukaConfig``; None or policy ``none``: dense decoding, None)."""
+    return _policy(cfg, model_config, DECODE_SECTIONS, "decode")
+
+
+def prefill_policy(cfg: Optional[PolicySection], model_config) -> Optional[PrefillPolicy]:
+    """The :class:`PrefillPolicy` that a ``PrefillConfig`` names (None: policy ``none``)."""
+    return _policy(cfg, model_config, ("prefill",), "prefill")
+
+
+def _policy(cfg, model_config, sections: tuple, what: str):
+    if cfg is None:
         return None
-    return load_class(POLICY_IMPLS[section])(cfg, model_config)
-
-
-def prefill_policy(cfg, model_config) -> Optional[PrefillPolicy]:
-    """The :class:`PrefillPolicy` for a ``PrefillConfig`` (None: policy ``none``)."""
-    if cfg.prefill_policy == "none":
+    if not (isinstance(cfg, PolicySection) and cfg.section in sections):
+        raise TypeError(f"a {what} policy is configured by the config section {' or '.join(sections)}, got "
+                        f"{type(cfg).__name__}")
+    if cfg.policy == "none":
         return None
-    return load_class(POLICY_IMPLS["prefill"])(cfg, model_config)
-
-
-def _policy_name(cfg) -> tuple[str, str]:
-    if isinstance(cfg, SparseConfig):
-        return "sparse", cfg.sparse_policy
-    if isinstance(cfg, LukaConfig):
-        return "luka", cfg.luka_mode
-    raise TypeError(f"a decode policy is configured by a SparseConfig or a LukaConfig, got {type(cfg).__name__}")
+    spec = POLICIES.get(cfg.policy)
+    if spec is None or spec.section != cfg.section:
+        raise ValueError(f"no {cfg.section} policy {cfg.policy!r} is registered (magnetar.config.POLICIES)")
+    return load_class(spec.impl)(cfg, model_config)

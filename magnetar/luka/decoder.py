@@ -36,6 +36,7 @@ import torch
 
 from magnetar.config import LukaConfig
 from magnetar.engine.kv import KVShard, LayerKV
+from magnetar.engine.strategy import DecodePolicyBase
 from magnetar.luka.core import clustered_attention, column_mass, compress_pages, heavy_hitters
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.utils.timing import no_timer
@@ -91,9 +92,9 @@ class _Pages:
         return torch.where((idx >= pa)[..., None, None], from_b, from_a)
 
 
-class LukaDecoder:
-    """The engine's LuKA policy (a :class:`magnetar.engine.strategy.DecodePolicy`, as
-    :class:`magnetar.sparse.select.SparseDecoder` is)."""
+class LukaDecoder(DecodePolicyBase):
+    """The engine's LuKA policy (a :class:`magnetar.engine.strategy.DecodePolicy`; every ``luka_mode`` but ``none``
+    is registered to it)."""
 
     needs_prefill_mass = True  # H2O's scores start with the attention mass of Phase 1
     pages_generated = True  # attend_context takes the query rank's Phase-2 store (gen=) and pages it too
@@ -103,7 +104,7 @@ class LukaDecoder:
         ``refine``, ``compress`` and ``mass`` (the latency breakdown of ``benchmarks/bench_luka.py``)."""
         if cfg.luka_mode == "none":
             raise ValueError("LukaDecoder needs luka_mode lined, clustered or mixed")
-        self.cfg = cfg
+        super().__init__(cfg, model_config)
         self.num_layers = int(model_config.num_hidden_layers)
         self.uid = next(_IDS)
         self.pending: dict[int, dict[int, _Pending]] = {}
@@ -174,14 +175,17 @@ class LukaDecoder:
             else:
                 unattended.append((len(kv) - st.attended) / whole)
         mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        out = dict(paged_fraction=mean(paged), paged_generated_tokens=mean(gen_paged),
+                   unattended_fraction=mean(unattended), compressed_fraction=mean(paged + unattended))
+        return {k: out[k] for k in self.stats_keys}
+
+    @property
+    def stats_keys(self) -> tuple[str, ...]:
+        """The keys of :meth:`stats`: the clustered layers' when there are some, the lined layers' likewise, and
+        ``compressed_fraction`` (fixed by the config, so the same on every rank)."""
         kinds = {self.kind(i) for i in range(self.num_layers)}
-        out = {}
-        if "clustered" in kinds:
-            out.update(paged_fraction=mean(paged), paged_generated_tokens=mean(gen_paged))
-        if "lined" in kinds:
-            out["unattended_fraction"] = mean(unattended)
-        out["compressed_fraction"] = mean(paged + unattended)
-        return out
+        return ((("paged_fraction", "paged_generated_tokens") if "clustered" in kinds else ())
+                + (("unattended_fraction",) if "lined" in kinds else ()) + ("compressed_fraction",))
 
     # -- attention --------------------------------------------------------------------------------------
     def attend_context(self, layer: int, b: int, q: torch.Tensor, kv: LayerKV, q_pos: torch.Tensor, scale: float,

@@ -30,8 +30,10 @@ What it does not know
 No model, no tokenizer, no ranks, no devices: pure CPU torch/python on integer token ids, deterministic
 (identical input gives identical output on every rank). Which rank owns which block, the forward pass, the
 KV discard and Phase 2 belong to the engine. The scorer names, position modes and Table 9 defaults are
-:mod:`magnetar.config`'s (``SCORERS``, ``POSITION_MODES``, :class:`~magnetar.config.PulsarConfig`); this module
-re-exports them under the names its functions' defaults use.
+:mod:`magnetar.config`'s (``SCORERS``, ``POSITION_MODES``, :class:`~magnetar.config.PulsarConfig`), which also
+checks them: the options reach this module validated, and it does not check them again. One planner,
+:func:`plan_pulsar`, serves both the engine (token ids given) and the cost model (``context_ids=None``: the
+summaries are then placed to give the largest prefix, Eq. 4's upper bound -- exact for ``even``).
 
 Choices where the paper is silent (each is repeated where it applies)
 ----------------------------------------------------------------------
@@ -80,33 +82,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from magnetar.config import POSITION_MODES, SCORERS, PulsarConfig
+from magnetar.engine.plan import block_bounds as _tile
 
-__all__ = [
-    "SCORERS",
-    "POSITION_MODES",
-    "DEFAULT_CHUNK_SIZE",
-    "DEFAULT_BUDGET",
-    "DEFAULT_SINK_SIZE",
-    "DEFAULT_SCORER",
-    "DEFAULT_POSITION_MODE",
-    "BM25_K1",
-    "BM25_B",
-    "IdfTable",
-    "BlockPlan",
-    "PulsarPlan",
-    "block_bounds_from_size",
-    "check_block_bounds",
-    "corpus_idf",
-    "num_chunks",
-    "num_summary_chunks",
-    "chunk_scores",
-    "select_summary",
-    "sink_indices",
-    "pulsar_prefix",
-    "prefix_positions",
-    "query_start_position",
-    "plan_pulsar",
-]
+__all__ = ["SCORERS", "POSITION_MODES", "DEFAULT_CHUNK_SIZE", "DEFAULT_BUDGET", "DEFAULT_SINK_SIZE", "DEFAULT_SCORER",
+           "DEFAULT_POSITION_MODE", "BM25_K1", "BM25_B", "IdfTable", "BlockPlan", "PulsarPlan", "corpus_idf",
+           "num_chunks", "num_summary_chunks", "chunk_scores", "select_summary", "sink_indices", "pulsar_prefix",
+           "prefix_positions", "query_start_position", "plan_pulsar"]
 
 # The names (SCORERS: Appendix C's heuristics, ``max_idf`` the paper's; POSITION_MODES: Appendix E, ``sparse``
 # the paper's) and the Table 9 defaults have one source, magnetar.config; the defaults are PulsarConfig's.
@@ -124,101 +105,16 @@ Bounds = List[Tuple[int, int]]
 IdfLike = Union["IdfTable", torch.Tensor, None]
 
 
-# --------------------------------------------------------------------------------------------- validation
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _ids(ids) -> torch.Tensor:
+    """Token ids as a 1-D int64 CPU tensor (lists are accepted)."""
+    return torch.as_tensor(ids, dtype=torch.long).detach().reshape(-1).cpu()
 
 
-def _check_chunk_size(chunk_size) -> int:
-    if not _is_int(chunk_size) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk, paper default {DEFAULT_CHUNK_SIZE}); "
-                         f"got {chunk_size!r}")
-    return chunk_size
-
-
-def _check_budget(budget) -> float:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (0.0 < float(budget) <= 1.0):
-        raise ValueError(
-            f"budget must be a fraction of the block's tokens in (0, 1] (paper default {DEFAULT_BUDGET}); "
-            f"got {budget!r}"
-        )
-    return float(budget)
-
-
-def _check_sink_size(sink_size) -> int:
-    if not _is_int(sink_size) or sink_size < 0:
-        raise ValueError(f"sink_size must be an int >= 0 (paper default {DEFAULT_SINK_SIZE}); got {sink_size!r}")
-    return sink_size
-
-
-def _check_scorer(scorer) -> str:
-    if scorer not in SCORERS:
-        raise ValueError(f"unknown scorer {scorer!r}; choose one of {', '.join(SCORERS)}")
-    return scorer
-
-
-def _check_mode(mode) -> str:
-    if mode not in POSITION_MODES:
-        raise ValueError(f"unknown position mode {mode!r}; choose one of {', '.join(POSITION_MODES)}")
-    return mode
-
-
-def _as_ids(ids, name: str, allow_empty: bool = False) -> torch.Tensor:
-    """A 1-D int64 CPU tensor of non-negative token ids (lists are accepted)."""
-    if not isinstance(ids, torch.Tensor):
-        ids = torch.as_tensor(ids, dtype=torch.long)
-    if ids.dim() != 1:
-        raise ValueError(f"{name} must be 1-D token ids; got shape {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must hold integer token ids; got dtype {ids.dtype}")
-    ids = ids.detach().to(device="cpu", dtype=torch.long)
-    if ids.numel() == 0:
-        if allow_empty:
-            return ids
-        raise ValueError(f"{name} is empty: a block (and the context) must hold at least one token")
-    if int(ids.min()) < 0:
-        raise ValueError(f"{name} holds negative token ids (min {int(ids.min())})")
-    return ids
-
-
-# ------------------------------------------------------------------------------------------------- blocks
-def block_bounds_from_size(context_len: int, block_size: int) -> Bounds:
-    """Consecutive blocks ``[j*block_size, min((j+1)*block_size, L))``; the last one may be shorter."""
-    if not _is_int(context_len) or context_len <= 0:
-        raise ValueError(f"context_len must be a positive int; got {context_len!r}")
-    if not _is_int(block_size) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
-    return [(s, min(s + block_size, context_len)) for s in range(0, context_len, block_size)]
-
-
-def check_block_bounds(block_bounds: Union[Sequence[Tuple[int, int]], int], context_len: int) -> Bounds:
-    """Return ``block_bounds`` as a list of ``(start, end)`` after checking they tile ``[0, context_len)``.
-
-    An int is read as a block size (:func:`block_bounds_from_size`). Blocks must be non-empty, contiguous,
-    in order, start at 0 and end at ``context_len`` (Section 3.1: "n contiguous blocks").
-    """
-    if _is_int(block_bounds):
-        return block_bounds_from_size(context_len, block_bounds)
-    try:
-        bounds = [(int(s), int(e)) for s, e in block_bounds]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"block_bounds must be a block size (int) or a list of (start, end) pairs; got {block_bounds!r}"
-        )
-    if not bounds:
-        raise ValueError("block_bounds is empty: give at least one (start, end) block")
-    expected = 0
-    for j, (s, e) in enumerate(bounds):
-        if s != expected:
-            raise ValueError(
-                f"block_bounds must tile the context contiguously from 0: block {j} starts at {s}, expected {expected}"
-            )
-        if e <= s:
-            raise ValueError(f"block_bounds: block {j} = ({s}, {e}) is empty; every block needs >= 1 token")
-        expected = e
-    if expected != context_len:
-        raise ValueError(f"block_bounds end at {expected} but the context has {context_len} tokens")
-    return bounds
+def _bounds(block_bounds: Union[Sequence[Tuple[int, int]], int], context_len: int) -> Bounds:
+    """``(start, end)`` pairs tiling ``[0, context_len)``; an int is a block size (the engine's tiling)."""
+    if isinstance(block_bounds, int):
+        return _tile(context_len, block_bounds)
+    return [(int(s), int(e)) for s, e in block_bounds]
 
 
 # ---------------------------------------------------------------------------------------------- IDF table
@@ -250,37 +146,26 @@ class IdfTable:
 
     def mean_chunk_len(self, chunk_size: int) -> float:
         """``l_bar`` of Eq. 10: mean length over every chunk of every block (partial last chunks included)."""
-        _check_chunk_size(chunk_size)
         return sum(self.doc_lengths) / sum(num_chunks(n, chunk_size) for n in self.doc_lengths)
 
 
-def corpus_idf(
-    context_ids,
-    block_bounds: Union[Sequence[Tuple[int, int]], int],
-    *,
-    vocab_size: Optional[int] = None,
-) -> IdfTable:
-    """Build the corpus IDF table of Eq. 2 (Appendix C.1) from the context's token ids alone.
+def corpus_idf(context_ids, block_bounds: Union[Sequence[Tuple[int, int]], int], *,
+               vocab_size: Optional[int] = None) -> IdfTable:
+    """The corpus IDF table of Eq. 2 (Appendix C.1) from the context's token ids alone.
 
     Documents are the *blocks* (Eq. 2: "df(t) is the number of blocks containing token t", ``n`` = number of
-    blocks), i.e. the same blocks that get summarized -- not chunks, and not ranks when a rank holds
-    several blocks. Every rank calling this with the same ids and bounds gets the same table.
-
-    Args:
-        context_ids: ``(L,)`` token ids of the whole context.
-        block_bounds: list of ``(start, end)`` tiling ``[0, L)``, or an int block size.
-        vocab_size: table size; default ``max(context_ids) + 1``. Must exceed every id in the context.
-
-    Returns:
-        An :class:`IdfTable`; ``.idf`` is the Eq. 2 table. With a single block every IDF is ``log 1 = 0``.
+    blocks), i.e. the same blocks that get summarized -- not chunks, and not ranks when a rank holds several
+    blocks. Every rank calling this with the same ids and bounds gets the same table. ``block_bounds``: ``(start,
+    end)`` pairs tiling ``[0, L)`` or a block size; ``vocab_size``: the table's size (default ``max id + 1``; a
+    smaller one is a ValueError). With a single block every IDF is ``log 1 = 0``.
     """
-    ids = _as_ids(context_ids, "context_ids")
-    bounds = check_block_bounds(block_bounds, ids.numel())
+    ids = _ids(context_ids)
+    bounds = _bounds(block_bounds, ids.numel())
     top = int(ids.max()) + 1
     if vocab_size is None:
         vocab_size = top
-    elif not _is_int(vocab_size) or vocab_size < top:
-        raise ValueError(f"vocab_size must be an int > every token id (max id {top - 1}); got {vocab_size!r}")
+    elif vocab_size < top:
+        raise ValueError(f"vocab_size must exceed every token id (max id {top - 1}); got {vocab_size!r}")
     lengths = torch.tensor([e - s for s, e in bounds], dtype=torch.long)
     doc = torch.repeat_interleave(torch.arange(len(bounds), dtype=torch.long), lengths)
     # One (block, token) pair per distinct token of each block; df(t) counts the pairs holding t.
@@ -306,43 +191,26 @@ def num_summary_chunks(block_len: int, chunk_size: int = DEFAULT_CHUNK_SIZE, bud
     selection can exceed ``sigma`` by less than one chunk. A 1e-9 slack absorbs float noise
     (e.g. ``0.1 * 320 / 32``).
     """
-    if not _is_int(block_len) or block_len <= 0:
-        raise ValueError(f"block_len must be a positive int (empty block); got {block_len!r}")
-    _check_chunk_size(chunk_size)
-    budget = _check_budget(budget)
-    n = num_chunks(block_len, chunk_size)
     k = math.ceil(budget * block_len / chunk_size - 1e-9)
-    return max(1, min(n, k))
+    return max(1, min(num_chunks(block_len, chunk_size), k))
 
 
-def _idf_tensor(idf: IdfLike, scorer: str) -> torch.Tensor:
+def _idf_tensor(idf: IdfLike, scorer: str, size_needed: int) -> torch.Tensor:
     if isinstance(idf, IdfTable):
-        return idf.idf
-    if isinstance(idf, torch.Tensor):
-        if idf.dim() != 1:
-            raise ValueError(f"idf must be a 1-D table indexed by token id; got shape {tuple(idf.shape)}")
-        return idf.detach().to(device="cpu", dtype=torch.float64)
-    raise ValueError(f"scorer {scorer!r} needs the corpus IDF table: pass idf=corpus_idf(context_ids, block_bounds)")
+        table = idf.idf
+    elif isinstance(idf, torch.Tensor):
+        table = idf.detach().to(device="cpu", dtype=torch.float64).reshape(-1)
+    else:
+        raise ValueError(f"scorer {scorer!r} needs the corpus IDF table: pass idf=corpus_idf(context_ids, "
+                         f"block_bounds)")
+    if size_needed > table.numel():
+        raise ValueError(f"block_ids holds token id {size_needed - 1} but the idf table has {table.numel()} "
+                         f"entries; build the table from the whole context (or pass a larger vocab_size)")
+    return table
 
 
-def _check_in_table(ids: torch.Tensor, size: int) -> None:
-    if int(ids.max()) >= size:
-        raise ValueError(
-            f"block_ids holds token id {int(ids.max())} but the idf table has {size} entries; build the table "
-            "from the whole context (or pass a larger vocab_size to corpus_idf)"
-        )
-
-
-def chunk_scores(
-    block_ids,
-    idf: IdfLike,
-    *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    scorer: str = DEFAULT_SCORER,
-    k1: float = BM25_K1,
-    b: float = BM25_B,
-    avg_chunk_len: Optional[float] = None,
-) -> torch.Tensor:
+def chunk_scores(block_ids, idf: IdfLike, *, chunk_size: int = DEFAULT_CHUNK_SIZE, scorer: str = DEFAULT_SCORER,
+                 k1: float = BM25_K1, b: float = BM25_B, avg_chunk_len: Optional[float] = None) -> torch.Tensor:
     """Score each chunk of one block (Appendix C); returns ``(n_chunks,)`` float64, higher is better.
 
     Chunk ``c`` is ``block_ids[c*chunk_size : (c+1)*chunk_size]``; the last chunk may be shorter and is scored
@@ -361,14 +229,11 @@ def chunk_scores(
 
     ``idf`` is an :class:`IdfTable` or a plain ``(vocab,)`` Eq. 2 tensor (enough for max_idf and tfidf).
     """
-    scorer = _check_scorer(scorer)
-    chunk_size = _check_chunk_size(chunk_size)
-    ids = _as_ids(block_ids, "block_ids")
     if scorer == "even":
-        raise ValueError(
-            "scorer 'even' selects evenly spaced tokens (Eq. 13), not scored chunks; call select_summary(..., "
-            "scorer='even') or choose a chunk scorer: " + ", ".join(s for s in SCORERS if s != "even")
-        )
+        raise ValueError("scorer 'even' selects evenly spaced tokens (Eq. 13), not scored chunks; call "
+                         "select_summary(..., scorer='even') or choose a chunk scorer: "
+                         + ", ".join(s for s in SCORERS if s != "even"))
+    ids = _ids(block_ids)
     L = ids.numel()
     n = num_chunks(L, chunk_size)
     cid = torch.arange(L) // chunk_size
@@ -379,8 +244,7 @@ def chunk_scores(
         types = torch.unique(cid * width + ids)
         return torch.bincount(types // width, minlength=n).to(torch.float64) / lengths
 
-    table = _idf_tensor(idf, scorer)
-    _check_in_table(ids, table.numel())
+    table = _idf_tensor(idf, scorer, int(ids.max()) + 1)
     if scorer == "max_idf":
         return torch.zeros(n, dtype=torch.float64).scatter_reduce_(0, cid, table[ids], "amax", include_self=False)
     if scorer == "tfidf":
@@ -391,8 +255,6 @@ def chunk_scores(
         raise ValueError("scorer 'bm25' needs df and N: pass idf=corpus_idf(...) (an IdfTable), not a bare tensor")
     if avg_chunk_len is None:
         avg_chunk_len = idf.mean_chunk_len(chunk_size)
-    if not avg_chunk_len > 0:
-        raise ValueError(f"avg_chunk_len must be > 0; got {avg_chunk_len!r}")
     V = table.numel()
     keys, tf = torch.unique(cid * V + ids, return_counts=True)
     c, t = keys // V, keys % V
@@ -402,15 +264,9 @@ def chunk_scores(
     return torch.zeros(n, dtype=torch.float64).index_add_(0, c, contrib)
 
 
-def select_summary(
-    block_ids,
-    idf: IdfLike = None,
-    *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    budget: float = DEFAULT_BUDGET,
-    scorer: str = DEFAULT_SCORER,
-    avg_chunk_len: Optional[float] = None,
-) -> torch.LongTensor:
+def select_summary(block_ids, idf: IdfLike = None, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   budget: float = DEFAULT_BUDGET, scorer: str = DEFAULT_SCORER,
+                   avg_chunk_len: Optional[float] = None) -> torch.LongTensor:
     """``Sigma``: indices *within the block* of its summary tokens, ascending (Algorithm 1 line 5).
 
     Chunk scorers keep the top ``k = num_summary_chunks(len, chunk_size, budget)`` chunks (ties: earlier
@@ -419,10 +275,7 @@ def select_summary(
     exact integer arithmetic; these are single tokens, not whole chunks. With ``budget = 1.0`` every scorer
     returns ``arange(len)``.
     """
-    scorer = _check_scorer(scorer)
-    chunk_size = _check_chunk_size(chunk_size)
-    budget = _check_budget(budget)
-    ids = _as_ids(block_ids, "block_ids")
+    ids = _ids(block_ids)
     L = ids.numel()
     k = num_summary_chunks(L, chunk_size, budget)
     if scorer == "even":
@@ -432,70 +285,55 @@ def select_summary(
         return (torch.arange(s, dtype=torch.long) * (L - 1)) // (s - 1)
     scores = chunk_scores(ids, idf, chunk_size=chunk_size, scorer=scorer, avg_chunk_len=avg_chunk_len).tolist()
     order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
-    chosen = torch.zeros(len(scores), dtype=torch.bool)
-    chosen[order[:k]] = True
-    return torch.nonzero(chosen[torch.arange(L) // chunk_size]).flatten()
+    return _chunk_tokens(order[:k], L, chunk_size)
+
+
+def _chunk_tokens(chunks: Sequence[int], block_len: int, chunk_size: int) -> torch.LongTensor:
+    """The ascending local indices of the tokens of ``chunks`` of a block."""
+    chosen = torch.zeros(num_chunks(block_len, chunk_size), dtype=torch.bool)
+    chosen[list(chunks)] = True
+    return torch.nonzero(chosen[torch.arange(block_len) // chunk_size]).flatten()
+
+
+def _largest_prefix_summary(block_len: int, block_index: int, chunk_size: int, budget: float,
+                            sink_size: int) -> torch.LongTensor:
+    """Without token ids: ``k`` chunks placed to give the largest de-duplicated prefix (Eq. 4's upper bound) --
+    block 0's past the sink first (a chunk inside the sink adds no token to the prefix), other blocks' first."""
+    k = num_summary_chunks(block_len, chunk_size, budget)
+    chunks = list(range(num_chunks(block_len, chunk_size)))
+    if block_index == 0:
+        past = [c for c in chunks if c * chunk_size >= min(sink_size, block_len)]
+        chunks = past + [c for c in chunks if c not in past]
+    return _chunk_tokens(chunks[:k], block_len, chunk_size)
 
 
 # ------------------------------------------------------------------------------------------------ prefix
 def sink_indices(block0_len: int, sink_size: int = DEFAULT_SINK_SIZE) -> torch.LongTensor:
     """``S_sink = B_0[0:sink_size]`` (Algorithm 1 line 3) as global indices; clipped to ``B_0``."""
-    sink_size = _check_sink_size(sink_size)
     return torch.arange(min(sink_size, block0_len), dtype=torch.long)
 
 
-def pulsar_prefix(
-    context_len: int,
-    block_bounds: Union[Sequence[Tuple[int, int]], int],
-    block_index: int,
-    summaries: Sequence,
-    sink_size: int = DEFAULT_SINK_SIZE,
-) -> torch.LongTensor:
+def pulsar_prefix(context_len: int, block_bounds: Union[Sequence[Tuple[int, int]], int], block_index: int,
+                  summaries: Sequence, sink_size: int = DEFAULT_SINK_SIZE) -> torch.LongTensor:
     """Global indices of ``[S_sink || Sigma_0 || ... || Sigma_{i-1}]`` for block ``i`` (Eq. 3), each once.
 
-    Args:
-        context_len: ``L``.
-        block_bounds: ``(start, end)`` pairs tiling ``[0, L)`` (or an int block size).
-        block_index: ``i``; block 0 is encoded alone, so its prefix is empty.
-        summaries: ``summaries[j]`` = *global* indices of ``Sigma_j`` (``select_summary(B_j, ...) + start_j``),
-            for at least every ``j < i``; later entries are ignored. Each must lie inside block ``j``.
-        sink_size: sink length (Table 9: 64), clipped to ``|B_0|``.
-
-    Returns:
-        Ascending int64 global indices, no duplicates. Eq. 3 would repeat a sink token that also lies in a
-        selected chunk of ``B_0``; here it appears once (its one position). Since the sink opens ``B_0`` and each
-        ``Sigma_j`` lies in ``B_j``, ascending order *is* Eq. 3's concatenation order minus repeats. With every
-        earlier token selected (``budget = 1.0``) this is exactly ``arange(start_i)``.
+    ``summaries[j]``: the *global* indices of ``Sigma_j`` (``select_summary(B_j, ...) + start_j``), for at least
+    every ``j < i``; ``sink_size`` is clipped to ``|B_0|``. Ascending int64 global indices, no duplicates: Eq. 3
+    would repeat a sink token that also lies in a selected chunk of ``B_0``; here it appears once (its one
+    position). Since the sink opens ``B_0`` and each ``Sigma_j`` lies in ``B_j``, ascending order *is* Eq. 3's
+    concatenation order minus repeats. With every earlier token selected (``budget = 1.0``) this is exactly
+    ``arange(start_i)``; block 0 is encoded alone (empty prefix).
     """
-    bounds = check_block_bounds(block_bounds, context_len)
-    if not _is_int(block_index) or not 0 <= block_index < len(bounds):
-        raise ValueError(f"block_index must be in [0, {len(bounds)}); got {block_index!r}")
-    sink_size = _check_sink_size(sink_size)
+    bounds = _bounds(block_bounds, context_len)
     if block_index == 0:
         return torch.zeros(0, dtype=torch.long)
-    if len(summaries) < block_index:
-        raise ValueError(f"summaries has {len(summaries)} entries; block {block_index} needs one per earlier block")
-    parts = [sink_indices(bounds[0][1], sink_size)]
-    for j in range(block_index):
-        s, e = bounds[j]
-        glob = _as_ids(summaries[j], f"summaries[{j}]", allow_empty=True)
-        if glob.numel() and (int(glob.min()) < s or int(glob.max()) >= e):
-            raise ValueError(
-                f"summaries[{j}] holds indices in [{int(glob.min())}, {int(glob.max())}], outside block {j} = "
-                f"[{s}, {e}); summaries are global indices (select_summary's output + the block's start)"
-            )
-        parts.append(glob)
+    parts = [sink_indices(bounds[0][1], sink_size)] + [_ids(summaries[j]) for j in range(block_index)]
     return torch.unique(torch.cat(parts), sorted=True)
 
 
 # --------------------------------------------------------------------------------------------- positions
-def prefix_positions(
-    prefix_indices,
-    block_start: int,
-    block_len: int,
-    *,
-    mode: str = DEFAULT_POSITION_MODE,
-) -> Tuple[torch.LongTensor, torch.LongTensor]:
+def prefix_positions(prefix_indices, block_start: int, block_len: int, *,
+                     mode: str = DEFAULT_POSITION_MODE) -> Tuple[torch.LongTensor, torch.LongTensor]:
     """RoPE position ids ``(prefix_pos, block_pos)`` for the assembled input ``[prefix || B_i]`` (Appendix E).
 
     * ``sparse`` (default, Section 3.1 and Table 9): every token keeps its global position;
@@ -508,29 +346,15 @@ def prefix_positions(
 
     For block 0 (empty prefix) both modes give ``arange(block_len)``.
     """
-    mode = _check_mode(mode)
-    pre = _as_ids(prefix_indices, "prefix_indices", allow_empty=True)
-    if not _is_int(block_start) or block_start < 0:
-        raise ValueError(f"block_start must be an int >= 0; got {block_start!r}")
-    if not _is_int(block_len) or block_len <= 0:
-        raise ValueError(f"block_len must be a positive int (empty block); got {block_len!r}")
-    if pre.numel():
-        if int(pre.max()) >= block_start:
-            raise ValueError(f"prefix_indices must precede the block (all < block_start={block_start})")
-        if pre.numel() > 1 and not bool((pre[1:] > pre[:-1]).all()):
-            raise ValueError("prefix_indices must be strictly increasing (use pulsar_prefix)")
+    pre = _ids(prefix_indices)
     if mode == "sparse":
         return pre.clone(), torch.arange(block_start, block_start + block_len, dtype=torch.long)
     P = pre.numel()
     return torch.arange(P, dtype=torch.long), torch.arange(P, P + block_len, dtype=torch.long)
 
 
-def query_start_position(
-    context_len: int,
-    assembled_lengths: Sequence[int] = (),
-    *,
-    mode: str = DEFAULT_POSITION_MODE,
-) -> int:
+def query_start_position(context_len: int, assembled_lengths: Sequence[int] = (), *,
+                         mode: str = DEFAULT_POSITION_MODE) -> int:
     """Position id of the first Phase 2 query token (Appendix E).
 
     * ``sparse``: ``context_len`` -- the query continues the original sequence.
@@ -538,15 +362,7 @@ def query_start_position(
       length ("offset to start just past the longest assembled Phase 1 length"; positions used there are
       ``0 .. L_i - 1``). Generated tokens follow the query's positions in both modes.
     """
-    mode = _check_mode(mode)
-    if not _is_int(context_len) or context_len <= 0:
-        raise ValueError(f"context_len must be a positive int; got {context_len!r}")
-    if mode == "sparse":
-        return context_len
-    lengths = [int(x) for x in assembled_lengths]
-    if not lengths or min(lengths) <= 0:
-        raise ValueError("contiguous mode needs assembled_lengths: one positive Phase 1 input length per block")
-    return max(lengths)
+    return context_len if mode == "sparse" else max(int(x) for x in assembled_lengths)
 
 
 # -------------------------------------------------------------------------------------------------- plan
@@ -589,10 +405,11 @@ class BlockPlan:
 
 @dataclass(frozen=True)
 class PulsarPlan:
-    """Everything Phase 1 needs to know about the context, for every block (no model, no ranks)."""
+    """Everything Phase 1 needs to know about the context, for every block (no model, no ranks). ``idf`` is None
+    for a plan without token ids."""
 
     block_bounds: Tuple[Tuple[int, int], ...]
-    idf: IdfTable
+    idf: Optional[IdfTable]
     summaries: Tuple[torch.LongTensor, ...]  # Sigma_j as global indices (ascending, inside block j)
     blocks: Tuple[BlockPlan, ...]
     query_start: int
@@ -603,49 +420,35 @@ class PulsarPlan:
     position_mode: str
 
 
-def plan_pulsar(
-    context_ids,
-    block_bounds: Union[Sequence[Tuple[int, int]], int],
-    *,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    budget: float = DEFAULT_BUDGET,
-    scorer: str = DEFAULT_SCORER,
-    sink_size: int = DEFAULT_SINK_SIZE,
-    position_mode: str = DEFAULT_POSITION_MODE,
-    vocab_size: Optional[int] = None,
-) -> PulsarPlan:
+def plan_pulsar(context_ids, block_bounds: Union[Sequence[Tuple[int, int]], int], *,
+                chunk_size: int = DEFAULT_CHUNK_SIZE, budget: float = DEFAULT_BUDGET, scorer: str = DEFAULT_SCORER,
+                sink_size: int = DEFAULT_SINK_SIZE, position_mode: str = DEFAULT_POSITION_MODE,
+                vocab_size: Optional[int] = None, context_len: Optional[int] = None) -> PulsarPlan:
     """Algorithm 1 lines 3-6 for every block: IDF table, summaries, prefixes, positions, query start.
 
     ``block_bounds`` is a list of ``(start, end)`` pairs or an int block size. Every rank can call this with
-    the whole context's ids and read its own blocks' entries; the result is identical everywhere.
+    the whole context's ids and read its own blocks' entries; the result is identical everywhere. Without token
+    ids (``context_ids=None``, give ``context_len``: the cost model) the summaries are placed to give the largest
+    prefix (Eq. 4's upper bound); ``even`` depends on the length alone and is exact either way.
     """
-    _check_chunk_size(chunk_size)
-    _check_budget(budget)
-    _check_scorer(scorer)
-    _check_sink_size(sink_size)
-    _check_mode(position_mode)
-    ids = _as_ids(context_ids, "context_ids")
-    L = ids.numel()
-    bounds = check_block_bounds(block_bounds, L)
-    table = corpus_idf(ids, bounds, vocab_size=vocab_size)
-    summaries = tuple(
-        select_summary(ids[s:e], table, chunk_size=chunk_size, budget=budget, scorer=scorer) + s for s, e in bounds
-    )
+    ids = None if context_ids is None else _ids(context_ids)
+    L = int(ids.numel()) if ids is not None else int(context_len)
+    bounds = _bounds(block_bounds, L)
+    if ids is None and scorer == "even":
+        ids = torch.zeros(L, dtype=torch.long)
+    table = corpus_idf(ids, bounds, vocab_size=vocab_size) if ids is not None and scorer != "even" else None
+    if ids is not None:
+        local = [select_summary(ids[s:e], table, chunk_size=chunk_size, budget=budget, scorer=scorer)
+                 for s, e in bounds]
+    else:
+        local = [_largest_prefix_summary(e - s, j, chunk_size, budget, sink_size) for j, (s, e) in enumerate(bounds)]
+    summaries = tuple(sel + s for sel, (s, _) in zip(local, bounds))
     blocks = []
     for i, (s, e) in enumerate(bounds):
         prefix = pulsar_prefix(L, bounds, i, summaries, sink_size)
         ppos, bpos = prefix_positions(prefix, s, e - s, mode=position_mode)
         blocks.append(BlockPlan(index=i, start=s, end=e, prefix=prefix, prefix_pos=ppos, block_pos=bpos))
     qstart = query_start_position(L, [blk.assembled_len for blk in blocks], mode=position_mode)
-    return PulsarPlan(
-        block_bounds=tuple(bounds),
-        idf=table,
-        summaries=summaries,
-        blocks=tuple(blocks),
-        query_start=qstart,
-        chunk_size=chunk_size,
-        budget=float(budget),
-        scorer=scorer,
-        sink_size=sink_size,
-        position_mode=position_mode,
-    )
+    return PulsarPlan(block_bounds=tuple(bounds), idf=table, summaries=summaries, blocks=tuple(blocks),
+                      query_start=qstart, chunk_size=chunk_size, budget=float(budget), scorer=scorer,
+                      sink_size=sink_size, position_mode=position_mode)

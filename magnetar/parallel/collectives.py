@@ -94,6 +94,14 @@ def all_gather_ints(values: list[int], group: Optional[dist.ProcessGroup], devic
     return gathered.view(world, -1).cpu()
 
 
+def all_gather_numbers(values: Sequence[float], group: Optional[dist.ProcessGroup], device, *,
+                       timeout=None) -> torch.Tensor:
+    """Gather a short list of numbers from every rank: ``(W, len(values))`` float64 (on CPU). Their float64 bits
+    travel in :func:`all_gather_ints` (ints are exact below 2**53)."""
+    bits = torch.tensor([float(v) for v in values], dtype=torch.float64).view(torch.int64).tolist()
+    return all_gather_ints(bits, group, device, timeout=timeout).view(torch.float64)
+
+
 def describe_per_rank(values: Sequence[str]) -> str:
     """One gathered value per group rank, printed for an error: ``"rank 0: float32, rank 1: float64"``; ranks
     with the same value share one entry (``"ranks 0,2: float32, rank 1: float64"``)."""

@@ -14,16 +14,20 @@ used. For one segment attending to itself with ``b_sel = 1`` this is the paper's
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
+from magnetar.engine.strategy import PrefillPolicyBase
 from magnetar.ops import attention_with_lse
 from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, head_averaged_topk, sparse_gqa_attention, support_pairs,
                                      visible_pairs)
 from magnetar.prefill.schedule import causal_pair_sparsity
 from magnetar.utils.timing import no_timer
+
+
+_COUNTS = ("patched_calls", "sparse_calls", "kept_pairs", "causal_pairs", "empty_rows")
 
 
 @dataclass
@@ -52,9 +56,15 @@ class PrefillStats:
 
     def merge(self, other: "PrefillStats") -> "PrefillStats":
         """Sum of two ranks' (or segments') counts of the same request."""
-        return PrefillStats(policy=self.policy, topk=self.topk, b_sel=self.b_sel, context_tokens=self.context_tokens,
-                            **{f: getattr(self, f) + getattr(other, f) for f in
-                               ("patched_calls", "sparse_calls", "kept_pairs", "causal_pairs", "empty_rows")})
+        return self.with_counts([a + b for a, b in zip(self.counts(), other.counts())])
+
+    def counts(self) -> list[int]:
+        """The counts that add up over segments and ranks (what the ranks gather)."""
+        return [getattr(self, f) for f in _COUNTS]
+
+    def with_counts(self, counts) -> "PrefillStats":
+        """This request's stats with ``counts`` (another rank's, or a sum) in place of its own."""
+        return replace(self, **{f: int(c) for f, c in zip(_COUNTS, counts, strict=True)})
 
     def as_dict(self) -> dict:
         return dict(asdict(self), sparsity=self.sparsity, formula_sparsity=self.formula_sparsity)
@@ -89,12 +99,12 @@ def load_or_make_indexers(cfg, model_config):
     return IndexerBank.random(model_config, cfg.prefill_d_idx or 128, seed=cfg.prefill_seed)
 
 
-class PrefillPolicy:
+class PrefillPolicy(PrefillPolicyBase):
     """Sparse prefill for one engine (a :class:`magnetar.engine.strategy.PrefillPolicy`; see the module
-    docstring)."""
+    docstring): both ``oracle`` and ``indexer`` are registered to it, the indexer weights are what differs."""
 
     def __init__(self, cfg, model_config):
-        self.cfg = cfg
+        super().__init__(cfg, model_config)
         self.indexers = load_or_make_indexers(cfg, model_config) if cfg.prefill_policy == "indexer" else None
         # a section timer (magnetar.utils.timing.SectionTimer) for the TTFT benchmark's profile of the patched layers:
         # projection (indexer), score_topk, sparse_attention, dense_attention (budget >= keys), accounting
@@ -103,8 +113,7 @@ class PrefillPolicy:
     def prepare(self, device: torch.device) -> None:
         """Build or load the sparse-prefill op now (at engine start), not inside the first request's Phase 1
         while the other ranks wait in a collective with a timeout."""
-        if self.cfg.prefill_policy != "none":
-            SPARSE_ATTENTION_OP.available(device)
+        SPARSE_ATTENTION_OP.available(device)
 
     def shard_heads(self, first: int, count: int, total: int) -> None:
         """Tensor parallelism: this rank sees ``count`` of ``total`` KV heads. The indexer scores the (whole,
@@ -123,7 +132,7 @@ class PrefillPolicy:
 
     def applies(self, layer: int, window: Optional[int]) -> bool:
         """Patched? Global layers from ``prefill_dense_layers`` on; sliding-window (local) layers stay dense."""
-        return self.cfg.prefill_policy != "none" and layer >= self.cfg.prefill_dense_layers and window is None
+        return layer >= self.cfg.prefill_dense_layers and window is None
 
     def start(self, context_tokens: int) -> "PrefillRun":
         return PrefillRun(self, self.cfg.budget(context_tokens), context_tokens)

@@ -16,7 +16,7 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
 
 Per-request options (the ``magnetar`` object): ``context``, ``context_id``, and the engine options that only
 decide how the context is encoded (``method``, ``block_size``, ``anchor_size``, pulsar's and streaming's fields:
-:data:`magnetar.engine.engine.REQUEST_OPTIONS`): the request's context is then encoded by ``Engine.variant`` (the
+:data:`magnetar.config.REQUEST_OPTIONS`): the request's context is then encoded by ``Engine.variant`` (the
 same model, ranks, decode policy and context cache, whose key includes these options). Other engine options
 (``cp_size``, ``tp_size``, sparse decoding, LuKA, ...) change the ranks' layout or the decoding of the whole
 batch: accepted only when equal to the server's value, otherwise refused with a 400 saying how to start a
@@ -37,9 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from magnetar.config import FLAT_FIELDS, EngineConfig
+from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig
 from magnetar.engine import inputs
-from magnetar.engine.engine import REQUEST_OPTIONS
 from magnetar.engine.requests import check_fit
 from magnetar.engine.template import split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
@@ -260,7 +259,7 @@ class Preparer:
         """(magnetar.context, magnetar.context_id, the engine options, the config they make -- checked once here,
         the server's own without options) of a request's ``magnetar`` object; ``fmt``:
         the format a pinned context must have for this endpoint (``chat`` or ``raw``). Engine
-        options are those :data:`~magnetar.engine.engine.REQUEST_OPTIONS` (how the context is encoded: ``method``,
+        options are those :data:`~magnetar.config.REQUEST_OPTIONS` (how the context is encoded: ``method``,
         ``block_size``, pulsar's and streaming's fields); the others would change the ranks' layout or the
         decoding of the whole batch, so only the server's own value is accepted."""
         if not options:

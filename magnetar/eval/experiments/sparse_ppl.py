@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from magnetar.config import METHODS, SPARSE_DEFAULT_SINKS_WINDOW, SPARSE_POLICIES, EngineConfig, SparseConfig
+from magnetar.config import METHODS, SPARSE_DEFAULT_SINKS_WINDOW, EngineConfig, SparseConfig, policy_choices
 from magnetar.eval.report import load
 from magnetar.eval.results import append_records  # ends a cut last line first
 
@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 def variants(args) -> list[SparseConfig]:
     out = [SparseConfig()]
     for policy in (x.strip() for x in args.policies.split(",") if x.strip()):
-        if policy not in SPARSE_POLICIES or policy == "none":
-            raise SystemExit(f"unknown policy {policy!r}; choose from {SPARSE_POLICIES[1:]}")
+        if policy not in policy_choices("sparse") or policy == "none":
+            raise SystemExit(f"unknown policy {policy!r}; choose from {policy_choices('sparse')[1:]}")
         for rate in (float(x) for x in args.pruning.split(",")):
             path = args.hash_path if policy == "spotlight" else args.lsh_hash_path if policy == "lsh" else None
             if policy == "spotlight" and not path:
@@ -150,7 +150,7 @@ def write_report(out: Path) -> str:
     lengths = sorted({r["length"] for r in rows})
     methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "dense", m))
     rates = sorted({r["pruning"] for r in rows if r["policy"] != "none"})
-    order = {p: i for i, p in enumerate(SPARSE_POLICIES)}
+    order = {p: i for i, p in enumerate(policy_choices("sparse"))}
     policies = sorted({_row_label(r) for r in rows}, key=lambda x: (order.get(x.split(" ")[0], 99), x))
     lines = ["# Sparse decoding: perplexity (Shakespeare windows)", "",
              "Perplexity [95 % CI] of the scored tokens; n = windows. Pruning = fraction of the context KV each "
