@@ -137,112 +137,34 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
     ``model_config``: an HF config (or dict with its field names, or :class:`ModelDims`). ``context_ids``
     (optional) makes Pulsar's summary selection exact; ``flash=False`` adds the score matrices to the
     activation memory; ``dtype_bytes`` overrides the config's ``runtime.dtype``.
-    """
-    if not isinstance(engine_config, EngineConfig):
-        raise TypeError(f"engine_config must be a magnetar.config.EngineConfig, got {type(engine_config).__name__}")
-    for name, v in (("context_len", context_len), ("query_len", query_len)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if context_ids is not None and int(context_ids.numel()) != context_len:
-        raise ValueError(f"context_ids has {context_ids.numel()} tokens but context_len is {context_len}")
-    dims = _model_dims(model_config)
-    cfg, L, Q = engine_config, context_len, query_len
-    W = cfg.parallel.cp_size
-    b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES.get(cfg.runtime.dtype)
-    if b is None:  # runtime.dtype "auto": only the loaded checkpoint knows its dtype
-        raise ValueError("engine_config.runtime.dtype is 'auto' (the checkpoint's dtype); pass dtype_bytes (e.g. 2 "
-                         "for bfloat16) or a fixed dtype")
-    # under tensor parallelism every figure is one TP rank's: heads (so KV and attention), the layers' projections
-    # and the LM head split tp ways; embeddings and norms whole (DeepSpeed AutoTP)
-    tp = cfg.parallel.tp_size
-    kv_tok_bytes = 2 * dims.layers * dims.kv_dim * b // tp
-    lin_tok = dims.layers * dims.linear_flops_per_token_layer // tp
-    attn_pair_flops = 4 * dims.q_dim // tp  # per pair per layer
-    head_flops = 2 * dims.hidden * dims.vocab // tp  # the LM head, per token
-    emb = dims.vocab * dims.hidden
-    weight_bytes = ((dims.params - emb) // tp + emb) * b if tp > 1 else dims.params * b
-    assumptions = [f"tp_size {tp}: figures per TP rank (heads, projections and LM head split {tp} ways, embeddings "
-                   f"whole); the two TP all-reduces per layer are not counted"] if tp > 1 else []
-    method = context_method(cfg.method)  # what the method says of its costs: no method is named here
-    assumptions += method.cost_assumptions(cfg, with_ids=context_ids is not None)
 
-    fields_ = {k: [] for k in ("phase1_input_lengths", "phase1_tokens", "phase1_attention_pairs",
-                               "phase1_attention_flops", "phase1_linear_flops", "phase1_flops",
-                               "activation_bytes_per_layer", "mlp_activation_bytes_per_layer",
-                               "phase1_comm_bytes_per_layer", "kv_tokens", "kv_bytes", "peak_memory_bytes",
-                               "phase2_query_flops", "decode_flops_per_token", "decode_kv_read_bytes_per_token")}
+    The stages: the units (:class:`_Units`: bytes and FLOPs per token, pair and weight under the dtype and the
+    TP split), the method's plan of every rank, each rank's Phase 1 (:func:`_phase1`) and Phase 2
+    (:func:`_phase2`), then the critical rank and totals.
+    """
+    _check_request(engine_config, context_len, query_len, context_ids)
+    dims = _model_dims(model_config)
+    cfg, L, Q, W = engine_config, context_len, query_len, engine_config.parallel.cp_size
+    u = _Units.of(dims, cfg, dtype_bytes)
+    method = context_method(cfg.method)  # what the method says of its costs: no method is named here
+    assumptions = u.assumptions + method.cost_assumptions(cfg, with_ids=context_ids is not None)
     # the cost of the method's own plan (without token ids: the plan it assumes for the length)
     if context_ids is not None:
         plans = [plan_rank(cfg, context_ids.reshape(-1).long(), r) for r in range(W)]
     else:
         plans = [plan_for_length(cfg, L, r) for r in range(W)]
-    ring_lengths = None
-    if method.lockstep_ranks:  # shards that circulate: their communication and all-earlier-keys attention below
-        ring_lengths = [int(p.segments[0].indices.numel()) for p in plans]
+    # shards that circulate (ring): their communication and all-earlier-keys attention
+    ring_lengths = [int(p.segments[0].indices.numel()) for p in plans] if method.lockstep_ranks else None
+    fields_ = {k: [] for k in _PER_RANK}
     for r, plan in enumerate(plans):
-        segments, qpos0 = plan.segments, plan.query_position
-        ring_shard = plan.segments[0].indices if ring_lengths is not None else None
-        pairs = [0] * dims.layers
-        lengths, act, mlp_act = [], 0, 0
-        comm = 0
-        if ring_shard is not None:  # every query of the shard sees all earlier keys of the context
-            qp = ring_shard
-            pairs = _pairs_per_layer(qp, torch.arange(L), dims)
-            lengths = [int(qp.numel())]
-            kept = torch.sort(qp).values
-            n, n_keys = lengths[0], max(ring_lengths)  # scores: one shard of keys per ring step
-            act = n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b + (0 if flash else dims.heads * n * n_keys * b)
-            mlp_act = n * (dims.hidden + 2 * dims.intermediate) * b
-            # step s sends the shard that started on rank (r - s): W-1 sends of KV (+ int64 positions)
-            comm = sum(ring_lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
-        else:
-            kept_parts, seen = [], torch.zeros(0, dtype=torch.long)
-            for seg in segments:
-                pos = seg.positions.long()
-                n = int(pos.numel())
-                lengths.append(n)
-                keys = method.visible_keys(cfg, pos, seen)  # itself, and what the method lets it see before
-                seen = torch.cat((seen, pos))
-                for layer, p in enumerate(_pairs_per_layer(pos, keys, dims)):
-                    pairs[layer] += p
-                act = max(act, n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b
-                          + (0 if flash else dims.heads * n * int(keys.numel()) * b))
-                mlp_act = max(mlp_act, n * (dims.hidden + 2 * dims.intermediate) * b)
-                kept_parts.append(pos[seg.keep])
-            kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
-            kept = method.kept_positions(cfg, kept, L)
-        tokens = sum(lengths)
-        attn = sum(pairs) * attn_pair_flops
-        lin = tokens * lin_tok
-        kv_tokens = int(kept.numel())
-        fields_["phase1_input_lengths"].append(lengths)
-        fields_["phase1_tokens"].append(tokens)
-        fields_["phase1_attention_pairs"].append(sum(pairs))
-        fields_["phase1_attention_flops"].append(attn)
-        fields_["phase1_linear_flops"].append(lin)
-        fields_["phase1_flops"].append(attn + lin)
-        fields_["activation_bytes_per_layer"].append(act)
-        fields_["mlp_activation_bytes_per_layer"].append(mlp_act)
-        fields_["phase1_comm_bytes_per_layer"].append(comm)
-        fields_["kv_tokens"].append(kv_tokens)
-        fields_["kv_bytes"].append(kv_tokens * kv_tok_bytes)
-        fields_["peak_memory_bytes"].append(weight_bytes + kv_tokens * kv_tok_bytes + max(act, mlp_act))
-        # Phase 2: query on every rank over its context KV; rank 0 also over the query/generated tokens
-        qp = torch.arange(qpos0, qpos0 + Q)
-        own = qp if r == 0 else torch.zeros(0, dtype=torch.long)
-        q_pairs = sum(_pairs_per_layer(qp, kept, dims)) + sum(_pairs_per_layer(qp, own, dims))
-        fields_["phase2_query_flops"].append(q_pairs * attn_pair_flops + Q * lin_tok + head_flops)
-        dp = torch.tensor([qpos0 + Q])  # the first decode step (one generated token in the KV)
-        own_d = torch.arange(qpos0, qpos0 + Q + 1) if r == 0 else torch.zeros(0, dtype=torch.long)
-        d_pairs = sum(_pairs_per_layer(dp, kept, dims)) + sum(_pairs_per_layer(dp, own_d, dims))
-        fields_["decode_flops_per_token"].append(d_pairs * attn_pair_flops + lin_tok + head_flops)
-        fields_["decode_kv_read_bytes_per_token"].append((kv_tokens + (Q + 1 if r == 0 else 0)) * kv_tok_bytes)
-
-    per_tok = dims.heads // tp * (dims.head_dim * b + 4) if W > 1 else 0
+        phase1, kept = _phase1(method, cfg, plan, r, L, dims, u, flash, ring_lengths)
+        for k, v in {**phase1, **_phase2(plan.query_position, Q, r, kept, dims, u)}.items():
+            fields_[k].append(v)
+    per_tok = dims.heads // u.tp * (dims.head_dim * u.b + 4) if W > 1 else 0
     crit = max(range(W), key=lambda r: fields_["phase1_flops"][r])
     n_crit = max((max(l) for l in fields_["phase1_input_lengths"] if l), default=0)
     return CostEstimate(
-        method=cfg.method, context_len=L, query_len=Q, cp_size=W, dtype_bytes=b,
+        method=cfg.method, context_len=L, query_len=Q, cp_size=W, dtype_bytes=u.b,
         model={k: v for k, v in asdict(dims).items()},
         **fields_,
         phase2_comm_bytes_per_layer_query=Q * per_tok, phase2_comm_bytes_per_layer_decode=per_tok,
@@ -254,8 +176,110 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
         critical_decode_flops_per_token=max(fields_["decode_flops_per_token"]),
         critical_decode_kv_read_bytes=max(fields_["decode_kv_read_bytes_per_token"]),
         paper_flops_per_layer=paper_phase1_flops_per_layer(n_crit, dims.heads, dims.kv_heads, dims.head_dim),
-        weight_bytes=weight_bytes, assumptions=assumptions,
+        weight_bytes=u.weight_bytes, assumptions=assumptions,
     )
+
+
+# the per-rank lists of a CostEstimate, in the order the stages fill them
+_PER_RANK = ("phase1_input_lengths", "phase1_tokens", "phase1_attention_pairs", "phase1_attention_flops",
+             "phase1_linear_flops", "phase1_flops", "activation_bytes_per_layer", "mlp_activation_bytes_per_layer",
+             "phase1_comm_bytes_per_layer", "kv_tokens", "kv_bytes", "peak_memory_bytes", "phase2_query_flops",
+             "decode_flops_per_token", "decode_kv_read_bytes_per_token")
+
+
+def _check_request(engine_config, context_len, query_len, context_ids) -> None:
+    if not isinstance(engine_config, EngineConfig):
+        raise TypeError(f"engine_config must be a magnetar.config.EngineConfig, got {type(engine_config).__name__}")
+    for name, v in (("context_len", context_len), ("query_len", query_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if context_ids is not None and int(context_ids.numel()) != context_len:
+        raise ValueError(f"context_ids has {context_ids.numel()} tokens but context_len is {context_len}")
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Bytes and FLOPs per unit, for one TP rank: under tensor parallelism heads (so KV and attention), the
+    layers' projections and the LM head split ``tp`` ways, embeddings and norms whole (DeepSpeed AutoTP)."""
+
+    b: int  # bytes per element
+    tp: int
+    kv_tok_bytes: int  # KV of one token, all layers
+    lin_tok: int  # projection + MLP FLOPs of one token, all layers
+    attn_pair_flops: int  # per (query, key) pair per layer
+    head_flops: int  # the LM head, per token
+    weight_bytes: int
+    assumptions: list
+
+    @classmethod
+    def of(cls, dims: ModelDims, cfg: EngineConfig, dtype_bytes: Optional[int]) -> "_Units":
+        b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES.get(cfg.runtime.dtype)
+        if b is None:  # runtime.dtype "auto": only the loaded checkpoint knows its dtype
+            raise ValueError("engine_config.runtime.dtype is 'auto' (the checkpoint's dtype); pass dtype_bytes (e.g. "
+                             "2 for bfloat16) or a fixed dtype")
+        tp = cfg.parallel.tp_size
+        emb = dims.vocab * dims.hidden
+        weight_bytes = ((dims.params - emb) // tp + emb) * b if tp > 1 else dims.params * b
+        assumptions = [f"tp_size {tp}: figures per TP rank (heads, projections and LM head split {tp} ways, "
+                       f"embeddings whole); the two TP all-reduces per layer are not counted"] if tp > 1 else []
+        return cls(b, tp, kv_tok_bytes=2 * dims.layers * dims.kv_dim * b // tp,
+                   lin_tok=dims.layers * dims.linear_flops_per_token_layer // tp, attn_pair_flops=4 * dims.q_dim // tp,
+                   head_flops=2 * dims.hidden * dims.vocab // tp, weight_bytes=weight_bytes, assumptions=assumptions)
+
+
+def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u: _Units, flash: bool,
+            ring_lengths: Optional[list[int]]) -> tuple[dict, torch.Tensor]:
+    """Rank ``r``'s Phase-1 figures of ``plan``, and the context positions whose KV it keeps."""
+    b, W = u.b, len(ring_lengths) if ring_lengths is not None else 0
+    pairs = [0] * dims.layers
+    lengths, act, mlp_act, comm = [], 0, 0, 0
+    if ring_lengths is not None:  # every query of the shard sees all earlier keys of the context
+        qp = plan.segments[0].indices
+        pairs = _pairs_per_layer(qp, torch.arange(L), dims)
+        lengths = [int(qp.numel())]
+        kept = torch.sort(qp).values
+        n, n_keys = lengths[0], max(ring_lengths)  # scores: one shard of keys per ring step
+        act = n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b + (0 if flash else dims.heads * n * n_keys * b)
+        mlp_act = n * (dims.hidden + 2 * dims.intermediate) * b
+        # step s sends the shard that started on rank (r - s): W-1 sends of KV (+ int64 positions)
+        comm = sum(ring_lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
+    else:
+        kept_parts, seen = [], torch.zeros(0, dtype=torch.long)
+        for seg in plan.segments:
+            pos = seg.positions.long()
+            n = int(pos.numel())
+            lengths.append(n)
+            keys = method.visible_keys(cfg, pos, seen)  # itself, and what the method lets it see before
+            seen = torch.cat((seen, pos))
+            for layer, p in enumerate(_pairs_per_layer(pos, keys, dims)):
+                pairs[layer] += p
+            act = max(act, n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b
+                      + (0 if flash else dims.heads * n * int(keys.numel()) * b))
+            mlp_act = max(mlp_act, n * (dims.hidden + 2 * dims.intermediate) * b)
+            kept_parts.append(pos[seg.keep])
+        kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
+        kept = method.kept_positions(cfg, kept, L)
+    tokens, attn, kv_tokens = sum(lengths), sum(pairs) * u.attn_pair_flops, int(kept.numel())
+    lin = tokens * u.lin_tok
+    return {"phase1_input_lengths": lengths, "phase1_tokens": tokens, "phase1_attention_pairs": sum(pairs),
+            "phase1_attention_flops": attn, "phase1_linear_flops": lin, "phase1_flops": attn + lin,
+            "activation_bytes_per_layer": act, "mlp_activation_bytes_per_layer": mlp_act,
+            "phase1_comm_bytes_per_layer": comm, "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * u.kv_tok_bytes,
+            "peak_memory_bytes": u.weight_bytes + kv_tokens * u.kv_tok_bytes + max(act, mlp_act)}, kept
+
+
+def _phase2(qpos0: int, Q: int, r: int, kept: torch.Tensor, dims: ModelDims, u: _Units) -> dict:
+    """Rank ``r``'s Phase-2 figures: the query on every rank over its context KV, rank 0 also over the
+    query/generated tokens; the first decode step (one generated token in the KV)."""
+    qp = torch.arange(qpos0, qpos0 + Q)
+    own = qp if r == 0 else torch.zeros(0, dtype=torch.long)
+    q_pairs = sum(_pairs_per_layer(qp, kept, dims)) + sum(_pairs_per_layer(qp, own, dims))
+    dp = torch.tensor([qpos0 + Q])
+    own_d = torch.arange(qpos0, qpos0 + Q + 1) if r == 0 else torch.zeros(0, dtype=torch.long)
+    d_pairs = sum(_pairs_per_layer(dp, kept, dims)) + sum(_pairs_per_layer(dp, own_d, dims))
+    return {"phase2_query_flops": q_pairs * u.attn_pair_flops + Q * u.lin_tok + u.head_flops,
+            "decode_flops_per_token": d_pairs * u.attn_pair_flops + u.lin_tok + u.head_flops,
+            "decode_kv_read_bytes_per_token": (int(kept.numel()) + (Q + 1 if r == 0 else 0)) * u.kv_tok_bytes}
 
 
 # ---------------------------------------------------------------------------------------------------- table

@@ -63,7 +63,7 @@ import random
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from magnetar.data.niah import Tokenizer, count_tokens
 from magnetar.eval.suite import EvalSample, GenerationSuite
@@ -218,106 +218,169 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
             large for any essay to hold a topic; too many facts for the templates.
     """
     _check_task(task)
-    if context_tokens is None or context_tokens == 0:
-        target = PAPER_TOKENS[task]
-    elif context_tokens < 0:
+    target = _target(task, context_tokens, facts_per_topic)
+    rng = random.Random(f"wikisalad/{task}/{seed}")
+    corpus = _corpus(tokenizer, texts)
+    # the stages draw from one generator in this order: facts, essays, names, places
+    qa = _Question.draw(rng, task, tokenizer, index, facts_per_topic)
+    salad = _Salad.plan(task, target, qa, tokenizer)
+    salad.choose_essays(rng, corpus)
+    names = qa.draw_names(rng, corpus, salad.chosen)
+    salad.place_facts(rng, [TEMPLATES[t][0].format(a=a) for t, a in zip(qa.picked, names)], facts_per_topic)
+    salad.fill()
+    n = salad.fit(lambda text: count_tokens(tokenizer, text + qa.query + "\n" + qa.prefix))
+    return salad.sample(qa, names, n, count_tokens(tokenizer, salad.assemble()[0]), seed=seed, index=index)
+
+
+def _target(task: str, context_tokens: int | None, facts_per_topic: int) -> int:
+    """The prompt's token budget (``None``/0: the paper's), after the checks of the arguments."""
+    if context_tokens is not None and context_tokens < 0:
         raise ValueError(f"context_tokens must be >= 0 (0 or None: the paper's length), got {context_tokens}")
-    else:
-        target = int(context_tokens)
     k = n_topics(task)
     if facts_per_topic < 1 or facts_per_topic * k > len(TEMPLATES):
         raise ValueError(f"facts_per_topic must be in 1..{len(TEMPLATES) // k} for {task} ({k} topics, "
                          f"{len(TEMPLATES)} templates), got {facts_per_topic}")
-    pat = pattern(task, target)
-    seg_topic = [TOPIC_LABELS.index(c) for c in pat]
-    n_seg = len(pat)
-    rng = random.Random(f"wikisalad/{task}/{seed}")
-    corpus = _corpus(tokenizer, texts)
+    return int(context_tokens) if context_tokens else PAPER_TOKENS[task]
 
-    # Facts first (templates, asked fact): the query and the facts' tokens come off the budget.
-    picked = rng.sample(range(len(TEMPLATES)), k * facts_per_topic)
-    asked_topic = index % k if index is not None else rng.randrange(k)
-    asked_slot = rng.randrange(facts_per_topic)
-    asked = asked_topic * facts_per_topic + asked_slot  # facts are listed topic by topic
-    question = TEMPLATES[picked[asked]][1]
-    query = f"\n\n{INSTRUCTION}\nQuestion: {question}"
-    prefix = answer_prefix(question)
-    # (Budgeted with one name: the names are drawn after the essays; the final fit measures the real text.)
-    fact_tokens = sum(count_tokens(tokenizer, " " + TEMPLATES[i][0].format(a=NAMES[0])) for i in picked)
-    overhead = (count_tokens(tokenizer, query) + count_tokens(tokenizer, " " + prefix) + fact_tokens
-                + n_seg * max(1, count_tokens(tokenizer, "\n\n")))
-    text_budget = target - overhead
-    per_seg = text_budget // n_seg
-    if per_seg < MIN_SEGMENT_TOKENS:
-        need = overhead + n_seg * MIN_SEGMENT_TOKENS
-        raise ValueError(f"context_tokens={target} is too small for {task} ({pat}): its {n_seg} segments would get "
-                         f"{max(per_seg, 0)} tokens of essay text each (at least {MIN_SEGMENT_TOKENS} needed); "
-                         f"raise context_tokens to at least {need} (the paper's length for {task} is "
-                         f"{PAPER_TOKENS[task]}; 0 selects it)")
-    segs_per_topic = n_seg // k
-    topic_need = per_seg * segs_per_topic
-    slack = max(64, topic_need // 10)
-    eligible = [i for i, doc in enumerate(corpus) if doc.tokens >= topic_need + slack]
-    if len(eligible) < k:
-        longest = sorted((doc.tokens for doc in corpus), reverse=True)
-        kth = longest[k - 1] if len(longest) >= k else 0
-        most = int((kth - slack) * k + overhead) if kth > slack else 0
-        raise ValueError(f"context_tokens={target} is too large for {task}: each of its {k} topics needs about "
-                         f"{topic_need + slack} tokens from one essay, and only {len(eligible)} of the "
-                         f"{len(corpus)} texts are that long; lower context_tokens (at most about {most} for "
-                         f"{task} with this tokenizer)")
-    chosen = rng.sample(eligible, k)
 
-    # Where each topic starts: a paragraph start that leaves enough text.
-    starts = []
-    for i in chosen:
-        doc = corpus[i]
-        ok = [p for p in doc.paragraph_starts if doc.tokens_from(p) >= topic_need + slack] or [0]
-        starts.append(rng.choice(ok))
+@dataclass
+class _Question:
+    """Stage 1, the facts: their templates (``picked``, topic by topic), the asked one, and the Phase-2 text."""
 
-    # Answers: names in no chosen essay (so each occurs exactly once in the context).
-    lowered = " ".join(corpus[i].text.lower() for i in chosen)
-    pool = [n for n in NAMES if n.lower() not in lowered]
-    if len(pool) < len(picked):
-        raise ValueError(f"only {len(pool)} answer names are absent from the chosen texts; need {len(picked)}")
-    names = rng.sample(pool, len(picked))
-    facts = [TEMPLATES[t][0].format(a=a) for t, a in zip(picked, names)]
+    k: int
+    facts_per_topic: int
+    picked: list[int]
+    asked_topic: int
+    asked: int
+    question: str
+    query: str
+    prefix: str
+    fact_tokens: int  # budgeted with one name: the names are drawn after the essays (the fit measures the text)
 
-    # Each topic's facts spread over its segments; each at a relative place in its segment.
-    topic_segs = [[s for s in range(n_seg) if seg_topic[s] == t] for t in range(k)]
-    fact_place = []  # (segment, relative position in (0, 1])
-    for t in range(k):
-        segs = topic_segs[t]
-        if len(segs) >= facts_per_topic:
-            where = sorted(rng.sample(segs, facts_per_topic))
-        else:
-            where = sorted(segs * (facts_per_topic // len(segs)) + rng.sample(segs, facts_per_topic % len(segs)))
-        fact_place += [(s, rng.random()) for s in where]
+    @classmethod
+    def draw(cls, rng: random.Random, task: str, tokenizer, index: int | None, facts_per_topic: int) -> "_Question":
+        k = n_topics(task)
+        picked = rng.sample(range(len(TEMPLATES)), k * facts_per_topic)
+        asked_topic = index % k if index is not None else rng.randrange(k)
+        asked = asked_topic * facts_per_topic + rng.randrange(facts_per_topic)
+        question = TEMPLATES[picked[asked]][1]
+        fact_tokens = sum(count_tokens(tokenizer, " " + TEMPLATES[i][0].format(a=NAMES[0])) for i in picked)
+        return cls(k, facts_per_topic, picked, asked_topic, asked, question, f"\n\n{INSTRUCTION}\nQuestion: {question}",
+                   answer_prefix(question), fact_tokens)
 
-    # Fill the segments: topic t's segments take consecutive sentences (indices into its essay) up to a
-    # cumulative budget, so that the segments come out about equal.
-    docs = [corpus[i] for i in chosen]
-    segments: list[list[int]] = [[] for _ in range(n_seg)]
-    cursor = list(starts)  # each topic's next sentence
-    used = [0] * k  # each topic's essay tokens in the context
-    for t, doc in enumerate(docs):
-        for j, s in enumerate(topic_segs[t]):
-            goal = (j + 1) * per_seg
-            while cursor[t] < len(doc.sentences) and (not segments[s]
-                                                      or used[t] + doc.sentence_tokens[cursor[t]] <= goal):
-                segments[s].append(cursor[t])
-                used[t] += doc.sentence_tokens[cursor[t]]
-                cursor[t] += 1
+    def draw_names(self, rng: random.Random, corpus: list, chosen: list[int]) -> list[str]:
+        """Stage 3, the answers: names in no chosen essay (so each occurs exactly once in the context)."""
+        lowered = " ".join(corpus[i].text.lower() for i in chosen)
+        pool = [n for n in NAMES if n.lower() not in lowered]
+        if len(pool) < len(self.picked):
+            raise ValueError(f"only {len(pool)} answer names are absent from the chosen texts; need "
+                             f"{len(self.picked)}")
+        return rng.sample(pool, len(self.picked))
 
-    def assemble() -> tuple[str, list[int], list[int]]:
-        parts, seg_offsets, fact_offsets, pos = [], [], [0] * len(facts), 0
-        for s in range(n_seg):
-            doc = docs[seg_topic[s]]
-            items: list[tuple[str, int | None]] = [(doc.sentences[i], None) for i in segments[s]]
-            gaps = sorted(((max(1, math.ceil(rel * len(segments[s]))), f)
-                           for f, (seg, rel) in enumerate(fact_place) if seg == s), reverse=True)
+
+@dataclass
+class _Salad:
+    """Stages 2, 4 and 5: the segments' budget, the essays and where each topic starts, the facts' places, the
+    sentences of every segment, and the fit to the token budget."""
+
+    task: str
+    target: int
+    pat: str
+    per_seg: int
+    topic_need: int
+    slack: int
+    overhead: int
+    chosen: list[int] = field(default_factory=list)
+    docs: list = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)
+    fact_place: list[tuple[int, float]] = field(default_factory=list)  # (segment, relative place in (0, 1])
+    segments: list[list[int]] = field(default_factory=list)  # sentence indices of each segment
+    cursor: list[int] = field(default_factory=list)  # each topic's next sentence
+    used: list[int] = field(default_factory=list)  # each topic's essay tokens in the context
+
+    @property
+    def k(self) -> int:
+        return n_topics(self.task)
+
+    @property
+    def seg_topic(self) -> list[int]:
+        return [TOPIC_LABELS.index(c) for c in self.pat]
+
+    def topic_segs(self, t: int) -> list[int]:
+        return [s for s, topic in enumerate(self.seg_topic) if topic == t]
+
+    @classmethod
+    def plan(cls, task: str, target: int, qa: _Question, tokenizer) -> "_Salad":
+        """The segments' share of the budget once the query, the answer opening and the facts are off it."""
+        pat = pattern(task, target)
+        n_seg, k = len(pat), n_topics(task)
+        overhead = (count_tokens(tokenizer, qa.query) + count_tokens(tokenizer, " " + qa.prefix) + qa.fact_tokens
+                    + n_seg * max(1, count_tokens(tokenizer, "\n\n")))
+        per_seg = (target - overhead) // n_seg
+        if per_seg < MIN_SEGMENT_TOKENS:
+            need = overhead + n_seg * MIN_SEGMENT_TOKENS
+            raise ValueError(f"context_tokens={target} is too small for {task} ({pat}): its {n_seg} segments would "
+                             f"get {max(per_seg, 0)} tokens of essay text each (at least {MIN_SEGMENT_TOKENS} "
+                             f"needed); raise context_tokens to at least {need} (the paper's length for {task} is "
+                             f"{PAPER_TOKENS[task]}; 0 selects it)")
+        topic_need = per_seg * (n_seg // k)
+        return cls(task, target, pat, per_seg, topic_need, max(64, topic_need // 10), overhead)
+
+    def choose_essays(self, rng: random.Random, corpus: list) -> None:
+        """One essay per topic long enough for its segments, and a paragraph start that leaves enough text."""
+        k, need = self.k, self.topic_need + self.slack
+        eligible = [i for i, doc in enumerate(corpus) if doc.tokens >= need]
+        if len(eligible) < k:
+            longest = sorted((doc.tokens for doc in corpus), reverse=True)
+            kth = longest[k - 1] if len(longest) >= k else 0
+            most = int((kth - self.slack) * k + self.overhead) if kth > self.slack else 0
+            raise ValueError(f"context_tokens={self.target} is too large for {self.task}: each of its {k} topics "
+                             f"needs about {need} tokens from one essay, and only {len(eligible)} of the "
+                             f"{len(corpus)} texts are that long; lower context_tokens (at most about {most} for "
+                             f"{self.task} with this tokenizer)")
+        self.chosen = rng.sample(eligible, k)
+        self.docs = [corpus[i] for i in self.chosen]
+        for doc in self.docs:
+            ok = [p for p in doc.paragraph_starts if doc.tokens_from(p) >= need] or [0]
+            self.starts.append(rng.choice(ok))
+
+    def place_facts(self, rng: random.Random, facts: list[str], facts_per_topic: int) -> None:
+        """Each topic's facts spread over its segments; each at a relative place in its segment."""
+        self.facts = facts
+        for t in range(self.k):
+            segs = self.topic_segs(t)
+            if len(segs) >= facts_per_topic:
+                where = sorted(rng.sample(segs, facts_per_topic))
+            else:
+                where = sorted(segs * (facts_per_topic // len(segs))
+                               + rng.sample(segs, facts_per_topic % len(segs)))
+            self.fact_place += [(s, rng.random()) for s in where]
+
+    def fill(self) -> None:
+        """Topic t's segments take consecutive sentences of its essay up to a cumulative budget, so that the
+        segments come out about equal."""
+        self.segments = [[] for _ in self.pat]
+        self.cursor, self.used = list(self.starts), [0] * self.k
+        for t, doc in enumerate(self.docs):
+            for j, s in enumerate(self.topic_segs(t)):
+                goal = (j + 1) * self.per_seg
+                while self.cursor[t] < len(doc.sentences) and (
+                        not self.segments[s] or self.used[t] + doc.sentence_tokens[self.cursor[t]] <= goal):
+                    self.segments[s].append(self.cursor[t])
+                    self.used[t] += doc.sentence_tokens[self.cursor[t]]
+                    self.cursor[t] += 1
+
+    def assemble(self) -> tuple[str, list[int], list[int]]:
+        """The context, each segment's and each fact's character offset in it."""
+        parts, seg_offsets, fact_offsets, pos = [], [], [0] * len(self.facts), 0
+        for s, topic in enumerate(self.seg_topic):
+            doc = self.docs[topic]
+            items: list[tuple[str, int | None]] = [(doc.sentences[i], None) for i in self.segments[s]]
+            gaps = sorted(((max(1, math.ceil(rel * len(self.segments[s]))), f)
+                           for f, (seg, rel) in enumerate(self.fact_place) if seg == s), reverse=True)
             for gap, f in gaps:  # from the back: equal gaps end up in fact order
-                items.insert(gap, (facts[f], f))
+                items.insert(gap, (self.facts[f], f))
             start = pos + (2 if s else 0)  # after the "\n\n" between segments
             text = ""
             for sent, f in items:
@@ -330,60 +393,67 @@ def wikisalad_sample(task: str, tokenizer: Tokenizer, context_tokens: int | None
             pos = start + len(text)
         return "\n\n".join(parts), seg_offsets, fact_offsets
 
-    def measure() -> int:
-        return count_tokens(tokenizer, assemble()[0] + query + "\n" + prefix)
+    def fit(self, prompt_tokens) -> int:
+        """Trim to the budget (from the end of the fullest topic), then top up while another sentence fits;
+        ``prompt_tokens(context)`` measures the whole prompt. Returns its final length."""
+        k, target = self.k, self.target
+        n = prompt_tokens(self.assemble()[0])
+        while n > target:
+            t = max(range(k), key=lambda x: (self.used[x], -x))
+            s = next((s for s in reversed(self.topic_segs(t)) if len(self.segments[s]) > 1), None)
+            if s is None:
+                raise ValueError(f"context_tokens={target} is too small for {self.task} ({self.pat}): raise it (the "
+                                 f"paper's length for {self.task} is {PAPER_TOKENS[self.task]})")
+            i = self.segments[s].pop()
+            self.used[t] -= self.docs[t].sentence_tokens[i]
+            if i == self.cursor[t] - 1:
+                self.cursor[t] = i
+            n = prompt_tokens(self.assemble()[0])
+        open_topics = set(range(k))
+        while open_topics:
+            t = min(open_topics, key=lambda x: (self.used[x], x))
+            if self.cursor[t] >= len(self.docs[t].sentences):
+                open_topics.discard(t)
+                continue
+            s = self.topic_segs(t)[-1]
+            self.segments[s].append(self.cursor[t])
+            m = prompt_tokens(self.assemble()[0])
+            if m <= target:
+                n, self.used[t] = m, self.used[t] + self.docs[t].sentence_tokens[self.cursor[t]]
+                self.cursor[t] += 1
+            else:
+                self.segments[s].pop()
+                open_topics.discard(t)
+        return n
 
-    # Trim to the budget (from the end of the fullest topic), then top up while another sentence fits.
-    n = measure()
-    while n > target:
-        t = max(range(k), key=lambda x: (used[x], -x))
-        s = next((s for s in reversed(topic_segs[t]) if len(segments[s]) > 1), None)
-        if s is None:
-            raise ValueError(f"context_tokens={target} is too small for {task} ({pat}): raise it (the paper's "
-                             f"length for {task} is {PAPER_TOKENS[task]})")
-        i = segments[s].pop()
-        used[t] -= docs[t].sentence_tokens[i]
-        if i == cursor[t] - 1:
-            cursor[t] = i
-        n = measure()
-    open_topics = set(range(k))
-    while open_topics:
-        t = min(open_topics, key=lambda x: (used[x], x))
-        if cursor[t] >= len(docs[t].sentences):
-            open_topics.discard(t)
-            continue
-        s = topic_segs[t][-1]
-        segments[s].append(cursor[t])
-        m = measure()
-        if m <= target:
-            n, used[t], cursor[t] = m, used[t] + docs[t].sentence_tokens[cursor[t]], cursor[t] + 1
-        else:
-            segments[s].pop()
-            open_topics.discard(t)
-
-    context, seg_offsets, fact_offsets = assemble()
-    low = context.lower()
-    for a in names:
-        if low.count(a.lower()) != 1:  # cannot happen with NAMES checked against the essays; guard anyway
-            raise RuntimeError(f"answer {a!r} occurs {low.count(a.lower())} times in the context")
-    fact_meta = tuple(
-        {"topic": TOPIC_LABELS[f // facts_per_topic], "segment": fact_place[f][0], "sentence": facts[f],
-         "question": TEMPLATES[picked[f]][1], "answer": names[f], "offset": fact_offsets[f]}
-        for f in range(len(facts)))
-    answer = names[asked]
-    answer_offset = fact_offsets[asked] + facts[asked].index(answer)
-    titles = {TOPIC_LABELS[t]: docs[t].title for t in range(k)}
-    metadata = {
-        "label": LABEL, "question": question, "instruction": INSTRUCTION, "pattern": pat,
-        "segment_topics": tuple(pat), "segment_offsets": tuple(seg_offsets), "topics": titles,
-        "topic_indices": {TOPIC_LABELS[t]: chosen[t] for t in range(k)}, "facts": fact_meta, "asked": asked,
-        "asked_topic": TOPIC_LABELS[asked_topic], "asked_segment": fact_place[asked][0],
-        "answer_offset": answer_offset, "answer_depth": answer_offset / max(1, len(context)),
-        "target_tokens": target, "prompt_tokens": n, "context_tokens": count_tokens(tokenizer, context),
-        "seed": seed, "index": index,
-    }
-    return EvalSample(task=task, context=context, query=query, answers=(answer,), answer_prefix=prefix,
-                      max_new_tokens=MAX_NEW_TOKENS, metadata=metadata, suite="wikisalad")
+    def sample(self, qa: _Question, names: list[str], prompt_tokens: int, context_tokens: int, *, seed: int,
+               index: int | None) -> EvalSample:
+        """Stage 6: the :class:`EvalSample` and its metadata (see :func:`wikisalad_sample`)."""
+        context, seg_offsets, fact_offsets = self.assemble()
+        low = context.lower()
+        for a in names:
+            if low.count(a.lower()) != 1:  # cannot happen with NAMES checked against the essays; guard anyway
+                raise RuntimeError(f"answer {a!r} occurs {low.count(a.lower())} times in the context")
+        fpt, facts, asked = qa.facts_per_topic, self.facts, qa.asked
+        fact_meta = tuple(
+            {"topic": TOPIC_LABELS[f // fpt], "segment": self.fact_place[f][0], "sentence": facts[f],
+             "question": TEMPLATES[qa.picked[f]][1], "answer": names[f], "offset": fact_offsets[f]}
+            for f in range(len(facts)))
+        answer = names[asked]
+        answer_offset = fact_offsets[asked] + facts[asked].index(answer)
+        k = self.k
+        metadata = {
+            "label": LABEL, "question": qa.question, "instruction": INSTRUCTION, "pattern": self.pat,
+            "segment_topics": tuple(self.pat), "segment_offsets": tuple(seg_offsets),
+            "topics": {TOPIC_LABELS[t]: self.docs[t].title for t in range(k)},
+            "topic_indices": {TOPIC_LABELS[t]: self.chosen[t] for t in range(k)}, "facts": fact_meta,
+            "asked": asked, "asked_topic": TOPIC_LABELS[qa.asked_topic], "asked_segment": self.fact_place[asked][0],
+            "answer_offset": answer_offset, "answer_depth": answer_offset / max(1, len(context)),
+            "target_tokens": self.target, "prompt_tokens": prompt_tokens, "context_tokens": context_tokens,
+            "seed": seed, "index": index,
+        }
+        return EvalSample(task=self.task, context=context, query=qa.query, answers=(answer,), answer_prefix=qa.prefix,
+                          max_new_tokens=MAX_NEW_TOKENS, metadata=metadata, suite="wikisalad")
 
 
 def answer_prefix(question: str) -> str:
