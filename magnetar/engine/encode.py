@@ -111,12 +111,13 @@ class Encoder:
             return self._simulated(context_ids, variants)
         return self._distributed(context_ids, variants)
 
-    def seconds_per_rank(self, out: Phase1Output) -> list[float]:
-        """Every CP rank's Phase-1 seconds of ``out`` (a gather unless simulated)."""
+    def seconds_per_rank(self, stats: list[RankStats]) -> list[float]:
+        """Every CP rank's Phase-1 seconds of one context from its ``stats`` (a Phase1Output's or a handle's: a
+        gather unless simulated)."""
         if self.simulated:
-            return [s.phase1_seconds for s in out.stats]
+            return [s.phase1_seconds for s in stats]
         g = self.groups
-        seconds = all_gather_numbers([out.stats[0].phase1_seconds], g.cp_group, self.device, timeout=g.timeout)
+        seconds = all_gather_numbers([stats[0].phase1_seconds], g.cp_group, self.device, timeout=g.timeout)
         return seconds[:, 0].tolist()
 
     # -- the two ways ---------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import DecodeBatch, run_phase2
 from magnetar.engine.requests import Requests
-from magnetar.engine.results import GenerationResult, RankStats, Results, ScoreResult  # noqa: F401 (re-exported)
+from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
@@ -328,6 +328,16 @@ class Engine:
         Strings are tokenized as plain text (no chat template, no special tokens).
         """
         return self.scorer.score_variants(context, continuation, [self._policy_config])[0]
+
+    def score_answer(self, context: Context, query: Context, answer: Union[torch.Tensor, list]) -> AnswerScore:
+        """The model's distribution at every token of ``answer`` (token ids, e.g. another method's greedy
+        ``GenerationResult.token_ids``) teacher-forced after ``query`` about ``context`` (strings as for
+        :meth:`generate`, or ids), with ``config.method`` and this engine's decode policy: the input of fidelity
+        measures (KL, top-1 agreement) against a reference method. Phase 1 goes through the context cache, so
+        scoring the answer :meth:`generate` just gave costs one Phase-2 forward."""
+        c, q = self.requests.pair(context, query)
+        a = inputs.answer_ids(answer, self.vocab_size)
+        return self.scorer.answer(c, q, a)
 
     def score_variants(self, context: Context, continuation: Context,
                        sparse: Sequence[Optional[PolicySection]]) -> list[ScoreResult]:

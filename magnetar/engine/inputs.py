@@ -42,6 +42,7 @@ _MIN_TOKENS_WHY = {
     "context": "Phase 1 encodes at least one context token; pass a non-empty context",
     "query": "Phase 2 needs at least one query token; pass a question",
     "continuation": "scoring needs at least 2 (token i + 1 is scored given tokens 0..i); pass a longer continuation",
+    "answer": "there is nothing to score; pass the answer's token ids (e.g. GenerationResult.token_ids)",
 }
 
 
@@ -113,6 +114,23 @@ def check_token_ids(ids: torch.Tensor, name: str, vocab_size: Optional[int], *, 
            "pass ids from the model's own tokenizer")
     raise ValueError(f"{name} holds token id {bad} (at index {where}), outside the model's vocabulary "
                      f"[0, {vocab_size}) (model.config.vocab_size = {vocab_size}); {fix}")
+
+
+def answer_ids(value, vocab_size: Optional[int]) -> torch.Tensor:
+    """``score_answer``'s ``answer``: token ids as a list of ints or an integer tensor, at least one, in the
+    vocabulary; returned as ``(T,)`` int64 on CPU."""
+    if isinstance(value, (list, tuple)):
+        if not all(is_int(t) for t in value):
+            raise ValueError("answer must be token ids (ints), e.g. GenerationResult.token_ids; got "
+                             f"{_kind(next(t for t in value if not is_int(t)))} in the list")
+        value = torch.tensor(list(value), dtype=torch.long)
+    if isinstance(value, str):
+        raise ValueError("answer must be token ids (GenerationResult.token_ids), not text: text would be "
+                         "tokenized differently from what the model generated")
+    check_prompt(value, "answer")
+    ids = value.reshape(-1).long().cpu()
+    check_token_ids(ids, "answer", vocab_size)
+    return ids
 
 
 # -- generation options -----------------------------------------------------------------------------------

@@ -353,6 +353,19 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
     if ids.numel() < 2:
         raise ValueError(f"scoring needs at least 2 continuation tokens (the first is only conditioned on), "
                          f"got {ids.numel()}")
+    logits = run_teacher_forced(model, config, shard, ids, start, groups, device, policy=policy,
+                                context_tokens=context_tokens)
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return logp.gather(1, ids[1:].to(device).reshape(-1, 1)).reshape(-1).cpu()
+
+
+@torch.inference_mode()
+def run_teacher_forced(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, start: int,
+                       groups: ParallelGroups, device, *, policy: Optional[DecodePolicy] = None,
+                       context_tokens: Optional[int] = None) -> torch.Tensor:
+    """The logits ``(S, V)`` float32 (on ``device``, the same on every rank) of ``ids (S,)`` run teacher-forced at
+    RoPE positions ``start ...`` as the Phase-2 query over the distributed context KV: row ``i`` predicts
+    ``ids[i + 1]`` given the context and ``ids[: i + 1]``."""
     gens = None
     if groups.is_cp_leader:
         gens = [KVShard(model.config.num_hidden_layers)]
@@ -372,5 +385,4 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
             logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
                                 logits_to_keep=0, magnetar=ctx).logits[0].float())
         ctx.check_logits(logits[-1], f"scoring tokens {a}..{a + n - 1}")
-    logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
-    return logp.gather(1, ids[1:].to(device).reshape(-1, 1)).reshape(-1).cpu()
+    return torch.cat(logits)

@@ -88,6 +88,25 @@ class ScoreResult:
 
 
 @dataclass
+class AnswerScore:
+    """An answer teacher-forced after a question about a context (see :meth:`Engine.score_answer`): the model's
+    distribution at every answer token, the input of fidelity measures against another method."""
+
+    logprobs: torch.Tensor  # (T, V) float32 on CPU: row j is log p( . | context, query, answer[:j])
+    answer_ids: torch.Tensor  # (T,) int64
+    method: str
+    context_tokens: int
+    phase1_seconds: list[float]  # per CP rank (real or simulated); 0 for a context that came from the cache
+    simulated: bool = False
+    cached: bool = False  # the context's Phase 1 came from the context cache
+
+    @property
+    def token_logprobs(self) -> torch.Tensor:
+        """``(T,)``: log p(answer[j] | context, query, answer[:j])."""
+        return self.logprobs.gather(1, self.answer_ids.reshape(-1, 1)).reshape(-1)
+
+
+@dataclass
 class RankStats:
     """One CP rank's figures for one request (``peak_memory_bytes`` None until measured)."""
 

@@ -11,9 +11,9 @@ import torch
 from magnetar.config import EngineConfig, PolicySection
 from magnetar.engine import inputs
 from magnetar.engine.encode import Encoder
-from magnetar.engine.phase2 import run_scoring
+from magnetar.engine.phase2 import run_scoring, run_teacher_forced
 from magnetar.engine.requests import Requests
-from magnetar.engine.results import ScoreResult
+from magnetar.engine.results import AnswerScore, ScoreResult
 from magnetar.engine.strategy import DecodePolicy, PrefillPolicy, decode_policy
 from magnetar.parallel import ParallelGroups
 from magnetar.utils.nvtx import SCORE, nvtx_range
@@ -66,7 +66,7 @@ class Scorer:
         out = []
         with nvtx_range(SCORE):
             p1 = eng.encoder.phase1(c, variants=decoders)
-            seconds = eng.encoder.seconds_per_rank(p1)
+            seconds = eng.encoder.seconds_per_rank(p1.stats)
             prefill = None if p1.prefill_stats is None else p1.prefill_stats.as_dict()
             for dec in decoders:
                 t0 = time.perf_counter()
@@ -76,6 +76,27 @@ class Scorer:
                                        phase1_seconds=seconds, phase2_seconds=time.perf_counter() - t0,
                                        simulated=eng.encoder.simulated, prefill_stats=prefill))
         return out
+
+    def answer(self, context_ids: torch.Tensor, query_ids: torch.Tensor, answer_ids: torch.Tensor) -> AnswerScore:
+        """``answer_ids`` teacher-forced after ``query_ids`` about ``context_ids`` (checked ids): Phase 1 through the
+        context cache (a context just answered by :meth:`Engine.generate` is not encoded again), then the query and
+        the answer as one Phase-2 forward with this engine's decode policy; the rows predicting the answer."""
+        eng = self.engine
+        Q, T = int(query_ids.numel()), int(answer_ids.numel())
+        eng.requests.agree("score_answer", [context_ids], [torch.cat((query_ids, answer_ids))])
+        eng.requests.check_lengths(int(context_ids.numel()), Q + T, 1)
+        with nvtx_range(SCORE):
+            handle, hit = eng.encoder.encode(context_ids)
+            # a view: the decode policy's state of this question never reaches the cached handle
+            logits = run_teacher_forced(eng.model, eng.config, handle.shard.view(), torch.cat((query_ids, answer_ids)),
+                                        handle.query_position, eng.groups, eng.device, policy=eng.policy,
+                                        context_tokens=handle.context_tokens)
+        rows = torch.log_softmax(logits[Q - 1:Q - 1 + T], dim=-1).cpu()
+        seconds = eng.encoder.seconds_per_rank(handle.stats)
+        return AnswerScore(logprobs=rows, answer_ids=answer_ids, method=eng.config.method,
+                           context_tokens=handle.context_tokens,
+                           phase1_seconds=[0.0] * len(seconds) if hit else seconds,
+                           simulated=eng.encoder.simulated, cached=hit)
 
     def _decoder(self, cfg: Optional[PolicySection]) -> Optional[DecodePolicy]:
         """The decode policy for a sparse or LuKA config (cached: hash weights load once), None for dense."""

@@ -404,6 +404,11 @@ def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Seque
     ablation = scorer_ablation_table(rows)
     md += ("\n" + ablation) if ablation else ""
     pngs = plots(rows, Path(out_dir))
+    if any(r.get("suite") == "fidelity" for r in rows):
+        from magnetar.eval import fidelity
+
+        md += "\n" + fidelity.report(rows)
+        pngs += fidelity.plot(rows, Path(out_dir))
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (Path(out_dir) / "report.md").write_text(md)
     return md

@@ -30,6 +30,7 @@ items are then dealt round-robin to the processes (data parallel), each appendin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="answer up to N items of one task and method together (one batched decode; the same "
                         "answers up to float rounding, cheaper on small models; ppl ignores it)")
+    p.add_argument("--context-file", metavar="FILE",
+                   help="--suite fidelity: your own text as the context (its first --lengths tokens), task 'file'")
+    p.add_argument("--questions", metavar="FILE",
+                   help="--context-file: questions about it, one per line (default: made from the text)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="--suite fidelity: also answer greedily with each method and score it (both measures on "
+                        "the same items)")
     p.add_argument("--out", required=True, help="output directory (results.jsonl, report.md, plots)")
     p.add_argument("--report", action="store_true", help="only write the report from OUT/results.jsonl")
     p.add_argument("--with", dest="report_with", action="append", default=[], metavar="DIR",
@@ -227,11 +235,18 @@ def encode(tokenizer, sample) -> tuple[torch.Tensor, torch.Tensor]:
 
 def items(args, tasks, lengths, methods) -> Iterator[tuple[str, int, str, int]]:
     """Every item, task by task with all methods of a task together: a run cut short leaves whole rows of the
-    table (every method on the same questions), not whole columns."""
+    table (every method on the same questions), not whole columns. Fidelity runs every method of one sample in
+    turn (dense's reference answer is then computed once and held for that sample alone)."""
+    suite = get_suite(args.suite)
     for length in lengths:
         for task in tasks:
+            if suite.fidelity:
+                for index in range(args.samples):
+                    for method in methods:
+                        yield method, length, task, index
+                continue
             for method in methods:
-                for index in range(args.samples * get_suite(args.suite).items_per_sample):
+                for index in range(args.samples * suite.items_per_sample):
                     yield method, length, task, index
 
 
@@ -248,13 +263,72 @@ def _batches(todo: list, size: int) -> Iterator[list]:
         yield group
 
 
-def _run_group(args, engine, tokenizer, group: list) -> list[dict]:
+class Fidelity:
+    """What a fidelity run holds besides the engines: the dense reference engine, the reference answer of the
+    sample in hand (every method of a sample runs in turn), and the user's text and questions."""
+
+    def __init__(self, args, reference_engine):
+        from magnetar.eval.fidelity import question_lines
+
+        self.args, self.engine = args, reference_engine
+        self.text = Path(args.context_file).read_text(encoding="utf-8") if args.context_file else None
+        self.questions = question_lines(Path(args.questions).read_text(encoding="utf-8")) if args.questions else []
+        self._held: tuple = (None, None)
+
+    def sample(self, task: str, tokenizer, length: int, index: int, max_positions: Optional[int]):
+        """(sample, extra key fields, (context ids, query ids)) of one item."""
+        from magnetar.eval.fidelity import FILE_TASK, file_sample
+
+        if task == FILE_TASK:
+            sample = file_sample(self.text, tokenizer, length, index=index, questions=self.questions)
+            return sample, {}, encode(tokenizer, sample)
+        return fitted_sample(self.args.suite, task, tokenizer, length, index, self.args.data_seed, max_positions)
+
+    def reference(self, item_id: tuple, ids: tuple, sample):
+        """Dense's greedy answer to the item, its distributions and its score (held for the item's methods)."""
+        from magnetar.eval.fidelity import Reference
+
+        if self._held[0] != item_id:
+            res = self.engine.generate(*ids, max_new_tokens=sample.max_new_tokens, temperature=0.0)
+            scored = self.engine.score_answer(*ids, res.token_ids)
+            self._held = (item_id, Reference(torch.tensor(res.token_ids), res.text, scored.logprobs,
+                                             get_suite(self.args.suite).score(sample, res.text),
+                                             max(res.phase1_seconds)))
+        return self._held[1]
+
+
+def _run_fidelity(args, engine, tokenizer, item, fid: Fidelity) -> tuple[dict, object]:
+    """One fidelity item: the method's distributions over dense's answer, compared (and with ``--accuracy`` its
+    own greedy answer, scored)."""
+    from magnetar.eval.fidelity import compare
+
+    method, length, task, index, cfg, key = item
+    sample, extra, ids = fid.sample(task, tokenizer, length, index, engine.max_positions)
+    ref = fid.reference((task, length, index), ids, sample)
+    got = engine.score_answer(*ids, ref.answer_ids)
+    record = {"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
+              "length": length, "index": index}
+    record.update(extra, **compare(ref.logprobs, got.logprobs, ref.answer_ids), dense_answer=ref.text,
+                  dense_score=ref.score, dense_phase1_critical_path_s=ref.phase1_s, answers=list(sample.answers),
+                  context_tokens=got.context_tokens, prompt_tokens=got.context_tokens + int(ids[1].numel()))
+    if args.accuracy:  # the method's own greedy answer (its Phase 1 comes from the context cache)
+        res = engine.generate(*ids, max_new_tokens=sample.max_new_tokens, temperature=0.0)
+        record.update(prediction=res.text, score=get_suite(args.suite).score(sample, res.text),
+                      ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token)
+    return record, got
+
+
+def _run_group(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
     """Answer (or score) one group of items with ``engine``; one result record per item. A group of several
     generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding;
     the decode step, memory-bound on small models, is shared), recorded with ``batch`` = the group size."""
     records, t0 = [], time.perf_counter()
     suite = get_suite(args.suite)
-    if suite.perplexity:
+    if suite.fidelity:
+        (item,) = group
+        record, res = _run_fidelity(args, engine, tokenizer, item, fid)
+        pairs = [(record, res, item[4])]
+    elif suite.perplexity:
         (method, length, task, index, cfg, key), = group
         win = suite.window(tokenizer, length, index, seed=args.data_seed, target_tokens=args.target_tokens)
         res = engine.score(win.context_ids, win.continuation_ids)
@@ -301,6 +375,10 @@ def run(args) -> int:
     out = Path(args.out)
     suite = get_suite(args.suite)
     tasks = task_list(args) or suite.tasks  # the flags were checked by check_args (main calls it first)
+    if args.context_file:  # fidelity on the user's own text
+        from magnetar.eval.fidelity import FILE_TASK
+
+        tasks = (FILE_TASK,)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x, minimum=0) for x in args.lengths.split(",")]
     sim = args.simulate_ranks
@@ -336,6 +414,10 @@ def run(args) -> int:
         key = item_key(args.suite, task, method, length, index, config_key(cfg))
         if suite.perplexity:  # the scored tokens per window change the item
             key += f"/T{args.target_tokens}"
+        if args.context_file:  # the user's text and questions are the item
+            key += "/" + _files_digest(args)
+        if args.accuracy:
+            key += "/acc"
         if key not in done:
             todo.append((method, length, task, index, cfg, key))
     total = len(todo)
@@ -349,20 +431,27 @@ def run(args) -> int:
               f"{f', dealt to {world} processes' if dealt else ''}", flush=True)
         bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if dealt else None)
 
-    engines, model_obj = {}, model
-    for group in _batches(todo, args.batch if not suite.perplexity else 1):
+    engines, model_obj, fid = {}, model, None
+    if suite.fidelity:  # the reference: plain dense attention and decoding, on this process alone
+        ref_cfg = EngineConfig(method="dense", runtime=base.runtime,
+                               parallel=dataclasses.replace(EngineConfig().parallel,
+                                                            timeout_s=base.parallel.timeout_s))
+        ref = magnetar.init_inference(model_obj, ref_cfg, tokenizer=tokenizer,
+                                      groups=local_groups(timeout=timeout) if world > 1 else None)
+        model_obj, fid = ref.model, Fidelity(args, ref)
+    for group in _batches(todo, args.batch if not (suite.perplexity or suite.fidelity) else 1):
         method, length, task, index, cfg, key = group[0]
         ck = config_key(cfg)
         if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt
             run_cfg = cfg.replace(simulate=True) if sim is not None and cfg.parallel.cp_size > 1 else cfg
             groups = local_groups(timeout=timedelta(seconds=cfg.parallel.timeout_s)) if dealt else None
             engines[ck] = magnetar.init_inference(model_obj, run_cfg, tokenizer=tokenizer, groups=groups,
-                                                  deepspeed_inference=not engines)
+                                                  deepspeed_inference=not engines and fid is None)
             model_obj = engines[ck].model
         engine = engines[ck]
         runs_here = dealt or engine.simulated or cfg.parallel.cp_size > 1 or rank == 0
         if runs_here:
-            records = _run_group(args, engine, tokenizer, group)
+            records = _run_group(args, engine, tokenizer, group, fid)
             if rank == 0 or dealt:
                 append_records(results_path, records)
         if not dealt and cfg.parallel.cp_size == 1 and world > 1:
@@ -384,6 +473,14 @@ def run(args) -> int:
     return 0
 
 
+def _files_digest(args) -> str:
+    """A short hash of --context-file's and --questions' contents (part of a fidelity item's key)."""
+    h = hashlib.sha1()
+    for path in (args.context_file, args.questions):
+        h.update(Path(path).read_bytes() if path else b"-")
+    return h.hexdigest()[:10]
+
+
 def check_args(args) -> None:
     """Every check of an evaluation run's flags that needs no model (ValueError / FileNotFoundError naming the
     flag): the methods, lengths, tasks, counts, CP sizes against the launched world, the engine config of every
@@ -395,6 +492,18 @@ def check_args(args) -> None:
     if 0 in lengths and not get_suite(args.suite).own_lengths:
         raise ValueError(f"--lengths 0 (each task's own length) is for suites that size their own samples "
                          f"(wikisalad), not --suite {args.suite}; give token counts such as 4k")
+    fidelity = get_suite(args.suite).fidelity
+    for flag in ("context_file", "accuracy"):
+        if getattr(args, flag) and not fidelity:
+            raise ValueError(f"--{flag.replace('_', '-')} is an option of --suite fidelity, not --suite {args.suite}")
+    if args.questions and not args.context_file:
+        raise ValueError("--questions asks about --context-file's text: give --context-file FILE too")
+    if args.context_file and args.tasks:
+        raise ValueError("--tasks chooses RULER-style tasks; with --context-file the items are your text's "
+                         "questions: drop --tasks")
+    for flag in ("context_file", "questions"):
+        if getattr(args, flag):
+            check_input_file(getattr(args, flag), flag="--" + flag.replace("_", "-"))
     if args.tasks is not None:
         parse_names(args.tasks, get_suite(args.suite).tasks, "--tasks")
     for flag in ("samples", "target_tokens", "batch", "cp", "simulate_ranks"):

@@ -10,9 +10,11 @@ answer; it knows nothing about engines, ranks, result files or reports. This mod
 their "module:Class" strings, so loading one suite never imports another's corpus (and no suite module is
 imported by this one: they import it).
 
-Two kinds of suite share the registry: generation suites (``perplexity`` False: ruler, niah, babilong, wikisalad)
-answer a sample with the engine and score the text; the perplexity suite (``perplexity`` True: ppl) scores windows
-of text by their likelihood with ``Engine.score`` (its ``window`` method) and has no samples to answer.
+Three kinds of suite share the registry: generation suites (ruler, niah, babilong, wikisalad) answer a sample with
+the engine and score the text; the perplexity suite (``perplexity`` True: ppl) scores windows of text by their
+likelihood with ``Engine.score`` (its ``window`` method) and has no samples to answer; the fidelity suite
+(``fidelity`` True) compares each method's answer distributions with dense's on the same samples
+(:mod:`magnetar.eval.fidelity`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ SUITES: dict[str, str] = {
     "babilong": "magnetar.eval.babilong:BabilongSuite",
     "wikisalad": "magnetar.eval.wikisalad:WikiSaladSuite",
     "ppl": "magnetar.eval.ppl:PerplexitySuite",
+    "fidelity": "magnetar.eval.fidelity:FidelitySuite",
 }
 
 
@@ -82,6 +85,7 @@ class Suite(Protocol):
     tasks: tuple[str, ...]  # every task, in the order reports list them
     items_per_sample: int  # items per ``--samples`` unit (niah: one per needle depth)
     perplexity: bool  # True: items are text windows scored by likelihood, not answered samples
+    fidelity: bool  # True: items compare each method's answer distributions with dense's (magnetar.eval.fidelity)
     own_lengths: bool  # True: length 0 (``--lengths 0``) means each task's own length (wikisalad)
 
     def make_sample(self, task: str, tokenizer, length: int, *, index: int,
@@ -108,6 +112,7 @@ class GenerationSuite:
     tasks: tuple[str, ...] = ()
     items_per_sample: int = 1
     perplexity: bool = False
+    fidelity: bool = False
     own_lengths: bool = False
 
     def prompt_parts(self, sample: EvalSample, *, instruction_in: str = "query") -> tuple[str, str]:
