@@ -56,12 +56,16 @@ class ParallelConfig:
 class BlockConfig(EncodingSection):
     block_size: Optional[int] = None  # tokens per context block; default: context length / cp_size (one block per rank)
     anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
+    # star: every block but the first also sees the halo_size tokens just before it (at their own positions), with
+    # the anchor (de-duplicated); 0: none (Star). At most the block size (checked per request)
+    halo_size: int = 0
 
     def __post_init__(self):
         _check_types(self)
         _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
                  f"must be >= 0, got {self.anchor_size}")
+        _require(self.halo_size >= 0, "halo_size", f"must be >= 0 tokens (0: no halo), got {self.halo_size}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,6 +66,10 @@ class EngineConfig:
             _require(self.luka.luka_mode == "none", "prefill_policy",
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
+        if self.blocks.halo_size:
+            _require(self.method == "star", "halo_size",
+                     f"the halo is a Star option (each block also sees the tokens just before it); use method star "
+                     f"or halo_size 0, not method {self.method!r}")
         if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "

@@ -1,11 +1,16 @@
 """Star Attention's Phase 1 (``../shared/papers``): every block but the first is prefixed with the anchor
-block (the context's first ``anchor_size`` tokens, at their own positions); the rank keeps the block's KV."""
+block (the context's first ``anchor_size`` tokens, at their own positions); the rank keeps the block's KV.
+
+``halo_size`` W (Magnetar's option, issue 30): the prefix also holds the W tokens just before the block, at their
+own positions -- what a block encoded alone misses most is the text it continues. The prefix is the sorted union
+of anchor and halo (each token once). W 0 is Star; a prefix reaching back to the context's start is dense Phase 1.
+"""
 from __future__ import annotations
 
 import torch
 
 from magnetar.config import EngineConfig
-from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks
+from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks, resolve_block_size
 from magnetar.methods.local import LocalMethod
 
 
@@ -13,11 +18,21 @@ class StarMethod(LocalMethod):
     name = "star"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return covers_ranks(config, context_len)
+        reasons = covers_ranks(config, context_len)
+        halo = config.blocks.halo_size
+        if halo and not reasons:
+            block = resolve_block_size(config, context_len)
+            if halo > block:
+                reasons.append(f"halo_size ({halo}) exceeds the block size ({block} tokens for this "
+                               f"{context_len}-token context): lower --halo-size to at most {block} (a longer "
+                               f"reach is the anchor's job: --anchor-size)")
+        return reasons
 
     def label_options(self, config: EngineConfig) -> list[str]:
-        out = [f"block {config.blocks.block_size}"] if config.blocks.block_size is not None else []
-        return out + ([f"anchor {config.blocks.anchor_size}"] if config.blocks.anchor_size is not None else [])
+        b = config.blocks
+        out = [f"block {b.block_size}"] if b.block_size is not None else []
+        out += [f"anchor {b.anchor_size}"] if b.anchor_size is not None else []
+        return out + ([f"halo {b.halo_size}"] if b.halo_size else [])
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L = int(context_ids.numel())
@@ -27,12 +42,15 @@ class StarMethod(LocalMethod):
 
 
 def star_segment(config: EngineConfig, bounds: list[tuple[int, int]], i: int) -> Segment:
-    """Block ``i`` as ``[anchor ‖ block]`` (block 0 has no anchor; the anchor never overlaps the block)."""
+    """Block ``i`` as ``[anchor ∪ halo ‖ block]`` (block 0 has no prefix; the prefix never overlaps the block)."""
     s, e = bounds[i]
     block = torch.arange(s, e)
     anchor_size = config.blocks.anchor_size
     if anchor_size is None:
         anchor_size = bounds[0][1] - bounds[0][0]
-    anchor = torch.arange(min(anchor_size, s))
-    idx = torch.cat((anchor, block))
-    return Segment(idx, idx.clone(), slice(anchor.numel(), None), i, block_offset=anchor.numel())
+    prefix = torch.arange(min(anchor_size, s))
+    halo = config.blocks.halo_size
+    if halo and s:
+        prefix = torch.unique(torch.cat((prefix, torch.arange(max(0, s - halo), s))), sorted=True)
+    idx = torch.cat((prefix, block))
+    return Segment(idx, idx.clone(), slice(prefix.numel(), None), i, block_offset=prefix.numel())

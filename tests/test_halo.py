@@ -1,0 +1,63 @@
+"""Star's halo (issue 30): each block also sees the tokens just before it. It reduces to Star at 0 and to dense
+attention when the prefix reaches back to the context's start; bad values are refused naming halo_size."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import magnetar
+from magnetar.config import EngineConfig
+from magnetar.methods.star import star_segment
+from tests.conftest import assert_close, assert_differs
+
+from tests.tiny_models import reference, tiny_model
+
+
+def _run(model, ctx, q, **kw):
+    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, simulate=True, **kw)
+    return eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
+
+
+def test_the_prefix_is_the_anchor_and_the_halo_once():
+    bounds = [(0, 10), (10, 20), (20, 30)]
+    cfg = EngineConfig.create(method="star", cp_size=3, anchor_size=3, halo_size=4)
+    seg = star_segment(cfg, bounds, 2)
+    assert seg.indices.tolist() == [0, 1, 2, 16, 17, 18, 19] + list(range(20, 30))
+    assert seg.positions.tolist() == seg.indices.tolist() and seg.keep == slice(7, None)
+    assert star_segment(cfg, bounds, 0).indices.tolist() == list(range(10))  # block 0: no prefix
+    overlap = star_segment(EngineConfig.create(method="star", cp_size=3, anchor_size=8, halo_size=4), bounds, 1)
+    assert overlap.indices.tolist()[:10] == list(range(10))  # anchor [0, 8) and halo [6, 10): each token once
+    plain = EngineConfig.create(method="star", cp_size=3, anchor_size=3)
+    assert torch.equal(star_segment(plain, bounds, 2).indices, torch.cat((torch.arange(3), torch.arange(20, 30))))
+
+
+def test_halo_limits_star_and_dense():
+    model = tiny_model("llama", seed=3)
+    g = torch.Generator().manual_seed(7)
+    ctx, q = torch.randint(0, 256, (160,), generator=g), torch.randint(0, 256, (4,), generator=g)
+    ref_logits, ref_tokens = reference(model, ctx, q, 3)
+    # two blocks, no anchor, a halo of the whole first block: block 1 sees every earlier token -- dense Phase 1
+    full = _run(model, ctx, q, method="star", cp_size=2, anchor_size=0, halo_size=80)
+    assert_close(full.first_token_logits, ref_logits, what="logits", msg="halo = block 0")
+    assert full.token_ids == ref_tokens and full.context_kv_tokens_per_rank == [80, 80]
+    # four blocks: a halo of one block is neither Star nor dense
+    star = _run(model, ctx, q, method="star", cp_size=4, anchor_size=8)
+    halo = _run(model, ctx, q, method="star", cp_size=4, anchor_size=8, halo_size=40)
+    assert_differs(halo.first_token_logits, star.first_token_logits, msg="a halo changes the prefix")
+    assert_differs(halo.first_token_logits, ref_logits, msg="a one-block halo is not dense")
+    zero = _run(model, ctx, q, method="star", cp_size=4, anchor_size=8, halo_size=0)
+    assert torch.equal(zero.first_token_logits, star.first_token_logits)  # halo 0 is Star
+
+
+def test_bad_halos_are_refused_by_name():
+    with pytest.raises(ValueError, match="halo_size.*must be >= 0"):
+        EngineConfig.create(method="star", halo_size=-1)
+    with pytest.raises(ValueError, match="halo_size.*the halo is a Star option.*not method 'pulsar'"):
+        EngineConfig.create(method="pulsar", cp_size=2, halo_size=16)
+    model = tiny_model("llama", seed=3)
+    eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, simulate=True, method="star",
+                                  cp_size=4, halo_size=64)
+    with pytest.raises(ValueError, match=r"halo_size \(64\) exceeds the block size \(40 tokens"):
+        eng.generate(torch.randint(0, 256, (160,)), torch.randint(0, 256, (4,)), max_new_tokens=1)
