@@ -121,6 +121,7 @@ def test_fidelity_suite_end_to_end(tmp_path, capsys, smollm2_path):
         assert rec[("star", i)]["kl"] > 100 * max(rec[("ring", i)]["kl"], 1e-9), "star approximates at 4 ranks"
         assert rec[("star", i)]["dense_answer"] == rec[("dense", i)]["dense_answer"]
         assert rec[("star", i)]["cp_size"] == 4 and len(rec[("star", i)]["phase1_s_per_rank"]) == 4
+        assert rec[("dense", i)]["phase1_flops_vs_dense"] == 1.0 and rec[("star", i)]["phase1_flops_vs_dense"] < 0.5
         assert rec[("star", i)]["score"] in (0.0, 1.0) and rec[("star", i)]["dense_score"] in (0.0, 1.0)
     md = (out / "report.md").read_text()
     assert "### Fidelity against dense" in md and "| 512 | star | 2 |" in md and "| 512 | ring − star | 2 |" in md
@@ -140,6 +141,8 @@ def test_fidelity_suite_end_to_end(tmp_path, capsys, smollm2_path):
     rows = [json.loads(x) for x in (tmp_path / "own" / "results.jsonl").read_text().splitlines()]
     assert [r["task"] for r in rows] == ["file", "file"] and all(r["dense_score"] is None for r in rows)
     assert all(r["kl"] >= 0 and 0 <= r["top1"] <= 1 for r in rows) and "score" not in rows[0]
+    capsys.readouterr()  # records without a score are complete fidelity records: the resume keeps them
+    assert main(own) == 0 and "0 items to run (2 already in" in capsys.readouterr().out
 
 
 def test_fidelity_flags_are_checked_before_loading(tmp_path):

@@ -161,6 +161,12 @@ def _ci(values: Sequence[float], scale: float = 1.0, digits: int = 4) -> str:
     return f"{scale * m:.{digits}f} ± {scale * h:.{digits}f}"
 
 
+def _cost(rs: list[dict]) -> str:
+    """The mean of the records' cost-model Phase-1 critical path relative to dense ("-" for records without)."""
+    xs = [r["phase1_flops_vs_dense"] for r in rs if r.get("phase1_flops_vs_dense") is not None]
+    return f"{sum(xs) / len(xs):.3f}" if xs else "-"
+
+
 def report(rows: list[dict]) -> str:
     """The fidelity tables of a run's records: per method (mean KL with its 95 % t interval, top-1 agreement,
     identical answers, the answer's log-probability change, the Phase-1 critical path, and with ``--accuracy`` the
@@ -172,11 +178,12 @@ def report(rows: list[dict]) -> str:
     out = ["### Fidelity against dense\n",
            "Dense's greedy answer teacher-forced through each method: mean per-token KL(dense ‖ method) in nats "
            "[95 % t interval over items], top-1 agreement, items whose greedy answer would be dense's (identical), "
-           "Σ log p(answer) method − dense, and the Phase-1 critical path (s, measured). With --accuracy: the "
+           "Σ log p(answer) method − dense, the Phase-1 critical path (s, measured) and by the cost model relative "
+           "to dense's (FLOPs of the slowest rank, the items' own token ids). With --accuracy: the "
            "method's own accuracy and its paired change vs dense's on the same items (points).\n",
-           "| length | method | n | KL (nats) | top-1 % | identical % | Δ log p | Phase-1 s | accuracy "
+           "| length | method | n | KL (nats) | top-1 % | identical % | Δ log p | Phase-1 s | cost × dense | accuracy "
            "| Δ acc vs dense |",
-           "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
+           "|---|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for (length, lab), items in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         rs = list(items.values())
         acc, dacc = "-", "-"
@@ -188,7 +195,7 @@ def report(rows: list[dict]) -> str:
                    f"{100 * sum(r['top1'] for r in rs) / len(rs):.1f} | "
                    f"{100 * sum(r['identical'] for r in rs) / len(rs):.0f} | "
                    f"{sum(r['logp_diff'] for r in rs) / len(rs):+.3f} | "
-                   f"{sum(r['phase1_critical_path_s'] for r in rs) / len(rs):.2f} | {acc} | {dacc} |")
+                   f"{sum(r['phase1_critical_path_s'] for r in rs) / len(rs):.2f} | {_cost(rs)} | {acc} | {dacc} |")
     out += ["", "Separating two methods on the same items: the paired difference (row − column method) of KL and of "
             "accuracy, [95 % t interval], and about how many items a 95 % interval needs to exclude 0 at the "
             "observed mean and spread.\n",
@@ -212,8 +219,9 @@ def report(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out_dir) -> list:
-    """``fidelity_vs_phase1.png``: each method's mean KL (with its 95 % interval) against its mean Phase-1 critical
-    path, one panel per length -- the measured speed/fidelity frontier of the run."""
+    """``fidelity_vs_phase1.png``: each method's mean KL (with its 95 % interval) against its Phase-1 critical path,
+    measured (top) and by the cost model relative to dense (bottom), one column per length -- the run's
+    speed/fidelity frontier."""
     from pathlib import Path
 
     import matplotlib
@@ -225,19 +233,23 @@ def plot(rows: list[dict], out_dir) -> list:
     if not cells:
         return []
     lengths = sorted({length for length, _ in cells})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
-        for (ln, lab), items in sorted(cells.items()):
-            if ln != length:
-                continue
-            rs = list(items.values())
-            m, h, _ = t_interval([r["kl"] for r in rs])
-            x = sum(r["phase1_critical_path_s"] for r in rs) / len(rs)
-            ax.errorbar([x], [max(m, 1e-6)], yerr=[[min(h, m - 1e-6) if m > 1e-6 else 0], [h]], fmt="o", capsize=3)
-            ax.annotate(lab, (x, max(m, 1e-6)), fontsize=7, xytext=(4, 4), textcoords="offset points")
-        ax.set(xlabel="Phase-1 critical path (s, measured)", ylabel="mean KL(dense ‖ method), nats", yscale="log",
-               title=f"fidelity vs Phase-1 cost, {length // 1024}K" if length else "fidelity vs Phase-1 cost")
-        ax.grid(alpha=0.3)
+    xs = [("phase1_critical_path_s", "Phase-1 critical path (s, measured)"),
+          ("phase1_flops_vs_dense", "Phase-1 critical path / dense's (cost model)")]
+    fig, axes = plt.subplots(2, len(lengths), figsize=(5.5 * len(lengths), 8), squeeze=False)
+    for col, length in enumerate(lengths):
+        for row, (field, xlabel) in enumerate(xs):
+            ax = axes[row][col]
+            for (ln, lab), items in sorted(cells.items()):
+                rs = [r for r in items.values() if r.get(field) is not None]
+                if ln != length or not rs:
+                    continue
+                m, h, _ = t_interval([r["kl"] for r in rs])
+                x, y = sum(r[field] for r in rs) / len(rs), max(m, 1e-7)
+                ax.errorbar([x], [y], yerr=[[min(h, y - 1e-7)], [h]], fmt="o", capsize=3)
+                ax.annotate(lab, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+            ax.set(xlabel=xlabel, ylabel="mean KL(dense ‖ method), nats", yscale="log",
+                   title=f"fidelity vs Phase-1 cost, {length // 1024}K" if length else "fidelity vs Phase-1 cost")
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(out_dir) / "fidelity_vs_phase1.png"
     fig.savefig(path, dpi=110)

@@ -5,7 +5,7 @@ Files are read line by line (bytes up to ``\\n``), so a line cut by an interrupt
 the next one. A line that is not a record -- not UTF-8, not JSON, not a JSON object -- is skipped by
 :func:`load` (the report) with a warning naming the file and line. The runner's resume
 (:func:`set_aside_bad_lines`) is stricter: a line must hold a complete runner record (:data:`RECORD_FIELDS`
-with their types, and a ``score`` or an ``nll_sum`` with its ``tokens``); any other line is moved, as it was,
+with their types, and a ``score``, an ``nll_sum`` with its ``tokens``, or a fidelity record's ``kl``); any other line is moved, as it was,
 to ``<file>.rejected`` (appended) with a warning naming the file and line, and the file is rewritten without
 it (a temporary file renamed over it), so its item runs again and the file parses line by line afterwards.
 :func:`append_records` first ends a cut last line with a newline, so a cut line never swallows the next
@@ -68,7 +68,9 @@ def record_problem(row: dict) -> Optional[str]:
         if _is_number(row["nll_sum"]) and isinstance(row["tokens"], int) and not isinstance(row["tokens"], bool):
             return None
         return "'nll_sum' is not a number or 'tokens' not an int"
-    return "no 'score' (nor 'nll_sum' and 'tokens')"
+    if "kl" in row:  # a fidelity record (without --accuracy)
+        return None if _is_number(row["kl"]) else f"'kl' is a {type(row['kl']).__name__}, not a number"
+    return "no 'score' (nor 'nll_sum' and 'tokens', nor 'kl')"
 
 
 def load(out_dir: Path) -> list[dict]:

@@ -322,11 +322,24 @@ def _run_fidelity(args, engine, tokenizer, item, fid: Fidelity) -> tuple[dict, o
                   dense_answer_ids=ref.answer_ids.tolist(),
                   dense_score=ref.score, dense_phase1_critical_path_s=ref.phase1_s, answers=list(sample.answers),
                   context_tokens=got.context_tokens, prompt_tokens=got.context_tokens + int(ids[1].numel()))
+    record["phase1_flops_vs_dense"] = _cost_vs_dense(engine, cfg, ids)
     if args.accuracy:  # the method's own greedy answer (its Phase 1 comes from the context cache)
         res = engine.generate(*ids, max_new_tokens=sample.max_new_tokens, temperature=0.0)
         record.update(prediction=res.text, score=get_suite(args.suite).score(sample, res.text),
                       ttft_s=res.ttft_seconds, decode_s_per_token=res.decode_seconds_per_token)
     return record, got
+
+
+def _cost_vs_dense(engine, cfg: EngineConfig, ids: tuple) -> float:
+    """The cost model's Phase-1 critical path (FLOPs of the slowest rank, this item's token ids) of ``cfg`` over
+    dense's on one rank."""
+    from magnetar.eval.cost import estimate
+
+    c, q = ids
+    L, Q, mc = int(c.numel()), int(q.numel()), engine.model.config
+    mine = estimate(mc, cfg, L, Q, context_ids=c, dtype_bytes=4)
+    dense = estimate(mc, EngineConfig(method="dense", runtime=cfg.runtime), L, Q, dtype_bytes=4)
+    return mine.critical_phase1_flops / dense.critical_phase1_flops
 
 
 def _run_group(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
