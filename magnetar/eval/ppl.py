@@ -88,6 +88,7 @@ class PerplexitySuite:
     tasks = (CORPUS,)
     items_per_sample = 1
     perplexity = True
+    fidelity = False
     own_lengths = False
 
     def window(self, tokenizer, length: int, index: int, *, seed: int, target_tokens: int) -> PPLWindow:

@@ -5,7 +5,8 @@ Files are read line by line (bytes up to ``\\n``), so a line cut by an interrupt
 the next one. A line that is not a record -- not UTF-8, not JSON, not a JSON object -- is skipped by
 :func:`load` (the report) with a warning naming the file and line. The runner's resume
 (:func:`set_aside_bad_lines`) is stricter: a line must hold a complete runner record (:data:`RECORD_FIELDS`
-with their types, and a ``score``, an ``nll_sum`` with its ``tokens``, or a fidelity record's ``kl``); any other line is moved, as it was,
+with their types, and a ``score``, an ``nll_sum`` with its ``tokens``, or a fidelity record's ``kl``); any
+other line is moved, as it was,
 to ``<file>.rejected`` (appended) with a warning naming the file and line, and the file is rewritten without
 it (a temporary file renamed over it), so its item runs again and the file parses line by line afterwards.
 :func:`append_records` first ends a cut last line with a newline, so a cut line never swallows the next
