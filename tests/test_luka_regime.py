@@ -282,7 +282,7 @@ def test_runner_records_the_decode_stats(monkeypatch):
     from magnetar.eval import runner
 
     stats = {"paged_fraction": 0.75, "compressed_fraction": 0.75}
-    suite = types.SimpleNamespace(perplexity=False, score=lambda sample, text: 1.0)
+    suite = types.SimpleNamespace(perplexity=False, fidelity=False, score=lambda sample, text: 1.0)
     sample = types.SimpleNamespace(max_new_tokens=4, answers=("x",))
     monkeypatch.setattr(runner, "get_suite", lambda name: suite)
     monkeypatch.setattr(runner, "fitted_sample", lambda *a: (sample, {}, ("ctx", "q")))
