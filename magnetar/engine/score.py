@@ -83,19 +83,20 @@ class Scorer:
         the answer as one Phase-2 forward with this engine's decode policy; the rows predicting the answer."""
         eng = self.engine
         Q, T = int(query_ids.numel()), int(answer_ids.numel())
-        eng.requests.agree("score_answer", [context_ids], [torch.cat((query_ids, answer_ids))])
+        forced = torch.cat((query_ids, answer_ids))
+        eng.requests.agree("score_answer", [context_ids], [forced])
         eng.requests.check_lengths(int(context_ids.numel()), Q + T, 1)
         with nvtx_range(SCORE):
             handle, hit = eng.encoder.encode(context_ids)
             # a view: the decode policy's state of this question never reaches the cached handle
-            logits = run_teacher_forced(eng.model, eng.config, handle.shard.view(), torch.cat((query_ids, answer_ids)),
-                                        handle.query_position, eng.groups, eng.device, policy=eng.policy,
+            logits = run_teacher_forced(eng.model, eng.config, handle.shard.view(), forced, handle.query_position,
+                                        eng.groups, eng.device, policy=eng.policy,
                                         context_tokens=handle.context_tokens)
         rows = torch.log_softmax(logits[Q - 1:Q - 1 + T], dim=-1).cpu()
-        seconds = eng.encoder.seconds_per_rank(handle.stats)
+        # a cache hit is one on every rank of the replica: its Phase 1 cost nothing, and nothing is gathered
+        seconds = [0.0] * eng.config.parallel.cp_size if hit else eng.encoder.seconds_per_rank(handle.stats)
         return AnswerScore(logprobs=rows, answer_ids=answer_ids, method=eng.config.method,
-                           context_tokens=handle.context_tokens,
-                           phase1_seconds=[0.0] * len(seconds) if hit else seconds,
+                           context_tokens=handle.context_tokens, phase1_seconds=seconds,
                            simulated=eng.encoder.simulated, cached=hit)
 
     def _decoder(self, cfg: Optional[PolicySection]) -> Optional[DecodePolicy]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -109,8 +110,7 @@ class FidelitySuite(GenerationSuite):
     fidelity = True
 
     def make_sample(self, task: str, tokenizer, length: int, *, index: int, seed: int) -> tuple[EvalSample, dict]:
-        sample, extra = get_suite("ruler").make_sample(task, tokenizer, length, index=index, seed=seed)
-        return sample, extra
+        return get_suite("ruler").make_sample(task, tokenizer, length, index=index, seed=seed)
 
     def score(self, sample: EvalSample, prediction: str) -> Optional[float]:
         """The task's own rule (RULER's), None for an item without reference answers (the user's text)."""
@@ -123,12 +123,10 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     """(mean, half-width of the two-sided Student-t interval, n) of ``values`` (half-width 0 for one value)."""
     from scipy import stats
 
-    n = len(values)
-    m = sum(values) / n
+    n, m = len(values), statistics.fmean(values)
     if n < 2:
         return m, 0.0, n
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-    return m, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n), n
+    return m, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * statistics.stdev(values) / math.sqrt(n), n
 
 
 def items_to_separate(diffs: Sequence[float], confidence: float = 0.95) -> Optional[int]:
@@ -136,14 +134,10 @@ def items_to_separate(diffs: Sequence[float], confidence: float = 0.95) -> Optio
     mean and spread (normal approximation: (z sd / |mean|)^2); None when the mean is 0."""
     from scipy import stats
 
-    n = len(diffs)
-    if n < 2:
+    if len(diffs) < 2 or statistics.fmean(diffs) == 0:
         return None
-    m = sum(diffs) / n
-    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1))
-    if m == 0:
-        return None
-    return max(2, math.ceil((float(stats.norm.ppf(0.5 + confidence / 2)) * sd / abs(m)) ** 2))
+    z = float(stats.norm.ppf(0.5 + confidence / 2))
+    return max(2, math.ceil((z * statistics.stdev(diffs) / abs(statistics.fmean(diffs))) ** 2))
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -218,20 +212,15 @@ def report(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict], out_dir) -> list:
-    """``fidelity_vs_phase1.png``: each method's mean KL (with its 95 % interval) against its Phase-1 critical path,
-    measured (top) and by the cost model relative to dense (bottom), one column per length -- the run's
-    speed/fidelity frontier."""
-    from pathlib import Path
-
-    import matplotlib
-
-    matplotlib.use("Agg")
+def figure(rows: list[dict]):
+    """The figure of ``fidelity_vs_phase1.png`` (None without fidelity records): each method's mean KL (with its
+    95 % interval) against its Phase-1 critical path, measured (top) and by the cost model relative to dense
+    (bottom), one column per length -- the run's speed/fidelity frontier."""
     import matplotlib.pyplot as plt
 
     cells = _by_label(rows)
     if not cells:
-        return []
+        return None
     lengths = sorted({length for length, _ in cells})
     xs = [("phase1_critical_path_s", "Phase-1 critical path (s, measured)"),
           ("phase1_flops_vs_dense", "Phase-1 critical path / dense's (cost model)")]
@@ -250,8 +239,4 @@ def plot(rows: list[dict], out_dir) -> list:
             ax.set(xlabel=xlabel, ylabel="mean KL(dense ‖ method), nats", yscale="log",
                    title=f"fidelity vs Phase-1 cost, {length // 1024}K" if length else "fidelity vs Phase-1 cost")
             ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(out_dir) / "fidelity_vs_phase1.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return fig

@@ -408,7 +408,9 @@ def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Seque
         from magnetar.eval import fidelity
 
         md += "\n" + fidelity.report(rows)
-        pngs += fidelity.plot(rows, Path(out_dir))
+        fig = fidelity.figure(rows)
+        if fig is not None:
+            pngs.append(_save(fig, Path(out_dir) / "fidelity_vs_phase1.png"))
     md += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     (Path(out_dir) / "report.md").write_text(md)
     return md

@@ -273,10 +273,10 @@ class Fidelity:
         from magnetar.eval.fidelity import question_lines
 
         self.args, self.engine = args, reference_engine
-        # dense's answers already in the results (another method or option set of the same items): reused, so a
-        # new variant costs its own Phase 1 and forward plus dense's forward -- no decoding
-        self.known = {(r["task"], r["length"], r["index"]): r for r in rows
-                      if r.get("suite") == "fidelity" and r.get("dense_answer_ids")}
+        # dense's answers already in the results (another method or option set of the same items; ``rows`` holds
+        # only those): reused, so a new variant costs its own Phase 1 and forward plus dense's forward -- no
+        # decoding. Not for --context-file: another text in the same --out would have the same task and index
+        self.known = {} if args.context_file else {(r["task"], r["length"], r["index"]): r for r in rows}
         self.text = Path(args.context_file).read_text(encoding="utf-8") if args.context_file else None
         self.questions = question_lines(Path(args.questions).read_text(encoding="utf-8")) if args.questions else []
         self._held: tuple = (None, None)
@@ -462,9 +462,9 @@ def run(args) -> int:
                                                             timeout_s=base.parallel.timeout_s))
         ref = magnetar.init_inference(model_obj, ref_cfg, tokenizer=tokenizer,
                                       groups=local_groups(timeout=timeout) if world > 1 else None)
-        rows = [{k: r.get(k) for k in ("suite", "task", "length", "index", "dense_answer_ids", "dense_answer",
+        rows = [{k: r.get(k) for k in ("task", "length", "index", "dense_answer_ids", "dense_answer",
                                         "dense_phase1_critical_path_s")} for r in set_aside_bad_lines(out)
-                if r.get("dense_answer_ids")] if rank == 0 else None
+                if r.get("suite") == "fidelity" and r.get("dense_answer_ids")] if rank == 0 else None
         model_obj, fid = ref.model, Fidelity(args, ref, _broadcast_obj(rows))
     for group in _batches(todo, args.batch if not (suite.perplexity or suite.fidelity) else 1):
         method, length, task, index, cfg, key = group[0]

@@ -26,7 +26,7 @@ class HashSelector(SparseSelector):
     """Keys chosen by the Hamming similarity of their codes to the queries' (``kind``: the hash functions of
     :func:`magnetar.sparse.hashing.load_or_make_hashes`)."""
 
-    kind = "lsh"
+    kind: str  # "lsh" | "mlp": LshSelector's, SpotlightSelector's
     hash_backend = "auto"  # the Hamming op: auto (the JIT op where it builds) | torch
 
     def __init__(self, cfg: SparseConfig, model_config):
