@@ -2,6 +2,7 @@
 attention when the prefix reaches back to the context's start; bad values are refused naming halo_size."""
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -61,3 +62,25 @@ def test_bad_halos_are_refused_by_name():
                                   cp_size=4, halo_size=64)
     with pytest.raises(ValueError, match=r"halo_size \(64\) exceeds the block size \(40 tokens"):
         eng.generate(torch.randint(0, 256, (160,)), torch.randint(0, 256, (4,)), max_new_tokens=1)
+
+
+def test_one_eval_or_cost_command_gives_the_halo_to_star_alone():
+    """``--halo-size`` in a multi-method command (magnetar-eval, the cost model, magnetar-bench) is Star's option:
+    the other methods, and the fidelity run's dense reference, run without it; with no star it is refused."""
+    from magnetar.cli.args import engine_config
+    from magnetar.eval.runner import base_config, build_parser, check_args, method_config
+
+    args = build_parser().parse_args(["--suite", "fidelity", "--methods", "dense,star,pulsar", "--lengths", "4k",
+                                      "--simulate-ranks", "4", "--anchor-size", "64", "--halo-size", "200",
+                                      "--out", "unused"])
+    base = base_config(args)
+    assert base.blocks.halo_size == 0
+    star, pulsar = method_config(base, args, "star", 4), method_config(base, args, "pulsar", 4)
+    assert (star.blocks.halo_size, star.blocks.anchor_size, star.parallel.cp_size) == (200, 64, 4)
+    assert pulsar.blocks.halo_size == 0 and method_config(base, args, "dense", 4).parallel.cp_size == 1
+    flags = argparse.Namespace(dtype="float32", anchor_size=64, halo_size=200)  # the cost model's and bench's
+    assert engine_config(flags, "star", 4).blocks.halo_size == 200
+    assert engine_config(flags, "dense", 4).blocks.halo_size == 0
+    args.methods = "dense,pulsar"
+    with pytest.raises(ValueError, match=r"--halo-size 200 is a Star option: add star to --methods"):
+        check_args(args)

@@ -113,8 +113,10 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     # context_cache_mb 0: every timed request runs its Phase 1 (a cached context would skip it)
     flat = dict(method=method, cp_size=cp if METHODS[method].distributed else 1, dtype=args.dtype,
                 tp_size=getattr(args, "tp_size", 1), context_cache_mb=0)
-    for name in ("block_size", "anchor_size", "sink_size", "chunk_size", "summary_budget", "window_size",
-                 "attention_backend"):
+    for name in ("block_size", "anchor_size", "halo_size", "sink_size", "chunk_size", "summary_budget",
+                 "window_size", "attention_backend"):
+        if name == "halo_size" and method != "star":
+            continue  # a Star option (the config refuses it elsewhere); one command compares star with the others
         if getattr(args, name, None) is not None:
             flat[name] = getattr(args, name)
     return EngineConfig.create(**flat)

@@ -102,6 +102,7 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--anchor-size", type=int, default=None)
+    p.add_argument("--halo-size", type=int, default=None, help="star: each block also sees this many tokens before it")
     p.add_argument("--sink-size", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)

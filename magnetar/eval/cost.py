@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--query-len", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
     p.add_argument("--no-flash", action="store_true", help="count the score matrices in activation memory")
-    for name in ("--block-size", "--anchor-size", "--sink-size", "--chunk-size", "--window-size"):
+    for name in ("--block-size", "--anchor-size", "--halo-size", "--sink-size", "--chunk-size", "--window-size"):
         p.add_argument(name, type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

@@ -130,6 +130,20 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
                      f"budget do not fit the model's {max_positions} positions; use a shorter --lengths")
 
 
+def base_config(args) -> EngineConfig:
+    """The engine options every method of the run shares (``--halo-size`` is Star's alone: see method_config)."""
+    flat = {k: v for k, v in vars(args).items() if k != "method"}
+    flat["halo_size"] = None
+    return EngineConfig.from_cli(argparse.Namespace(**flat))
+
+
+def method_config(base: EngineConfig, args, method: str, cp: int) -> EngineConfig:
+    """``method``'s config of the run: ``cp`` ranks for the distributed methods (one for the others) and, for star,
+    the ``--halo-size`` -- so one command compares Star with a halo against the other methods."""
+    extra = {"halo_size": args.halo_size} if method == "star" and getattr(args, "halo_size", None) else {}
+    return base.replace(method=method, cp_size=cp if METHODS[method].distributed else 1, **extra)
+
+
 def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
     were real or simulated: both give the same answers, nor runtime.check_finite, which only stops a run, nor the
@@ -406,7 +420,7 @@ def run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x, minimum=0) for x in args.lengths.split(",")]
     sim = args.simulate_ranks
-    base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
+    base = base_config(args)
     timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
     owns_group = not dist.is_initialized()  # a caller's process group is left for the caller to destroy
     init_distributed(timeout=timeout)
@@ -429,12 +443,8 @@ def run(args) -> int:
 
     todo = []
     for method, length, task, index in items(args, tasks, lengths, methods):
-        if not METHODS[method].distributed:
-            cfg = base.replace(method=method, cp_size=1)
-        elif sim is not None:  # the simulation gives the same answers as real ranks: one key for both
-            cfg = base.replace(method=method, cp_size=sim)
-        else:
-            cfg = base.replace(method=method, cp_size=args.cp or world)
+        # the simulation gives the same answers as real ranks: one key for both
+        cfg = method_config(base, args, method, sim or args.cp or world)
         key = item_key(args.suite, task, method, length, index, config_key(cfg))
         if suite.perplexity:  # the scored tokens per window change the item
             key += f"/T{args.target_tokens}"
@@ -543,10 +553,13 @@ def check_args(args) -> None:
     world = launched_world_size()
     if args.cp is not None and args.simulate_ranks is None:
         check_cp_size(args.cp, world, "--cp")
-    base = EngineConfig.from_cli(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "method"}))
+    base = base_config(args)
     cp = args.simulate_ranks or args.cp or world
+    if getattr(args, "halo_size", None) and "star" not in methods:
+        raise ValueError(f"--halo-size {args.halo_size} is a Star option: add star to --methods "
+                         f"(given {','.join(methods)}) or drop --halo-size")
     for method in methods:  # every method's config must hold (e.g. LuKA needs a local Phase 1)
-        base.replace(method=method, cp_size=cp if METHODS[method].distributed else 1)
+        method_config(base, args, method, cp)
     check_attention_backend(base)
     for name in ("hash_path", "prefill_indexer_path"):
         if getattr(base, name) is not None:
