@@ -44,7 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args):
+def _entry(rank: int, world_size: int, port: int, fn, args, environ=None):
+    if environ is not None:  # the caller's environment now (the fork server holds the one it started with)
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # W ranks share 2 cores
@@ -59,7 +62,16 @@ def _entry(rank: int, world_size: int, port: int, fn, args):
         dist.destroy_process_group()
 
 
+# The ranks start from a fork server that imported torch, transformers and magnetar once for the whole session
+# (a spawned rank imported them anew: seconds per rank, every multi-rank test). Only imports happen there -- no
+# tensor op, so no OpenMP pool exists to be forked; each rank then sets its own threads.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "magnetar", "magnetar.engine", "tests.dist_utils"]
+
+
 def run_distributed(fn, world_size: int, *args) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
-    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
-                       start_method="spawn")
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args, dict(os.environ)), nprocs=world_size, join=True,
+                       start_method="forkserver")
