@@ -2,7 +2,7 @@
 # Every evaluation run behind docs/results.md, SmolLM2-135M-Instruct, 4 blocks (4 CP ranks).
 #
 #   benchmarks/eval_smollm2.sh ruler4k      # one part; parts: ruler4k babilong4k niah8k ablation ppl speed
-#                                           # (and ablation_babilong, not in all)
+#                                           # (and ablation_babilong, halo4k: not in all)
 #   benchmarks/eval_smollm2.sh all
 #
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
@@ -38,6 +38,10 @@ part() {
                   --samples 10 --out runs/babilong4k ;;
     niah8k) eval_run --suite ruler --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery \
               --methods dense,pulsar,star,ring --lengths 8k --samples 10 --out runs/niah8k ;;
+    halo4k)  # issue 30: Star with a halo (each block also sees the 990 tokens before it) and a 400-token anchor, the
+      # frontier's best 4K configuration by fidelity (docs/results.md), on the same items as ruler4k
+      resume_from_docs ruler4k
+      eval_run --suite ruler --methods star --anchor-size 400 --halo-size 990 --lengths 4k --samples 10 --out runs/ruler4k ;;
     ablation)  # Pulsar Table 3's shape, 5 scorers x 3 summary budgets, on perplexity at 4K (paired vs dense):
       # SmolLM2-135M answers no BABILong question even at 512 tokens (docs/results.md), so accuracy there
       # cannot separate scorers; ablation_babilong below is the Table-3 task set for a larger model.
@@ -62,7 +66,7 @@ part() {
       "$BIN/python" -m magnetar.eval.bench --methods star,pulsar --lengths 16384 --simulate-ranks 4 \
         --warmup 0 --repeats 2 --beyond-trained-length --json-out runs/speed_16k.json ;;  # 32K: ~1 h more on the 2-core VM
     all) for p in ruler4k babilong4k niah8k ablation ppl speed; do part "$p"; done ;;
-    *) echo "unknown part $1 (ruler4k babilong4k niah8k ablation ablation_babilong ppl speed all)" >&2; exit 2 ;;
+    *) echo "unknown part $1 (ruler4k babilong4k niah8k halo4k ablation ablation_babilong ppl speed all)" >&2; exit 2 ;;
   esac
 }
 

@@ -24,6 +24,8 @@ VARIANTS = [  # (label, engine fields)
     ("pulsar", dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25)),
     ("star + quest", dict(method="star", cp_size=2, block_size=24, sparse_policy="quest", sparse_budget=24,
                           page_size=8)),
+    ("star with a halo + quest", dict(method="star", cp_size=4, block_size=24, anchor_size=4, halo_size=12,
+                                      sparse_policy="quest", sparse_budget=24, page_size=8)),
     ("star + LuKA clustered", dict(method="star", cp_size=2, block_size=24, luka_mode="clustered", luka_page_size=8,
                                    luka_recent=8, luka_refine_k=2, luka_compress_every=2)),
 ]

@@ -123,6 +123,16 @@ def test_report_skips_lines_that_are_not_json_with_a_warning(tmp_path):
     assert path.read_text().count("\n") == 3  # the report never rewrites a results file
 
 
+def test_report_samples_keeps_each_tasks_first_items(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_text(_line(_record("a", 0)) + _line(_record("b", 1, score=0.0)))
+    assert "| niah_single_1 | 100.0 ± 0.0 (n=1) |" in write_report(tmp_path, samples=1)
+    assert main(["--report", "--report-samples", "1", "--out", str(tmp_path)]) == 0
+    assert "(n=1)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--report-samples", "1", "--out", str(tmp_path)])  # without --report
+    assert "--report-samples 1: give a count >= 1, with --report" in capsys.readouterr().err
+
+
 def test_unwritable_out_fails_before_the_model_loads(tmp_path, monkeypatch):
     import magnetar.models
 

@@ -388,14 +388,17 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     return made
 
 
-def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Sequence[str]] = None) -> str:
+def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Sequence[str]] = None,
+                 samples: Optional[int] = None) -> str:
     """Write ``report.md`` and the PNGs into ``out_dir``; returns the markdown. ``also``: other runs' directories
     whose records join this report (e.g. a 4K run beside an 8K one, for accuracy vs length); ``tasks``: only
-    these tasks' records (of every directory), so that averages over lengths cover the same tasks."""
+    these tasks' records (of every directory), so that averages over lengths cover the same tasks; ``samples``:
+    only each task's first ``samples`` items (index below it), so that every method is averaged on the same ones."""
     for d in (out_dir, *also):
         if not result_files(d):
             raise SystemExit(f"no results*.jsonl in {d}: run magnetar-eval with --out {d} first")
-    rows = [r for d in (out_dir, *also) for r in load(d) if tasks is None or r.get("task") in tasks]
+    rows = [r for d in (out_dir, *also) for r in load(d) if (tasks is None or r.get("task") in tasks)
+            and (samples is None or r.get("index", 0) < samples)]
     if not rows:
         raise SystemExit(f"no records of the tasks {list(tasks or [])} in {[str(d) for d in (out_dir, *also)]}")
     md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with", dest="report_with", action="append", default=[], metavar="DIR",
                    help="--report: also join the records of the run in DIR (repeatable; e.g. a 4K run beside "
                         "an 8K one for accuracy vs length); with --tasks only those tasks' records")
+    p.add_argument("--report-samples", type=int, default=None, metavar="N",
+                   help="--report: only each task's first N samples (index < N), so that methods run with "
+                        "different --samples are compared on the same items")
     add_cli_args(p)
     add_launcher_args(p)
     return p
@@ -572,13 +575,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.report_with and not args.report:
         fail(parser.prog, "--with joins other runs' records into a report: use it with --report")
+    if args.report_samples is not None and (not args.report or args.report_samples < 1):
+        fail(parser.prog, f"--report-samples {args.report_samples}: give a count >= 1, with --report")
     if not args.report:
         with user_errors(parser.prog):
             check_args(args)
     if args.report:
         from magnetar.eval.report import write_report
 
-        print(write_report(Path(args.out), also=[Path(d) for d in args.report_with], tasks=task_list(args)))
+        print(write_report(Path(args.out), also=[Path(d) for d in args.report_with], tasks=task_list(args),
+                           samples=args.report_samples))
         return 0
     return run(args)
 
