@@ -79,6 +79,13 @@ def test_score_answer_refuses_bad_answers():
         eng.score_answer(ctx, q, [3, 999])
     with pytest.raises(ValueError, match="answer must be token ids"):
         eng.score_answer(ctx, q, [3, 1.5])
+    # a context fitted for generating the answer (context + query + answer = every position) is scored; one token
+    # more is refused, naming the positions
+    room = model.config.max_position_embeddings
+    fitted = torch.randint(0, 256, (room - len(q) - 3,), generator=torch.Generator().manual_seed(5))
+    assert eng.score_answer(fitted, q, [3, 4, 5]).logprobs.shape[0] == 3
+    with pytest.raises(ValueError, match="exceeds the model's .* positions"):
+        eng.score_answer(torch.cat((fitted, fitted[:1])), q, [3, 4, 5])
 
 
 def test_intervals_and_items_to_separate():

@@ -83,9 +83,11 @@ class Scorer:
         the answer as one Phase-2 forward with this engine's decode policy; the rows predicting the answer."""
         eng = self.engine
         Q, T = int(query_ids.numel()), int(answer_ids.numel())
-        forced = torch.cat((query_ids, answer_ids))
+        # the answer's last token is predicted, never read: the positions needed are those of a generation of T
+        # tokens after the query (a context fitted for that generation fits this score)
+        forced = torch.cat((query_ids, answer_ids[:-1]))
         eng.requests.agree("score_answer", [context_ids], [forced])
-        eng.requests.check_lengths(int(context_ids.numel()), Q + T, 1)
+        eng.requests.check_lengths(int(context_ids.numel()), Q + T - 1, 1)
         with nvtx_range(SCORE):
             handle, hit = eng.encoder.encode(context_ids)
             # a view: the decode policy's state of this question never reaches the cached handle
