@@ -56,7 +56,7 @@ def _fake_runner(monkeypatch, world: int = 1) -> dict:
     monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(model=model,
                                                                                               simulated=False))
 
-    def answer(args, engine, tokenizer, group):
+    def answer(args, engine, tokenizer, group, fid=None):
         seen["answered"] += [index for _, _, _, index, _, _ in group]
         return [_record(key, index, suite=args.suite, task=task, method=method, length=length)
                 for method, length, task, index, _, key in group]

@@ -491,8 +491,7 @@ def run(args) -> int:
         engine = engines[ck]
         runs_here = dealt or engine.simulated or cfg.parallel.cp_size > 1 or rank == 0
         if runs_here:
-            records = (_run_group(args, engine, tokenizer, group, fid) if fid is not None
-                       else _run_group(args, engine, tokenizer, group))
+            records = _run_group(args, engine, tokenizer, group, fid)
             if rank == 0 or dealt:
                 append_records(results_path, records)
         if not dealt and cfg.parallel.cp_size == 1 and world > 1:
