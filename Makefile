@@ -50,14 +50,34 @@ ops-demo: install
 bench: install
 	$(BIN)/python benchmarks/bench_ops.py
 
-# On a GPU machine: every CUDA path against the CPU / fp64 references (the tests marked `gpu`, tests/test_gpu.py;
-# each skips with its reason where it cannot run), after the install with GPU=1 (the [gpu] extra: flash-attn).
-# Needs the CUDA toolkit (nvcc) for the CUDA ops. GPU=1 is not part of the install stamp: after a CPU-only
-# `make install`, run `make clean` first.
-.PHONY: gpu-check
-gpu-check: GPU = 1
+# The GPU kit (docs/benchmarks.md): on a GPU machine, one command proves every CUDA path against the CPU / fp64
+# references (`pytest -m gpu`) and measures Phase 1 of dense / Star / Pulsar at 32K-128K on a dummy Llama-3.1-8B
+# in bf16, each step time-boxed, into one JSON file ($$OUT/gpu_check.json, else runs/gpu_check.json), in < 9 min.
+# It runs with the machine's own python3 and torch (GPU_PYTHON); the packages it lacks come from .whl/ offline
+# (make gpu-wheels, run where the registries are reachable) or, with network, `pip install deepspeed`.
+# `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (< 1 min; `make test` runs it, tests/test_gpu_kit.py).
+GPU_PYTHON ?= python3
+# What the GPU image (Python 3.12, torch, transformers, no registry) lacks for Magnetar: DeepSpeed and what it
+# needs there (found with a dry install into an empty target), the NVTX bindings. Versions as in the CPU venv.
+GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17
+WHEEL_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+.PHONY: gpu-wheels gpu-check
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: $(WHEEL_PLATFORMS) \
+		-d .whl $(GPU_WHEELS)
+	du -sh .whl
+
+ifeq ($(DRY),1)
 gpu-check: install
-	$(BIN)/python -m pytest -m gpu -v
+	$(BIN)/python benchmarks/gpu_check.py --dry-run
+else
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
+endif
 
 clean:
 	rm -rf $(VENV) build *.egg-info

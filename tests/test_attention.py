@@ -9,7 +9,7 @@ from magnetar.ops.backends import explain, list_backends
 from tests.conftest import assert_close
 from tests.reference import dense_attention_fp64, random_qkv
 
-CPU_BACKENDS = ["torch", "tiled", "cpu_flash"]
+CPU_BACKENDS = ["torch", "tiled", "cpu_flash", "flex"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -210,3 +210,20 @@ def test_run_structured_positions_both_paths(backend, planned, seeded, monkeypat
         q_pos = _random_runs(seeded, 1 + trial % 2, 9, 50)
         q, k, v = random_qkv(1, 4, 2, q_pos.numel(), k_pos.numel(), 8, torch.float32, seeded)
         _check(q, k, v, backend, f"trial {trial}", q_pos=q_pos, k_pos=k_pos)
+
+
+@pytest.mark.parametrize("per_seq", [False, True], ids=["shared", "per-sequence"])
+@pytest.mark.parametrize("backend", ["tiled", "cpu_flash", "flex"])
+def test_sliding_window_matches_the_torch_backend(backend, per_seq, seeded):
+    # Gemma-style local layers: the windowed position mask, unsorted gapped keys, rows that see nothing;
+    # the "torch" backend (full score matrix) is the window's reference (tests/reference.py has no window)
+    q, k, v = random_qkv(2, 4, 2, 9, 23, 16, torch.float32, seeded)
+    k_pos = torch.randperm(40, generator=seeded)[:23]
+    q_pos = torch.tensor([0, 3, 7, 12, 18, 25, 31, 36, 39])
+    if per_seq:
+        k_pos, q_pos = torch.stack((k_pos, k_pos.flip(0))), torch.stack((q_pos, q_pos + 1))
+    for window in (1, 5, 16):
+        ref = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, backend="torch")
+        out, lse = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, backend=backend)
+        assert_close(out.double(), ref[0].double(), torch.float32, "out", f"window {window}")
+        assert_close(lse.double(), ref[1].double(), torch.float32, "lse", f"window {window}")

@@ -123,10 +123,65 @@ def test_flash_attn_refuses_what_it_cannot_express_and_auto_falls_through(seeded
     assert torch.isneginf(lse[:, :, :7]).all() and (out[:, :, :7] == 0).all()
 
 
+# ------------------------------------------------ torch's own kernels: sdpa_flash and flex (no extra package)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sdpa_flash_forward_and_lse(dtype, group, D, seeded):
+    # decode (Sq=1: G folded into rows), prefill (Sq=Sk: is_causal), chunked prefill (Sq<Sk: prefix + square)
+    for Sq, Sk in [(1, 37), (23, 23), (9, 40), (130, 300)]:
+        q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
+        _check_cuda(q, k, v, "sdpa_flash", f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
+        _check_cuda(q, k, v, "sdpa_flash", f"non-causal Sq={Sq} Sk={Sk}", causal=False,
+                    q_pos=torch.zeros(Sq, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_torch_kernels_are_the_auto_choice_without_flash_attn(dtype, seeded, monkeypatch):
+    from magnetar.ops.backends import flash_attn as fa_backend
+    from magnetar.ops.backends import select_backend
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, POSITIONS, AttentionCall
+
+    monkeypatch.setattr(fa_backend, "_FA", "flash-attn is not installed (test)")
+    q, k, v = random_qkv(1, 4, 2, 8, 24, 64, dtype, seeded)
+    call = AttentionCall(q.cuda(), k.cuda(), v.cuda(), None, None, 0.125, CAUSAL_BOTTOM_RIGHT)
+    assert select_backend(call).name == "sdpa_flash"
+    k_pos = torch.stack([torch.randperm(24, generator=seeded) for _ in range(1)]).cuda()
+    call = AttentionCall(q.cuda(), k.cuda(), v.cuda(), torch.arange(10, 18).view(1, 8).cuda(), k_pos, 0.125,
+                         POSITIONS)
+    assert select_backend(call).name == "flex"
+    # a Star block [anchor | block] through auto: mask-free pieces on sdpa_flash
+    q, k, v = random_qkv(1, 6, 3, 16, 24, 64, dtype, seeded)
+    _check_cuda(q, k, v, "auto", "star block", q_pos=torch.arange(32, 48),
+                k_pos=torch.cat((torch.arange(8), torch.arange(32, 48))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_compiled_position_masks(dtype, window, seeded):
+    from magnetar.ops import attention_with_lse
+
+    # per-sequence unsorted positions with rows that see nothing: no mask-free pieces, the block-mask path
+    q, k, v = random_qkv(2, 4, 2, 40, 150, 64, dtype, seeded)
+    k_pos = torch.stack([torch.randperm(150, generator=seeded) for _ in range(2)])
+    q_pos = torch.randint(-2, 160, (2, 40), generator=seeded)
+    if window is None:
+        _check_cuda(q, k, v, "flex", "per-sequence positions", q_pos=q_pos, k_pos=k_pos)
+        return
+    # the window against the "torch" backend on CUDA (the fp64 reference has no window)
+    dev = dict(q_pos=q_pos.cuda(), k_pos=k_pos.cuda(), window=window)
+    ref = attention_with_lse(q.cuda().float(), k.cuda().float(), v.cuda().float(), backend="torch", **dev)
+    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), backend="flex", **dev)
+    assert_close(out.float().cpu(), ref[0].cpu(), dtype, "out", "flex window")
+    assert_close(lse.cpu(), ref[1].cpu(), dtype, "lse", "flex window")
+
+
 # ------------------------------------------------------------------------------- pure-torch backends on CUDA
 
 
-TORCH_BACKENDS = ["tiled", "torch"]
+TORCH_BACKENDS = ["tiled", "torch", "flex"]
 
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
@@ -282,7 +337,7 @@ def _hf_greedy(model, ids: torch.Tensor, steps: int):
     return logits[0], tokens, logits
 
 
-@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("backend", ["auto", "tiled", "flex"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("method", ["dense", "star"])
 def test_engine_bf16_equals_hf_on_cuda(arch, method, backend):
@@ -315,6 +370,18 @@ def test_engine_bf16_equals_hf_on_cuda(arch, method, backend):
         assert gap <= bound, (f"{msg} step {step}: token {mine} != reference {want}, which the reference scores "
                               f"{gap:.3g} higher (> {bound:.3g}); tokens {res.token_ids} vs {ref_tokens}")
         break
+
+
+def test_dummy_weights_are_made_on_the_gpu():
+    import magnetar
+
+    engine = magnetar.init_inference("dummy:tiny-llama", method="star", cp_size=4, simulate=True, dtype="bfloat16")
+    params = list(engine.model.parameters())
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in params)
+    g = torch.Generator().manual_seed(0)
+    res = engine.generate(torch.randint(0, 512, (700,), generator=g), torch.randint(0, 512, (9,), generator=g),
+                          max_new_tokens=5)
+    assert len(res.token_ids) == 5 and len(res.phase1_seconds) == 4
 
 
 # --------------------------------------------------------------------------------------- NCCL on one GPU

@@ -19,7 +19,7 @@ from magnetar.parallel import contiguous_indices, init_groups, ring_attention, s
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
 
-CPU_BACKENDS = ["torch", "tiled", "cpu_flash"]  # flash_attn is CUDA-only; see test_a_backend_blind_to_nan_*
+CPU_BACKENDS = ["torch", "tiled", "cpu_flash", "flex"]  # flash_attn is CUDA-only; see test_a_backend_blind_to_nan_*
 NAN, INF = float("nan"), float("inf")
 B, HQ, HKV, D = 2, 4, 2, 8  # GQA: query heads 0, 1 read KV head 0; heads 2, 3 read KV head 1
 

@@ -114,7 +114,8 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     flat = dict(method=method, cp_size=cp if METHODS[method].distributed else 1, dtype=args.dtype,
                 tp_size=getattr(args, "tp_size", 1), context_cache_mb=0)
     for name in ("block_size", "anchor_size", "halo_size", "sink_size", "chunk_size", "summary_budget",
-                 "window_size", "attention_backend"):
+                 "window_size", "attention_backend", "sparse_policy", "sparse_budget", "prefill_policy",
+                 "prefill_indexer_path", "prefill_indexer_random_init"):
         if name == "halo_size" and method != "star":
             continue  # a Star option (the config refuses it elsewhere); one command compares star with the others
         if getattr(args, name, None) is not None:

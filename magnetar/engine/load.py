@@ -51,7 +51,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     folder = None  # under TP, a local folder with safetensors: each rank loads only its shard, below
     if inputs.is_model_path(model):
         name = os.fsdecode(model)
-        if tp > 1 and model_kind(name) != "hub" and not trust_remote_code:
+        if tp > 1 and model_kind(name) not in ("hub", "dummy") and not trust_remote_code:
             folder = model_path(name, cache_dir)
         if folder is not None and checkpoint_index(folder) is not None:
             from transformers import AutoConfig
@@ -59,8 +59,13 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
             dtype = dtype or _checkpoint_dtype(hf_config)
         else:  # from_pretrained: resolves (downloads) Hub ids, runs remote code, reads any format; whole (cut by TP)
+            # dummy weights are made on the rank's device at once (an 8B model never passes through the CPU)
+            device = "cpu"
+            if model_kind(name) == "dummy":
+                init_distributed(timeout=_timedelta(config.parallel.timeout_s))  # sets this rank's GPU
+                device = device_for_rank()
             model, loaded_tok = load_model(folder or name, dtype=dtype or "auto", revision=revision,
-                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir)
+                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir, device=device)
             tokenizer = tokenizer or loaded_tok
             folder = None
     if folder is None:

@@ -2,6 +2,7 @@
 
     magnetar-bench --tiny --methods dense,star,pulsar --lengths 512 --cp 4 --simulate-ranks 4
     magnetar-bench --methods star,pulsar --lengths 4096 --simulate-ranks 4       # SmolLM2-135M-Instruct
+    magnetar-bench --model dummy:llama-3.1-8b --dtype bfloat16 --lengths 32768 --simulate-ranks 4  # random weights
     torchrun --nproc-per-node 4 -m magnetar.eval.bench --methods ring,star,pulsar --cp 4   # real ranks
     torchrun --nproc-per-node 4 -m magnetar.eval.bench --tiny --methods star --cp 2 --tp-size 2  # TP x CP
 
@@ -108,6 +109,13 @@ def parse_args(argv):
     p.add_argument("--summary-budget", type=float, default=None)
     p.add_argument("--window-size", type=int, default=None, help="streaming window")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--sparse-policy", default=None, help="sparse decoding: quest | lsh | spotlight | oracle_topk "
+                   "(their other options at the defaults)")
+    p.add_argument("--sparse-budget", type=int, default=None, help="--sparse-policy: KV tokens each decode step reads")
+    p.add_argument("--prefill-policy", default=None, help="sparse prefill: oracle | indexer")
+    p.add_argument("--prefill-indexer-path", default=None, help="--prefill-policy indexer: distilled weights")
+    p.add_argument("--prefill-indexer-random-init", action="store_true", default=None,
+                   help="--prefill-policy indexer without weights: an untrained indexer (timing only)")
     p.add_argument("--tp-size", type=int_at_least(1), default=1,
                    help="tensor-parallel ranks sharing each CP rank's weights (DeepSpeed AutoTP; under a launcher: "
                         "world size = tp x cp)")
@@ -243,9 +251,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         from magnetar.models import ModelNotInstalledError, load_model
 
+        from magnetar.models.dummy import is_dummy
+        from magnetar.parallel.launcher import device_for_rank, init_distributed
+
+        device = "cpu"
+        if is_dummy(args.model):  # random weights are made where they run (an 8B model never passes the CPU)
+            init_distributed()
+            device = device_for_rank()
         with user_errors(PROG, extra=(ModelNotInstalledError,)):
             model, tokenizer = load_model(args.model, dtype=dtype, revision=args.revision,
-                                          trust_remote_code=args.trust_remote_code)
+                                          trust_remote_code=args.trust_remote_code, device=device)
+        if args.text and tokenizer is None:
+            fail(PROG, f"--text needs a tokenizer, and {args.model} has none (a dummy preset builds weights only): "
+                       f"drop --text, or give dummy:<a folder with config.json and tokenizer files>")
         name = args.model
         name = allow_positions(model, longest, name, "--lengths + --query-len + --max-new-tokens",
                                args.beyond_trained_length)

@@ -328,6 +328,13 @@ def _load_config(name: str):
         if "model_type" in data:
             return AutoConfig.for_model(**data)
         return data  # a bare dict with the HF field names (ModelDims.from_config reads it)
+    if name.startswith("dummy:"):
+        from magnetar.models.dummy import dummy_config
+
+        try:
+            return dummy_config(name)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"--model: {e}") from None
     try:
         return AutoConfig.from_pretrained(model_path(name), local_files_only=True)
     except FileNotFoundError as e:

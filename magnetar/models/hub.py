@@ -57,9 +57,12 @@ def is_hub_id(name: object) -> bool:
 
 
 def model_kind(name_or_path: str | os.PathLike) -> str:
-    """``"registry"``, ``"local"`` or ``"hub"`` in the order of the module docstring; ``FileNotFoundError`` for a
+    """``"registry"``, ``"local"`` or ``"hub"`` in the order of the module docstring, or ``"dummy"`` for
+    ``dummy:<preset or config>`` (random weights: :mod:`magnetar.models.dummy`); ``FileNotFoundError`` for a
     string that is none of them (its message keeps the words "neither a registered model")."""
     name = os.fsdecode(name_or_path)
+    if name.startswith("dummy:"):
+        return "dummy"
     if name in MODELS:
         return "registry"
     path = Path(name).expanduser()
@@ -72,7 +75,8 @@ def model_kind(name_or_path: str | os.PathLike) -> str:
         return "hub"
     raise FileNotFoundError(
         f"{name!r} is neither a registered model ({', '.join(sorted(MODELS))}), an existing local Hugging Face "
-        f"model folder (with a config.json), nor a Hugging Face Hub id of the form org/name")
+        f"model folder (with a config.json), nor a Hugging Face Hub id of the form org/name (dummy:<preset or "
+        f"config.json> builds random weights from a config alone)")
 
 
 def check_hub_options(revision, trust_remote_code, cache_dir, kind: Optional[str] = None) -> None:
@@ -84,8 +88,9 @@ def check_hub_options(revision, trust_remote_code, cache_dir, kind: Optional[str
             raise ValueError(f"revision must be a non-empty str (a branch, tag or commit hash of the Hub "
                              f"repository), got {revision!r}")
         if kind not in (None, "hub"):
+            what = {"registry": "registered model", "dummy": "dummy-weights model"}.get(kind, "local folder")
             raise ValueError(f"revision={revision!r} applies to Hub ids (org/name) only; this model is a "
-                             f"{'registered model' if kind == 'registry' else 'local folder'}: drop revision")
+                             f"{what}: drop revision")
     if not isinstance(trust_remote_code, bool):
         raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):

@@ -123,6 +123,10 @@ def check_model(name_or_path: str | os.PathLike, *, revision: Optional[str] = No
     check_hub_options(revision, False, cache_dir, kind)
     if kind == "hub":
         check_cached(os.fsdecode(name_or_path), revision, cache_dir)
+    if kind == "dummy":
+        from magnetar.models.dummy import dummy_config
+
+        dummy_config(name_or_path)  # the preset or config.json exists and transformers can build it
 
 
 def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
@@ -133,6 +137,9 @@ def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | N
     cache, with the command that gets it) for anything else."""
     kind = model_kind(name_or_path)
     check_hub_options(revision, False, cache_dir, kind)
+    if kind == "dummy":
+        raise FileNotFoundError(f"{os.fsdecode(name_or_path)!r} has no weights folder (dummy weights are built from "
+                                f"the config in memory)")
     if kind == "registry":
         name = os.fsdecode(name_or_path)
         folder = prepare_model(name, cache_dir)
@@ -172,6 +179,13 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
     kind = model_kind(name_or_path)
     check_hub_options(revision, trust_remote_code, cache_dir, kind)
     t0 = time.perf_counter()
+    if kind == "dummy":
+        from magnetar.models.dummy import build_dummy
+
+        model, tokenizer = build_dummy(name_or_path, dtype=dtype, device=device)
+        log.info("built %s with random weights (%s, %s) on %s in %.1f s", os.fsdecode(name_or_path),
+                 model.config.model_type, model.dtype, device, time.perf_counter() - t0)
+        return model, tokenizer
     if kind == "hub":
         source: str | Path = os.fsdecode(name_or_path)
         hub = dict(revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)

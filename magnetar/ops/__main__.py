@@ -72,6 +72,7 @@ def environment() -> dict[str, Optional[str]]:
 
     compiler = _cxx_compiler()
     return {
+        "attention backends (auto order)": _attention_choice(),
         "python": sys.version.split()[0],
         "torch": str(torch.__version__),
         "torch CUDA": torch.version.cuda,
@@ -83,6 +84,26 @@ def environment() -> dict[str, Optional[str]]:
         "torch extensions dir": str(extensions_root()),
         "prebuilt ops record": str(PREBUILT_RECORD) if PREBUILT_RECORD.is_file() else None,
     }
+
+
+def _attention_choice() -> str:
+    """The auto order, and what ``auto`` picks here for a bf16 causal prefill and for a general position mask."""
+    import torch
+
+    from magnetar.ops.backends import AUTO_ORDER, select_backend
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, POSITIONS, AttentionCall
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16, device=dev)
+    kv = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device=dev)
+    picks = []
+    for what, kind, pos in (("causal", CAUSAL_BOTTOM_RIGHT, None),
+                            ("position mask", POSITIONS, torch.arange(8, device=dev).flip(0))):
+        try:
+            picks.append(f"{what}: {select_backend(AttentionCall(q, kv, kv, pos, pos, 0.125, kind)).name}")
+        except ValueError as e:
+            picks.append(f"{what}: none ({e})")
+    return f"{' > '.join(AUTO_ORDER)}; on {dev} bf16 auto picks {', '.join(picks)}"
 
 
 def _yes(flag: bool) -> str:

@@ -8,7 +8,9 @@ in ``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises `
 A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`).
 
 Built-in backends:
-    flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only)
+    flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only; the flash-attn package)
+    sdpa_flash  torch's own FlashAttention-2 kernel on CUDA (fp16/bf16, full or bottom-right causal): no extra package
+    flex        torch's FlexAttention with the position rule as its mask: any mask; compiled on CUDA, eager on CPU
     cpu_flash   torch's fused CPU flash kernel with a float mask for position-based causality
     tiled       pure torch, online softmax over key tiles: any device, bounded memory (GPU fallback)
     torch       pure torch reference: full score matrix in float32
@@ -34,7 +36,7 @@ class AttentionBackend(Protocol):
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[str, AttentionBackend] = {}
-AUTO_ORDER = ["flash_attn", "cpu_flash", "tiled", "torch"]
+AUTO_ORDER = ["flash_attn", "sdpa_flash", "cpu_flash", "flex", "tiled", "torch"]
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -56,6 +58,8 @@ register_backend("torch", _lazy(".reference", "ReferenceBackend"))
 register_backend("tiled", _lazy(".tiled", "TiledBackend"))
 register_backend("cpu_flash", _lazy(".cpu_flash", "CpuFlashBackend"))
 register_backend("flash_attn", _lazy(".flash_attn", "FlashAttnBackend"))
+register_backend("sdpa_flash", _lazy(".sdpa_flash", "SdpaFlashBackend"))
+register_backend("flex", _lazy(".flex", "FlexAttentionBackend"))
 
 
 def list_backends() -> list[str]:

@@ -1,0 +1,450 @@
+"""The GPU kit: one offline command that proves every GPU path and measures Phase 1 at 32K-128K (``make gpu-check``).
+
+    python3 benchmarks/gpu_check.py                 # on a GPU machine (make gpu-check)
+    python3 benchmarks/gpu_check.py --dry-run       # on CPU, tiny shapes, < 2 min (make gpu-check DRY=1; make test)
+    python3 benchmarks/gpu_check.py --table FILE    # the tables of a finished run's JSON (docs/benchmarks.md)
+
+Steps, each time-boxed (a subprocess killed at its limit; the whole kit keeps inside ``--budget-s``), each result
+written to ONE JSON file as soon as it ends (``$OUT/gpu_check.json`` when ``OUT`` is set, else
+``runs/gpu_check.json``; ``--out`` to choose). A failing step records its error and the kit goes on.
+
+1. ``wheels``: the packages the GPU image lacks (DeepSpeed, pydantic, hjson, nvtx: ``make gpu-wheels`` puts them in
+   ``.whl/`` on a machine that reaches the registries) installed offline into ``.gpu-site/``
+   (``pip install --no-index --no-deps --target``); skipped when they import already.
+2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
+   ``python -m magnetar.ops --json`` (which fused ops can build).
+3. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
+   ``gpu`` cases beside their CPU versions): counts, and each failure's first line.
+4. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
+   at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
+   slowest rank; ring's ranks exchange KV every layer and are not simulated: its row says so): Phase-1 seconds per
+   rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's prediction beside them.
+5. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
+   the path) and with Quest decoding, at 64K.
+
+``--dry-run`` runs the same steps on CPU with a tiny dummy Llama at 512-1024 tokens (``pytest_gpu`` then collects
+tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+KIT = "magnetar-gpu-check"
+SCHEMA = 1
+
+FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
+            ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=510.0,
+            limits=dict(wheels=60, environment=90, pytest_gpu=240, phase1=(90, 120, 200), sparse=100))
+DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(512, 1024), sparse_len=1024, ranks=4, new_tokens=4,
+           quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0,
+           limits=dict(wheels=60, environment=60, pytest_gpu=60, phase1=(60, 60), sparse=60))
+
+STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
+
+
+def gpu_test_files() -> list[str]:
+    """The test modules holding ``gpu``-marked tests (only these are collected: the others import packages the GPU
+    image may lack, e.g. the server's)."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                  if "pytest.mark.gpu" in p.read_text())
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+# ------------------------------------------------------------------------------------------------ running steps
+
+
+class Kit:
+    """Runs steps against one deadline and rewrites the JSON report after each."""
+
+    def __init__(self, out: Path, budget_s: float, dry_run: bool, env: dict[str, str]):
+        self.out, self.dry_run, self.env = out, dry_run, env
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
+        self.report: dict[str, Any] = dict(
+            kit=KIT, schema=SCHEMA, dry_run=dry_run, started=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+            host=platform.node(), budget_s=budget_s, steps=[])
+        self.save()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = round(time.monotonic() - self.t0, 2)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1) + "\n")
+        os.replace(tmp, self.out)
+
+    def step(self, name: str, limit: float, fn: Callable[[float], tuple[bool, Any, Optional[str], Optional[list]]]):
+        """Run ``fn(timeout) -> (ok, result, error, command)`` within ``limit`` seconds and what the budget leaves."""
+        timeout = min(limit, self.remaining() - 3)
+        rec: dict[str, Any] = dict(name=name, ok=False, seconds=0.0, timeout_s=round(max(timeout, 0), 1),
+                                   command=None, error=None, result=None)
+        if timeout < 10:
+            rec["error"] = f"skipped: {self.remaining():.0f} s left of the kit's --budget-s"
+        else:
+            t = time.monotonic()
+            try:
+                rec["ok"], rec["result"], rec["error"], rec["command"] = fn(timeout)
+            except Exception as e:  # noqa: BLE001 -- a failing step records its error and the kit goes on
+                rec["error"] = f"{type(e).__name__}: {e}"
+            rec["seconds"] = round(time.monotonic() - t, 2)
+        self.report["steps"].append(rec)
+        self.save()
+        status = "ok" if rec["ok"] else f"FAILED: {(rec['error'] or '')[:300]}"
+        print(f"[gpu-check {time.monotonic() - self.t0:6.1f} s] {name}: {status} ({rec['seconds']} s)", flush=True)
+        return rec
+
+    def run(self, cmd: list[str], timeout: float) -> tuple[int, str, str]:
+        """``(returncode, stdout, stderr)`` of ``cmd`` in the repo with the kit's environment; on timeout the whole
+        process group is killed and the return code is 124."""
+        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return proc.returncode, out, err
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return 124, out, err + f"\n(killed at its time limit, {timeout:.0f} s)"
+
+
+def _tail(text: str, n: int = 1500) -> str:
+    return text[-n:].strip()
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+def step_wheels(kit: Kit, site: Path, wheels: Path):
+    def fn(timeout):
+        code = ("import importlib.util as u; missing = [m for m in ('deepspeed', 'pydantic', 'hjson', 'nvtx') "
+                "if u.find_spec(m) is None]; print(','.join(missing))")
+        rc, out, err = kit.run([sys.executable, "-c", code], timeout)
+        missing = [m for m in out.strip().split(",") if m]
+        if not missing:
+            return True, dict(installed=[], note="every needed package imports already"), None, None
+        found = sorted(str(p) for p in wheels.glob("*.whl"))
+        if not found:
+            return False, dict(missing=missing), (f"{', '.join(missing)} not importable and no wheels in {wheels}: "
+                                                  f"run `make gpu-wheels` where the registries are reachable, or "
+                                                  f"pip install deepspeed"), None
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(site), *found]
+        rc, out, err = kit.run(cmd, timeout)
+        names = [Path(f).name for f in found]
+        return rc == 0, dict(installed=names, missing_before=missing), (None if rc == 0 else _tail(err)), cmd
+    return kit.step("wheels", FULL["limits"]["wheels"], fn)
+
+
+_ENV_CODE = r"""
+import json, shutil, subprocess, sys, importlib.util as u
+import torch
+info = dict(python=sys.version.split()[0], torch=torch.__version__, torch_cuda=torch.version.cuda,
+            cuda_available=torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                memory_gb=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count,
+                bf16=torch.cuda.is_bf16_supported(), device_count=torch.cuda.device_count())
+for mod in ("transformers", "deepspeed", "flash_attn", "triton", "pydantic"):
+    try:
+        m = __import__(mod)
+        info[mod] = getattr(m, "__version__", "present")
+    except Exception as e:
+        info[mod] = None if u.find_spec(mod) is None else f"import failed: {type(e).__name__}: {e}"
+nvcc = shutil.which("nvcc")
+info["nvcc"] = (subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                if nvcc else None)
+smi = shutil.which("nvidia-smi")
+if smi:
+    r = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    info["nvidia_smi"] = r.stdout.strip()
+from magnetar.ops.backends import AUTO_ORDER
+info["attention_auto_order"] = AUTO_ORDER
+print(json.dumps(info))
+"""
+
+
+def step_environment(kit: Kit):
+    def fn(timeout):
+        rc, out, err = kit.run([sys.executable, "-c", _ENV_CODE], timeout / 2)
+        if rc != 0:
+            return False, None, _tail(err), None
+        info = json.loads(out.strip().splitlines()[-1])
+        rc2, out2, err2 = kit.run([sys.executable, "-m", "magnetar.ops", "--json"], timeout / 2)
+        if rc2 == 0:
+            try:
+                info["ops"] = json.loads(out2.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                info["ops"] = f"unreadable: {_tail(out2, 300)}"
+        else:
+            info["ops"] = f"python -m magnetar.ops failed: {_tail(err2, 600)}"
+        return True, info, None, ["python", "-m", "magnetar.ops", "--json"]
+    return kit.step("environment", FULL["limits"]["environment"], fn)
+
+
+def step_pytest(kit: Kit, shape: dict):
+    def fn(timeout):
+        with tempfile.TemporaryDirectory() as tmp:
+            xml = Path(tmp) / "junit.xml"
+            cmd = [sys.executable, "-m", "pytest", *(shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]), "-v", "-p", "no:cacheprovider",
+                   "-o", "addopts=", f"--junitxml={xml}", "--timeout", str(int(max(timeout - 5, 5)))]
+            rc, out, err = kit.run(cmd, timeout)
+            if not xml.is_file():  # killed at the step's limit: what the verbose lines say so far
+                res = _verbose_counts(out)
+                res["returncode"] = rc
+                return False, res, f"no junit report (exit {rc}): {_tail(out + err, 600)}", cmd
+            res = _junit(xml)
+        res["returncode"] = rc
+        ok = rc == 0 and res["failed"] == 0 and res["errors"] == 0
+        error = None if ok else f"{res['failed']} failed, {res['errors']} errors (exit {rc})"
+        return ok, res, error, cmd
+    return kit.step("pytest_gpu", FULL["limits"]["pytest_gpu"] if not kit.dry_run else DRY["limits"]["pytest_gpu"],
+                    fn)
+
+
+def _verbose_counts(out: str) -> dict:
+    """Counts from ``pytest -v`` lines (``path::test PASSED [ 5%]``) when no junit report was written."""
+    res = dict(tests=0, passed=0, failed=0, errors=0, skipped=0, failures=[], skip_reasons={}, partial=True)
+    for line in out.splitlines():
+        if "::" not in line:
+            continue
+        for word, key in (("PASSED", "passed"), ("FAILED", "failed"), ("ERROR", "errors"), ("SKIPPED", "skipped")):
+            if f" {word}" in line:
+                res[key] += 1
+                res["tests"] += 1
+                if key in ("failed", "errors") and len(res["failures"]) < 40:
+                    res["failures"].append(dict(test=line.split(" ")[0], kind=key, message=""))
+                break
+    return res
+
+
+def _junit(path: Path) -> dict:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    res = dict(tests=0, passed=0, failed=0, errors=0, skipped=0, failures=[], skip_reasons={})
+    for case in (c for s in suites for c in s.iter("testcase")):
+        res["tests"] += 1
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag: child for child in case}
+        if "failure" in kinds or "error" in kinds:
+            tag = "failure" if "failure" in kinds else "error"
+            res["failed" if tag == "failure" else "errors"] += 1
+            msg = (kinds[tag].get("message") or kinds[tag].text or "").strip().splitlines()
+            if len(res["failures"]) < 40:
+                res["failures"].append(dict(test=name, kind=tag, message=(msg[0] if msg else "")[:400]))
+        elif "skipped" in kinds:
+            res["skipped"] += 1
+            reason = (kinds["skipped"].get("message") or "").strip()[:200]
+            res["skip_reasons"][reason] = res["skip_reasons"].get(reason, 0) + 1
+        else:
+            res["passed"] += 1
+    return res
+
+
+def _bench_cmd(shape: dict, lengths, methods: str, json_out: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "magnetar.eval.bench", "--model", shape["model"], "--dtype", shape["dtype"],
+            "--methods", methods, "--lengths", ",".join(str(n) for n in lengths),
+            "--simulate-ranks", str(shape["ranks"]), "--max-new-tokens", str(shape["new_tokens"]),
+            "--warmup", "1", "--repeats", "1", "--beyond-trained-length", "--json-out", str(json_out), *extra]
+
+
+def _rows(record: dict) -> list[dict]:
+    rows = []
+    for r in record["rows"]:
+        row = dict(method=r["method"], context_len=r["context_len"], ranks=r["ranks"])
+        if r.get("skipped"):
+            row["skipped"] = r["skipped"]
+        else:
+            row.update(
+                phase1_critical_path_s=round(r["phase1_critical_path_seconds"], 4),
+                phase1_per_rank_s=[round(t, 4) for t in r["phase1_seconds"]],
+                ttft_s=round(r["ttft_seconds"], 4),
+                decode_ms_per_token=None if r["decode_ms_per_token"] is None else round(r["decode_ms_per_token"], 3),
+                peak_memory_gb=round(max(r["peak_memory_bytes_per_rank"]) / 2**30, 3),
+                kv_gb_per_rank_max=round(max(r["kv_bytes_per_rank"]) / 2**30, 3),
+                speedup_vs=r["speedup_ref"], speedup_measured=round(r["speedup_measured"], 3),
+                speedup_predicted=round(r["speedup_predicted"], 3))
+        rows.append(row)
+    return rows
+
+
+def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods: str, extra: list[str]):
+    def fn(timeout):
+        with tempfile.TemporaryDirectory() as tmp:
+            json_out = Path(tmp) / "bench.json"
+            cmd = _bench_cmd(shape, lengths, methods, json_out, extra)
+            rc, out, err = kit.run(cmd, timeout)
+            if rc != 0 or not json_out.is_file():
+                return False, None, _tail(err or out), cmd
+            record = json.loads(json_out.read_text())
+        result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
+                      simulate_ranks=record["simulate_ranks"], load_s=round(record["load_seconds"], 2),
+                      options=extra, rows=_rows(record))
+        return True, result, None, cmd
+    return kit.step(name, limit, fn)
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def check_report(report: dict, complete: bool = True) -> list[str]:
+    """What is wrong with a kit report's shape (empty: nothing); ``complete``: every step must be there (not a
+    ``--steps`` run). ``make gpu-check DRY=1`` and the test use it."""
+    problems = []
+    for key in ("kit", "schema", "dry_run", "started", "budget_s", "elapsed_s", "steps"):
+        if key not in report:
+            problems.append(f"missing top-level {key!r}")
+    if report.get("kit") != KIT:
+        problems.append(f"kit is {report.get('kit')!r}, not {KIT!r}")
+    names = [s.get("name") for s in report.get("steps", [])]
+    want = ["wheels", "environment", "pytest_gpu", "phase1", "sparse_prefill", "quest"]
+    for w in want if complete else []:
+        if not any(isinstance(n, str) and n.startswith(w) for n in names):
+            problems.append(f"no step {w!r}")
+    for s in report.get("steps", []):
+        if set(s) != STEP_KEYS:
+            problems.append(f"step {s.get('name')!r} has keys {sorted(s)}, want {sorted(STEP_KEYS)}")
+            continue
+        if not s["ok"] and not s["error"]:
+            problems.append(f"step {s['name']!r} failed without an error")
+        if s["ok"] and s["name"].startswith(("phase1", "sparse_prefill", "quest")):
+            for r in s["result"]["rows"]:
+                need = ("skipped",) if "skipped" in r else ("phase1_critical_path_s", "ttft_s", "decode_ms_per_token",
+                                                           "peak_memory_gb", "speedup_measured")
+                problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for k in need if k not in r]
+        if s["ok"] and s["name"] == "pytest_gpu":
+            problems += [f"pytest_gpu lacks {k!r}" for k in ("tests", "passed", "failed", "skipped")
+                         if k not in s["result"]]
+    return problems
+
+
+def tables(report: dict) -> str:
+    """Markdown tables of a report: the steps, the environment, the Phase-1 rows."""
+    lines = [f"GPU kit {'dry run' if report.get('dry_run') else 'run'} of {report.get('started', '?')}, "
+             f"{report.get('elapsed_s', '?')} s of a {report.get('budget_s', '?')} s budget", "",
+             "| step | ok | seconds | note |", "|---|---|---|---|"]
+    env = {}
+    for s in report["steps"]:
+        note = ""
+        if s["name"] == "environment" and s["ok"]:
+            env = s["result"]
+        if s["name"] == "pytest_gpu" and s["result"]:
+            r = s["result"]
+            note = f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, {r.get('errors', 0)} errors, " \
+                   f"{r.get('skipped', 0)} skipped"
+        if s["error"]:
+            note = (note + "; " if note else "") + s["error"].splitlines()[0][:160]
+        lines.append(f"| {s['name']} | {'yes' if s['ok'] else 'NO'} | {s['seconds']} | {note} |")
+    if env:
+        lines += ["", "environment: " + ", ".join(
+            f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "transformers",
+                                          "deepspeed", "flash_attn", "nvcc") if k in env)]
+    lines += ["", "| step | method | L | P1 crit (s) | P1 per rank (s) | vs dense (meas. / model) | TTFT (s) | "
+                  "decode ms/tok | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in report["steps"]:
+        if not s["ok"] or not isinstance(s["result"], dict) or "rows" not in s["result"]:
+            continue
+        for r in s["result"]["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | not run: "
+                             f"{r['skipped'][:60]} | | | | | |")
+                continue
+            per = " ".join(f"{t:.2f}" for t in r["phase1_per_rank_s"])
+            dec = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
+            lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | "
+                         f"{r['phase1_critical_path_s']:.3f} | {per} | {r['speedup_measured']:.2f}x / "
+                         f"{r['speedup_predicted']:.2f}x | {r['ttft_s']:.3f} | {dec} | {r['peak_memory_gb']:.1f} |")
+    return "\n".join(lines)
+
+
+def default_out() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) / "gpu_check.json" if out else REPO / "runs" / "gpu_check.json"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, < 2 min: checks the kit itself")
+    p.add_argument("--out", type=Path, default=None, help="the JSON report (default $OUT/gpu_check.json, else "
+                   "runs/gpu_check.json)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole kit's time limit (default 510 s; "
+                   "dry run 110 s)")
+    p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="offline wheels (make gpu-wheels)")
+    p.add_argument("--table", type=Path, default=None, metavar="FILE", help="print the tables of a report and exit")
+    p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
+                   "environment,pytest,phase1_32K); wheels always runs")
+    args = p.parse_args(argv)
+    if args.table is not None:
+        if not args.table.is_file():
+            p.error(f"--table: no such file {args.table}")
+        print(tables(json.loads(args.table.read_text())))
+        return 0
+    shape = DRY if args.dry_run else FULL
+    budget = args.budget_s if args.budget_s is not None else shape["budget_s"]
+    if budget <= 0:
+        p.error(f"--budget-s must be > 0, got {budget}")
+    out = args.out or default_out()
+    site = REPO / ".gpu-site"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
+               PYTHONUNBUFFERED="1", MAGNETAR_DISABLE_DS_SHM="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                                   else []))
+    if args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU path, also on a GPU machine
+    kit = Kit(out, budget, args.dry_run, env)
+    print(f"[gpu-check] {'dry run' if args.dry_run else 'GPU run'}: report {out}, budget {budget:.0f} s", flush=True)
+    chosen = [w.strip() for w in args.steps.split(",") if w.strip()] if args.steps else None
+
+    def wanted(name: str) -> bool:
+        return chosen is None or any(name.startswith(w) for w in chosen)
+
+    step_wheels(kit, site, args.wheels)
+    if wanted("environment"):
+        step_environment(kit)
+    if wanted("pytest_gpu"):
+        step_pytest(kit, shape)
+    for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
+        if wanted(f"phase1_{_k(L)}"):
+            step_bench(kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])
+    n = shape["sparse_len"]
+    if wanted(f"sparse_prefill_{_k(n)}"):
+        step_bench(kit, shape, f"sparse_prefill_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
+                   ["--prefill-policy", "indexer", "--prefill-indexer-random-init"])
+    if wanted(f"quest_{_k(n)}"):
+        step_bench(kit, shape, f"quest_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
+                   ["--sparse-policy", "quest", "--sparse-budget", str(shape["quest_budget"])])
+    kit.report["steps_chosen"] = chosen
+    kit.save()
+    print(tables(kit.report), flush=True)
+    problems = check_report(kit.report, complete=chosen is None)
+    if problems:
+        print("[gpu-check] the report's shape is wrong:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    failed = [s["name"] for s in kit.report["steps"] if not s["ok"]]
+    print(f"[gpu-check] report: {out}" + (f"; failed steps: {', '.join(failed)}" if failed else "; every step ok"))
+    # the dry run must pass every step (it is CI's check of the kit); a GPU run reports what failed and exits 0
+    # only when everything passed, so `make gpu-check` says it too
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""FlexAttention backend: torch's ``flex_attention`` with the position rule as its mask; any mask, nothing but torch.
+
+The visibility rule of :mod:`magnetar.ops.attention` (key j visible to query i iff ``k_pos[j] <= q_pos[i]``, and
+``k_pos[j] > q_pos[i] - window`` with a window) becomes a ``mask_mod`` over the call's position tensors, turned
+into a block mask (:func:`torch.nn.attention.flex_attention.create_block_mask`: tiles that no query can see are
+skipped); GQA is native (``enable_gqa``); the log-sum-exp comes back with the output (``return_aux`` on torch
+>= 2.9, ``return_lse`` before). Natural log, like every backend.
+
+* On CUDA the kernel is ``torch.compile(flex_attention, dynamic=True)`` (one compiled kernel per dtype / head dim,
+  shared by every length) and the block mask is built compiled too, so no ``Sq x Sk`` tensor is ever made.
+* On CPU it runs eagerly (``torch.compile`` on CPU refuses ``return_lse``): the unfused implementation, which
+  materialises the score matrix -- correct (tested against the fp64 reference in every mask case), not fast.
+  ``auto`` never picks it on CPU (``cpu_flash`` accepts every CPU call first); force it with
+  ``attention_backend="flex"``.
+
+Rows that see no key are normalised by the front end (``(0, -inf)``), and non-finite inputs by
+:mod:`magnetar.ops.nonfinite`, as for every backend. ``MAGNETAR_FLEX_COMPILE=0`` runs the eager path on CUDA too
+(to tell a compiler problem from a kernel problem).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_FLEX = None  # (flex_attention, create_block_mask, AuxRequest or None) or an error string
+_COMPILED: dict[str, object] = {}
+_BROKEN: list[str] = []  # why the compiled kernel failed on this machine (then auto skips flex on CUDA)
+
+
+def _load():
+    global _FLEX
+    if _FLEX is None:
+        try:
+            from torch.nn.attention import flex_attention as fa
+        except ImportError as e:  # torch < 2.5
+            _FLEX = f"torch {torch.__version__} has no torch.nn.attention.flex_attention ({e}); torch >= 2.5 has"
+        else:
+            _FLEX = (fa.flex_attention, fa.create_block_mask, getattr(fa, "AuxRequest", None))
+    return _FLEX
+
+
+def _compile_on(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("MAGNETAR_FLEX_COMPILE", "1") != "0"
+
+
+def _kernel(device: torch.device):
+    flex, _, _ = _load()
+    if not _compile_on(device):
+        return flex
+    if "flex" not in _COMPILED:
+        import torch._dynamo
+
+        # every layer's call brings a new mask closure over new position tensors: allow the recompiles a model's
+        # mask variants (causal, windowed, per-sequence) need before dynamo would give up on the compiled kernel
+        for knob in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+        _COMPILED["flex"] = torch.compile(flex, dynamic=True)
+    return _COMPILED["flex"]
+
+
+def _mask_mod(call):
+    """The visibility rule over the call's positions, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``."""
+    q_pos, k_pos, window = call.q_pos, call.k_pos, call.window
+    per_seq = q_pos.dim() == 2 or k_pos.dim() == 2
+    if per_seq:  # broadcast both to (B, S) so one index rule serves
+        B = call.q.shape[0]
+        q_pos = q_pos.expand(B, -1) if q_pos.dim() == 2 else q_pos.unsqueeze(0).expand(B, -1)
+        k_pos = k_pos.expand(B, -1) if k_pos.dim() == 2 else k_pos.unsqueeze(0).expand(B, -1)
+        q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
+
+        def qk(b, q_idx, kv_idx):
+            return q_pos[b, q_idx], k_pos[b, kv_idx]
+    else:
+        def qk(b, q_idx, kv_idx):
+            return q_pos[q_idx], k_pos[kv_idx]
+
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            qp, kp = qk(b, q_idx, kv_idx)
+            return kp <= qp
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            qp, kp = qk(b, q_idx, kv_idx)
+            return (kp <= qp) & (kp > qp - window)
+    return mask_mod, per_seq
+
+
+class FlexAttentionBackend:
+    name = "flex"
+    device_types = ("cuda", "cpu")
+
+    def validate(self, call) -> list[str]:
+        fx = _load()
+        if isinstance(fx, str):
+            return [fx]
+        reasons = []
+        D = call.q.shape[-1]
+        if call.q.device.type == "cuda":
+            if _BROKEN:
+                reasons.append(f"the compiled kernel failed here: {_BROKEN[0]}")
+            if D < 16 or D & (D - 1):
+                reasons.append(f"head dim {D}: the compiled kernel needs a power of two >= 16")
+            if call.q.dtype == torch.float64:
+                reasons.append("float64 on CUDA: the compiled kernel takes fp32/bf16/fp16")
+        return reasons
+
+    def forward(self, call):
+        try:
+            return self._forward(call)
+        except Exception as e:  # noqa: BLE001 -- a compiler failure must not stop a run that other backends can do
+            if not _compile_on(call.q.device) or isinstance(e, torch.OutOfMemoryError):
+                raise
+            _BROKEN.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            warnings.warn(f"magnetar: the compiled FlexAttention kernel failed ({_BROKEN[0]}); this call and the "
+                          f"next ones go to the 'tiled' backend (MAGNETAR_FLEX_COMPILE=0 tries the eager kernel)",
+                          RuntimeWarning, stacklevel=2)
+            from magnetar.ops.backends import get_backend
+
+            return get_backend("tiled").forward(call)
+
+    def _forward(self, call):
+        from magnetar.ops.call import FULL
+
+        _, create_block_mask, aux_request = _load()
+        q, k, v = call.q, call.k, call.v
+        B, Hq, Sq, _ = q.shape
+        Sk = k.shape[2]
+        block_mask = None
+        if call.mask_kind != FULL:
+            mask_mod, per_seq = _mask_mod(call)
+            block_mask = create_block_mask(mask_mod, B if per_seq else None, None, Sq, Sk, device=q.device,
+                                           _compile=_compile_on(q.device))
+        kernel = _kernel(q.device)
+        kw = dict(block_mask=block_mask, scale=call.scale, enable_gqa=call.group > 1)
+        with warnings.catch_warnings():  # the eager path warns that it is unfused: that is what CPU means here
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            if aux_request is not None:
+                out, aux = kernel(q, k, v, return_aux=aux_request(lse=True), **kw)
+                lse = aux.lse
+            else:
+                out, lse = kernel(q, k, v, return_lse=True, **kw)
+        return out.to(q.dtype), lse.float()
