@@ -205,8 +205,9 @@ def step_pytest(kit: Kit, shape: dict):
     def fn(timeout):
         with tempfile.TemporaryDirectory() as tmp:
             xml = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", *(shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]), "-v", "-p", "no:cacheprovider",
-                   "-o", "addopts=", f"--junitxml={xml}", "--timeout", str(int(max(timeout - 5, 5)))]
+            which = shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]
+            cmd = [sys.executable, "-m", "pytest", *which, "-v", "-p", "no:cacheprovider", "-o", "addopts=",
+                   f"--junitxml={xml}", "--timeout", str(int(max(timeout - 5, 5)))]
             rc, out, err = kit.run(cmd, timeout)
             if not xml.is_file():  # killed at the step's limit: what the verbose lines say so far
                 res = _verbose_counts(out)
