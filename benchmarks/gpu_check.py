@@ -6,7 +6,7 @@
 
 Steps, each time-boxed (a subprocess killed at its limit; the whole kit keeps inside ``--budget-s``), each result
 written to ONE JSON file as soon as it ends (``$OUT/gpu_check.json`` when ``OUT`` is set, else
-``runs/gpu_check.json``; ``--out`` to choose). A failing step records its error and the kit goes on.
+``runs/gpu_check.json``; ``--out`` to choose), every command's whole output to the ``.log`` beside it. A failing step records its error and the kit goes on.
 
 1. ``wheels``: the packages the GPU image lacks (DeepSpeed, pydantic, hjson, nvtx: ``make gpu-wheels`` puts them in
    ``.whl/`` on a machine that reaches the registries) installed offline into ``.gpu-site/``
@@ -74,6 +74,9 @@ class Kit:
 
     def __init__(self, out: Path, budget_s: float, dry_run: bool, env: dict[str, str]):
         self.out, self.dry_run, self.env = out, dry_run, env
+        self.log = out.with_suffix(".log")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("")
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
         self.report: dict[str, Any] = dict(
@@ -118,11 +121,14 @@ class Kit:
                                 text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
-            return proc.returncode, out, err
+            rc = proc.returncode
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-            return 124, out, err + f"\n(killed at its time limit, {timeout:.0f} s)"
+            rc, err = 124, err + f"\n(killed at its time limit, {timeout:.0f} s)"
+        with open(self.log, "a") as f:  # every command's whole output, beside the report
+            f.write(f"\n===== {' '.join(cmd)}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
+        return rc, out, err
 
 
 def _tail(text: str, n: int = 1500) -> str:
