@@ -6,7 +6,8 @@
 
 Steps, each time-boxed (a subprocess killed at its limit; the whole kit keeps inside ``--budget-s``), each result
 written to ONE JSON file as soon as it ends (``$OUT/gpu_check.json`` when ``OUT`` is set, else
-``runs/gpu_check.json``; ``--out`` to choose), every command's whole output to the ``.log`` beside it. A failing step records its error and the kit goes on.
+``runs/gpu_check.json``; ``--out`` to choose), and every command's whole output to the ``.log`` beside it.
+A failing step records its error and the kit goes on.
 
 1. ``wheels``: the packages the GPU image lacks (DeepSpeed, pydantic, hjson, nvtx: ``make gpu-wheels`` puts them in
    ``.whl/`` on a machine that reaches the registries) installed offline into ``.gpu-site/``
