@@ -48,10 +48,10 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=510.0,
-            limits=dict(wheels=60, environment=90, pytest_gpu=240, phase1=(90, 120, 200), sparse=100))
+            limits=dict(wheels=60, environment=90, ops=150, pytest_gpu=240, phase1=(90, 120, 200), sparse=100))
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(512, 1024), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0,
-           limits=dict(wheels=60, environment=60, pytest_gpu=60, phase1=(60, 60), sparse=60))
+           limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60, 60), sparse=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -208,13 +208,49 @@ def step_environment(kit: Kit):
     return kit.step("environment", FULL["limits"]["environment"], fn)
 
 
-def step_pytest(kit: Kit, shape: dict):
+_OPS_CODE = r"""
+import json, sys, time
+from magnetar.ops import fused_merge
+from magnetar.sparse.codes import HAMMING_OP
+dev = sys.argv[1]
+res = {}
+for name, op in (("merge", fused_merge._op), ("hamming", HAMMING_OP)):
+    t = time.perf_counter()
+    ok = op.available(dev)
+    res[name] = dict(ok=ok, seconds=round(time.perf_counter() - t, 2), reason=op.unavailable_reason(dev))
+print(json.dumps(res))
+"""
+
+
+def step_ops(kit: Kit):
+    """Build (or load) the fused CUDA ops with nvcc, the build output in the log: the reason when one fails."""
+    def fn(timeout):
+        dev = "cpu" if kit.dry_run else "cuda"
+        cmd = [sys.executable, "-c", _OPS_CODE, dev]
+        saved = dict(kit.env)
+        kit.env["MAGNETAR_VERBOSE_BUILD"] = "1"
+        try:
+            rc, out, err = kit.run(cmd, timeout)
+        finally:
+            kit.env.clear()
+            kit.env.update(saved)
+        if rc != 0:
+            return False, None, _tail(err), cmd
+        res = json.loads(out.strip().splitlines()[-1])
+        bad = [f"{k}: {(v['reason'] or '')[:600]}" for k, v in res.items() if not v["ok"]]
+        return not bad, res, "; ".join(bad) or None, cmd
+    return kit.step("ops_build", FULL["limits"]["ops"], fn)
+
+
+def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s: Optional[int] = None):
     def fn(timeout):
         with tempfile.TemporaryDirectory() as tmp:
             xml = Path(tmp) / "junit.xml"
             which = shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]
             cmd = [sys.executable, "-m", "pytest", *which, "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-                   f"--junitxml={xml}", "--timeout", str(int(max(timeout - 5, 5)))]
+                   f"--junitxml={xml}", "--timeout", str(per_test_s or int(max(timeout - 5, 5)))]
+            if select:
+                cmd += ["-k", select]
             rc, out, err = kit.run(cmd, timeout)
             if not xml.is_file():  # killed at the step's limit: what the verbose lines say so far
                 res = _verbose_counts(out)
@@ -324,7 +360,7 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     if report.get("kit") != KIT:
         problems.append(f"kit is {report.get('kit')!r}, not {KIT!r}")
     names = [s.get("name") for s in report.get("steps", [])]
-    want = ["wheels", "environment", "pytest_gpu", "phase1", "sparse_prefill", "quest"]
+    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest"]
     for w in want if complete else []:
         if not any(isinstance(n, str) and n.startswith(w) for n in names):
             problems.append(f"no step {w!r}")
@@ -398,6 +434,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "dry run 110 s)")
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="offline wheels (make gpu-wheels)")
     p.add_argument("--table", type=Path, default=None, metavar="FILE", help="print the tables of a report and exit")
+    p.add_argument("--pytest-k", default=None, help="pytest_gpu: only the tests this -k expression selects")
+    p.add_argument("--pytest-timeout", type=int, default=None, help="pytest_gpu: seconds per test (default: the "
+                   "step's limit)")
+    p.add_argument("--order", default=None, help="the steps' order (comma-separated name prefixes; the rest follow "
+                   "in the default order)")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
                    "environment,pytest,phase1_32K); wheels always runs")
     args = p.parse_args(argv)
@@ -425,21 +466,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     def wanted(name: str) -> bool:
         return chosen is None or any(name.startswith(w) for w in chosen)
 
-    step_wheels(kit, site, args.wheels)
-    if wanted("environment"):
-        step_environment(kit)
-    if wanted("pytest_gpu"):
-        step_pytest(kit, shape)
-    for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
-        if wanted(f"phase1_{_k(L)}"):
-            step_bench(kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])
     n = shape["sparse_len"]
-    if wanted(f"sparse_prefill_{_k(n)}"):
-        step_bench(kit, shape, f"sparse_prefill_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
-                   ["--prefill-policy", "indexer", "--prefill-indexer-random-init"])
-    if wanted(f"quest_{_k(n)}"):
-        step_bench(kit, shape, f"quest_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
-                   ["--sparse-policy", "quest", "--sparse-budget", str(shape["quest_budget"])])
+    plan: list[tuple[str, Callable[[], Any]]] = [
+        ("environment", lambda: step_environment(kit)),
+        ("ops_build", lambda: step_ops(kit)),
+        ("pytest_gpu", lambda: step_pytest(kit, shape, args.pytest_k, args.pytest_timeout))]
+    for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
+        plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
+            kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])))
+    plan.append((f"sparse_prefill_{_k(n)}", lambda: step_bench(
+        kit, shape, f"sparse_prefill_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
+        ["--prefill-policy", "indexer", "--prefill-indexer-random-init"])))
+    plan.append((f"quest_{_k(n)}", lambda: step_bench(
+        kit, shape, f"quest_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
+        ["--sparse-policy", "quest", "--sparse-budget", str(shape["quest_budget"])])))
+    if args.order:
+        first = [w.strip() for w in args.order.split(",") if w.strip()]
+        rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}
+        plan.sort(key=lambda item: rank[item[0]])  # stable: the rest keep the default order
+    step_wheels(kit, site, args.wheels)
+    for name, run in plan:
+        if wanted(name):
+            run()
     kit.report["steps_chosen"] = chosen
     kit.save()
     print(tables(kit.report), flush=True)
