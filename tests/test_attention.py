@@ -227,3 +227,30 @@ def test_sliding_window_matches_the_torch_backend(backend, per_seq, seeded):
         out, lse = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, window=window, backend=backend)
         assert_close(out.double(), ref[0].double(), torch.float32, "out", f"window {window}")
         assert_close(lse.double(), ref[1].double(), torch.float32, "lse", f"window {window}")
+
+
+def test_flex_compile_failure_falls_back_for_that_kind_of_call_only(seeded, monkeypatch):
+    # on an H100 the compiled kernel lowered for most models and failed for one (a windowed GQA-4 model): such a
+    # failure sends that call, and later calls of the same signature, to "tiled" with a warning -- not every call
+    from magnetar.ops.backends import flex
+    from magnetar.ops.call import FULL, AttentionCall
+
+    def broken(device):
+        def kernel(*a, **kw):
+            raise RuntimeError("NoValidChoicesError: No choices to select (test)")
+        return kernel
+
+    monkeypatch.setattr(flex, "_compile_on", lambda device: True)
+    monkeypatch.setattr(flex, "_kernel", broken)
+    monkeypatch.setattr(flex, "_BROKEN", {})
+    q, k, v = random_qkv(1, 4, 1, 1, 20, 16, torch.float32, seeded)
+    with pytest.warns(RuntimeWarning, match="compiled FlexAttention kernel failed.*NoValidChoicesError"):
+        out, lse = attention_with_lse(q, k, v, backend="flex")
+    ref = attention_with_lse(q, k, v, backend="tiled")
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    backend = flex.FlexAttentionBackend()
+    same = AttentionCall(q, k, v, None, None, 0.25, FULL)
+    assert flex._BROKEN and list(flex._BROKEN) == [flex._signature(same)]
+    q2, k2, v2 = random_qkv(1, 4, 2, 5, 20, 16, torch.float32, seeded)  # another signature: still flex's
+    assert flex._signature(AttentionCall(q2, k2, v2, None, None, 0.25, FULL)) not in flex._BROKEN
+    assert backend.validate(AttentionCall(q2, k2, v2, None, None, 0.25, FULL)) == []

@@ -577,3 +577,28 @@ def test_cuda_op_attention_union_and_extremes():
         lx = torch.where(torch.isnan(lx), -INF, lx)  # issue 19: the NaN part poisons the rows; keep the extremes
         out, lse = fused_merge.fused_merge_states(ox.cuda(), lx.cuda())
         check_against(out.cpu(), lse.cpu(), *merge_fp64(ox, lx), dtype, f"CUDA extreme lse, no NaN part {dtype}")
+
+
+def test_cuda_builder_drops_arch_suffixes_deepspeed_cannot_parse(monkeypatch):
+    # the GPU image sets TORCH_CUDA_ARCH_LIST="9.0a"; DeepSpeed's builder parses "0a" as an int and every CUDA op
+    # failed to build there (ValueError: invalid literal for int() with base 10: '0a', seen on an H100)
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    from magnetar.ops.op_builder import MergeStatesCUDABuilder, plain_arch_list
+
+    assert plain_arch_list("9.0a") == "9.0"
+    assert plain_arch_list("8.0 9.0a+PTX") == "8.0;9.0+PTX"
+    assert plain_arch_list("9.0a;9.0;10.0f") == "9.0;10.0"
+    assert plain_arch_list("7.5+PTX") == "7.5+PTX"
+    seen = {}
+
+    def fake(self, cross_compile_archs=None):  # DeepSpeed's own parse, without a device
+        seen["env"], seen["jit"] = os.environ["TORCH_CUDA_ARCH_LIST"], self._jit_arch_list
+        return [int(p.split("+")[0]) for cc in seen["env"].split(";") for p in cc.split(".")]
+
+    monkeypatch.setattr(CUDAOpBuilder, "compute_capability_args", fake)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    builder = MergeStatesCUDABuilder()
+    builder._jit_arch_list = "9.0a"
+    assert builder.compute_capability_args() == [9, 0]
+    assert seen == {"env": "9.0", "jit": "9.0"}

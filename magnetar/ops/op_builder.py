@@ -223,6 +223,23 @@ class MergeStatesBuilder(PrebuiltOp, OpBuilder):
         return super().is_compatible(verbose)
 
 
+def plain_arch_list(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` without architecture-specific suffixes (``9.0a`` -> ``9.0``, ``10.0f+PTX`` ->
+    ``10.0+PTX``): DeepSpeed's builder parses each minor version as an int and fails on them (seen on the GPU image,
+    whose list names ``9.0a``), and these kernels use no sm_90a-only instruction. Separators become ``;``."""
+    out = []
+    for token in arch_list.replace(" ", ";").split(";"):
+        token = token.strip()
+        if not token:
+            continue
+        ptx = token.endswith("+PTX")
+        base = token[:-4] if ptx else token
+        major, _, minor = base.partition(".")
+        minor = minor.rstrip("abcdefghijklmnopqrstuvwxyz") if minor else minor
+        out.append(f"{major}.{minor}" + ("+PTX" if ptx else "") if minor else base + ("+PTX" if ptx else ""))
+    return ";".join(dict.fromkeys(out))
+
+
 class MergeStatesCUDABuilder(PrebuiltOp, CUDAOpBuilder):
     """CUDA build of the fused merge (``csrc/merge_states_cuda.cpp`` + ``csrc/merge_states_kernel.cu``).
 
@@ -247,6 +264,15 @@ class MergeStatesCUDABuilder(PrebuiltOp, CUDAOpBuilder):
     def nvcc_args(self):
         # Keep IEEE expf/logf and division: the op must agree with the torch reference to fp32 tolerance.
         return [a for a in super().nvcc_args() if a != "--use_fast_math"]
+
+    def compute_capability_args(self, cross_compile_archs=None):
+        # DeepSpeed cannot parse arch-specific entries such as "9.0a" in TORCH_CUDA_ARCH_LIST: build for the plain
+        # architecture instead (same machine code for these kernels)
+        for holder, key in ((os.environ, "TORCH_CUDA_ARCH_LIST"), (self.__dict__, "_jit_arch_list")):
+            value = holder.get(key)
+            if value and plain_arch_list(value) != value.replace(" ", ";"):
+                holder[key] = plain_arch_list(value)
+        return super().compute_capability_args(cross_compile_archs)
 
     def _incompatible_reason(self) -> str | None:
         if torch.version.hip is not None:

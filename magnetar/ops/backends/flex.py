@@ -24,9 +24,20 @@ import warnings
 
 import torch
 
+from magnetar.ops.call import FULL
+
 _FLEX = None  # (flex_attention, create_block_mask, AuxRequest or None) or an error string
 _COMPILED: dict[str, object] = {}
-_BROKEN: list[str] = []  # why the compiled kernel failed on this machine (then auto skips flex on CUDA)
+# why the compiled kernel failed on this machine, per call signature (then auto skips flex for such calls only:
+# seen on an H100, the compiled kernel served llama / qwen3 / mistral and failed to lower for a windowed GQA-4 model)
+_BROKEN: dict[tuple, str] = {}
+
+
+def _signature(call) -> tuple:
+    """What decides which kernel the compiler makes: dtype, head dim, GQA, decode or not, window, per-sequence."""
+    per_seq = call.q_pos.dim() == 2 or call.k_pos.dim() == 2 if call.mask_kind != FULL else False
+    return (str(call.q.dtype), call.q.shape[-1], call.group, call.q.shape[2] == 1, call.mask_kind,
+            call.window is not None, per_seq)
 
 
 def _load():
@@ -99,8 +110,9 @@ class FlexAttentionBackend:
         reasons = []
         D = call.q.shape[-1]
         if call.q.device.type == "cuda":
-            if _BROKEN:
-                reasons.append(f"the compiled kernel failed here: {_BROKEN[0]}")
+            broken = _BROKEN.get(_signature(call))
+            if broken:
+                reasons.append(f"the compiled kernel failed here for such calls: {broken}")
             if D < 16 or D & (D - 1):
                 reasons.append(f"head dim {D}: the compiled kernel needs a power of two >= 16")
             if call.q.dtype == torch.float64:
@@ -113,17 +125,16 @@ class FlexAttentionBackend:
         except Exception as e:  # noqa: BLE001 -- a compiler failure must not stop a run that other backends can do
             if not _compile_on(call.q.device) or isinstance(e, torch.OutOfMemoryError):
                 raise
-            _BROKEN.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            warnings.warn(f"magnetar: the compiled FlexAttention kernel failed ({_BROKEN[0]}); this call and the "
-                          f"next ones go to the 'tiled' backend (MAGNETAR_FLEX_COMPILE=0 tries the eager kernel)",
-                          RuntimeWarning, stacklevel=2)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+            _BROKEN[_signature(call)] = why
+            warnings.warn(f"magnetar: the compiled FlexAttention kernel failed ({why}); this call and the next ones "
+                          f"like it ({_signature(call)}) go to the 'tiled' backend (MAGNETAR_FLEX_COMPILE=0 tries the "
+                          f"eager kernel)", RuntimeWarning, stacklevel=2)
             from magnetar.ops.backends import get_backend
 
             return get_backend("tiled").forward(call)
 
     def _forward(self, call):
-        from magnetar.ops.call import FULL
-
         _, create_block_mask, aux_request = _load()
         q, k, v = call.q, call.k, call.v
         B, Hq, Sq, _ = q.shape
