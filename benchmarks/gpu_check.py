@@ -47,10 +47,10 @@ KIT = "magnetar-gpu-check"
 SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
-            ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=510.0,
-            limits=dict(wheels=60, environment=90, ops=150, pytest_gpu=240, phase1=(90, 120, 200), sparse=100))
+            ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
+            limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=200, phase1=(60, 80, 130), sparse=70))
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(512, 1024), sparse_len=1024, ranks=4, new_tokens=4,
-           quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0,
+           quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0, warmup_len=256,
            limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60, 60), sparse=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
@@ -80,6 +80,7 @@ class Kit:
         self.log.write_text("")
         self.t0 = time.monotonic()
         self.deadline = self.t0 + budget_s
+        self.min_step_s = 10.0  # a step that would get less than this is recorded as skipped
         self.report: dict[str, Any] = dict(
             kit=KIT, schema=SCHEMA, dry_run=dry_run, started=_dt.datetime.now(_dt.timezone.utc).isoformat(),
             host=platform.node(), budget_s=budget_s, steps=[])
@@ -100,7 +101,7 @@ class Kit:
         timeout = min(limit, self.remaining() - 3)
         rec: dict[str, Any] = dict(name=name, ok=False, seconds=0.0, timeout_s=round(max(timeout, 0), 1),
                                    command=None, error=None, result=None)
-        if timeout < 10:
+        if timeout < self.min_step_s:
             rec["error"] = f"skipped: {self.remaining():.0f} s left of the kit's --budget-s"
         else:
             t = time.monotonic()
@@ -205,7 +206,7 @@ def step_environment(kit: Kit):
         else:
             info["ops"] = f"python -m magnetar.ops failed: {_tail(err2, 600)}"
         return True, info, None, ["python", "-m", "magnetar.ops", "--json"]
-    return kit.step("environment", FULL["limits"]["environment"], fn)
+    return kit.step("environment", (DRY if kit.dry_run else FULL)["limits"]["environment"], fn)
 
 
 _OPS_CODE = r"""
@@ -239,7 +240,7 @@ def step_ops(kit: Kit):
         res = json.loads(out.strip().splitlines()[-1])
         bad = [f"{k}: {(v['reason'] or '')[:600]}" for k, v in res.items() if not v["ok"]]
         return not bad, res, "; ".join(bad) or None, cmd
-    return kit.step("ops_build", FULL["limits"]["ops"], fn)
+    return kit.step("ops_build", (DRY if kit.dry_run else FULL)["limits"]["ops"], fn)
 
 
 def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s: Optional[int] = None):
@@ -248,7 +249,7 @@ def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s:
             xml = Path(tmp) / "junit.xml"
             which = shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]
             cmd = [sys.executable, "-m", "pytest", *which, "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-                   f"--junitxml={xml}", "--timeout", str(per_test_s or int(max(timeout - 5, 5)))]
+                   f"--junitxml={xml}", "--timeout", str(per_test_s or 60)]
             if select:
                 cmd += ["-k", select]
             rc, out, err = kit.run(cmd, timeout)
@@ -261,8 +262,7 @@ def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s:
         ok = rc == 0 and res["failed"] == 0 and res["errors"] == 0
         error = None if ok else f"{res['failed']} failed, {res['errors']} errors (exit {rc})"
         return ok, res, error, cmd
-    return kit.step("pytest_gpu", FULL["limits"]["pytest_gpu"] if not kit.dry_run else DRY["limits"]["pytest_gpu"],
-                    fn)
+    return kit.step("pytest_gpu", (DRY if kit.dry_run else FULL)["limits"]["pytest_gpu"], fn)
 
 
 def _verbose_counts(out: str) -> dict:
@@ -308,7 +308,8 @@ def _bench_cmd(shape: dict, lengths, methods: str, json_out: Path, extra: list[s
     return [sys.executable, "-m", "magnetar.eval.bench", "--model", shape["model"], "--dtype", shape["dtype"],
             "--methods", methods, "--lengths", ",".join(str(n) for n in lengths),
             "--simulate-ranks", str(shape["ranks"]), "--max-new-tokens", str(shape["new_tokens"]),
-            "--warmup", "1", "--repeats", "1", "--beyond-trained-length", "--json-out", str(json_out), *extra]
+            "--warmup", "1", "--warmup-length", str(shape["warmup_len"]), "--repeats", "1", "--beyond-trained-length",
+            "--json-out", str(json_out), *extra]
 
 
 def _rows(record: dict) -> list[dict]:
@@ -430,13 +431,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, < 2 min: checks the kit itself")
     p.add_argument("--out", type=Path, default=None, help="the JSON report (default $OUT/gpu_check.json, else "
                    "runs/gpu_check.json)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole kit's time limit (default 510 s; "
+    p.add_argument("--budget-s", type=float, default=None, help="the whole kit's time limit (default 530 s; "
                    "dry run 110 s)")
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="offline wheels (make gpu-wheels)")
     p.add_argument("--table", type=Path, default=None, metavar="FILE", help="print the tables of a report and exit")
     p.add_argument("--pytest-k", default=None, help="pytest_gpu: only the tests this -k expression selects")
-    p.add_argument("--pytest-timeout", type=int, default=None, help="pytest_gpu: seconds per test (default: the "
-                   "step's limit)")
+    p.add_argument("--pytest-timeout", type=int, default=None, help="pytest_gpu: seconds per test (default 60: "
+                   "one hanging test must not take the step)")
     p.add_argument("--order", default=None, help="the steps' order (comma-separated name prefixes; the rest follow "
                    "in the default order)")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from magnetar.config import METHODS, EngineConfig
 from magnetar.models import check_model
+from magnetar.models.dummy import check_text_model
 from magnetar.parallel.launcher import launched_world_size
 from magnetar.utils.cli import check_input_file
 
@@ -142,6 +143,7 @@ def check_engine_args(args) -> EngineConfig:
     ``--prefill-indexer-path``); ValueError / FileNotFoundError name the flag. Shared with ``magnetar serve``."""
     config = config_from_args(args)
     check_model(args.model, revision=args.revision)
+    check_text_model(args.model)
     for name in ("hash_path", "prefill_indexer_path"):
         path = getattr(config, name)
         if path is not None:

@@ -96,6 +96,9 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=8)
     p.add_argument("--warmup", type=int_at_least(0), default=1)
     p.add_argument("--repeats", type=int_at_least(1), default=1)
+    p.add_argument("--warmup-length", type=int_at_least(1), default=None, metavar="L",
+                   help="warm-up runs use a context of L tokens instead of the timed length: kernels, compiled "
+                        "graphs and the allocator warm up for a fraction of the time (default: the timed length)")
     p.add_argument("--text", action="store_true", help="Paul Graham essays instead of random token ids")
     p.add_argument("--beyond-trained-length", action="store_true",
                    help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
@@ -296,6 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                dynamic_ncols=True, file=sys.stderr, desc="magnetar-bench", disable=not lead)
     for L in args.lengths:
         ctx, query = _inputs(args, model, tokenizer, L)
+        warm_ctx = ctx if args.warmup_length is None else ctx[: min(L, args.warmup_length)]
         for method in args.methods:
             cfg = engine_config(args, method, cp)
             ranks = cfg.parallel.cp_size
@@ -311,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             runs = []
             for i in range(args.warmup + args.repeats):
                 bar.set_postfix_str(f"{method} L={L} {'warm-up' if i < args.warmup else 'run'}")
-                out = _engine_run(engine, ctx, query, args.max_new_tokens)
+                out = _engine_run(engine, warm_ctx if i < args.warmup else ctx, query, args.max_new_tokens)
                 bar.update(1)
                 if i >= args.warmup:
                     runs.append(out)
@@ -340,7 +344,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
               f"torch threads {torch.get_num_threads()}, cp {cp}, tp {tp}"
               f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
-              f"new tokens {args.max_new_tokens}, warmup {args.warmup}, repeats {args.repeats}")
+              f"new tokens {args.max_new_tokens}, warmup {args.warmup}"
+              f"{f' (at {args.warmup_length} tokens)' if args.warmup_length else ''}, repeats {args.repeats}")
         print(_fmt_table(rows))
         print()
         print("Phase-1 critical path vs the cost model:")

@@ -567,6 +567,9 @@ def check_args(args) -> None:
         if getattr(base, name) is not None:
             check_input_file(getattr(base, name), flag="--" + name.replace("_", "-"))
     check_model(args.model, revision=args.revision)
+    from magnetar.models.dummy import check_text_model
+
+    check_text_model(args.model)
 
 
 def main(argv=None) -> int:

@@ -94,6 +94,24 @@ def _source(name: str | os.PathLike) -> tuple[Optional[Path], dict[str, Any]]:
     return (path if path.is_dir() else None), fields
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(name: str | os.PathLike) -> bool:
+    """Whether ``dummy:<what>`` brings a tokenizer: a folder holding a tokenizer's files (presets have none)."""
+    folder, _ = _source(name)
+    return folder is not None and any((folder / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def check_text_model(name: str | os.PathLike, flag: str = "--model") -> None:
+    """``ValueError`` naming ``flag`` when ``name`` is a dummy model without a tokenizer: commands that take text
+    (magnetar-run, magnetar serve, magnetar-eval) need one; magnetar-bench times token ids and needs none."""
+    if is_dummy(name) and not has_tokenizer(name):
+        raise ValueError(f"{flag} {os.fsdecode(name)}: dummy weights without a tokenizer (a preset, or a config.json "
+                         f"alone) cannot read text: give dummy:<a folder holding config.json and the tokenizer's "
+                         f"files>, or time it on token ids with magnetar-bench")
+
+
 def dummy_config(name: str | os.PathLike):
     """The transformers config of a ``dummy:`` argument (no weights are made)."""
     from transformers import AutoConfig
@@ -139,8 +157,7 @@ def build_dummy(name: str | os.PathLike, *, dtype: torch.dtype, device: str | to
     model.generation_config.eos_token_id = None  # random weights: decode always runs its max_new_tokens
     model.config.name_or_path = os.fsdecode(name)
     tokenizer = None
-    if folder is not None and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                    "tokenizer.model")):
+    if has_tokenizer(name):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

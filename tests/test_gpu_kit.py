@@ -1,0 +1,110 @@
+"""The GPU kit (benchmarks/gpu_check.py, ``make gpu-check``): its dry run on CPU end to end (what ``make gpu-check
+DRY=1`` runs), the report's shape check, the parsers of pytest's output, and a step killed at its limit."""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _kit():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kit") / "gpu_check.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text()), out, res.stdout
+
+
+def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
+    kit = _kit()
+    report, out, stdout = dry_report
+    assert kit.check_report(report) == []
+    assert report["dry_run"] is True and report["elapsed_s"] < 120
+    steps = {s["name"]: s for s in report["steps"]}
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "pytest_gpu", "phase1_512", "phase1_1K",
+                                  "sparse_prefill_1K", "quest_1K"]
+    assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
+    # on CPU every GPU test is collected and skips with its reason
+    py = steps["pytest_gpu"]["result"]
+    assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
+    assert all("CUDA" in reason for reason in py["skip_reasons"]), py["skip_reasons"]
+    rows = {r["method"]: r for r in steps["phase1_1K"]["result"]["rows"]}
+    assert set(rows) == {"dense", "star", "pulsar", "ring"} and "not simulated" in rows["ring"]["skipped"]
+    assert len(rows["star"]["phase1_per_rank_s"]) == 4
+    assert rows["star"]["phase1_critical_path_s"] == pytest.approx(max(rows["star"]["phase1_per_rank_s"]), abs=1e-3)
+    assert steps["sparse_prefill_1K"]["result"]["options"][:2] == ["--prefill-policy", "indexer"]
+    assert steps["environment"]["result"]["cuda_available"] is False
+    assert "phase1_1K | star | 1K |" in stdout  # the tables printed at the end
+    # every command's output is kept beside the report
+    assert "magnetar.eval.bench" in out.with_suffix(".log").read_text()
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--table", str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "| phase1_512 | dense | 512 |" in table.stdout
+
+
+def test_check_report_names_what_is_wrong(dry_report):
+    kit = _kit()
+    report = copy.deepcopy(dry_report[0])
+    report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
+    report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
+    del report["steps"][2]["timeout_s"]
+    report["steps"][4]["result"]["rows"][0].pop("ttft_s")
+    problems = kit.check_report(report)
+    assert any("no step 'quest'" in p for p in problems)
+    assert any("failed without an error" in p for p in problems)
+    assert any("has keys" in p for p in problems)
+    assert any("lacks 'ttft_s'" in p for p in problems)
+    assert kit.check_report(report, complete=False) != [] and not any("no step" in p
+                                                                       for p in kit.check_report(report, False))
+
+
+def test_pytest_output_parsers(tmp_path):
+    kit = _kit()
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.test_gpu" name="a"/>'
+                   '<testcase classname="tests.test_gpu" name="b"><failure message="AssertionError: x&#10;more"/>'
+                   '</testcase><testcase classname="tests.test_gpu" name="c"><skipped message="needs CUDA"/>'
+                   '</testcase><testcase classname="t" name="d"><error message="boom"/></testcase>'
+                   '</testsuite></testsuites>')
+    res = kit._junit(xml)
+    assert (res["tests"], res["passed"], res["failed"], res["errors"], res["skipped"]) == (4, 1, 1, 1, 1)
+    assert res["failures"][0] == dict(test="tests.test_gpu::b", kind="failure", message="AssertionError: x")
+    assert res["skip_reasons"] == {"needs CUDA": 1}
+    verbose = ("tests/test_gpu.py::a PASSED [ 10%]\ntests/test_gpu.py::b FAILED [ 20%]\n"
+               "tests/test_gpu.py::c SKIPPED (needs CUDA) [ 30%]\nnoise\n")
+    res = kit._verbose_counts(verbose)
+    assert (res["tests"], res["passed"], res["failed"], res["skipped"], res["partial"]) == (3, 1, 1, 1, True)
+
+
+def test_a_step_past_its_limit_is_killed_and_the_kit_goes_on(tmp_path):
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
+    k.min_step_s = 1
+    slow = k.step("slow", 2, lambda t: (lambda rc: (rc[0] == 0, None, rc[2][-80:], ["sleep"]))(
+        k.run([sys.executable, "-c", "import time; time.sleep(30)"], t)))
+    assert not slow["ok"] and "killed at its time limit" in slow["error"] and slow["seconds"] < 10
+    fine = k.step("fine", 5, lambda t: (True, {"x": 1}, None, None))
+    assert fine["ok"]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [s["name"] for s in saved["steps"]] == ["slow", "fine"]
+    broken = k.step("raises", 5, lambda t: 1 / 0)  # an exception in a step is its error, not the kit's end
+    assert not broken["ok"] and "ZeroDivisionError" in broken["error"]
+    k.deadline = 0  # no budget left: the step is recorded as skipped
+    late = k.step("late", 5, lambda t: (True, None, None, None))
+    assert not late["ok"] and late["error"].startswith("skipped")
