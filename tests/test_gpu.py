@@ -337,8 +337,17 @@ def _hf_greedy(model, ids: torch.Tensor, steps: int):
     return logits[0], tokens, logits
 
 
-@pytest.mark.parametrize("backend", ["auto", "tiled", "flex"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
+# Seen on an H100 (torch 2.11, 2026-11-27): the compiled flex kernel lowers for llama / qwen3 / mistral and fails for
+# the windowed one-KV-head gemma3 model (InductorError NoValidChoicesError); auto then falls back to tiled for such
+# calls, a forced backend raises. strict: the day it lowers, this test fails and the mark must go.
+_FLEX_GEMMA3 = pytest.mark.xfail(strict=True, raises=ValueError, reason="compiled flex does not lower for the "
+                                 "windowed MQA gemma3 model (seen on an H100); auto uses tiled there")
+_ENGINE_CASES = [pytest.param(arch, backend, marks=_FLEX_GEMMA3 if (arch, backend) == ("gemma3", "flex") else (),
+                              id=f"{arch}-{backend}")
+                 for arch in ("llama", "qwen3", "mistral", "gemma3") for backend in ("auto", "tiled", "flex")]
+
+
+@pytest.mark.parametrize("arch,backend", _ENGINE_CASES)
 @pytest.mark.parametrize("method", ["dense", "star"])
 def test_engine_bf16_equals_hf_on_cuda(arch, method, backend):
     import magnetar
