@@ -58,7 +58,9 @@ bench: install
 # `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (< 1 min; `make test` runs it, tests/test_gpu_kit.py).
 GPU_PYTHON ?= python3
 # What the GPU image (Python 3.12, torch, transformers, no registry) lacks for Magnetar: DeepSpeed and what it
-# needs there (found with a dry install into an empty target), the NVTX bindings. Versions as in the CPU venv.
+# needs there, the NVTX bindings -- DeepSpeed's and Magnetar's requirements less the image's `pip list` (a dry
+# install into an empty target lists them all, the image's included, so the list is kept by hand). Versions as
+# in the CPU venv; checked on an H100 (2026-11-27): the kit's `wheels` step says what is still missing.
 GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
 	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17
 WHEEL_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \

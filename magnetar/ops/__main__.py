@@ -72,7 +72,7 @@ def environment() -> dict[str, Optional[str]]:
 
     compiler = _cxx_compiler()
     return {
-        "attention backends (auto order)": _attention_choice(),
+        "attention (auto)": _attention_choice(),
         "python": sys.version.split()[0],
         "torch": str(torch.__version__),
         "torch CUDA": torch.version.cuda,
