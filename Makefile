@@ -55,7 +55,7 @@ bench: install
 # in bf16, each step time-boxed, into one JSON file ($$OUT/gpu_check.json, else runs/gpu_check.json), in < 9 min.
 # It runs with the machine's own python3 and torch (GPU_PYTHON); the packages it lacks come from .whl/ offline
 # (make gpu-wheels, run where the registries are reachable) or, with network, `pip install deepspeed`.
-# `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (< 1 min; `make test` runs it, tests/test_gpu_kit.py).
+# `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (~25 s; `make test` runs it, tests/test_gpu_kit.py).
 GPU_PYTHON ?= python3
 # What the GPU image (Python 3.12, torch, transformers, no registry) lacks for Magnetar: DeepSpeed and what it
 # needs there, the NVTX bindings -- DeepSpeed's and Magnetar's requirements less the image's `pip list` (a dry

@@ -36,7 +36,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < 120
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "pytest_gpu", "phase1_512", "phase1_1K",
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "pytest_gpu", "phase1_1K",
                                   "sparse_prefill_1K", "quest_1K"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # on CPU every GPU test is collected and skips with its reason
@@ -48,13 +48,16 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert len(rows["star"]["phase1_per_rank_s"]) == 4
     assert rows["star"]["phase1_critical_path_s"] == pytest.approx(max(rows["star"]["phase1_per_rank_s"]), abs=1e-3)
     assert steps["sparse_prefill_1K"]["result"]["options"][:2] == ["--prefill-policy", "indexer"]
-    assert steps["environment"]["result"]["cuda_available"] is False
+    env = steps["environment"]["result"]
+    assert env["cuda_available"] is False and env["attention_auto_order"][0] == "flash_attn"
+    assert [r["op"] for r in env["ops"]["ops"]][0] == "magnetar_merge_states"
+    assert "cpu_flash" in env["ops"]["environment"]["attention (auto)"]
     assert "phase1_1K | star | 1K |" in stdout  # the tables printed at the end
     # every command's output is kept beside the report
     assert "magnetar.eval.bench" in out.with_suffix(".log").read_text()
     table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--table", str(out)],
                            capture_output=True, text=True, timeout=60)
-    assert table.returncode == 0 and "| phase1_512 | dense | 512 |" in table.stdout
+    assert table.returncode == 0 and "| phase1_1K | dense | 1K |" in table.stdout
 
 
 def test_check_report_names_what_is_wrong(dry_report):
@@ -63,7 +66,7 @@ def test_check_report_names_what_is_wrong(dry_report):
     report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
     report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
     del report["steps"][2]["timeout_s"]
-    report["steps"][4]["result"]["rows"][0].pop("ttft_s")
+    report["steps"][4]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
     problems = kit.check_report(report)
     assert any("no step 'quest'" in p for p in problems)
     assert any("failed without an error" in p for p in problems)
