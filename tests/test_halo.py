@@ -55,7 +55,7 @@ def test_halo_limits_star_and_dense():
 def test_bad_halos_are_refused_by_name():
     with pytest.raises(ValueError, match="halo_size.*must be >= 0"):
         EngineConfig.create(method="star", halo_size=-1)
-    with pytest.raises(ValueError, match="halo_size.*the halo is a Star option.*not method 'pulsar'"):
+    with pytest.raises(ValueError, match="halo_size is a Star option.*each block also sees.*not method 'pulsar'"):
         EngineConfig.create(method="pulsar", cp_size=2, halo_size=16)
     model = tiny_model("llama", seed=3)
     eng = magnetar.init_inference(copy.deepcopy(model), deepspeed_inference=False, simulate=True, method="star",

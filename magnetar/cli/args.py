@@ -16,6 +16,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from magnetar.config import METHODS, EngineConfig
+from magnetar.config.registry import METHOD_OPTIONS
 from magnetar.models import check_model
 from magnetar.models.dummy import check_text_model
 from magnetar.parallel.launcher import launched_world_size
@@ -117,8 +118,8 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     for name in ("block_size", "anchor_size", "halo_size", "sink_size", "chunk_size", "summary_budget",
                  "window_size", "attention_backend", "sparse_policy", "sparse_budget", "prefill_policy",
                  "prefill_indexer_path", "prefill_indexer_random_init"):
-        if name == "halo_size" and method != "star":
-            continue  # a Star option (the config refuses it elsewhere); one command compares star with the others
+        if name in METHOD_OPTIONS and METHOD_OPTIONS[name][0] != method:
+            continue  # another method's own option (the config refuses it elsewhere): one command compares them
         if getattr(args, name, None) is not None:
             flat[name] = getattr(args, name)
     return EngineConfig.create(**flat)

@@ -14,23 +14,30 @@ class MethodSpec:
     ``impl`` is its :class:`magnetar.engine.strategy.ContextMethod` as ``"module:Class"``, imported lazily by the
     engine; ``distributed``: it spreads one context over the CP group (else it runs on one rank, cp_size 1);
     ``local_prefill``: its Phase 1 is causal attention over ``[prefix ‖ block]`` segments on each rank, which
-    LuKA's attention mass and sparse prefill build on.
+    LuKA's attention mass and sparse prefill build on. ``own_options``: config fields that only this method reads,
+    each with what it does (the config refuses them with another method; a command comparing several methods gives
+    them to this one alone).
     """
 
     impl: str
     distributed: bool
     local_prefill: bool
+    own_options: tuple[tuple[str, str], ...] = ()
 
 
 # The registry of Phase-1 methods: adding a method is its module in magnetar/methods/ plus one line here.
 METHODS: dict[str, MethodSpec] = {
     "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
     "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
-    "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True),
+    "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True,
+                       own_options=(("halo_size", "each block also sees the tokens just before it"),)),
     "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True),
     "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
 }
 DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)
+# option -> (the one method that reads it, what it does), from the registry's own_options
+METHOD_OPTIONS: dict[str, tuple[str, str]] = {opt: (name, what) for name, spec in METHODS.items()
+                                              for opt, what in spec.own_options}
 
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")

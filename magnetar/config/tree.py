@@ -12,7 +12,8 @@ from typing import Any, Optional
 from magnetar.config import checks
 from magnetar.config.checks import _check_types, _choice, _require, short_repr, _suggest
 from magnetar.config.files import _read_file
-from magnetar.config.registry import DECODE_SECTIONS, DISTRIBUTED_METHODS, LUKA_METHODS, METHODS, PREFILL_METHODS
+from magnetar.config.registry import (DECODE_SECTIONS, DISTRIBUTED_METHODS, LUKA_METHODS, METHOD_OPTIONS, METHODS,
+                                      PREFILL_METHODS)
 from magnetar.config.sections import (BlockConfig, DecodeConfig, EncodingSection, LukaConfig, ParallelConfig,
                                       PolicySection, PrefillConfig, PulsarConfig, RuntimeConfig, SparseConfig,
                                       StreamingConfig)
@@ -66,10 +67,11 @@ class EngineConfig:
             _require(self.luka.luka_mode == "none", "prefill_policy",
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
-        if self.blocks.halo_size:
-            _require(self.method == "star", "halo_size",
-                     f"the halo is a Star option (each block also sees the tokens just before it); use method star "
-                     f"or halo_size 0, not method {self.method!r}")
+        for option, (owner, what) in METHOD_OPTIONS.items():
+            if getattr(self, option):
+                _require(self.method == owner, option,
+                         f"{option} is a {owner.capitalize()} option ({what}); use method {owner} or {option} 0, "
+                         f"not method {self.method!r}")
         if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import METHODS, EngineConfig, add_cli_args
+from magnetar.config.registry import METHOD_OPTIONS
 from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
 from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
@@ -134,16 +135,19 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
 
 
 def base_config(args) -> EngineConfig:
-    """The engine options every method of the run shares (``--halo-size`` is Star's alone: see method_config)."""
+    """The engine options every method of the run shares (a method's own options, e.g. Star's ``--halo-size``, go
+    to that method alone: see method_config)."""
     flat = {k: v for k, v in vars(args).items() if k != "method"}
-    flat["halo_size"] = None
+    flat.update({option: None for option in METHOD_OPTIONS})
     return EngineConfig.from_cli(argparse.Namespace(**flat))
 
 
 def method_config(base: EngineConfig, args, method: str, cp: int) -> EngineConfig:
-    """``method``'s config of the run: ``cp`` ranks for the distributed methods (one for the others) and, for star,
-    the ``--halo-size`` -- so one command compares Star with a halo against the other methods."""
-    extra = {"halo_size": args.halo_size} if method == "star" and getattr(args, "halo_size", None) else {}
+    """``method``'s config of the run: ``cp`` ranks for the distributed methods (one for the others) and the
+    method's own options (:data:`magnetar.config.registry.METHOD_OPTIONS`: Star's ``--halo-size``) -- so one command
+    compares Star with a halo against the other methods."""
+    extra = {option: getattr(args, option) for option, (owner, _) in METHOD_OPTIONS.items()
+             if owner == method and getattr(args, option, None)}
     return base.replace(method=method, cp_size=cp if METHODS[method].distributed else 1, **extra)
 
 
@@ -557,9 +561,11 @@ def check_args(args) -> None:
         check_cp_size(args.cp, world, "--cp")
     base = base_config(args)
     cp = args.simulate_ranks or args.cp or world
-    if getattr(args, "halo_size", None) and "star" not in methods:
-        raise ValueError(f"--halo-size {args.halo_size} is a Star option: add star to --methods "
-                         f"(given {','.join(methods)}) or drop --halo-size")
+    for option, (owner, _) in METHOD_OPTIONS.items():
+        flag = "--" + option.replace("_", "-")
+        if getattr(args, option, None) and owner not in methods:
+            raise ValueError(f"{flag} {getattr(args, option)} is a {owner.capitalize()} option: add {owner} to "
+                             f"--methods (given {','.join(methods)}) or drop {flag}")
     for method in methods:  # every method's config must hold (e.g. LuKA needs a local Phase 1)
         method_config(base, args, method, cp)
     check_attention_backend(base)

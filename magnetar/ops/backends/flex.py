@@ -29,7 +29,8 @@ from magnetar.ops.call import FULL
 _FLEX = None  # (flex_attention, create_block_mask, AuxRequest or None) or an error string
 _COMPILED: dict[str, object] = {}
 # why the compiled kernel failed on this machine, per call signature (then auto skips flex for such calls only:
-# seen on an H100, the compiled kernel served llama / qwen3 / mistral and failed to lower for a windowed one-KV-head model)
+# seen on an H100, the compiled kernel served llama / qwen3 / mistral and failed to lower for a windowed
+# one-KV-head model)
 _BROKEN: dict[tuple, str] = {}
 
 
