@@ -13,15 +13,17 @@ A failing step records its error and the kit goes on.
    ``.whl/`` on a machine that reaches the registries) installed offline into ``.gpu-site/``
    (``pip install --no-index --no-deps --target``); skipped when they import already.
 2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
-   ``python -m magnetar.ops --json`` (which fused ops can build).
-3. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
-   ``gpu`` cases beside their CPU versions): counts, and each failure's first line.
+   ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
+3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
 4. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
    slowest rank; ring's ranks exchange KV every layer and are not simulated: its row says so): Phase-1 seconds per
    rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's prediction beside them.
 5. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
    the path) and with Quest decoding, at 64K.
+6. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
+   ``gpu`` cases beside their CPU versions), 40 s per test at most: counts, and each failure's first line. Last, so
+   that it takes what the budget leaves and the timed steps always run; cut short, it records what ran.
 
 ``--dry-run`` runs the same steps on CPU with a tiny dummy Llama at 1024 tokens (``pytest_gpu`` then collects
 tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`).
@@ -48,7 +50,7 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
-            limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=200, phase1=(60, 80, 130), sparse=70))
+            limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70))
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0, warmup_len=256,
            limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60,), sparse=60))
@@ -248,7 +250,7 @@ def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s:
             xml = Path(tmp) / "junit.xml"
             which = shape["pytest_args"] or ["-m", "gpu", *gpu_test_files()]
             cmd = [sys.executable, "-m", "pytest", *which, "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-                   f"--junitxml={xml}", "--timeout", str(per_test_s or 60)]
+                   f"--junitxml={xml}", "--timeout", str(per_test_s or 40)]
             if select:
                 cmd += ["-k", select]
             rc, out, err = kit.run(cmd, timeout)
@@ -435,7 +437,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="offline wheels (make gpu-wheels)")
     p.add_argument("--table", type=Path, default=None, metavar="FILE", help="print the tables of a report and exit")
     p.add_argument("--pytest-k", default=None, help="pytest_gpu: only the tests this -k expression selects")
-    p.add_argument("--pytest-timeout", type=int, default=None, help="pytest_gpu: seconds per test (default 60: "
+    p.add_argument("--pytest-timeout", type=int, default=None, help="pytest_gpu: seconds per test (default 40: "
                    "one hanging test must not take the step)")
     p.add_argument("--order", default=None, help="the steps' order (comma-separated name prefixes; the rest follow "
                    "in the default order)")
@@ -469,8 +471,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n = shape["sparse_len"]
     plan: list[tuple[str, Callable[[], Any]]] = [
         ("environment", lambda: step_environment(kit)),
-        ("ops_build", lambda: step_ops(kit)),
-        ("pytest_gpu", lambda: step_pytest(kit, shape, args.pytest_k, args.pytest_timeout))]
+        ("ops_build", lambda: step_ops(kit))]
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
         plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
             kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])))
@@ -480,6 +481,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan.append((f"quest_{_k(n)}", lambda: step_bench(
         kit, shape, f"quest_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
         ["--sparse-policy", "quest", "--sparse-budget", str(shape["quest_budget"])])))
+    # the tests last: they take what the budget leaves (a cut-short run still records what passed and failed), so
+    # that the measurements, which need a known time, always run
+    plan.append(("pytest_gpu", lambda: step_pytest(kit, shape, args.pytest_k, args.pytest_timeout)))
     if args.order:
         first = [w.strip() for w in args.order.split(",") if w.strip()]
         rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}

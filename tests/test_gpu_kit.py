@@ -36,8 +36,8 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < 120
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "pytest_gpu", "phase1_1K",
-                                  "sparse_prefill_1K", "quest_1K"]
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "phase1_1K", "sparse_prefill_1K",
+                                  "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
@@ -66,7 +66,7 @@ def test_check_report_names_what_is_wrong(dry_report):
     report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
     report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
     del report["steps"][2]["timeout_s"]
-    report["steps"][4]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
+    report["steps"][3]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
     problems = kit.check_report(report)
     assert any("no step 'quest'" in p for p in problems)
     assert any("failed without an error" in p for p in problems)
