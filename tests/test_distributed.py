@@ -124,15 +124,23 @@ def test_groups_cp2_dp2_on_four_ranks():
 
 
 def _timeout_worker(rank, world):
+    from magnetar.parallel.collectives import all_gather_objects
+
     groups = init_groups(world)
+    # objects of different sizes from each rank, in rank order (the engine's data-parallel answers travel so)
+    got = all_gather_objects({"rank": rank, "text": "x" * (rank * 1000 + 3)}, groups.cp_group, torch.device("cpu"),
+                             timeout=timedelta(seconds=30))
+    assert got == [{"rank": r, "text": "x" * (r * 1000 + 3)} for r in range(world)]
     if rank == 0:
+        with pytest.raises(TimeoutError, match="all_gather over 2 ranks"):  # its lengths first: their gather waits
+            all_gather_objects([1, 2], groups.cp_group, torch.device("cpu"), timeout=timedelta(seconds=2))
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="all_gather_states"):
             all_gather_states(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1), groups.cp_group,
                               timeout=timedelta(seconds=2))
         assert time.monotonic() - t0 < 30, "the timeout must end the wait"
     else:
-        time.sleep(4)  # never joins the collective
+        time.sleep(7)  # never joins the collectives
 
 
 def test_collective_times_out_instead_of_hanging():

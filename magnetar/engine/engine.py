@@ -26,7 +26,6 @@ from collections import OrderedDict
 from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from magnetar.config import REQUEST_OPTIONS, EngineConfig, PolicySection, short_repr
 from magnetar.engine import hf, inputs
@@ -43,7 +42,7 @@ from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
 from magnetar.ops.merge import prepare_merge
 from magnetar.parallel import ParallelGroups
-from magnetar.parallel.collectives import all_gather_ints
+from magnetar.parallel.collectives import all_gather_ints, all_gather_objects
 from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 Context = Union[str, torch.Tensor]
@@ -167,8 +166,7 @@ class Engine:
         results = self._generate_share(mine, params, return_logits) if mine else []
         if dp == 1:
             return results
-        shares = [None] * dp
-        dist.all_gather_object(shares, results, group=self.groups.dp_group)
+        shares = all_gather_objects(results, self.groups.dp_group, self.device, timeout=self.groups.timeout)
         return [shares[i % dp][i // dp] for i in range(len(requests))]
 
     def _generate_share(self, toks: list[tuple[torch.Tensor, torch.Tensor]], params: SamplingParams,

@@ -5,8 +5,9 @@ collective per layer, whatever the dtype of ``out`` (bf16 ``out`` is not inflate
 """
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,26 @@ def all_gather_ints(values: list[int], group: Optional[dist.ProcessGroup], devic
     work = _all_gather_flat(gathered, t, group=group, async_op=True)
     wait_all(work, timeout, f"metadata all_gather over {world} ranks")
     return gathered.view(world, -1).cpu()
+
+
+def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup], device, *, timeout=None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order: ``dist.all_gather_object`` with a timeout. The pickles
+    travel as bytes, padded to the longest (their lengths in :func:`all_gather_ints` first). The ranks of one job
+    trust each other's pickles, as ``all_gather_object`` does; nothing from outside the job is unpickled here."""
+    world = group_size(group)
+    if world == 1:
+        return [obj]
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = all_gather_ints([len(payload)], group, device, timeout=timeout)[:, 0].tolist()
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    work = _all_gather_flat(gathered, mine, group=group, async_op=True)
+    wait_all(work, timeout, f"object all_gather over {world} ranks")
+    rows = gathered.view(world, longest).cpu()
+    return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(world)]
 
 
 def all_gather_numbers(values: Sequence[float], group: Optional[dist.ProcessGroup], device, *,
