@@ -84,3 +84,32 @@ def test_one_eval_or_cost_command_gives_the_halo_to_star_alone():
     args.methods = "dense,pulsar"
     with pytest.raises(ValueError, match=r"--halo-size 200 is a Star option: add star to --methods"):
         check_args(args)
+
+
+def test_a_relative_halo_fits_every_context_length():
+    # issue 30's 4K run stopped when a 3948-token context's 987-token blocks were shorter than --halo-size 990: a
+    # halo given as a fraction of the block (halo_blocks) is the same setting at every length
+    cfg = EngineConfig.create(method="star", cp_size=3, anchor_size=3, halo_blocks=0.5)
+    seg = star_segment(cfg, [(0, 10), (10, 20), (20, 30)], 2)
+    assert seg.indices.tolist() == [0, 1, 2, 15, 16, 17, 18, 19] + list(range(20, 30))  # half of a 10-token block
+    model = tiny_model("llama", seed=3)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 256, (4,), generator=g)
+    for L in (150, 160):  # blocks of 38 and 40 tokens: a fixed halo of 40 is refused at 150, one block fits both
+        ctx = torch.randint(0, 256, (L,), generator=g)
+        one = _run(model, ctx, q, method="star", cp_size=4, anchor_size=8, halo_blocks=1.0)
+        block = -(-L // 4)
+        fixed = _run(model, ctx, q, method="star", cp_size=4, anchor_size=8, halo_size=block)
+        assert torch.equal(one.first_token_logits, fixed.first_token_logits), L
+    with pytest.raises(ValueError, match=r"halo_size \(40\) exceeds the block size \(38 tokens"):
+        _run(model, torch.randint(0, 256, (150,), generator=g), q, method="star", cp_size=4, halo_size=40)
+    with pytest.raises(ValueError, match=r"halo_blocks.*must be in \[0, 1\]"):
+        EngineConfig.create(method="star", halo_blocks=1.5)
+    with pytest.raises(ValueError, match="give halo_size .* or halo_blocks .*not both"):
+        EngineConfig.create(method="star", halo_size=10, halo_blocks=0.5)
+    with pytest.raises(ValueError, match="halo_blocks is a Star option"):
+        EngineConfig.create(method="pulsar", cp_size=2, halo_blocks=1.0)
+    from magnetar.methods.star import StarMethod
+
+    assert StarMethod().label_options(EngineConfig.create(method="star", anchor_size=8, halo_blocks=1.0)) == \
+        ["anchor 8", "halo 1 block"]

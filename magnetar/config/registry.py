@@ -30,7 +30,8 @@ METHODS: dict[str, MethodSpec] = {
     "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
     "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
     "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True,
-                       own_options=(("halo_size", "each block also sees the tokens just before it"),)),
+                       own_options=(("halo_size", "each block also sees the tokens just before it"),
+                                    ("halo_blocks", "each block also sees that fraction of a block before it"))),
     "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True),
     "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
 }

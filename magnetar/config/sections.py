@@ -59,6 +59,9 @@ class BlockConfig(EncodingSection):
     # star: every block but the first also sees the halo_size tokens just before it (at their own positions), with
     # the anchor (de-duplicated); 0: none (Star). At most the block size (checked per request)
     halo_size: int = 0
+    # star: the halo as a fraction of this request's block size (1: the whole block before it), so one setting fits
+    # every context length; 0: none. Give halo_size or halo_blocks, not both
+    halo_blocks: float = 0.0
 
     def __post_init__(self):
         _check_types(self)
@@ -66,6 +69,12 @@ class BlockConfig(EncodingSection):
         _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
                  f"must be >= 0, got {self.anchor_size}")
         _require(self.halo_size >= 0, "halo_size", f"must be >= 0 tokens (0: no halo), got {self.halo_size}")
+        _require(0.0 <= self.halo_blocks <= 1.0, "halo_blocks",
+                 f"must be in [0, 1] (a fraction of the block: 1 = the whole block before it; 0: no halo), got "
+                 f"{self.halo_blocks}")
+        _require(not (self.halo_size and self.halo_blocks), "halo_blocks",
+                 f"give halo_size (tokens, {self.halo_size}) or halo_blocks (a fraction of the block, "
+                 f"{self.halo_blocks}), not both")
 
 
 @dataclass(frozen=True, kw_only=True)

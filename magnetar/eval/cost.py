@@ -362,6 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in ("--block-size", "--anchor-size", "--halo-size", "--sink-size", "--chunk-size", "--window-size"):
         p.add_argument(name, type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)
+    p.add_argument("--halo-blocks", type=float, default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]

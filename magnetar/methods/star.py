@@ -4,6 +4,8 @@ block (the context's first ``anchor_size`` tokens, at their own positions); the 
 ``halo_size`` W (Magnetar's option, issue 30): the prefix also holds the W tokens just before the block, at their
 own positions -- what a block encoded alone misses most is the text it continues. The prefix is the sorted union
 of anchor and halo (each token once). W 0 is Star; a prefix reaching back to the context's start is dense Phase 1.
+``halo_blocks`` f gives W as a fraction of the request's block size (W = round(f x block), f <= 1), so one setting
+fits every context length, where a token count must be at most the shortest context's block.
 """
 from __future__ import annotations
 
@@ -32,13 +34,23 @@ class StarMethod(LocalMethod):
         b = config.blocks
         out = [f"block {b.block_size}"] if b.block_size is not None else []
         out += [f"anchor {b.anchor_size}"] if b.anchor_size is not None else []
-        return out + ([f"halo {b.halo_size}"] if b.halo_size else [])
+        out += [f"halo {b.halo_size}"] if b.halo_size else []
+        return out + ([f"halo {b.halo_blocks:g} block{'s' if b.halo_blocks != 1 else ''}"] if b.halo_blocks else [])
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L = int(context_ids.numel())
         bounds, mine = my_blocks(config, L, cp_rank)
         segments = [star_segment(config, bounds, i) for i in mine]
         return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=L)
+
+
+def halo_tokens(config: EngineConfig, bounds: list[tuple[int, int]]) -> int:
+    """The halo W in tokens for this request: ``halo_size``, or ``halo_blocks`` x the block size (the first
+    block's length, as the anchor's default)."""
+    b = config.blocks
+    if b.halo_blocks:
+        return round(b.halo_blocks * (bounds[0][1] - bounds[0][0]))
+    return b.halo_size
 
 
 def star_segment(config: EngineConfig, bounds: list[tuple[int, int]], i: int) -> Segment:
@@ -49,7 +61,7 @@ def star_segment(config: EngineConfig, bounds: list[tuple[int, int]], i: int) ->
     if anchor_size is None:
         anchor_size = bounds[0][1] - bounds[0][0]
     prefix = torch.arange(min(anchor_size, s))
-    halo = config.blocks.halo_size
+    halo = halo_tokens(config, bounds)
     if halo and s:
         prefix = torch.unique(torch.cat((prefix, torch.arange(max(0, s - halo), s))), sorted=True)
     idx = torch.cat((prefix, block))
