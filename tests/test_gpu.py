@@ -64,11 +64,15 @@ def _check_cuda(q, k, v, backend, msg="", **kw):
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("D", [16, 64, 128])
 def test_flash_attn_forward_and_lse(dtype, group, D, seeded):
-    # decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk): full and bottom-right causal masks
+    _check_flash_shapes("flash_attn", dtype, group, D, seeded)
+
+
+def _check_flash_shapes(backend, dtype, group, D, seeded):
+    """decode (Sq=1), prefill (Sq=Sk), chunked prefill (Sq<Sk): full and bottom-right causal masks, G = group."""
     for Sq, Sk in [(1, 37), (23, 23), (9, 40), (130, 300)]:
         q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
-        _check_cuda(q, k, v, "flash_attn", f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
-        _check_cuda(q, k, v, "flash_attn", f"non-causal Sq={Sq} Sk={Sk}", causal=False,
+        _check_cuda(q, k, v, backend, f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
+        _check_cuda(q, k, v, backend, f"non-causal Sq={Sq} Sk={Sk}", causal=False,
                     q_pos=torch.zeros(Sq, dtype=torch.long))
 
 
@@ -131,11 +135,7 @@ def test_flash_attn_refuses_what_it_cannot_express_and_auto_falls_through(seeded
 @pytest.mark.parametrize("D", [64, 128])
 def test_sdpa_flash_forward_and_lse(dtype, group, D, seeded):
     # decode (Sq=1: G folded into rows), prefill (Sq=Sk: is_causal), chunked prefill (Sq<Sk: prefix + square)
-    for Sq, Sk in [(1, 37), (23, 23), (9, 40), (130, 300)]:
-        q, k, v = random_qkv(2, 2 * group, 2, Sq, Sk, D, dtype, seeded)
-        _check_cuda(q, k, v, "sdpa_flash", f"causal Sq={Sq} Sk={Sk} G={group} D={D}")
-        _check_cuda(q, k, v, "sdpa_flash", f"non-causal Sq={Sq} Sk={Sk}", causal=False,
-                    q_pos=torch.zeros(Sq, dtype=torch.long))
+    _check_flash_shapes("sdpa_flash", dtype, group, D, seeded)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)

@@ -99,7 +99,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def has_tokenizer(name: str | os.PathLike) -> bool:
     """Whether ``dummy:<what>`` brings a tokenizer: a folder holding a tokenizer's files (presets have none)."""
-    folder, _ = _source(name)
+    return _tokenizer_folder(_source(name)[0])
+
+
+def _tokenizer_folder(folder: Optional[Path]) -> bool:
     return folder is not None and any((folder / f).is_file() for f in _TOKENIZER_FILES)
 
 
@@ -148,8 +151,6 @@ def build_dummy(name: str | os.PathLike, *, dtype: torch.dtype, device: str | to
     check_dtype_on(dtype, device)
     folder, _ = _source(name)
     config = dummy_config(name)
-    if getattr(config, "eos_token_id", None) is None:
-        config.eos_token_id = None
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -157,7 +158,7 @@ def build_dummy(name: str | os.PathLike, *, dtype: torch.dtype, device: str | to
     model.generation_config.eos_token_id = None  # random weights: decode always runs its max_new_tokens
     model.config.name_or_path = os.fsdecode(name)
     tokenizer = None
-    if has_tokenizer(name):
+    if _tokenizer_folder(folder):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

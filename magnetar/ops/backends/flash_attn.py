@@ -50,19 +50,26 @@ def _is_bottom_right(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return bool(torch.equal(k_pos, ref)) and bool(torch.equal(q_pos, ref[sk - sq :]))
 
 
+def flash_kernel_limits(q: torch.Tensor) -> list[str]:
+    """What a FlashAttention-2 kernel (this package's, or torch's own: ``sdpa_flash``) cannot take: non-CUDA tensors,
+    dtypes other than fp16/bf16, head dims not a multiple of 8 or above 256."""
+    reasons = []
+    if q.device.type != "cuda":
+        reasons.append(f"needs CUDA tensors, got {q.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"needs fp16/bf16, got {q.dtype}")
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        reasons.append(f"head dim {q.shape[-1]} must be a multiple of 8 and <= 256")
+    return reasons
+
+
 class FlashAttnBackend:
     name = "flash_attn"
     device_types = ("cuda",)
 
     def validate(self, call) -> list[str]:
-        reasons = []
         q = call.q
-        if q.device.type != "cuda":
-            reasons.append(f"needs CUDA tensors, got {q.device}")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"needs fp16/bf16, got {q.dtype}")
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            reasons.append(f"head dim {q.shape[-1]} must be a multiple of 8 and <= 256")
+        reasons = flash_kernel_limits(q)
         if reasons:
             return reasons  # don't import flash_attn for calls it could never serve
         fa = _load()

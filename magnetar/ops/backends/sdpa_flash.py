@@ -22,6 +22,7 @@ import torch
 
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
 from magnetar.ops.merge import merge_states_torch
+from magnetar.ops.backends.flash_attn import flash_kernel_limits
 from magnetar.ops.backends.reference import fold_gqa, unfold_gqa
 
 _BROKEN: list[str] = []  # why the kernel failed on this machine (then auto skips this backend)
@@ -57,12 +58,7 @@ class SdpaFlashBackend:
             reasons.append("turned off (MAGNETAR_SDPA_FLASH=0)")
         if _BROKEN:
             reasons.append(f"the kernel failed here: {_BROKEN[0]}")
-        if q.device.type != "cuda":
-            reasons.append(f"needs CUDA tensors, got {q.device}")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"needs fp16/bf16, got {q.dtype}")
-        if q.shape[-1] > 256 or q.shape[-1] % 8:
-            reasons.append(f"head dim {q.shape[-1]} must be a multiple of 8 and <= 256")
+        reasons += flash_kernel_limits(q)
         if call.mask_kind not in (FULL, CAUSAL_BOTTOM_RIGHT):
             reasons.append("a position mask (not full or bottom-right causal): flex serves it")
         elif call.mask_kind == CAUSAL_BOTTOM_RIGHT and q.shape[2] > call.k.shape[2]:
