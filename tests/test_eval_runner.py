@@ -219,6 +219,23 @@ def test_report_table_intervals_and_plots(tmp_path):
     assert table([]) == ""
 
 
+def test_report_keeps_cp_sizes_apart(tmp_path):
+    """Records of one method at two CP sizes in one folder (a frontier over cp) are two columns, not one pooled
+    column; a folder of one CP size keeps its labels as they are."""
+    from magnetar.eval.report import tag_cp_sizes
+
+    rows = [{"suite": "ruler", "task": "niah_single_1", "method": m, "label": m, "length": 4096, "index": i,
+             "cp_size": cp, "score": s} for m, cp, s in (("dense", 1, 1.0), ("star", 2, 1.0), ("star", 4, 0.0))
+            for i in range(2)]
+    assert [r["label"] for r in tag_cp_sizes(rows)] == ["dense"] * 2 + ["star, cp 2"] * 2 + ["star, cp 4"] * 2
+    one = [r for r in rows if r["cp_size"] != 2]
+    assert tag_cp_sizes(one) == one
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    md = write_report(tmp_path)
+    assert "star, cp 2" in md and "star, cp 4" in md and "| niah_single_1 | 100.0 ± 0.0 (n=2) | 100.0 ± 0.0 (n=2) " \
+        "| 0.0 ± 0.0 (n=2) |" in md
+
+
 def test_paired_average_delta():
     from magnetar.eval.report import paired_average_delta
 

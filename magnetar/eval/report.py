@@ -36,6 +36,16 @@ def label(row: dict) -> str:
     return row.get("label") or row["method"]
 
 
+def tag_cp_sizes(rows: list[dict]) -> list[dict]:
+    """``rows`` as the report reads them: where the context-parallel records (``cp_size`` > 1) hold more than one CP
+    size -- a frontier over cp 2 / 4 / 8 in one folder -- each such record's label gains ``, cp N`` so that the
+    sizes are not pooled into one column; a folder of one CP size keeps its labels."""
+    sizes = {r.get("cp_size") for r in rows if (r.get("cp_size") or 1) > 1}
+    if len(sizes) < 2:
+        return rows
+    return [dict(r, label=f"{label(r)}, cp {r['cp_size']}") if (r.get("cp_size") or 1) > 1 else r for r in rows]
+
+
 def _ordered_tasks(suite: str, tasks) -> list:
     """The suite's own task order (RULER's 13, easy -> very_hard, ...), unknown tasks after, by name."""
     from magnetar.eval.suite import get_suite
@@ -401,6 +411,7 @@ def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Seque
             and (samples is None or r.get("index", 0) < samples)]
     if not rows:
         raise SystemExit(f"no records of the tasks {list(tasks or [])} in {[str(d) for d in (out_dir, *also)]}")
+    rows = tag_cp_sizes(rows)
     md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
     compressed = compression_table(rows)
     md += ("\n" + compressed) if compressed else ""
