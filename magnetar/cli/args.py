@@ -118,7 +118,7 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     for name in ("block_size", "anchor_size", "halo_size", "halo_blocks", "sink_size", "chunk_size",
                  "summary_budget", "window_size", "attention_backend", "sparse_policy", "sparse_budget",
                  "prefill_policy", "prefill_indexer_path", "prefill_indexer_random_init"):
-        if name in METHOD_OPTIONS and METHOD_OPTIONS[name][0] != method:
+        if name in METHOD_OPTIONS and method not in METHOD_OPTIONS[name][0]:
             continue  # another method's own option (the config refuses it elsewhere): one command compares them
         if getattr(args, name, None) is not None:
             flat[name] = getattr(args, name)

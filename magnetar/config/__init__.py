@@ -3,7 +3,7 @@
     EngineConfig
       method          dense | ring | star | pulsar | streaming
       parallel        cp_size, tp_size, timeout_s, zigzag, simulate
-      blocks          block_size, anchor_size, halo_size/_blocks  (star, pulsar; halo: star)
+      blocks          block_size, anchor_size, halo_size/_blocks  (star, pulsar; anchor: star)
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size
       decode          temperature, top_k, top_p, seed

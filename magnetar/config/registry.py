@@ -14,9 +14,9 @@ class MethodSpec:
     ``impl`` is its :class:`magnetar.engine.strategy.ContextMethod` as ``"module:Class"``, imported lazily by the
     engine; ``distributed``: it spreads one context over the CP group (else it runs on one rank, cp_size 1);
     ``local_prefill``: its Phase 1 is causal attention over ``[prefix ‖ block]`` segments on each rank, which
-    LuKA's attention mass and sparse prefill build on. ``own_options``: config fields that only this method reads,
-    each with what it does (the config refuses them with another method; a command comparing several methods gives
-    them to this one alone).
+    LuKA's attention mass and sparse prefill build on. ``own_options``: config fields that only this method (and the
+    others that list them) reads, each with what it does (the config refuses them with any other method; a command
+    comparing several methods gives them to those alone).
     """
 
     impl: str
@@ -25,20 +25,24 @@ class MethodSpec:
     own_options: tuple[tuple[str, str], ...] = ()
 
 
+# The halo (issue 30): Star's and Pulsar's option, each block also sees the tokens just before it
+HALO_OPTIONS = (("halo_size", "each block also sees the tokens just before it"),
+                ("halo_blocks", "each block also sees that fraction of a block before it"))
 # The registry of Phase-1 methods: adding a method is its module in magnetar/methods/ plus one line here.
 METHODS: dict[str, MethodSpec] = {
     "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
     "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
     "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True,
-                       own_options=(("halo_size", "each block also sees the tokens just before it"),
-                                    ("halo_blocks", "each block also sees that fraction of a block before it"))),
-    "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True),
+                       own_options=HALO_OPTIONS),
+    "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True,
+                         own_options=HALO_OPTIONS),
     "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
 }
 DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)
-# option -> (the one method that reads it, what it does), from the registry's own_options
-METHOD_OPTIONS: dict[str, tuple[str, str]] = {opt: (name, what) for name, spec in METHODS.items()
-                                              for opt, what in spec.own_options}
+# option -> (the methods that read it, in registry order; what it does), from the registry's own_options
+METHOD_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    opt: (tuple(n for n, sp in METHODS.items() if opt in dict(sp.own_options)), what)
+    for spec in METHODS.values() for opt, what in spec.own_options}
 
 SCORERS = ("max_idf", "tfidf", "bm25", "entropy", "even")
 POSITION_MODES = ("sparse", "contiguous")

@@ -56,11 +56,11 @@ class ParallelConfig:
 class BlockConfig(EncodingSection):
     block_size: Optional[int] = None  # tokens per context block; default: context length / cp_size (one block per rank)
     anchor_size: Optional[int] = None  # star: anchor tokens prefixed to every block but the first; default = block_size
-    # star: every block but the first also sees the halo_size tokens just before it (at their own positions), with
-    # the anchor (de-duplicated); 0: none (Star). At most the block size (checked per request)
+    # star, pulsar: every block but the first also sees the halo_size tokens just before it (at their own positions),
+    # with the anchor / the sink and summaries (de-duplicated); 0: none. At most the block size (checked per request)
     halo_size: int = 0
-    # star: the halo as a fraction of this request's block size (1: the whole block before it), so one setting fits
-    # every context length; 0: none. Give halo_size or halo_blocks, not both
+    # star, pulsar: the halo as a fraction of this request's block size (1: the whole block before it), so one
+    # setting fits every context length; 0: none. Give halo_size or halo_blocks, not both
     halo_blocks: float = 0.0
 
     def __post_init__(self):

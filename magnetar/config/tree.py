@@ -67,11 +67,11 @@ class EngineConfig:
             _require(self.luka.luka_mode == "none", "prefill_policy",
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
-        for option, (owner, what) in METHOD_OPTIONS.items():
+        for option, (owners, what) in METHOD_OPTIONS.items():
             if getattr(self, option):
-                _require(self.method == owner, option,
-                         f"{option} is a {owner.capitalize()} option ({what}); use method {owner} or {option} 0, "
-                         f"not method {self.method!r}")
+                _require(self.method in owners, option,
+                         f"{option} is an option of {' / '.join(owners)} ({what}); use method "
+                         f"{' or '.join(owners)}, or {option} 0, not method {self.method!r}")
         if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "

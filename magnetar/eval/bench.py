@@ -106,9 +106,10 @@ def parse_args(argv):
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--anchor-size", type=int, default=None)
-    p.add_argument("--halo-size", type=int, default=None, help="star: each block also sees this many tokens before it")
+    p.add_argument("--halo-size", type=int, default=None,
+                   help="star, pulsar: each block also sees this many tokens before it")
     p.add_argument("--halo-blocks", type=float, default=None,
-                   help="star: the halo as a fraction of the block (1: the whole block before it)")
+                   help="star, pulsar: the halo as a fraction of the block (1: the whole block before it)")
     p.add_argument("--sink-size", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)

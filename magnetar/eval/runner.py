@@ -136,7 +136,7 @@ def fitted_sample(suite: str, task: str, tokenizer, length: int, index: int, see
 
 def base_config(args) -> EngineConfig:
     """The engine options every method of the run shares (a method's own options, e.g. Star's ``--halo-size``, go
-    to that method alone: see method_config)."""
+    to the methods that read it alone: see method_config)."""
     flat = {k: v for k, v in vars(args).items() if k != "method"}
     flat.update({option: None for option in METHOD_OPTIONS})
     return EngineConfig.from_cli(argparse.Namespace(**flat))
@@ -144,10 +144,10 @@ def base_config(args) -> EngineConfig:
 
 def method_config(base: EngineConfig, args, method: str, cp: int) -> EngineConfig:
     """``method``'s config of the run: ``cp`` ranks for the distributed methods (one for the others) and the
-    method's own options (:data:`magnetar.config.registry.METHOD_OPTIONS`: Star's ``--halo-size``) -- so one command
-    compares Star with a halo against the other methods."""
-    extra = {option: getattr(args, option) for option, (owner, _) in METHOD_OPTIONS.items()
-             if owner == method and getattr(args, option, None)}
+    method's own options (:data:`magnetar.config.registry.METHOD_OPTIONS`: Star's and Pulsar's ``--halo-size``) -- so
+    one command compares Star with a halo against the other methods."""
+    extra = {option: getattr(args, option) for option, (owners, _) in METHOD_OPTIONS.items()
+             if method in owners and getattr(args, option, None)}
     return base.replace(method=method, cp_size=cp if METHODS[method].distributed else 1, **extra)
 
 
@@ -562,11 +562,11 @@ def check_args(args) -> None:
         check_cp_size(args.cp, world, "--cp")
     base = base_config(args)
     cp = args.simulate_ranks or args.cp or world
-    for option, (owner, _) in METHOD_OPTIONS.items():
+    for option, (owners, _) in METHOD_OPTIONS.items():
         flag = "--" + option.replace("_", "-")
-        if getattr(args, option, None) and owner not in methods:
-            raise ValueError(f"{flag} {getattr(args, option)} is a {owner.capitalize()} option: add {owner} to "
-                             f"--methods (given {','.join(methods)}) or drop {flag}")
+        if getattr(args, option, None) and not set(owners) & set(methods):
+            raise ValueError(f"{flag} {getattr(args, option)} is an option of {' / '.join(owners)}: add "
+                             f"{' or '.join(owners)} to --methods (given {','.join(methods)}) or drop {flag}")
     for method in methods:  # every method's config must hold (e.g. LuKA needs a local Phase 1)
         method_config(base, args, method, cp)
     check_attention_backend(base)

@@ -1,5 +1,8 @@
 """Pulsar Attention's Phase 1: ``[sink ‖ Σ_0 … Σ_{i-1} ‖ B_i]`` for every block i of this rank.
 
+With a halo (``halo_size`` / ``halo_blocks``, Magnetar's option as Star's, issue 30) the prefix also holds the
+tokens just before the block: ``[sink ∪ Σ_0 … Σ_{i-1} ∪ halo ‖ B_i]``, each token once.
+
 The selection (IDF table of Eq. 2, chunk scores, top-k chunks, de-duplicated prefix, positions and the query
 offset of App. E) is :func:`magnetar.methods.summaries.plan_pulsar`, computed identically on every rank from
 the token ids alone (no communication). This module only turns this rank's blocks into segments: the
@@ -12,6 +15,7 @@ import torch
 from magnetar.config import EngineConfig, PulsarConfig
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks
 from magnetar.methods.local import LocalMethod
+from magnetar.methods.star import halo_label, halo_problems, halo_tokens
 from magnetar.methods.summaries import plan_pulsar
 
 
@@ -19,7 +23,7 @@ class PulsarMethod(LocalMethod):
     name = "pulsar"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return covers_ranks(config, context_len)
+        return covers_ranks(config, context_len) or halo_problems(config, context_len)
 
     def label_options(self, config: EngineConfig) -> list[str]:
         """The block size when set, then every Pulsar option that differs from its default."""
@@ -32,7 +36,7 @@ class PulsarMethod(LocalMethod):
         for name in ("sink_size", "chunk_size", "positions", "discard_summary_kv"):
             if getattr(p, name) != getattr(d, name):
                 out.append(f"{name} {getattr(p, name)}")
-        return out
+        return out + halo_label(config)
 
     def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]:
         if with_ids:
@@ -56,7 +60,8 @@ def pulsar_plan(config: EngineConfig, context_ids, context_len: int, cp_rank: in
     pc = config.pulsar
     bounds, mine = my_blocks(config, context_len, cp_rank)
     plan = plan_pulsar(context_ids, bounds, chunk_size=pc.chunk_size, budget=pc.summary_budget, scorer=pc.scorer,
-                       sink_size=pc.sink_size, position_mode=pc.positions, context_len=context_len)
+                       sink_size=pc.sink_size, position_mode=pc.positions, context_len=context_len,
+                       halo=halo_tokens(config, bounds))
     segments = []
     for i in mine:
         blk = plan.blocks[i]

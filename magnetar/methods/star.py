@@ -20,28 +20,38 @@ class StarMethod(LocalMethod):
     name = "star"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        reasons = covers_ranks(config, context_len)
-        halo = config.blocks.halo_size
-        if halo and not reasons:
-            block = resolve_block_size(config, context_len)
-            if halo > block:
-                reasons.append(f"halo_size ({halo}) exceeds the block size ({block} tokens for this "
-                               f"{context_len}-token context): lower --halo-size to at most {block} (a longer "
-                               f"reach is the anchor's job: --anchor-size)")
-        return reasons
+        return covers_ranks(config, context_len) or halo_problems(config, context_len)
 
     def label_options(self, config: EngineConfig) -> list[str]:
         b = config.blocks
         out = [f"block {b.block_size}"] if b.block_size is not None else []
         out += [f"anchor {b.anchor_size}"] if b.anchor_size is not None else []
-        out += [f"halo {b.halo_size}"] if b.halo_size else []
-        return out + ([f"halo {b.halo_blocks:g} block{'s' if b.halo_blocks != 1 else ''}"] if b.halo_blocks else [])
+        return out + halo_label(config)
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L = int(context_ids.numel())
         bounds, mine = my_blocks(config, L, cp_rank)
         segments = [star_segment(config, bounds, i) for i in mine]
         return RankPlan(cp_rank, [bounds[i] for i in mine], segments, query_position=L)
+
+
+def halo_problems(config: EngineConfig, context_len: int) -> list[str]:
+    """Why this request's halo cannot apply (Star's and Pulsar's check): a fixed ``halo_size`` longer than a block."""
+    halo = config.blocks.halo_size
+    if halo:
+        block = resolve_block_size(config, context_len)
+        if halo > block:
+            return [f"halo_size ({halo}) exceeds the block size ({block} tokens for this {context_len}-token "
+                    f"context): lower --halo-size to at most {block}, or give it relative to the block with "
+                    f"--halo-blocks (a longer reach is the anchor's or the summaries' job)"]
+    return []
+
+
+def halo_label(config: EngineConfig) -> list[str]:
+    """The halo's part of a run's label (``halo 500``, ``halo 1 block``; nothing without a halo)."""
+    b = config.blocks
+    out = [f"halo {b.halo_size}"] if b.halo_size else []
+    return out + ([f"halo {b.halo_blocks:g} block{'s' if b.halo_blocks != 1 else ''}"] if b.halo_blocks else [])
 
 
 def halo_tokens(config: EngineConfig, bounds: list[tuple[int, int]]) -> int:

@@ -314,7 +314,7 @@ def sink_indices(block0_len: int, sink_size: int = DEFAULT_SINK_SIZE) -> torch.L
 
 
 def pulsar_prefix(context_len: int, block_bounds: Union[Sequence[Tuple[int, int]], int], block_index: int,
-                  summaries: Sequence, sink_size: int = DEFAULT_SINK_SIZE) -> torch.LongTensor:
+                  summaries: Sequence, sink_size: int = DEFAULT_SINK_SIZE, halo: int = 0) -> torch.LongTensor:
     """Global indices of ``[S_sink || Sigma_0 || ... || Sigma_{i-1}]`` for block ``i`` (Eq. 3), each once.
 
     ``summaries[j]``: the *global* indices of ``Sigma_j`` (``select_summary(B_j, ...) + start_j``), for at least
@@ -323,11 +323,17 @@ def pulsar_prefix(context_len: int, block_bounds: Union[Sequence[Tuple[int, int]
     position). Since the sink opens ``B_0`` and each ``Sigma_j`` lies in ``B_j``, ascending order *is* Eq. 3's
     concatenation order minus repeats. With every earlier token selected (``budget = 1.0``) this is exactly
     ``arange(start_i)``; block 0 is encoded alone (empty prefix).
+
+    ``halo`` W (Magnetar's option, issue 30, as Star's): the prefix also holds the W tokens just before block
+    ``i``, ``[start_i - W, start_i)``, each token once with the sink and the summaries.
     """
     bounds = _bounds(block_bounds, context_len)
     if block_index == 0:
         return torch.zeros(0, dtype=torch.long)
     parts = [sink_indices(bounds[0][1], sink_size)] + [_ids(summaries[j]) for j in range(block_index)]
+    start = bounds[block_index][0]
+    if halo:
+        parts.append(torch.arange(max(0, start - halo), start, dtype=torch.long))
     return torch.unique(torch.cat(parts), sorted=True)
 
 
@@ -423,13 +429,14 @@ class PulsarPlan:
 def plan_pulsar(context_ids, block_bounds: Union[Sequence[Tuple[int, int]], int], *,
                 chunk_size: int = DEFAULT_CHUNK_SIZE, budget: float = DEFAULT_BUDGET, scorer: str = DEFAULT_SCORER,
                 sink_size: int = DEFAULT_SINK_SIZE, position_mode: str = DEFAULT_POSITION_MODE,
-                vocab_size: Optional[int] = None, context_len: Optional[int] = None) -> PulsarPlan:
+                vocab_size: Optional[int] = None, context_len: Optional[int] = None, halo: int = 0) -> PulsarPlan:
     """Algorithm 1 lines 3-6 for every block: IDF table, summaries, prefixes, positions, query start.
 
     ``block_bounds`` is a list of ``(start, end)`` pairs or an int block size. Every rank can call this with
     the whole context's ids and read its own blocks' entries; the result is identical everywhere. Without token
     ids (``context_ids=None``, give ``context_len``: the cost model) the summaries are placed to give the largest
-    prefix (Eq. 4's upper bound); ``even`` depends on the length alone and is exact either way.
+    prefix (Eq. 4's upper bound); ``even`` depends on the length alone and is exact either way. ``halo``: see
+    :func:`pulsar_prefix`.
     """
     ids = None if context_ids is None else _ids(context_ids)
     L = int(ids.numel()) if ids is not None else int(context_len)
@@ -445,7 +452,7 @@ def plan_pulsar(context_ids, block_bounds: Union[Sequence[Tuple[int, int]], int]
     summaries = tuple(sel + s for sel, (s, _) in zip(local, bounds))
     blocks = []
     for i, (s, e) in enumerate(bounds):
-        prefix = pulsar_prefix(L, bounds, i, summaries, sink_size)
+        prefix = pulsar_prefix(L, bounds, i, summaries, sink_size, halo)
         ppos, bpos = prefix_positions(prefix, s, e - s, mode=position_mode)
         blocks.append(BlockPlan(index=i, start=s, end=e, prefix=prefix, prefix_pos=ppos, block_pos=bpos))
     qstart = query_start_position(L, [blk.assembled_len for blk in blocks], mode=position_mode)
