@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -174,6 +177,33 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_path))
+
+
+# The CPU ops JIT-built in the background while the first tests run (a fresh clone builds three, ~1.5 min of one
+# core): the tests that need one find it built, or wait on the build's lock (magnetar.ops.jit) as they would for
+# any other process's build. One make-job, so the other core stays the tests'. MAGNETAR_TEST_PREBUILD=0: off.
+_PREBUILD = """
+from magnetar.ops import fused_merge
+from magnetar.prefill.oracle import SPARSE_ATTENTION_OP
+from magnetar.sparse.codes import HAMMING_OP
+for op in (fused_merge._op, HAMMING_OP, SPARSE_ATTENTION_OP):
+    op.available("cpu")
+"""
+_PREBUILD_KEY = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("MAGNETAR_TEST_PREBUILD", "1") != "0" and not session.config.option.collectonly:
+        session.config.stash[_PREBUILD_KEY] = subprocess.Popen(
+            [sys.executable, "-c", _PREBUILD], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, MAX_JOBS="1", OMP_NUM_THREADS="1"), start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    proc = session.config.stash.get(_PREBUILD_KEY, None)
+    if proc is not None and proc.poll() is None:  # a short run (-k) ends before the builds: they stop with it
+        os.killpg(proc.pid, signal.SIGKILL)  # the compiler under it too (a cut build is redone on its next load)
+        proc.wait()
 
 
 def pytest_configure(config):

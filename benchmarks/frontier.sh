@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 30's frontier: fidelity against dense (--suite fidelity) for each configuration, beside its Phase-1 cost,
+# per CP size and model. Each part adds its option sets to one folder (dense's answers are computed once per item
+# and reused), resumes where it stopped, and rewrites the folder's report.md and fidelity_vs_phase1.png:
+#
+#   benchmarks/frontier.sh fid4k_halo   # SmolLM2, 4 ranks, 4K: the relative halo at anchor 300 (26 items)
+#   benchmarks/frontier.sh pulsar_halo  # SmolLM2, 4 ranks, 4K: Pulsar with a halo of one block (13 items)
+#   benchmarks/frontier.sh fid8k_halo   # SmolLM2, 4 ranks, 8K: the relative halo at anchors 700 and 1000
+#   benchmarks/frontier.sh cp2          # SmolLM2, 2 ranks, 4K: Star/Pulsar/halo at half of dense's Phase 1
+#   benchmarks/frontier.sh cp8          # SmolLM2, 8 ranks, 4K
+#   benchmarks/frontier.sh gemma16k     # Gemma-3-270M, 4 ranks, 16K
+#
+# One process (its 2 threads on this VM) stands in for the CP ranks (--simulate-ranks), one item at a time.
+# Each option set's cost by the cost model (`python -m magnetar.eval.cost`, the items' own token ids) lands in
+# the records (phase1_flops_vs_dense); the settings below are chosen at or under 0.5 x dense's (docs/results.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MAGNETAR_DISABLE_DS_SHM=1
+BIN=${BIN:-.venv/bin}
+NIAH=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery
+
+fid() {  # fid OUT CP SAMPLES LENGTH [flags...]: one option set's fidelity records
+  local out=$1 cp=$2 samples=$3 length=$4
+  shift 4
+  "$BIN/python" -m magnetar.eval --suite fidelity --simulate-ranks "$cp" --samples "$samples" --lengths "$length" \
+    --out "$out" "$@"
+}
+
+report() { "$BIN/python" -m magnetar.eval --report --report-samples "$2" --out "$1" > /dev/null; }
+
+resume_from_docs() {  # start from the records committed in docs/results/<name>
+  if [ ! -d "runs/$1" ] && compgen -G "docs/results/$1/results*.jsonl" > /dev/null; then
+    mkdir -p "runs/$1" && cp docs/results/"$1"/results*.jsonl "runs/$1/"
+  fi
+}
+
+case "${1:-}" in
+  fid4k_halo)
+    resume_from_docs fid4k
+    fid runs/fid4k 4 2 4k --methods star --anchor-size 300 --halo-blocks 1
+    report runs/fid4k 2 ;;
+  pulsar_halo)
+    resume_from_docs fid4k
+    fid runs/fid4k 4 1 4k --methods pulsar --halo-blocks 1
+    fid runs/fid4k 4 1 4k --methods pulsar --halo-blocks 1 --sink-size 256 --summary-budget 0.0625
+    report runs/fid4k 1 ;;
+  fid8k_halo)
+    resume_from_docs fid8k
+    for anchor in 700 1000; do
+      fid runs/fid8k 4 1 8k --tasks "$NIAH" --methods star --anchor-size "$anchor" --halo-blocks 1
+    done
+    report runs/fid8k 1 ;;
+  cp2)  # at 2 ranks Star's default anchor (one block) makes the last rank dense: exact, at dense's cost
+    resume_from_docs fid4k
+    fid runs/fid4k 2 1 4k --methods pulsar
+    fid runs/fid4k 2 1 4k --methods star --anchor-size 360
+    fid runs/fid4k 2 1 4k --methods star --anchor-size 64 --halo-blocks 0.15
+    report runs/fid4k 1 ;;
+  cp8)
+    resume_from_docs fid4k
+    fid runs/fid4k 8 1 4k --methods star,pulsar
+    fid runs/fid4k 8 1 4k --methods star --anchor-size 400 --halo-blocks 1
+    fid runs/fid4k 8 1 4k --methods star --anchor-size 1000 --halo-blocks 1
+    report runs/fid4k 1 ;;
+  gemma16k)  # Gemma-3-270M (base; 5 of 6 layers see a 512-token window): the 8 NIAH tasks, one item each
+    resume_from_docs fid16k_gemma
+    fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$NIAH" --methods star,pulsar
+    fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$NIAH" --methods star --anchor-size 1000 \
+      --halo-blocks 1
+    report runs/fid16k_gemma 1 ;;
+  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k)" >&2; exit 2 ;;
+esac
