@@ -224,7 +224,13 @@ def figure(rows: list[dict]):
     lengths = sorted({length for length, _ in cells})
     xs = [("phase1_critical_path_s", "Phase-1 critical path (s, measured)"),
           ("phase1_flops_vs_dense", "Phase-1 critical path / dense's (cost model)")]
-    fig, axes = plt.subplots(2, len(lengths), figsize=(5.5 * len(lengths), 8), squeeze=False)
+    # each configuration is a number beside its point and a line of the key at the right: a frontier of many
+    # option sets would bury the points under their labels
+    number = {lab: i + 1 for i, lab in enumerate(sorted({lab for _, lab in cells}))}
+    fig = plt.figure(figsize=(5.5 * len(lengths) + 4.5, 8))
+    grid = fig.add_gridspec(2, len(lengths) + 1, width_ratios=[5.5] * len(lengths) + [4.5])
+    axes = [[fig.add_subplot(grid[row, col]) for col in range(len(lengths))] for row in range(2)]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for col, length in enumerate(lengths):
         for row, (field, xlabel) in enumerate(xs):
             ax = axes[row][col]
@@ -236,10 +242,16 @@ def figure(rows: list[dict]):
                 x = sum(r[field] for r in rs) / len(rs)
                 # KL >= 0: the interval's lower end is cut at 0 (a linear axis: an interval reaching 0 would
                 # stretch a log axis over decades no method is near)
-                ax.errorbar([x], [m], yerr=[[min(h, m)], [h]], fmt="o", capsize=3)
-                ax.annotate(f"{lab} (n={len(rs)})", (x, m), fontsize=7, xytext=(4, 4), textcoords="offset points")
+                ax.errorbar([x], [m], yerr=[[min(h, m)], [h]], fmt="o", capsize=3,
+                            color=colors[(number[lab] - 1) % len(colors)])
+                ax.annotate(str(number[lab]), (x, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
             ax.set_ylim(bottom=0)
             ax.set(xlabel=xlabel, ylabel="mean KL(dense ‖ method), nats, 95 % interval",
                    title=f"fidelity vs Phase-1 cost, {length // 1024}K" if length else "fidelity vs Phase-1 cost")
             ax.grid(alpha=0.3)
+    counts = {lab: max(len(items) for (_, lb), items in cells.items() if lb == lab) for lab in number}
+    key = "\n".join(f"{i:>2}  {lab} (n={counts[lab]})" for lab, i in number.items())
+    key_ax = fig.add_subplot(grid[:, len(lengths)])
+    key_ax.axis("off")
+    key_ax.text(0, 0.5, key, fontsize=7, va="center", family="monospace", transform=key_ax.transAxes)
     return fig
