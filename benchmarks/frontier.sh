@@ -62,11 +62,14 @@ case "${1:-}" in
     fid runs/fid4k 8 1 4k --methods star --anchor-size 400 --halo-blocks 1
     fid runs/fid4k 8 1 4k --methods star --anchor-size 1000 --halo-blocks 1
     report runs/fid4k 1 ;;
-  gemma16k)  # Gemma-3-270M (base; 5 of 6 layers see a 512-token window): the 8 NIAH tasks, one item each
+  gemma16k)  # Gemma-3-270M (base; 5 of 6 layers see a 512-token window): the 8 NIAH tasks, one item each, task by
+    # task with every option set (a run cut short leaves whole rows); ~5-6 min per task on the 2-core VM
     resume_from_docs fid16k_gemma
-    fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$NIAH" --methods star,pulsar
-    fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$NIAH" --methods star --anchor-size 1000 \
-      --halo-blocks 1
+    for task in ${NIAH//,/ }; do
+      fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$task" --methods star,pulsar
+      fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$task" --methods star --anchor-size 1000 \
+        --halo-blocks 1
+    done
     report runs/fid16k_gemma 1 ;;
   *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k)" >&2; exit 2 ;;
 esac
