@@ -17,6 +17,7 @@ from itertools import combinations
 from pathlib import Path
 
 from magnetar.eval.fidelity import items_to_separate, t_interval
+from magnetar.eval.report import label, tag_cp_sizes
 from magnetar.eval.results import load
 
 
@@ -34,7 +35,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     fid = [r for r in load(Path(args.fidelity)) if r.get("suite") == "fidelity"]
     acc = [r for r in load(Path(args.accuracy)) if r.get("score") is not None]
-    label = lambda r: r.get("label") or r["method"]  # noqa: E731
+    # labelled as the report labels them: a fidelity folder holding several CP sizes (the frontier) names each
+    # record's, so that a 4-rank accuracy record pairs with the 4-rank fidelity record, not the last one read
+    tagged = tag_cp_sizes(fid + acc)
+    fid, acc = tagged[:len(fid)], tagged[len(fid):]
     kl = {(label(r), r["length"], r["task"], r["index"]): r["kl"] for r in fid}
     score = {(label(r), r["length"], r["task"], r["index"]): r["score"] for r in acc}
     summary = []

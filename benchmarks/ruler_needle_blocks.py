@@ -41,12 +41,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoTokenizer
 
-    from magnetar.eval.report import label, load
+    from magnetar.eval.report import label, load, tag_cp_sizes
     from magnetar.eval.runner import fitted_sample
     from magnetar.models.prepare import model_path
 
-    rows = [r for d in args.runs for r in load(Path(d))
-            if r.get("suite") == "ruler" and str(r.get("task", "")).startswith("niah") and r.get("score") is not None]
+    rows = tag_cp_sizes([r for d in args.runs for r in load(Path(d)) if r.get("suite") == "ruler"
+                         and str(r.get("task", "")).startswith("niah") and r.get("score") is not None])
     if not rows:
         raise SystemExit(f"no RULER-style NIAH records in {args.runs}")
     path = str(model_path(args.model))  # the tokenizer and the positions are needed, not the weights
