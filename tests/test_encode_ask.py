@@ -26,6 +26,9 @@ VARIANTS = [  # (label, engine fields)
                           page_size=8)),
     ("star with a halo + quest", dict(method="star", cp_size=4, block_size=24, anchor_size=4, halo_size=12,
                                       sparse_policy="quest", sparse_budget=24, page_size=8)),
+    ("star, hybrid layers + LuKA clustered", dict(method="star", cp_size=2, anchor_size=8, exact_layers="0",
+                                                  luka_mode="clustered", luka_page_size=8, luka_recent=8,
+                                                  luka_refine_k=2, luka_compress_every=2)),
     ("star + LuKA clustered", dict(method="star", cp_size=2, block_size=24, luka_mode="clustered", luka_page_size=8,
                                    luka_recent=8, luka_refine_k=2, luka_compress_every=2)),
 ]
@@ -81,7 +84,8 @@ def test_questions_on_one_handle_simulated(label, flat):
 def _two_rank_worker(rank, world):
     model = tiny_model("qwen3", seed=3)
     for label, flat in VARIANTS:
-        if flat.get("cp_size", 1) > 1 and label in ("ring", "pulsar", "star + LuKA clustered"):
+        if flat.get("cp_size", 1) > 1 and label in ("ring", "pulsar", "star + LuKA clustered",
+                                                            "star, hybrid layers + LuKA clustered"):
             _questions_on_one_handle(model, flat, f"[rank {rank}] {label}")
 
 

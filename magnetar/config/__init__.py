@@ -3,7 +3,7 @@
     EngineConfig
       method          dense | ring | star | pulsar | streaming
       parallel        cp_size, tp_size, timeout_s, zigzag, simulate
-      blocks          block_size, anchor_size, halo_size/_blocks  (star, pulsar; anchor: star)
+      blocks          block_size, anchor_size, halo_size/_blocks, exact_layers  (star, pulsar; anchor: star)
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size
       decode          temperature, top_k, top_p, seed
@@ -41,7 +41,7 @@ from magnetar.config.registry import (DECODE_SECTIONS, DISTRIBUTED_METHODS, DTYP
 from magnetar.config.sections import (PAPER_SCHEDULE, SPARSE_DEFAULT_SINKS_WINDOW, BlockConfig, DecodeConfig,
                                       EncodingSection, LukaConfig, ParallelConfig, PolicySection, PrefillConfig,
                                       PulsarConfig, RuntimeConfig, Schedule, SparseConfig, StreamingConfig,
-                                      budget_for_length, parse_schedule)
+                                      budget_for_length, parse_exact_layers, parse_schedule)
 from magnetar.config.tree import FLAT_FIELDS, REQUEST_OPTIONS, SECTIONS, EngineConfig
 
 __all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "REQUEST_OPTIONS", "add_cli_args", "MethodSpec", "METHODS",
@@ -51,4 +51,5 @@ __all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "REQUEST_OPTIONS", "add_cl
            "LUKA_REFINE_SCOPE", "LUKA_REGIMES", "PREFILL_D_IDX", "ParallelConfig", "BlockConfig",
            "PulsarConfig", "StreamingConfig", "DecodeConfig", "RuntimeConfig", "SparseConfig", "LukaConfig",
            "PrefillConfig", "Schedule", "PAPER_SCHEDULE", "SPARSE_DEFAULT_SINKS_WINDOW", "parse_schedule",
-           "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES", "short_repr"]
+           "parse_exact_layers", "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES",
+           "short_repr"]

@@ -28,14 +28,16 @@ class MethodSpec:
 # The halo (issue 30): Star's and Pulsar's option, each block also sees the tokens just before it
 HALO_OPTIONS = (("halo_size", "each block also sees the tokens just before it"),
                 ("halo_blocks", "each block also sees that fraction of a block before it"))
+# Hybrid layers (issue 30): Star's and Pulsar's option, exact attention over every earlier block in chosen layers
+EXACT_OPTIONS = (("exact_layers", "these layers attend exactly to every earlier block (KV exchanged as ring's)"),)
 # The registry of Phase-1 methods: adding a method is its module in magnetar/methods/ plus one line here.
 METHODS: dict[str, MethodSpec] = {
     "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
     "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
     "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True,
-                       own_options=HALO_OPTIONS),
+                       own_options=HALO_OPTIONS + EXACT_OPTIONS),
     "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True,
-                         own_options=HALO_OPTIONS),
+                         own_options=HALO_OPTIONS + EXACT_OPTIONS),
     "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
 }
 DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)

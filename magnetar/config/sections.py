@@ -62,9 +62,14 @@ class BlockConfig(EncodingSection):
     # star, pulsar: the halo as a fraction of this request's block size (1: the whole block before it), so one
     # setting fits every context length; 0: none. Give halo_size or halo_blocks, not both
     halo_blocks: float = 0.0
+    # star, pulsar (hybrid layers): these layers' Phase-1 attention is exact -- every block also attends to the KV of
+    # every earlier block, exchanged over the CP group as ring attention does -- the others are the method's own.
+    # "" none; "all"; "every:K" (layers 0, K, 2K, ...); or layer indices and ranges, "0,8,16" / "0-3,29"
+    exact_layers: str = ""
 
     def __post_init__(self):
         _check_types(self)
+        parse_exact_layers(self.exact_layers)  # the syntax now; the indices against the model when it is loaded
         _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
                  f"must be >= 0, got {self.anchor_size}")
@@ -75,6 +80,35 @@ class BlockConfig(EncodingSection):
         _require(not (self.halo_size and self.halo_blocks), "halo_blocks",
                  f"give halo_size (tokens, {self.halo_size}) or halo_blocks (a fraction of the block, "
                  f"{self.halo_blocks}), not both")
+
+
+def parse_exact_layers(spec: str, num_layers: Optional[int] = None) -> tuple[int, ...]:
+    """The sorted layer indices of an ``exact_layers`` spec (see :class:`BlockConfig`); ``num_layers``: the model's
+    layer count (None: check the syntax only; ``all`` and ``every:K`` then give ()). A ValueError names the field
+    and what to change."""
+    text = spec.strip().lower()
+    if not text:
+        return ()
+    hint = ('use "all", "every:K" (K >= 1) or layer indices and ranges such as "0,8,16" or "0-3,29"'
+            + (f" (this model has layers 0-{num_layers - 1})" if num_layers else ""))
+    if text == "all":
+        return tuple(range(num_layers)) if num_layers else ()
+    if text.startswith("every:"):
+        k = text[len("every:"):].strip()
+        _require(k.isdigit() and int(k) >= 1, "exact_layers", f"{short_repr(spec)} is not a layer spec: {hint}")
+        return tuple(range(0, num_layers, int(k))) if num_layers else ()
+    out = set()
+    for part in text.split(","):
+        a, dash, b = part.strip().partition("-")
+        ok = a.strip().isdigit() and (not dash or b.strip().isdigit())
+        _require(ok, "exact_layers", f"{short_repr(spec)} is not a layer spec ({short_repr(part)}): {hint}")
+        lo, hi = int(a), int(b) if dash else int(a)
+        _require(lo <= hi, "exact_layers", f"range {short_repr(part.strip())} runs backwards: write it low-high")
+        if num_layers is not None:
+            _require(hi < num_layers, "exact_layers",
+                     f"layer {hi} is outside the model: it has {num_layers} layers (0-{num_layers - 1}); {hint}")
+        out.update(range(lo, hi + 1))
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True, kw_only=True)

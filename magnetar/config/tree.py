@@ -68,10 +68,16 @@ class EngineConfig:
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
         for option, (owners, what) in METHOD_OPTIONS.items():
-            if getattr(self, option):
+            value = getattr(self, option)
+            if value:
+                unset = '""' if isinstance(value, str) else "0"
                 _require(self.method in owners, option,
                          f"{option} is an option of {' / '.join(owners)} ({what}); use method "
-                         f"{' or '.join(owners)}, or {option} 0, not method {self.method!r}")
+                         f"{' or '.join(owners)}, or {option} {unset}, not method {self.method!r}")
+        if self.blocks.exact_layers.strip():
+            _require(self.prefill.prefill_policy == "none", "exact_layers",
+                     f"hybrid layers attend exactly over the CP group, sparse prefill sparsely within a block; use "
+                     f"one (set exact_layers \"\" or prefill_policy none, not {self.prefill.prefill_policy!r})")
         if not METHODS[self.method].distributed:
             _require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "

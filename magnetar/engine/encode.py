@@ -22,7 +22,8 @@ from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
-from magnetar.engine.strategy import DecodePolicy, PrefillPolicy, PrefillStats, context_method, plan_rank
+from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
+                                      plan_rank)
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
 
@@ -62,6 +63,7 @@ class Encoder:
                  prefill: Optional[PrefillPolicy] = None):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
+        check_model(config, model.config.num_hidden_layers)  # e.g. a hybrid layer outside the model: before compute
         self.kv_options = kv_options(config)
 
     def with_config(self, config: EngineConfig) -> "Encoder":
@@ -161,7 +163,7 @@ class Encoder:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device, mass=mass,
-                            prefill=self.prefill)
+                            prefill=self.prefill, earlier=parts)
             if p1.prefill_stats is not None:
                 prefill_stats = p1.prefill_stats if prefill_stats is None else prefill_stats.merge(p1.prefill_stats)
             _check_finite([None] * plan.cp_rank + [p1.nonfinite_layer])

@@ -57,7 +57,9 @@ class Phase1Layer(Protocol):
     ``config`` the engine's configuration; ``positions (S,)`` RoPE positions of the input tokens; ``keep`` the slice
     whose KV the rank stores; ``shard`` receives it; ``group``/``timeout`` the CP group (ring); ``backend`` the
     attention backend; ``prefill`` the sparse-prefill run of this request (or None); ``mass`` the decode policy's
-    recorder of the attention mass each kept key received (or None); ``hidden`` the captured attention input.
+    recorder of the attention mass each kept key received (or None); ``hidden`` the captured attention input;
+    ``earlier`` the KV shards of the ranks encoded before this one when one process simulates the ranks (what a
+    lock-step exchange would bring; empty otherwise).
     """
 
     config: EngineConfig
@@ -70,6 +72,7 @@ class Phase1Layer(Protocol):
     prefill: Optional["PrefillRun"]
     mass: Optional[Callable[..., torch.Tensor]]
     hidden: Optional[tuple[int, torch.Tensor]]
+    earlier: Sequence[KVShard]
 
 
 @runtime_checkable
@@ -94,7 +97,11 @@ class ContextMethod(Protocol):
     * :meth:`visible_keys` / :meth:`kept_positions` -- for the cost model: the key positions one segment's
       queries attend besides their own (given what the rank saw before), and the context positions whose KV the
       rank keeps after Phase 1;
-    * :meth:`cost_assumptions` -- what the cost model assumes for it (without token ids).
+    * :meth:`cost_assumptions` -- what the cost model assumes for it (without token ids);
+    * :meth:`exact_layers` -- the layers whose Phase-1 queries see every earlier key of the context through a
+      lock-step exchange of the ranks' kept KV (hybrid layers; the cost model counts their attention and traffic);
+    * :meth:`model_problems` -- its reasons to refuse this model (a layer index outside it), asked before any
+      compute.
 
     :class:`MethodBase` gives the defaults (nothing before or after, no lock-step, the plan of any ids).
     """
@@ -125,6 +132,10 @@ class ContextMethod(Protocol):
     def kept_positions(self, config: EngineConfig, kept: torch.Tensor, context_len: int) -> torch.Tensor: ...
 
     def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]: ...
+
+    def exact_layers(self, config: EngineConfig, num_layers: int) -> tuple[int, ...]: ...
+
+    def model_problems(self, config: EngineConfig, num_layers: int) -> list[str]: ...
 
 
 class MethodBase:
@@ -168,6 +179,12 @@ class MethodBase:
         return kept
 
     def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]:
+        return []
+
+    def exact_layers(self, config: EngineConfig, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def model_problems(self, config: EngineConfig, num_layers: int) -> list[str]:
         return []
 
 
@@ -358,6 +375,13 @@ def plan_rank(config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> 
 def plan_for_length(config: EngineConfig, context_len: int, cp_rank: int) -> RankPlan:
     """:func:`plan_rank` without token ids: the method's :meth:`~ContextMethod.plan_for_length` (the cost model)."""
     return _validated(config, context_len).plan_for_length(config, context_len, cp_rank)
+
+
+def check_model(config: EngineConfig, num_layers: int) -> None:
+    """A ValueError when ``config``'s method cannot run a model of ``num_layers`` layers (its reasons)."""
+    reasons = context_method(config.method).model_problems(config, num_layers)
+    if reasons:
+        raise ValueError(f"method {config.method!r} cannot run this model: " + "; ".join(reasons))
 
 
 def _validated(config: EngineConfig, context_len: int) -> ContextMethod:

@@ -110,6 +110,9 @@ def parse_args(argv):
                    help="star, pulsar: each block also sees this many tokens before it")
     p.add_argument("--halo-blocks", type=float, default=None,
                    help="star, pulsar: the halo as a fraction of the block (1: the whole block before it)")
+    p.add_argument("--exact-layers", default=None,
+                   help="star, pulsar: hybrid layers whose blocks attend exactly to every earlier block "
+                        "('every:4', '0-3,29', 'all')")
     p.add_argument("--sink-size", type=int, default=None)
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)

@@ -45,6 +45,7 @@ from typing import Optional, Sequence
 import torch
 
 from magnetar.config import EngineConfig
+from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import context_method, plan_for_length, plan_rank
 from magnetar.models.dims import ModelDims
 
@@ -98,7 +99,7 @@ class CostEstimate:
     phase1_flops: list[int]
     activation_bytes_per_layer: list[int]  # longest segment: hidden + Q + K + V (+ scores if not flash)
     mlp_activation_bytes_per_layer: list[int]  # longest segment: hidden + gate + up
-    phase1_comm_bytes_per_layer: list[int]  # ring: KV bytes sent per rank per layer; others 0
+    phase1_comm_bytes_per_layer: list[int]  # KV bytes sent per rank in each exchanging layer (ring, hybrid); else 0
     kv_tokens: list[int]  # context KV tokens kept after Phase 1 (streaming: after eviction)
     kv_bytes: list[int]
     peak_memory_bytes: list[int]  # weights + kept KV + the larger activation stage
@@ -118,6 +119,7 @@ class CostEstimate:
     critical_decode_flops_per_token: int = 0
     critical_decode_kv_read_bytes: int = 0
     paper_flops_per_layer: int = 0  # 2 n^2 (H_Q + H_KV) d_h at critical_input_len
+    phase1_comm_layers: int = 0  # layers whose Phase 1 exchanges KV over the CP group (ring: all; hybrid: exact_layers)
     weight_bytes: int = 0
     assumptions: list[str] = field(default_factory=list)
 
@@ -155,9 +157,15 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
         plans = [plan_for_length(cfg, L, r) for r in range(W)]
     # shards that circulate (ring): their communication and all-earlier-keys attention
     ring_lengths = [int(p.segments[0].indices.numel()) for p in plans] if method.lockstep_ranks else None
+    # hybrid layers: those layers' queries see every earlier key, the ranks' kept blocks circulate as ring's shards
+    exact = frozenset(method.exact_layers(cfg, dims.layers)) if W > 1 else frozenset()
+    if exact:
+        assumptions.append(f"exact_layers: {len(exact)} of {dims.layers} layers attend every earlier block and send "
+                           f"the ranks' kept KV around the ring in those layers (traffic not in the FLOPs)")
+    blocks = [kept_token_count(p) for p in plans]
     fields_ = {k: [] for k in _PER_RANK}
     for r, plan in enumerate(plans):
-        phase1, kept = _phase1(method, cfg, plan, r, L, dims, u, flash, ring_lengths)
+        phase1, kept = _phase1(method, cfg, plan, r, L, dims, u, flash, ring_lengths, exact, blocks)
         for k, v in {**phase1, **_phase2(plan.query_position, Q, r, kept, dims, u)}.items():
             fields_[k].append(v)
     per_tok = dims.heads // u.tp * (dims.head_dim * u.b + 4) if W > 1 else 0
@@ -177,6 +185,7 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
         critical_decode_kv_read_bytes=max(fields_["decode_kv_read_bytes_per_token"]),
         paper_flops_per_layer=paper_phase1_flops_per_layer(n_crit, dims.heads, dims.kv_heads, dims.head_dim),
         weight_bytes=u.weight_bytes, assumptions=assumptions,
+        phase1_comm_layers=dims.layers if ring_lengths is not None else len(exact),
     )
 
 
@@ -228,8 +237,10 @@ class _Units:
 
 
 def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u: _Units, flash: bool,
-            ring_lengths: Optional[list[int]]) -> tuple[dict, torch.Tensor]:
-    """Rank ``r``'s Phase-1 figures of ``plan``, and the context positions whose KV it keeps."""
+            ring_lengths: Optional[list[int]], exact: frozenset = frozenset(),
+            blocks: Sequence[int] = ()) -> tuple[dict, torch.Tensor]:
+    """Rank ``r``'s Phase-1 figures of ``plan``, and the context positions whose KV it keeps. ``exact``: the hybrid
+    layers, ``blocks``: every rank's kept token count (what circulates in those layers)."""
     b, W = u.b, len(ring_lengths) if ring_lengths is not None else 0
     pairs = [0] * dims.layers
     lengths, act, mlp_act, comm = [], 0, 0, 0
@@ -251,14 +262,20 @@ def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u:
             lengths.append(n)
             keys = method.visible_keys(cfg, pos, seen)  # itself, and what the method lets it see before
             seen = torch.cat((seen, pos))
-            for layer, p in enumerate(_pairs_per_layer(pos, keys, dims)):
-                pairs[layer] += p
+            local = _pairs_per_layer(pos, keys, dims)
+            # a hybrid layer: every earlier position (the earlier blocks' KV, then its own block's), causally
+            full = _pairs_per_layer(pos, torch.arange(int(pos.max()) + 1), dims) if exact and n else local
+            for layer in range(dims.layers):
+                pairs[layer] += full[layer] if layer in exact else local[layer]
             act = max(act, n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b
                       + (0 if flash else dims.heads * n * int(keys.numel()) * b))
             mlp_act = max(mlp_act, n * (dims.hidden + 2 * dims.intermediate) * b)
             kept_parts.append(pos[seg.keep])
         kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
         kept = method.kept_positions(cfg, kept, L)
+        if exact:  # as ring: W-1 sends of a rank's kept KV (+ int64 positions) in each hybrid layer
+            W = len(blocks)
+            comm = sum(blocks[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
     tokens, attn, kv_tokens = sum(lengths), sum(pairs) * u.attn_pair_flops, int(kept.numel())
     lin = tokens * u.lin_tok
     return {"phase1_input_lengths": lengths, "phase1_tokens": tokens, "phase1_attention_pairs": sum(pairs),
@@ -363,6 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument(name, type=int, default=None)
     p.add_argument("--summary-budget", type=float, default=None)
     p.add_argument("--halo-blocks", type=float, default=None)
+    p.add_argument("--exact-layers", default=None, help="star, pulsar: hybrid layers ('every:4', '0-3,29', 'all')")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]

@@ -160,8 +160,8 @@ def config_key(config: EngineConfig) -> str:
     d["parallel"].pop("simulate", None)
     d["runtime"].pop("check_finite", None)
     d["runtime"].pop("context_cache_mb", None)
-    for field in ("halo_size", "halo_blocks"):
-        if d["blocks"].get(field, 0) == 0:
+    for field in ("halo_size", "halo_blocks", "exact_layers"):
+        if not d["blocks"].get(field, 0):
             d["blocks"].pop(field, None)  # keys as before the field existed
     if d["parallel"].get("tp_size", 1) == 1:
         d["parallel"].pop("tp_size", None)  # keys as before the field existed

@@ -5,15 +5,28 @@ With sparse prefill (``ctx.prefill``) the patched layers attend to a top-k suppo
 trajectory: later layers see that output). With a decode policy that needs it (LuKA, ``ctx.mass``) the
 attention mass the segment's queries gave every kept key is stored beside it. What the segment is -- the
 anchor, the sink and summaries, the block -- is the method's plan; this module does not know it.
+
+Hybrid layers (``blocks.exact_layers``, Magnetar's option of Star and Pulsar, issue 30): in the chosen layers the
+segment's queries attend exactly to every earlier context token -- the KV of every earlier block at that layer,
+exchanged over the CP group as ring attention does (:func:`magnetar.parallel.ring_attention`; simulated ranks read
+the shards of the ranks encoded before them) -- and to their own block, not to their local prefix (those positions
+are in the earlier blocks' KV). Every layer exact is dense Phase 1 whatever the prefix; none is the method itself.
+The last layer always stays local: its attention output shapes no kept KV.
+The ranks then run in lock-step at those layers, one block each.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 
+from magnetar.config import EngineConfig, parse_exact_layers
+from magnetar.engine.plan import block_bounds, resolve_block_size
 from magnetar.engine.strategy import MethodBase, Phase1Layer
 from magnetar.ops import attention_with_lse
+from magnetar.parallel import ring_attention
+from magnetar.parallel.groups import group_size
 from magnetar.utils.nvtx import PHASE1_LUKA_MASS, PHASE1_PREFILL_SPARSE, nvtx_range
 
 
@@ -23,7 +36,9 @@ class LocalMethod(MethodBase):
     def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int]) -> torch.Tensor:
         pos = ctx.positions
-        if ctx.prefill is not None and ctx.prefill.applies(layer, window):
+        if layer in self.exact_layers(ctx.config, len(ctx.shard.layers)):
+            out, lse = _attend_exact(ctx, layer, q, k, v, scale, window)
+        elif ctx.prefill is not None and ctx.prefill.applies(layer, window):
             hidden = ctx.hidden[1] if ctx.hidden is not None and ctx.hidden[0] == layer else None
             ctx.hidden = None
             with nvtx_range(PHASE1_PREFILL_SPARSE, n=layer):  # the sparse trajectory: later layers see this
@@ -38,3 +53,48 @@ class LocalMethod(MethodBase):
                 mass = ctx.mass(q, k[:, :, keep], lse, scale=scale, q_pos=pos, k_pos=pos[keep], window=window)[None]
         ctx.shard.layers[layer].append(k[:, :, keep], v[:, :, keep], pos[keep], mass)
         return out
+
+    def exact_layers(self, config: EngineConfig, num_layers: int) -> tuple[int, ...]:
+        """The hybrid layers that change the kept KV: the last layer's Phase-1 attention output feeds no kept key
+        or value (Phase 1 stops there), so it stays local -- exact there would cost a ring pass for nothing."""
+        return tuple(i for i in _parsed(config.blocks.exact_layers, num_layers) if i < num_layers - 1)
+
+    def model_problems(self, config: EngineConfig, num_layers: int) -> list[str]:
+        try:
+            parse_exact_layers(config.blocks.exact_layers, num_layers)
+        except ValueError as e:
+            return [str(e)]
+        return []
+
+
+_parsed = lru_cache(maxsize=64)(parse_exact_layers)  # every layer of every segment asks
+
+
+def exact_problems(config: EngineConfig, context_len: int) -> list[str]:
+    """Why this request's hybrid layers cannot run: they need one block per rank (the ranks exchange their blocks'
+    KV in lock-step at those layers)."""
+    if not config.blocks.exact_layers.strip() or config.parallel.cp_size == 1:
+        return []
+    n = len(block_bounds(context_len, resolve_block_size(config, context_len)))
+    cp = config.parallel.cp_size
+    if n != cp:
+        return [f"exact_layers needs one block per rank (the ranks exchange their blocks' KV in those layers), but "
+                f"block_size {config.blocks.block_size} gives {n} blocks for this {context_len}-token context on "
+                f"cp_size {cp}: leave --block-size unset (context length / cp_size) or set --exact-layers \"\""]
+    return []
+
+
+def _attend_exact(ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hybrid layer: the segment's queries over every earlier block's KV and their own block's, by position."""
+    pos, keep = ctx.positions, ctx.keep
+    k_own, v_own, p_own = k[:, :, keep], v[:, :, keep], pos[keep]
+    if group_size(ctx.group) > 1:
+        return ring_attention(q, k_own, v_own, group=ctx.group, q_pos=pos, k_pos=p_own, scale=scale, window=window,
+                              timeout=ctx.timeout, backend=ctx.backend)
+    before = [s.layers[layer] for s in ctx.earlier if s.layers[layer].k is not None]  # simulated ranks before it
+    keys = torch.cat([kv.k for kv in before] + [k_own], dim=2)
+    values = torch.cat([kv.v for kv in before] + [v_own], dim=2)
+    k_pos = torch.cat([kv.pos.to(pos.device) for kv in before] + [p_own])
+    return attention_with_lse(q, keys, values, q_pos=pos, k_pos=k_pos, scale=scale, window=window,
+                              backend=ctx.backend)

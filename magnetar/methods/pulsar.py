@@ -14,8 +14,8 @@ import torch
 
 from magnetar.config import EngineConfig, PulsarConfig
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks
-from magnetar.methods.local import LocalMethod
-from magnetar.methods.star import halo_label, halo_problems, halo_tokens
+from magnetar.methods.local import LocalMethod, exact_problems
+from magnetar.methods.star import exact_label, halo_label, halo_problems, halo_tokens
 from magnetar.methods.summaries import plan_pulsar
 
 
@@ -23,7 +23,8 @@ class PulsarMethod(LocalMethod):
     name = "pulsar"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return covers_ranks(config, context_len) or halo_problems(config, context_len)
+        return (covers_ranks(config, context_len) or halo_problems(config, context_len)
+                or exact_problems(config, context_len))
 
     def label_options(self, config: EngineConfig) -> list[str]:
         """The block size when set, then every Pulsar option that differs from its default."""
@@ -36,7 +37,7 @@ class PulsarMethod(LocalMethod):
         for name in ("sink_size", "chunk_size", "positions", "discard_summary_kv"):
             if getattr(p, name) != getattr(d, name):
                 out.append(f"{name} {getattr(p, name)}")
-        return out + halo_label(config)
+        return out + halo_label(config) + exact_label(config)
 
     def cost_assumptions(self, config: EngineConfig, with_ids: bool) -> list[str]:
         if with_ids:

@@ -6,6 +6,9 @@ own positions -- what a block encoded alone misses most is the text it continues
 of anchor and halo (each token once). W 0 is Star; a prefix reaching back to the context's start is dense Phase 1.
 ``halo_blocks`` f gives W as a fraction of the request's block size (W = round(f x block), f <= 1), so one setting
 fits every context length, where a token count must be at most the shortest context's block.
+
+``exact_layers`` (hybrid layers, Star's and Pulsar's option, issue 30): in those layers the block attends exactly
+to every earlier block (:mod:`magnetar.methods.local`).
 """
 from __future__ import annotations
 
@@ -13,20 +16,21 @@ import torch
 
 from magnetar.config import EngineConfig
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks, resolve_block_size
-from magnetar.methods.local import LocalMethod
+from magnetar.methods.local import LocalMethod, exact_problems
 
 
 class StarMethod(LocalMethod):
     name = "star"
 
     def validate(self, config: EngineConfig, context_len: int) -> list[str]:
-        return covers_ranks(config, context_len) or halo_problems(config, context_len)
+        return (covers_ranks(config, context_len) or halo_problems(config, context_len)
+                or exact_problems(config, context_len))
 
     def label_options(self, config: EngineConfig) -> list[str]:
         b = config.blocks
         out = [f"block {b.block_size}"] if b.block_size is not None else []
         out += [f"anchor {b.anchor_size}"] if b.anchor_size is not None else []
-        return out + halo_label(config)
+        return out + halo_label(config) + exact_label(config)
 
     def plan(self, config: EngineConfig, context_ids: torch.Tensor, cp_rank: int) -> RankPlan:
         L = int(context_ids.numel())
@@ -52,6 +56,12 @@ def halo_label(config: EngineConfig) -> list[str]:
     b = config.blocks
     out = [f"halo {b.halo_size}"] if b.halo_size else []
     return out + ([f"halo {b.halo_blocks:g} block{'s' if b.halo_blocks != 1 else ''}"] if b.halo_blocks else [])
+
+
+def exact_label(config: EngineConfig) -> list[str]:
+    """The hybrid layers' part of a run's label (``exact layers every:4``; nothing without them)."""
+    spec = config.blocks.exact_layers.strip()
+    return [f"exact layers {spec}"] if spec else []
 
 
 def halo_tokens(config: EngineConfig, bounds: list[tuple[int, int]]) -> int:
