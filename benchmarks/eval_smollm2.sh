@@ -2,7 +2,7 @@
 # Every evaluation run behind docs/results.md, SmolLM2-135M-Instruct, 4 blocks (4 CP ranks).
 #
 #   benchmarks/eval_smollm2.sh ruler4k      # one part; parts: ruler4k babilong4k niah8k ablation ppl speed
-#                                           # (and ablation_babilong, halo4k, halo8k, halo_speed: not in all)
+#                                           # (and ablation_babilong, halo4k, halo8k, hybrid4k, hybrid8k, halo_speed: not in all)
 #   benchmarks/eval_smollm2.sh all
 #
 # Each part resumes from runs/<part>/results*.jsonl, so a part interrupted (or split over sessions) goes on
@@ -49,6 +49,14 @@ part() {
       resume_from_docs niah8k
       eval_run --suite ruler --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery \
         --methods star --anchor-size 700 --halo-size 1970 --lengths 8k --samples 10 --out runs/niah8k ;;
+    hybrid4k)  # issue 30: hybrid layers -- the first 15 of SmolLM2's 30 layers attend exactly to every earlier block
+      # (their KV exchanged as ring's), the others are Star's with a 64-token anchor and half a block of halo: the
+      # frontier's best 4K configuration by fidelity (docs/results.md), on the same items as ruler4k
+      eval_run --suite ruler --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14 --lengths 4k \
+        --samples 10 --out runs/ruler4k ;;
+    hybrid8k)  # issue 30: the same configuration on the niah8k items
+      eval_run --suite ruler --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery \
+        --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14 --lengths 8k --samples 10 --out runs/niah8k ;;
     halo_speed)  # issue 30: measured Phase-1 critical path of the halo configurations beside Star's and dense's
       # (4 simulated ranks, each timed alone; one command per option set, all in one run side by side)
       for opts in "" "--anchor-size 512 --halo-size 500" "--anchor-size 400 --halo-size 990"; do
@@ -83,7 +91,7 @@ part() {
       "$BIN/python" -m magnetar.eval.bench --methods star,pulsar --lengths 16384 --simulate-ranks 4 \
         --warmup 0 --repeats 2 --beyond-trained-length --json-out runs/speed_16k.json ;;  # 32K: ~1 h more on the 2-core VM
     all) for p in ruler4k babilong4k niah8k ablation ppl speed; do part "$p"; done ;;
-    *) echo "unknown part $1 (ruler4k babilong4k niah8k halo4k halo8k halo_speed ablation ablation_babilong ppl speed all)" >&2; exit 2 ;;
+    *) echo "unknown part $1 (ruler4k babilong4k niah8k halo4k halo8k hybrid4k hybrid8k halo_speed ablation ablation_babilong ppl speed all)" >&2; exit 2 ;;
   esac
 }
 

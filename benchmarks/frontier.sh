@@ -9,6 +9,7 @@
 #   benchmarks/frontier.sh cp2          # SmolLM2, 2 ranks, 4K: Star/Pulsar/halo at half of dense's Phase 1
 #   benchmarks/frontier.sh cp8          # SmolLM2, 8 ranks, 4K
 #   benchmarks/frontier.sh gemma16k     # Gemma-3-270M, 4 ranks, 16K
+#   benchmarks/frontier.sh hybrid4k     # SmolLM2, 4 ranks, 4K: hybrid layers (--exact-layers), 13 items
 #
 # One process (its 2 threads on this VM) stands in for the CP ranks (--simulate-ranks), one item at a time.
 # Each option set's cost by the cost model (`python -m magnetar.eval.cost`, the items' own token ids) lands in
@@ -71,5 +72,13 @@ case "${1:-}" in
         --halo-blocks 1
     done
     report runs/fid16k_gemma 1 ;;
-  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k)" >&2; exit 2 ;;
+  hybrid4k)  # exact attention over every earlier block in a few layers (their KV exchanged as ring's), the rest Star
+    resume_from_docs fid4k
+    fid runs/fid4k 4 1 4k --methods star --anchor-size 300 --halo-blocks 1 --exact-layers 0-2
+    fid runs/fid4k 4 1 4k --methods star --anchor-size 64 --exact-layers 0-9
+    fid runs/fid4k 4 1 4k --methods star --anchor-size 64 --exact-layers every:3
+    fid runs/fid4k 4 1 4k --methods star --anchor-size 128 --halo-blocks 1 --exact-layers 0-5
+    fid runs/fid4k 4 1 4k --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14
+    report runs/fid4k 1 ;;
+  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k hybrid4k)" >&2; exit 2 ;;
 esac

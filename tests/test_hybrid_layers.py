@@ -11,7 +11,7 @@ import torch
 
 import magnetar
 from magnetar.config import EngineConfig, parse_exact_layers
-from magnetar.eval.cost import estimate
+from magnetar.eval.cost import _fmt, estimate, format_table
 from magnetar.models.dims import ModelDims
 from tests.conftest import assert_close, assert_differs
 from tests.dist_utils import run_distributed
@@ -93,6 +93,10 @@ def test_cost_model_counts_exact_layers_as_ring_does():
     assert star.critical_phase1_flops < half.critical_phase1_flops
     assert half.phase1_linear_flops == star.phase1_linear_flops  # the same tokens, more keys in two layers
     assert any("exact_layers: 2 of 4 layers" in a for a in half.assumptions)
+    table = format_table([ring, star, half], baseline="ring")  # the KV a rank sends in Phase 1: all, none, 2 layers
+    traffic = [row.split(" | ")[10] for row in table.splitlines()[2:]]
+    per_layer = max(half.phase1_comm_bytes_per_layer)
+    assert traffic == [_fmt(4 * max(ring.phase1_comm_bytes_per_layer), "B"), "0 B", _fmt(2 * per_layer, "B")]
 
 
 def test_what_cannot_apply_is_refused_by_name():

@@ -309,14 +309,15 @@ def _fmt(x: float, unit: str) -> str:
 
 def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "dense") -> str:
     """A Markdown table, one row per estimate; ``x base`` = critical Phase-1 FLOPs relative to the first
-    estimate of method ``baseline`` with the same context length (if any)."""
+    estimate of method ``baseline`` with the same context length (if any); ``P1 KV traffic/rank``: the KV one rank
+    sends in Phase 1 (ring: every layer; hybrid layers: those layers; the others: none)."""
     base = {}
     for e in estimates:
         if e.method == baseline:
             base.setdefault(e.context_len, e.critical_phase1_flops)
     head = ("| method | L | cp | crit. input n | crit. P1 FLOPs | attn share | vs " + str(baseline)
-            + " | act/layer | KV/rank (max) | decode KV read/tok | P2 comm/layer/tok |")
-    rows = [head, "|" + "---|" * 11]
+            + " | act/layer | KV/rank (max) | decode KV read/tok | P1 KV traffic/rank | P2 comm/layer/tok |")
+    rows = [head, "|" + "---|" * 12]
     for e in estimates:
         ratio = f"{e.critical_phase1_flops / base[e.context_len]:.3f}" if e.context_len in base else "-"
         share = e.critical_attention_flops / e.critical_phase1_flops if e.critical_phase1_flops else 0.0
@@ -324,6 +325,7 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
                     f"{_fmt(e.critical_phase1_flops, 'FLOP')} | {share:.0%} | {ratio} | "
                     f"{_fmt(e.critical_activation_bytes_per_layer, 'B')} | {_fmt(e.max_kv_bytes, 'B')} | "
                     f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | "
+                    f"{_fmt(max(e.phase1_comm_bytes_per_layer, default=0) * e.phase1_comm_layers, 'B')} | "
                     f"{_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
     return "\n".join(rows)
 
