@@ -10,6 +10,7 @@
 #   benchmarks/frontier.sh cp8          # SmolLM2, 8 ranks, 4K
 #   benchmarks/frontier.sh gemma16k     # Gemma-3-270M, 4 ranks, 16K
 #   benchmarks/frontier.sh hybrid4k     # SmolLM2, 4 ranks, 4K: hybrid layers (--exact-layers), 13 items
+#   benchmarks/frontier.sh hybrid_best  # the best hybrid configuration on 26 items at 4K and the 8 NIAH items at 8K
 #
 # One process (its 2 threads on this VM) stands in for the CP ranks (--simulate-ranks), one item at a time.
 # Each option set's cost by the cost model (`python -m magnetar.eval.cost`, the items' own token ids) lands in
@@ -80,5 +81,13 @@ case "${1:-}" in
     fid runs/fid4k 4 1 4k --methods star --anchor-size 128 --halo-blocks 1 --exact-layers 0-5
     fid runs/fid4k 4 1 4k --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14
     report runs/fid4k 1 ;;
-  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k hybrid4k)" >&2; exit 2 ;;
+  hybrid_best)
+    resume_from_docs fid4k
+    resume_from_docs fid8k
+    fid runs/fid4k 4 2 4k --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14
+    fid runs/fid8k 4 1 8k --tasks "$NIAH" --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14
+    report runs/fid4k 2
+    report runs/fid8k 1 ;;
+  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k hybrid4k hybrid_best)" >&2
+     exit 2 ;;
 esac
