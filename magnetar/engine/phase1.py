@@ -19,8 +19,7 @@ from magnetar.engine.finite import LayerFlags
 from magnetar.engine.hf import capture_attention_inputs
 from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment
-from magnetar.engine.strategy import (ContextMethod, LayerContext, PrefillPolicy, PrefillRun, check_model,
-                                      context_method)
+from magnetar.engine.strategy import ContextMethod, LayerContext, PrefillPolicy, PrefillRun, context_method
 from magnetar.parallel import ParallelGroups
 from magnetar.utils.nvtx import PHASE1, PHASE1_BLOCK, PHASE1_LAYER, nvtx_range
 
@@ -75,7 +74,6 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     methods with a local Phase 1. ``prefill``: the engine's sparse-prefill policy (None: dense prefill); the
     patched layers of every segment then attend sparsely, budget from the context length. ``earlier``: simulated
     ranks, the shards of the ranks encoded before this one (hybrid layers read them)."""
-    check_model(config, model.config.num_hidden_layers)
     method = context_method(config.method)
     local = METHODS[config.method].local_prefill
     run = prefill.start(int(context_ids.numel())) if prefill is not None and local else None

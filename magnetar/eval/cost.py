@@ -241,7 +241,7 @@ def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u:
             blocks: Sequence[int] = ()) -> tuple[dict, torch.Tensor]:
     """Rank ``r``'s Phase-1 figures of ``plan``, and the context positions whose KV it keeps. ``exact``: the hybrid
     layers, ``blocks``: every rank's kept token count (what circulates in those layers)."""
-    b, W = u.b, len(ring_lengths) if ring_lengths is not None else 0
+    b = u.b
     pairs = [0] * dims.layers
     lengths, act, mlp_act, comm = [], 0, 0, 0
     if ring_lengths is not None:  # every query of the shard sees all earlier keys of the context
@@ -252,8 +252,7 @@ def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u:
         n, n_keys = lengths[0], max(ring_lengths)  # scores: one shard of keys per ring step
         act = n * (dims.hidden + dims.q_dim + 2 * dims.kv_dim) * b + (0 if flash else dims.heads * n * n_keys * b)
         mlp_act = n * (dims.hidden + 2 * dims.intermediate) * b
-        # step s sends the shard that started on rank (r - s): W-1 sends of KV (+ int64 positions)
-        comm = sum(ring_lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
+        comm = _ring_sends(ring_lengths, r, dims, b)
     else:
         kept_parts, seen = [], torch.zeros(0, dtype=torch.long)
         for seg in plan.segments:
@@ -273,9 +272,8 @@ def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u:
             kept_parts.append(pos[seg.keep])
         kept = torch.sort(torch.cat(kept_parts)).values if kept_parts else torch.zeros(0, dtype=torch.long)
         kept = method.kept_positions(cfg, kept, L)
-        if exact:  # as ring: W-1 sends of a rank's kept KV (+ int64 positions) in each hybrid layer
-            W = len(blocks)
-            comm = sum(blocks[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
+        if exact:  # as ring, in each hybrid layer: the ranks' kept blocks circulate
+            comm = _ring_sends(blocks, r, dims, b)
     tokens, attn, kv_tokens = sum(lengths), sum(pairs) * u.attn_pair_flops, int(kept.numel())
     lin = tokens * u.lin_tok
     return {"phase1_input_lengths": lengths, "phase1_tokens": tokens, "phase1_attention_pairs": sum(pairs),
@@ -283,6 +281,13 @@ def _phase1(method, cfg: EngineConfig, plan, r: int, L: int, dims: ModelDims, u:
             "activation_bytes_per_layer": act, "mlp_activation_bytes_per_layer": mlp_act,
             "phase1_comm_bytes_per_layer": comm, "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * u.kv_tok_bytes,
             "peak_memory_bytes": u.weight_bytes + kv_tokens * u.kv_tok_bytes + max(act, mlp_act)}, kept
+
+
+def _ring_sends(lengths: Sequence[int], r: int, dims: ModelDims, b: int) -> int:
+    """KV bytes rank ``r`` sends in one layer of a ring pass of shards of ``lengths`` tokens: step s sends the shard
+    that started on rank (r - s), W-1 sends of KV (+ int64 positions)."""
+    W = len(lengths)
+    return sum(lengths[(r - s) % W] * (2 * dims.kv_dim * b + 8) for s in range(W - 1))
 
 
 def _phase2(qpos0: int, Q: int, r: int, kept: torch.Tensor, dims: ModelDims, u: _Units) -> dict:

@@ -55,9 +55,7 @@ class LocalMethod(MethodBase):
         return out
 
     def exact_layers(self, config: EngineConfig, num_layers: int) -> tuple[int, ...]:
-        """The hybrid layers that change the kept KV: the last layer's Phase-1 attention output feeds no kept key
-        or value (Phase 1 stops there), so it stays local -- exact there would cost a ring pass for nothing."""
-        return tuple(i for i in _parsed(config.blocks.exact_layers, num_layers) if i < num_layers - 1)
+        return _exact_layers(config.blocks.exact_layers, num_layers)
 
     def model_problems(self, config: EngineConfig, num_layers: int) -> list[str]:
         try:
@@ -67,7 +65,17 @@ class LocalMethod(MethodBase):
         return []
 
 
-_parsed = lru_cache(maxsize=64)(parse_exact_layers)  # every layer of every segment asks
+@lru_cache(maxsize=64)  # every layer of every segment asks
+def _exact_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """The hybrid layers that change the kept KV: the last layer's Phase-1 attention output feeds no kept key or
+    value (Phase 1 stops there), so it stays local -- exact there would cost a ring pass for nothing."""
+    return tuple(i for i in parse_exact_layers(spec, num_layers) if i < num_layers - 1)
+
+
+def exact_label(config: EngineConfig) -> list[str]:
+    """The hybrid layers' part of a run's label (``exact layers every:4``; nothing without them)."""
+    spec = config.blocks.exact_layers.strip()
+    return [f"exact layers {spec}"] if spec else []
 
 
 def exact_problems(config: EngineConfig, context_len: int) -> list[str]:

@@ -14,8 +14,8 @@ import torch
 
 from magnetar.config import EngineConfig, PulsarConfig
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks
-from magnetar.methods.local import LocalMethod, exact_problems
-from magnetar.methods.star import exact_label, halo_label, halo_problems, halo_tokens
+from magnetar.methods.local import LocalMethod, exact_label, exact_problems
+from magnetar.methods.star import halo_label, halo_problems, halo_tokens
 from magnetar.methods.summaries import plan_pulsar
 
 

@@ -16,7 +16,7 @@ import torch
 
 from magnetar.config import EngineConfig
 from magnetar.engine.plan import RankPlan, Segment, covers_ranks, my_blocks, resolve_block_size
-from magnetar.methods.local import LocalMethod, exact_problems
+from magnetar.methods.local import LocalMethod, exact_label, exact_problems
 
 
 class StarMethod(LocalMethod):
@@ -56,12 +56,6 @@ def halo_label(config: EngineConfig) -> list[str]:
     b = config.blocks
     out = [f"halo {b.halo_size}"] if b.halo_size else []
     return out + ([f"halo {b.halo_blocks:g} block{'s' if b.halo_blocks != 1 else ''}"] if b.halo_blocks else [])
-
-
-def exact_label(config: EngineConfig) -> list[str]:
-    """The hybrid layers' part of a run's label (``exact layers every:4``; nothing without them)."""
-    spec = config.blocks.exact_layers.strip()
-    return [f"exact layers {spec}"] if spec else []
 
 
 def halo_tokens(config: EngineConfig, bounds: list[tuple[int, int]]) -> int:
