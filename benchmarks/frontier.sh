@@ -9,6 +9,7 @@
 #   benchmarks/frontier.sh cp2          # SmolLM2, 2 ranks, 4K: Star/Pulsar/halo at half of dense's Phase 1
 #   benchmarks/frontier.sh cp8          # SmolLM2, 8 ranks, 4K
 #   benchmarks/frontier.sh gemma16k     # Gemma-3-270M, 4 ranks, 16K
+#   benchmarks/frontier.sh gemma_hybrid # Gemma-3-270M, 4 ranks, 16K: its global layers exact, a window-wide halo
 #   benchmarks/frontier.sh hybrid4k     # SmolLM2, 4 ranks, 4K: hybrid layers (--exact-layers), 13 items
 #   benchmarks/frontier.sh hybrid_best  # the best hybrid configuration on 26 items at 4K and the 8 NIAH items at 8K
 #
@@ -73,6 +74,15 @@ case "${1:-}" in
         --halo-blocks 1
     done
     report runs/fid16k_gemma 1 ;;
+  gemma_hybrid)  # Gemma's global layers (5, 11; 17 is the last, always local) exact, and a halo as wide as the
+    # other layers' 512-token window: every layer but the last sees its whole receptive field (the halo tokens
+    # themselves are encoded without their own past); ~3 min per task
+    resume_from_docs fid16k_gemma
+    for task in ${NIAH//,/ }; do
+      fid runs/fid16k_gemma 4 1 16k --model gemma3-270m --tasks "$task" --methods star --anchor-size 64 \
+        --halo-size 512 --exact-layers 5,11
+    done
+    report runs/fid16k_gemma 1 ;;
   hybrid4k)  # exact attention over every earlier block in a few layers (their KV exchanged as ring's), the rest Star
     resume_from_docs fid4k
     fid runs/fid4k 4 1 4k --methods star --anchor-size 300 --halo-blocks 1 --exact-layers 0-2
@@ -88,6 +98,6 @@ case "${1:-}" in
     fid runs/fid8k 4 1 8k --tasks "$NIAH" --methods star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-14
     report runs/fid4k 2
     report runs/fid8k 1 ;;
-  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k hybrid4k hybrid_best)" >&2
+  *) echo "unknown part '${1:-}' (fid4k_halo pulsar_halo fid8k_halo cp2 cp8 gemma16k gemma_hybrid hybrid4k hybrid_best)" >&2
      exit 2 ;;
 esac

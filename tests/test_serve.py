@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
@@ -24,7 +25,7 @@ pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[se
 import magnetar  # noqa: E402
 from magnetar.engine.template import split_messages, split_plain, split_prompt  # noqa: E402
 from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_body  # noqa: E402
-from magnetar.serve.prompts import split_completion  # noqa: E402
+from magnetar.serve.prompts import split_completion, split_pasted  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
 from tests.dist_utils import free_port, wait_serving  # noqa: E402
@@ -38,6 +39,7 @@ POSITIONS = 4096  # room for requests long enough to be still decoding when the 
 LONG = 3000  # the max_tokens of a request that must still be decoding when its client leaves
 DRAINED = 1000  # the max_tokens of one still decoding when SIGTERM comes (and drained by the server in a few s)
 QUESTIONS = [" What jumps?", " Who serves?", " What is the number?", " Say it again."]
+PASTE = 64  # the served fixture's --paste-threshold (tokens): DOCS[0] and longer pasted messages are documents
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,8 @@ def ref(model_dir):
 @pytest.fixture(scope="module")
 def served(model_dir):
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
-    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8)
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8,
+                    paste_threshold=PASTE)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
     thread.start()
@@ -109,8 +112,8 @@ def test_chat_without_context_is_the_conversation_before_the_question(client, re
 
 
 def test_text_completions(client, ref):
-    # with magnetar.context: the document as plain text, the prompt as the query
-    p = split_plain(ref.tokenizer, DOCS[2], QUESTIONS[2])
+    # with magnetar.context: the document as plain text and a blank line, the prompt as the query
+    p = split_plain(ref.tokenizer, DOCS[2] + "\n\n", QUESTIONS[2])
     want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=5)
     got = client.completions.create(model=NAME, prompt=QUESTIONS[2], max_tokens=5,
                                     extra_body={"magnetar": {"context": DOCS[2]}})
@@ -163,7 +166,7 @@ def test_streamed_chunks_join_to_the_same_text(client, ref):
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     # completions stream too, without usage unless asked
-    p = split_plain(ref.tokenizer, DOCS[0], QUESTIONS[0])
+    p = split_plain(ref.tokenizer, DOCS[0] + "\n\n", QUESTIONS[0])
     want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=7)
     parts = list(client.completions.create(model=NAME, prompt=QUESTIONS[0], max_tokens=7, stream=True,
                                            extra_body={"magnetar": {"context": DOCS[0]}}))
@@ -259,7 +262,10 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("seed negative", "chat", _chat_body(seed=-1), "seed"),
     ("empty stop string", "chat", _chat_body(stop=[""]), "stop"),
     ("stop a number", "chat", _chat_body(stop=5), "stop"),
-    ("n 2", "chat", _chat_body(n=2), "n"),
+    ("n 0", "chat", _chat_body(n=0), "n"),
+    ("n over the bound", "chat", _chat_body(n=65), "n"),
+    ("split_document not a bool", "chat", _chat_body(magnetar={"split_document": "no"}), "magnetar.split_document"),
+    ("logprobs", "chat", _chat_body(logprobs=True), "logprobs"),
     ("unknown field", "chat", _chat_body(frobnicate=1), "frobnicate"),
     ("stream_options without stream", "chat", _chat_body(stream_options={"include_usage": True}), "stream_options"),
     ("unknown method", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "warp"}), "magnetar.method"),
@@ -272,10 +278,18 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("unknown option", "chat", _chat_body(magnetar={"contxt": DOCS[0]}), "magnetar.contxt"),
     ("context not a string", "chat", _chat_body(magnetar={"context": 5}), "magnetar.context"),
     ("unknown context id", "chat", _chat_body(magnetar={"context_id": "ctx-nope"}), "magnetar.context_id"),
-    ("prompt without a question", "completions", {"model": NAME, "prompt": "no newline here", "max_tokens": 2},
-     "prompt"),
+    ("one token id", "completions", {"model": NAME, "prompt": [5], "max_tokens": 2}, "prompt"),
     ("prompt a number", "completions", {"model": NAME, "prompt": 5}, "prompt"),
-    ("two prompts", "completions", {"model": NAME, "prompt": ["a\n\nb", "c\n\nd"]}, "prompt"),
+    ("empty prompt list", "completions", {"model": NAME, "prompt": []}, "prompt"),
+    ("too many prompts", "completions", {"model": NAME, "prompt": ["a\n\nb"] * 65}, "prompt"),
+    ("blank prompt in a list", "completions", {"model": NAME, "prompt": ["a\n\nb", " "]}, "prompt[1]"),
+    ("token id outside the vocabulary", "completions", {"model": NAME, "prompt": [1, 10**9]}, "prompt"),
+    ("negative token id in a list", "completions", {"model": NAME, "prompt": [[1, 2], [3, -1]]}, "prompt[1]"),
+    ("mixed prompt list", "completions", {"model": NAME, "prompt": ["a\n\nb", [1, 2]]}, "prompt"),
+    ("echo a string", "completions", {"model": NAME, "prompt": "a\n\nb", "echo": "yes"}, "echo"),
+    ("split_document on completions", "completions",
+     {"model": NAME, "prompt": "a\n\nb", "magnetar": {"split_document": False}}, "magnetar.split_document"),
+    ("choices over the bound", "completions", {"model": NAME, "prompt": ["a\n\nb"] * 8, "n": 9}, "n"),
     ("completions max_tokens 0", "completions", {"model": NAME, "prompt": "a\n\nb", "max_tokens": 0}, "max_tokens"),
 ]
 
@@ -324,7 +338,7 @@ def test_pinned_contexts(served, client, ref):
     # a raw context serves completions
     raw = httpx.post(served.url + "/v1/contexts", json={"model": NAME, "context": DOCS[2], "format": "raw"},
                      timeout=60).json()
-    p = split_plain(ref.tokenizer, DOCS[2], QUESTIONS[0])
+    p = split_plain(ref.tokenizer, DOCS[2] + "\n\n", QUESTIONS[0])
     want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=3)
     got = client.completions.create(model=NAME, prompt=QUESTIONS[0], max_tokens=3,
                                     extra_body={"magnetar": {"context_id": raw["id"]}})
@@ -342,6 +356,9 @@ def test_pinned_contexts(served, client, ref):
     while served.loop.handles and time.monotonic() < deadline:  # the release is applied at the next tick
         time.sleep(0.05)
     assert not served.loop.handles
+    # deleting a pinned context unpins it: the context cache keeps what automatic reuse shares
+    again = _chat(client, DOCS[1], QUESTIONS[2], max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == ctx["tokens"]
 
 
 def test_models_health_and_metrics(served, client):
@@ -356,6 +373,129 @@ def test_models_health_and_metrics(served, client):
     assert m[("magnetar_context_cache_hits_total", ())] >= 1 and m[("magnetar_context_cache_misses_total", ())] >= 1
     assert m[("magnetar_kv_bytes", (("rank", "0"),))] > 0
     assert m[("magnetar_active_requests", ())] == 0
+
+
+# -- unmodified clients: pasted documents, completions as tools send them, ops headers --------------------------------
+PASTED = DOCS[0] * 3 + "\n\n" + DOCS[2] * 2  # a document long enough (> PASTE tokens) to be pasted
+
+
+def test_a_document_pasted_into_the_chat_is_phase_1_and_cached(client, ref):
+    system = {"role": "system", "content": "Answer briefly."}
+    first = client.chat.completions.create(model=NAME, max_tokens=4, messages=[
+        system, {"role": "user", "content": PASTED + "\n\n" + QUESTIONS[2].strip()}])
+    info = first.model_extra["magnetar"]["prompts"][0]
+    assert info["split"] == "pasted"
+    # the document (through its blank line) opens the last user turn, as magnetar.context does; the tail asks
+    p = split_messages(ref.tokenizer, [system, {"role": "user", "content": QUESTIONS[2].strip()}],
+                       context=PASTED + "\n\n")
+    want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=4)
+    assert first.choices[0].message.content == want.text
+    assert info["context_tokens"] == p.context_ids.numel() and info["query_tokens"] == p.query_ids.numel()
+    # another question about the same pasted document: its Phase 1 comes from the cache
+    second = client.chat.completions.create(model=NAME, max_tokens=2, messages=[
+        system, {"role": "user", "content": PASTED + "\n\n" + QUESTIONS[0].strip()}])
+    assert second.usage.prompt_tokens_details.cached_tokens == info["context_tokens"]
+    # turned off per request: the whole message is the question, the context only the turns before it
+    whole = client.chat.completions.create(model=NAME, max_tokens=2, extra_body={"magnetar": {"split_document": False}},
+                                           messages=[system, {"role": "user", "content": PASTED + "\n\nWhy?"}])
+    assert whole.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
+    assert whole.model_extra["magnetar"]["prompts"][0]["context_tokens"] < info["context_tokens"]
+    # a short message stays the question
+    short = client.chat.completions.create(model=NAME, max_tokens=1, messages=[{"role": "user", "content": "Hi?"}])
+    assert short.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
+
+
+def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
+    tok = ref.tokenizer
+    doc = DOCS[0] * 4
+    assert split_pasted(tok, doc + "\n\nWhat jumps?\n", PASTE) == (doc + "\n\n", "What jumps?\n")
+    assert split_pasted(tok, doc + "\nWhat jumps?", PASTE) == (doc + "\n", "What jumps?")
+    assert split_pasted(tok, "What jumps?", PASTE) is None and split_pasted(tok, doc + "\n\nQ?", 0) is None
+    head, tail = split_pasted(tok, doc, PASTE)  # no line break: the last 64 tokens are the question
+    assert head + tail == doc and len(tok(tail, add_special_tokens=False)["input_ids"]) in range(63, 66)
+    # a last paragraph longer than half the threshold is not the question: a line break inside it, or tokens
+    head, tail = split_pasted(tok, "Intro.\n\n" + doc + "\nWhat jumps?", PASTE)
+    assert tail == "What jumps?"
+
+
+def test_completions_take_lists_token_ids_echo_and_n(client, ref):
+    prompts = [DOCS[1] + "\n\n" + QUESTIONS[1].strip(), DOCS[2] + "\n\n" + QUESTIONS[2].strip()]
+    singles = [client.completions.create(model=NAME, prompt=pr, max_tokens=3).choices[0].text for pr in prompts]
+    both = client.completions.create(model=NAME, prompt=prompts, max_tokens=3)
+    assert [c.index for c in both.choices] == [0, 1] and [c.text for c in both.choices] == singles
+    # token ids, as lm-eval sends them: the last 64 tokens are the query, the rest Phase 1
+    ids = ref.tokenizer(DOCS[2] * 3, add_special_tokens=False)["input_ids"]
+    want = ref.generate(torch.tensor(ids[:-64]), torch.tensor(ids[-64:]), max_new_tokens=3)
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=3)
+    assert got.choices[0].text == want.text and got.model_extra["magnetar"]["prompts"][0]["split"] == "tokens"
+    assert got.usage.prompt_tokens == len(ids)
+    lists = client.completions.create(model=NAME, prompt=[ids, ids[:10]], max_tokens=3)
+    assert lists.choices[0].text == want.text and len(lists.choices) == 2
+    # a prompt with no line break (aiperf's): a token cut too
+    flat = client.completions.create(model=NAME, prompt="word " * 100, max_tokens=2)
+    assert flat.model_extra["magnetar"]["prompts"][0]["split"] == "tokens"
+    # echo puts the prompt before the answer; n choices of one prompt count its tokens once
+    echoed = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=3, echo=True, n=2)
+    assert [c.text for c in echoed.choices] == [prompts[0] + singles[0]] * 2
+    one = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=3)
+    assert echoed.usage.prompt_tokens == one.usage.prompt_tokens and echoed.usage.completion_tokens == 6
+    # streamed, the choices' chunks carry their index and join to the same texts
+    parts = ["", ""]
+    for c in client.completions.create(model=NAME, prompt=prompts, max_tokens=3, stream=True):
+        for ch in c.choices:
+            parts[ch.index] += ch.text
+    assert parts == singles
+
+
+def test_chat_n_choices_and_ops_headers(served, client, ref):
+    got = _chat(client, DOCS[0], QUESTIONS[0], max_tokens=3, n=2)
+    want = ref.generate(DOCS[0], QUESTIONS[0], max_new_tokens=3).text
+    assert [c.message.content for c in got.choices] == [want, want] and got.usage.completion_tokens == 6
+    # models by id (a Hub id holds a slash), /docs, the schema's request bodies
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other")
+    assert httpx.get(served.url + "/docs", timeout=30).status_code == 200
+    schema = httpx.get(served.url + "/openapi.json", timeout=30).json()
+    assert "requestBody" in schema["paths"]["/v1/completions"]["post"]
+    # x-request-id: echoed when usable, made otherwise (refusals too)
+    r = httpx.get(served.url + "/v1/models", headers={"x-request-id": "abc-123"}, timeout=30)
+    assert r.headers["x-request-id"] == "abc-123"
+    r = httpx.post(served.url + "/v1/completions", content=b"x", headers={"x-request-id": "bad id!"}, timeout=30)
+    assert r.status_code == 415 and r.headers["x-request-id"].startswith("req-")
+
+
+def test_cors_and_retry_headers_without_running_the_engine(served):
+    from magnetar.serve.app import retry_headers
+
+    assert retry_headers(503) == {"retry-after": "5"} and retry_headers(503, "dead") == {"x-should-retry": "false"}
+    assert retry_headers(500) == {"x-should-retry": "false"} and retry_headers(400) == {}
+    other = Server(served.engine, model_name=NAME, port=free_port(), allowed_origins=["https://app.example"])
+
+    async def calls():
+        transport = httpx.ASGITransport(app=other.asgi)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            pre = await c.options("/v1/chat/completions", headers={
+                "origin": "https://app.example", "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization,content-type"})
+            got = await c.get("/v1/models", headers={"origin": "https://app.example"})
+            foreign = await c.get("/v1/models", headers={"origin": "https://evil.example"})
+            other.loop.draining = True
+            drained = await c.post("/v1/chat/completions", json=_chat_body())
+            other.loop.failed = "a rank died"
+            failed = await c.post("/v1/chat/completions", json=_chat_body())
+            return pre, got, foreign, drained, failed
+
+    import asyncio
+
+    pre, got, foreign, drained, failed = asyncio.run(calls())
+    other.preparer.close()
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+    assert got.headers["access-control-allow-origin"] == "https://app.example"
+    assert "x-request-id" in got.headers["access-control-expose-headers"]
+    assert "access-control-allow-origin" not in foreign.headers
+    assert drained.status_code == 503 and drained.headers["retry-after"] == "5"
+    assert failed.status_code == 503 and failed.headers["x-should-retry"] == "false"
 
 
 # -- pieces without a server -------------------------------------------------------------------------------------
@@ -463,6 +603,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         time.sleep(0.3)
         refused = httpx.post(url + "/v1/chat/completions", json=_chat_body(), timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        assert refused.headers["retry-after"] == "5"  # a draining replica: retry (elsewhere) after 5 s
         reader.join(120)
         assert lines[-1] == "data: [DONE]", lines[-3:]
         assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == DRAINED  # answered in full

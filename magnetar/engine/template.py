@@ -168,9 +168,10 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
     (system prompt, earlier turns, the last user header). Special-token strings in any message or in ``context``
     are text, as in :func:`split_prompt`.
 
-    Without a chat template (base models) the roles are not rendered: the context is ``context`` and the
-    earlier messages' contents joined by blank lines (``"\n\n"``), the query is the last message's content
-    (BOS first as in :func:`split_prompt`); an empty context is a ValueError (there is nothing to encode).
+    Without a chat template (base models) the roles are not rendered: the context is the earlier messages'
+    contents and then ``context`` (it opens the last turn) joined by blank lines (``"\n\n"``), the query is the
+    last message's content (BOS first as in :func:`split_prompt`); an empty context is a ValueError (there is
+    nothing to encode).
     Bad messages raise ValueError naming ``messages[i].role`` / ``messages[i].content``. ``limit``: the model's
     positions (:func:`check_fits` over ``context`` and the contents).
     """
@@ -201,7 +202,7 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
         head = "" if context is None else _wrap_special(tokenizer, context, "context")
         wrapped[-1]["content"] = head + _SPLIT + wrapped[-1]["content"]
         return _split_rendered(tokenizer, wrapped)
-    parts = ([] if context is None else [context]) + [m["content"] for m in messages[:-1]]
+    parts = [m["content"] for m in messages[:-1]] + ([] if context is None else [context])
     text = "\n\n".join(parts)
     if not text:
         raise ValueError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "

@@ -32,11 +32,39 @@ from magnetar.version import __version__
 _DISCONNECT_POLL_S = 0.5  # how often a whole-answer request checks that its client is still there
 
 
-def usage_of(result) -> Usage:
-    prompt = result.context_tokens + result.query_tokens
-    return Usage(prompt_tokens=prompt, completion_tokens=len(result.token_ids),
-                 total_tokens=prompt + len(result.token_ids),
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_context_tokens))
+def usage_of(results: list, n: int = 1) -> Usage:
+    """The usage of a request's choices (``n`` per prompt, prompt by prompt): each prompt counted once, as
+    OpenAI does, every choice's tokens."""
+    prompt = sum(r.context_tokens + r.query_tokens for r in results[::n])
+    completion = sum(len(r.token_ids) for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(
+                     cached_tokens=sum(r.cached_context_tokens for r in results[::n])))
+
+
+class Tagged:
+    """A choice's view of the request's :class:`Sink`: its events go to the shared queue as ``(choice, event)``."""
+
+    def __init__(self, sink: Sink, index: int):
+        self.sink, self.index = sink, index
+
+    def put(self, item) -> None:
+        self.sink.put((self.index, item))
+
+
+RETRY_AFTER_S = 5  # a draining replica's 503: retry (on another replica, behind a load balancer) after this
+
+
+def retry_headers(status: int, failed: Optional[str] = None) -> dict[str, str]:
+    """What a client's retry logic needs (the ``openai`` SDK reads both): a draining server's 503 says when to retry
+    (``Retry-After``); a 500 (the request's own non-finite values, or the engine failed) and a failed server's 503
+    say that a retry cannot help (``x-should-retry: false``) -- the SDK then shows the message at once instead of
+    retrying into a server that is gone and reporting "Connection error."."""
+    if status == 503 and failed is None:
+        return {"retry-after": str(RETRY_AFTER_S)}
+    if status >= 500:
+        return {"x-should-retry": "false"}
+    return {}
 
 
 def _sse(obj) -> str:
@@ -46,7 +74,8 @@ def _sse(obj) -> str:
 
 def build_app(server) -> FastAPI:
     """The FastAPI app of ``server`` (a :class:`magnetar.serve.server.Server`)."""
-    app = FastAPI(title="Magnetar", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Magnetar", version=__version__, docs_url="/docs", redoc_url=None,
+                  description="OpenAI-compatible long-context serving (docs/serving.md)")
     loop, preparer, metrics = server.loop, server.preparer, server.metrics
 
     @app.exception_handler(RequestError)
@@ -54,7 +83,7 @@ def build_app(server) -> FastAPI:
         # a client that left (499) is counted as "cancelled" by the loop: not also as rejected
         if request.url.path in ("/v1/chat/completions", "/v1/completions") and exc.status < 500 and exc.status != 499:
             metrics.requests.labels(endpoint=request.url.path, outcome="rejected").inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry_headers(exc.status, loop.failed))
 
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused):  # raised by the gate while a route reads the body
@@ -80,6 +109,13 @@ def build_app(server) -> FastAPI:
     async def models():
         return ModelList(data=[ModelCard(id=server.model_name, created=server.created)]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")  # a Hub id holds a slash
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise RequestError(f"model {show(model_id)} is not served here; this server serves "
+                               f"{server.model_name!r}", "model", status=404)
+        return ModelCard(id=server.model_name, created=server.created).model_dump()
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -96,48 +132,72 @@ def build_app(server) -> FastAPI:
         _open()
         chat_kind = isinstance(req, ChatCompletionRequest)
         prepared = await preparer.run(preparer.chat if chat_kind else preparer.completion, req)
+        n = 1 if req.n is None else req.n
         sink = Sink(asyncio.get_running_loop())
-        sid = loop.new_sid()
-        loop.submit(Job("generate", sid, sink, prepared, endpoint=request.url.path))
+        sids = []
+        try:
+            for i, p in enumerate(prepared):  # one request per choice, all in the engine's batch
+                sids.append(loop.new_sid())
+                loop.submit(Job("generate", sids[-1], Tagged(sink, i), p, endpoint=request.url.path))
+        except BaseException:
+            for sid in sids:
+                loop.cancel(sid)
+            raise
         rid = new_id("chatcmpl" if chat_kind else "cmpl")
+        info = {"prompts": [{"split": p.split, "context_tokens": p.context_tokens,
+                             "query_tokens": int(p.query_ids.numel())} for p in prepared[::n]]}
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # the status line waits for the request's first event: a request the engine refuses (or fails) gets
             # its own HTTP status, not a 200 followed by an error event
-            first = await _first(request, sink, sid)
-            return StreamingResponse(_stream(sink, sid, rid, chat_kind, include_usage, first),
+            first = await _first(request, sink, sids)
+            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info, first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, done = await _collect(request, sink, sid)
+        texts, dones = await _collect(request, sink, sids)
+        usage = usage_of([d.result for d in dones], n)
         if chat_kind:
-            return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage_of(done.result),
-                                  choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                      finish_reason=done.finish_reason)]).model_dump()
-        return Completion(id=rid, created=now(), model=server.model_name, usage=usage_of(done.result),
-                          choices=[CompletionChoice(text=text, finish_reason=done.finish_reason)]).model_dump()
+            return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
+                                  choices=[ChatChoice(index=i, message=AssistantMessage(content=t),
+                                                      finish_reason=d.finish_reason)
+                                           for i, (t, d) in enumerate(zip(texts, dones))]).model_dump()
+        return Completion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
+                          choices=[CompletionChoice(index=i, text=p.echo + t, finish_reason=d.finish_reason)
+                                   for i, (p, t, d) in enumerate(zip(prepared, texts, dones))]).model_dump()
 
-    async def _collect(request: Request, sink: Sink, sid: int) -> tuple[str, Done]:
-        """The whole answer; cancels the request if the client goes away meanwhile."""
-        parts, checked = [], [time.monotonic()]
-        while True:
-            item = await _next(request, sink, sid, checked)
+    async def _collect(request: Request, sink: Sink, sids: list[int]) -> tuple[list[str], list[Done]]:
+        """Every choice's whole answer; cancels them all if the client goes away meanwhile or one fails."""
+        parts: list[list[str]] = [[] for _ in sids]
+        dones: list[Optional[Done]] = [None] * len(sids)
+        checked = [time.monotonic()]
+        while any(d is None for d in dones):
+            i, item = await _next(request, sink, sids, checked)
             if isinstance(item, Failed):
+                _cancel_others(sids, dones, i)
                 raise item.error
             if isinstance(item, Done):
-                return "".join(parts), item
-            parts.append(item.text)
+                dones[i] = item
+            else:
+                parts[i].append(item.text)
+        return ["".join(p) for p in parts], dones
 
-    async def _first(request: Request, sink: Sink, sid: int):
-        """A request's first event (its first token, or Done); RequestError when it failed, or the client left
-        meanwhile (then the request is cancelled)."""
-        item = await _next(request, sink, sid, [time.monotonic()])
+    def _cancel_others(sids: list[int], dones: list, failed: int) -> None:
+        for j, sid in enumerate(sids):
+            if j != failed and dones[j] is None:
+                loop.cancel(sid)
+
+    async def _first(request: Request, sink: Sink, sids: list[int]):
+        """The first event of a request's choices (a first token, or Done) as ``(choice, event)``; RequestError
+        when it failed (the other choices are cancelled), or the client left meanwhile (then all are)."""
+        i, item = await _next(request, sink, sids, [time.monotonic()])
         if isinstance(item, Failed):
+            _cancel_others(sids, [None] * len(sids), i)
             raise item.error
-        return item
+        return i, item
 
-    async def _next(request: Request, sink: Sink, sid: int, checked: list[float]):
-        """The request's next event. Its client is checked every poll period since ``checked[0]`` -- also while
-        events keep coming --, and when it has gone the request is cancelled and a 499 raised."""
+    async def _next(request: Request, sink: Sink, sids: list[int], checked: list[float]):
+        """The next ``(choice, event)``. The client is checked every poll period since ``checked[0]`` -- also while
+        events keep coming --, and when it has gone every choice is cancelled and a 499 raised."""
         getter = asyncio.ensure_future(sink.queue.get())
         try:
             while True:
@@ -145,7 +205,8 @@ def build_app(server) -> FastAPI:
                 if time.monotonic() - checked[0] >= _DISCONNECT_POLL_S:
                     checked[0] = time.monotonic()
                     if await request.is_disconnected():
-                        loop.cancel(sid)
+                        for sid in sids:
+                            loop.cancel(sid)
                         raise RequestError("the client disconnected", status=499)
                 if done:
                     return getter.result()
@@ -153,42 +214,51 @@ def build_app(server) -> FastAPI:
             if not getter.done():
                 getter.cancel()
 
-    async def _stream(sink: Sink, sid: int, rid: str, chat_kind: bool, include_usage: bool, first=None):
+    async def _stream(sink: Sink, sids: list[int], prepared: list, rid: str, chat_kind: bool, include_usage: bool,
+                      n: int, info: dict, first=None):
         created, name = now(), server.model_name
-        finished = False
+        dones: list[Optional[Done]] = [None] * len(sids)
 
-        def chunk(text: Optional[str], finish: Optional[str] = None, role: bool = False):
+        def chunk(i: int, text: Optional[str], finish: Optional[str] = None, role: bool = False):
             if chat_kind:
                 return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ChunkChoice(
-                    delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish)])
+                    index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish)])
             return Completion(id=rid, created=created, model=name,
-                              choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+                              choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish)])
 
         try:
-            if chat_kind:
-                yield _sse(chunk("", role=True))
+            for i, p in enumerate(prepared):  # each choice's opening chunk: the role, or the echoed prompt
+                if chat_kind:
+                    yield _sse(chunk(i, "", role=True))
+                elif p.echo:
+                    yield _sse(chunk(i, p.echo))
             while True:
-                item, first = (first, None) if first is not None else (await sink.queue.get(), None)
+                (i, item), first = (first, None) if first is not None else (await sink.queue.get(), None)
                 if isinstance(item, Token):
                     if item.text:
-                        yield _sse(chunk(item.text))
+                        yield _sse(chunk(i, item.text))
                 elif isinstance(item, Done):
-                    yield _sse(chunk(None if chat_kind else "", item.finish_reason))
+                    dones[i] = item
+                    yield _sse(chunk(i, None if chat_kind else "", item.finish_reason))
+                    if any(d is None for d in dones):
+                        continue
                     if include_usage:
-                        usage = usage_of(item.result)
-                        final = ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage) \
-                            if chat_kind else Completion(id=rid, created=created, model=name, choices=[], usage=usage)
+                        usage = usage_of([d.result for d in dones], n)
+                        final = ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage,
+                                                    magnetar=info) if chat_kind else \
+                            Completion(id=rid, created=created, model=name, choices=[], usage=usage, magnetar=info)
                         yield _sse(final)
-                    finished = True
                     yield "data: [DONE]\n\n"
                     return
                 elif isinstance(item, Failed):  # the status line is sent: the error goes as an event
-                    finished = True
+                    _cancel_others(sids, dones, i)
+                    dones[i] = item
                     yield _sse(item.error.body())
                     return
         finally:
-            if not finished:  # the client went away (or the response was cancelled): free the slot
-                loop.cancel(sid)
+            for sid, d in zip(sids, dones):
+                if d is None:  # the client went away (or the response was cancelled): free the slot
+                    loop.cancel(sid)
 
     @app.post("/v1/contexts")
     async def post_context(request: Request):

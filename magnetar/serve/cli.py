@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -30,6 +31,7 @@ from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import is_loopback
+from magnetar.serve.prompts import PASTE_TOKENS
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
@@ -64,6 +66,17 @@ def _host_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _origin_list(text: str) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError(f"expected comma-separated origins (https://app.example.com) or '*', got "
+                                         f"{text!r}")
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: give scheme://host[:port] (no path), or '*'")
+    return origins
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
@@ -78,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_tokens of a request that gives none (capped to the positions left)")
     p.add_argument("--max-contexts", type=int_at_least(0), default=16,
                    help="contexts pinned by POST /v1/contexts at most")
+    p.add_argument("--paste-threshold", type=int_at_least(0), default=PASTE_TOKENS,
+                   help=f"a chat's last user message of at least this many tokens holds a document: its text before "
+                        f"the question is encoded as context (Phase 1, cached); 0: never (default {PASTE_TOKENS})")
     p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
     g = p.add_argument_group("what clients may send (docs/serving.md, \"Limits and access\")")
     g.add_argument("--api-key", default=None,
@@ -87,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allowed-hosts", type=_host_list, default=(),
                    help="comma-separated Host names accepted besides localhost/127.0.0.1/::1 (DNS-rebinding "
                         "guard; checked when --host is loopback, or always once this is given)")
+    g.add_argument("--allowed-origins", type=_origin_list, default=(),
+                   help="comma-separated browser origins allowed to call the API (CORS), or '*'; default none")
     g.add_argument("--max-request-bytes", type=int_at_least(1024), default=None,
                    help="largest request body, else 413 (default: 64 bytes per model position, at least 1 MiB)")
     g.add_argument("--request-timeout-s", type=_positive_seconds, default=60.0,
@@ -205,7 +223,8 @@ def main(argv=None) -> int:
                     log_level=args.log_level, max_request_bytes=args.max_request_bytes,
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
                     max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
-                    allowed_hosts=args.allowed_hosts, sock=sock)
+                    allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+                    paste_threshold=args.paste_threshold, sock=sock)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

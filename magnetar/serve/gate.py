@@ -16,6 +16,9 @@ error body when
 5. its body does not arrive whole within ``--request-timeout-s`` of its headers (a body shorter than its
    ``Content-Length``, a client that trickles): **408**.
 
+Every response carries an ``x-request-id`` header: the request's own when it sent a usable one (at most 128
+characters of letters, digits and ``-_.:``), else one made here (``req-`` and 24 hex digits); refusals too.
+
 A request's headers are bounded by :class:`BoundedH11Protocol`: a connection that has not sent a whole request
 head within ``--request-timeout-s`` (nothing at all, or half the headers) is closed; uvicorn's own
 ``limit_concurrency`` (``--max-connections``) answers 503 past that many connections, and h11 refuses a head
@@ -29,7 +32,9 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import time
+import uuid
 from typing import Iterable, Optional
 
 from magnetar.serve.protocol import error_body
@@ -38,6 +43,14 @@ log = logging.getLogger(__name__)
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 JSON_TYPES = ("application/json",)
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(given: Optional[str]) -> str:
+    """The ``x-request-id`` of a response: the client's own when usable (a log-safe token), else a new one."""
+    if given is not None and _REQUEST_ID.fullmatch(given.strip()):
+        return given.strip()
+    return f"req-{uuid.uuid4().hex[:24]}"
 
 
 def is_loopback(host: str) -> bool:
@@ -99,6 +112,9 @@ class Gate:
         headers = {}
         for name, value in scope.get("headers") or ():
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        rid = request_id(headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+        send = _with_request_id(send, rid.encode())
         try:
             self._check(scope, headers)
         except Refused as r:
@@ -177,6 +193,16 @@ class Gate:
                    (b"connection", b"close"), *r.headers]
         await send({"type": "http.response.start", "status": r.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _with_request_id(send, rid: bytes):
+    """``send`` that adds ``x-request-id`` to the response head."""
+    async def sender(message):
+        if message["type"] == "http.response.start":
+            message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", rid)])
+        await send(message)
+
+    return sender
 
 
 def bounded_protocol(header_timeout_s: float):

@@ -284,9 +284,8 @@ class EngineLoop:
             self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
-            handle = self.handles.pop(cid, None)
-            if handle is not None:
-                self.engine.release(handle)
+            # unpinned only: the context cache keeps its entry (shared with automatic reuse) under its LRU budget
+            self.handles.pop(cid, None)
 
     def _route(self, events) -> None:
         for ev in events:

@@ -7,15 +7,26 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
   question -- with one user message exactly ``Engine.generate(doc, question)``
   (:func:`magnetar.engine.template.split_messages`);
 * chat without it: everything before the last user message (system prompt, earlier turns, the user header) is
-  the context, the last user message the question;
+  the context, the last user message the question -- unless that message is long (``--paste-threshold``
+  tokens, 1024 by default): then its leading document opens the context's last turn, as ``magnetar.context``
+  would, and its tail is the question (:func:`split_pasted`: after the last blank line, else the last line
+  break, else its last 64 tokens); ``"magnetar": {"split_document": false}`` keeps the whole message as the
+  question;
 * chat or completion with ``"magnetar": {"context_id": id}`` (``POST /v1/contexts``): the encoded context; the
   messages are then one user message, the question;
 * completion, ``"magnetar": {"context": doc}``: the document as plain text (BOS first when the tokenizer adds
-  one), the prompt as the query; without it the raw prompt is cut after its last blank line (``"\\n\\n"``, else
-  its last newline) before non-blank text: what precedes is the context, the rest (the question) the query.
+  one; a blank line after it unless it ends with a line break: :func:`raw_document`), the prompt as the query;
+  without it a text prompt is cut after its last blank line (``"\\n\\n"``, else its last newline) before
+  non-blank text -- what precedes is the context, the rest the query --, and a prompt with no line break, or
+  token ids (taken as given), is cut between tokens: its last 64 tokens (all but the first, if shorter) are the
+  query. A list of prompts is one request per prompt (choices in order), ``n`` choices each.
 
-Per-request options (the ``magnetar`` object): ``context``, ``context_id``, and the engine options that only
-decide how the context is encoded (``method``, ``block_size``, ``anchor_size``, pulsar's and streaming's fields:
+Each response says how its prompts were cut (``"magnetar": {"prompts": [{"split", "context_tokens",
+"query_tokens"}]}``).
+
+Per-request options (the ``magnetar`` object): ``context``, ``context_id``, ``split_document``, and the engine
+options that only decide how the context is encoded (``method``, ``block_size``, ``anchor_size``, pulsar's and
+streaming's fields:
 :data:`magnetar.config.REQUEST_OPTIONS`): the request's context is then encoded by ``Engine.variant`` (the
 same model, ranks, decode policy and context cache, whose key includes these options). Other engine options
 (``cp_size``, ``tp_size``, sparse decoding, LuKA, ...) change the ranks' layout or the decoding of the whole
@@ -40,12 +51,16 @@ import torch
 from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig
 from magnetar.engine import inputs
 from magnetar.engine.requests import check_fit
-from magnetar.engine.template import split_messages, split_plain
+from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
 
-OPTIONS = ("context", "context_id")
+OPTIONS = ("context", "context_id", "split_document")
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_new_tokens")
+PASTE_TOKENS = 1024  # --paste-threshold's default: a last user message this long (tokens) holds a document
+QUERY_CUT_TOKENS = 64  # a prompt with no line break to cut at (or token ids): its last this many tokens are the query
+MAX_PROMPTS = 64  # a completion's prompt list, at most
+MAX_CHOICES = 64  # prompts x n, at most
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,12 @@ class Prepared:
     context_tokens: int
     params: dict
     options: dict = field(default_factory=dict)  # engine options of this request's encoding (Engine.variant)
+    # how the prompt was cut into the two phases (reported in the response's ``magnetar`` object): "context"
+    # (magnetar.context), "context_id", "conversation" (chat: the turns before the last user message),
+    # "pasted" (chat: a long last user message's document), "paragraph" (a completion cut at a line break),
+    # "tokens" (a token cut)
+    split: str = "context"
+    echo: str = ""  # completions with echo: the prompt's text, sent before the answer
 
 
 @dataclass(frozen=True)
@@ -145,8 +166,9 @@ class Preparer:
     prefix (:func:`magnetar.engine.template.check_fits`)."""
 
     def __init__(self, engine, model_name: str, default_max_tokens: int, contexts: ContextRegistry, *,
-                 max_stop_strings: int = 4, workers: int = 4):
+                 max_stop_strings: int = 4, workers: int = 4, paste_tokens: int = PASTE_TOKENS):
         self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
+        self.paste_tokens = paste_tokens  # 0: a pasted document stays in the question
         self.contexts = contexts
         self.max_stop_strings = max_stop_strings
         self.config: EngineConfig = engine.config
@@ -171,7 +193,8 @@ class Preparer:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the three request kinds ------------------------------------------------------------------------------
-    def chat(self, req: ChatCompletionRequest) -> Prepared:
+    def chat(self, req: ChatCompletionRequest) -> list[Prepared]:
+        """The request, ``n`` times (its choices)."""
         self._common(req)
         if not req.messages:
             raise RequestError("messages is empty: send at least one message, the question as the last user "
@@ -184,6 +207,18 @@ class Preparer:
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
             raise RequestError("with magnetar.context_id the encoded context is Phase 1: send only the question, as "
                                "one user message", "messages")
+        split = "context" if context is not None else "context_id" if cid is not None else "conversation"
+        if split == "conversation" and (req.magnetar or {}).get("split_document", True) and \
+                messages[-1]["role"] == "user":
+            where = f"messages[{len(messages) - 1}].content"
+            try:
+                check_fits(self.tokenizer, [messages[-1]["content"]], self.limit, where)
+            except ValueError as e:
+                raise RequestError(str(e), where) from None
+            pasted = split_pasted(self.tokenizer, messages[-1]["content"], self.paste_tokens)
+            if pasted is not None:  # the document opens the last user turn, as magnetar.context does
+                context, messages[-1]["content"] = pasted
+                split = "pasted"
         try:
             if cid is not None:  # the template's question part: split after a stand-in context
                 prompt = split_messages(self.tokenizer, messages, context=".", limit=self.limit)
@@ -193,31 +228,93 @@ class Preparer:
             raise RequestError(str(e), _message_param(str(e))) from None
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        where = "magnetar.context" if context is not None else "messages"
-        return self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options, config)
+        where = "magnetar.context" if split == "context" else "messages"
+        prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options,
+                                config, split=split)
+        return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
 
-    def completion(self, req: CompletionRequest) -> Prepared:
+    def completion(self, req: CompletionRequest) -> list[Prepared]:
+        """One request per prompt of ``req.prompt`` (a string, a list of strings, token ids or a list of them),
+        each ``n`` times, in the order of OpenAI's choices (prompt by prompt, ``n`` choices each)."""
         self._common(req)
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise RequestError(f"prompt: one prompt per request (got a list of {len(prompt)}); send one string",
-                                   "prompt")
-            prompt = prompt[0]
-        if not prompt.strip():
-            raise RequestError("prompt is empty: Phase 2 needs at least one query token", "prompt")
+        prompts = _prompt_list(req.prompt)
+        n = 1 if req.n is None else req.n
+        if len(prompts) * n > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; at most "
+                               f"{MAX_CHOICES} per request: send several requests", "n")
         context, cid, options, config = self._options(req.magnetar, "raw")
-        where = "magnetar.context"
-        if context is None and cid is None:
-            context, prompt = split_completion(prompt)
-            where = "prompt"
+        if (req.magnetar or {}).get("split_document") is not None:
+            raise RequestError("magnetar.split_document applies to chat requests; a completion's prompt is cut by the "
+                               "rule of docs/serving.md, or give the document in magnetar.context",
+                               "magnetar.split_document")
+        one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
+        out = []
+        for i, prompt in enumerate(prompts):
+            prepared = self._completion_one(req, prompt, "prompt" if one else f"prompt[{i}]", context, cid, options,
+                                            config)
+            out += [_reseeded(prepared, j) for j in range(n)]
+        return out
+
+    def _completion_one(self, req: CompletionRequest, prompt, param: str, context: Optional[str],
+                        cid: Optional[str], options: dict, config: EngineConfig) -> Prepared:
+        echo = ""
+        if isinstance(prompt, list):  # token ids, taken as given (no BOS added)
+            ids = torch.tensor(prompt, dtype=torch.long)
+            try:
+                inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
+            except ValueError as e:
+                raise RequestError(str(e), param) from None
+            if req.echo:
+                echo = self.tokenizer.decode(prompt)
+            if context is None and cid is None:
+                if len(prompt) < 2:
+                    raise RequestError(f"{param}: a token-id prompt needs at least 2 tokens (Phase 1's context and "
+                                       f"Phase 2's query), got {len(prompt)}", param)
+                q = min(QUERY_CUT_TOKENS, len(prompt) - 1)
+                return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
+                                    config, split="tokens", echo=echo)
+            p_ids = ids
+            c_ids = None
+        else:
+            if not prompt.strip():
+                raise RequestError(f"{param} is empty: Phase 2 needs at least one query token", param)
+            echo = prompt if req.echo else ""
+            p_ids = c_ids = None
+        where, split = "magnetar.context", "context" if cid is None else "context_id"
+        if p_ids is None and context is None and cid is None:
+            cut = split_completion(prompt)
+            if cut is not None:
+                context, prompt = cut
+                where, split = param, "paragraph"
+            else:  # no line break: a token cut of the whole prompt
+                try:
+                    whole = split_plain(self.tokenizer, prompt, "", limit=self.limit)
+                except ValueError as e:
+                    raise RequestError(f"{param}: {e}", param) from None
+                ids = whole.context_ids
+                if ids.numel() < 2:
+                    raise RequestError(f"{param} is one token: Magnetar needs a context (Phase 1) and a query "
+                                       f"(Phase 2); send a longer prompt or the document in magnetar.context", param)
+                q = min(QUERY_CUT_TOKENS, int(ids.numel()) - 1)
+                return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
+                                    config, split="tokens", echo=echo)
+        if context is not None:
+            context = raw_document(context)
+        if p_ids is not None:  # token ids after a document: the document's ids, then the prompt's as the query
+            try:
+                c_ids = split_plain(self.tokenizer, "." if cid is not None else context, ".",
+                                    limit=self.limit).context_ids
+            except ValueError as e:
+                raise RequestError(f"{where}: {e}", where) from None
+            return self._finish(req, c_ids, cid, p_ids, req.max_tokens, "max_tokens", where, options, config,
+                                split=split, echo=echo)
         try:
             p = split_plain(self.tokenizer, "." if cid is not None else context, prompt, limit=self.limit)
         except ValueError as e:
             raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
-                               where if not str(e).startswith("query:") else "prompt") from None
+                               where if not str(e).startswith("query:") else param) from None
         return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options,
-                            config)
+                            config, split=split, echo=echo)
 
     def context(self, req: ContextRequest) -> torch.Tensor:
         """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
@@ -229,7 +326,7 @@ class Preparer:
                 ids = split_messages(self.tokenizer, [{"role": "user", "content": "?"}], context=req.context,
                                      limit=self.limit)
             else:
-                ids = split_plain(self.tokenizer, req.context, "?", limit=self.limit)
+                ids = split_plain(self.tokenizer, raw_document(req.context), "?", limit=self.limit)
         except ValueError as e:
             raise RequestError(f"context: {e}", "context") from None
         self._check_context(ids.context_ids, 1, "context")
@@ -245,6 +342,8 @@ class Preparer:
         """The checks that need no tokenizing (before any)."""
         self._model(req.model)
         refuse_unsupported(req)
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise RequestError(f"n={show(req.n)}: choices per request are 1..{MAX_CHOICES}", "n")
         if req.stream_options is not None and not req.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
         stop = req.stop_list()
@@ -298,6 +397,10 @@ class Preparer:
                                    "send the document in magnetar.context to encode it with others",
                                    f"magnetar.{next(iter(engine_options))}")
         context, cid = options.get("context"), options.get("context_id")
+        split_document = options.get("split_document")
+        if split_document is not None and not isinstance(split_document, bool):
+            raise RequestError(f"magnetar.split_document must be true or false, got {show(split_document)}",
+                               "magnetar.split_document")
         if context is not None and not isinstance(context, str):
             raise RequestError(f"magnetar.context must be a string (the document), got {type(context).__name__}",
                                "magnetar.context")
@@ -340,7 +443,7 @@ class Preparer:
 
     def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
                 max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None,
-                config: Optional[EngineConfig] = None) -> Prepared:
+                config: Optional[EngineConfig] = None, *, split: str = "context", echo: str = "") -> Prepared:
         if cid is not None:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
@@ -377,20 +480,79 @@ class Preparer:
                                f"most {room} or shorten the prompt", max_name)
         fields = dataclasses.asdict(params)
         fields["stop"] = list(fields["stop"])
-        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields, dict(options or {}))
+        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields, dict(options or {}),
+                        split, echo)
 
 
-def split_completion(prompt: str) -> tuple[str, str]:
+def raw_document(doc: str) -> str:
+    """A completion's document (``magnetar.context``, or ``POST /v1/contexts`` with format ``raw``) as Phase 1
+    encodes it: ending with a blank line (``"\\n\\n"`` is added unless it ends with a line break already), so that the
+    prompt after it starts a paragraph of its own instead of running on from the document's last sentence."""
+    return doc if doc.endswith("\n") else doc + "\n\n"
+
+
+def split_completion(prompt: str) -> Optional[tuple[str, str]]:
     """A raw prompt's (context, query): cut after its last blank line before non-blank text, else after its last
-    newline; RequestError (param ``prompt``) when it has neither or the context would be blank."""
+    newline; None when it has neither or the context would be blank (then the caller cuts tokens)."""
     body = prompt.rstrip()
     cut = body.rfind("\n\n")
     cut = cut + 2 if cut >= 0 else body.rfind("\n") + 1
     if cut <= 0 or not prompt[:cut].strip():
-        raise RequestError("prompt: cannot tell the context from the question -- Magnetar encodes the context "
-                           "(Phase 1) apart from the question (Phase 2); put the question after a blank line, or the "
-                           "document in magnetar.context", "prompt")
+        return None
     return prompt[:cut], prompt[cut:]
+
+
+def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, str]]:
+    """(document, question) of a chat's last user message of at least ``threshold`` tokens (0: never), else None.
+
+    The question is what follows the message's last blank line before non-blank text; when there is none, or what
+    follows is itself longer than ``threshold // 2`` tokens, what follows its last line break; failing that, its
+    last :data:`QUERY_CUT_TOKENS` tokens (a cut between two tokens). The document is everything before, and is
+    never blank."""
+    if threshold <= 0 or len(text) < threshold:  # a token is at least one character: it cannot be that long
+        return None
+    enc = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    starts = [a for a, _ in enc["offset_mapping"]]
+    if len(starts) < threshold:
+        return None
+    body = text.rstrip()
+    for sep in ("\n\n", "\n"):
+        cut = body.rfind(sep)
+        if cut < 0:
+            continue
+        cut += len(sep)
+        tail_tokens = sum(a >= cut for a in starts)
+        if text[:cut].strip() and text[cut:].strip() and tail_tokens <= threshold // 2:
+            return text[:cut], text[cut:]
+    cut = starts[len(starts) - QUERY_CUT_TOKENS]
+    return text[:cut], text[cut:]
+
+
+def _prompt_list(prompt) -> list:
+    """A completion's ``prompt`` as a list of prompts (each a string or a list of token ids); RequestError for an
+    empty list or one over :data:`MAX_PROMPTS`."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt is an empty list: send a string, a list of strings, or token ids", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise RequestError(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request: send several "
+                           f"requests", "prompt")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list) and not p:
+            raise RequestError(f"prompt[{i}] is an empty list of token ids", f"prompt[{i}]")
+    return list(prompt)
+
+
+def _reseeded(prepared: Prepared, j: int) -> Prepared:
+    """The ``j``-th of ``n`` choices of ``prepared``: its seed, if any, plus ``j`` (so sampled choices differ and
+    repeat)."""
+    seed = prepared.params.get("seed")
+    if seed is None or j == 0:
+        return prepared
+    return dataclasses.replace(prepared, params=dict(prepared.params, seed=seed + j))
 
 
 def _message_param(message: str) -> Optional[str]:

@@ -107,7 +107,8 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: Union[str, list[str]]
+    # a string, a list of strings, token ids, or a list of token-id lists (one choice each, in order)
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -125,8 +126,7 @@ class ContextRequest(_Strict):
 
 # The unsupported OpenAI fields and the values they may hold: (field, allowed values, why)
 _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
-    ("n", (None, 1), "one choice per request; send n requests"),
-    ("best_of", (None, 1), "one choice per request"),
+    ("best_of", (None, 1), "no server-side best-of; ask for n choices and pick one"),
     ("presence_penalty", (None, 0, 0.0), "no penalties"),
     ("frequency_penalty", (None, 0, 0.0), "no penalties"),
     ("logit_bias", (None,), "no logit bias"),
@@ -134,7 +134,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("top_logprobs", (None, 0), "no log-probabilities"),
     ("tools", (None,), "no tool calls"),
     ("tool_choice", (None, "none"), "no tool calls"),
-    ("echo", (None, False), "the prompt is not echoed"),
     ("suffix", (None,), "no insertion"),
 )
 
@@ -228,6 +227,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    magnetar: Optional[dict[str, Any]] = None  # how each prompt was cut into the two phases (docs/serving.md)
 
 
 class Delta(BaseModel):
@@ -249,6 +249,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Optional[Usage] = None
+    magnetar: Optional[dict[str, Any]] = None  # in the usage chunk
 
 
 class CompletionChoice(BaseModel):
@@ -265,6 +266,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
+    magnetar: Optional[dict[str, Any]] = None
 
 
 class ModelCard(BaseModel):

@@ -16,7 +16,7 @@ import time
 from typing import Optional, Sequence
 
 from magnetar.serve.loop import EngineLoop
-from magnetar.serve.prompts import ContextRegistry, Preparer
+from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
 from magnetar.serve.protocol import now
 
 log = logging.getLogger(__name__)
@@ -32,11 +32,15 @@ class Server:
 
     ``max_batch_size``: requests decoding together; ``max_tokens``: a request's ``max_tokens`` when it gives
     none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
+    ``paste_threshold``: a chat's last user message of at least this many tokens holds a document that is
+    encoded as context (0: never; :mod:`magnetar.serve.prompts`);
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
     and again for its body), ``max_connections``, ``max_stop_strings``; ``api_key`` (None: none) with
-    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's). ``sock``: a socket already bound
+    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's); ``allowed_origins`` (browser
+    origins answered with CORS headers, ``*`` for any; none by default: browsers refuse cross-origin reads).
+    ``sock``: a socket already bound
     to ``host:port`` (``magnetar serve`` binds it before loading the model), else uvicorn binds one.
     """
 
@@ -45,8 +49,8 @@ class Server:
                  heartbeat_s: Optional[float] = None, log_level: str = "warning",
                  max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
                  max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
-                 public_metrics: bool = False, allowed_hosts: Sequence[str] = (),
-                 sock: Optional[socket.socket] = None):
+                 public_metrics: bool = False, allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+                 paste_threshold: int = PASTE_TOKENS, sock: Optional[socket.socket] = None):
         self.engine, self.model_name, self.host, self.sock = engine, model_name, host, sock
         self.port = port + engine.groups.dp_rank
         self.log_level = log_level
@@ -71,12 +75,20 @@ class Server:
             from magnetar.serve.gate import Gate
             from magnetar.serve.metrics import Metrics
 
-            self.preparer = Preparer(engine, model_name, max_tokens, self.contexts, max_stop_strings=max_stop_strings)
+            self.preparer = Preparer(engine, model_name, max_tokens, self.contexts, max_stop_strings=max_stop_strings,
+                                     paste_tokens=paste_threshold)
             self.metrics = self.loop.metrics = Metrics()
             self.app = build_app(self)
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout_s,
                              bound_host=host, allowed_hosts=allowed_hosts, api_key=api_key,
                              public_metrics=public_metrics, on_refused=self.metrics.refused)
+            if allowed_origins:  # outside the gate: a preflight carries no API key, and refusals get CORS headers too
+                from starlette.middleware.cors import CORSMiddleware
+
+                self.asgi = CORSMiddleware(self.asgi, allow_origins=list(allowed_origins),
+                                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+                                           expose_headers=["x-request-id", "retry-after", "x-should-retry"],
+                                           max_age=600)
 
     @property
     def leader(self) -> bool:
