@@ -265,7 +265,12 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("n 0", "chat", _chat_body(n=0), "n"),
     ("n over the bound", "chat", _chat_body(n=65), "n"),
     ("split_document not a bool", "chat", _chat_body(magnetar={"split_document": "no"}), "magnetar.split_document"),
-    ("logprobs", "chat", _chat_body(logprobs=True), "logprobs"),
+    ("top_logprobs without logprobs", "chat", _chat_body(top_logprobs=2), "top_logprobs"),
+    ("top_logprobs over 20", "chat", _chat_body(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("logprobs an int in chat", "chat", _chat_body(logprobs=1), "logprobs"),
+    ("completions logprobs over 20", "completions", {"model": NAME, "prompt": "a\n\nb", "logprobs": 21}, "logprobs"),
+    ("scoring a one-token prompt", "completions", {"model": NAME, "prompt": [5], "echo": True, "logprobs": 1},
+     "prompt"),
     ("unknown field", "chat", _chat_body(frobnicate=1), "frobnicate"),
     ("stream_options without stream", "chat", _chat_body(stream_options={"include_usage": True}), "stream_options"),
     ("unknown method", "chat", _chat_body(magnetar={"context": DOCS[0], "method": "warp"}), "magnetar.method"),
@@ -445,6 +450,53 @@ def test_completions_take_lists_token_ids_echo_and_n(client, ref):
         for ch in c.choices:
             parts[ch.index] += ch.text
     assert parts == singles
+
+
+def test_lm_eval_log_likelihood_request_equals_hugging_face(served, client, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import assert_close
+
+    # lm-eval's local-completions: token ids, echo, logprobs 1, max_tokens 1, greedy
+    ids = torch.randint(3, 200, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [ids[:40], ids[40:] + ids[:12]]
+    got = client.completions.create(model=NAME, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    for choice, prompt in zip(sorted(got.choices, key=lambda c: c.index), prompts):
+        lp = choice.logprobs
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+        expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]  # token i + 1 given 0..i
+        # the first token (no past) and the first query token (after the 1-token Phase 1) have none, as OpenAI's
+        assert lp.token_logprobs[:2] == [None, None] and len(lp.token_logprobs) == len(prompt) + 1
+        assert_close(torch.tensor(lp.token_logprobs[2:-1]), expected[1:], what="logits", msg="prompt log-probs")
+        # the generated token's: greedy, so it is the most likely one, and its log-prob is HF's at the last position
+        assert_close(lp.token_logprobs[-1], want[-1].max(), what="logits", msg="answer log-prob")
+        assert all(len(top) == 1 and abs(max(top.values()) - max(want[i].tolist())) < 1e-4
+                   for i, top in enumerate(lp.top_logprobs[2:], start=1))
+    # streamed: the same numbers, the echo's chunk first
+    chunks = list(client.completions.create(model=NAME, prompt=prompts[0], echo=True, logprobs=1, max_tokens=2,
+                                            stream=True))
+    streamed = [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs]
+    whole = client.completions.create(model=NAME, prompt=prompts[0], echo=True, logprobs=1, max_tokens=2)
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+
+
+def test_chat_logprobs_are_the_answer_tokens_and_their_alternatives(client, ref):
+    got = _chat(client, DOCS[1], QUESTIONS[1], max_tokens=4, logprobs=True, top_logprobs=3)
+    want = ref.generate(DOCS[1], QUESTIONS[1], max_new_tokens=4, return_logits=True)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    first = torch.log_softmax(want.first_token_logits.double(), -1)
+    from tests.conftest import assert_close
+
+    assert_close(content[0].logprob, first.max(), what="logits", msg="first token")
+    # greedy: each chosen token is its step's most likely one
+    assert all(abs(c.logprob - c.top_logprobs[0].logprob) < 1e-6 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob for c in content)
+    streamed = [x.logprob for c in _chat(client, DOCS[1], QUESTIONS[1], max_tokens=4, logprobs=True, stream=True)
+                for ch in c.choices if ch.logprobs for x in ch.logprobs.content]
+    assert streamed == [c.logprob for c in content]
 
 
 def test_chat_n_choices_and_ops_headers(served, client, ref):

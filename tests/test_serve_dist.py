@@ -23,10 +23,13 @@ openai = pytest.importorskip("openai", reason="the test extra: pip install 'magn
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
 
 import magnetar  # noqa: E402
+import torch  # noqa: E402
+from magnetar.engine.template import split_messages  # noqa: E402
 from magnetar.parallel import lifetime  # noqa: E402
 from magnetar.parallel.groups import init_groups  # noqa: E402
 from magnetar.parallel.launcher import device_for_rank  # noqa: E402
 from magnetar.serve.ticks import Add, Tick, broadcast_tick  # noqa: E402
+from tests.conftest import assert_close  # noqa: E402
 from tests.dist_utils import free_port, run_distributed, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
@@ -34,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 TIMEOUT_S = 20  # the job's collective timeout (--timeout-s): where a dead rank must be noticed
 STARTUP_S = 240  # two ranks import torch, transformers and deepspeed on a busy machine
-FLAGS = ["--method", "star", "--cp-size", "2", "--block-size", "64"]
+FLAGS = ["--method", "star", "--cp-size", "2", "--block-size", "64", "--paste-threshold", "32"]
 DOC = "The quick brown fox jumps over the lazy dog. " * 8
 QUESTIONS = [" What jumps?", " Who is lazy?"]
 
@@ -113,6 +116,18 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
             assert got[i].usage.prompt_tokens == w.context_tokens + w.query_tokens
         assert got[0].usage.prompt_tokens_details.cached_tokens + got[1].usage.prompt_tokens_details.cached_tokens \
             == w.context_tokens  # one of the two encoded the document, the other hit the cache
+        # a document pasted into the message is Phase 1, spread over both ranks, as magnetar.context would be
+        pasted = client.chat.completions.create(model=NAME, max_tokens=6, messages=[
+            {"role": "user", "content": DOC + "\n\n" + QUESTIONS[1].strip()}])
+        p = split_messages(sim.tokenizer, [{"role": "user", "content": QUESTIONS[1].strip()}], context=DOC + "\n\n")
+        assert pasted.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
+        assert pasted.choices[0].message.content == sim.generate(p.context_ids, p.query_ids, max_new_tokens=6).text
+        # lm-eval's log-likelihood request: the prompt's log-probs are the query's, after one block (--block-size)
+        ids = list(range(5, 95))
+        scored = client.completions.create(model=NAME, prompt=[ids], echo=True, logprobs=1, max_tokens=1)
+        want_lp = sim.score(torch.tensor(ids[:64]), torch.tensor(ids[64:])).token_logprobs
+        assert_close(torch.tensor(scored.choices[0].logprobs.token_logprobs[65:-1]), want_lp, what="same_computation")
+        assert scored.choices[0].logprobs.token_logprobs[:65] == [None] * 65
         ranks = _ranks(job)
         assert sorted(ranks) == [0, 1], ranks
         for p in ranks.values():  # as a scheduler stopping the job would

@@ -41,6 +41,10 @@ class TokenEvent:
     text: str
     stop_reason: Optional[str] = None
     error: Optional[str] = None
+    # with SamplingParams.logprobs, on the replica's first rank: this token's (log p, [(id, log p)] alternatives);
+    # with prompt_logprobs, the first event also carries the query tokens' (DecodeResult.prompt_logprobs)
+    logprob: Optional[tuple] = None
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class _Entry:
 
 def question(handle: ContextHandle, query_ids: torch.Tensor, sampler: RequestSampler) -> Phase2Request:
     """One question over ``handle``'s KV: a fresh view of the shard (its own decode-policy state)."""
-    return Phase2Request(handle.shard.view(), query_ids, handle.query_position, handle.context_tokens, sampler)
+    params = sampler.params
+    return Phase2Request(handle.shard.view(), query_ids, handle.query_position, handle.context_tokens, sampler,
+                         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
 
 
 class ContinuousBatch:
@@ -198,4 +204,7 @@ class ContinuousBatch:
                 text = entry.deltas.push(res.token_ids[-1])
             if res.stop_reason is not None:
                 text += entry.deltas.finish()
-        return TokenEvent(rid, res.token_ids[-1] if res.token_ids else -1, text, res.stop_reason, res.error)
+        logprob = res.logprobs[-1] if new_token and res.logprobs and len(res.logprobs) == len(res.token_ids) else None
+        first = new_token and len(res.token_ids) == 1
+        return TokenEvent(rid, res.token_ids[-1] if res.token_ids else -1, text, res.stop_reason, res.error, logprob,
+                          res.prompt_logprobs if first else None)

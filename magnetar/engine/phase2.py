@@ -146,6 +146,10 @@ class DecodeResult:
     first_logits: Optional[torch.Tensor] = None
     gen_kv_tokens: int = 0
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
+    # with Phase2Request.logprobs, on the replica's first rank: per generated token (log p, [(id, log p)] of the
+    # most likely alternatives); with prompt_logprobs, the same for query tokens 1.. (each given those before it)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: Optional[list] = None
 
 
 class TokenChooser(Protocol):
@@ -185,6 +189,19 @@ class Phase2Request:
     query_position: int
     context_tokens: int
     chooser: TokenChooser
+    logprobs: Optional[int] = None  # None: none; k: each chosen token's log-probability and k alternatives
+    prompt_logprobs: bool = False  # also the query tokens' (from the query forward)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[tuple[float, list]]:
+    """``(log p(token), [(id, log p)] of the k most likely)`` for each row of ``logits (N, V)`` and its token:
+    ``log_softmax`` of the logits in float32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(list(tokens), device=lp.device)[:, None])[:, 0].tolist()
+    if k <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = lp.topk(k, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass
@@ -235,7 +252,8 @@ class DecodeBatch:
         return live.result
 
     def _forward(self, live: list[_Live], ids: torch.Tensor, starts: list[int], valid: list[int],
-                 what: str) -> tuple[torch.Tensor, Phase2Context]:
+                 what: str, every: bool = False) -> tuple[torch.Tensor, Phase2Context, Optional[torch.Tensor]]:
+        """Each request's last logits ``(B, V)``, the context, and with ``every`` the logits of every position."""
         device, S = self.device, ids.shape[1]
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)[None]
         ctx = Phase2Context(pos, [r.req.shard for r in live],
@@ -243,13 +261,14 @@ class DecodeBatch:
                             self.config.runtime.attention_backend, self.policy,
                             [r.req.context_tokens for r in live], check_finite=self.config.runtime.check_finite)
         logits = self.model(input_ids=ids.to(device), position_ids=pos, use_cache=False,
-                            logits_to_keep=1 if len(set(valid)) == 1 else 0, magnetar=ctx).logits
+                            logits_to_keep=1 if len(set(valid)) == 1 and not every else 0, magnetar=ctx).logits
+        full = logits if every else None
         last = torch.tensor(valid, device=device) - 1 if logits.shape[1] > 1 else \
             torch.zeros(len(valid), dtype=torch.long, device=device)
         logits = logits[torch.arange(len(valid), device=device), last]  # (B, V): each request's last real token
         if not self.isolate:
             ctx.check_logits(logits, what)
-        return logits, ctx
+        return logits, ctx, full
 
     def _choose(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str) -> list[int]:
         """The next token of every request in ``live`` (chosen on the replica's first rank, recorded by every
@@ -261,6 +280,11 @@ class DecodeBatch:
             picked = [r.req.chooser.choose(logits[i]) if finite[i] else -1 for i, r in enumerate(live)]
         tokens = _broadcast_tokens(picked, self.groups, self.device)
         error = ctx.nonfinite_message(what) if any(t < 0 for t in tokens) else None  # every rank alike
+        want = [i for i, (r, t) in enumerate(zip(live, tokens)) if r.req.logprobs is not None and t >= 0]
+        if self.chooses and want:  # the log-probabilities of the chosen tokens, from the logits they were chosen by
+            rows = token_logprobs(logits[want], [tokens[i] for i in want], max(live[i].req.logprobs for i in want))
+            for i, row in zip(want, rows):
+                live[i].result.logprobs.append((row[0], row[1][:live[i].req.logprobs]))
         for r, t in zip(live, tokens):
             if t < 0:
                 r.result.stop_reason, r.result.error = "nonfinite", error
@@ -287,9 +311,16 @@ class DecodeBatch:
         padded = torch.zeros(len(live), max(lengths), dtype=torch.long)
         for b, r in enumerate(live):
             padded[b, : lengths[b]] = r.req.query  # right padding: after the real tokens, so none of them sees it
+        every = any(r.req.prompt_logprobs for r in live)
         with nvtx_range(PHASE2_QUERY):
-            logits, ctx = self._forward(live, padded, [r.req.query_position for r in live], lengths, "the query")
+            logits, ctx, full = self._forward(live, padded, [r.req.query_position for r in live], lengths,
+                                              "the query", every=every)
             self._choose(live, logits, ctx, "the query")
+            if every and self.chooses:  # query token i + 1 given the context and query tokens 0..i
+                for b, r in enumerate(live):
+                    if r.req.prompt_logprobs:
+                        r.result.prompt_logprobs = [] if lengths[b] < 2 else token_logprobs(
+                            full[b, : lengths[b] - 1], r.req.query[1:].tolist(), r.req.logprobs or 0)
         ttft = time.perf_counter() - t0
         rids = []
         for b, r in enumerate(live):
@@ -312,7 +343,7 @@ class DecodeBatch:
         with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
             ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
             what = f"decode step {self._steps}"
-            logits, ctx = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
+            logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
             self._choose(live, logits, ctx, what)
         dt = time.perf_counter() - t1
         for r in live:

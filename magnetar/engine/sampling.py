@@ -33,6 +33,7 @@ from magnetar.engine.inputs import _kind, check_max_new_tokens, check_stop, is_i
 # The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
 # float32 and softmax turns them into NaN (vLLM treats temperatures under 1e-5 as greedy; here they are refused).
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
 _MAX_INT = 2**63  # seeds go to torch.Generator.manual_seed, counts to int64 tensors (the ranks' agreement gather)
 
 
@@ -49,6 +50,11 @@ class SamplingParams:
     * ``seed``: an int in [0, 2**63), the seed of the request's own generator.
     * ``stop``: stop strings, a list or tuple of non-empty ``str`` (stored as a tuple; None means none). A single
       ``str`` is refused rather than wrapped, as ``Engine.generate(stop=...)`` refuses it: pass ``stop=["\\n"]``.
+    * ``logprobs``: None (none), or an int in 0..:data:`MAX_TOP_LOGPROBS`: each generated token's log-probability
+      under the model (``log_softmax`` of the logits the sampler is given, before temperature and top-k/top-p)
+      and that many most likely alternatives (``DecodeResult.logprobs``).
+    * ``prompt_logprobs``: also the query tokens' log-probabilities (each given the context and the query
+      before it; with ``logprobs`` alternatives), from the query's own forward (``DecodeResult.prompt_logprobs``).
 
     Every bad value is a ``ValueError`` naming the field and what to pass; nothing is coerced (a bool is not an
     int, 2.5 is not 2, NaN and inf are refused). numpy-style scalars become plain ``int`` / ``float``.
@@ -60,6 +66,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    logprobs: Optional[int] = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         check_max_new_tokens(self.max_new_tokens)
@@ -73,6 +81,12 @@ class SamplingParams:
         _integer("top_k", self.top_k, "an int >= 0 (0: off)")
         _integer("seed", self.seed, "an int in [0, 2**63)")
         check_stop(self.stop)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, f"None or an int in 0..{MAX_TOP_LOGPROBS}")
+            _require(self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
+                     f"must be None or an int in 0..{MAX_TOP_LOGPROBS}, got {_show(self.logprobs)}")
+        _require(isinstance(self.prompt_logprobs, bool), "prompt_logprobs",
+                 f"must be True or False, got {_show(self.prompt_logprobs)}")
         stop = () if self.stop is None else tuple(self.stop)
         # plain Python numbers: transformers' warpers check isinstance(top_k, int) / isinstance(temperature, float)
         for name, value in (("max_new_tokens", int(self.max_new_tokens)), ("temperature", float(self.temperature)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import time
 from typing import Optional, Union
@@ -40,6 +41,61 @@ def usage_of(results: list, n: int = 1) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(
                      cached_tokens=sum(r.cached_context_tokens for r in results[::n])))
+
+
+class LogprobFormat:
+    """OpenAI's ``logprobs`` objects from the engine's ``(log p, [(id, log p)] alternatives)`` per token, with
+    each token's text from ``tokenizer`` (one id decoded alone; a byte of a longer character shows as U+FFFD)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, tid: int) -> str:
+        got = self._texts.get(tid)
+        if got is None:
+            got = self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
+            if len(self._texts) < 1 << 16:
+                self._texts[tid] = got
+        return got
+
+    def _top(self, alternatives) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for tid, lp in alternatives:  # most likely first: two ids with one text keep the likelier
+            top.setdefault(self.text(tid), lp)
+        return top
+
+    def completion(self, p, tokens: list, offset: int = 0, prompt: bool = True) -> dict:
+        """Text completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` of ``tokens`` (the
+        choice's Token events) and, when their first carries the prompt's (echo), the prompt's tokens first: those
+        in Phase 1 and the first query token have none (null), as OpenAI's first token."""
+        ids, lps, tops = [], [], []
+        first = tokens[0].prompt_logprobs if tokens and prompt else None
+        if first is not None:
+            ids = (p.context_ids[len(p.context_ids) - p.echo_context:].tolist() if p.echo_context else []) + \
+                p.query_ids.tolist()
+            nulls = len(ids) - len(first)
+            lps, tops = [None] * nulls + [lp for lp, _ in first], [None] * nulls + [self._top(a) for _, a in first]
+        for t in tokens:
+            ids.append(t.token_id)
+            lps.append(t.logprob[0] if t.logprob else None)
+            tops.append(self._top(t.logprob[1]) if t.logprob else None)
+        texts = [self.text(i) for i in ids]
+        offsets = []
+        for piece in texts:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, tokens: list) -> dict:
+        """Chat's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`` of ``tokens``."""
+        def entry(tid: int, lp: float) -> dict:
+            text = self.text(tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+        return {"content": [dict(entry(t.token_id, t.logprob[0]), top_logprobs=[entry(a, lp) for a, lp in
+                                                                               t.logprob[1]])
+                            for t in tokens if t.logprob]}
 
 
 class Tagged:
@@ -77,6 +133,7 @@ def build_app(server) -> FastAPI:
     app = FastAPI(title="Magnetar", version=__version__, docs_url="/docs", redoc_url=None,
                   description="OpenAI-compatible long-context serving (docs/serving.md)")
     loop, preparer, metrics = server.loop, server.preparer, server.metrics
+    names = LogprobFormat(copy.deepcopy(server.engine.tokenizer))  # the HTTP thread's own copy
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -151,23 +208,29 @@ def build_app(server) -> FastAPI:
             # the status line waits for the request's first event: a request the engine refuses (or fails) gets
             # its own HTTP status, not a 200 followed by an error event
             first = await _first(request, sink, sids)
-            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info, first),
+            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info,
+                                             req.logprobs is not None and req.logprobs is not False, first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts, dones = await _collect(request, sink, sids)
+        tokens, dones = await _collect(request, sink, sids)
+        texts = ["".join(t.text for t in ts) for ts in tokens]
         usage = usage_of([d.result for d in dones], n)
+        logprobs = req.logprobs is not None and req.logprobs is not False
         if chat_kind:
             return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
                                   choices=[ChatChoice(index=i, message=AssistantMessage(content=t),
-                                                      finish_reason=d.finish_reason)
-                                           for i, (t, d) in enumerate(zip(texts, dones))]).model_dump()
+                                                      finish_reason=d.finish_reason,
+                                                      logprobs=names.chat(ts) if logprobs else None)
+                                           for i, (t, ts, d) in enumerate(zip(texts, tokens, dones))]).model_dump()
         return Completion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
-                          choices=[CompletionChoice(index=i, text=p.echo + t, finish_reason=d.finish_reason)
-                                   for i, (p, t, d) in enumerate(zip(prepared, texts, dones))]).model_dump()
+                          choices=[CompletionChoice(index=i, text=p.echo + t, finish_reason=d.finish_reason,
+                                                    logprobs=names.completion(p, ts) if logprobs else None)
+                                   for i, (p, t, ts, d) in enumerate(zip(prepared, texts, tokens, dones))]).model_dump()
 
-    async def _collect(request: Request, sink: Sink, sids: list[int]) -> tuple[list[str], list[Done]]:
-        """Every choice's whole answer; cancels them all if the client goes away meanwhile or one fails."""
-        parts: list[list[str]] = [[] for _ in sids]
+    async def _collect(request: Request, sink: Sink, sids: list[int]) -> tuple[list[list[Token]], list[Done]]:
+        """Every choice's tokens and last event; cancels them all if the client goes away meanwhile or one
+        fails."""
+        parts: list[list[Token]] = [[] for _ in sids]
         dones: list[Optional[Done]] = [None] * len(sids)
         checked = [time.monotonic()]
         while any(d is None for d in dones):
@@ -178,8 +241,8 @@ def build_app(server) -> FastAPI:
             if isinstance(item, Done):
                 dones[i] = item
             else:
-                parts[i].append(item.text)
-        return ["".join(p) for p in parts], dones
+                parts[i].append(item)
+        return parts, dones
 
     def _cancel_others(sids: list[int], dones: list, failed: int) -> None:
         for j, sid in enumerate(sids):
@@ -215,26 +278,42 @@ def build_app(server) -> FastAPI:
                 getter.cancel()
 
     async def _stream(sink: Sink, sids: list[int], prepared: list, rid: str, chat_kind: bool, include_usage: bool,
-                      n: int, info: dict, first=None):
+                      n: int, info: dict, logprobs: bool, first=None):
         created, name = now(), server.model_name
         dones: list[Optional[Done]] = [None] * len(sids)
+        offsets = [0] * len(sids)  # completions' text_offset so far, per choice
 
-        def chunk(i: int, text: Optional[str], finish: Optional[str] = None, role: bool = False):
+        def chunk(i: int, text: Optional[str], finish: Optional[str] = None, role: bool = False,
+                  lp: Optional[dict] = None):
             if chat_kind:
                 return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ChunkChoice(
-                    index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish)])
+                    index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish,
+                    logprobs=lp)])
             return Completion(id=rid, created=created, model=name,
-                              choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish)])
+                              choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish, logprobs=lp)])
 
         try:
             for i, p in enumerate(prepared):  # each choice's opening chunk: the role, or the echoed prompt
                 if chat_kind:
                     yield _sse(chunk(i, "", role=True))
-                elif p.echo:
+                elif p.echo and not logprobs:
                     yield _sse(chunk(i, p.echo))
             while True:
                 (i, item), first = (first, None) if first is not None else (await sink.queue.get(), None)
-                if isinstance(item, Token):
+                if isinstance(item, Token) and logprobs:
+                    p = prepared[i]
+                    if chat_kind:
+                        yield _sse(chunk(i, item.text, lp=names.chat([item])))
+                        continue
+                    if p.echo and offsets[i] == 0:  # the echoed prompt (and its tokens' log-probabilities) first
+                        lp = names.completion(p, [item])
+                        head = {k: v[:-1] for k, v in lp.items()}
+                        yield _sse(chunk(i, p.echo, lp=head))
+                        offsets[i] = len(p.echo)
+                    lp = names.completion(p, [item], offsets[i], prompt=False)
+                    offsets[i] += len(item.text)
+                    yield _sse(chunk(i, item.text, lp=lp))
+                elif isinstance(item, Token):
                     if item.text:
                         yield _sse(chunk(i, item.text))
                 elif isinstance(item, Done):

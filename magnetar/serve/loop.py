@@ -48,6 +48,8 @@ _POLL_S = 0.2  # how often an idle leader looks at the drain flag
 class Token:
     text: str
     token_id: int
+    logprob: Optional[tuple] = None  # (log p, [(id, log p)] alternatives) when the request asked for logprobs
+    prompt_logprobs: Optional[list] = None  # the first token's event: the query tokens' (echo with logprobs)
 
 
 @dataclass
@@ -321,7 +323,7 @@ class EngineLoop:
         (self.metrics.ttft if job.last is None else self.metrics.tpot).observe(now - (job.last or job.arrived))
         job.last = now
         if job.sink is not None:
-            job.sink.put(Token(ev.text, ev.token_id))
+            job.sink.put(Token(ev.text, ev.token_id, ev.logprob, ev.prompt_logprobs))
 
     def _reject(self, sid: int, error: Exception, param: Optional[str]) -> None:
         if isinstance(error, NonFiniteError):  # not the client's fault: a 500 for this request alone

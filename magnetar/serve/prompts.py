@@ -51,6 +51,7 @@ import torch
 from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig
 from magnetar.engine import inputs
 from magnetar.engine.requests import check_fit
+from magnetar.engine.sampling import MAX_TOP_LOGPROBS
 from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
@@ -82,6 +83,9 @@ class Prepared:
     # "tokens" (a token cut)
     split: str = "context"
     echo: str = ""  # completions with echo: the prompt's text, sent before the answer
+    # echo with logprobs: how many of the context's last tokens belong to the prompt (its first tokens: the
+    # prompt's tokens are context_ids[-echo_context:] and query_ids)
+    echo_context: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,17 +230,25 @@ class Preparer:
                 prompt = split_messages(self.tokenizer, messages, context=context, limit=self.limit)
         except ValueError as e:
             raise RequestError(str(e), _message_param(str(e))) from None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs={show(req.top_logprobs)}: give 0..{MAX_TOP_LOGPROBS} alternatives",
+                               "top_logprobs")
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if split == "context" else "messages"
         prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options,
-                                config, split=split)
+                                config, split=split, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
 
     def completion(self, req: CompletionRequest) -> list[Prepared]:
         """One request per prompt of ``req.prompt`` (a string, a list of strings, token ids or a list of them),
         each ``n`` times, in the order of OpenAI's choices (prompt by prompt, ``n`` choices each)."""
         self._common(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs={show(req.logprobs)}: give 0..{MAX_TOP_LOGPROBS} alternatives per token",
+                               "logprobs")
         prompts = _prompt_list(req.prompt)
         n = 1 if req.n is None else req.n
         if len(prompts) * n > MAX_CHOICES:
@@ -257,6 +269,8 @@ class Preparer:
 
     def _completion_one(self, req: CompletionRequest, prompt, param: str, context: Optional[str],
                         cid: Optional[str], options: dict, config: EngineConfig) -> Prepared:
+        if req.echo and req.logprobs is not None and context is None and cid is None:
+            return self._scored(req, prompt, param, options, config)
         echo = ""
         if isinstance(prompt, list):  # token ids, taken as given (no BOS added)
             ids = torch.tensor(prompt, dtype=torch.long)
@@ -272,7 +286,8 @@ class Preparer:
                                        f"Phase 2's query), got {len(prompt)}", param)
                 q = min(QUERY_CUT_TOKENS, len(prompt) - 1)
                 return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
-                                    config, split="tokens", echo=echo)
+                                    config, split="tokens", echo=echo, logprobs=req.logprobs,
+                                    prompt_logprobs=bool(req.echo) and req.logprobs is not None)
             p_ids = ids
             c_ids = None
         else:
@@ -297,7 +312,8 @@ class Preparer:
                                        f"(Phase 2); send a longer prompt or the document in magnetar.context", param)
                 q = min(QUERY_CUT_TOKENS, int(ids.numel()) - 1)
                 return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
-                                    config, split="tokens", echo=echo)
+                                    config, split="tokens", echo=echo, logprobs=req.logprobs,
+                                    prompt_logprobs=bool(req.echo) and req.logprobs is not None)
         if context is not None:
             context = raw_document(context)
         if p_ids is not None:  # token ids after a document: the document's ids, then the prompt's as the query
@@ -307,14 +323,58 @@ class Preparer:
             except ValueError as e:
                 raise RequestError(f"{where}: {e}", where) from None
             return self._finish(req, c_ids, cid, p_ids, req.max_tokens, "max_tokens", where, options, config,
-                                split=split, echo=echo)
+                                split=split, echo=echo, logprobs=req.logprobs,
+                                prompt_logprobs=bool(req.echo) and req.logprobs is not None)
         try:
             p = split_plain(self.tokenizer, "." if cid is not None else context, prompt, limit=self.limit)
         except ValueError as e:
             raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
                                where if not str(e).startswith("query:") else param) from None
         return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options,
-                            config, split=split, echo=echo)
+                            config, split=split, echo=echo, logprobs=req.logprobs,
+                            prompt_logprobs=bool(req.echo) and req.logprobs is not None)
+
+    def _scored(self, req: CompletionRequest, prompt, param: str, options: dict, config: EngineConfig) -> Prepared:
+        """A prompt whose tokens' log-probabilities are asked (``echo`` with ``logprobs``: lm-eval's log-likelihood
+        request): Phase 1 encodes only its first tokens (one per CP rank) and the rest runs as the query, so every
+        token after the first query token gets its log-probability from the query's forward (exact for every
+        method: the query attends to the whole context and to itself)."""
+        if isinstance(prompt, list):
+            ids = torch.tensor(prompt, dtype=torch.long)
+            try:
+                inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
+            except ValueError as e:
+                raise RequestError(str(e), param) from None
+            echo = self.tokenizer.decode(prompt)
+        else:
+            if not prompt.strip():
+                raise RequestError(f"{param} is empty: Phase 2 needs at least one query token", param)
+            try:
+                ids = split_plain(self.tokenizer, prompt, "", limit=self.limit).context_ids
+            except ValueError as e:
+                raise RequestError(f"{param}: {e}", param) from None
+            echo = prompt
+        c = self._scoring_context(config)
+        if ids.numel() <= c:
+            raise RequestError(f"{param}: scoring a prompt (echo with logprobs) needs more than {c} tokens (its "
+                               f"first {c} are Phase 1's context: one per CP rank, or the server's --block-size), "
+                               f"got {ids.numel()}", param)
+        return self._finish(req, ids[:c], None, ids[c:], req.max_tokens, "max_tokens", param, options, config,
+                            split="tokens", echo=echo, logprobs=req.logprobs, prompt_logprobs=True, echo_context=c)
+
+    def _scoring_context(self, config: EngineConfig) -> int:
+        """The fewest context tokens ``config``'s method accepts: one per CP rank, else a block (``block_size``)."""
+        candidates = [max(1, config.parallel.cp_size)]
+        if config.blocks.block_size is not None:
+            candidates.append(max(candidates[0], config.blocks.block_size))
+        for c in candidates:
+            try:
+                check_fit(c, 1, None, max_positions=self.engine.max_positions, config=config,
+                          policy=self.engine.policy)
+                return c
+            except ValueError:
+                continue
+        return candidates[-1]  # refused later by the same check, with its message
 
     def context(self, req: ContextRequest) -> torch.Tensor:
         """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
@@ -443,7 +503,8 @@ class Preparer:
 
     def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
                 max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None,
-                config: Optional[EngineConfig] = None, *, split: str = "context", echo: str = "") -> Prepared:
+                config: Optional[EngineConfig] = None, *, split: str = "context", echo: str = "",
+                logprobs: Optional[int] = None, prompt_logprobs: bool = False, echo_context: int = 0) -> Prepared:
         if cid is not None:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
@@ -464,7 +525,7 @@ class Preparer:
         if max_tokens is None:
             max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
         given = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                     seed=req.seed, stop=req.stop_list())
+                     seed=req.seed, stop=req.stop_list(), logprobs=logprobs, prompt_logprobs=prompt_logprobs or None)
         try:
             params = self.engine.sampling_params(**{k: v for k, v in given.items() if v is not None})
         except ValueError as e:
@@ -481,7 +542,7 @@ class Preparer:
         fields = dataclasses.asdict(params)
         fields["stop"] = list(fields["stop"])
         return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields, dict(options or {}),
-                        split, echo)
+                        split, echo, echo_context)
 
 
 def raw_document(doc: str) -> str:

@@ -90,7 +90,6 @@ class _Generation(_Strict):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[Any] = None
 
     def stop_list(self) -> Optional[list[str]]:
         """``stop`` as a list: OpenAI allows one string or a list of them."""
@@ -100,7 +99,8 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = None  # each answer token's log-probability
+    top_logprobs: Optional[int] = None  # and this many alternatives (0..20; needs logprobs)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
@@ -109,6 +109,8 @@ class ChatCompletionRequest(_Generation):
 class CompletionRequest(_Generation):
     # a string, a list of strings, token ids, or a list of token-id lists (one choice each, in order)
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None  # log-probabilities of the answer's (with echo also the prompt's) tokens and
+    # this many alternatives each (0..20)
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -130,8 +132,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("presence_penalty", (None, 0, 0.0), "no penalties"),
     ("frequency_penalty", (None, 0, 0.0), "no penalties"),
     ("logit_bias", (None,), "no logit bias"),
-    ("logprobs", (None, False), "no log-probabilities"),
-    ("top_logprobs", (None, 0), "no log-probabilities"),
     ("tools", (None,), "no tool calls"),
     ("tool_choice", (None, "none"), "no tool calls"),
     ("suffix", (None,), "no insertion"),
@@ -217,7 +217,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletion(BaseModel):
@@ -239,7 +239,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -256,7 +256,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[dict[str, Any]] = None
 
 
 class Completion(BaseModel):
