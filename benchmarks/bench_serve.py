@@ -20,6 +20,13 @@ Part ``clients`` -- the OpenAI-compatible server (``magnetar.serve``) in this pr
 serving (one client, the same requests in a row). Reported: completion tokens/s over the wall time, p50/p99
 time to first token (first streamed chunk with text) and the speed-up in tokens/s. Goal: >= 2x at 8 clients.
 
+Part ``pasted`` -- the same ``--questions`` about one ``--context-tokens`` document sent as unmodified clients send
+them: the document pasted into the chat message before each question (no ``magnetar`` extension), through the
+server in this process. ``split``: the server's rule (the pasted document is Phase 1, cached after the first
+question); ``whole message``: ``"magnetar": {"split_document": false}``, the old behaviour (the whole message is the
+Phase-2 question, nothing cached). Reported: total and per-request seconds, cached tokens, and the speed-up.
+Goal (issue 32): >= 5x on SmolLM2 at 8K.
+
 Prints the tables, then one JSON line.
 """
 from __future__ import annotations
@@ -55,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a byte tokenizer (smoke run)")
     p.add_argument("--method", default="pulsar")
     p.add_argument("--ranks", type=int, default=4, help="simulated CP ranks (one process)")
-    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients")
+    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted")
     p.add_argument("--context-tokens", type=int, default=8000, help="(SmolLM2 has 8192 positions in all)")
     p.add_argument("--questions", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=16)
@@ -68,9 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in ("cache", "clients")]
+    bad = [x for x in parts if x not in ("cache", "clients", "pasted")]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients (comma separated)")
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted (comma separated)")
     args.parts = parts
     try:
         args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
@@ -222,21 +229,75 @@ def _client_round(url: str, jobs: list[tuple[str, str]], clients: int, new: int)
     return dict(seconds=wall, tokens=tokens[0], ttfts=ttfts, answers=answers)
 
 
-def part_clients(model, tokenizer, args) -> dict:
-    """The server in this process; rounds of 1 (one at a time), then each ``--clients`` count."""
+def _start_server(model, tokenizer, args):
+    """(server, its thread, its exit status list): ``magnetar.serve``'s Server in this process on 127.0.0.1."""
     import threading
 
     from magnetar.serve.server import Server
 
     eng = engine(model, tokenizer, args)
-    docs = documents(tokenizer, args.client_context_tokens, args.documents, args.seed + 100)
-    port = _free_port()
-    server = Server(eng, model_name="bench", port=port, max_batch_size=args.max_batch, max_tokens=args.new_tokens)
+    server = Server(eng, model_name="bench", port=_free_port(), max_batch_size=args.max_batch,
+                    max_tokens=args.new_tokens)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
     thread.start()
     if not server.started.wait(120) or server.loop.start_error is not None:
         raise RuntimeError(f"the server did not start: {server.loop.start_error}")
+    return server, thread, status
+
+
+def part_pasted(model, tokenizer, args) -> dict:
+    """``--questions`` plain chat messages (document pasted + question): split and cached vs the whole message."""
+    from openai import OpenAI
+
+    [(doc, needle_q, answer)] = documents(tokenizer, args.context_tokens, 1, args.seed)
+    questions = ([needle_q] + QUESTIONS)[: args.questions]
+    server, thread, status = _start_server(model, tokenizer, args)
+    api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    rows, answers = [], {}
+    try:
+        api.chat.completions.create(model="bench", messages=[{"role": "user", "content": "Hello?"}], max_tokens=2,
+                                    extra_body={"magnetar": {"context": "Warm-up text. " * 8}})
+        for label, extra in (("whole message (split_document: false)", {"magnetar": {"split_document": False}}),
+                             ("split: the pasted document is Phase 1", {})):
+            times, cached, splits, texts = [], 0, set(), []
+            t0 = time.perf_counter()
+            for q in questions:
+                t1 = time.perf_counter()
+                r = api.chat.completions.create(model="bench", max_tokens=args.new_tokens, temperature=0,
+                                                messages=[{"role": "user", "content": doc + "\n\n" + q}],
+                                                extra_body=extra or None)
+                times.append(time.perf_counter() - t1)
+                cached += r.usage.prompt_tokens_details.cached_tokens
+                splits.add(r.model_extra["magnetar"]["prompts"][0]["split"])
+                texts.append(r.choices[0].message.content)
+            rows.append(dict(mode=label, seconds=time.perf_counter() - t0, first_s=times[0],
+                             later_s=statistics.mean(times[1:]) if len(times) > 1 else times[0],
+                             cached_tokens=cached, split="/".join(sorted(splits))))
+            answers[label] = texts
+    finally:
+        server.drain()
+        thread.join(timeout=120)
+    base = rows[0]["seconds"]
+    for r in rows:
+        r["speedup"] = base / r["seconds"]
+    same = sum(a == b for a, b in zip(*answers.values()))
+    print(f"\n## {len(questions)} questions about one ~{args.context_tokens}-token document pasted into plain chat "
+          f"messages ({args.method}, {args.ranks} simulated ranks, {args.new_tokens} new tokens, greedy)\n")
+    print("| mode | split | total s | first s | later s (mean) | cached tokens | speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['split']} | {r['seconds']:.1f} | {r['first_s']:.1f} | {r['later_s']:.1f} | "
+              f"{r['cached_tokens']} | {r['speedup']:.2f}x |")
+    print(f"\nneedle {answer}: whole {list(answers.values())[0][0].strip()!r}, split "
+          f"{list(answers.values())[1][0].strip()!r}; {same} of {len(questions)} answers identical")
+    return dict(rows=rows, same_answers=same, questions=len(questions), server_status=status[0] if status else None)
+
+
+def part_clients(model, tokenizer, args) -> dict:
+    """The server in this process; rounds of 1 (one at a time), then each ``--clients`` count."""
+    docs = documents(tokenizer, args.client_context_tokens, args.documents, args.seed + 100)
+    server, thread, status = _start_server(model, tokenizer, args)
     url = server.url
     try:
         for context, _, _ in docs:  # encode every document once, so every round sees cache hits only; and a
@@ -285,6 +346,8 @@ def main(argv=None) -> int:
         out["cache"] = part_cache(model, tokenizer, args)
     if "clients" in args.parts:
         out["clients"] = part_clients(model, tokenizer, args)
+    if "pasted" in args.parts:
+        out["pasted"] = part_pasted(model, tokenizer, args)
     print(json.dumps(out))
     return 0
 

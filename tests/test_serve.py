@@ -664,3 +664,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serving_threads_come_from_the_affinity_less_one_for_http(monkeypatch):
+    from magnetar.serve.cli import choose_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert choose_threads(None)[0] == 3  # (8 - 1) // 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert choose_threads(None)[0] == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert choose_threads(None)[0] == 1  # never 0
+    assert choose_threads(5) == (5, "--threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert choose_threads(None) == (None, "OMP_NUM_THREADS=2")  # the user's own: torch read it at start

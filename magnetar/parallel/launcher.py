@@ -283,10 +283,25 @@ def init_distributed(
         dist.init_process_group(backend=backend, timeout=timeout)
     if device_for_rank().type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # CPU ranks on one host share its cores: without this every rank starts cpu_count threads.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (info.local_world_size or 1)))
+        torch.set_num_threads(cpu_threads(info.local_world_size or 1))
     log.info("rank %d/%d (local %d) on %s, launched by %s, rendezvous %s:%d", dist.get_rank(),
              dist.get_world_size(), info.local_rank, backend, info.launcher, addr, info.master_port)
     return True
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s limit), else the count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(local_ranks: int, reserve: int = 0) -> int:
+    """Intra-op threads for one of ``local_ranks`` CPU ranks sharing this host's usable CPUs, ``reserve`` of them
+    left for other work (the server's HTTP thread): at least 1. More threads than free cores make every OpenMP
+    region wait for a descheduled thread -- on a busy host ten times slower than one thread (docs/serving.md)."""
+    return max(1, (usable_cpus() - reserve) // max(1, local_ranks))
 
 
 def finish_distributed(*, timeout: timedelta = DEFAULT_TIMEOUT) -> None:

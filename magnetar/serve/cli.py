@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paste-threshold", type=int_at_least(0), default=PASTE_TOKENS,
                    help=f"a chat's last user message of at least this many tokens holds a document: its text before "
                         f"the question is encoded as context (Phase 1, cached); 0: never (default {PASTE_TOKENS})")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help="intra-op CPU threads per rank (default: OMP_NUM_THREADS if set, else the CPUs of this "
+                        "process's affinity less one for the HTTP server, shared by the local ranks)")
     p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
     g = p.add_argument_group("what clients may send (docs/serving.md, \"Limits and access\")")
     g.add_argument("--api-key", default=None,
@@ -196,6 +199,23 @@ def bind_first(args, config) -> Optional[socket.socket]:
     return sock
 
 
+def choose_threads(threads: Optional[int]) -> tuple[Optional[int], str]:
+    """(intra-op threads this rank sets -- None: leave torch's --, why): ``--threads``; else ``OMP_NUM_THREADS``
+    (torch already read it); else, on CPU ranks, :func:`~magnetar.parallel.launcher.cpu_threads` over the local
+    ranks with one CPU left for the HTTP server and the tokenizer threads."""
+    from magnetar.parallel.launcher import cpu_threads, device_for_rank, usable_cpus
+
+    if threads is not None:
+        return threads, "--threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    if device_for_rank().type != "cpu":
+        return None, "torch's default (not a CPU rank)"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return cpu_threads(local, reserve=1), (f"{usable_cpus()} usable CPUs, one left for HTTP, over {local} local "
+                                            f"rank(s); --threads to change")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -208,6 +228,12 @@ def main(argv=None) -> int:
     with user_errors(PROG):
         config = check_inputs(args)
         sock = bind_first(args, config)  # before the model loads (minutes for a large one)
+    import torch
+
+    threads, why = choose_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    logging.getLogger(PROG).warning("%d intra-op threads per rank (%s)", torch.get_num_threads(), why)
     import magnetar
     from magnetar.serve.server import Server
 
