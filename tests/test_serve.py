@@ -421,6 +421,9 @@ def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
     # a last paragraph longer than half the threshold is not the question: a line break inside it, or tokens
     head, tail = split_pasted(tok, "Intro.\n\n" + doc + "\nWhat jumps?", PASTE)
     assert tail == "What jumps?"
+    # a threshold under the token cut's 64: the cut leaves the document at least one token
+    head, tail = split_pasted(tok, "x" * 40, 8)
+    assert head and head + tail == "x" * 40
 
 
 def test_completions_take_lists_token_ids_echo_and_n(client, ref):

@@ -585,8 +585,8 @@ def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, st
         tail_tokens = sum(a >= cut for a in starts)
         if text[:cut].strip() and text[cut:].strip() and tail_tokens <= threshold // 2:
             return text[:cut], text[cut:]
-    cut = starts[len(starts) - QUERY_CUT_TOKENS]
-    return text[:cut], text[cut:]
+    cut = starts[len(starts) - min(QUERY_CUT_TOKENS, len(starts) - 1)]
+    return (text[:cut], text[cut:]) if text[:cut].strip() else None
 
 
 def _prompt_list(prompt) -> list:
