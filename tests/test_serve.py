@@ -410,6 +410,19 @@ def test_a_document_pasted_into_the_chat_is_phase_1_and_cached(client, ref):
     assert short.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
 
 
+def test_the_next_turn_of_a_conversation_encodes_only_its_new_tokens(client, ref):
+    messages = [{"role": "system", "content": DOCS[1] * 2}, {"role": "user", "content": "Who serves?"}]
+    first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3)
+    turn1 = first.model_extra["magnetar"]["prompts"][0]["context_tokens"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3)
+    # the first turn's context (system prompt, user header) is a prefix of the second's: only the rest is encoded
+    assert second.usage.prompt_tokens_details.cached_tokens == turn1
+    p = split_messages(ref.tokenizer, messages)
+    assert second.choices[0].message.content == ref.generate(p.context_ids, p.query_ids, max_new_tokens=3).text
+
+
 def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
     tok = ref.tokenizer
     doc = DOCS[0] * 4

@@ -10,8 +10,8 @@ from typing import ClassVar, Optional, Sequence
 from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
                                     _require, _seed, short_repr)
 from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE,
-                                      LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX, SCORERS,
-                                      policy_choices)
+                                      LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX, PREFIX_REUSE,
+                                      SCORERS, policy_choices)
 
 
 class PolicySection:
@@ -166,9 +166,15 @@ class RuntimeConfig:
     # encoded contexts kept per rank for later questions (Engine.encode / ask, prefix reuse), least recently used
     # out; 0 keeps none (every request runs its Phase 1)
     context_cache_mb: int = 1024
+    # a context that starts with a cached one encodes only its new tokens, which attend to the cached KV exactly
+    # (as a Phase-2 query) and are kept on the first CP rank: "exact" for the methods whose Phase 1 is exact
+    # (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
+    # tokens then see the whole cached context, not the method's anchor or summaries), "off"
+    prefix_reuse: str = "exact"
 
     def __post_init__(self):
         _check_types(self)
+        _choice("prefix_reuse", self.prefix_reuse, PREFIX_REUSE, "prefix_reuse")
         _require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
         _choice("dtype", self.dtype, DTYPES, "dtype")

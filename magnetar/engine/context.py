@@ -3,7 +3,9 @@
 Phase 1 of Star, Pulsar, Ring and dense does not depend on the question, so a context encoded once can answer
 any number of questions (``Engine.ask``). The engine keeps recent handles in a :class:`ContextCache` under a byte
 budget (``runtime.context_cache_mb``); a request whose context token ids match a cached handle reuses it and
-skips Phase 1 (prefix reuse by exact match of the whole context).
+skips Phase 1. A request whose context *starts with* a cached context (the next turn of a conversation, a shared
+document with more after it) can reuse that prefix: :meth:`ContextCache.longest_prefix` finds it and the encoder
+extends it (``Encoder.encode``: only the new tokens are run).
 
 Every rank of a replica holds its own handle object (its own KV shard) under the same key, and every rank makes
 the same cache decisions: the budget counts a handle's largest shard over the ranks (gathered once at encode),
@@ -53,6 +55,8 @@ class ContextHandle:
     method: str = ""  # the method that encoded it (an engine's variant may encode with another than its own)
     # the engine that encoded it (Engine.identity, shared with its variants): a handle answers on that engine only
     engine: str = ""
+    options: str = ""  # a digest of the encoding options (Encoder.kv_options): a prefix extends only its own kind
+    reused_tokens: int = 0  # its first tokens' KV came from a cached prefix handle (0: all encoded by Phase 1)
 
     @property
     def context_tokens(self) -> int:
@@ -71,7 +75,7 @@ class ContextCache:
             raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self._handles: OrderedDict[str, ContextHandle] = OrderedDict()
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.prefix_hits = 0
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -92,6 +96,21 @@ class ContextCache:
         self._handles.move_to_end(key)
         self.hits += 1
         return handle
+
+    def longest_prefix(self, context_ids: torch.Tensor, engine: str, options: str) -> Optional[ContextHandle]:
+        """The cached handle of the same engine and options whose context is the longest proper prefix of
+        ``context_ids`` (now the most recently used), or None. Not counted as a hit or a miss: the caller counts
+        ``prefix_hits`` when it extends it."""
+        ids = context_ids.reshape(-1)
+        best = None
+        for h in self._handles.values():
+            n = h.context_tokens
+            if h.engine == engine and h.options == options and n < ids.numel() and \
+                    (best is None or n > best.context_tokens) and torch.equal(ids[:n], h.context_ids):
+                best = h
+        if best is not None:
+            self._handles.move_to_end(best.key)
+        return best
 
     def put(self, handle: ContextHandle) -> bool:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
@@ -115,4 +134,4 @@ class ContextCache:
 
     def stats(self) -> dict:
         return dict(handles=len(self._handles), bytes=self.nbytes, budget_bytes=self.budget_bytes, hits=self.hits,
-                    misses=self.misses, evictions=self.evictions)
+                    misses=self.misses, evictions=self.evictions, prefix_hits=self.prefix_hits)

@@ -9,7 +9,10 @@ largest shard in one gather. This module knows strategies only through :mod:`mag
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -20,12 +23,20 @@ from magnetar.engine.context import ContextCache, ContextHandle, context_key
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
+from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
                                       plan_rank)
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
+
+
+# The methods whose Phase 1 is exact attention: a prefix extended by its new tokens' exact attention holds the KV
+# a fresh Phase 1 would (runtime.prefix_reuse "exact"); "all" adds the approximate methods whose KV partitions the
+# context (every token kept once), so a new token's KV can join it.
+EXACT_PHASE1 = ("dense", "ring")
+EXTENDABLE = EXACT_PHASE1 + ("star", "pulsar")
 
 
 def kv_options(config: EngineConfig) -> str:
@@ -35,7 +46,7 @@ def kv_options(config: EngineConfig) -> str:
     d.pop("decode", None)
     for name in ("timeout_s",):
         d["parallel"].pop(name, None)
-    for name in ("context_cache_mb", "check_finite"):
+    for name in ("context_cache_mb", "check_finite", "prefix_reuse"):
         d["runtime"].pop(name, None)
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -65,6 +76,7 @@ class Encoder:
         self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
         check_model(config, model.config.num_hidden_layers)  # e.g. a hybrid layer outside the model: before compute
         self.kv_options = kv_options(config)
+        self.options_digest = hashlib.blake2b(self.kv_options.encode(), digest_size=8).hexdigest()
 
     def with_config(self, config: EngineConfig) -> "Encoder":
         """This encoder with another configuration (a per-request variant): the same cache, policies, identity."""
@@ -99,12 +111,76 @@ class Encoder:
         cached = self.cache.get(key)
         if cached is not None:
             return cached, True
+        base = self._prefix(context_ids)
+        if base is not None:
+            handle = self.extend(base, context_ids, key)
+            self.cache.prefix_hits += 1
+            self.cache.put(handle)
+            return handle, False
         out = self.phase1(context_ids)
         prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
         handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
-                               out.largest_bytes, self.config.method, engine=self.identity)
+                               out.largest_bytes, self.config.method, engine=self.identity,
+                               options=self.options_digest)
         self.cache.put(handle)
         return handle, False
+
+    # -- prefix reuse -----------------------------------------------------------------------------------------
+    def can_extend(self) -> Optional[str]:
+        """Why this configuration does not extend cached prefixes (``runtime.prefix_reuse``), or None."""
+        mode, method = self.config.runtime.prefix_reuse, self.config.method
+        if mode == "off":
+            return "runtime.prefix_reuse is off"
+        if method not in (EXACT_PHASE1 if mode == "exact" else EXTENDABLE):
+            return (f"method {method!r} is not extended with prefix_reuse {mode!r}" +
+                    (" (its Phase 1 is approximate: prefix_reuse 'all' extends it)" if method in EXTENDABLE else ""))
+        if self.prefill is not None:
+            return "sparse prefill chooses Phase 1's keys; an extension would attend to all of them"
+        if self._mass() is not None:
+            return "the decode policy (LuKA) needs every key's Phase-1 attention mass, which an extension has not"
+        return None
+
+    def _prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
+        """The cached handle to extend into ``context_ids``: the longest cached proper prefix of it, of this
+        engine and options, when this configuration extends prefixes and the new tokens are no more than the
+        prefix's (more would run unspread on one rank: a fresh Phase 1 spreads them over the CP ranks)."""
+        if self.can_extend() is not None:
+            return None
+        base = self.cache.longest_prefix(context_ids, self.identity, self.options_digest)
+        if base is None or int(context_ids.numel()) - base.context_tokens > base.context_tokens:
+            return None
+        return base
+
+    def extend(self, base: ContextHandle, context_ids: torch.Tensor, key: Optional[str] = None) -> ContextHandle:
+        """The handle of ``context_ids`` from ``base`` (a handle of its first tokens): the new tokens run as a
+        Phase-2 query over ``base``'s distributed KV (exact attention over it, causal among themselves) and their
+        KV joins the first CP rank's shard (the rank that keeps a question's KV). Every rank of the replica calls
+        it alike (the forward is collective)."""
+        n = base.context_tokens
+        new = context_ids.reshape(-1)[n:]
+        if new.numel() < 1 or not torch.equal(context_ids.reshape(-1)[:n], base.context_ids):
+            raise ValueError("extend: base must hold a proper prefix of context_ids")
+        t0 = time.perf_counter()
+        gen = KVShard(self.model.config.num_hidden_layers) if self.groups.is_cp_leader else None
+        run_teacher_forced(self.model, self.config, base.shard.view(), new, base.query_position, self.groups,
+                           self.device, context_tokens=n, gen=gen, every=False)
+        seconds = time.perf_counter() - t0
+        shard = KVShard.join([base.shard, gen]) if gen is not None else base.shard
+        added = gen.nbytes() if gen is not None else 0
+        # stats: this rank's (simulated: every rank's, the first CP rank's first), the new KV on the first CP rank
+        grows = [r == 0 and gen is not None for r in range(len(base.stats))]
+        stats = [dataclasses.replace(st, phase1_seconds=seconds if (r == 0 or not self.simulated) else 0.0,
+                                     context_kv_tokens=st.context_kv_tokens + int(new.numel()) * grow,
+                                     kv_bytes=st.kv_bytes + added * grow)
+                 for r, (st, grow) in enumerate(zip(base.stats, grows))]
+        if self.simulated:
+            largest = max(st.kv_bytes for st in stats)
+        else:  # every rank's shard size: the cache budget counts the largest, the same on every rank
+            g = self.groups
+            largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
+        return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
+                             base.query_position + int(new.numel()), stats, base.prefill_stats, largest, base.method,
+                             engine=self.identity, options=self.options_digest, reused_tokens=n)
 
     def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
         """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's

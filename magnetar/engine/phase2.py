@@ -393,13 +393,15 @@ def run_scoring(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, 
 @torch.inference_mode()
 def run_teacher_forced(model, config: EngineConfig, shard: KVShard, ids: torch.Tensor, start: int,
                        groups: ParallelGroups, device, *, policy: Optional[DecodePolicy] = None,
-                       context_tokens: Optional[int] = None) -> torch.Tensor:
+                       context_tokens: Optional[int] = None, gen: Optional[KVShard] = None,
+                       every: bool = True) -> torch.Tensor:
     """The logits ``(S, V)`` float32 (on ``device``, the same on every rank) of ``ids (S,)`` run teacher-forced at
     RoPE positions ``start ...`` as the Phase-2 query over the distributed context KV: row ``i`` predicts
-    ``ids[i + 1]`` given the context and ``ids[: i + 1]``."""
+    ``ids[i + 1]`` given the context and ``ids[: i + 1]``. ``gen``: a frozen, empty shard that receives the KV of
+    ``ids`` on the CP leader (a prefix extension keeps it); ``every=False``: only the last row's logits ``(1, V)``."""
     gens = None
     if groups.is_cp_leader:
-        gens = [KVShard(model.config.num_hidden_layers)]
+        gens = [gen if gen is not None else KVShard(model.config.num_hidden_layers)]
         gens[0].freeze()
     S = int(ids.numel())
     # A stateful decoder (LuKA: accumulated mass, pages cut every few steps) sees the continuation in chunks of
@@ -414,6 +416,6 @@ def run_teacher_forced(model, config: EngineConfig, shard: KVShard, ids: torch.T
                             check_finite=config.runtime.check_finite)
         with nvtx_range(PHASE2_SCORE):
             logits.append(model(input_ids=ids[a : a + n].reshape(1, n).to(device), position_ids=pos, use_cache=False,
-                                logits_to_keep=0, magnetar=ctx).logits[0].float())
+                                logits_to_keep=0 if every else 1, magnetar=ctx).logits[0].float())
         ctx.check_logits(logits[-1], f"scoring tokens {a}..{a + n - 1}")
-    return torch.cat(logits)
+    return torch.cat(logits) if every else logits[-1]

@@ -207,6 +207,6 @@ class Results:
                 first_token_logits=dec.first_logits, simulated=self.simulated, prefill_stats=h.prefill_stats,
                 decode_stats=sum_stats([s.decode_stats for s in per_rank]),
                 weight_bytes_per_rank=list(self.weight_bytes_per_rank),
-                cached_context_tokens=h.context_tokens if hits[i] else 0,
+                cached_context_tokens=h.context_tokens if hits[i] else h.reused_tokens,
             ))
         return results

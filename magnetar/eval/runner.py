@@ -160,6 +160,8 @@ def config_key(config: EngineConfig) -> str:
     d["parallel"].pop("simulate", None)
     d["runtime"].pop("check_finite", None)
     d["runtime"].pop("context_cache_mb", None)
+    if d["runtime"].get("prefix_reuse") == "exact":
+        d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
     for field in ("halo_size", "halo_blocks", "exact_layers"):
         if not d["blocks"].get(field, 0):
             d["blocks"].pop(field, None)  # keys as before the field existed

@@ -12,7 +12,8 @@ Every name starts with ``magnetar_``:
   included) and ``time_per_output_token_seconds`` (between a request's tokens) histograms;
 * ``active_requests`` (decoding), ``queued_requests`` (waiting for a slot or their Phase 1);
 * ``kv_bytes{rank}`` -- the KV bytes each rank of the replica held for the last finished request;
-* ``context_cache_{hits,misses,evictions}_total``, ``context_cache_bytes``, ``context_cache_handles``,
+* ``context_cache_{hits,misses,evictions,prefix_hits}_total`` (a prefix hit: a miss whose context started with a
+  cached one, so only its new tokens were encoded), ``context_cache_bytes``, ``context_cache_handles``,
   ``pinned_contexts`` -- the engine's context cache, as of the last tick.
 
 The engine loop writes; the HTTP thread reads (prometheus_client is thread-safe; the cache figures are a
@@ -29,11 +30,12 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 class _CacheCollector:
     def __init__(self):
-        self.snapshot = {"hits": 0, "misses": 0, "evictions": 0, "bytes": 0, "handles": 0, "pinned": 0}
+        self.snapshot = {"hits": 0, "misses": 0, "evictions": 0, "prefix_hits": 0, "bytes": 0, "handles": 0,
+                         "pinned": 0}
 
     def collect(self):
         s = self.snapshot
-        for name in ("hits", "misses", "evictions"):
+        for name in ("hits", "misses", "evictions", "prefix_hits"):
             yield CounterMetricFamily(f"magnetar_context_cache_{name}", f"Context cache {name} (the engine's count)",
                                       value=s[name])
         yield GaugeMetricFamily("magnetar_context_cache_bytes", "KV bytes held by the context cache (largest rank)",
@@ -66,7 +68,8 @@ class Metrics:
     def cache(self, stats: dict, pinned: int) -> None:
         """The engine's ``cache.stats()`` and the number of pinned contexts (called by the engine loop)."""
         self._cache.snapshot = {"hits": stats["hits"], "misses": stats["misses"], "evictions": stats["evictions"],
-                                "bytes": stats["bytes"], "handles": stats["handles"], "pinned": pinned}
+                                "prefix_hits": stats["prefix_hits"], "bytes": stats["bytes"],
+                                "handles": stats["handles"], "pinned": pinned}
 
     def refused(self, status: int) -> None:
         self.http_refused.labels(status=str(status)).inc()

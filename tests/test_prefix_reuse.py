@@ -1,0 +1,113 @@
+"""Prefix reuse: a context that starts with a cached one encodes only its new tokens (Encoder.extend), which attend
+to the cached KV exactly and join the first CP rank's shard. Exact methods give a fresh Phase 1's answers; the
+longest cached prefix is chosen, a chain of turns extends turn by turn; what cannot extend says why."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import magnetar
+from tests.conftest import assert_close
+from tests.dist_utils import run_distributed
+from tests.tiny_models import tiny_model
+
+L, ADD, NEW = 96, 40, 5
+
+
+def _ids(seed, n):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _engine(model, **flat):
+    return magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+
+
+def _same(a, b, what):
+    assert a.token_ids == b.token_ids, f"{what}: {a.token_ids} != {b.token_ids}"
+    assert_close(a.first_token_logits, b.first_token_logits, what="logits", msg=what)
+
+
+def _extends_like_a_fresh_phase1(model, flat, what):
+    """Turn 1 encodes A; turn 2 (A + B) extends it, turn 3 (A + B + C) extends turn 2: each answer equals a fresh
+    engine's (no cache), and each turn reports the prefix it reused."""
+    a, b, c = _ids(1, L), _ids(2, ADD), _ids(3, ADD)
+    q = _ids(9, 4)
+    fresh = _engine(model, context_cache_mb=0, **flat)
+    eng = _engine(model, **flat)
+    turns = [a, torch.cat((a, b)), torch.cat((a, b, c))]
+    for i, ctx in enumerate(turns):
+        got = eng.generate(ctx, q, max_new_tokens=NEW, return_logits=True)
+        _same(got, fresh.generate(ctx, q, max_new_tokens=NEW, return_logits=True), f"{what} turn {i + 1}")
+        assert got.cached_context_tokens == (0 if i == 0 else int(turns[i - 1].numel())), what
+    assert eng.cache.prefix_hits == 2 and eng.cache.misses == 3, what
+    # the extended context itself is now cached whole
+    again = eng.generate(turns[1], q, max_new_tokens=NEW)
+    assert again.cached_context_tokens == L + ADD and eng.cache.hits == 1, what
+
+
+@pytest.mark.parametrize("label,flat", [("dense", dict(method="dense")),
+                                        ("ring (lock-step simulation)", dict(method="ring", cp_size=2,
+                                                                             simulate=True))])
+def test_exact_methods_extend_like_a_fresh_phase1(label, flat):
+    _extends_like_a_fresh_phase1(tiny_model("llama", seed=2), flat, label)
+
+
+def _two_rank_worker(rank, world):
+    model = tiny_model("qwen3", seed=3)
+    _extends_like_a_fresh_phase1(model, dict(method="ring", cp_size=2), f"[rank {rank}] ring")
+    # star, prefix_reuse all: the new tokens' KV sits on rank 0 only; the simulated engine gives the same answer
+    flat = dict(method="star", cp_size=2, block_size=48, anchor_size=8, prefix_reuse="all")
+    real, sim = _engine(model, **flat), _engine(model, simulate=True, **flat)
+    a, b, q = _ids(4, L), _ids(5, ADD), _ids(6, 4)
+    for eng in (real, sim):
+        eng.generate(a, q, max_new_tokens=2)
+    got = real.generate(torch.cat((a, b)), q, max_new_tokens=NEW, return_logits=True)
+    want = sim.generate(torch.cat((a, b)), q, max_new_tokens=NEW, return_logits=True)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == L
+    assert_close(got.first_token_logits, want.first_token_logits, what="same_computation", msg="star extension")
+    assert got.context_kv_tokens_per_rank == [L // 2 + ADD, L // 2], got.context_kv_tokens_per_rank
+
+
+def test_exact_and_star_extensions_on_two_real_ranks():
+    run_distributed(_two_rank_worker, 2)
+
+
+def test_star_extends_only_with_prefix_reuse_all_and_its_new_tokens_see_the_whole_prefix():
+    model = tiny_model("llama", seed=4)
+    flat = dict(method="star", cp_size=2, block_size=48, anchor_size=8, simulate=True)
+    a, b, q = _ids(7, L), _ids(8, ADD), _ids(9, 4)
+    ab = torch.cat((a, b))
+    exact = _engine(model, **flat)
+    assert "prefix_reuse 'all' extends it" in exact.encoder.can_extend()
+    exact.generate(a, q, max_new_tokens=1)
+    assert exact.generate(ab, q, max_new_tokens=1).cached_context_tokens == 0  # a fresh Phase 1
+    every = _engine(model, prefix_reuse="all", **flat)
+    assert every.encoder.can_extend() is None
+    base = every.encode(a)
+    ext = every.encode(ab)
+    assert ext.reused_tokens == L and ext.query_position == base.query_position + ADD
+    # the prefix's KV is the base's, untouched; the new tokens' is what a Phase-2 query over it computes
+    for lb, le in zip(base.shard.layers, ext.shard.layers):
+        assert torch.equal(le.k[:, :, :L], lb.k) and torch.equal(le.pos[L:], torch.arange(L, L + ADD))
+    dense = _engine(model, method="dense")
+    assert not torch.allclose(ext.shard.layers[-1].k, dense.encode(ab).shard.layers[-1].k, atol=1e-3), \
+        "star's prefix KV should differ from dense's (the test would not tell an extension from a dense encode)"
+
+
+def test_what_does_not_extend():
+    model = tiny_model("llama", seed=5)
+    a, q = _ids(10, L), _ids(11, 4)
+    eng = _engine(model, method="dense")
+    eng.generate(a, q, max_new_tokens=1)
+    # more new tokens than the prefix has: a fresh Phase 1 (it spreads them over the ranks)
+    assert eng.generate(torch.cat((a, _ids(12, L + 1))), q, max_new_tokens=1).cached_context_tokens == 0
+    assert eng.cache.prefix_hits == 0
+    off = _engine(model, method="dense", prefix_reuse="off")
+    assert off.encoder.can_extend() == "runtime.prefix_reuse is off"
+    luka = _engine(model, method="dense", luka_mode="clustered", luka_page_size=8, luka_recent=8, luka_refine_k=2,
+                   luka_compress_every=2)
+    assert "LuKA" in luka.encoder.can_extend()
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        magnetar.EngineConfig().replace(prefix_reuse="some")
