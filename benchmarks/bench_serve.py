@@ -27,6 +27,12 @@ question); ``whole message``: ``"magnetar": {"split_document": false}``, the old
 Phase-2 question, nothing cached). Reported: total and per-request seconds, cached tokens, and the speed-up.
 Goal (issue 32): >= 5x on SmolLM2 at 8K.
 
+Part ``turns`` -- a ``--turns``-turn conversation over one ``--turn-context-tokens`` document pasted into the
+first user message (later turns: the previous messages, the answer, a new short question), through the server
+in this process, once with prefix reuse (``prefix_reuse all``: each turn's context extends the last turn's) and
+once without (``off``: each turn re-encodes the conversation). Reported per turn: seconds, context tokens and the
+tokens its Phase 1 encoded (context - cached).
+
 Prints the tables, then one JSON line.
 """
 from __future__ import annotations
@@ -62,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a byte tokenizer (smoke run)")
     p.add_argument("--method", default="pulsar")
     p.add_argument("--ranks", type=int, default=4, help="simulated CP ranks (one process)")
-    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted")
+    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns")
+    p.add_argument("--turns", type=int, default=6, help="turns of the turns part")
+    p.add_argument("--turn-context-tokens", type=int, default=4000, help="the turns part's document")
     p.add_argument("--context-tokens", type=int, default=8000, help="(SmolLM2 has 8192 positions in all)")
     p.add_argument("--questions", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=16)
@@ -75,9 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in ("cache", "clients", "pasted")]
+    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns")]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted (comma separated)")
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns (comma separated)")
     args.parts = parts
     try:
         args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
@@ -229,13 +237,13 @@ def _client_round(url: str, jobs: list[tuple[str, str]], clients: int, new: int)
     return dict(seconds=wall, tokens=tokens[0], ttfts=ttfts, answers=answers)
 
 
-def _start_server(model, tokenizer, args):
+def _start_server(model, tokenizer, args, **flat):
     """(server, its thread, its exit status list): ``magnetar.serve``'s Server in this process on 127.0.0.1."""
     import threading
 
     from magnetar.serve.server import Server
 
-    eng = engine(model, tokenizer, args)
+    eng = engine(model, tokenizer, args, **flat)
     server = Server(eng, model_name="bench", port=_free_port(), max_batch_size=args.max_batch,
                     max_tokens=args.new_tokens)
     status = []
@@ -294,6 +302,51 @@ def part_pasted(model, tokenizer, args) -> dict:
     return dict(rows=rows, same_answers=same, questions=len(questions), server_status=status[0] if status else None)
 
 
+def part_turns(model, tokenizer, args) -> dict:
+    """A conversation over one pasted document, with and without prefix reuse."""
+    from openai import OpenAI
+
+    [(doc, needle_q, answer)] = documents(tokenizer, args.turn_context_tokens, 1, args.seed + 7)
+    questions = ([needle_q] + [q.split("?")[0] + "?" for q in QUESTIONS])[: args.turns]
+    out = {}
+    for mode in ("all", "off"):
+        server, thread, status = _start_server(model, tokenizer, args, prefix_reuse=mode)
+        api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        rows, messages = [], []
+        try:
+            for i, q in enumerate(questions):
+                messages.append({"role": "user", "content": (doc + "\n\n" + q) if i == 0 else q})
+                t0 = time.perf_counter()
+                r = api.chat.completions.create(model="bench", messages=messages, max_tokens=args.new_tokens,
+                                                temperature=0)
+                seconds = time.perf_counter() - t0
+                info = r.model_extra["magnetar"]["prompts"][0]
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                rows.append(dict(turn=i + 1, seconds=seconds, split=info["split"],
+                                 context_tokens=info["context_tokens"],
+                                 encoded_tokens=info["context_tokens"] - cached, cached_tokens=cached,
+                                 text=r.choices[0].message.content))
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        finally:
+            server.drain()
+            thread.join(timeout=120)
+        out[mode] = rows
+    print(f"\n## A {len(questions)}-turn conversation over one ~{args.turn_context_tokens}-token pasted document "
+          f"({args.method}, {args.ranks} simulated ranks, {args.new_tokens} new tokens, greedy)\n")
+    print("| turn | context tokens | encoded with reuse | s with reuse | encoded without | s without | speed-up | "
+          "same answer |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for a, b in zip(out["all"], out["off"]):
+        print(f"| {a['turn']} | {a['context_tokens']} | {a['encoded_tokens']} | {a['seconds']:.1f} | "
+              f"{b['encoded_tokens']} | {b['seconds']:.1f} | {b['seconds'] / a['seconds']:.2f}x | "
+              f"{'yes' if a['text'] == b['text'] else 'no'} |")
+    total = {m: sum(r["seconds"] for r in rows) for m, rows in out.items()}
+    print(f"\ntotal: {total['all']:.1f} s with reuse, {total['off']:.1f} s without "
+          f"({total['off'] / total['all']:.2f}x)")
+    return dict(rows={m: [{k: v for k, v in r.items() if k != "text"} for r in rows] for m, rows in out.items()},
+                total_seconds=total)
+
+
 def part_clients(model, tokenizer, args) -> dict:
     """The server in this process; rounds of 1 (one at a time), then each ``--clients`` count."""
     docs = documents(tokenizer, args.client_context_tokens, args.documents, args.seed + 100)
@@ -348,6 +401,8 @@ def main(argv=None) -> int:
         out["clients"] = part_clients(model, tokenizer, args)
     if "pasted" in args.parts:
         out["pasted"] = part_pasted(model, tokenizer, args)
+    if "turns" in args.parts:
+        out["turns"] = part_turns(model, tokenizer, args)
     print(json.dumps(out))
     return 0
 

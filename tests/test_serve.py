@@ -390,9 +390,10 @@ def test_a_document_pasted_into_the_chat_is_phase_1_and_cached(client, ref):
         system, {"role": "user", "content": PASTED + "\n\n" + QUESTIONS[2].strip()}])
     info = first.model_extra["magnetar"]["prompts"][0]
     assert info["split"] == "pasted"
-    # the document (through its blank line) opens the last user turn, as magnetar.context does; the tail asks
-    p = split_messages(ref.tokenizer, [system, {"role": "user", "content": QUESTIONS[2].strip()}],
-                       context=PASTED + "\n\n")
+    # the document (through its blank line's first line break) opens the last user turn, as magnetar.context
+    # does; the tail asks
+    p = split_messages(ref.tokenizer, [system, {"role": "user", "content": "\n" + QUESTIONS[2].strip()}],
+                       context=PASTED + "\n")
     want = ref.generate(p.context_ids, p.query_ids, max_new_tokens=4)
     assert first.choices[0].message.content == want.text
     assert info["context_tokens"] == p.context_ids.numel() and info["query_tokens"] == p.query_ids.numel()
@@ -405,6 +406,12 @@ def test_a_document_pasted_into_the_chat_is_phase_1_and_cached(client, ref):
                                            messages=[system, {"role": "user", "content": PASTED + "\n\nWhy?"}])
     assert whole.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
     assert whole.model_extra["magnetar"]["prompts"][0]["context_tokens"] < info["context_tokens"]
+    # the next turn (the pasted message, the answer, a short question): its context extends the first's
+    turn2 = client.chat.completions.create(model=NAME, max_tokens=2, messages=[
+        system, {"role": "user", "content": PASTED + "\n\n" + QUESTIONS[2].strip()},
+        {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}])
+    assert turn2.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
+    assert turn2.usage.prompt_tokens_details.cached_tokens == info["context_tokens"]
     # a short message stays the question
     short = client.chat.completions.create(model=NAME, max_tokens=1, messages=[{"role": "user", "content": "Hi?"}])
     assert short.model_extra["magnetar"]["prompts"][0]["split"] == "conversation"
@@ -426,7 +433,7 @@ def test_the_next_turn_of_a_conversation_encodes_only_its_new_tokens(client, ref
 def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
     tok = ref.tokenizer
     doc = DOCS[0] * 4
-    assert split_pasted(tok, doc + "\n\nWhat jumps?\n", PASTE) == (doc + "\n\n", "What jumps?\n")
+    assert split_pasted(tok, doc + "\n\nWhat jumps?\n", PASTE) == (doc + "\n", "\nWhat jumps?\n")
     assert split_pasted(tok, doc + "\nWhat jumps?", PASTE) == (doc + "\n", "What jumps?")
     assert split_pasted(tok, "What jumps?", PASTE) is None and split_pasted(tok, doc + "\n\nQ?", 0) is None
     head, tail = split_pasted(tok, doc, PASTE)  # no line break: the last 64 tokens are the question

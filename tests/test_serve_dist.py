@@ -119,7 +119,8 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
         # a document pasted into the message is Phase 1, spread over both ranks, as magnetar.context would be
         pasted = client.chat.completions.create(model=NAME, max_tokens=6, messages=[
             {"role": "user", "content": DOC + "\n\n" + QUESTIONS[1].strip()}])
-        p = split_messages(sim.tokenizer, [{"role": "user", "content": QUESTIONS[1].strip()}], context=DOC + "\n\n")
+        p = split_messages(sim.tokenizer, [{"role": "user", "content": "\n" + QUESTIONS[1].strip()}],
+                           context=DOC + "\n")
         assert pasted.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
         assert pasted.choices[0].message.content == sim.generate(p.context_ids, p.query_ids, max_new_tokens=6).text
         # lm-eval's log-likelihood request: the prompt's log-probs are the query's, after one block (--block-size)

@@ -9,9 +9,9 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
 * chat without it: everything before the last user message (system prompt, earlier turns, the user header) is
   the context, the last user message the question -- unless that message is long (``--paste-threshold``
   tokens, 1024 by default): then its leading document opens the context's last turn, as ``magnetar.context``
-  would, and its tail is the question (:func:`split_pasted`: after the last blank line, else the last line
-  break, else its last 64 tokens); ``"magnetar": {"split_document": false}`` keeps the whole message as the
-  question;
+  would, and its tail is the question (:func:`split_pasted`: after the last blank line's first line break, else
+  the last line break, else its last 64 tokens); ``"magnetar": {"split_document": false}`` keeps the whole
+  message as the question;
 * chat or completion with ``"magnetar": {"context_id": id}`` (``POST /v1/contexts``): the encoded context; the
   messages are then one user message, the question;
 * completion, ``"magnetar": {"context": doc}``: the document as plain text (BOS first when the tokenizer adds
@@ -569,7 +569,10 @@ def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, st
     The question is what follows the message's last blank line before non-blank text; when there is none, or what
     follows is itself longer than ``threshold // 2`` tokens, what follows its last line break; failing that, its
     last :data:`QUERY_CUT_TOKENS` tokens (a cut between two tokens). The document is everything before, and is
-    never blank."""
+    never blank. At a blank line the cut falls after its first line break (the question starts with the second):
+    a byte-level BPE tokenizer makes one token of a run of line breaks that ends the text, and two of the same
+    run inside it, so a document ending in one line break tokenizes as the start of the whole conversation does
+    -- the next turn's context then starts with this one's token for token, and extends it (prefix reuse)."""
     if threshold <= 0 or len(text) < threshold:  # a token is at least one character: it cannot be that long
         return None
     enc = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
@@ -581,7 +584,7 @@ def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, st
         cut = body.rfind(sep)
         if cut < 0:
             continue
-        cut += len(sep)
+        cut += 1
         tail_tokens = sum(a >= cut for a in starts)
         if text[:cut].strip() and text[cut:].strip() and tail_tokens <= threshold // 2:
             return text[:cut], text[cut:]
