@@ -103,8 +103,8 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600
     raise RuntimeError(f"the server did not start within {limit_s:g} s:\n{log.read_text()[-3000:]}")
 
 
-def ask(url: str, context: str, question: str, new_tokens: int) -> dict:
-    """One streamed request: (ttft s, decode ms/token, tokens, text)."""
+def ask(url: str, context: str, question: str, new_tokens: int, timed: bool = True) -> dict:
+    """One streamed request: (ttft s, decode ms/token, tokens, text); ``timed=False``: a warm-up, not timed."""
     from openai import OpenAI
 
     api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
@@ -120,6 +120,8 @@ def ask(url: str, context: str, question: str, new_tokens: int) -> dict:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter() - t0)
             text.append(chunk.choices[0].delta.content)
+    if not timed:
+        return {}
     if used < 2 or len(stamps) < 2:
         raise RuntimeError(f"too few tokens to time decoding ({used}); raise --new-tokens")
     # chunks carry the text a token made final: the last chunk's stamp is the last token's
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
                 proc = serve(args, setting, torch_threads, log)
                 try:
                     wait_ready(url, proc, log)
-                    ask(url, "Warm-up text. " * 20, "Say ok.", 2)
+                    ask(url, "Warm-up text. " * 20, "Say ok.", 2, timed=False)
                     r = ask(url, context, question, args.new_tokens)
                 finally:
                     proc.send_signal(signal.SIGTERM)
