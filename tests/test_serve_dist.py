@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 TIMEOUT_S = 20  # the job's collective timeout (--timeout-s): where a dead rank must be noticed
 STARTUP_S = 240  # two ranks import torch, transformers and deepspeed on a busy machine
-FLAGS = ["--method", "star", "--cp-size", "2", "--block-size", "64", "--paste-threshold", "32"]
+FLAGS = ["--method", "star", "--cp-size", "2", "--block-size", "64", "--paste-threshold", "32", "--prefix-reuse", "all"]
 DOC = "The quick brown fox jumps over the lazy dog. " * 8
+PASTED = "Another document: the lazy dog sleeps in the sun all day. " * 6
 QUESTIONS = [" What jumps?", " Who is lazy?"]
 
 
@@ -91,7 +92,8 @@ def _chat(url, question, max_tokens, timeout=120):
 
 
 def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_path):
-    sim = magnetar.init_inference(str(model_dir), simulate=True, method="star", cp_size=2, block_size=64)
+    sim = magnetar.init_inference(str(model_dir), simulate=True, method="star", cp_size=2, block_size=64,
+                                  prefix_reuse="all")
     want = [sim.generate(DOC, q, max_new_tokens=6) for q in QUESTIONS]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -117,12 +119,20 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
         assert got[0].usage.prompt_tokens_details.cached_tokens + got[1].usage.prompt_tokens_details.cached_tokens \
             == w.context_tokens  # one of the two encoded the document, the other hit the cache
         # a document pasted into the message is Phase 1, spread over both ranks, as magnetar.context would be
-        pasted = client.chat.completions.create(model=NAME, max_tokens=6, messages=[
-            {"role": "user", "content": DOC + "\n\n" + QUESTIONS[1].strip()}])
+        messages = [{"role": "user", "content": PASTED + "\n\n" + QUESTIONS[1].strip()}]
+        pasted = client.chat.completions.create(model=NAME, max_tokens=6, messages=messages)
         p = split_messages(sim.tokenizer, [{"role": "user", "content": "\n" + QUESTIONS[1].strip()}],
-                           context=DOC + "\n")
+                           context=PASTED + "\n")
         assert pasted.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
-        assert pasted.choices[0].message.content == sim.generate(p.context_ids, p.query_ids, max_new_tokens=6).text
+        first = sim.generate(p.context_ids, p.query_ids, max_new_tokens=6)
+        assert pasted.choices[0].message.content == first.text
+        # the next turn extends the pasted document's KV (--prefix-reuse all) on both ranks, as the simulation does
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+        turn2 = client.chat.completions.create(model=NAME, max_tokens=6, messages=messages)
+        p2 = split_messages(sim.tokenizer, messages)
+        want2 = sim.generate(p2.context_ids, p2.query_ids, max_new_tokens=6)
+        assert turn2.usage.prompt_tokens_details.cached_tokens == want2.cached_context_tokens == p.context_ids.numel()
+        assert turn2.choices[0].message.content == want2.text
         # lm-eval's log-likelihood request: the prompt's log-probs are the query's, after one block (--block-size)
         ids = list(range(5, 95))
         scored = client.completions.create(model=NAME, prompt=[ids], echo=True, logprobs=1, max_tokens=1)
