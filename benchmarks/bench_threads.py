@@ -8,11 +8,11 @@ one per usable CPU) and each thread setting, a fresh server process (``python -m
 started, warmed up with a short request, then asked one question about a ``--context-tokens`` document
 (``magnetar.context``, streamed, greedy). Settings:
 
-* ``default``: the server's own choice (``--threads`` unset, no ``OMP_NUM_THREADS``): the usable CPUs less one
-  for the HTTP server (``magnetar.serve.cli.choose_threads``);
-* ``omp1``: ``OMP_NUM_THREADS=1``, the usual advice;
-* ``torch``: ``--threads`` = torch's own default in a fresh process (the physical cores): what the server used
-  before it chose.
+* ``default``: the server's own choice (``--threads`` unset, no ``OMP_NUM_THREADS``): the usable CPUs for Phase 1,
+  one fewer (for the HTTP server) for the decode steps (``magnetar.serve.cli.choose_threads``);
+* ``omp1``: ``OMP_NUM_THREADS=1``, the usual advice (one thread throughout);
+* ``torch``: ``--threads`` = torch's own default in a fresh process (the physical cores), throughout: what the
+  server used before it chose.
 
 Reported: the threads each server logged, the time to the first token (Phase 1 of the document included) and
 the decode ms/token (first to last streamed token). Timings on a shared VM vary by tens of percent: compare
@@ -155,11 +155,13 @@ def main(argv=None) -> int:
                         proc.wait(60)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-                found = re.search(r"(\d+) intra-op threads per rank \(([^)]*)\)", log.read_text())
+                found = re.search(r"(\d+) intra-op threads per rank, (\d+) in Phase 1 \((.*)\)\n", log.read_text())
                 r.update(state=state, setting=setting, threads=int(found.group(1)) if found else None,
-                         why=found.group(2) if found else "?", spinners=len(spinners))
+                         phase1_threads=int(found.group(2)) if found else None,
+                         why=found.group(3) if found else "?", spinners=len(spinners))
                 rows.append(r)
-                print(f"{state:5s} {setting:8s} threads {r['threads']}: TTFT {r['ttft_s']:.1f} s, decode "
+                print(f"{state:5s} {setting:8s} threads {r['threads']} (Phase 1 {r['phase1_threads']}): "
+                      f"TTFT {r['ttft_s']:.1f} s, decode "
                       f"{r['decode_ms_per_token']:.0f} ms/token", flush=True)
         finally:
             for s in spinners:
@@ -167,11 +169,12 @@ def main(argv=None) -> int:
                 s.wait()
     print(f"\n## Decode with each thread setting ({args.model}, dense, one rank, a {args.context_tokens}-token "
           f"document, {args.new_tokens} new tokens; {cpus} usable CPUs; busy = {busy} spinning processes)\n")
-    print("| host | setting | threads | TTFT s | decode ms/token | vs default |")
+    print("| host | setting | threads (decode / Phase 1) | TTFT s | decode ms/token | decode vs default |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         base = next((x for x in rows if x["state"] == r["state"] and x["setting"] == "default"), r)
-        print(f"| {r['state']} | {r['setting']} | {r['threads']} | {r['ttft_s']:.1f} | {r['decode_ms_per_token']:.0f} "
+        print(f"| {r['state']} | {r['setting']} | {r['threads']} / {r['phase1_threads']} | {r['ttft_s']:.1f} | "
+              f"{r['decode_ms_per_token']:.0f} "
               f"| {r['decode_ms_per_token'] / base['decode_ms_per_token']:.2f}x |")
     same = len({r["text"] for r in rows}) == 1
     print(f"\nanswers identical across settings: {'yes' if same else 'NO'}")

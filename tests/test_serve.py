@@ -695,11 +695,11 @@ def test_serving_threads_come_from_the_affinity_less_one_for_http(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert choose_threads(None)[0] == 3  # (8 - 1) // 2
+    assert choose_threads(None)[:2] == (3, 4)  # decode (8 - 1) // 2, Phase 1 8 // 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert choose_threads(None)[0] == 7
+    assert choose_threads(None)[:2] == (7, 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert choose_threads(None)[0] == 1  # never 0
-    assert choose_threads(5) == (5, "--threads")
+    assert choose_threads(None)[:2] == (1, 1)  # never 0
+    assert choose_threads(5) == (5, 5, "--threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert choose_threads(None) == (None, "OMP_NUM_THREADS=2")  # the user's own: torch read it at start
+    assert choose_threads(None) == (None, None, "OMP_NUM_THREADS=2")  # the user's own: torch read it at start

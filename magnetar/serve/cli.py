@@ -199,21 +199,24 @@ def bind_first(args, config) -> Optional[socket.socket]:
     return sock
 
 
-def choose_threads(threads: Optional[int]) -> tuple[Optional[int], str]:
-    """(intra-op threads this rank sets -- None: leave torch's --, why): ``--threads``; else ``OMP_NUM_THREADS``
-    (torch already read it); else, on CPU ranks, :func:`~magnetar.parallel.launcher.cpu_threads` over the local
-    ranks with one CPU left for the HTTP server and the tokenizer threads."""
+def choose_threads(threads: Optional[int]) -> tuple[Optional[int], Optional[int], str]:
+    """(decode threads this rank sets, Phase-1 threads -- None: leave torch's --, why): ``--threads`` for both;
+    else ``OMP_NUM_THREADS`` (torch already read it); else, on CPU ranks, the usable CPUs
+    (:func:`~magnetar.parallel.launcher.cpu_threads`) shared by the local ranks: all of them for Phase 1 and the
+    query forwards (compute-bound: more threads pay), one fewer for the decode steps (small ops that wait for every
+    thread: one CPU left for the HTTP server and the tokenizers, so a busy host does not deschedule one)."""
     from magnetar.parallel.launcher import cpu_threads, device_for_rank, usable_cpus
 
     if threads is not None:
-        return threads, "--threads"
+        return threads, threads, "--threads"
     if os.environ.get("OMP_NUM_THREADS"):
-        return None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        return None, None, f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     if device_for_rank().type != "cpu":
-        return None, "torch's default (not a CPU rank)"
+        return None, None, "torch's default (not a CPU rank)"
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return cpu_threads(local, reserve=1), (f"{usable_cpus()} usable CPUs, one left for HTTP, over {local} local "
-                                            f"rank(s); --threads to change")
+    return cpu_threads(local, reserve=1), cpu_threads(local), (
+        f"{usable_cpus()} usable CPUs over {local} local rank(s): Phase 1 all, decode one left for HTTP; --threads "
+        f"to change")
 
 
 def main(argv=None) -> int:
@@ -230,10 +233,11 @@ def main(argv=None) -> int:
         sock = bind_first(args, config)  # before the model loads (minutes for a large one)
     import torch
 
-    threads, why = choose_threads(args.threads)
+    threads, prefill_threads, why = choose_threads(args.threads)
     if threads is not None:
         torch.set_num_threads(threads)
-    logging.getLogger(PROG).warning("%d intra-op threads per rank (%s)", torch.get_num_threads(), why)
+    logging.getLogger(PROG).warning("%d intra-op threads per rank, %d in Phase 1 (%s)", torch.get_num_threads(),
+                                    prefill_threads or torch.get_num_threads(), why)
     import magnetar
     from magnetar.serve.server import Server
 
@@ -250,7 +254,7 @@ def main(argv=None) -> int:
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
                     max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                    paste_threshold=args.paste_threshold, sock=sock)
+                    paste_threshold=args.paste_threshold, prefill_threads=prefill_threads, sock=sock)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

@@ -102,8 +102,12 @@ class EngineLoop:
     """See the module docstring. ``metrics`` (a :class:`~magnetar.serve.metrics.Metrics`) and ``contexts`` are
     the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
 
-    def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None):
+    def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None,
+                 prefill_threads: Optional[int] = None):
         self.engine, self.groups = engine, engine.groups
+        # intra-op threads while a tick's Phase 1s and query forwards run (compute-bound: every usable CPU), the
+        # decode steps keeping the process's own count (magnetar.serve.cli.choose_threads); None: one count
+        self.prefill_threads = prefill_threads
         self.leader = is_leader(self.groups)
         self.max_batch_size = max_batch_size
         self.metrics = metrics
@@ -263,6 +267,20 @@ class EngineLoop:
             rid = self.rids.get(sid)
             if rid is not None and rid in self.batch.active:
                 self._route([self.batch.cancel(rid)])  # its last event; the pop frees its KV
+        if not (tick.encodes or tick.adds):
+            self._apply_releases(tick)
+            return
+        decode_threads = torch.get_num_threads()
+        if self.prefill_threads is not None:
+            torch.set_num_threads(self.prefill_threads)
+        try:
+            self._apply_new(tick)
+        finally:
+            torch.set_num_threads(decode_threads)
+        self._apply_releases(tick)
+
+    def _apply_new(self, tick: Tick) -> None:
+        """A tick's encodes and new requests (their Phase 1s and one query forward)."""
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
@@ -285,6 +303,8 @@ class EngineLoop:
         for sid, (rid, first) in zip(sids, self.batch.join(ready)):  # ... then their queries in one forward
             self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
+
+    def _apply_releases(self, tick: Tick) -> None:
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
             # unpinned only: the context cache keeps its entry (shared with automatic reuse) under its LRU budget
             self.handles.pop(cid, None)

@@ -33,7 +33,8 @@ class Server:
     ``max_batch_size``: requests decoding together; ``max_tokens``: a request's ``max_tokens`` when it gives
     none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
     ``paste_threshold``: a chat's last user message of at least this many tokens holds a document that is
-    encoded as context (0: never; :mod:`magnetar.serve.prompts`);
+    encoded as context (0: never; :mod:`magnetar.serve.prompts`); ``prefill_threads``: intra-op threads while
+    Phase 1s and query forwards run (None: the process's count throughout);
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
@@ -50,7 +51,8 @@ class Server:
                  max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
                  max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
                  public_metrics: bool = False, allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
-                 paste_threshold: int = PASTE_TOKENS, sock: Optional[socket.socket] = None):
+                 paste_threshold: int = PASTE_TOKENS, prefill_threads: Optional[int] = None,
+                 sock: Optional[socket.socket] = None):
         self.engine, self.model_name, self.host, self.sock = engine, model_name, host, sock
         self.port = port + engine.groups.dp_rank
         self.log_level = log_level
@@ -64,7 +66,8 @@ class Server:
         self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
-        self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s)
+        self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s,
+                               prefill_threads=prefill_threads)
         self.metrics = None
         self.app = None
         self._http = None
