@@ -30,7 +30,7 @@ from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
-                                 PHASE2_SCORE, nvtx_range)
+                                 PHASE2_SAMPLE, PHASE2_SCORE, nvtx_range)
 
 
 class Phase2Context(LayerContext):
@@ -274,6 +274,10 @@ class DecodeBatch:
         """The next token of every request in ``live`` (chosen on the replica's first rank, recorded by every
         rank's chooser) appended to its result, with its stop reason. With ``isolate``, a request whose logits
         are not finite gets token -1 in the broadcast: every rank then fails it alone (no token appended)."""
+        with nvtx_range(PHASE2_SAMPLE):
+            return self._choose_tokens(live, logits, ctx, what)
+
+    def _choose_tokens(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str) -> list[int]:
         picked = [-1] * len(live)
         if self.chooses:
             finite = torch.isfinite(logits).all(dim=-1).tolist() if self.isolate else [True] * len(live)

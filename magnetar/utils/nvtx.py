@@ -52,6 +52,7 @@ PHASE2_SCORE = "magnetar/phase2/score"
 PHASE2_LAYER = "magnetar/phase2/layer{n}"
 PHASE2_GATHER = "magnetar/phase2/gather/layer{n}"
 PHASE2_MERGE = "magnetar/phase2/merge/layer{n}"
+PHASE2_SAMPLE = "magnetar/phase2/sample"
 FORWARD_LAYER = "magnetar/forward/layer{n}"
 ATTENTION = "magnetar/attention/{backend}"
 ALL_GATHER_STATES = "magnetar/comm/all_gather_states"
@@ -71,6 +72,7 @@ RANGES: dict[str, str] = {  # template -> what the range spans
     PHASE2_LAYER: "the Phase-2 attention of layer n: local parts, gather and merge",
     PHASE2_GATHER: "the packed all-gather of every rank's (out, lse) of layer n",
     PHASE2_MERGE: "the merge of the gathered states of layer n",
+    PHASE2_SAMPLE: "choosing the next token of every request of a forward, its broadcast and log-probabilities",
     FORWARD_LAYER: "the attention of layer n in a forward outside the phases (calibration)",
     ATTENTION: "one attention kernel call (backend: sdpa, cpu_flash, flash_attn, tiled, ...)",
     ALL_GATHER_STATES: "the collective of magnetar.parallel.all_gather_states alone",

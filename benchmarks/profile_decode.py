@@ -1,0 +1,172 @@
+"""Where a decode step goes: torch.profiler over decode steps, split by Magnetar's profiler ranges (issue 33, item 1).
+
+    python benchmarks/profile_decode.py                              # SmolLM2-135M, 4K context, dense and 2-rank
+                                                                     # pulsar (simulated), batch 1 and 8
+    torchrun --nproc-per-node 2 benchmarks/profile_decode.py --configs pulsar   # real gloo ranks (rank 0 reports)
+
+For each configuration (``dense``: one rank; ``pulsar``: 2 CP ranks, simulated in one process unless launched with
+2 ranks) and batch size, one ``--context-tokens`` document is encoded once, ``--batch`` questions about it join one
+decode batch (``ContinuousBatch``), a few warm-up steps run, then ``--steps`` steps are timed unprofiled
+(ms/step, ms/token) and ``--steps`` more under ``torch.profiler`` (CPU). The profiled time of a step is split by
+where each ATen op ran (its enclosing ``magnetar/...`` range, docs/profiling.md):
+
+* **attention, local KV** -- ``magnetar/attention/*`` inside ``magnetar/phase2/layer{n}`` (the query over its
+  context shard and over its own generated KV);
+* **gather** / **merge** -- ``magnetar/phase2/gather`` (the packed all-gather of (out, lse); one rank: none) and
+  ``magnetar/phase2/merge``;
+* **attention hook, rest** -- the rest of ``magnetar/phase2/layer{n}``: appending the new token's KV to the
+  generated store (a concatenation every step), per-request slicing and stacking;
+* **model matmuls** -- ``aten::linear`` / ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` outside the attention hook
+  (q/k/v/o projections, MLP, the LM head);
+* **other model ops** -- every other ATen op outside the hook and the sampler (norms, RoPE, activations,
+  embedding, residual adds, casts);
+* **sampler** -- ``magnetar/phase2/sample`` (choosing, broadcasting, the stop criteria);
+* **Python / framework** -- the step's time not inside any ATen op: Python, the Hugging Face module calls,
+  dispatch, the profiler's own cost.
+
+Prints a table per configuration, then one JSON line. The profiler adds overhead: the unprofiled ms/step is the
+speed figure, the profiled split is the share.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+MATMULS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"}
+BUCKETS = ("attention, local KV", "gather", "merge", "attention hook, rest", "model matmuls", "other model ops",
+           "sampler", "Python / framework")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--configs", default="dense,pulsar", help="comma list of: dense, pulsar (2 CP ranks)")
+    p.add_argument("--batches", default="1,8", help="decode batch sizes")
+    p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="steps timed, then as many profiled")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs or any(c not in ("dense", "pulsar") for c in args.configs):
+        p.error("--configs: a comma list of dense, pulsar")
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: comma-separated ints, got {args.batches!r}")
+    if min(args.batches) < 1 or args.steps < 2 or args.context_tokens < 64:
+        p.error("--batches >= 1, --steps >= 2, --context-tokens >= 64")
+    return args
+
+
+def engine_for(config: str, model, tokenizer, distributed: bool):
+    import magnetar
+
+    if config == "dense":
+        return magnetar.init_inference(model, tokenizer=tokenizer, method="dense", deepspeed_inference=False)
+    return magnetar.init_inference(model, tokenizer=tokenizer, method="pulsar", cp_size=2, simulate=not distributed,
+                                   deepspeed_inference=False)
+
+
+def split_profile(prof, steps: int) -> dict[str, float]:
+    """ms per step in each bucket, from the profiler's events."""
+    events = list(prof.events())
+    total = {b: 0.0 for b in BUCKETS}
+    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("magnetar/phase2/decode/step"))
+    aten_us = 0.0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        names, parent, in_step = [], e.cpu_parent, False
+        while parent is not None:
+            names.append(parent.name)
+            in_step = in_step or parent.name.startswith("magnetar/phase2/decode/step")
+            parent = parent.cpu_parent
+        if not in_step:
+            continue
+        if any(n.startswith("aten::") for n in names):
+            continue  # counted through its outermost ATen op (inclusive time below)
+        us = e.cpu_time_total
+        aten_us += us
+        if any(n.startswith("magnetar/phase2/layer") for n in names):
+            bucket = ("attention, local KV" if any(n.startswith("magnetar/attention/") for n in names) else
+                      "gather" if any(n.startswith("magnetar/phase2/gather") for n in names) else
+                      "merge" if any(n.startswith("magnetar/phase2/merge") for n in names) else
+                      "attention hook, rest")
+        elif any(n.startswith("magnetar/phase2/sample") for n in names):
+            bucket = "sampler"
+        else:
+            bucket = "model matmuls" if e.name in MATMULS else "other model ops"
+        total[bucket] += us
+    total["Python / framework"] = max(0.0, step_us - aten_us)
+    return {b: us / 1000 / steps for b, us in total.items()} | {"profiled step": step_us / 1000 / steps}
+
+
+def run(config: str, batch: int, args, model, tokenizer, doc: str, questions: list[str], distributed: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = engine_for(config, model, tokenizer, distributed)
+    handle = eng.encode(doc)
+    b = eng.open_batch()
+    n = args.warmup + 2 * args.steps + 2
+    for q in questions[:batch]:
+        b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))
+    for _ in range(args.warmup):
+        b.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        b.step()
+    ms = 1000 * (time.perf_counter() - t0) / args.steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            b.step()
+    split = split_profile(prof, args.steps)
+    for rid in list(b.active):
+        b.cancel(rid)
+    for rid in list(b.finished):
+        b.pop(rid)
+    return dict(config=config, batch=batch, ms_per_step=ms, ms_per_token=ms / batch, split=split,
+                ranks=2 if config == "pulsar" else 1, simulated=config == "pulsar" and not distributed)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        args.configs = [c for c in args.configs if c == "pulsar"]
+        if not args.configs:
+            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
+    from magnetar.data.niah import needle_prompt
+    from magnetar.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    s = needle_prompt(tokenizer, args.context_tokens, 0.5, seed=0)
+    questions = [s.query] + [f"Question {i}: what does the text say about topic {i}?" for i in range(1, 16)]
+    rows = [run(c, bsz, args, model, tokenizer, s.context, questions, distributed)
+            for c in args.configs for bsz in args.batches]
+    if distributed and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    for r in rows:
+        where = f"{r['ranks']} rank(s){' simulated' if r['simulated'] else ''}"
+        print(f"\n## {r['config']} ({where}), batch {r['batch']}: {r['ms_per_step']:.1f} ms/step unprofiled "
+              f"({r['ms_per_token']:.1f} ms/token), {r['split']['profiled step']:.1f} ms/step profiled\n")
+        print("| part | ms/step | share |")
+        print("|---|---:|---:|")
+        step = r["split"]["profiled step"] or 1.0
+        for bucket in BUCKETS:
+            print(f"| {bucket} | {r['split'][bucket]:.2f} | {100 * r['split'][bucket] / step:.0f} % |")
+    print(json.dumps(dict(bench="profile_decode", model=args.model, context_tokens=args.context_tokens,
+                          threads=torch.get_num_threads(), machine=f"{platform.machine()}", rows=rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
