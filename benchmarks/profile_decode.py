@@ -8,21 +8,21 @@ For each configuration (``dense``: one rank; ``pulsar``: 2 CP ranks, simulated i
 2 ranks) and batch size, one ``--context-tokens`` document is encoded once, ``--batch`` questions about it join one
 decode batch (``ContinuousBatch``), a few warm-up steps run, then ``--steps`` steps are timed unprofiled
 (ms/step, ms/token) and ``--steps`` more under ``torch.profiler`` (CPU). The profiled time of a step is split by
-where each ATen op ran (its enclosing ``magnetar/...`` range, docs/profiling.md):
+Magnetar's ranges (docs/profiling.md) and, outside them, by the outermost ATen op:
 
 * **attention, local KV** -- ``magnetar/attention/*`` inside ``magnetar/phase2/layer{n}`` (the query over its
   context shard and over its own generated KV);
-* **gather** / **merge** -- ``magnetar/phase2/gather`` (the packed all-gather of (out, lse); one rank: none) and
-  ``magnetar/phase2/merge``;
+* **gather** / **merge** -- ``magnetar/phase2/gather`` (the packed all-gather of (out, lse), the wait for the
+  other ranks included; one rank: a copy) and ``magnetar/phase2/merge``;
 * **attention hook, rest** -- the rest of ``magnetar/phase2/layer{n}``: appending the new token's KV to the
-  generated store (a concatenation every step), per-request slicing and stacking;
+  generated store (a concatenation every step), the per-request loop, slicing and stacking (its Python too);
 * **model matmuls** -- ``aten::linear`` / ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` outside the attention hook
   (q/k/v/o projections, MLP, the LM head);
 * **other model ops** -- every other ATen op outside the hook and the sampler (norms, RoPE, activations,
   embedding, residual adds, casts);
 * **sampler** -- ``magnetar/phase2/sample`` (choosing, broadcasting, the stop criteria);
-* **Python / framework** -- the step's time not inside any ATen op: Python, the Hugging Face module calls,
-  dispatch, the profiler's own cost.
+* **Python / framework** -- the rest of the step: Python and the Hugging Face module calls outside the attention
+  hook, dispatch, the profiler's own cost.
 
 Prints a table per configuration, then one JSON line. The profiler adds overhead: the unprofiled ms/step is the
 speed figure, the profiled split is the share.
@@ -75,36 +75,42 @@ def engine_for(config: str, model, tokenizer, distributed: bool):
 
 
 def split_profile(prof, steps: int) -> dict[str, float]:
-    """ms per step in each bucket, from the profiler's events."""
+    """ms per step in each bucket, from the profiler's events: the ranged parts by their ranges' inclusive time
+    (the collective's wait is inside ``gather``), the model's ops outside them by their outermost ATen op, and the
+    rest of the step as Python / framework."""
     events = list(prof.events())
     total = {b: 0.0 for b in BUCKETS}
-    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("magnetar/phase2/decode/step"))
-    aten_us = 0.0
-    for e in events:
-        if not e.name.startswith("aten::"):
-            continue
-        names, parent, in_step = [], e.cpu_parent, False
+
+    def ancestors(e):
+        out, parent = [], e.cpu_parent
         while parent is not None:
-            names.append(parent.name)
-            in_step = in_step or parent.name.startswith("magnetar/phase2/decode/step")
+            out.append(parent.name)
             parent = parent.cpu_parent
-        if not in_step:
+        return out
+
+    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("magnetar/phase2/decode/step"))
+    hook_us = 0.0
+    for e in events:
+        names = ancestors(e)
+        if not any(n.startswith("magnetar/phase2/decode/step") for n in names):
             continue
-        if any(n.startswith("aten::") for n in names):
-            continue  # counted through its outermost ATen op (inclusive time below)
-        us = e.cpu_time_total
-        aten_us += us
-        if any(n.startswith("magnetar/phase2/layer") for n in names):
-            bucket = ("attention, local KV" if any(n.startswith("magnetar/attention/") for n in names) else
-                      "gather" if any(n.startswith("magnetar/phase2/gather") for n in names) else
-                      "merge" if any(n.startswith("magnetar/phase2/merge") for n in names) else
-                      "attention hook, rest")
-        elif any(n.startswith("magnetar/phase2/sample") for n in names):
-            bucket = "sampler"
-        else:
-            bucket = "model matmuls" if e.name in MATMULS else "other model ops"
-        total[bucket] += us
-    total["Python / framework"] = max(0.0, step_us - aten_us)
+        if e.name.startswith("magnetar/phase2/layer"):
+            hook_us += e.cpu_time_total
+        elif e.name.startswith("magnetar/attention/") and any(n.startswith("magnetar/phase2/layer") for n in names):
+            total["attention, local KV"] += e.cpu_time_total
+        elif e.name.startswith("magnetar/phase2/gather"):
+            total["gather"] += e.cpu_time_total
+        elif e.name.startswith("magnetar/phase2/merge"):
+            total["merge"] += e.cpu_time_total
+        elif e.name.startswith("magnetar/phase2/sample"):
+            total["sampler"] += e.cpu_time_total
+        elif e.name.startswith("aten::") and not any(n.startswith(("aten::", "magnetar/phase2/layer",
+                                                                      "magnetar/phase2/sample")) for n in names):
+            total["model matmuls" if e.name in MATMULS else "other model ops"] += e.cpu_time_total
+    total["attention hook, rest"] = max(0.0, hook_us - total["attention, local KV"] - total["gather"] -
+                                        total["merge"])
+    total["Python / framework"] = max(0.0, step_us - hook_us - total["sampler"] - total["model matmuls"] -
+                                      total["other model ops"])
     return {b: us / 1000 / steps for b, us in total.items()} | {"profiled step": step_us / 1000 / steps}
 
 
