@@ -32,7 +32,7 @@ class LayerFlags:
         self.flags = torch.zeros(num_layers, dtype=torch.bool, device=device)
 
     def record(self, layer: int, out: torch.Tensor) -> None:
-        self.flags[layer] |= ~finite_flag(out)  # the same sync-free aminmax check as attention_with_lse's
+        self.flags[layer] |= ~finite_flag(out)  # sync-free, and exact (a flag that raises may not false-alarm)
 
     def first(self) -> Optional[int]:
         """The first flagged layer (one device sync), or None."""

@@ -121,7 +121,7 @@ class Phase2Context(LayerContext):
             g = None if mine else g
         elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
             o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
-                                      backend=self.backend)
+                                      backend=self.backend, k_finite=ctx.keys_finite())
             parts_o.append(o)
             parts_l.append(l)
         if g is not None:  # the query rank: its own query/generated tokens, causally

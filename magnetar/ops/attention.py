@@ -20,7 +20,7 @@ Non-finite inputs are never turned into finite output, and every backend gives t
 (:mod:`magnetar.ops.nonfinite`): NaN or +-inf in q row i or in a key row i can see makes row i
 ``(NaN, NaN)``; in v of a key row i can see, row i's ``out`` is NaN (its lse stays what the scores give);
 a key no query can see changes nothing; a row that sees no key is ``(0, -inf)`` even if its query is NaN.
-Cost for finite inputs: one ``aminmax`` pass over q, k and out per call and one host sync; only when it
+Cost for finite inputs: one sum over q, k and out per call and one host sync; only when it
 finds a non-finite value is the call re-run on zeroed inputs and the affected rows set to NaN.
 
 The work is done by a backend from :mod:`magnetar.ops.backends`; this module validates the inputs, classifies
@@ -191,6 +191,7 @@ def attention_with_lse(
     scale: Optional[float] = None,
     window: Optional[int] = None,
     backend: str = "auto",
+    k_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over ``k, v`` returning ``(out, lse)``; see the module docstring for the contract.
 
@@ -203,6 +204,8 @@ def attention_with_lse(
             also ``k_pos[j] > q_pos[i] - window`` (transformers' convention). Needs ``causal=True``.
         backend: ``"auto"`` or a registered backend name (``magnetar.ops.backends.list_backends()``);
             a forced backend that cannot serve the call raises ``ValueError`` with its reasons.
+        k_finite: the caller knows every element of k is finite (checked once for a frozen KV it reuses): the
+            non-finite check then reads q and out only (the rule is unchanged).
 
     Returns:
         ``out (B, Hq, Sq, D)`` in q's dtype, ``lse (B, Hq, Sq)`` float32; rows with no visible key are
@@ -223,7 +226,7 @@ def attention_with_lse(
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal, window)
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
     out, lse = _attend(call, backend)
-    if fast_path_finite(call, out):  # the common case: one min/max pass over q, k and out
+    if fast_path_finite(call, out, check_k=not k_finite):  # the common case: one sum over q, k and out
         return out, lse
     return attend_nonfinite(call, lambda c: _attend(c, backend), fast=(out, lse))
 
