@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a chat's last user message of at least this many tokens holds a document: its text before "
                         f"the question is encoded as context (Phase 1, cached); 0: never (default {PASTE_TOKENS})")
     p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="intra-op CPU threads per rank (default: OMP_NUM_THREADS if set, else the CPUs of this "
-                        "process's affinity less one for the HTTP server, shared by the local ranks)")
+                   help="intra-op CPU threads per rank (default: OMP_NUM_THREADS if set, else from this process's "
+                        "CPU affinity shared by the local ranks: all for Phase 1, one fewer for decode steps)")
     p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
     g = p.add_argument_group("what clients may send (docs/serving.md, \"Limits and access\")")
     g.add_argument("--api-key", default=None,
