@@ -477,7 +477,7 @@ def run(args) -> int:
 
     engines, model_obj, fid = {}, model, None
     if suite.fidelity:  # the reference: plain dense attention and decoding, on this process alone
-        ref_cfg = EngineConfig(method="dense", runtime=base.runtime,
+        ref_cfg = EngineConfig(method="dense", runtime=dataclasses.replace(base.runtime, prefix_reuse="off"),
                                parallel=dataclasses.replace(EngineConfig().parallel,
                                                             timeout_s=base.parallel.timeout_s))
         ref = magnetar.init_inference(model_obj, ref_cfg, tokenizer=tokenizer,
@@ -491,6 +491,8 @@ def run(args) -> int:
         ck = config_key(cfg)
         if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt
             run_cfg = cfg.replace(simulate=True) if sim is not None and cfg.parallel.cp_size > 1 else cfg
+            # every item's own Phase 1 (its measured seconds are the item's), whatever an earlier one cached
+            run_cfg = run_cfg.replace(prefix_reuse="off")
             groups = local_groups(timeout=timedelta(seconds=cfg.parallel.timeout_s)) if dealt else None
             engines[ck] = magnetar.init_inference(model_obj, run_cfg, tokenizer=tokenizer, groups=groups,
                                                   deepspeed_inference=not engines and fid is None)
