@@ -39,6 +39,7 @@ import asyncio
 import copy
 import dataclasses
 import difflib
+import functools
 import queue
 import re
 import threading
@@ -269,98 +270,72 @@ class Preparer:
 
     def _completion_one(self, req: CompletionRequest, prompt, param: str, context: Optional[str],
                         cid: Optional[str], options: dict, config: EngineConfig) -> Prepared:
-        if req.echo and req.logprobs is not None and context is None and cid is None:
-            return self._scored(req, prompt, param, options, config)
-        echo = ""
-        if isinstance(prompt, list):  # token ids, taken as given (no BOS added)
-            ids = torch.tensor(prompt, dtype=torch.long)
-            try:
-                inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
-            except ValueError as e:
-                raise RequestError(str(e), param) from None
-            if req.echo:
-                echo = self.tokenizer.decode(prompt)
-            if context is None and cid is None:
-                if len(prompt) < 2:
-                    raise RequestError(f"{param}: a token-id prompt needs at least 2 tokens (Phase 1's context and "
-                                       f"Phase 2's query), got {len(prompt)}", param)
-                q = min(QUERY_CUT_TOKENS, len(prompt) - 1)
-                return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
-                                    config, split="tokens", echo=echo, logprobs=req.logprobs,
-                                    prompt_logprobs=bool(req.echo) and req.logprobs is not None)
-            p_ids = ids
-            c_ids = None
-        else:
-            if not prompt.strip():
-                raise RequestError(f"{param} is empty: Phase 2 needs at least one query token", param)
-            echo = prompt if req.echo else ""
-            p_ids = c_ids = None
+        """One prompt (a string or token ids) as a request: cut into context and query by the rule of the module
+        docstring. ``echo`` with ``logprobs`` and no document scores the prompt: Phase 1 encodes only its first
+        tokens (one per CP rank, or a block) and the rest runs as the query, so every token after the first query
+        token gets its log-probability from the query's forward (exact for every method: the query attends to the
+        whole context and to itself)."""
+        text = isinstance(prompt, str)
+        if text and not prompt.strip():
+            raise RequestError(f"{param} is empty: Phase 2 needs at least one query token", param)
+        ids = None if text else self._prompt_ids(prompt, param)
+        scoring = bool(req.echo) and req.logprobs is not None
+        echo = (prompt if text else self.tokenizer.decode(prompt)) if req.echo else ""
+        finish = functools.partial(self._finish, req, max_tokens=req.max_tokens, max_name="max_tokens",
+                                   options=options, config=config, echo=echo, logprobs=req.logprobs,
+                                   prompt_logprobs=scoring)
         where, split = "magnetar.context", "context" if cid is None else "context_id"
-        if p_ids is None and context is None and cid is None:
-            cut = split_completion(prompt)
-            if cut is not None:
-                context, prompt = cut
-                where, split = param, "paragraph"
-            else:  # no line break: a token cut of the whole prompt
-                try:
-                    whole = split_plain(self.tokenizer, prompt, "", limit=self.limit)
-                except ValueError as e:
-                    raise RequestError(f"{param}: {e}", param) from None
-                ids = whole.context_ids
+        if context is None and cid is None:
+            cut = split_completion(prompt) if text and not scoring else None
+            if cut is None:  # token ids, a prompt with no line break, or a scored prompt: a cut between tokens
+                ids = self._prompt_ids(prompt, param) if ids is None else ids
+                if scoring:
+                    c = self._scoring_context(config)
+                    if ids.numel() <= c:
+                        raise RequestError(f"{param}: scoring a prompt (echo with logprobs) needs more than {c} "
+                                           f"tokens (its first {c} are Phase 1's context: one per CP rank, or the "
+                                           f"server's --block-size), got {ids.numel()}", param)
+                    return finish(context_ids=ids[:c], cid=None, query_ids=ids[c:], where=param, split="tokens",
+                                  echo_context=c)
                 if ids.numel() < 2:
                     raise RequestError(f"{param} is one token: Magnetar needs a context (Phase 1) and a query "
-                                       f"(Phase 2); send a longer prompt or the document in magnetar.context", param)
+                                       f"(Phase 2); send a longer prompt or the document in magnetar.context" if text
+                                       else f"{param}: a token-id prompt needs at least 2 tokens (Phase 1's context "
+                                            f"and Phase 2's query), got {ids.numel()}", param)
                 q = min(QUERY_CUT_TOKENS, int(ids.numel()) - 1)
-                return self._finish(req, ids[:-q], None, ids[-q:], req.max_tokens, "max_tokens", param, options,
-                                    config, split="tokens", echo=echo, logprobs=req.logprobs,
-                                    prompt_logprobs=bool(req.echo) and req.logprobs is not None)
+                return finish(context_ids=ids[:-q], cid=None, query_ids=ids[-q:], where=param, split="tokens")
+            context, prompt = cut
+            where, split = param, "paragraph"
         if context is not None:
             context = raw_document(context)
-        if p_ids is not None:  # token ids after a document: the document's ids, then the prompt's as the query
+        doc = "." if cid is not None else context  # a pinned context's ids are the engine's: a stand-in here
+        if not text:  # token ids after a document: the document's ids, then the prompt's as the query
             try:
-                c_ids = split_plain(self.tokenizer, "." if cid is not None else context, ".",
-                                    limit=self.limit).context_ids
+                c_ids = split_plain(self.tokenizer, doc, ".", limit=self.limit).context_ids
             except ValueError as e:
                 raise RequestError(f"{where}: {e}", where) from None
-            return self._finish(req, c_ids, cid, p_ids, req.max_tokens, "max_tokens", where, options, config,
-                                split=split, echo=echo, logprobs=req.logprobs,
-                                prompt_logprobs=bool(req.echo) and req.logprobs is not None)
+            return finish(context_ids=c_ids, cid=cid, query_ids=ids, where=where, split=split)
         try:
-            p = split_plain(self.tokenizer, "." if cid is not None else context, prompt, limit=self.limit)
+            p = split_plain(self.tokenizer, doc, prompt, limit=self.limit)
         except ValueError as e:
             raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
                                where if not str(e).startswith("query:") else param) from None
-        return self._finish(req, p.context_ids, cid, p.query_ids, req.max_tokens, "max_tokens", where, options,
-                            config, split=split, echo=echo, logprobs=req.logprobs,
-                            prompt_logprobs=bool(req.echo) and req.logprobs is not None)
+        return finish(context_ids=p.context_ids, cid=cid, query_ids=p.query_ids, where=where, split=split)
 
-    def _scored(self, req: CompletionRequest, prompt, param: str, options: dict, config: EngineConfig) -> Prepared:
-        """A prompt whose tokens' log-probabilities are asked (``echo`` with ``logprobs``: lm-eval's log-likelihood
-        request): Phase 1 encodes only its first tokens (one per CP rank) and the rest runs as the query, so every
-        token after the first query token gets its log-probability from the query's forward (exact for every
-        method: the query attends to the whole context and to itself)."""
+    def _prompt_ids(self, prompt, param: str) -> torch.Tensor:
+        """A completion prompt's ids whole: token ids as given (checked against the vocabulary), text as plain
+        text (BOS first when the tokenizer adds one)."""
         if isinstance(prompt, list):
             ids = torch.tensor(prompt, dtype=torch.long)
             try:
                 inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
             except ValueError as e:
                 raise RequestError(str(e), param) from None
-            echo = self.tokenizer.decode(prompt)
-        else:
-            if not prompt.strip():
-                raise RequestError(f"{param} is empty: Phase 2 needs at least one query token", param)
-            try:
-                ids = split_plain(self.tokenizer, prompt, "", limit=self.limit).context_ids
-            except ValueError as e:
-                raise RequestError(f"{param}: {e}", param) from None
-            echo = prompt
-        c = self._scoring_context(config)
-        if ids.numel() <= c:
-            raise RequestError(f"{param}: scoring a prompt (echo with logprobs) needs more than {c} tokens (its "
-                               f"first {c} are Phase 1's context: one per CP rank, or the server's --block-size), "
-                               f"got {ids.numel()}", param)
-        return self._finish(req, ids[:c], None, ids[c:], req.max_tokens, "max_tokens", param, options, config,
-                            split="tokens", echo=echo, logprobs=req.logprobs, prompt_logprobs=True, echo_context=c)
+            return ids
+        try:
+            return split_plain(self.tokenizer, prompt, "", limit=self.limit).context_ids
+        except ValueError as e:
+            raise RequestError(f"{param}: {e}", param) from None
 
     def _scoring_context(self, config: EngineConfig) -> int:
         """The fewest context tokens ``config``'s method accepts: one per CP rank, else a block (``block_size``)."""
