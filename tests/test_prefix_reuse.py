@@ -3,30 +3,16 @@ to the cached KV exactly and join the first CP rank's shard. Exact methods give 
 longest cached prefix is chosen, a chain of turns extends turn by turn; what cannot extend says why."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import magnetar
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
+from tests.test_encode_ask import _engine, _ids, _same  # the encode/ask tests' helpers: the same engines and checks
 from tests.tiny_models import tiny_model
 
 L, ADD, NEW = 96, 40, 5
-
-
-def _ids(seed, n):
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _engine(model, **flat):
-    return magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
-
-
-def _same(a, b, what):
-    assert a.token_ids == b.token_ids, f"{what}: {a.token_ids} != {b.token_ids}"
-    assert_close(a.first_token_logits, b.first_token_logits, what="logits", msg=what)
 
 
 def _extends_like_a_fresh_phase1(model, flat, what):
