@@ -203,19 +203,19 @@ def build_app(server) -> FastAPI:
         rid = new_id("chatcmpl" if chat_kind else "cmpl")
         info = {"prompts": [{"split": p.split, "context_tokens": p.context_tokens,
                              "query_tokens": int(p.query_ids.numel())} for p in prepared[::n]]}
+        logprobs = req.logprobs is not None and req.logprobs is not False  # chat: a bool; completions: 0..20
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # the status line waits for the request's first event: a request the engine refuses (or fails) gets
             # its own HTTP status, not a 200 followed by an error event
             first = await _first(request, sink, sids)
-            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info,
-                                             req.logprobs is not None and req.logprobs is not False, first),
+            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info, logprobs,
+                                             first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         tokens, dones = await _collect(request, sink, sids)
         texts = ["".join(t.text for t in ts) for ts in tokens]
         usage = usage_of([d.result for d in dones], n)
-        logprobs = req.logprobs is not None and req.logprobs is not False
         if chat_kind:
             return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
                                   choices=[ChatChoice(index=i, message=AssistantMessage(content=t),
