@@ -19,9 +19,12 @@ A failing step records its error and the kit goes on.
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
    slowest rank; ring's ranks exchange KV every layer and are not simulated: its row says so): Phase-1 seconds per
    rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's prediction beside them.
-5. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
+5. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense at 32K, batch 1 and 8, eager / static
+   (KV slots, one attention call per layer) / compiled (``torch.compile`` with CUDA graphs, FlexAttention over the
+   slots) side by side: ms per step, tokens/s, the first step's seconds (compiling), whether eager's tokens came.
+6. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
    the path) and with Quest decoding, at 64K.
-6. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
+7. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
    ``gpu`` cases beside their CPU versions), 40 s per test at most: counts, and each failure's first line. Last, so
    that it takes what the budget leaves and the timed steps always run; cut short, it records what ran.
 
@@ -50,10 +53,15 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
-            limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70))
+            decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8",
+            limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
+                        decode=300))
+# the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
+# compiles once)
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0, warmup_len=256,
-           limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60,), sparse=60))
+           decode_len=1024, decode_modes="eager,static", decode_batches="1,2",
+           limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60,), sparse=60, decode=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -349,6 +357,29 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
     return kit.step(name, limit, fn)
 
 
+def step_decode(kit: Kit, shape: dict):
+    """``benchmarks/bench_decode.py``: decode steps eager / static / compiled (CUDA graphs) side by side, dense."""
+    name = f"decode_{_k(shape['decode_len'])}"
+
+    def fn(timeout):
+        with tempfile.TemporaryDirectory() as tmp:
+            json_out = Path(tmp) / "decode.json"
+            cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--model", shape["model"],
+                   "--dtype", shape["dtype"], "--configs", "dense", "--context-tokens", str(shape["decode_len"]),
+                   "--modes", shape["decode_modes"], "--batches", shape["decode_batches"], "--warmup", "3",
+                   "--steps", "16", "--json-out", str(json_out)]
+            rc, out, err = kit.run(cmd, timeout)
+            if rc != 0 or not json_out.is_file():
+                return False, None, _tail(err or out), cmd
+            record = json.loads(json_out.read_text())
+        keep = ("mode", "ran", "why", "batch", "ms_per_step", "ms_per_token", "tokens_per_s", "first_step_s",
+                "vs_eager", "same_tokens")
+        return True, dict(model=record["model"], dtype=record["dtype"], device=record["device"],
+                          context_tokens=record["context_tokens"], torch=record["torch"],
+                          decode_rows=[{k: r[k] for k in keep} for r in record["rows"]]), None, cmd
+    return kit.step(name, shape["limits"]["decode"], fn)
+
+
 # ------------------------------------------------------------------------------------------------ the report
 
 
@@ -362,7 +393,7 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     if report.get("kit") != KIT:
         problems.append(f"kit is {report.get('kit')!r}, not {KIT!r}")
     names = [s.get("name") for s in report.get("steps", [])]
-    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest"]
+    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest", "decode"]
     for w in want if complete else []:
         if not any(isinstance(n, str) and n.startswith(w) for n in names):
             problems.append(f"no step {w!r}")
@@ -377,6 +408,10 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
                 need = ("skipped",) if "skipped" in r else ("phase1_critical_path_s", "ttft_s", "decode_ms_per_token",
                                                            "peak_memory_gb", "speedup_measured")
                 problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for k in need if k not in r]
+        if s["ok"] and s["name"].startswith("decode"):
+            for r in s["result"]["decode_rows"]:
+                problems += [f"step {s['name']!r} row {r.get('mode')} lacks {k!r}" for k in
+                             ("ms_per_step", "tokens_per_s", "first_step_s", "same_tokens") if k not in r]
         if s["ok"] and s["name"] == "pytest_gpu":
             problems += [f"pytest_gpu lacks {k!r}" for k in ("tests", "passed", "failed", "skipped")
                          if k not in s["result"]]
@@ -419,6 +454,20 @@ def tables(report: dict) -> str:
             lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | "
                          f"{r['phase1_critical_path_s']:.3f} | {per} | {r['speedup_measured']:.2f}x / "
                          f"{r['speedup_predicted']:.2f}x | {r['ttft_s']:.3f} | {dec} | {r['peak_memory_gb']:.1f} |")
+    for s in report["steps"]:
+        if not s["ok"] or not isinstance(s["result"], dict) or "decode_rows" not in s["result"]:
+            continue
+        lines += ["", f"{s['name']}: decode steps, dense, {_k(s['result']['context_tokens'])} context "
+                      f"({s['result']['dtype']})", "",
+                  "| decode step (ran) | batch | ms/step | tokens/s | vs eager | first step (s) | eager's tokens |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in s["result"]["decode_rows"]:
+            ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
+            vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
+            lines.append(f"| {ran} | {r['batch']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {vs} | "
+                         f"{r['first_step_s']:.2f} | {r['same_tokens']}/{r['batch']} |")
+            if r.get("why"):
+                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | |")
     return "\n".join(lines)
 
 
@@ -475,6 +524,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
         plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
             kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])))
+    plan.append((f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape)))
     plan.append((f"sparse_prefill_{_k(n)}", lambda: step_bench(
         kit, shape, f"sparse_prefill_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
         ["--prefill-policy", "indexer", "--prefill-indexer-random-init"])))

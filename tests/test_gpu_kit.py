@@ -36,9 +36,14 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < 120
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "phase1_1K", "sparse_prefill_1K",
-                                  "quest_1K", "pytest_gpu"]
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "phase1_1K", "decode_1K",
+                                  "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
+    # the decode step: static steps ran as asked and chose eager's tokens for every request
+    dec = steps["decode_1K"]["result"]["decode_rows"]
+    assert [(r["mode"], r["ran"], r["batch"]) for r in dec] == [("eager", "eager", 1), ("eager", "eager", 2),
+                                                               ("static", "static", 1), ("static", "static", 2)]
+    assert all(r["same_tokens"] == r["batch"] and r["ms_per_step"] > 0 for r in dec), dec
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0

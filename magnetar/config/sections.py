@@ -9,9 +9,9 @@ from typing import ClassVar, Optional, Sequence
 
 from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
                                     _require, _seed, short_repr)
-from magnetar.config.registry import (DTYPES, LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS, LUKA_REFINE_SCOPE,
-                                      LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX, PREFIX_REUSE,
-                                      SCORERS, policy_choices)
+from magnetar.config.registry import (DECODE_STEPS, DTYPES, LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS,
+                                      LUKA_REFINE_SCOPE, LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX,
+                                      PREFIX_REUSE, SCORERS, policy_choices)
 
 
 class PolicySection:
@@ -171,10 +171,15 @@ class RuntimeConfig:
     # (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
     # tokens then see the whole cached context, not the method's anchor or summaries), "off"
     prefix_reuse: str = "exact"
+    # how decode steps run (magnetar.engine.static): "eager" (one attention call per request and layer), "static"
+    # (each request's KV copied into preallocated slots, one call per layer for the batch), "compiled" (static under
+    # torch.compile; CUDA graphs on CUDA); a decode policy runs eager, tensor parallelism static (said why)
+    decode_step: str = "eager"
 
     def __post_init__(self):
         _check_types(self)
         _choice("prefix_reuse", self.prefix_reuse, PREFIX_REUSE, "prefix_reuse")
+        _choice("decode_step", self.decode_step, DECODE_STEPS, "decode_step")
         _require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
         _choice("dtype", self.dtype, DTYPES, "dtype")

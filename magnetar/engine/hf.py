@@ -30,6 +30,8 @@ def magnetar_attention(module, query, key, value, attention_mask, scaling=None, 
         # Called outside the engine (e.g. plain model.generate with a DynamicCache): ordinary causal attention,
         # the query tokens being the last ones of the keys.
         out, _ = attention_with_lse(query, key, value, scale=scaling, window=window)
+    elif ctx.layer_range is None:  # a compiled step's context: no profiler range inside the graph
+        out = ctx.attend(module.layer_idx, query, key, value, scaling, window)
     else:
         with nvtx_range(ctx.layer_range, n=module.layer_idx):
             out = ctx.attend(module.layer_idx, query, key, value, scaling, window)

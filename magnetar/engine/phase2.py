@@ -14,6 +14,7 @@ steps and leave it when finished (continuous batching); each has its own :class:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
+from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
@@ -31,6 +33,8 @@ from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
                                  PHASE2_SAMPLE, PHASE2_SCORE, nvtx_range)
+
+log = logging.getLogger(__name__)
 
 
 class Phase2Context(LayerContext):
@@ -234,6 +238,11 @@ class DecodeBatch:
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count()
         self._steps = 0
+        # runtime.decode_step: how the steps run (magnetar.engine.static), and why not as configured (None: as asked)
+        self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
+        if self.why_not is not None:
+            log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
+        self.static = StaticDecode(model, groups, device, self.decode_step) if self.decode_step != "eager" else None
 
     @property
     def active(self) -> list[int]:
@@ -247,6 +256,10 @@ class DecodeBatch:
         """Remove a finished request; its result with the decode policy's stats of this rank."""
         live = self._live.pop(rid)
         live.result.gen_kv_tokens = live.gen.tokens() if live.gen is not None else 0
+        if self.static is not None and rid in self.static.owner:
+            held = self.static.release(rid)
+            if live.gen is not None:
+                live.result.gen_kv_tokens = held - live.req.shard.tokens()
         live.result.decode_stats = (None if self.policy is None
                                     else self.policy.stats(live.req.shard, live.req.context_tokens))
         return live.result
@@ -333,7 +346,33 @@ class DecodeBatch:
             rid = next(self._ids)
             self._live[rid] = r
             rids.append(rid)
+        if self.static is not None:
+            self._place([rid for rid in rids if self._live[rid].result.stop_reason is None])
         return rids
+
+    def _place(self, rids: list[int]) -> None:
+        """Static steps: copy the joined requests' KV into slots -- unless a context's KV is not finite (the slots'
+        one attention call would not keep the exact non-finite rules): then the batch goes back to eager."""
+        for rid in rids:
+            shard = self._live[rid].req.shard
+            if not all(lk.k is None or (lk.keys_finite() and all_finite(lk.v)) for lk in shard.layers):
+                self._to_eager(f"a context's KV is not finite (request {rid}): decode steps run eager, whose "
+                               f"attention keeps the exact rules for non-finite values")
+                return
+            self.static.place(rid, shard, self._live[rid].gen)
+
+    def _to_eager(self, why: str) -> None:
+        """Leave static steps for good: each placed request's query and generated KV goes back to its eager store."""
+        for rid in list(self.static.owner):
+            live = self._live[rid]
+            if live.gen is not None:
+                gen = KVShard(len(live.gen.layers))
+                gen.freeze()
+                for layer, (k, v, pos) in zip(gen.layers, self.static.generated(rid, live.req.shard)):
+                    layer.append(k.clone(), v.clone(), pos.clone())
+                live.gen = gen
+        self.static, self.decode_step, self.why_not = None, "eager", why
+        log.warning("decode steps: %s", why)
 
     @torch.inference_mode()
     def step(self) -> list[int]:
@@ -345,9 +384,15 @@ class DecodeBatch:
         live = [self._live[rid] for rid in rids]
         t1 = time.perf_counter()
         with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
-            ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
             what = f"decode step {self._steps}"
-            logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
+            if self.static is not None:  # every request in one slot-batched (maybe compiled) forward
+                logits = self.static.step(rids, [r.result.token_ids[-1] for r in live], [r.next_pos for r in live])
+                ctx = self.static
+                if not self.isolate:
+                    ctx.check_logits(logits, what)
+            else:
+                ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
+                logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
             self._choose(live, logits, ctx, what)
         dt = time.perf_counter() - t1
         for r in live:

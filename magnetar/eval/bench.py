@@ -118,6 +118,8 @@ def parse_args(argv):
     p.add_argument("--summary-budget", type=float, default=None)
     p.add_argument("--window-size", type=int, default=None, help="streaming window")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
+                   help="how decode steps run (runtime.decode_step; default eager)")
     p.add_argument("--sparse-policy", default=None, help="sparse decoding: quest | lsh | spotlight | oracle_topk "
                    "(their other options at the defaults)")
     p.add_argument("--sparse-budget", type=int, default=None, help="--sparse-policy: KV tokens each decode step reads")

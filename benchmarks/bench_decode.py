@@ -1,0 +1,170 @@
+"""Decode steps side by side: eager, static (slots) and compiled (issue 33, item 2) -- ms per step, tokens/s, the first
+step's seconds (a compiled step's compile and CUDA-graph capture) and whether every mode chose eager's tokens.
+
+    python benchmarks/bench_decode.py                                  # SmolLM2-135M-Instruct fp32, 4K context,
+                                                                       # dense and 2-rank Pulsar (simulated), batch 1, 8
+    python benchmarks/bench_decode.py --model dummy:llama-3.1-8b --dtype bfloat16 --context-tokens 32768 \\
+        --configs dense --json-out decode.json                           # the GPU kit's step (random weights)
+    torchrun --nproc-per-node 2 benchmarks/bench_decode.py --configs pulsar   # real gloo ranks (rank 0 reports)
+
+For each configuration (``dense``: one rank; ``pulsar``: 2 CP ranks, simulated in one process unless launched with 2
+ranks) and each mode, an engine with ``decode_step=<mode>`` encodes one ``--context-tokens`` context once; for each
+batch size, that many questions about it join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the
+first one timed apart: compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose
+the same tokens as eager (fp32; in bf16 a near-tie may differ: the table says how many requests agree). Prints a table,
+then one JSON line. Speed goals live here, not in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("eager", "static", "compiled")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="an installed model name, a folder, or dummy:<preset> (random weights made on the device)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--configs", default="dense,pulsar", help="comma list of: dense, pulsar (2 CP ranks)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}")
+    p.add_argument("--batches", default="1,8", help="decode batch sizes")
+    p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
+    p.add_argument("--steps", type=int, default=12, help="steps timed")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the JSON record to this file")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not args.configs or any(c not in ("dense", "pulsar") for c in args.configs):
+        p.error(f"--configs: a comma list of dense, pulsar; got {args.configs}")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        p.error(f"--modes: a comma list of {', '.join(MODES)}; got {args.modes}")
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: comma-separated ints, got {args.batches!r}")
+    if min(args.batches) < 1 or args.steps < 2 or args.warmup < 1 or args.context_tokens < 64:
+        p.error("--batches >= 1, --steps >= 2, --warmup >= 1, --context-tokens >= 64")
+    return args
+
+
+def _inputs(model, tokenizer, n: int, batch: int):
+    """The context and ``batch`` questions: a needle text and questions with a tokenizer, random ids without."""
+    if tokenizer is not None:
+        from magnetar.data.niah import needle_prompt
+
+        s = needle_prompt(tokenizer, n, 0.5, seed=0)
+        return s.context, [s.query] + [f"Question {i}: what does the text say about topic {i}?"
+                                       for i in range(1, batch)]
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    return (torch.randint(0, vocab, (n,), generator=g),
+            [torch.randint(0, vocab, (8 + i,), generator=g) for i in range(batch)])
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(config: str, mode: str, args, model, tokenizer, distributed: bool) -> list[dict]:
+    import magnetar
+
+    flat = dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2, simulate=not distributed)
+    eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
+                                  context_cache_mb=1 << 20, **flat)
+    doc, questions = _inputs(model, tokenizer, args.context_tokens, max(args.batches))
+    handle = eng.encode(doc)
+    rows = []
+    for bsz in args.batches:
+        b = eng.open_batch()
+        n = args.warmup + args.steps + 2
+        rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0]
+                for q in questions[:bsz]]
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        b.step()
+        _sync(eng.device)
+        first = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            b.step()
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            b.step()
+        _sync(eng.device)
+        ms = 1000 * (time.perf_counter() - t0) / args.steps
+        inner = b._batch  # the DecodeBatch: how its steps ran
+        ran, why = inner.decode_step, inner.why_not or (inner.static.fallback if inner.static is not None else None)
+        for rid in list(b.active):
+            b.cancel(rid)
+        tokens = [b.pop(rid).token_ids for rid in rids]
+        rows.append(dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, ms_per_step=ms,
+                         ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first, tokens=tokens,
+                         ranks=1 if config == "dense" else 2, simulated=config == "pulsar" and not distributed))
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from magnetar.models import load_model
+    from magnetar.models.dummy import is_dummy
+    from magnetar.parallel.launcher import device_for_rank, init_distributed
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        args.configs = [c for c in args.configs if c == "pulsar"]
+        if not args.configs:
+            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
+    init_distributed()
+    device = device_for_rank() if is_dummy(args.model) else "cpu"
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    load_s = time.perf_counter() - t0
+    rows = [r for c in args.configs for m in args.modes for r in run(c, m, args, model, tokenizer, distributed)]
+    eager = {(r["config"], r["batch"]): r for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        ref = eager.get((r["config"], r["batch"]))
+        r["vs_eager"] = None if ref is None else ref["ms_per_step"] / r["ms_per_step"]
+        r["same_tokens"] = None if ref is None else sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
+    if distributed and int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    dev = torch.cuda.get_device_name() if str(device).startswith("cuda") else platform.processor() or "cpu"
+    print(f"\n{args.model} {args.dtype}, {args.context_tokens} context tokens, {dev}, "
+          f"{torch.get_num_threads()} threads\n")
+    print("| config | batch | decode step (ran) | ms/step | ms/token | tokens/s | speed-up vs eager | first step s | "
+          "requests with eager's tokens |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
+        vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
+        same = "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['batch']}"
+        where = "" if r["ranks"] == 1 else f", {r['ranks']} ranks{' sim.' if r['simulated'] else ''}"
+        print(f"| {r['config']}{where} | {r['batch']} | {ran} | {r['ms_per_step']:.1f} | {r['ms_per_token']:.1f} | "
+              f"{r['tokens_per_s']:.1f} | {vs} | {r['first_step_s']:.2f} | {same} |")
+    for r in rows:
+        if r["why"]:
+            print(f"- {r['config']} {r['mode']} batch {r['batch']}: {r['why']}")
+    record = dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
+                  device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
+                  rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
+    print(json.dumps(record))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Static decode steps: every request's KV in preallocated slots, one attention call per layer for the whole batch,
+and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 33, item 2).
+
+``runtime.decode_step`` chooses how a :class:`~magnetar.engine.phase2.DecodeBatch` runs its decode steps:
+
+* ``eager`` -- :class:`~magnetar.engine.phase2.Phase2Context`: per layer, one attention call per request over its
+  own context shard and generated-KV store, merged. Every decode policy (sparse decoding, LuKA) runs this way.
+* ``static`` -- :class:`StaticSlots`: when a request joins (after its query forward, which stays eager), this rank's
+  KV of it -- its context shard and, on the query rank, its query tokens' KV -- is copied once into a slot of
+  preallocated per-layer buffers ``(slots, Hkv, capacity, D)``; each step writes the new token's KV in place and
+  attends all slots in ONE call per layer (:func:`slot_attention`: float32 scores, key positions decide what each
+  query sees, the empty part of a slot sits at position :data:`FAR`), then the CP gather and merge as eager.
+  No per-request Python, no per-call checks; the shapes change only when the slots or their capacity grow.
+* ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA), one
+  graph per (slots, capacity) shape; the CP gather and merge stay outside the graph (a graph break per layer
+  where cp_size > 1). If compiling fails, the batch says why (:attr:`StaticDecode.fallback`) and runs ``static``.
+
+What ``static`` and ``compiled`` cannot run, a batch runs ``eager`` and says why (:func:`static_problem`): a decode
+policy (its choice of KV differs per token and request), and -- ``compiled`` only -- tensor parallelism (DeepSpeed's
+all-reduce inside the layers), which then runs ``static``.
+
+The rules of :func:`magnetar.ops.attention_with_lse` hold: a row seeing no key is ``(0, -inf)``; a NaN in q or in a
+key the row sees makes the row NaN. The one difference -- a NaN in the *value* of a key no query sees would reach
+the output through ``0 * NaN`` -- cannot arise: a slot's context KV is checked finite once when it is placed (a
+request whose context KV is not finite makes the batch go back to ``eager``, which has the exact rules), and a
+generated token's value is seen by its own query first, whose logits are checked every step.
+
+Memory: a slot holds a copy of its request's context KV on this rank (the context cache keeps the original), so a
+batch of requests over one cached context holds it once per request; capacity grows by doubling.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from magnetar.engine.finite import HINT, NonFiniteError
+from magnetar.engine.kv import KVShard
+from magnetar.engine.strategy import LayerContext
+from magnetar.ops import merge_states
+from magnetar.ops.nonfinite import all_finite
+from magnetar.parallel import ParallelGroups, all_gather_states
+
+log = logging.getLogger(__name__)
+
+FAR = 2 ** 62  # the key position of an empty slot entry: no query's position reaches it
+MIN_CAPACITY = 256  # a slot's first capacity is a multiple of this (tokens)
+
+
+def static_problem(mode: str, policy, groups: ParallelGroups) -> tuple[str, Optional[str]]:
+    """The decode step a batch runs for ``runtime.decode_step`` = ``mode``, and why it is not ``mode`` (None: it is)."""
+    if mode == "eager":
+        return "eager", None
+    if policy is not None:
+        return "eager", (f"the decode policy {type(policy).__name__} chooses each token's KV per request and step: "
+                         f"decode steps run eager")
+    if mode == "compiled" and groups.tp_size > 1:
+        return "static", ("tensor parallelism's all-reduce inside the layers is not compiled: decode steps run static "
+                          "(batched, uncompiled)")
+    return mode, None
+
+
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Hq, S, D) in q's dtype, lse (B, Hq, S) float32)`` of ``q`` over the slot buffers ``k, v
+    (B, Hkv, C, D)`` whose entries sit at positions ``k_pos (B, C)`` (:data:`FAR`: empty); ``q_pos (B, S)``. Key j
+    is visible to query i iff ``k_pos[j] <= q_pos[i]`` (and ``> q_pos[i] - window``). Scores, softmax and the
+    weighted sum in float32; query head h reads KV head ``h // (Hq // Hkv)``."""
+    B, Hq, S, D = q.shape
+    Hkv, C = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    s = torch.matmul(q.float().reshape(B, Hkv, G * S, D), k.float().transpose(-1, -2)).view(B, Hkv, G, S, C)
+    qp, kp = q_pos.view(B, 1, 1, S, 1), k_pos.view(B, 1, 1, 1, C)
+    vis = kp <= qp
+    if window is not None:
+        vis = vis & (kp > qp - window)
+    s = (s * scale).masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, S): -inf where nothing is visible, NaN where a NaN is
+    seen = vis.any(dim=-1)  # (B, 1, 1, S)
+    p = torch.exp(s - torch.where(seen, lse, 0.0).unsqueeze(-1))
+    out = torch.matmul(p.view(B, Hkv, G * S, C), v.float()).view(B, Hkv, G, S, D)
+    out = torch.where(seen.unsqueeze(-1), out, 0.0)
+    lse = torch.where(seen, lse, float("-inf"))
+    return out.reshape(B, Hq, S, D).to(q.dtype), lse.reshape(B, Hq, S)
+
+
+def slot_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                        scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`slot_attention` through torch's FlexAttention (the compiled step's on CUDA: a fused kernel that reads
+    the bf16 KV once, float32 inside; the visibility rule is its ``score_mod``). Same contract."""
+    from magnetar.ops.backends.flex import _load
+
+    flex, _, aux = _load()
+    B, Hq, S, D = q.shape
+
+    def score_mod(score, b, h, qi, kj):
+        kp, qp = k_pos[b, kj], q_pos[b, qi]
+        vis = kp <= qp
+        if window is not None:
+            vis = vis & (kp > qp - window)
+        return torch.where(vis, score, float("-inf"))
+
+    kw = dict(score_mod=score_mod, scale=scale, enable_gqa=Hq != k.shape[1])
+    if aux is not None:
+        out, extra = flex(q, k, v, return_aux=aux(lse=True), **kw)
+        lse = extra.lse
+    else:
+        out, lse = flex(q, k, v, return_lse=True, **kw)
+    qp, kp = q_pos.view(B, S, 1), k_pos.view(B, 1, -1)
+    vis = kp <= qp
+    if window is not None:
+        vis = vis & (kp > qp - window)
+    seen = vis.any(dim=-1).view(B, 1, S)
+    out = torch.where(seen.unsqueeze(-1), out, 0.0).to(q.dtype)
+    return out, torch.where(seen, lse.float(), float("-inf"))
+
+
+SLOT_ATTENTION = {"math": slot_attention, "flex": slot_attention_flex}
+
+
+def slot_attention_impl(mode: str, device) -> str:
+    """Which :data:`SLOT_ATTENTION` a step runs: ``MAGNETAR_SLOT_ATTENTION`` (math | flex) if set, else flex for a
+    compiled step on CUDA (fused; the math path would copy the KV to float32 every step) and math otherwise (exact
+    float32 steps that CPU compilers fuse; eager FlexAttention on CPU materialises its scores)."""
+    forced = os.environ.get("MAGNETAR_SLOT_ATTENTION", "")
+    if forced:
+        if forced not in SLOT_ATTENTION:
+            raise ValueError(f"MAGNETAR_SLOT_ATTENTION must be one of {', '.join(SLOT_ATTENTION)}, got {forced!r}")
+        return forced
+    return "flex" if mode == "compiled" and torch.device(device).type == "cuda" else "math"
+
+
+class StaticSlots:
+    """Per-layer KV buffers ``(slots, Hkv, capacity, D)`` and key positions ``(slots, capacity)`` (:data:`FAR` where
+    empty) of this rank, and how many entries each slot holds (``fill``). ``writes``: this rank stores the new
+    tokens' KV (the CP rank holding the query's and generated KV: the CP leader)."""
+
+    def __init__(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, dtype, device, writes: bool):
+        self.num_layers, self.slots, self.capacity, self.writes = num_layers, slots, capacity, writes
+        self.hkv, self.d, self.dtype, self.device = hkv, d, dtype, device
+        self.k = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.pos = [torch.full((slots, capacity), FAR, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.fill = [0] * slots
+        for t in (*self.k, *self.v, *self.pos):  # fixed addresses: CUDA graphs read and write them in place
+            torch._dynamo.mark_static_address(t)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.pos))
+
+    def place(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], layer: int) -> None:
+        """Fill ``slot`` of ``layer`` with ``parts`` (``(k (1, Hkv, n, D), v, pos (n,))`` each, in order)."""
+        n = 0
+        for k, v, pos in parts:
+            m = k.shape[2]
+            self.k[layer][slot, :, n:n + m] = k[0]
+            self.v[layer][slot, :, n:n + m] = v[0]
+            self.pos[layer][slot, n:n + m] = pos
+            n += m
+        self.pos[layer][slot, n:] = FAR
+        if layer == 0:
+            self.fill[slot] = n
+
+    def clear(self, slot: int) -> None:
+        """Empty ``slot`` (its entries become invisible; the buffers keep their values until overwritten)."""
+        for pos in self.pos:
+            pos[slot] = FAR
+        self.fill[slot] = 0
+
+    def resized(self, slots: int, capacity: int) -> "StaticSlots":
+        """A copy with more slots and / or capacity (each slot's entries where they were)."""
+        new = StaticSlots(self.num_layers, slots, capacity, self.hkv, self.d, self.dtype, self.device, self.writes)
+        s, c = min(slots, self.slots), min(capacity, self.capacity)
+        for i in range(self.num_layers):
+            new.k[i][:s, :, :c] = self.k[i][:s, :, :c]
+            new.v[i][:s, :, :c] = self.v[i][:s, :, :c]
+            new.pos[i][:s, :c] = self.pos[i][:s, :c]
+        new.fill[:s] = self.fill[:s]
+        return new
+
+
+class StaticContext(LayerContext):
+    """The layer context of one static decode step over ``slots`` (every slot steps; an empty slot's row is thrown
+    away): ``positions (slots, 1)`` of the new tokens, ``write (slots,)`` the entry each writes its KV to."""
+
+    layer_range = None  # no profiler range inside a compiled graph (magnetar_attention skips it)
+
+    def __init__(self, slots: StaticSlots, positions: torch.Tensor, write: torch.Tensor, groups: ParallelGroups,
+                 attention=slot_attention):
+        self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
+        self.attention = attention
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int] = None) -> torch.Tensor:
+        sl = self.slots
+        kb, vb, kp = sl.k[layer], sl.v[layer], sl.pos[layer]
+        if sl.writes:
+            B, H, S, D = k.shape
+            idx = self.write.view(B, 1, 1, 1).expand(B, H, S, D)
+            kb.scatter_(2, idx, k)
+            vb.scatter_(2, idx, v)
+            kp.scatter_(1, self.write.view(B, 1), self.positions)
+        out, lse = self.attention(q, kb, vb, self.positions, kp, scale, window)
+        if self.groups.cp_size > 1:
+            out = _gather_merge(out, lse, self.groups)
+        return out
+
+
+@torch.compiler.disable
+def _gather_merge(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """The CP gather of every rank's ``(out, lse)`` and their merge (outside any compiled graph)."""
+    outs, lses = all_gather_states(out, lse, groups.cp_group, timeout=groups.timeout)
+    return merge_states(outs, lses)[0]
+
+
+def _bucket(n: int) -> int:
+    """Slots for ``n`` requests: the next power of two (a compiled step has one graph per slot count)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class StaticDecode:
+    """The static (or compiled) decode steps of one :class:`~magnetar.engine.phase2.DecodeBatch` on this rank:
+    which request holds which slot, the slots, and the step function. Every rank of the replica makes the same
+    calls (the batch's are replicated), so the slots' layout is the same on every rank."""
+
+    def __init__(self, model, groups: ParallelGroups, device, mode: str):
+        self.model, self.groups, self.device, self.mode = model, groups, device, mode
+        self.slots: Optional[StaticSlots] = None
+        self.owner: dict[int, int] = {}  # rid -> slot
+        self.fallback: Optional[str] = None  # why a compiled step runs static
+        self._compiled = None
+        self.attention = slot_attention_impl(mode, device)  # the SLOT_ATTENTION of the steps
+
+    # ---------------------------------------------------------------------------------------------- slots
+    def place(self, rid: int, shard: KVShard, gen: Optional[KVShard]) -> None:
+        """Copy request ``rid``'s KV on this rank -- its context ``shard`` and (query rank) its ``gen`` store -- into a
+        free slot (more slots, or more capacity, when none is free or it does not fit)."""
+        layers = shard.layers
+        need = shard.tokens() + (gen.tokens() if gen is not None else 0) + 1
+        if self.slots is None:
+            hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*layers, *(gen.layers if gen else ()))
+                          if lk.k is not None), None) or self._model_heads()
+            self.slots = StaticSlots(len(layers), _bucket(len(self.owner) + 1), _round(need), *hkv_d, self._dtype(),
+                                     self.device, writes=self.groups.is_cp_leader)
+        used = set(self.owner.values())
+        free = [i for i in range(self.slots.slots) if i not in used]
+        slots, cap = self.slots.slots, self.slots.capacity
+        if not free:
+            slots = _bucket(len(self.owner) + 1)
+            free = [self.slots.slots]
+        if need > cap:
+            cap = _round(max(need, 2 * cap))
+        if (slots, cap) != (self.slots.slots, self.slots.capacity):
+            self.slots = self.slots.resized(slots, cap)
+        slot = free[0]
+        for i, lk in enumerate(layers):
+            parts = [(lk.k, lk.v, lk.pos)] if lk.k is not None else []
+            if gen is not None and gen.layers[i].k is not None:
+                g = gen.layers[i]
+                parts.append((g.k, g.v, g.pos))
+            self.slots.place(slot, parts, i)
+        self.owner[rid] = slot
+
+    def generated(self, rid: int, shard: KVShard) -> tuple[torch.Tensor, ...]:
+        """Request ``rid``'s query and generated KV on this (query) rank, per layer ``(k, v, pos)``: what its slot
+        holds after its context ``shard``'s entries (the eager store's content, for :meth:`DecodeBatch` going
+        back to eager)."""
+        s, n, a = self.owner[rid], self.slots.fill[self.owner[rid]], shard.tokens()
+        sl = self.slots
+        return tuple((sl.k[i][s:s + 1, :, a:n], sl.v[i][s:s + 1, :, a:n], sl.pos[i][s, a:n])
+                     for i in range(sl.num_layers))
+
+    @torch.inference_mode()  # the slots are inference tensors (made in a join)
+    def release(self, rid: int) -> int:
+        """Free request ``rid``'s slot; returns how many entries it held."""
+        slot = self.owner.pop(rid)
+        n = self.slots.fill[slot]
+        self.slots.clear(slot)
+        return n
+
+    def _dtype(self):
+        return next(self.model.parameters()).dtype
+
+    def _model_heads(self) -> tuple[int, int]:
+        cfg = self.model.config
+        hq = int(cfg.num_attention_heads)
+        hkv = int(getattr(cfg, "num_key_value_heads", None) or hq) // self.groups.tp_size
+        d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+        return hkv, d
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def nonfinite_message(self, what: str) -> str:
+        """Why a static step's logits were not finite (no per-layer flags are kept inside the step; every rank
+        says the same, with no collective)."""
+        return (f"non-finite logits in Phase 2 ({what}; static decode step: which layer first turned non-finite is "
+                f"not recorded, runtime.decode_step=eager records it); {HINT}")
+
+    def check_logits(self, logits: torch.Tensor, what: str) -> None:
+        """Raise :class:`NonFiniteError` if ``logits`` are not finite (the same logits, so the same, on every rank)."""
+        if not all_finite(logits):
+            raise NonFiniteError(self.nonfinite_message(what))
+
+    def step(self, rids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """One decode step of requests ``rids`` (their last tokens and the positions of the new ones): their logits
+        ``(len(rids), V)``, in order. The slots that hold none of them step too (their rows are dropped)."""
+        sl = self.slots
+        need = max(sl.fill[self.owner[r]] for r in rids) + 1
+        if need > sl.capacity:
+            self.slots = sl = sl.resized(sl.slots, _round(2 * sl.capacity))
+        ids = torch.zeros(sl.slots, 1, dtype=torch.long)
+        pos = torch.zeros(sl.slots, 1, dtype=torch.long)
+        # an idle slot (empty, or its request finished) writes where nothing of it is read
+        write = torch.tensor([min(f, sl.capacity - 1) for f in sl.fill], dtype=torch.long)
+        rows = []
+        for r, t, p in zip(rids, tokens, positions):
+            s = self.owner[r]
+            ids[s, 0], pos[s, 0] = t, p
+            rows.append(s)
+        ids, pos, write = ids.to(self.device), pos.to(self.device), write.to(self.device)
+        logits = self._run(ids, pos, write)
+        if sl.writes:
+            for s in rows:
+                sl.fill[s] += 1
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+        if self.mode == "compiled" and self.fallback is None:
+            if self._compiled is None:
+                import torch._dynamo
+
+                # every batch (and every growth of its slots) brings new static buffers, a recompile: allow them
+                for knob in ("cache_size_limit", "recompile_limit"):
+                    if hasattr(torch._dynamo.config, knob):
+                        setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+                mode = "reduce-overhead" if ids.device.type == "cuda" else None
+                self._compiled = torch.compile(self._forward, mode=mode, dynamic=False)
+            try:
+                if ids.device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                return self._compiled(ids, pos, write).clone()
+            except Exception as e:  # noqa: BLE001 - any compiler failure: say why, then run the same step uncompiled
+                self.fallback = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+                log.warning("decode_step compiled: %s; decode steps run static (batched, uncompiled)", self.fallback)
+        return self._forward(ids, pos, write)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+        attention = SLOT_ATTENTION[self.attention if self.fallback is None else "math"]
+        ctx = StaticContext(self.slots, pos, write, self.groups, attention)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
+        return out.logits[:, -1]
+
+
+def _round(n: int) -> int:
+    """A slot capacity for ``n`` entries: the next multiple of :data:`MIN_CAPACITY` above it."""
+    return (n // MIN_CAPACITY + 1) * MIN_CAPACITY

@@ -1,0 +1,210 @@
+"""Static and compiled decode steps (``runtime.decode_step``, magnetar/engine/static.py): the same tokens as eager
+decoding -- every supported architecture (sliding windows, GQA / MQA, Gemma's scale), dense / Star / Pulsar over
+simulated and real ranks, requests joining and leaving between steps, a batch against each request alone -- the slot
+attention against the fp64 reference, a decode policy (sparse decoding, LuKA) running eager with the reason said, a
+context whose KV is not finite sending the batch back to eager, and a compile failure falling back to static."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import magnetar
+from magnetar.engine.static import FAR, slot_attention, slot_attention_flex, static_problem
+from magnetar.parallel import local_groups
+from tests.conftest import assert_close
+from tests.dist_utils import run_distributed
+from tests.reference import dense_attention_fp64
+from tests.test_continuous_batch import REQUESTS, _ids, _interleaved_against
+from tests.tiny_models import ARCHS, tiny_model
+
+CUDA = torch.cuda.is_available()
+
+
+def _engine(model, **flat):
+    return magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+
+
+def _batch_tokens(eng, requests=REQUESTS, steps_between=1):
+    """Every request of ``requests`` through one batch, joining one after another ``steps_between`` steps apart;
+    ``(tokens per request, the DecodeBatch)``."""
+    batch = eng.open_batch()
+    rids = []
+    for cs, cl, qs, ql, kw in requests:
+        rids.append(batch.add(_ids(cs, cl), _ids(qs, ql), eng.sampling_params(**kw))[0])
+        for _ in range(steps_between):
+            batch.step()
+    while batch.active:
+        batch.step()
+    inner = batch._batch
+    return [batch.pop(r).token_ids for r in rids], inner
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "empty rows", "gqa"])
+def test_slot_attention_equals_the_reference(case):
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, C, D = 3, 4, 2, 40, 16
+    if case == "gqa":
+        Hq, Hkv = 8, 1
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, C, D, generator=g, dtype=torch.float64) for _ in range(2))
+    fill = [40, 17, 0 if case == "empty rows" else 5]
+    k_pos = torch.full((B, C), FAR, dtype=torch.long)
+    for b, n in enumerate(fill):  # gapped, unsorted positions, as Star's anchor and Pulsar's summaries keep
+        k_pos[b, :n] = torch.randperm(3 * C, generator=g)[:n]
+    q_pos = torch.tensor([[3 * C], [2 * C], [C]])
+    window = 30 if case == "window" else None
+    for impl in (slot_attention, slot_attention_flex):
+        out, lse = impl(q.float(), k.float(), v.float(), q_pos, k_pos, 0.25, window)
+        for b in range(B):
+            keep = torch.arange(fill[b])  # the slot's entries; a window keeps those after q_pos - window
+            if window is not None:
+                keep = keep[k_pos[b, keep] > q_pos[b, 0] - window]
+            ref_o, ref_l = dense_attention_fp64(q[b:b + 1], k[b:b + 1, :, keep], v[b:b + 1, :, keep], q_pos=q_pos[b],
+                                                k_pos=k_pos[b, keep], scale=0.25)
+            assert_close(out[b:b + 1], ref_o, torch.float32, "out", f"{impl.__name__} {case} row {b}")
+            assert_close(lse[b:b + 1], ref_l, torch.float32, "lse", f"{impl.__name__} {case} row {b}")
+        if case == "empty rows":
+            assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
+
+
+def test_slot_attention_keeps_nan():
+    # a NaN in q or in a key a row sees makes the row NaN (never a finite number); in a key it cannot see, nothing
+    B, H, C, D = 1, 2, 8, 16
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, H, C, D), torch.randn(B, H, C, D)
+    k_pos, q_pos = torch.arange(C)[None], torch.tensor([[5]])
+    clean, _ = slot_attention(q, k, v, q_pos, k_pos, 0.25)
+    k[0, 0, 3, 0] = float("nan")  # seen by the query (position 3 <= 5)
+    k[0, 1, 7, 0] = float("nan")  # position 7: not seen
+    out, lse = slot_attention(q, k, v, q_pos, k_pos, 0.25)
+    assert out[0, 0].isnan().all() and lse[0, 0].isnan().all()
+    assert torch.equal(out[0, 1], clean[0, 1])
+
+
+LAYOUTS = [("dense", dict(method="dense")),
+           ("star", dict(method="star", cp_size=2, block_size=24, simulate=True)),
+           ("pulsar", dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25, simulate=True))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("label,flat", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_static_steps_choose_eager_tokens(arch, label, flat):
+    model = tiny_model(arch, seed=2)
+    want, eager = _batch_tokens(_engine(model, **flat))
+    got, static = _batch_tokens(_engine(model, decode_step="static", **flat))
+    assert (eager.decode_step, static.decode_step, static.why_not) == ("eager", "static", None)
+    assert got == want, f"{arch} {label}"
+
+
+def test_static_batch_equals_each_request_alone():
+    # requests join and leave between steps (interleaved), sampled and greedy, one context asked twice (a cache hit)
+    model = tiny_model("llama", seed=2)
+    flat = dict(method="star", cp_size=2, block_size=24, simulate=True)
+    _interleaved_against(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat),
+                         "static star")
+
+
+def test_compiled_steps_choose_eager_tokens():
+    # one compile (torch.compile, inductor on CPU): 4 requests in 4 slots of one capacity, Star over 2 ranks
+    model = tiny_model("llama", seed=2)
+    flat = dict(method="star", cp_size=2, block_size=24, simulate=True)
+    want, _ = _batch_tokens(_engine(model, **flat), steps_between=0)
+    got, compiled = _batch_tokens(_engine(model, decode_step="compiled", **flat), steps_between=0)
+    assert (compiled.decode_step, compiled.why_not, compiled.static.fallback) == ("compiled", None, None)
+    assert compiled.static._compiled is not None and compiled.static.attention == "math"
+    assert got == want
+
+
+def test_compile_failure_falls_back_to_static_and_says_why(monkeypatch, caplog):
+    def broken(fn, **kw):
+        def call(*a, **k):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    model = tiny_model("qwen3", seed=2)
+    want, _ = _batch_tokens(_engine(model, method="dense"))
+    with caplog.at_level("WARNING", logger="magnetar.engine.static"):
+        got, batch = _batch_tokens(_engine(model, method="dense", decode_step="compiled"))
+    assert got == want
+    assert batch.static.fallback == "torch.compile failed (RuntimeError: no compiler here)"
+    assert "decode steps run static" in caplog.text
+
+
+def test_policies_run_eager_and_say_why():
+    model = tiny_model("llama", seed=2)
+    for extra, name in ((dict(sparse_policy="quest", sparse_budget=24, page_size=8), "Quest"),
+                        (dict(luka_mode="lined", luka_page_size=8, luka_recent=8, luka_compress_every=2), "Luka")):
+        flat = dict(method="star", cp_size=2, block_size=24, simulate=True, **extra)
+        want, _ = _batch_tokens(_engine(model, **flat))
+        got, batch = _batch_tokens(_engine(model, decode_step="compiled", **flat))
+        assert got == want and batch.decode_step == "eager" and batch.static is None
+        assert "chooses each token's KV per request and step: decode steps run eager" in batch.why_not
+        assert name.lower() in batch.why_not.lower()
+
+
+def test_tensor_parallel_compiled_runs_static():
+    class TP:
+        tp_size = 2
+
+    assert static_problem("compiled", None, TP()) == ("static", "tensor parallelism's all-reduce inside the layers "
+                                                                "is not compiled: decode steps run static (batched, "
+                                                                "uncompiled)")
+    assert static_problem("static", None, TP()) == ("static", None)
+    assert static_problem("compiled", None, local_groups()) == ("compiled", None)
+    with pytest.raises(ValueError, match="decode_step.*choose one of eager, static, compiled"):
+        magnetar.init_inference(tiny_model("llama"), decode_step="fast")
+
+
+def test_a_context_kv_not_finite_sends_the_batch_back_to_eager():
+    # Mistral's 24-token window: a NaN in the value of the context's first entry is seen by no decode step, so eager
+    # decodes as if it were not there; one slot-attention call would multiply it by 0 (NaN): the batch goes eager,
+    # keeping the generated KV the slots held so far
+    model = tiny_model("mistral", seed=2)
+    ctx, q1, q2 = _ids(1, 96), _ids(10, 4), _ids(11, 5)
+    ref = _engine(model, method="dense")
+    want = [ref.generate(ctx, q, max_new_tokens=6).token_ids for q in (q1, q2)]
+    eng = _engine(model, method="dense", decode_step="static")
+    batch = eng.open_batch()
+    a, _ = batch.add(_ids(2, 70), q1, eng.sampling_params(max_new_tokens=6))  # a clean context: static
+    batch.step()
+    assert batch._batch.decode_step == "static"
+    handle = eng.encode(ctx)
+    with torch.inference_mode():  # the KV is made in inference mode
+        handle.shard.layers[0].v[0, 0, 0, 0] = float("nan")
+    b, _ = batch.add(handle, q2, eng.sampling_params(max_new_tokens=6))
+    inner = batch._batch
+    assert inner.decode_step == "eager" and inner.static is None
+    assert inner.why_not.startswith("a context's KV is not finite (request 1)")
+    while batch.active:
+        batch.step()
+    assert batch.pop(b).token_ids == want[1]
+    assert batch.pop(a).token_ids == ref.generate(_ids(2, 70), q1, max_new_tokens=6).token_ids
+
+
+def _two_rank_worker(rank, world):
+    model = tiny_model("qwen3", seed=3)
+    flat = dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25)
+    _interleaved_against(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat),
+                         f"[rank {rank}] static pulsar")
+
+
+def test_static_steps_on_two_ranks():
+    run_distributed(_two_rank_worker, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_decode_steps_on_cuda(arch, mode):
+    # fp32 on the GPU: static (math) and compiled (CUDA graphs, FlexAttention over the slots) choose eager's tokens
+    model = tiny_model(arch, seed=2)
+    flat = dict(method="star", cp_size=2, block_size=24, simulate=True, deepspeed_inference=False)
+    want, _ = _batch_tokens(_engine(model, **flat), steps_between=0)
+    got, batch = _batch_tokens(_engine(model, decode_step=mode, **flat), steps_between=0)
+    assert batch.decode_step == mode and batch.static.slots.k[0].is_cuda
+    if mode == "compiled" and arch == "llama":
+        assert batch.static.fallback is None and batch.static.attention == "flex"
+    assert got == want, f"{arch} {mode} (fallback: {batch.static.fallback})"
