@@ -77,42 +77,57 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(config: str, mode: str, args, model, tokenizer, distributed: bool) -> list[dict]:
+def _say(msg: str) -> None:
+    print(f"[bench_decode] {msg}", file=sys.stderr, flush=True)
+
+
+def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: bool, engines: dict) -> dict:
+    """One row: ``bsz`` questions about the context in one batch of the ``(config, mode)`` engine (made once)."""
     import magnetar
 
-    flat = dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2, simulate=not distributed)
-    eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
-                                  context_cache_mb=1 << 20, **flat)
-    doc, questions = _inputs(model, tokenizer, args.context_tokens, max(args.batches))
-    handle = eng.encode(doc)
-    rows = []
-    for bsz in args.batches:
-        b = eng.open_batch()
-        n = args.warmup + args.steps + 2
-        rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0]
-                for q in questions[:bsz]]
-        _sync(eng.device)
+    if (config, mode) not in engines:
+        flat = dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2,
+                                                                    simulate=not distributed)
+        # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
+        # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
+        eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
+                                      context_cache_mb=1 << 20, dtype=args.dtype, **flat)
+        got = next(eng.model.parameters()).dtype
+        if got != getattr(torch, args.dtype):
+            raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")
+        doc, questions = _inputs(model, tokenizer, args.context_tokens, max(args.batches))
         t0 = time.perf_counter()
+        handle = eng.encode(doc)
+        _say(f"{config} {mode}: context encoded in {time.perf_counter() - t0:.1f} s")
+        engines[(config, mode)] = (eng, handle, questions)
+    eng, handle, questions = engines[(config, mode)]
+    b = eng.open_batch()
+    n = args.warmup + args.steps + 2
+    t0 = time.perf_counter()
+    rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0] for q in questions[:bsz]]
+    _sync(eng.device)
+    t1 = time.perf_counter()
+    b.step()
+    _sync(eng.device)
+    first = time.perf_counter() - t1
+    _say(f"{config} {mode} batch {bsz}: joined in {t1 - t0:.2f} s, first step {first:.2f} s")
+    for _ in range(args.warmup - 1):
         b.step()
-        _sync(eng.device)
-        first = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
-            b.step()
-        _sync(eng.device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            b.step()
-        _sync(eng.device)
-        ms = 1000 * (time.perf_counter() - t0) / args.steps
-        inner = b._batch  # the DecodeBatch: how its steps ran
-        ran, why = inner.decode_step, inner.why_not or (inner.static.fallback if inner.static is not None else None)
-        for rid in list(b.active):
-            b.cancel(rid)
-        tokens = [b.pop(rid).token_ids for rid in rids]
-        rows.append(dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, ms_per_step=ms,
-                         ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first, tokens=tokens,
-                         ranks=1 if config == "dense" else 2, simulated=config == "pulsar" and not distributed))
-    return rows
+    _sync(eng.device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        b.step()
+    _sync(eng.device)
+    ms = 1000 * (time.perf_counter() - t0) / args.steps
+    inner = b._batch  # the DecodeBatch: how its steps ran
+    ran, why = inner.decode_step, inner.why_not or (inner.static.fallback if inner.static is not None else None)
+    for rid in list(b.active):
+        b.cancel(rid)
+    tokens = [b.pop(rid).token_ids for rid in rids]
+    _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
+    return dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, ms_per_step=ms, ms_per_token=ms / bsz,
+                tokens_per_s=1000 * bsz / ms, first_step_s=first, tokens=tokens,
+                ranks=1 if config == "dense" else 2, simulated=config == "pulsar" and not distributed)
 
 
 def main(argv=None) -> int:
@@ -133,15 +148,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     load_s = time.perf_counter() - t0
-    rows = [r for c in args.configs for m in args.modes for r in run(c, m, args, model, tokenizer, distributed)]
-    eager = {(r["config"], r["batch"]): r for r in rows if r["mode"] == "eager"}
-    for r in rows:
-        ref = eager.get((r["config"], r["batch"]))
-        r["vs_eager"] = None if ref is None else ref["ms_per_step"] / r["ms_per_step"]
-        r["same_tokens"] = None if ref is None else sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
+    dev = torch.cuda.get_device_name() if str(device).startswith("cuda") else platform.processor() or "cpu"
+    rows, engines = [], {}
+    for c in args.configs:  # batch by batch, every mode side by side; the JSON is rewritten after every row, so a
+        for bsz in args.batches:  # run cut short keeps what it measured
+            for m in args.modes:
+                rows.append(run(c, m, bsz, args, model, tokenizer, distributed, engines))
+                _compare(rows)
+                if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
+                    args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows), indent=1))
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return 0
-    dev = torch.cuda.get_device_name() if str(device).startswith("cuda") else platform.processor() or "cpu"
     print(f"\n{args.model} {args.dtype}, {args.context_tokens} context tokens, {dev}, "
           f"{torch.get_num_threads()} threads\n")
     print("| config | batch | decode step (ran) | ms/step | ms/token | tokens/s | speed-up vs eager | first step s | "
@@ -157,13 +174,24 @@ def main(argv=None) -> int:
     for r in rows:
         if r["why"]:
             print(f"- {r['config']} {r['mode']} batch {r['batch']}: {r['why']}")
-    record = dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
-                  device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
-                  rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
-    print(json.dumps(record))
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(_record(args, dev, load_s, rows)))
     return 0
+
+
+def _compare(rows: list[dict]) -> None:
+    """Each row's speed-up over eager's row of the same configuration and batch, and how many of its requests got
+    eager's tokens (None where eager did not run)."""
+    eager = {(r["config"], r["batch"]): r for r in rows if r["mode"] == "eager"}
+    for r in rows:
+        ref = eager.get((r["config"], r["batch"]))
+        r["vs_eager"] = None if ref is None else ref["ms_per_step"] / r["ms_per_step"]
+        r["same_tokens"] = None if ref is None else sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
+
+
+def _record(args, dev: str, load_s: float, rows: list[dict]) -> dict:
+    return dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
+                device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
+                rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
 
 
 if __name__ == "__main__":

@@ -36,13 +36,13 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < 120
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "phase1_1K", "decode_1K",
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "phase1_1K",
                                   "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # the decode step: static steps ran as asked and chose eager's tokens for every request
     dec = steps["decode_1K"]["result"]["decode_rows"]
-    assert [(r["mode"], r["ran"], r["batch"]) for r in dec] == [("eager", "eager", 1), ("eager", "eager", 2),
-                                                               ("static", "static", 1), ("static", "static", 2)]
+    assert [(r["mode"], r["ran"], r["batch"]) for r in dec] == [("eager", "eager", 1), ("static", "static", 1),
+                                                               ("eager", "eager", 2), ("static", "static", 2)]
     assert all(r["same_tokens"] == r["batch"] and r["ms_per_step"] > 0 for r in dec), dec
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
@@ -58,6 +58,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [r["op"] for r in env["ops"]["ops"]][0] == "magnetar_merge_states"
     assert "cpu_flash" in env["ops"]["environment"]["attention (auto)"]
     assert "phase1_1K | star | 1K |" in stdout  # the tables printed at the end
+    assert "decode_1K: decode steps, dense, 1K context (float32)" in stdout
     # every command's output is kept beside the report
     assert "magnetar.eval.bench" in out.with_suffix(".log").read_text()
     table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--table", str(out)],
@@ -71,12 +72,14 @@ def test_check_report_names_what_is_wrong(dry_report):
     report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
     report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
     del report["steps"][2]["timeout_s"]
-    report["steps"][3]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
+    report["steps"][4]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
+    report["steps"][3]["result"]["decode_rows"][0].pop("first_step_s")  # decode_1K's eager batch-1 row
     problems = kit.check_report(report)
     assert any("no step 'quest'" in p for p in problems)
     assert any("failed without an error" in p for p in problems)
     assert any("has keys" in p for p in problems)
     assert any("lacks 'ttft_s'" in p for p in problems)
+    assert any("decode_1K' row eager lacks 'first_step_s'" in p for p in problems)
     assert kit.check_report(report, complete=False) != [] and not any("no step" in p
                                                                        for p in kit.check_report(report, False))
 
@@ -116,3 +119,24 @@ def test_a_step_past_its_limit_is_killed_and_the_kit_goes_on(tmp_path):
     k.deadline = 0  # no budget left: the step is recorded as skipped
     late = k.step("late", 5, lambda t: (True, None, None, None))
     assert not late["ok"] and late["error"].startswith("skipped")
+
+
+def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
+    # bench_decode rewrites its JSON after every row; killed at the step's limit, the kit reports what it measured
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
+    row = dict(config="dense", mode="eager", ran="eager", why=None, batch=1, ms_per_step=9.0, ms_per_token=9.0,
+               tokens_per_s=111.1, first_step_s=0.1, vs_eager=1.0, same_tokens=1)
+
+    def killed(cmd, timeout):
+        out = Path(cmd[cmd.index("--json-out") + 1])
+        out.write_text(json.dumps(dict(model="m", dtype="bfloat16", device="d", context_tokens=32768, torch="t",
+                                       rows=[row])))
+        return 124, "", "(killed at its time limit, 5 s)"
+
+    monkeypatch.setattr(k, "run", killed)
+    rec = kit.step_decode(k, kit.FULL)
+    assert not rec["ok"] and "killed at its time limit" in rec["error"]
+    assert rec["result"]["decode_rows"] == [{key: row[key] for key in row if key != "config"}]
+    assert "decode_32K: decode steps, dense, 32K context (bfloat16), cut short" in kit.tables(k.report)
+    assert kit.check_report(k.report, complete=False) == []

@@ -534,3 +534,11 @@ def test_bad_inputs_name_the_flag():
         ["--prefill-policy", "oracle", "--prefill-topk", "64", "--prefill-b-sel", "64", "--prefill-schedule", "*:9"])
     cfg = EngineConfig.from_cli(args).prefill
     assert (cfg.prefill_policy, cfg.prefill_topk, cfg.prefill_b_sel, cfg.schedule) == ("oracle", 64, 64, ((None, 9),))
+
+
+def test_sparse_prefill_op_says_it_is_cpu_only():
+    # seen on an H200 (2026-11-27): the message claimed a CUDA op that does not exist
+    from magnetar.prefill.oracle import SPARSE_ATTENTION_OP
+
+    module, why = SPARSE_ATTENTION_OP._try_load("cuda")
+    assert module is None and why == "no sparse prefill op for device type 'cuda' (there is one for cpu)"

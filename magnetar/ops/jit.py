@@ -232,12 +232,12 @@ def clear_build(directory: Path) -> None:
 
 
 class LazyOp:
-    """``make_builder(device_type)`` returns a DeepSpeed ``OpBuilder`` (or None: no op for that device type);
-    the loaded module must define every name in ``required``."""
+    """``make_builder(device_type)`` returns a DeepSpeed ``OpBuilder`` (or None: no op for that device type; the
+    ones it has are ``devices``); the loaded module must define every name in ``required``."""
 
     def __init__(self, what: str, make_builder: Callable[[str], object], required: tuple[str, ...],
-                 logger_name: Optional[str] = None):
-        self.what, self.make_builder, self.required = what, make_builder, required
+                 logger_name: Optional[str] = None, devices: tuple[str, ...] = ("cpu", "cuda")):
+        self.what, self.make_builder, self.required, self.devices = what, make_builder, required, devices
         self.logger = logging.getLogger(logger_name) if logger_name else logger
         self._lock = threading.Lock()
         self.modules: dict[str, ModuleType] = {}
@@ -248,7 +248,8 @@ class LazyOp:
         try:
             builder = self.make_builder(dtype)
             if builder is None:
-                return None, f"no {self.what} op for device type {dtype!r} (there is one for cpu and cuda)"
+                return None, (f"no {self.what} op for device type {dtype!r} (there is one for "
+                              f"{' and '.join(self.devices)})")
             # magnetar's builders offer the module `pip install` prebuilt (DS_BUILD_MAGNETAR_OPS=1): no compiler
             # or build lock needed for it. A builder without one (a test's stand-in) always JIT-builds.
             load_prebuilt = getattr(builder, "load_prebuilt", None)

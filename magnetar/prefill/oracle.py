@@ -43,7 +43,8 @@ def _make_builder(device_type: str):
 
 
 # the fused oracle top-k and gathered sparse attention (magnetar/ops/csrc/sparse_attention.cpp); CPU only so far
-SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_attention", "oracle_topk", "indexer_topk"))
+SPARSE_ATTENTION_OP = LazyOp("sparse prefill", _make_builder, ("sparse_gqa_attention", "oracle_topk", "indexer_topk"),
+                             devices=("cpu",))
 
 
 def use_sparse_op(backend: str, device: torch.device) -> bool:
