@@ -279,3 +279,15 @@ def test_eval_knows_a_new_method_only_through_the_registry(tmp_path, monkeypatch
     assert len(est.kv_tokens) == 4 and sum(est.kv_tokens) == 400, est.kv_tokens
     assert method_label(engine_config(args, "streaming", 4)).startswith("streaming(window")
     assert engine_config(args, "streaming", 4).parallel.cp_size == 1 and context_method("ring").lockstep_ranks
+
+
+def test_a_half_precision_model_cast_to_float32_is_said(caplog):
+    model = tiny_model("llama").to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="magnetar.engine.load"):
+        eng = magnetar.init_inference(copy.deepcopy(model), method="dense")
+    assert next(eng.model.parameters()).dtype == torch.float32
+    assert "the given model is bfloat16; runtime.dtype 'float32' casts it to float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="magnetar.engine.load"):
+        eng = magnetar.init_inference(copy.deepcopy(model), method="dense", dtype="auto")
+    assert next(eng.model.parameters()).dtype == torch.bfloat16 and "casts it" not in caplog.text

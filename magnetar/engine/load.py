@@ -2,6 +2,7 @@
 id; the dtype; the process groups; tensor parallelism (DeepSpeed AutoTP, each rank reading only its shard)."""
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Optional
@@ -15,6 +16,8 @@ from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_
 from magnetar.models import load_model, model_dtype, model_kind, model_path
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, init_distributed
+
+log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +93,11 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         model, loaded_tok = load_shard(folder, dtype, groups)
         tokenizer = tokenizer or loaded_tok
     else:
+        own = model_dtype(model)
+        if own != dtype and own in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+            # a half-precision model object made float32 doubles its memory (seen: an 8B bf16 model run in fp32)
+            log.warning("the given model is %s; runtime.dtype %r casts it to float32 (twice the memory): pass "
+                        "dtype='auto' to keep its own", str(own).replace("torch.", ""), config.runtime.dtype)
         model = model.to(device=device, dtype=dtype)
         if tp > 1:
             model = shard_tensor_parallel(model, groups, dtype)
