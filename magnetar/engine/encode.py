@@ -41,12 +41,12 @@ EXTENDABLE = EXACT_PHASE1 + ("star", "pulsar")
 
 def kv_options(config: EngineConfig) -> str:
     """The options of ``config`` that shape an encoded context's KV, as a stable string (a cache-key part): all
-    but the decoding, the timeout, the cache budget and the finiteness check."""
+    but the decoding (and how its steps run), the timeout, the cache budget and the finiteness check."""
     d = config.to_dict()
     d.pop("decode", None)
     for name in ("timeout_s",):
         d["parallel"].pop(name, None)
-    for name in ("context_cache_mb", "check_finite", "prefix_reuse"):
+    for name in ("context_cache_mb", "check_finite", "prefix_reuse", "decode_step"):
         d["runtime"].pop(name, None)
     return json.dumps(d, sort_keys=True, default=str)
 

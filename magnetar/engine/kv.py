@@ -61,11 +61,13 @@ class LayerKV:
         self.mass: Optional[torch.Tensor] = None
         self.state = PolicyState()  # what decode policies derive from this KV; cleared on append
         self._buf: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the decode store's (k, v, pos)
-        self._finite: Optional[bool] = None  # keys_finite(), once per content
+        # [keys_finite(), values_finite()] once per content, shared with this layer's views (every request over one
+        # cached context reads the same answer); a new list when the content changes
+        self._finite: list[Optional[bool]] = [None, None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mass: Optional[torch.Tensor] = None) -> None:
         self.state.clear()
-        self._finite = None
+        self._finite = [None, None]
         if not self.frozen:
             self._k.append(k)
             self._v.append(v)
@@ -123,9 +125,16 @@ class LayerKV:
         """Whether every key of this frozen layer is finite: one pass the first time, remembered until the
         layer changes (a decode step's attention over a context shard then checks only its query and output:
         issue 33's profile found the per-step check over the whole shard's keys a sixth of a batch-8 step)."""
-        if self._finite is None:
-            self._finite = self.k is None or all_finite(self.k)
-        return self._finite
+        if self._finite[0] is None:
+            self._finite[0] = self.k is None or all_finite(self.k)
+        return self._finite[0]
+
+    def values_finite(self) -> bool:
+        """Whether every value of this frozen layer is finite (as :meth:`keys_finite`: once, remembered until the
+        layer changes; a static decode step places a context's KV only when both are)."""
+        if self._finite[1] is None:
+            self._finite[1] = self.v is None or all_finite(self.v)
+        return self._finite[1]
 
     def __len__(self) -> int:
         if self.frozen:

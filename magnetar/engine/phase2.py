@@ -355,7 +355,7 @@ class DecodeBatch:
         one attention call would not keep the exact non-finite rules): then the batch goes back to eager."""
         for rid in rids:
             shard = self._live[rid].req.shard
-            if not all(lk.k is None or (lk.keys_finite() and all_finite(lk.v)) for lk in shard.layers):
+            if not all(lk.k is None or (lk.keys_finite() and lk.values_finite()) for lk in shard.layers):
                 self._to_eager(f"a context's KV is not finite (request {rid}): decode steps run eager, whose "
                                f"attention keeps the exact rules for non-finite values")
                 return

@@ -191,17 +191,17 @@ class StaticContext(LayerContext):
                  attention=slot_attention):
         self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
         self.attention = attention
+        self.rows = torch.arange(write.shape[0], device=write.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
         sl = self.slots
         kb, vb, kp = sl.k[layer], sl.v[layer], sl.pos[layer]
-        if sl.writes:
-            B, H, S, D = k.shape
-            idx = self.write.view(B, 1, 1, 1).expand(B, H, S, D)
-            kb.scatter_(2, idx, k)
-            vb.scatter_(2, idx, v)
-            kp.scatter_(1, self.write.view(B, 1), self.positions)
+        if sl.writes:  # one new token per slot, at its write entry (index_put: the compiler updates it in place,
+            rows = self.rows  # where a scatter_ became a copy of the whole buffer every layer)
+            kb[rows, :, self.write] = k[:, :, 0]
+            vb[rows, :, self.write] = v[:, :, 0]
+            kp[rows, self.write] = self.positions[:, 0]
         out, lse = self.attention(q, kb, vb, self.positions, kp, scale, window)
         if self.groups.cp_size > 1:
             out = _gather_merge(out, lse, self.groups)

@@ -162,6 +162,8 @@ def config_key(config: EngineConfig) -> str:
     d["runtime"].pop("context_cache_mb", None)
     if d["runtime"].get("prefix_reuse") == "exact":
         d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
+    if d["runtime"].get("decode_step") == "eager":
+        d["runtime"].pop("decode_step", None)  # keys as before the field existed
     for field in ("halo_size", "halo_blocks", "exact_layers"):
         if not d["blocks"].get(field, 0):
             d["blocks"].pop(field, None)  # keys as before the field existed
