@@ -3,6 +3,8 @@
     python benchmarks/bench_serve.py                          # SmolLM2-135M, pulsar, 4 simulated ranks, 8K doc
     python benchmarks/bench_serve.py --parts cache --context-tokens 4096
     python benchmarks/bench_serve.py --tiny                   # random tiny model: a smoke run of a few seconds
+    python benchmarks/bench_serve.py --method dense --ranks 1 --peer http://127.0.0.1:8100 \
+        --peer-cmd "vllm serve ~/.cache/magnetar/models/smollm2-135m-instruct --port 8100 ..."   # vs vLLM
 
 Part ``cache`` -- ``--questions`` questions about one ``--context-tokens`` document (Paul Graham essays with a
 needle; the needle question first, then questions about the essays), ``--new-tokens`` each, greedy:
@@ -33,12 +35,20 @@ in this process, once with prefix reuse (``prefix_reuse all``: each turn's conte
 once without (``off``: each turn re-encodes the conversation). Reported per turn: seconds, context tokens and the
 tokens its Phase 1 encoded (context - cached).
 
+Part ``peer`` (``--peer URL``; issue 33) -- the same plain OpenAI requests (each document pasted into the chat message
+before its question, nothing Magnetar-specific) against another server and against Magnetar's server in this
+process, one at a time (``--peer-cmd`` starts the peer before its turn and stops it after, so the two never share
+the cores): one streamed request over a 4K document (TTFT cold, then again with the document cached, and decode
+ms/token), ten questions about one 8K document, eight clients with their own new 1K documents one at a time and
+concurrently (tokens/s), one 8K prefill. Prints each figure for both and Magnetar / peer.
+
 Prints the tables, then one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -68,7 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a byte tokenizer (smoke run)")
     p.add_argument("--method", default="pulsar")
     p.add_argument("--ranks", type=int, default=4, help="simulated CP ranks (one process)")
-    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns")
+    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns (--peer: "
+                   "peer)")
+    p.add_argument("--peer", default=None, metavar="URL", help="another OpenAI-compatible server (e.g. vLLM at "
+                   "http://127.0.0.1:8100): run the peer workloads against it and against Magnetar in this process, "
+                   "one server at a time, and print the ratios (part 'peer')")
+    p.add_argument("--peer-cmd", default=None, metavar="CMD", help="--peer: the shell command that starts the peer "
+                   "(started before its workloads, stopped after, so the two servers never share the cores)")
+    p.add_argument("--peer-ready-s", type=float, default=600, help="--peer-cmd: how long the peer may take to start")
+    p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
+                   help="Magnetar's runtime.decode_step (default: the engine's, eager)")
     p.add_argument("--turns", type=int, default=6, help="turns of the turns part")
     p.add_argument("--turn-context-tokens", type=int, default=4000, help="the turns part's document")
     p.add_argument("--context-tokens", type=int, default=8000, help="(SmolLM2 has 8192 positions in all)")
@@ -83,9 +102,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns")]
+    if args.peer is not None and args.parts == p.get_default("parts"):
+        parts = ["peer"]
+    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer")]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns (comma separated)")
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer (comma separated)")
+    if "peer" in parts and not args.peer:
+        p.error("--parts peer needs --peer URL (the other server)")
+    if args.peer_cmd and not args.peer:
+        p.error("--peer-cmd needs --peer URL (where the command's server listens)")
     args.parts = parts
     try:
         args.clients = [int(x) for x in args.clients.split(",") if x.strip()]
@@ -119,6 +144,8 @@ def load(args):
 def engine(model, tokenizer, args, **flat):
     import magnetar
 
+    if args.decode_step is not None:
+        flat.setdefault("decode_step", args.decode_step)
     simulate = args.ranks > 1
     return magnetar.init_inference(model, tokenizer=tokenizer, method=args.method, cp_size=args.ranks,
                                    simulate=simulate, deepspeed_inference=False, **flat)
@@ -387,6 +414,180 @@ def part_clients(model, tokenizer, args) -> dict:
     return dict(rows=rows, server_status=status[0] if status else None)
 
 
+# ------------------------------------------------------------------------------------------- part peer
+
+
+def _wait_ready(url: str, seconds: float, proc=None) -> None:
+    """Until ``url``/v1/models answers (a peer started by --peer-cmd: or its process ends)."""
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"--peer-cmd exited with status {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url}/v1/models did not answer within {seconds:.0f} s")
+
+
+def _stream(api, model: str, content: str, max_tokens: int) -> dict:
+    """One streamed chat request (a plain message: the document pasted before the question): TTFT, decode ms per
+    token after the first, completion tokens, text."""
+    t0 = time.perf_counter()
+    first = last = None
+    text, used = [], 0
+    stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                         max_tokens=max_tokens, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+            text.append(chunk.choices[0].delta.content)
+    end = time.perf_counter()
+    ttft = (first or end) - t0
+    ms = 1000 * ((last or end) - (first or end)) / (used - 1) if used > 1 else None
+    return dict(seconds=end - t0, ttft=ttft, ms_per_token=ms, tokens=used, text="".join(text))
+
+
+def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
+    """The workloads of issue 33 through the plain OpenAI API (nothing Magnetar-specific, so any server runs them):
+    ``one_4k`` one streamed request over a 4K document, cold then again with another question (its context cached);
+    ``questions_8k`` ten questions about one 8K document in a row; ``clients_8`` eight concurrent streaming clients,
+    each with its own 1K document, and the same eight one at a time; ``prefill_8k`` one new 8K document, one token."""
+    import threading
+
+    from openai import OpenAI
+
+    api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    new = args.new_tokens
+    out = {}
+    _stream(api, model, "Warm-up. " * 20 + "\n\nSay hello.", 4)
+    cold = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[0], new)
+    warm = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[1], new)
+    out["one_4k"] = dict(cold=cold, cached=warm)
+    t0, texts = time.perf_counter(), []
+    for q in ([docs["needle_q"]] + QUESTIONS)[: args.questions]:
+        texts.append(_stream(api, model, docs["8k"] + "\n\n" + q, new)["text"])
+    out["questions_8k"] = dict(seconds=time.perf_counter() - t0, texts=texts)
+    for label, clients in (("alone", 1), ("together", 8)):
+        jobs = docs["clients_alone" if label == "alone" else "clients_together"]
+        results = [None] * len(jobs)
+
+        def client(i):
+            results[i] = _stream(api, model, jobs[i] + "\n\n" + QUESTIONS[i % len(QUESTIONS)], new)
+
+        t0 = time.perf_counter()
+        if clients == 1:
+            for i in range(len(jobs)):
+                client(i)
+        else:
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        wall = time.perf_counter() - t0
+        if any(r is None for r in results):
+            raise RuntimeError(f"{url}: a client request of the {label} round failed")
+        tokens = sum(r["tokens"] for r in results)
+        out[f"clients_8_{label}"] = dict(seconds=wall, tokens=tokens, tokens_per_s=tokens / wall,
+                                         ttft_p50=statistics.median(r["ttft"] for r in results),
+                                         texts=[r["text"] for r in results])
+    t0 = time.perf_counter()
+    _stream(api, model, docs["prefill"] + "\n\n" + QUESTIONS[2], 1)
+    out["prefill_8k"] = dict(seconds=time.perf_counter() - t0)
+    return out
+
+
+def part_peer(model, tokenizer, args) -> dict:
+    """The peer workloads against the peer (``--peer``; started and stopped by ``--peer-cmd`` if given), then against
+    Magnetar's server in this process (``--method``, ``--ranks``, ``--decode-step``): one server at a time."""
+    import shlex
+    import signal
+    import subprocess
+    import urllib.request
+
+    def doc(tokens, seed):
+        return documents(tokenizer, tokens, 1, seed)[0]
+
+    d4, d8, pre = doc(4000, args.seed + 1), doc(7800, args.seed + 2), doc(7800, args.seed + 3)
+    docs = {"4k": d4[0], "8k": d8[0], "needle_q": d8[1], "prefill": pre[0],
+            # fresh documents for each round (no server has seen them: every client's request needs its Phase 1)
+            "clients_alone": [doc(1000, args.seed + 10 + i)[0] for i in range(8)],
+            "clients_together": [doc(1000, args.seed + 20 + i)[0] for i in range(8)]}
+    results = {}
+    proc = None
+    if args.peer_cmd:
+        proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        _wait_ready(args.peer, args.peer_ready_s if proc else 30, proc)
+        with urllib.request.urlopen(args.peer + "/v1/models", timeout=10) as r:
+            peer_model = json.loads(r.read())["data"][0]["id"]
+        t0 = time.perf_counter()
+        results["peer"] = peer_workloads(args.peer, peer_model, docs, args)
+        results["peer"]["wall_s"] = time.perf_counter() - t0
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    server, thread, status = _start_server(model, tokenizer, args)
+    try:
+        t0 = time.perf_counter()
+        results["magnetar"] = peer_workloads(server.url, "bench", docs, args)
+        results["magnetar"]["wall_s"] = time.perf_counter() - t0
+    finally:
+        server.drain()
+        thread.join(timeout=120)
+    m, o = results["magnetar"], results["peer"]
+    rows = [("one request, 4K document: TTFT (s)", m["one_4k"]["cold"]["ttft"], o["one_4k"]["cold"]["ttft"], "lower"),
+            ("  the same document again: TTFT (s)", m["one_4k"]["cached"]["ttft"], o["one_4k"]["cached"]["ttft"],
+             "lower"),
+            ("  decode ms/token (cached document)", m["one_4k"]["cached"]["ms_per_token"],
+             o["one_4k"]["cached"]["ms_per_token"], "lower"),
+            (f"{args.questions} questions on one 8K document (s)", m["questions_8k"]["seconds"],
+             o["questions_8k"]["seconds"], "lower"),
+            ("8 clients, own 1K documents, one at a time: tokens/s", m["clients_8_alone"]["tokens_per_s"],
+             o["clients_8_alone"]["tokens_per_s"], "higher"),
+            ("8 concurrent clients: tokens/s", m["clients_8_together"]["tokens_per_s"],
+             o["clients_8_together"]["tokens_per_s"], "higher"),
+            ("  8 concurrent clients: TTFT p50 (s)", m["clients_8_together"]["ttft_p50"],
+             o["clients_8_together"]["ttft_p50"], "lower"),
+            ("one 8K prefill, 1 token (s)", m["prefill_8k"]["seconds"], o["prefill_8k"]["seconds"], "lower")]
+    same = {k: sum(a == b for a, b in zip(m[k]["texts"], o[k]["texts"])) for k in
+            ("questions_8k", "clients_8_alone", "clients_8_together")}
+    print(f"\n## Peer: Magnetar ({args.method}, {args.ranks} rank(s), decode_step {args.decode_step or 'eager'}) "
+          f"against {args.peer} ({o.get('model', 'peer')}), the same plain OpenAI requests, {args.new_tokens} new "
+          f"tokens, greedy\n")
+    print("| workload | Magnetar | peer | Magnetar / peer | better |")
+    print("|---|---:|---:|---:|---|")
+    table = []
+    for label, a, b, better in rows:
+        ratio = None if a is None or b in (None, 0) else a / b
+        table.append(dict(workload=label.strip(), magnetar=a, peer=b, ratio=ratio, better=better))
+        fa = "-" if a is None else f"{a:.2f}"
+        fb = "-" if b is None else f"{b:.2f}"
+        print(f"| {label} | {fa} | {fb} | {'-' if ratio is None else f'{ratio:.2f}'} | {better} |")
+    print(f"\nanswers identical to the peer's: {same}")
+    for r in results.values():
+        for k in ("questions_8k", "clients_8_alone", "clients_8_together"):
+            r[k].pop("texts", None)
+        for k in ("cold", "cached"):
+            r["one_4k"][k].pop("text", None)
+    return dict(peer=args.peer, rows=table, same_answers=same, results=results)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -403,6 +604,8 @@ def main(argv=None) -> int:
         out["pasted"] = part_pasted(model, tokenizer, args)
     if "turns" in args.parts:
         out["turns"] = part_turns(model, tokenizer, args)
+    if "peer" in args.parts:
+        out["peer"] = part_peer(model, tokenizer, args)
     print(json.dumps(out))
     return 0
 
