@@ -42,6 +42,10 @@ the cores): one streamed request over a 4K document (TTFT cold, then again with 
 ms/token), ten questions about one 8K document, eight clients with their own new 1K documents one at a time and
 concurrently (tokens/s), one 8K prefill. Prints each figure for both and Magnetar / peer.
 
+Part ``stall`` (issue 33, item 3) -- one request streams ``--stall-tokens`` tokens over a cached document while
+another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (its whole Phase 1 between two decode
+steps) and each of ``--stall-chunks``: the decoding request's longest gap between two tokens and the newcomer's TTFT.
+
 Prints the tables, then one JSON line.
 """
 from __future__ import annotations
@@ -86,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-cmd", default=None, metavar="CMD", help="--peer: the shell command that starts the peer "
                    "(started before its workloads, stopped after, so the two servers never share the cores)")
     p.add_argument("--peer-ready-s", type=float, default=600, help="--peer-cmd: how long the peer may take to start")
+    p.add_argument("--peer-results", default=None, metavar="FILE", help="--peer: take the peer's figures from an "
+                   "earlier run's output (its JSON line) instead of running the peer again")
+    p.add_argument("--stall-chunks", default="1024,2048", help="part stall: the --prefill-chunk sizes tried after 0")
+    p.add_argument("--stall-tokens", type=int, default=96, help="part stall: the decoding request's max_tokens")
     p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
                    help="Magnetar's runtime.decode_step (default: the engine's, eager)")
     p.add_argument("--turns", type=int, default=6, help="turns of the turns part")
@@ -104,9 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if args.peer is not None and args.parts == p.get_default("parts"):
         parts = ["peer"]
-    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer")]
+    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer", "stall")]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer (comma separated)")
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer, stall (comma "
+                f"separated)")
+    try:
+        args.stall_chunks = [int(x) for x in args.stall_chunks.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--stall-chunks: comma-separated ints, got {args.stall_chunks!r}")
     if "peer" in parts and not args.peer:
         p.error("--parts peer needs --peer URL (the other server)")
     if args.peer_cmd and not args.peer:
@@ -264,15 +277,16 @@ def _client_round(url: str, jobs: list[tuple[str, str]], clients: int, new: int)
     return dict(seconds=wall, tokens=tokens[0], ttfts=ttfts, answers=answers)
 
 
-def _start_server(model, tokenizer, args, **flat):
+def _start_server(model, tokenizer, args, prefill_chunk=None, **flat):
     """(server, its thread, its exit status list): ``magnetar.serve``'s Server in this process on 127.0.0.1."""
     import threading
 
     from magnetar.serve.server import Server
 
     eng = engine(model, tokenizer, args, **flat)
+    chunk = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
     server = Server(eng, model_name="bench", port=_free_port(), max_batch_size=args.max_batch,
-                    max_tokens=args.new_tokens)
+                    max_tokens=args.new_tokens, **chunk)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
     thread.start()
@@ -414,6 +428,57 @@ def part_clients(model, tokenizer, args) -> dict:
     return dict(rows=rows, server_status=status[0] if status else None)
 
 
+def part_stall(model, tokenizer, args) -> dict:
+    """A request decoding while another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0
+    (the whole Phase 1 between two steps) and each chunk size of ``--stall-chunks``: the decoding request's longest
+    gap between two tokens, its total seconds, and the newcomer's TTFT."""
+    import threading
+
+    from openai import OpenAI
+
+    [(doc, needle_q, _)], [(small, _, _)] = (documents(tokenizer, args.context_tokens, 1, args.seed + 5),
+                                             documents(tokenizer, 500, 1, args.seed + 6))
+    rows = []
+    for chunk in [0] + args.stall_chunks:
+        server, thread, status = _start_server(model, tokenizer, args, prefill_chunk=chunk)
+        api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        try:
+            _stream(api, "bench", small + "\n\nSay hello.", 4)  # warm-up; the small document is then cached
+            stamps, started = [], threading.Event()
+
+            def decoding():
+                stream = api.chat.completions.create(
+                    model="bench", messages=[{"role": "user", "content": small + "\n\n" + QUESTIONS[0]}],
+                    max_tokens=args.stall_tokens, temperature=0, stream=True)
+                for c in stream:
+                    if c.choices and c.choices[0].delta.content:
+                        stamps.append(time.perf_counter())
+                        if len(stamps) == 5:
+                            started.set()
+
+            a = threading.Thread(target=decoding)
+            a.start()
+            started.wait(600)
+            t0 = time.perf_counter()
+            b = _stream(api, "bench", doc + "\n\n" + needle_q, 8)
+            a.join()
+            gaps = [y - x for x, y in zip(stamps, stamps[1:])]
+            rows.append(dict(prefill_chunk=chunk, max_gap_s=max(gaps), decode_s=stamps[-1] - stamps[0],
+                             tokens=len(stamps), newcomer_ttft_s=b["ttft"], newcomer_started_s=t0 - stamps[0],
+                             chunks_applied=server.loop.prefill_chunk > 0))
+        finally:
+            server.drain()
+            thread.join(timeout=120)
+    print(f"\n## A decoding request while a new ~{args.context_tokens}-token document arrives ({args.method}, "
+          f"{args.ranks} rank(s), decode_step {args.decode_step or 'eager'})\n")
+    print("| --prefill-chunk | longest gap between its tokens (s) | its decode (s, tokens) | newcomer TTFT (s) |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        label = "0 (whole Phase 1)" if r["prefill_chunk"] == 0 else str(r["prefill_chunk"])
+        print(f"| {label} | {r['max_gap_s']:.2f} | {r['decode_s']:.1f} ({r['tokens']}) | {r['newcomer_ttft_s']:.1f} |")
+    return dict(rows=rows)
+
+
 # ------------------------------------------------------------------------------------------- part peer
 
 
@@ -525,16 +590,20 @@ def part_peer(model, tokenizer, args) -> dict:
             "clients_together": [doc(1000, args.seed + 20 + i)[0] for i in range(8)]}
     results = {}
     proc = None
-    if args.peer_cmd:
+    if args.peer_results:
+        lines = [ln for ln in open(args.peer_results).read().splitlines() if ln.startswith("{")]
+        results["peer"] = json.loads(lines[-1])["peer"]["results"]["peer"]
+    elif args.peer_cmd:
         proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        _wait_ready(args.peer, args.peer_ready_s if proc else 30, proc)
-        with urllib.request.urlopen(args.peer + "/v1/models", timeout=10) as r:
-            peer_model = json.loads(r.read())["data"][0]["id"]
-        t0 = time.perf_counter()
-        results["peer"] = peer_workloads(args.peer, peer_model, docs, args)
-        results["peer"]["wall_s"] = time.perf_counter() - t0
+        if "peer" not in results:
+            _wait_ready(args.peer, args.peer_ready_s if proc else 30, proc)
+            with urllib.request.urlopen(args.peer + "/v1/models", timeout=10) as r:
+                peer_model = json.loads(r.read())["data"][0]["id"]
+            t0 = time.perf_counter()
+            results["peer"] = peer_workloads(args.peer, peer_model, docs, args)
+            results["peer"]["wall_s"] = time.perf_counter() - t0
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -565,7 +634,7 @@ def part_peer(model, tokenizer, args) -> dict:
             ("  8 concurrent clients: TTFT p50 (s)", m["clients_8_together"]["ttft_p50"],
              o["clients_8_together"]["ttft_p50"], "lower"),
             ("one 8K prefill, 1 token (s)", m["prefill_8k"]["seconds"], o["prefill_8k"]["seconds"], "lower")]
-    same = {k: sum(a == b for a, b in zip(m[k]["texts"], o[k]["texts"])) for k in
+    same = {k: sum(a == b for a, b in zip(m[k]["texts"], o[k]["texts"])) if "texts" in o[k] else None for k in
             ("questions_8k", "clients_8_alone", "clients_8_together")}
     print(f"\n## Peer: Magnetar ({args.method}, {args.ranks} rank(s), decode_step {args.decode_step or 'eager'}) "
           f"against {args.peer} ({o.get('model', 'peer')}), the same plain OpenAI requests, {args.new_tokens} new "
@@ -580,12 +649,7 @@ def part_peer(model, tokenizer, args) -> dict:
         fb = "-" if b is None else f"{b:.2f}"
         print(f"| {label} | {fa} | {fb} | {'-' if ratio is None else f'{ratio:.2f}'} | {better} |")
     print(f"\nanswers identical to the peer's: {same}")
-    for r in results.values():
-        for k in ("questions_8k", "clients_8_alone", "clients_8_together"):
-            r[k].pop("texts", None)
-        for k in ("cold", "cached"):
-            r["one_4k"][k].pop("text", None)
-    return dict(peer=args.peer, rows=table, same_answers=same, results=results)
+    return dict(peer=args.peer, rows=table, same_answers=same, results=results)  # the texts stay: --peer-results
 
 
 def main(argv=None) -> int:
@@ -606,6 +670,8 @@ def main(argv=None) -> int:
         out["turns"] = part_turns(model, tokenizer, args)
     if "peer" in args.parts:
         out["peer"] = part_peer(model, tokenizer, args)
+    if "stall" in args.parts:
+        out["stall"] = part_stall(model, tokenizer, args)
     print(json.dumps(out))
     return 0
 

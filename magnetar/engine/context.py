@@ -112,6 +112,15 @@ class ContextCache:
             self._handles.move_to_end(best.key)
         return best
 
+    def prefix_tokens(self, context_ids: torch.Tensor, engine: str, options: str) -> int:
+        """How many first tokens of ``context_ids`` the longest cached proper prefix of the same engine and options
+        holds (0: none), without touching the recency order (a server's leader plans with it; the ranks' caches
+        must stay alike)."""
+        ids = context_ids.reshape(-1)
+        return max((h.context_tokens for h in self._handles.values()
+                    if h.engine == engine and h.options == options and h.context_tokens < ids.numel() and
+                    torch.equal(ids[: h.context_tokens], h.context_ids)), default=0)
+
     def put(self, handle: ContextHandle) -> bool:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
         returns whether it is kept."""

@@ -31,6 +31,7 @@ from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import is_loopback
+from magnetar.serve.loop import PREFILL_CHUNK
 from magnetar.serve.prompts import PASTE_TOKENS
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paste-threshold", type=int_at_least(0), default=PASTE_TOKENS,
                    help=f"a chat's last user message of at least this many tokens holds a document: its text before "
                         f"the question is encoded as context (Phase 1, cached); 0: never (default {PASTE_TOKENS})")
+    p.add_argument("--prefill-chunk", type=int_at_least(0), default=PREFILL_CHUNK,
+                   help=f"a new context of more tokens runs its Phase 1 in chunks of this many, one between two decode "
+                        f"steps, so decoding requests are not held for a whole Phase 1 (dense or ring on one CP "
+                        f"rank; 0: whole; default {PREFILL_CHUNK})")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="intra-op CPU threads per rank (default: OMP_NUM_THREADS if set, else from this process's "
                         "CPU affinity shared by the local ranks: all for Phase 1, one fewer for decode steps)")
@@ -254,7 +259,8 @@ def main(argv=None) -> int:
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
                     max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                    paste_threshold=args.paste_threshold, prefill_threads=prefill_threads, sock=sock)
+                    paste_threshold=args.paste_threshold, prefill_threads=prefill_threads,
+                    prefill_chunk=args.prefill_chunk, sock=sock)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

@@ -23,6 +23,7 @@ in flight with a 500 and every rank returns a non-zero status.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -37,7 +38,7 @@ from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.sampling import SamplingParams
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
-from magnetar.serve.ticks import Add, Encode, Tick, broadcast_tick, is_leader
+from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick, is_leader
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,21 @@ class Failed:
     error: RequestError
 
 
+PREFILL_CHUNK = 2048  # the server's default --prefill-chunk (tokens)
+
+
+def chunking_problem(engine) -> Optional[str]:
+    """Why ``engine``'s server does not run Phase 1 in chunks (``--prefill-chunk``), or None: a chunk extends the
+    chunks before it as prefix reuse does (``Encoder.extend``), which is the exact Phase 1 only for an exact method
+    on one CP rank (on several ranks every chunk's KV would pile up on the first) that extends prefixes."""
+    cfg = engine.config
+    if cfg.parallel.cp_size > 1:
+        return f"cp_size {cfg.parallel.cp_size}: each rank encodes its own block of the context (not chunked yet)"
+    if cfg.method not in ("dense", "ring"):
+        return f"method {cfg.method!r}: its Phase 1 is not a causal pass over the context"
+    return engine.encoder.can_extend()
+
+
 class Sink:
     """A request's events, handed from the engine thread to the HTTP handler's asyncio queue."""
 
@@ -96,6 +112,8 @@ class Job:
     key: Optional[str] = None  # encode: the context's cache key
     arrived: float = field(default_factory=time.monotonic)
     last: Optional[float] = None  # when its last token was routed
+    chunked: int = 0  # generate: the context tokens its Phase-1 chunks have encoded so far (--prefill-chunk)
+    chunk_base: Optional[int] = None  # generate, chunked: the context tokens cached before its first chunk
 
 
 class EngineLoop:
@@ -103,8 +121,12 @@ class EngineLoop:
     the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
 
     def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None,
-                 prefill_threads: Optional[int] = None):
+                 prefill_threads: Optional[int] = None, prefill_chunk: int = 0):
         self.engine, self.groups = engine, engine.groups
+        # a new context longer than this many tokens runs its Phase 1 in chunks of it, one between two decode steps
+        # (0: whole); only where a chunk's extension is the exact Phase 1 (chunking_problem)
+        self.prefill_chunk = prefill_chunk if chunking_problem(engine) is None else 0
+        self._chunk_keys: set[str] = set()  # cache keys of the partial contexts chunks made (dropped once extended)
         # intra-op threads while a tick's Phase 1s and query forwards run (compute-bound: every usable CPU), the
         # decode steps keeping the process's own count (magnetar.serve.cli.choose_threads); None: one count
         self.prefill_threads = prefill_threads
@@ -249,6 +271,13 @@ class EngineLoop:
             needs = not pinned and key not in self.engine.cache and key not in keys
             if (job.kind == "generate" and room <= 0) or (needs and phase1):
                 continue
+            if needs and job.kind == "generate" and self._chunks(job):  # a chunk now; the request joins after
+                ids = job.prepared.context_ids
+                job.chunk_base = job.chunked if job.chunk_base is None else job.chunk_base
+                job.chunked = min(job.chunked + self.prefill_chunk, int(ids.numel()))
+                tick.chunks.append(Chunk(job.sid, ids[: job.chunked].tolist()))
+                phase1 = True
+                continue
             phase1, room = phase1 or needs, room - (job.kind == "generate")
             keys.add(key)
             self.pending.remove(job)
@@ -258,8 +287,19 @@ class EngineLoop:
                 p = job.prepared
                 tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
                                      None if p.context_ids is None else p.context_ids.tolist(), p.context_id,
-                                     dict(p.options), p.key if p.context_id is None else None))
+                                     dict(p.options), p.key if p.context_id is None else None, job.chunk_base))
         return tick
+
+    def _chunks(self, job: Job) -> bool:
+        """Whether the next Phase-1 work of ``job`` (a request whose context is not cached) is a chunk: chunking is
+        on, the request is encoded the server's way, and more than one chunk of its context is left to encode."""
+        p = job.prepared
+        if self.prefill_chunk <= 0 or p.options or p.context_ids is None:
+            return False
+        if job.chunked == 0:  # chunks start after the longest cached prefix (a conversation's earlier turn)
+            enc = self.engine.encoder
+            job.chunked = self.engine.cache.prefix_tokens(p.context_ids, enc.identity, enc.options_digest)
+        return int(p.context_ids.numel()) - job.chunked > self.prefill_chunk
 
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
     def _apply(self, tick: Tick) -> None:
@@ -267,7 +307,7 @@ class EngineLoop:
             rid = self.rids.get(sid)
             if rid is not None and rid in self.batch.active:
                 self._route([self.batch.cancel(rid)])  # its last event; the pop frees its KV
-        if not (tick.encodes or tick.adds):
+        if not (tick.encodes or tick.adds or tick.chunks):
             self._apply_releases(tick)
             return
         decode_threads = torch.get_num_threads()
@@ -280,7 +320,16 @@ class EngineLoop:
         self._apply_releases(tick)
 
     def _apply_new(self, tick: Tick) -> None:
-        """A tick's encodes and new requests (their Phase 1s and one query forward)."""
+        """A tick's Phase-1 chunks, encodes and new requests (their Phase 1s and one query forward)."""
+        for ch in tick.chunks:
+            try:
+                self._forget_chunk(self.engine.encode(torch.tensor(ch.context_ids, dtype=torch.long)))
+            except (ValueError, NonFiniteError) as e:  # its own tokens: the request fails alone
+                if self.leader:
+                    self.pending = [j for j in self.pending if j.sid != ch.sid]
+                self._reject(ch.sid, e, None)
+                continue
+            self._chunk_keys.add(self.engine.encoder.key(torch.tensor(ch.context_ids, dtype=torch.long)))
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
@@ -298,11 +347,24 @@ class EngineLoop:
                                                 SamplingParams(**add.params), options=add.options or None,
                                                 key=add.key))
                 sids.append(add.sid)
+                self._forget_chunk(ready[-1].handle)
+                if add.reused is not None:  # its own chunks are not what it found cached: report what it did
+                    r = ready[-1]
+                    ready[-1] = dataclasses.replace(r, handle=dataclasses.replace(r.handle, reused_tokens=add.reused))
             except (ValueError, NonFiniteError) as e:  # a bad request, or its own NaN in Phase 1: it fails alone
                 self._reject(add.sid, e, None)
         for sid, (rid, first) in zip(sids, self.batch.join(ready)):  # ... then their queries in one forward
             self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
+
+    def _forget_chunk(self, handle) -> None:
+        """Drop from the context cache the partial context that ``handle`` extended, if a Phase-1 chunk made it
+        (each chunk's entry holds the KV of all the chunks before it: kept, they would fill the cache)."""
+        if handle.reused_tokens and self._chunk_keys:
+            key = self.engine.encoder.key(handle.context_ids[: handle.reused_tokens])
+            if key in self._chunk_keys:
+                self._chunk_keys.discard(key)
+                self.engine.cache.release(key)
 
     def _apply_releases(self, tick: Tick) -> None:
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context

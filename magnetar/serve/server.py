@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from magnetar.serve.loop import EngineLoop
+from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
 from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
 from magnetar.serve.protocol import now
 
@@ -34,7 +34,10 @@ class Server:
     none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
     ``paste_threshold``: a chat's last user message of at least this many tokens holds a document that is
     encoded as context (0: never; :mod:`magnetar.serve.prompts`); ``prefill_threads``: intra-op threads while
-    Phase 1s and query forwards run (None: the process's count throughout);
+    Phase 1s and query forwards run (None: the process's count throughout); ``prefill_chunk``: a new context of
+    more tokens runs its Phase 1 in chunks of this many, one between two decode steps, so the requests decoding
+    are never held for a whole Phase 1 (0: whole; only where a chunk is exact: one CP rank, dense or ring,
+    :func:`magnetar.serve.loop.chunking_problem`);
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
@@ -52,6 +55,7 @@ class Server:
                  max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
                  public_metrics: bool = False, allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
                  paste_threshold: int = PASTE_TOKENS, prefill_threads: Optional[int] = None,
+                 prefill_chunk: int = PREFILL_CHUNK,
                  sock: Optional[socket.socket] = None):
         self.engine, self.model_name, self.host, self.sock = engine, model_name, host, sock
         self.port = port + engine.groups.dp_rank
@@ -67,7 +71,7 @@ class Server:
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s,
-                               prefill_threads=prefill_threads)
+                               prefill_threads=prefill_threads, prefill_chunk=prefill_chunk)
         self.metrics = None
         self.app = None
         self._http = None

@@ -1,11 +1,11 @@
 """The tick: what the serving rank tells the other ranks of its replica before each decode step.
 
-A :class:`Tick` lists the requests to add (token ids and sampling parameters), the requests to cancel, contexts
-to encode (``POST /v1/contexts``) or release, and whether to stop. The replica's first rank (cp_rank 0, tp_rank 0)
-builds it; :func:`broadcast_tick` sends it to every rank of the replica group as JSON bytes (no pickled objects:
-a rank never unpickles what arrives over the wire) in two broadcasts (size, then bytes), each waited on with
-the groups' timeout -- a rank that died, or a leader that stopped sending, raises ``TimeoutError`` naming the
-tick instead of hanging. This module knows nothing about HTTP or the engine.
+A :class:`Tick` lists the requests to add (token ids and sampling parameters), the requests to cancel, contexts to
+encode (``POST /v1/contexts``) or release, chunks of a long context's Phase 1, and whether to stop. The replica's
+first rank (cp_rank 0, tp_rank 0) builds it; :func:`broadcast_tick` sends it to every rank of the replica group as
+JSON bytes (no pickled objects: a rank never unpickles what arrives over the wire) in two broadcasts (size, then
+bytes), each waited on with the groups' timeout -- a rank that died, or a leader that stopped sending, raises
+``TimeoutError`` naming the tick instead of hanging. This module knows nothing about HTTP or the engine.
 """
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ class Add:
     context_id: Optional[str] = None
     options: dict = field(default_factory=dict)
     key: Optional[str] = None
+    # a request whose Phase 1 ran in chunks (--prefill-chunk): the context tokens cached before its first chunk
+    # (what it reports as cached; its own chunks are not); None otherwise
+    reused: Optional[int] = None
 
 
 @dataclass
@@ -46,17 +49,27 @@ class Encode:
 
 
 @dataclass
+class Chunk:
+    """A chunk of request ``sid``'s Phase 1 (``--prefill-chunk``): encode ``context_ids`` -- its context's first
+    tokens, extending the chunks before it (prefix reuse) -- between two decode steps."""
+
+    sid: int
+    context_ids: list[int]
+
+
+@dataclass
 class Tick:
     adds: list[Add] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)  # sids
     encodes: list[Encode] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)  # cids
+    chunks: list[Chunk] = field(default_factory=list)
     stop: bool = False
     error: Optional[str] = None  # with stop: why the server stops (every rank exits non-zero)
 
     @property
     def empty(self) -> bool:
-        return not (self.adds or self.cancels or self.encodes or self.releases or self.stop)
+        return not (self.adds or self.cancels or self.encodes or self.releases or self.chunks or self.stop)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -65,8 +78,8 @@ class Tick:
     def from_bytes(cls, data: bytes) -> "Tick":
         d = json.loads(data.decode())
         return cls(adds=[Add(**a) for a in d["adds"]], cancels=list(d["cancels"]),
-                   encodes=[Encode(**e) for e in d["encodes"]], releases=list(d["releases"]), stop=bool(d["stop"]),
-                   error=d["error"])
+                   encodes=[Encode(**e) for e in d["encodes"]], releases=list(d["releases"]),
+                   chunks=[Chunk(**c) for c in d["chunks"]], stop=bool(d["stop"]), error=d["error"])
 
 
 def is_leader(groups: ParallelGroups) -> bool:

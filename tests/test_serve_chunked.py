@@ -1,0 +1,113 @@
+"""Chunked Phase 1 in the server (``--prefill-chunk``, issue 33 item 3): a new context longer than the chunk is encoded
+a chunk per tick, each extending the ones before it (prefix reuse), so the requests decoding go on between the chunks
+instead of waiting for the whole Phase 1; the answer is the unchunked one's; the partial contexts leave the cache."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
+
+import magnetar  # noqa: E402
+from magnetar.serve.loop import chunking_problem  # noqa: E402
+from magnetar.serve.server import Server  # noqa: E402
+from magnetar.serve.ticks import Chunk, Tick  # noqa: E402
+from tests.dist_utils import free_port  # noqa: E402
+from tests.tiny_models import save_tiny_chat, tiny_model  # noqa: E402
+
+NAME, CHUNK = "tiny", 32
+LONG_DOC = "".join(f"Line {i}: the value of item {i} is {i * 37 % 101}.\n" for i in range(24))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), 4096)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8, prefill_chunk=CHUNK)
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    assert server.started.wait(60) and server.loop.start_error is None
+    yield server
+    server.drain()
+    thread.join(60)
+    assert status == [0]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, doc, question, **kw):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": question}],
+                                          extra_body={"magnetar": {"context": doc}}, **kw)
+
+
+def test_a_long_context_is_encoded_in_chunks_and_answers_as_a_whole(served, client, model_dir):
+    ref = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=0)
+    want = ref.generate(LONG_DOC, " What is item 3?", max_new_tokens=6)
+    assert want.context_tokens > 4 * CHUNK
+    cache = served.engine.cache
+    before = cache.stats()["prefix_hits"]
+    got = _chat(client, LONG_DOC, " What is item 3?", max_tokens=6)
+    assert got.choices[0].message.content == want.text
+    chunks = -(-want.context_tokens // CHUNK) - 1  # every chunk after the first extends the ones before it
+    assert cache.stats()["prefix_hits"] - before == chunks
+    # only the whole context stays cached: each partial one left once the next chunk extended it
+    assert sorted(h.context_tokens for h in cache._handles.values()) == [want.context_tokens]
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # the request's own Phase 1, chunked
+    again = _chat(client, LONG_DOC, " What is item 5?", max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens == want.context_tokens
+
+
+def test_a_decoding_request_goes_on_between_the_chunks(served, client, monkeypatch):
+    # A decodes; B brings a new long context: A gets a token after each of B's chunks (the loop's token events,
+    # counted where they are routed: a tiny random model's tokens are mostly not yet text)
+    events, started = [], threading.Event()
+    route = served.loop._token
+
+    def token(sid, ev):
+        events.append((time.perf_counter(), sid))
+        if len(events) == 3:
+            started.set()
+        route(sid, ev)
+
+    monkeypatch.setattr(served.loop, "_token", token)
+    a = threading.Thread(target=lambda: client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": " Count."}], max_tokens=1500, temperature=0,
+        extra_body={"magnetar": {"context": "Numbers: 1 2 3.\n"}}))
+    a.start()
+    assert started.wait(60)
+    a_sid = events[0][1]
+    t0 = time.perf_counter()
+    b = _chat(client, LONG_DOC * 3, " What is item 7?", max_tokens=2)  # ~ 80 chunks
+    t1 = time.perf_counter()
+    a.join(120)
+    during = sum(t0 < t < t1 and sid == a_sid for t, sid in events)
+    # its chunks start after what the cache held (the first test's LONG_DOC, when it ran: a cached prefix)
+    context = b.model_extra["magnetar"]["prompts"][0]["context_tokens"]
+    chunks = (context - b.usage.prompt_tokens_details.cached_tokens) // CHUNK
+    a_all = [t for t, sid in events if sid == a_sid]
+    assert during >= chunks - 2, (f"A got {during} tokens while B's {chunks} chunks ran; A: {len(a_all)} tokens, "
+                                  f"its last {a_all[-1] - t1:.2f} s after B ended")
+
+
+def test_where_chunks_apply():
+    eng = magnetar.init_inference(tiny_model("llama"), method="dense")
+    assert chunking_problem(eng) is None
+    off = magnetar.init_inference(tiny_model("llama"), method="dense", prefix_reuse="off")
+    assert chunking_problem(off) == "runtime.prefix_reuse is off"
+    star = magnetar.init_inference(tiny_model("llama"), method="star", cp_size=2, simulate=True)
+    assert chunking_problem(star).startswith("cp_size 2: each rank encodes its own block")
+    tick = Tick(chunks=[Chunk(3, [1, 2, 3])])
+    assert Tick.from_bytes(tick.to_bytes()) == tick and not tick.empty
+    assert torch.equal(torch.tensor(tick.chunks[0].context_ids), torch.tensor([1, 2, 3]))
