@@ -353,13 +353,18 @@ class DecodeBatch:
     def _place(self, rids: list[int]) -> None:
         """Static steps: copy the joined requests' KV into slots -- unless a context's KV is not finite (the slots'
         one attention call would not keep the exact non-finite rules): then the batch goes back to eager."""
+        bad = [rid for rid in rids if not all(lk.k is None or (lk.keys_finite() and lk.values_finite())
+                                              for lk in self._live[rid].req.shard.layers)]
+        mine = bad[0] if bad else -1
+        if self.groups.replica_size > 1:  # each rank checks its own KV; every rank of the replica must decide alike
+            got = all_gather_ints([mine], self.groups.replica_group, self.device, timeout=self.groups.timeout)
+            mine = max(got[:, 0].tolist())
+        if mine >= 0:
+            self._to_eager(f"a context's KV is not finite (request {mine}): decode steps run eager, whose attention "
+                           f"keeps the exact rules for non-finite values")
+            return
         for rid in rids:
-            shard = self._live[rid].req.shard
-            if not all(lk.k is None or (lk.keys_finite() and lk.values_finite()) for lk in shard.layers):
-                self._to_eager(f"a context's KV is not finite (request {rid}): decode steps run eager, whose "
-                               f"attention keeps the exact rules for non-finite values")
-                return
-            self.static.place(rid, shard, self._live[rid].gen)
+            self.static.place(rid, self._live[rid].req.shard, self._live[rid].gen)
 
     def _to_eager(self, why: str) -> None:
         """Leave static steps for good: each placed request's query and generated KV goes back to its eager store."""
