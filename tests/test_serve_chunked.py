@@ -111,3 +111,26 @@ def test_where_chunks_apply():
     tick = Tick(chunks=[Chunk(3, [1, 2, 3])])
     assert Tick.from_bytes(tick.to_bytes()) == tick and not tick.empty
     assert torch.equal(torch.tensor(tick.chunks[0].context_ids), torch.tensor([1, 2, 3]))
+
+
+def test_a_compiled_decode_step_is_warmed_up_before_serving(model_dir, monkeypatch, caplog):
+    # torch.compile stood in by the uncompiled function (the compile itself: tests/test_static_decode.py): what is
+    # checked is that the server runs the warm-up steps first, leaves no warm-up context cached, and answers as eager
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    ref = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, decode_step="compiled")
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=8)
+    status = []
+    with caplog.at_level("WARNING", logger="magnetar.serve.loop"):
+        thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+        thread.start()
+        assert server.started.wait(60) and server.loop.start_error is None
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = _chat(api, LONG_DOC[:300], " What is item 2?", max_tokens=6)
+        server.drain()
+        thread.join(60)
+    assert status == [0] and calls and calls[0]["dynamic"] is True
+    assert "the decode step compiled before serving" in caplog.text
+    assert got.choices[0].message.content == ref.generate(LONG_DOC[:300], " What is item 2?", max_new_tokens=6).text
+    assert all(h.context_tokens > 16 for h in engine.cache._handles.values())  # no warm-up context left

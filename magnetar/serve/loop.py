@@ -183,6 +183,7 @@ class EngineLoop:
         # the tick broadcast gives every rank the same requests: no agreement collective per request
         self.batch = self.engine.open_batch(agree=False)
         try:
+            self._warm_up()
             while True:
                 tick = self._decide() if self.leader else None
                 tick = broadcast_tick(tick, self.groups, self.engine.device)
@@ -203,6 +204,27 @@ class EngineLoop:
         finally:
             if self.leader:
                 self._close()
+
+    def _warm_up(self) -> None:
+        """A compiled decode step (``runtime.decode_step`` compiled) compiles on its first steps: run them before
+        the first request -- one request, then two (a batch of one and a larger one are the two shapes the compiler
+        specialises) over two 16-token contexts that then leave the cache -- on every rank alike."""
+        if self.engine.config.runtime.decode_step != "compiled":
+            return
+        t0 = time.perf_counter()
+        vocab = int(self.engine.model.config.vocab_size)
+        params = self.engine.sampling_params(max_new_tokens=4, temperature=0.0)
+        for n in (1, 2):
+            ready = [self.batch.prepare((torch.arange(16) * (7 + i) + 3) % vocab, torch.arange(4) % vocab, params)
+                     for i in range(n)]
+            rids = [rid for rid, _ in self.batch.join(ready)]
+            while self.batch.active:
+                self.batch.step()
+            for rid, r in zip(rids, ready):
+                self.batch.pop(rid)
+                self.engine.cache.release(r.handle)
+        log.warning("decode_step compiled: the decode step compiled before serving (%.0f s)",
+                    time.perf_counter() - t0)
 
     # -- the leader's decisions -------------------------------------------------------------------------------
     def _decide(self) -> Tick:
