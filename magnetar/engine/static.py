@@ -11,10 +11,10 @@ and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 
   attends all slots in ONE call per layer (:func:`slot_attention`: float32 scores, key positions decide what each
   query sees, the empty part of a slot sits at position :data:`FAR`), then the CP gather and merge as eager.
   No per-request Python, no per-call checks; the shapes change only when the slots or their capacity grow.
-* ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): on CPU
-  every size is dynamic (one compile for a batch of one, one for every larger batch and capacity; ``magnetar serve``
-  runs both before its first request), on CUDA the first shape compiles static and the next dynamic; the CP gather
-  and merge stay outside the graph (a graph break per layer where cp_size > 1). If compiling fails, the batch says
+* ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): the
+  first shape compiles static, the first other one with the sizes that changed dynamic, which later shapes reuse
+  (``magnetar serve`` runs both before its first request); the CP gather and merge stay outside the graph (a graph
+  break per layer where cp_size > 1). If compiling fails, the batch says
   why (:attr:`StaticDecode.fallback`) and runs ``static``.
 
 What ``static`` and ``compiled`` cannot run, a batch runs ``eager`` and says why (:func:`static_problem`): a decode
@@ -337,11 +337,11 @@ class StaticDecode:
                     if hasattr(torch._dynamo.config, knob):
                         setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
                 mode = "reduce-overhead" if ids.device.type == "cuda" else None
-                # CPU: every size dynamic from the start (one compile serves every batch size and capacity above 1,
-                # at the static graph's speed: measured); CUDA: torch's default (the first shape static, the next
-                # dynamic), CUDA graphs being recorded per shape anyway
-                self._compiled = torch.compile(self._forward, mode=mode,
-                                               dynamic=True if ids.device.type == "cpu" else None)
+                # dynamic=None (torch's default): the first shape compiles static, the first other one with the
+                # sizes that changed dynamic, and later shapes reuse it at the static graph's speed (measured on
+                # CPU; dynamic=True from the start made a step 1.7x slower); magnetar serve's warm-up changes both
+                # the slot count and the capacity in its second shape
+                self._compiled = torch.compile(self._forward, mode=mode, dynamic=None)
             try:
                 if ids.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()

@@ -207,15 +207,16 @@ class EngineLoop:
 
     def _warm_up(self) -> None:
         """A compiled decode step (``runtime.decode_step`` compiled) compiles on its first steps: run them before
-        the first request -- one request, then two (a batch of one and a larger one are the two shapes the compiler
-        specialises) over two 16-token contexts that then leave the cache -- on every rank alike."""
+        the first request, on every rank alike -- one request over a 16-token context (the static graph), then two
+        over 300-token ones (more slots and more capacity: the graph compiled with both sizes dynamic, which every
+        later batch reuses); their contexts leave the cache."""
         if self.engine.config.runtime.decode_step != "compiled":
             return
         t0 = time.perf_counter()
         vocab = int(self.engine.model.config.vocab_size)
         params = self.engine.sampling_params(max_new_tokens=4, temperature=0.0)
-        for n in (1, 2):
-            ready = [self.batch.prepare((torch.arange(16) * (7 + i) + 3) % vocab, torch.arange(4) % vocab, params)
+        for n, length in ((1, 16), (2, 300)):
+            ready = [self.batch.prepare((torch.arange(length) * (7 + i) + 3) % vocab, torch.arange(4) % vocab, params)
                      for i in range(n)]
             rids = [rid for rid, _ in self.batch.join(ready)]
             while self.batch.active:
