@@ -13,9 +13,9 @@ and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 
   No per-request Python, no per-call checks; the shapes change only when the slots or their capacity grow.
 * ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): the
   first shape compiles static, the first other one with the sizes that changed dynamic, which later shapes reuse
-  (``magnetar serve`` runs both before its first request); the CP gather and merge stay outside the graph (a graph
-  break per layer where cp_size > 1). If compiling fails, the batch says
-  why (:attr:`StaticDecode.fallback`) and runs ``static``.
+  (``magnetar serve`` compiles a single request's graphs before its first request; a batch's first step compiles
+  once more); the CP gather and merge stay outside the graph (a graph break per layer where cp_size > 1). If
+  compiling fails, the batch says why (:attr:`StaticDecode.fallback`) and runs ``static``.
 
 What ``static`` and ``compiled`` cannot run, a batch runs ``eager`` and says why (:func:`static_problem`): a decode
 policy (its choice of KV differs per token and request), and -- ``compiled`` only -- tensor parallelism (DeepSpeed's
@@ -338,9 +338,9 @@ class StaticDecode:
                         setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
                 mode = "reduce-overhead" if ids.device.type == "cuda" else None
                 # dynamic=None (torch's default): the first shape compiles static, the first other one with the
-                # sizes that changed dynamic, and later shapes reuse it at the static graph's speed (measured on
-                # CPU; dynamic=True from the start made a step 1.7x slower); magnetar serve's warm-up changes both
-                # the slot count and the capacity in its second shape
+                # sizes that changed dynamic, and later shapes reuse it (measured on CPU: a capacity-dynamic graph
+                # at batch 1, a slot-dynamic one at batch 8, each at the static graph's speed; with both sizes
+                # dynamic -- dynamic=True, or a warm-up changing both -- a served step was 1.7x slower)
                 self._compiled = torch.compile(self._forward, mode=mode, dynamic=None)
             try:
                 if ids.device.type == "cuda":
