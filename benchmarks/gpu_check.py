@@ -54,14 +54,14 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
-            decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8",
+            decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8", decode_steps=(3, 16),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
                         decode=360))
 # the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
 # compiles once)
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=110.0, warmup_len=256,
-           decode_len=1024, decode_modes="eager,static", decode_batches="1,2",
+           decode_len=1024, decode_modes="eager,static", decode_batches="1,2", decode_steps=(1, 3),
            limits=dict(wheels=60, environment=60, ops=60, pytest_gpu=60, phase1=(60,), sparse=60, decode=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
@@ -367,8 +367,9 @@ def step_decode(kit: Kit, shape: dict):
             json_out = Path(tmp) / "decode.json"
             cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--model", shape["model"],
                    "--dtype", shape["dtype"], "--configs", "dense", "--context-tokens", str(shape["decode_len"]),
-                   "--modes", shape["decode_modes"], "--batches", shape["decode_batches"], "--warmup", "3",
-                   "--steps", "16", "--json-out", str(json_out)]
+                   "--modes", shape["decode_modes"], "--batches", shape["decode_batches"],
+                   "--warmup", str(shape["decode_steps"][0]), "--steps", str(shape["decode_steps"][1]),
+                   "--json-out", str(json_out)]
             rc, out, err = kit.run(cmd, timeout)
             # the bench rewrites its JSON after every row: a run cut short still reports the rows it measured
             record = json.loads(json_out.read_text()) if json_out.is_file() else None
