@@ -208,3 +208,15 @@ def test_decode_steps_on_cuda(arch, mode):
     if mode == "compiled" and arch == "llama":
         assert batch.static.fallback is None and batch.static.attention == "flex"
     assert got == want, f"{arch} {mode} (fallback: {batch.static.fallback})"
+
+
+def test_static_logits_check_follows_check_finite():
+    # as eager steps: non-finite logits raise only under runtime.check_finite (off: the run decodes on, unchecked)
+    from magnetar.engine.finite import NonFiniteError
+    from magnetar.engine.static import StaticDecode
+
+    model, nan = tiny_model("llama"), torch.full((2, 256), float("nan"))
+    with pytest.raises(NonFiniteError, match=r"non-finite logits in Phase 2 \(decode step 3; static decode step"):
+        StaticDecode(model, local_groups(), "cpu", "static", check_finite=True).check_logits(nan, "decode step 3")
+    StaticDecode(model, local_groups(), "cpu", "static", check_finite=False).check_logits(nan, "decode step 3")
+    assert StaticDecode(model, local_groups(), "cpu", "static")._model_heads() == (2, 16)

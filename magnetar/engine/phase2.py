@@ -242,7 +242,8 @@ class DecodeBatch:
         self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
         if self.why_not is not None:
             log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
-        self.static = StaticDecode(model, groups, device, self.decode_step) if self.decode_step != "eager" else None
+        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.check_finite)
+                       if self.decode_step != "eager" else None)
 
     @property
     def active(self) -> list[int]:

@@ -41,6 +41,7 @@ import torch
 from magnetar.engine.finite import HINT, NonFiniteError
 from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import LayerContext
+from magnetar.models.dims import ModelDims
 from magnetar.ops import merge_states
 from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
@@ -227,8 +228,9 @@ class StaticDecode:
     which request holds which slot, the slots, and the step function. Every rank of the replica makes the same
     calls (the batch's are replicated), so the slots' layout is the same on every rank."""
 
-    def __init__(self, model, groups: ParallelGroups, device, mode: str):
+    def __init__(self, model, groups: ParallelGroups, device, mode: str, check_finite: bool = True):
         self.model, self.groups, self.device, self.mode = model, groups, device, mode
+        self.check_finite = check_finite  # runtime.check_finite: raise on non-finite logits (eager's rule)
         self.slots: Optional[StaticSlots] = None
         self.owner: dict[int, int] = {}  # rid -> slot
         self.fallback: Optional[str] = None  # why a compiled step runs static
@@ -286,11 +288,8 @@ class StaticDecode:
         return next(self.model.parameters()).dtype
 
     def _model_heads(self) -> tuple[int, int]:
-        cfg = self.model.config
-        hq = int(cfg.num_attention_heads)
-        hkv = int(getattr(cfg, "num_key_value_heads", None) or hq) // self.groups.tp_size
-        d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
-        return hkv, d
+        dims = ModelDims.from_config(self.model.config)
+        return dims.kv_heads // self.groups.tp_size, dims.head_dim
 
     # ---------------------------------------------------------------------------------------------- steps
     def nonfinite_message(self, what: str) -> str:
@@ -300,8 +299,9 @@ class StaticDecode:
                 f"not recorded, runtime.decode_step=eager records it); {HINT}")
 
     def check_logits(self, logits: torch.Tensor, what: str) -> None:
-        """Raise :class:`NonFiniteError` if ``logits`` are not finite (the same logits, so the same, on every rank)."""
-        if not all_finite(logits):
+        """Raise :class:`NonFiniteError` if ``logits`` are not finite (the same logits, so the same, on every rank),
+        under ``runtime.check_finite`` as eager steps do."""
+        if self.check_finite and not all_finite(logits):
             raise NonFiniteError(self.nonfinite_message(what))
 
     def step(self, rids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
