@@ -101,13 +101,7 @@ class ContextCache:
         """The cached handle of the same engine and options whose context is the longest proper prefix of
         ``context_ids`` (now the most recently used), or None. Not counted as a hit or a miss: the caller counts
         ``prefix_hits`` when it extends it."""
-        ids = context_ids.reshape(-1)
-        best = None
-        for h in self._handles.values():
-            n = h.context_tokens
-            if h.engine == engine and h.options == options and n < ids.numel() and \
-                    (best is None or n > best.context_tokens) and torch.equal(ids[:n], h.context_ids):
-                best = h
+        best = self._longest_prefix(context_ids, engine, options)
         if best is not None:
             self._handles.move_to_end(best.key)
         return best
@@ -116,10 +110,18 @@ class ContextCache:
         """How many first tokens of ``context_ids`` the longest cached proper prefix of the same engine and options
         holds (0: none), without touching the recency order (a server's leader plans with it; the ranks' caches
         must stay alike)."""
+        best = self._longest_prefix(context_ids, engine, options)
+        return 0 if best is None else best.context_tokens
+
+    def _longest_prefix(self, context_ids: torch.Tensor, engine: str, options: str) -> Optional[ContextHandle]:
         ids = context_ids.reshape(-1)
-        return max((h.context_tokens for h in self._handles.values()
-                    if h.engine == engine and h.options == options and h.context_tokens < ids.numel() and
-                    torch.equal(ids[: h.context_tokens], h.context_ids)), default=0)
+        best = None
+        for h in self._handles.values():
+            n = h.context_tokens
+            if h.engine == engine and h.options == options and n < ids.numel() and \
+                    (best is None or n > best.context_tokens) and torch.equal(ids[:n], h.context_ids):
+                best = h
+        return best
 
     def put(self, handle: ContextHandle) -> bool:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;

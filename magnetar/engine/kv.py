@@ -125,16 +125,17 @@ class LayerKV:
         """Whether every key of this frozen layer is finite: one pass the first time, remembered until the
         layer changes (a decode step's attention over a context shard then checks only its query and output:
         issue 33's profile found the per-step check over the whole shard's keys a sixth of a batch-8 step)."""
-        if self._finite[0] is None:
-            self._finite[0] = self.k is None or all_finite(self.k)
-        return self._finite[0]
+        return self._checked(0, self.k)
 
     def values_finite(self) -> bool:
         """Whether every value of this frozen layer is finite (as :meth:`keys_finite`: once, remembered until the
         layer changes; a static decode step places a context's KV only when both are)."""
-        if self._finite[1] is None:
-            self._finite[1] = self.v is None or all_finite(self.v)
-        return self._finite[1]
+        return self._checked(1, self.v)
+
+    def _checked(self, i: int, t: Optional[torch.Tensor]) -> bool:
+        if self._finite[i] is None:
+            self._finite[i] = t is None or all_finite(t)
+        return self._finite[i]
 
     def __len__(self) -> int:
         if self.frozen:

@@ -39,6 +39,7 @@ from magnetar.engine.sampling import SamplingParams
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
 from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick, is_leader
+from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 log = logging.getLogger(__name__)
 
@@ -345,15 +346,19 @@ class EngineLoop:
 
     def _apply_new(self, tick: Tick) -> None:
         """A tick's Phase-1 chunks, encodes and new requests (their Phase 1s and one query forward)."""
-        for ch in tick.chunks:
+        encoder = self.engine.encoder
+        for ch in tick.chunks:  # a prefix of a checked context, the same on every rank (the tick): no agreement
+            ids = torch.tensor(ch.context_ids, dtype=torch.long)
+            key = encoder.key(ids)
             try:
-                self._forget_chunk(self.engine.encode(torch.tensor(ch.context_ids, dtype=torch.long)))
+                with nvtx_range(GENERATE):
+                    self._forget_chunk(encoder.encode(ids, key=key)[0])
             except (ValueError, NonFiniteError) as e:  # its own tokens: the request fails alone
                 if self.leader:
                     self.pending = [j for j in self.pending if j.sid != ch.sid]
                 self._reject(ch.sid, e, None)
                 continue
-            self._chunk_keys.add(self.engine.encoder.key(torch.tensor(ch.context_ids, dtype=torch.long)))
+            self._chunk_keys.add(key)
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
