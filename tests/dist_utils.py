@@ -7,9 +7,11 @@ rank's traceback; a rank that hangs is killed by the timeout instead of stalling
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -36,6 +38,22 @@ def wait_serving(url: str, proc: subprocess.Popen, timeout_s: float, log: Callab
             pass
         time.sleep(0.5)
     pytest.fail(f"the server did not start (exit {proc.poll()}):\n{log()}")
+
+
+@contextlib.contextmanager
+def serve_in_thread(server, start_s: float = 60):
+    """Run ``server`` (a :class:`magnetar.serve.server.Server` of one rank) in a thread of this process until the
+    block ends, then drain it: it must stop with status 0."""
+    status = []
+    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
+    thread.start()
+    assert server.started.wait(start_s) and server.loop.start_error is None
+    try:
+        yield server
+    finally:
+        server.drain()
+        thread.join(60)
+        assert not thread.is_alive() and status == [0], "the drained server did not stop with status 0"
 
 
 def free_port() -> int:

@@ -28,7 +28,7 @@ from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_b
 from magnetar.serve.prompts import split_completion, split_pasted  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
-from tests.dist_utils import free_port, wait_serving  # noqa: E402
+from tests.dist_utils import free_port, serve_in_thread, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny_chat  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,16 +56,9 @@ def ref(model_dir):
 @pytest.fixture(scope="module")
 def served(model_dir):
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
-    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8,
-                    paste_threshold=PASTE)
-    status = []
-    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
-    thread.start()
-    assert server.started.wait(60) and server.loop.start_error is None
-    yield server
-    server.drain()
-    thread.join(60)
-    assert not thread.is_alive() and status == [0], "the drained server did not stop with status 0"
+    with serve_in_thread(Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8,
+                                paste_threshold=PASTE)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

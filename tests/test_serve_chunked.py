@@ -16,7 +16,7 @@ import magnetar  # noqa: E402
 from magnetar.serve.loop import chunking_problem  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Chunk, Tick  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.dist_utils import free_port, serve_in_thread  # noqa: E402
 from tests.tiny_models import save_tiny_chat, tiny_model  # noqa: E402
 
 NAME, CHUNK = "tiny", 32
@@ -31,15 +31,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(model_dir):
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
-    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8, prefill_chunk=CHUNK)
-    status = []
-    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
-    thread.start()
-    assert server.started.wait(60) and server.loop.start_error is None
-    yield server
-    server.drain()
-    thread.join(60)
-    assert status == [0]
+    with serve_in_thread(Server(engine, model_name=NAME, port=free_port(), max_batch_size=8, max_tokens=8,
+                                prefill_chunk=CHUNK)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +115,10 @@ def test_a_compiled_decode_step_is_warmed_up_before_serving(model_dir, monkeypat
     ref = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, decode_step="compiled")
     server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=8)
-    status = []
-    with caplog.at_level("WARNING", logger="magnetar.serve.loop"):
-        thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
-        thread.start()
-        assert server.started.wait(60) and server.loop.start_error is None
+    with caplog.at_level("WARNING", logger="magnetar.serve.loop"), serve_in_thread(server):
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         got = _chat(api, LONG_DOC[:300], " What is item 2?", max_tokens=6)
-        server.drain()
-        thread.join(60)
-    assert status == [0] and calls and calls[0]["dynamic"] is None
+    assert calls and calls[0]["dynamic"] is None
     assert "the decode step compiled before serving" in caplog.text
     assert got.choices[0].message.content == ref.generate(LONG_DOC[:300], " What is item 2?", max_new_tokens=6).text
     assert [h.context_tokens for h in engine.cache._handles.values()] == [got.model_extra["magnetar"]["prompts"][0][

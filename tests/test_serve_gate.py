@@ -18,7 +18,7 @@ pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[se
 
 import magnetar  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.dist_utils import free_port, serve_in_thread  # noqa: E402
 from tests.tiny_models import save_tiny_chat  # noqa: E402
 
 NAME = "tiny"
@@ -37,17 +37,9 @@ def model_dir(tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def serving(model_dir, **kw):
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
-    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=4, **kw)
-    status = []
-    thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
-    thread.start()
-    assert server.started.wait(60) and server.loop.start_error is None
-    try:
+    with serve_in_thread(Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=4, **kw)) \
+            as server:
         yield server
-    finally:
-        server.drain()
-        thread.join(60)
-        assert status == [0], "the drained server did not stop with status 0"
 
 
 @pytest.fixture(scope="module")
