@@ -81,17 +81,33 @@ def _say(msg: str) -> None:
     print(f"[bench_decode] {msg}", file=sys.stderr, flush=True)
 
 
+def engine_flat(config: str, distributed: bool) -> dict:
+    """The engine fields of ``config``: dense on one rank, or Pulsar on 2 CP ranks (simulated unless launched)."""
+    return dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2, simulate=not distributed)
+
+
+def launched(args) -> bool:
+    """Set the torch threads (``--threads``); under a launcher (2 real ranks) keep only ``pulsar`` of
+    ``--configs``. Whether this process is one of several ranks."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        args.configs = [c for c in args.configs if c == "pulsar"]
+        if not args.configs:
+            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
+    return distributed
+
+
 def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: bool, engines: dict) -> dict:
     """One row: ``bsz`` questions about the context in one batch of the ``(config, mode)`` engine (made once)."""
     import magnetar
 
     if (config, mode) not in engines:
-        flat = dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2,
-                                                                    simulate=not distributed)
         # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
         # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
         eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
-                                      context_cache_mb=1 << 20, dtype=args.dtype, **flat)
+                                      context_cache_mb=1 << 20, dtype=args.dtype, **engine_flat(config, distributed))
         got = next(eng.model.parameters()).dtype
         if got != getattr(torch, args.dtype):
             raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")
@@ -132,17 +148,11 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    distributed = launched(args)
     from magnetar.models import load_model
     from magnetar.models.dummy import is_dummy
     from magnetar.parallel.launcher import device_for_rank, init_distributed
 
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        args.configs = [c for c in args.configs if c == "pulsar"]
-        if not args.configs:
-            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
     init_distributed()
     device = device_for_rank() if is_dummy(args.model) else "cpu"
     t0 = time.perf_counter()

@@ -37,6 +37,7 @@ import sys
 import time
 
 import torch
+from bench_decode import engine_flat, launched  # benchmarks/: the script's own folder is first on sys.path
 
 MATMULS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"}
 BUCKETS = ("attention, local KV", "gather", "merge", "attention hook, rest", "model matmuls", "other model ops",
@@ -68,10 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_for(config: str, model, tokenizer, distributed: bool):
     import magnetar
 
-    if config == "dense":
-        return magnetar.init_inference(model, tokenizer=tokenizer, method="dense", deepspeed_inference=False)
-    return magnetar.init_inference(model, tokenizer=tokenizer, method="pulsar", cp_size=2, simulate=not distributed,
-                                   deepspeed_inference=False)
+    return magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False,
+                                   **engine_flat(config, distributed))
 
 
 def split_profile(prof, steps: int) -> dict[str, float]:
@@ -143,13 +142,7 @@ def run(config: str, batch: int, args, model, tokenizer, doc: str, questions: li
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        args.configs = [c for c in args.configs if c == "pulsar"]
-        if not args.configs:
-            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
+    distributed = launched(args)
     from magnetar.data.niah import needle_prompt
     from magnetar.models import load_model
 
