@@ -59,6 +59,7 @@ import sys
 import time
 
 import torch
+from bench_threads import stream_chat, wait_ready  # benchmarks/: the script's own folder is first on sys.path
 
 QUESTIONS = [  # after the needle question
     "What is the first essay about? Answer in one sentence.",
@@ -482,44 +483,14 @@ def part_stall(model, tokenizer, args) -> dict:
 # ------------------------------------------------------------------------------------------- part peer
 
 
-def _wait_ready(url: str, seconds: float, proc=None) -> None:
-    """Until ``url``/v1/models answers (a peer started by --peer-cmd: or its process ends)."""
-    import urllib.request
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"--peer-cmd exited with status {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url}/v1/models did not answer within {seconds:.0f} s")
-
-
 def _stream(api, model: str, content: str, max_tokens: int) -> dict:
     """One streamed chat request (a plain message: the document pasted before the question): TTFT, decode ms per
     token after the first, completion tokens, text."""
-    t0 = time.perf_counter()
-    first = last = None
-    text, used = [], 0
-    stream = api.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
-                                         max_tokens=max_tokens, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            used = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].delta.content:
-            last = time.perf_counter()
-            first = first or last
-            text.append(chunk.choices[0].delta.content)
-    end = time.perf_counter()
-    ttft = (first or end) - t0
-    ms = 1000 * ((last or end) - (first or end)) / (used - 1) if used > 1 else None
-    return dict(seconds=end - t0, ttft=ttft, ms_per_token=ms, tokens=used, text="".join(text))
+    r = stream_chat(api, model, [{"role": "user", "content": content}], max_tokens)
+    first, last = (r["stamps"][0], r["stamps"][-1]) if r["stamps"] else (r["end"], r["end"])
+    used = r["tokens"]
+    ms = 1000 * (last - first) / (used - 1) if used > 1 else None
+    return dict(seconds=r["end"] - r["t0"], ttft=first - r["t0"], ms_per_token=ms, tokens=used, text=r["text"])
 
 
 def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
@@ -578,7 +549,9 @@ def part_peer(model, tokenizer, args) -> dict:
     import shlex
     import signal
     import subprocess
+    import tempfile
     import urllib.request
+    from pathlib import Path
 
     def doc(tokens, seed):
         return documents(tokenizer, tokens, 1, seed)[0]
@@ -589,23 +562,25 @@ def part_peer(model, tokenizer, args) -> dict:
             "clients_alone": [doc(1000, args.seed + 10 + i)[0] for i in range(8)],
             "clients_together": [doc(1000, args.seed + 20 + i)[0] for i in range(8)]}
     results = {}
-    proc = None
+    proc = peer_log = None
     if args.peer_results:
         lines = [ln for ln in open(args.peer_results).read().splitlines() if ln.startswith("{")]
         results["peer"] = json.loads(lines[-1])["peer"]["results"]["peer"]
     elif args.peer_cmd:
-        proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        peer_log = Path(tempfile.mkdtemp(prefix="magnetar-bench-peer-")) / "peer.log"
+        with open(peer_log, "wb") as out:  # what the peer printed: the error when it does not start
+            proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
     try:
         if "peer" not in results:
-            _wait_ready(args.peer, args.peer_ready_s if proc else 30, proc)
+            wait_ready(args.peer, proc, peer_log, args.peer_ready_s if proc else 30, path="/v1/models")
             with urllib.request.urlopen(args.peer + "/v1/models", timeout=10) as r:
                 peer_model = json.loads(r.read())["data"][0]["id"]
             t0 = time.perf_counter()
             results["peer"] = peer_workloads(args.peer, peer_model, docs, args)
             results["peer"]["wall_s"] = time.perf_counter() - t0
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:  # (one that exited has nothing left to stop)
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)

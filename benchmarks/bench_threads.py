@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SPIN = "while True: pass"
@@ -87,20 +88,41 @@ def serve(args, setting: str, torch_threads: int, log: Path) -> subprocess.Popen
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) -> None:
+def wait_ready(url: str, proc: Optional[subprocess.Popen] = None, log: Optional[Path] = None, limit_s: float = 600,
+               path: str = "/health") -> None:
+    """Until ``url + path`` answers 200; RuntimeError (with the end of ``log``) if ``proc`` exits or time runs out."""
     import httpx
+
+    def tail() -> str:
+        return log.read_text()[-3000:] if log is not None and log.is_file() else ""
 
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{tail()}")
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            if httpx.get(url + path, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the server did not start within {limit_s:g} s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"the server did not start within {limit_s:g} s:\n{tail()}")
+
+
+def stream_chat(api, model: str, messages: list, max_tokens: int, extra_body: Optional[dict] = None) -> dict:
+    """One streamed greedy chat request with the ``openai`` client ``api``: ``t0`` (its start), ``stamps`` (the
+    arrival of each chunk with text: the text a token made final), ``end``, ``tokens`` (completion tokens), ``text``."""
+    t0 = time.perf_counter()
+    stamps, text, used = [], [], 0
+    stream = api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
+    for chunk in stream:
+        if chunk.usage is not None:
+            used = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
+    return dict(t0=t0, stamps=stamps, end=time.perf_counter(), tokens=used, text="".join(text))
 
 
 def ask(url: str, context: str, question: str, new_tokens: int, timed: bool = True) -> dict:
@@ -108,25 +130,16 @@ def ask(url: str, context: str, question: str, new_tokens: int, timed: bool = Tr
     from openai import OpenAI
 
     api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
-    t0 = time.perf_counter()
-    stamps, text, used = [], [], 0
-    stream = api.chat.completions.create(model="bench", messages=[{"role": "user", "content": question}],
-                                         max_tokens=new_tokens, temperature=0, stream=True,
-                                         stream_options={"include_usage": True},
-                                         extra_body={"magnetar": {"context": context}})
-    for chunk in stream:
-        if chunk.usage is not None:
-            used = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter() - t0)
-            text.append(chunk.choices[0].delta.content)
+    r = stream_chat(api, "bench", [{"role": "user", "content": question}], new_tokens,
+                    extra_body={"magnetar": {"context": context}})
+    stamps, used = [t - r["t0"] for t in r["stamps"]], r["tokens"]
     if not timed:
         return {}
     if used < 2 or len(stamps) < 2:
         raise RuntimeError(f"too few tokens to time decoding ({used}); raise --new-tokens")
     # chunks carry the text a token made final: the last chunk's stamp is the last token's
     return dict(ttft_s=stamps[0], decode_ms_per_token=1000 * (stamps[-1] - stamps[0]) / (used - 1), tokens=used,
-                text="".join(text))
+                text=r["text"])
 
 
 def main(argv=None) -> int:
