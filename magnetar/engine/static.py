@@ -330,12 +330,9 @@ class StaticDecode:
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
         if self.mode == "compiled" and self.fallback is None:
             if self._compiled is None:
-                import torch._dynamo
+                from magnetar.ops.backends.flex import allow_recompiles
 
-                # every batch (and every growth of its slots) brings new static buffers, a recompile: allow them
-                for knob in ("cache_size_limit", "recompile_limit"):
-                    if hasattr(torch._dynamo.config, knob):
-                        setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+                allow_recompiles()  # every batch (and every growth of its slots) brings new static buffers
                 mode = "reduce-overhead" if ids.device.type == "cuda" else None
                 # dynamic=None (torch's default): the first shape compiles static, the first other one with the
                 # sizes that changed dynamic, and later shapes reuse it (measured on CPU: a capacity-dynamic graph

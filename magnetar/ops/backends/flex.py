@@ -57,18 +57,23 @@ def _compile_on(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("MAGNETAR_FLEX_COMPILE", "1") != "0"
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """Let dynamo recompile a function up to ``limit`` times (its default gives up after 8 and runs it eagerly)."""
+    import torch._dynamo
+
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), limit))
+
+
 def _kernel(device: torch.device):
     flex, _, _ = _load()
     if not _compile_on(device):
         return flex
     if "flex" not in _COMPILED:
-        import torch._dynamo
-
         # every layer's call brings a new mask closure over new position tensors: allow the recompiles a model's
         # mask variants (causal, windowed, per-sequence) need before dynamo would give up on the compiled kernel
-        for knob in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+        allow_recompiles()
         _COMPILED["flex"] = torch.compile(flex, dynamic=True)
     return _COMPILED["flex"]
 
