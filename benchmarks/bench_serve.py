@@ -36,11 +36,12 @@ once without (``off``: each turn re-encodes the conversation). Reported per turn
 tokens its Phase 1 encoded (context - cached).
 
 Part ``peer`` (``--peer URL``; issue 33) -- the same plain OpenAI requests (each document pasted into the chat message
-before its question, nothing Magnetar-specific) against another server and against Magnetar's server in this
-process, one at a time (``--peer-cmd`` starts the peer before its turn and stops it after, so the two never share
-the cores): one streamed request over a 4K document (TTFT cold, then again with the document cached, and decode
-ms/token), ten questions about one 8K document, eight clients with their own new 1K documents one at a time and
-concurrently (tokens/s), one 8K prefill. Prints each figure for both and Magnetar / peer.
+before its question, nothing Magnetar-specific) against another server and against ``magnetar serve`` in its own
+process (``--serve-in-process``: a thread of this one), one at a time (``--peer-cmd`` starts the peer before its turn
+and stops it after, so the two never share the cores): one streamed request over a 4K document (TTFT cold, then again
+with the document cached, and decode ms/token), ten questions about one 8K document, eight clients with their own new
+1K documents one at a time and concurrently (tokens/s), one 8K prefill. Prints each figure for both and Magnetar /
+peer.
 
 Part ``stall`` (issue 33, item 3) -- one request streams ``--stall-tokens`` tokens over a cached document while
 another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (its whole Phase 1 between two decode
@@ -86,13 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns (--peer: "
                    "peer)")
     p.add_argument("--peer", default=None, metavar="URL", help="another OpenAI-compatible server (e.g. vLLM at "
-                   "http://127.0.0.1:8100): run the peer workloads against it and against Magnetar in this process, "
-                   "one server at a time, and print the ratios (part 'peer')")
+                   "http://127.0.0.1:8100): run the peer workloads against it and against `magnetar serve` (its own "
+                   "process), one server at a time, and print the ratios (part 'peer')")
     p.add_argument("--peer-cmd", default=None, metavar="CMD", help="--peer: the shell command that starts the peer "
                    "(started before its workloads, stopped after, so the two servers never share the cores)")
     p.add_argument("--peer-ready-s", type=float, default=600, help="--peer-cmd: how long the peer may take to start")
     p.add_argument("--peer-results", default=None, metavar="FILE", help="--peer: take the peer's figures from an "
                    "earlier run's output (its JSON line) instead of running the peer again")
+    p.add_argument("--serve-in-process", action="store_true", help="--peer: run Magnetar's server in this process "
+                   "(a thread beside the clients, sharing their interpreter) instead of `magnetar serve` in its own "
+                   "process (the default: how a user runs it, and how the peer runs)")
     p.add_argument("--stall-chunks", default="1024,2048", help="part stall: the --prefill-chunk sizes tried after 0")
     p.add_argument("--stall-tokens", type=int, default=96, help="part stall: the decoding request's max_tokens")
     p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
@@ -149,9 +153,11 @@ def load(args):
 
         folder = tempfile.mkdtemp(prefix="magnetar-bench-serve-")
         save_tiny(folder, "llama", seed=args.seed, max_position_embeddings=1 << 16)
+        args.model_path = folder  # what a `magnetar serve` process loads (part peer)
         return load_model(folder)
     from magnetar.models import load_model
 
+    args.model_path = args.model
     return load_model(args.model)
 
 
@@ -545,7 +551,8 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
 
 def part_peer(model, tokenizer, args) -> dict:
     """The peer workloads against the peer (``--peer``; started and stopped by ``--peer-cmd`` if given), then against
-    Magnetar's server in this process (``--method``, ``--ranks``, ``--decode-step``): one server at a time."""
+    ``magnetar serve`` in its own process (``--serve-in-process``: in this one) with ``--method``, ``--ranks``,
+    ``--decode-step``: one server at a time."""
     import shlex
     import signal
     import subprocess
@@ -586,14 +593,43 @@ def part_peer(model, tokenizer, args) -> dict:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-    server, thread, status = _start_server(model, tokenizer, args)
-    try:
-        t0 = time.perf_counter()
-        results["magnetar"] = peer_workloads(server.url, "bench", docs, args)
-        results["magnetar"]["wall_s"] = time.perf_counter() - t0
-    finally:
-        server.drain()
-        thread.join(timeout=120)
+    if args.serve_in_process:
+        server, thread, status = _start_server(model, tokenizer, args)
+        try:
+            t0 = time.perf_counter()
+            results["magnetar"] = peer_workloads(server.url, "bench", docs, args)
+            results["magnetar"]["wall_s"] = time.perf_counter() - t0
+        finally:
+            server.drain()
+            thread.join(timeout=120)
+    else:  # `magnetar serve` in its own process, as a user starts it (its thread choice), like the peer
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "magnetar.serve", "--model", args.model_path, "--served-model-name", "bench",
+               "--port", str(port), "--method", args.method, "--max-batch-size", str(args.max_batch),
+               "--max-tokens", str(args.new_tokens), "--deepspeed-inference", "false"]
+        if args.ranks > 1:
+            cmd += ["--cp-size", str(args.ranks), "--simulate", "true"]
+        if args.decode_step is not None:
+            cmd += ["--decode-step", args.decode_step]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        mag_log = Path(tempfile.mkdtemp(prefix="magnetar-bench-serve-")) / "serve.log"
+        with open(mag_log, "wb") as log_out:
+            proc = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_ready(url, proc, mag_log, args.peer_ready_s, path="/v1/models")
+            t0 = time.perf_counter()
+            results["magnetar"] = peer_workloads(url, "bench", docs, args)
+            results["magnetar"]["wall_s"] = time.perf_counter() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)  # drains: nothing is in flight by now
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            print(f"magnetar serve's log: {mag_log}", flush=True)
     m, o = results["magnetar"], results["peer"]
     rows = [("one request, 4K document: TTFT (s)", m["one_4k"]["cold"]["ttft"], o["one_4k"]["cold"]["ttft"], "lower"),
             ("  the same document again: TTFT (s)", m["one_4k"]["cached"]["ttft"], o["one_4k"]["cached"]["ttft"],
