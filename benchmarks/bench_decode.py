@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
     p.add_argument("--steps", type=int, default=12, help="steps timed")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
+    p.add_argument("--shm-gather", default="true", choices=("true", "false"),
+                   help="2 real ranks: parallel.shm_gather (their per-layer gather through shared memory, else gloo)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON record to this file")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -107,7 +109,8 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
         # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
         # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
         eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
-                                      context_cache_mb=1 << 20, dtype=args.dtype, **engine_flat(config, distributed))
+                                      context_cache_mb=1 << 20, dtype=args.dtype, shm_gather=args.shm_gather == "true",
+                                      **engine_flat(config, distributed))
         got = next(eng.model.parameters()).dtype
         if got != getattr(torch, args.dtype):
             raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")

@@ -105,6 +105,26 @@ def test_static_batch_equals_each_request_alone():
                          "static star")
 
 
+def test_static_slots_shrink_as_requests_leave_and_tokens_stay():
+    # 4 requests of different lengths leave one by one: the slots repack into fewer once twice too many (every
+    # step computes every slot's row), and the last one out frees them; each request keeps its one-at-a-time tokens
+    model = tiny_model("llama", seed=2)
+    flat = dict(method="star", cp_size=2, block_size=24, simulate=True)
+    eng, ref = _engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat)
+    reqs = [(i + 1, 90 + 10 * i, 10 + i, 4, dict(max_new_tokens=2 + 3 * i)) for i in range(4)]
+    want = [ref.generate(_ids(cs, cl), _ids(qs, ql), **kw).token_ids for cs, cl, qs, ql, kw in reqs]
+    batch = eng.open_batch()
+    rids = [batch.add(_ids(cs, cl), _ids(qs, ql), eng.sampling_params(**kw))[0] for cs, cl, qs, ql, kw in reqs]
+    static, got, slots = batch._batch.static, {}, []
+    while batch.active:
+        batch.step()
+        for rid in batch.finished:
+            got[rid] = batch.pop(rid).token_ids
+        slots.append(None if static.slots is None else static.slots.slots)
+    assert [got[r] for r in rids] == want
+    assert slots[0] == 4 and 1 in slots and slots[-1] is None, slots
+
+
 def test_compiled_steps_choose_eager_tokens():
     # one compile (torch.compile, inductor on CPU): 4 requests in 4 slots of one capacity, Star over 2 ranks
     model = tiny_model("llama", seed=2)

@@ -41,6 +41,9 @@ class ParallelConfig:
     # One process stands in for the cp_size ranks: their Phase 1 runs one after another here, Phase 2 attends
     # to all their KV (the same result as the merge over ranks); no collectives. For evaluation on few devices.
     simulate: bool = False
+    # CPU ranks of a CP group that share one host (gloo, x86) gather Phase 2's per-layer (out, lse) through a
+    # shared-memory buffer instead of gloo's sockets (magnetar.parallel.shm); off: always gloo
+    shm_gather: bool = True
 
     def __post_init__(self):
         _check_types(self)

@@ -16,6 +16,7 @@ from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_
 from magnetar.models import load_model, model_dtype, model_kind, model_path
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
 from magnetar.parallel.launcher import device_for_rank, init_distributed
+from magnetar.parallel.shm import enable as enable_shm_gather
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         if tp > 1:
             model = shard_tensor_parallel(model, groups, dtype)
     hf.prepare_model(model)
+    if config.parallel.shm_gather:  # a collective of the CP group (every rank loads the engine)
+        enable_shm_gather(groups.cp_group, groups.timeout)
     return Engine(model, config, groups, tokenizer)
 
 

@@ -191,9 +191,9 @@ class StaticContext(LayerContext):
     layer_range = None  # no profiler range inside a compiled graph (magnetar_attention skips it)
 
     def __init__(self, slots: StaticSlots, positions: torch.Tensor, write: torch.Tensor, groups: ParallelGroups,
-                 attention=slot_attention):
+                 attention=slot_attention, used: Optional[int] = None):
         self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
-        self.attention = attention
+        self.attention, self.used = attention, used  # used: attend the slots' first `used` entries only (None: all)
         self.rows = torch.arange(write.shape[0], device=write.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -205,6 +205,8 @@ class StaticContext(LayerContext):
             kb[rows, :, self.write] = k[:, :, 0]
             vb[rows, :, self.write] = v[:, :, 0]
             kp[rows, self.write] = self.positions[:, 0]
+        if self.used is not None:  # the entries past every slot's fill are empty: not read (views, no copy)
+            kb, vb, kp = kb[:, :, :self.used], vb[:, :, :self.used], kp[:, :self.used]
         out, lse = self.attention(q, kb, vb, self.positions, kp, scale, window)
         if self.groups.cp_size > 1:
             out = _gather_merge(out, lse, self.groups)
@@ -278,11 +280,44 @@ class StaticDecode:
 
     @torch.inference_mode()  # the slots are inference tensors (made in a join)
     def release(self, rid: int) -> int:
-        """Free request ``rid``'s slot; returns how many entries it held."""
+        """Free request ``rid``'s slot; returns how many entries it held. The last one out frees the buffers (the
+        next request gets slots sized for it, not for the largest batch or context seen so far; not compiled)."""
         slot = self.owner.pop(rid)
         n = self.slots.fill[slot]
-        self.slots.clear(slot)
+        if self.owner or self.compiles:
+            self.slots.clear(slot)
+        else:
+            self.slots = None
         return n
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the steps run compiled (its graphs keep their buffers: no freeing, no repacking -- new shapes
+        would compile anew)."""
+        return self.mode == "compiled" and self.fallback is None
+
+    def _compact(self) -> None:
+        """Repack the slots held into fewer when there are at least twice too many for the requests holding them
+        (a batch's last requests: every step computes every slot's row), each slot's capacity fitted to what is
+        held. The rule reads the requests only, so every rank of the replica repacks alike (the gathered rows must
+        stay the same requests). Static steps only (a compiled graph keeps its shapes)."""
+        if self.compiles:
+            return
+        sl = self.slots
+        slots = _bucket(len(self.owner))
+        if slots * 2 > sl.slots:
+            return
+        cap = min(sl.capacity, _round(2 * max(sl.fill[s] for s in self.owner.values())))
+        new = StaticSlots(sl.num_layers, slots, cap, sl.hkv, sl.d, sl.dtype, sl.device, sl.writes)
+        for i, (rid, old) in enumerate(sorted(self.owner.items(), key=lambda x: x[1])):
+            n = sl.fill[old]
+            for layer in range(sl.num_layers):
+                new.k[layer][i, :, :n] = sl.k[layer][old, :, :n]
+                new.v[layer][i, :, :n] = sl.v[layer][old, :, :n]
+                new.pos[layer][i, :n] = sl.pos[layer][old, :n]
+            new.fill[i] = n
+            self.owner[rid] = i
+        self.slots = new
 
     def _dtype(self):
         return next(self.model.parameters()).dtype
@@ -307,6 +342,7 @@ class StaticDecode:
     def step(self, rids: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """One decode step of requests ``rids`` (their last tokens and the positions of the new ones): their logits
         ``(len(rids), V)``, in order. The slots that hold none of them step too (their rows are dropped)."""
+        self._compact()
         sl = self.slots
         need = max(sl.fill[self.owner[r]] for r in rids) + 1
         if need > sl.capacity:
@@ -321,14 +357,16 @@ class StaticDecode:
             ids[s, 0], pos[s, 0] = t, p
             rows.append(s)
         ids, pos, write = ids.to(self.device), pos.to(self.device), write.to(self.device)
-        logits = self._run(ids, pos, write)
+        # static steps read each slot up to the longest fill (a multiple of 64); a compiled graph keeps its shapes
+        used = min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
+        logits = self._run(ids, pos, write, used)
         if sl.writes:
             for s in rows:
                 sl.fill[s] += 1
         return logits[torch.tensor(rows, device=logits.device)]
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
-        if self.mode == "compiled" and self.fallback is None:
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: int) -> torch.Tensor:
+        if self.compiles:
             if self._compiled is None:
                 from magnetar.ops.backends.flex import allow_recompiles
 
@@ -346,11 +384,12 @@ class StaticDecode:
             except Exception as e:  # noqa: BLE001 - any compiler failure: say why, then run the same step uncompiled
                 self.fallback = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
                 log.warning("decode_step compiled: %s; decode steps run static (batched, uncompiled)", self.fallback)
-        return self._forward(ids, pos, write)
+        return self._forward(ids, pos, write, used)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
+                 ) -> torch.Tensor:
         attention = SLOT_ATTENTION[self.attention if self.fallback is None else "math"]
-        ctx = StaticContext(self.slots, pos, write, self.groups, attention)
+        ctx = StaticContext(self.slots, pos, write, self.groups, attention, used)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
         return out.logits[:, -1]
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from magnetar.parallel.groups import DEFAULT_TIMEOUT, group_size
+from magnetar.parallel.shm import gather_bytes
 from magnetar.utils.nvtx import ALL_GATHER_STATES, nvtx_range
 
 
@@ -72,10 +73,14 @@ def all_gather_states(
     if world == 1:
         return out.unsqueeze(0), lse.unsqueeze(0)
     packed = torch.cat((_as_bytes(out), _as_bytes(lse)))
-    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    what = f"all_gather_states over {world} ranks"
     with nvtx_range(ALL_GATHER_STATES):
-        work = _all_gather_flat(gathered, packed, group=group, async_op=True)
-        wait_all(work, timeout, f"all_gather_states over {world} ranks")
+        # CPU ranks on one host: through shared memory where parallel.shm_gather gave the group a buffer
+        gathered = gather_bytes(packed, group, DEFAULT_TIMEOUT if timeout is None else timeout, what)
+        if gathered is None:
+            gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+            work = _all_gather_flat(gathered, packed, group=group, async_op=True)
+            wait_all(work, timeout, what)
     gathered = gathered.view(world, packed.numel())
     n_out = out.numel() * out.element_size()
     outs = gathered[:, :n_out].contiguous().view(out.dtype).view(world, *out.shape)

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 from magnetar.parallel.collectives import barrier
 from magnetar.parallel.groups import DEFAULT_TIMEOUT
+from magnetar.parallel import shm
 from magnetar.parallel.lifetime import watch_launcher
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,7 @@ def finish_distributed(*, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     if not dist.is_initialized():
         return
     barrier(timeout=timeout)
+    shm.disable_all()
     dist.destroy_process_group()
 
 

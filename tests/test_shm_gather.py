@@ -1,0 +1,79 @@
+"""The shared-memory gather of co-located CPU ranks (magnetar.parallel.shm, parallel.shm_gather): the same bytes as
+gloo's all-gather, call after call (its two buffers alternate) and for payloads of any size (over a slot: gloo);
+a rank that never arrives, or whose process is gone, ends the wait with a TimeoutError naming it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+from magnetar.parallel import all_gather_states, init_groups
+from magnetar.parallel import shm
+from tests.dist_utils import run_distributed
+
+
+def _same_as_gloo(rank, world):
+    import torch.distributed as dist
+
+    groups = init_groups(world)
+    plain = dist.new_group(list(range(world)))  # the same ranks, no shared buffer: gloo's gather
+    assert shm.enable(groups.cp_group, groups.timeout) and not shm.enable(None, groups.timeout)
+    gather = shm._GATHERS[id(groups.cp_group)]
+    gen = torch.Generator().manual_seed(rank)
+    for shape, dtype in [((1, 9, 1, 64), torch.float32), ((8, 9, 1, 64), torch.bfloat16), ((2, 3, 5, 8), torch.float16),
+                         ((1, 1, 1, 1), torch.float32), ((3, 4, 7, 16), torch.float32)]:
+        out = torch.randn(*shape, generator=gen).to(dtype)
+        lse = torch.randn(*shape[:-1], generator=gen)
+        lse[0, 0, 0] = float("-inf")  # the empty state travels as it is
+        a = all_gather_states(out, lse, groups.cp_group, timeout=groups.timeout)
+        b = all_gather_states(out, lse, plain, timeout=groups.timeout)
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
+    assert gather.calls == 5
+    big = torch.randn(1, 4, gather.slot_bytes // 16 + 1, 4)  # over a slot: gloo carries it
+    a = all_gather_states(big, torch.zeros(big.shape[:-1]), groups.cp_group, timeout=groups.timeout)
+    assert gather.calls == 5 and torch.equal(a[0][rank], big)
+
+
+def test_shm_gather_gives_gloos_bytes():
+    run_distributed(_same_as_gloo, 2)
+
+
+def _late(rank, world):
+    groups = init_groups(world)
+    assert shm.enable(groups.cp_group, groups.timeout)
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"all_gather_states over 2 ranks did not complete.*ranks \[1\] never"):
+            all_gather_states(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1), groups.cp_group,
+                              timeout=timedelta(seconds=1))
+        assert time.monotonic() - t0 < 10
+    else:
+        time.sleep(3)  # never joins the gather
+
+
+def test_shm_gather_times_out_naming_the_missing_rank():
+    run_distributed(_late, 2)
+
+
+def test_a_gone_peer_ends_the_wait_at_once():
+    """The wait itself, on a stand-in whose peer is a process that has exited."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    g = shm.ShmGather.__new__(shm.ShmGather)
+    g.world, g.rank, g._peers = 2, 0, [child.pid]
+    g._flags = np.zeros((2, 8), dtype=np.int64)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"peer rank exited \\(pid {child.pid}\\)"):
+        g._wait(1, timedelta(seconds=60), "all_gather_states over 2 ranks")
+    assert time.monotonic() - t0 < 5
+    g._peers = [os.getpid()]  # alive: the timeout ends it
+    with pytest.raises(TimeoutError, match=r"within 0:00:00.300000.*ranks \[0, 1\] never arrived"):
+        g._wait(1, timedelta(seconds=0.3), "all_gather_states over 2 ranks")
+    g._flags[:, 0] = 1  # everybody arrived: no wait
+    g._wait(1, timedelta(seconds=0.01), "x")
