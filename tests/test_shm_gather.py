@@ -77,3 +77,17 @@ def test_a_gone_peer_ends_the_wait_at_once():
         g._wait(1, timedelta(seconds=0.3), "all_gather_states over 2 ranks")
     g._flags[:, 0] = 1  # everybody arrived: no wait
     g._wait(1, timedelta(seconds=0.01), "x")
+
+
+def test_no_room_in_dev_shm_keeps_gloo(monkeypatch, caplog):
+    """A full /dev/shm (a container's 64 MB) would SIGBUS a rank at its first write: the room is reserved when the
+    buffer is made, and without it the group keeps gloo, saying why, leaving no file behind."""
+    before = set(os.listdir(shm._SHM_DIR))
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert shm._create(2) is None
+    assert "no room" in caplog.text and "gather through gloo" in caplog.text
+    assert set(os.listdir(shm._SHM_DIR)) == before

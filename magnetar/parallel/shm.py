@@ -11,11 +11,13 @@ entered call ``n - 1``, so nobody still reads it.
 The rules of every collective hold: the group is explicit, and a wait past the timeout raises ``TimeoutError``
 naming the call -- sooner when a peer's process is gone (its pid is checked while waiting), which gloo's closed
 socket would also have told. Payloads larger than a slot go through gloo (:func:`gather_bytes` returns None).
-The buffer is a file in ``/dev/shm`` that the group's first rank creates and unlinks once every rank has mapped
-it (nothing is left behind, even after a crash).
+The buffer is a file in ``/dev/shm`` that the group's first rank creates (its room reserved: where there is none,
+the group keeps gloo, with a warning) and unlinks once every rank has mapped it (nothing is left behind, even after
+a crash).
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
@@ -32,6 +34,7 @@ import torch.distributed as dist
 SLOT_BYTES = 1 << 20  # per rank and buffer: a batch of 64 single-token queries x 32 heads x 128 dims in fp32 fits
 _LINE = 64  # one counter per cache line
 _SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 _PEER_CHECK_S = 0.2  # how often a waiting rank checks that its peers' processes still exist
 
 _GATHERS: dict[int, "Optional[ShmGather]"] = {}  # id(group) -> its gather (None: the group cannot use one)
@@ -41,18 +44,12 @@ _GROUPS: list = []  # the groups of _GATHERS, kept alive so that their ids stay 
 class ShmGather:
     """The shared buffer of one process group (every rank of it on this host); see the module docstring."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, slot_bytes: int = SLOT_BYTES):
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, path: str, slot_bytes: int = SLOT_BYTES):
+        """Map the buffer at ``path`` that the group's first rank made (:func:`_create`); every rank of ``group``
+        calls this together."""
         self.group, self.slot_bytes = group, slot_bytes
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        token = [f"magnetar-gather-{os.getpid()}-{secrets.token_hex(8)}" if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        path = os.path.join(_SHM_DIR, token[0])
-        size = _LINE * self.world + 2 * self.world * slot_bytes
-        if self.rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
-        _barrier(group, timeout)
+        size = _size(self.world, slot_bytes)
         try:
             fd = os.open(path, os.O_RDWR)
             try:
@@ -128,15 +125,19 @@ def enable(group: Optional[dist.ProcessGroup], timeout: timedelta) -> bool:
         return _GATHERS.get(id(group)) is not None
     if dist.get_backend(group) != "gloo":  # the same on every rank: no collective
         return False
-    hosts = [None] * dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    hosts = [None] * world
     # x86's store order makes a counter seen imply the bytes written before it are seen; weaker orders (Arm) would
     # need fences Python cannot issue
     here = (socket.gethostname(), os.path.isdir(_SHM_DIR) and platform.machine().lower() in ("x86_64", "amd64"))
     dist.all_gather_object(hosts, here, group=group)
-    usable = all(h == (here[0], True) for h in hosts)
-    _GATHERS[id(group)] = ShmGather(group, timeout) if usable else None
+    path = [None]
+    if rank == 0 and all(h == (here[0], True) for h in hosts):
+        path[0] = _create(world)  # None if /dev/shm has no room: then nobody uses one
+    dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
+    _GATHERS[id(group)] = ShmGather(group, timeout, path[0]) if path[0] else None
     _GROUPS.append(group)
-    return usable
+    return path[0] is not None
 
 
 def disable_all() -> None:
@@ -146,6 +147,31 @@ def disable_all() -> None:
             gather.close()
     _GATHERS.clear()
     _GROUPS.clear()
+
+
+def _size(world: int, slot_bytes: int) -> int:
+    return _LINE * world + 2 * world * slot_bytes
+
+
+def _create(world: int, slot_bytes: int = SLOT_BYTES) -> Optional[str]:
+    """A new buffer file for ``world`` ranks in /dev/shm, its room reserved (a full /dev/shm -- a container's 64 MB --
+    would otherwise kill a rank with SIGBUS at its first write); None, with a warning, if it cannot be made."""
+    path = os.path.join(_SHM_DIR, f"magnetar-gather-{os.getpid()}-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        log.warning("parallel.shm_gather: cannot create %s (%s); the ranks gather through gloo", path, e)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, _size(world, slot_bytes))
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        log.warning("parallel.shm_gather: no room for %d bytes in %s (%s); the ranks gather through gloo",
+                    _size(world, slot_bytes), _SHM_DIR, e)
+        return None
+    os.close(fd)
+    return path
 
 
 def _alive(pid: int) -> bool:
