@@ -106,11 +106,14 @@ def test_static_batch_equals_each_request_alone():
 
 
 def test_static_slots_shrink_as_requests_leave_and_tokens_stay():
-    # 4 requests of different lengths leave one by one: the slots repack into fewer once twice too many (every
-    # step computes every slot's row), and the last one out frees them; each request keeps its one-at-a-time tokens
     model = tiny_model("llama", seed=2)
     flat = dict(method="star", cp_size=2, block_size=24, simulate=True)
-    eng, ref = _engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat)
+    _shrinking(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat))
+
+
+def _shrinking(eng, ref):
+    """4 requests of different lengths leave one by one: the slots repack into fewer once twice too many (every
+    step computes every slot's row), and the last one out frees them; each request keeps its one-at-a-time tokens."""
     reqs = [(i + 1, 90 + 10 * i, 10 + i, 4, dict(max_new_tokens=2 + 3 * i)) for i in range(4)]
     want = [ref.generate(_ids(cs, cl), _ids(qs, ql), **kw).token_ids for cs, cl, qs, ql, kw in reqs]
     batch = eng.open_batch()
@@ -208,6 +211,8 @@ def _two_rank_worker(rank, world):
     flat = dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25)
     _interleaved_against(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat),
                          f"[rank {rank}] static pulsar")
+    # the slots repack alike on both ranks (the gathered rows stay the same requests)
+    _shrinking(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat))
 
 
 def test_static_steps_on_two_ranks():
