@@ -52,6 +52,7 @@ Prints the tables, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -549,16 +550,35 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _process(cmd: list, name: str, stop_s: float):
+    """``(process, log path)`` of ``cmd`` started in a session of its own, its output in a log file (the error when
+    it does not start); when the block ends it gets SIGTERM, and SIGKILL after ``stop_s`` seconds."""
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    log = Path(tempfile.mkdtemp(prefix=f"magnetar-bench-{name}-")) / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:  # (one that exited has nothing left to stop)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def part_peer(model, tokenizer, args) -> dict:
     """The peer workloads against the peer (``--peer``; started and stopped by ``--peer-cmd`` if given), then against
     ``magnetar serve`` in its own process (``--serve-in-process``: in this one) with ``--method``, ``--ranks``,
     ``--decode-step``: one server at a time."""
     import shlex
-    import signal
-    import subprocess
-    import tempfile
     import urllib.request
-    from pathlib import Path
 
     def doc(tokens, seed):
         return documents(tokenizer, tokens, 1, seed)[0]
@@ -569,30 +589,19 @@ def part_peer(model, tokenizer, args) -> dict:
             "clients_alone": [doc(1000, args.seed + 10 + i)[0] for i in range(8)],
             "clients_together": [doc(1000, args.seed + 20 + i)[0] for i in range(8)]}
     results = {}
-    proc = peer_log = None
     if args.peer_results:
         lines = [ln for ln in open(args.peer_results).read().splitlines() if ln.startswith("{")]
         results["peer"] = json.loads(lines[-1])["peer"]["results"]["peer"]
-    elif args.peer_cmd:
-        peer_log = Path(tempfile.mkdtemp(prefix="magnetar-bench-peer-")) / "peer.log"
-        with open(peer_log, "wb") as out:  # what the peer printed: the error when it does not start
-            proc = subprocess.Popen(shlex.split(args.peer_cmd), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-    try:
-        if "peer" not in results:
+    else:
+        started = _process(shlex.split(args.peer_cmd), "peer", 60) if args.peer_cmd else \
+            contextlib.nullcontext((None, None))
+        with started as (proc, peer_log):
             wait_ready(args.peer, proc, peer_log, args.peer_ready_s if proc else 30, path="/v1/models")
             with urllib.request.urlopen(args.peer + "/v1/models", timeout=10) as r:
                 peer_model = json.loads(r.read())["data"][0]["id"]
             t0 = time.perf_counter()
             results["peer"] = peer_workloads(args.peer, peer_model, docs, args)
             results["peer"]["wall_s"] = time.perf_counter() - t0
-    finally:
-        if proc is not None and proc.poll() is None:  # (one that exited has nothing left to stop)
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     if args.serve_in_process:
         server, thread, status = _start_server(model, tokenizer, args)
         try:
@@ -614,22 +623,12 @@ def part_peer(model, tokenizer, args) -> dict:
             cmd += ["--decode-step", args.decode_step]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        mag_log = Path(tempfile.mkdtemp(prefix="magnetar-bench-serve-")) / "serve.log"
-        with open(mag_log, "wb") as log_out:
-            proc = subprocess.Popen(cmd, stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
+        with _process(cmd, "serve", 120) as (proc, mag_log):  # SIGTERM drains: nothing is in flight by then
+            print(f"magnetar serve's log: {mag_log}", flush=True)
             wait_ready(url, proc, mag_log, args.peer_ready_s, path="/v1/models")
             t0 = time.perf_counter()
             results["magnetar"] = peer_workloads(url, "bench", docs, args)
             results["magnetar"]["wall_s"] = time.perf_counter() - t0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)  # drains: nothing is in flight by now
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            print(f"magnetar serve's log: {mag_log}", flush=True)
     m, o = results["magnetar"], results["peer"]
     rows = [("one request, 4K document: TTFT (s)", m["one_4k"]["cold"]["ttft"], o["one_4k"]["cold"]["ttft"], "lower"),
             ("  the same document again: TTFT (s)", m["one_4k"]["cached"]["ttft"], o["one_4k"]["cached"]["ttft"],

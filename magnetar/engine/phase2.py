@@ -281,9 +281,8 @@ class DecodeBatch:
         logits = self.model(input_ids=ids.to(device), position_ids=pos, use_cache=False, logits_to_keep=keep,
                             magnetar=ctx).logits
         full = logits if every else None
-        last = (torch.tensor(valid, device=device) - 1 if every else
-                torch.tensor([ends.index(n) for n in valid], device=device) if len(ends) > 1 else
-                torch.zeros(len(valid), dtype=torch.long, device=device))
+        # each request's row: its last real position (every), else its end's index among those kept (one end: 0)
+        last = torch.tensor([n - 1 for n in valid] if every else [ends.index(n) for n in valid], device=device)
         logits = logits[torch.arange(len(valid), device=device), last]  # (B, V): each request's last real token
         if not self.isolate:
             ctx.check_logits(logits, what)

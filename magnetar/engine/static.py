@@ -312,10 +312,8 @@ class StaticDecode:
         for i, (rid, old) in enumerate(sorted(self.owner.items(), key=lambda x: x[1])):
             n = sl.fill[old]
             for layer in range(sl.num_layers):
-                new.k[layer][i, :, :n] = sl.k[layer][old, :, :n]
-                new.v[layer][i, :, :n] = sl.v[layer][old, :, :n]
-                new.pos[layer][i, :n] = sl.pos[layer][old, :n]
-            new.fill[i] = n
+                new.place(i, [(sl.k[layer][old:old + 1, :, :n], sl.v[layer][old:old + 1, :, :n],
+                               sl.pos[layer][old, :n])], layer)
             self.owner[rid] = i
         self.slots = new
 

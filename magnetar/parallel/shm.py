@@ -57,7 +57,7 @@ class ShmGather:
             finally:
                 os.close(fd)
         finally:
-            _barrier(group, timeout)  # every rank has mapped it (or failed): the file can go
+            dist.monitored_barrier(group, timeout=timeout)  # every rank has mapped it (or failed): the file can go
             if self.rank == 0:
                 os.unlink(path)
         self._flags = np.frombuffer(self._map, dtype=np.int64, count=_LINE // 8 * self.world).reshape(self.world, -1)
@@ -111,7 +111,7 @@ def gather_bytes(packed: torch.Tensor, group: dist.ProcessGroup, timeout: timede
     every rank on this host, a CUDA tensor, or a payload over a slot: then the caller's collective runs). Every rank
     of ``group`` decides alike: the size is the same on every rank, and whether the group has one was agreed when
     it was made."""
-    gather = _GATHERS.get(id(group)) if group is not None else None
+    gather = _GATHERS.get(id(group))
     if gather is None or packed.device.type != "cpu" or packed.numel() > gather.slot_bytes:
         return None
     return gather.all_gather(packed, timeout, what)
@@ -182,7 +182,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _barrier(group: dist.ProcessGroup, timeout: timedelta) -> None:
-    dist.monitored_barrier(group=group, timeout=timeout)
