@@ -147,3 +147,48 @@ def test_magnetar_serve_with_dummy_weights_answers_the_openai_client(chat_folder
         t = time.monotonic()
         proc.wait(60)
         assert time.monotonic() - t < 60
+
+
+def _config(folder, chat_folder, **fields):
+    """A dummy model folder: ``chat_folder``'s tokenizer, the tiny-llama preset's config with ``fields``."""
+    import shutil
+
+    shutil.copytree(chat_folder, folder)
+    base = dict(PRESETS["tiny-llama"])
+    base.update(fields)
+    (folder / "config.json").write_text(json.dumps(base))
+    return f"dummy:{folder}"
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(hidden_size=0), ("'hidden_size' must be a positive int, got 0",)),
+    (dict(num_attention_heads=3, head_dim=None), ("not a multiple of the number of attention heads",)),
+    (dict(vocab_size=10**12), ("lower vocab_size (1000000000000)", "GiB free on cpu")),
+    (dict(num_hidden_layers=10**7), ("lower num_hidden_layers (10000000)", "GiB free on cpu")),
+])
+def test_a_dummy_config_is_checked_before_anything_is_built(tmp_path, chat_folder, fields, words):
+    """Issue 44 item 4: the shapes a real model is held to, and the weights' size against the device's free memory,
+    before a byte is allocated -- one ValueError naming the file and the field (these used to allocate until the
+    allocator failed, or serve a model of hidden size 0)."""
+    spec = _config(tmp_path / "m", chat_folder, **fields)
+    with pytest.raises(ValueError) as e:
+        load_model(spec, dtype=torch.float32)
+    assert str(tmp_path / "m" / "config.json") in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    if "GiB" not in words[-1]:  # the shapes alone: the command lines' early check refuses them too
+        with pytest.raises(ValueError, match=words[0].replace("(", r"\(").replace(")", r"\)")):
+            check_model(spec)
+    code, out, err = _run_cli(["--model", spec, "--method", "dense", "--context", "text", "--query", "q"])
+    assert code == 2 and words[0] in err and "Traceback" not in err, err
+
+
+def test_config_files_are_read_bounded(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"model_type": "llama", "x": "' + "a" * (2**20 + 10) + '"}')
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"model_type": "llama", "vocab_size": ' + "9" * 5000 + "}")
+    for path, words in ((deep, "nested too deeply"), (huge, "larger than 1 MiB"), (digits, "integer of 5000 digits")):
+        with pytest.raises(ValueError, match=words) as e:
+            check_model(f"dummy:{path}")
+        assert str(path) in str(e.value)

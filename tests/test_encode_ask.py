@@ -171,3 +171,16 @@ def test_engine_cache_budget_and_key():
     assert eng.cache.nbytes == max(first.kv_bytes_per_rank) and first.cached_context_tokens == 0
     with pytest.raises(ValueError, match="context_cache_mb.*must be >= 0"):
         magnetar.EngineConfig.create(context_cache_mb=-1)
+
+
+def test_a_context_larger_than_the_whole_cache_is_not_kept_and_says_so_once(caplog):
+    """2100 tokens of the tiny llama hold ~1.03 MiB of KV (2 layers x 2 KV heads x 16 x fp32 x K and V): over a
+    1 MiB cache. The engine answers, keeps nothing, and warns once naming the budget's flag."""
+    engine = magnetar.init_inference(tiny_model("llama", max_position_embeddings=4096), method="dense",
+                                     context_cache_mb=1)
+    with caplog.at_level("WARNING", logger="magnetar.engine.encode"):
+        for seed in (1, 2):
+            handle = engine.encode(_ids(seed, 2100))
+            assert handle.nbytes > 2**20 and len(engine.cache) == 0
+    warnings = [r.getMessage() for r in caplog.records if "context cache" in r.getMessage()]
+    assert len(warnings) == 1 and "--context-cache-mb" in warnings[0] and "2100 tokens" in warnings[0]

@@ -423,6 +423,28 @@ def test_the_next_turn_of_a_conversation_encodes_only_its_new_tokens(client, ref
     assert second.choices[0].message.content == ref.generate(p.context_ids, p.query_ids, max_new_tokens=3).text
 
 
+def test_split_pasted_counts_tokens_not_characters_and_ignores_trailing_blanks(ref, client):
+    """Issue 44 item 6: 30 CJK characters are 90 tokens of the byte-level tokenizer (over PASTE = 64): a document,
+    though shorter than 64 characters; a document followed by blank lines and spaces is cut at its last non-blank
+    text, never into a blank question."""
+    tok = ref.tokenizer
+    cjk = "東京は日本の首都です。" * 3  # 33 characters, 99 tokens
+    assert len(cjk) < PASTE < len(tok(cjk, add_special_tokens=False)["input_ids"])
+    head, tail = split_pasted(tok, cjk, PASTE)
+    assert head + tail == cjk and head.strip() and tail.strip()
+    doc = DOCS[0] * 2
+    for trailing in ("\n\n" + " " * 100, "\n\n\n\n\n\n", "   \n  \n"):
+        head, tail = split_pasted(tok, doc + trailing, PASTE)
+        assert head + tail == doc + trailing and tail.strip() and head.strip()
+    assert split_pasted(tok, " \n" * 80, PASTE) is None  # all blank: nothing to cut
+    for trailing in ("\n\n" + " " * 100, "\n\n\n"):  # served: the pasted document is Phase 1, as without them
+        got = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": doc + trailing}],
+                                             max_tokens=2)
+        assert got.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
+    got = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": cjk}], max_tokens=2)
+    assert got.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
+
+
 def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
     tok = ref.tokenizer
     doc = DOCS[0] * 4

@@ -95,6 +95,34 @@ def test_a_decoding_request_goes_on_between_the_chunks(served, client, monkeypat
                                   f"its last {a_all[-1] - t1:.2f} s after B ended")
 
 
+def test_chunks_are_held_by_their_request_whatever_the_cache_keeps(model_dir, monkeypatch):
+    """Issue 44 item 2: a cache that keeps nothing (or less than one chunk's KV) still extends each chunk from the
+    one before -- one Phase 1 for the first chunk, never one from scratch per chunk -- and ``cached_tokens`` is
+    what was reused (nothing here: the turn before was not kept either)."""
+    from magnetar.engine.encode import Encoder
+
+    ref = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=0)
+    want = ref.generate(LONG_DOC, " What is item 3?", max_new_tokens=6)
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=0)
+    phase1s, extended = [], []
+    phase1, extend = Encoder.phase1, Encoder.extend
+    monkeypatch.setattr(Encoder, "phase1", lambda self, ids, *a: phase1s.append(int(ids.numel())) or
+                        phase1(self, ids, *a))
+    monkeypatch.setattr(Encoder, "extend", lambda self, base, ids, *a: extended.append(
+        (base.context_tokens, int(ids.numel()))) or extend(self, base, ids, *a))
+    server = Server(engine, model_name=NAME, port=free_port(), max_tokens=8, prefill_chunk=CHUNK)
+    with serve_in_thread(server):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        _chat(api, LONG_DOC[:200], " What is item 1?", max_tokens=2)  # a turn before: not kept (budget 0)
+        phase1s.clear(), extended.clear()
+        got = _chat(api, LONG_DOC, " What is item 3?", max_tokens=6)
+        assert got.choices[0].message.content == want.text
+        assert phase1s == [CHUNK]  # the first chunk only; every later one extends the one before
+        assert [n for n, _ in extended[1:]] == [m for _, m in extended[:-1]] and extended[-1][1] == want.context_tokens
+        assert got.usage.prompt_tokens_details.cached_tokens == 0
+        assert len(engine.cache) == 0 and not server.loop._partial  # nothing kept, nothing held after the request
+
+
 def test_where_chunks_apply():
     eng = magnetar.init_inference(tiny_model("llama"), method="dense")
     assert chunking_problem(eng) is None

@@ -5,6 +5,7 @@ not serialise the clients. Real servers on 127.0.0.1 with a tiny llama; the real
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -87,6 +88,29 @@ def test_api_key_is_required_on_v1_and_metrics_and_the_client_key_just_works(key
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(keyed.url + "/metrics", headers=auth, timeout=30).status_code == 200
     assert httpx.get(keyed.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"] == NAME
+
+
+def test_a_key_from_a_secret_file_works_and_one_no_client_can_send_is_refused_at_start(model_dir, monkeypatch,
+                                                                                        capsys):
+    """Issue 44 item 5: a mounted secret ends in a newline -- stripped, as the token a client sends is; a key an HTTP
+    header cannot carry (non-ASCII, a control character) would start a server nobody can use: refused by name."""
+    with serving(model_dir, api_key=f"  {KEY}\n") as server:
+        assert _chat(_client(server)).choices[0].message.content is not None
+        with pytest.raises(openai.AuthenticationError):
+            _chat(_client(server, key=KEY + "x"))
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    for key, words in (("sk-clé", "api_key holds 'é' (U+00E9)"), ("sk\x01x", "api_key holds '\\x01'"),
+                       (" \n", "api_key is empty")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            Server(engine, model_name=NAME, port=free_port(), api_key=key)
+    from magnetar.serve import cli
+
+    monkeypatch.setattr(magnetar, "init_inference", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setenv("MAGNETAR_API_KEY", "ключ")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", str(model_dir), "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "MAGNETAR_API_KEY holds 'к' (U+043A)" in err and "Traceback" not in err, err
 
 
 def test_public_metrics_and_no_key(model_dir):

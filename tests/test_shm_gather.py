@@ -1,6 +1,8 @@
 """The shared-memory gather of co-located CPU ranks (magnetar.parallel.shm, parallel.shm_gather): the same bytes as
 gloo's all-gather, call after call (its two buffers alternate) and for payloads of any size (over a slot: gloo);
-a rank that never arrives, or whose process is gone, ends the wait with a TimeoutError naming it."""
+a rank that never arrives, or whose process is gone, ends the wait with a TimeoutError naming it; the buffer's file is
+unlinked the moment it is made, so a rank killed at any point leaves nothing in /dev/shm, and files of dead
+predecessors are swept."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,7 @@ def _same_as_gloo(rank, world):
     plain = dist.new_group(list(range(world)))  # the same ranks, no shared buffer: gloo's gather
     assert shm.enable(groups.cp_group, groups.timeout) and not shm.enable(None, groups.timeout)
     gather = shm._GATHERS[id(groups.cp_group)]
+    assert not _files_of(os.getpid())  # mapped by both ranks, in /dev/shm under no name
     gen = torch.Generator().manual_seed(rank)
     for shape, dtype in [((1, 9, 1, 64), torch.float32), ((8, 9, 1, 64), torch.bfloat16), ((2, 3, 5, 8), torch.float16),
                          ((1, 1, 1, 1), torch.float32), ((3, 4, 7, 16), torch.float32)]:
@@ -38,6 +41,10 @@ def _same_as_gloo(rank, world):
     big = torch.randn(1, 4, gather.slot_bytes // 16 + 1, 4)  # over a slot: gloo carries it
     a = all_gather_states(big, torch.zeros(big.shape[:-1]), groups.cp_group, timeout=groups.timeout)
     assert gather.calls == 5 and torch.equal(a[0][rank], big)
+
+
+def _files_of(pid: int) -> list[str]:
+    return [n for n in os.listdir(shm._SHM_DIR) if n.startswith(f"{shm._PREFIX}{pid}-")]
 
 
 def test_shm_gather_gives_gloos_bytes():
@@ -91,3 +98,28 @@ def test_no_room_in_dev_shm_keeps_gloo(monkeypatch, caplog):
     assert shm._create(2) is None
     assert "no room" in caplog.text and "gather through gloo" in caplog.text
     assert set(os.listdir(shm._SHM_DIR)) == before
+
+
+def test_a_rank_killed_while_the_buffer_is_set_up_leaves_nothing():
+    """Issue 44 item 3: the first rank is SIGKILLed after making the buffer, before any peer opened it."""
+    code = ("import time\nfrom magnetar.parallel import shm\nfd = shm._create(2)\n"
+            "print(fd, flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        fd = int(proc.stdout.readline())
+        assert os.path.exists(f"/proc/{proc.pid}/fd/{fd}")  # it exists: open in the process, a peer could open it
+        assert not _files_of(proc.pid)  # but under no name in /dev/shm
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _files_of(proc.pid)
+
+
+def test_files_of_dead_predecessors_are_swept(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    names = [f"{shm._PREFIX}{child.pid}-00aa", f"{shm._PREFIX}{os.getpid()}-00bb", "magnetar-gather-x", "other"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert shm.sweep(str(tmp_path)) == [names[0]]  # only the file whose creator is gone
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])

@@ -28,13 +28,16 @@ from magnetar.engine.results import Results
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
 from magnetar.utils.nvtx import GENERATE, nvtx_range
 
+FAILED_ALONE = ("nonfinite", "failed")  # the stop reasons of a request that failed alone (its last event has no token)
+
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token of request ``rid``: its id, the text it made final (maybe ""; the last event of a
     request carries the rest of its text) and, on the request's last event, why it ended ("eos",
-    "stop_string", "max_new_tokens" or "cancelled"; "nonfinite" when its logits turned NaN/inf -- it failed
-    alone, no new token, ``error`` says where; else None). ``token_id`` is -1 when the request has none."""
+    "stop_string", "max_new_tokens" or "cancelled"; "nonfinite" when its logits turned NaN/inf, "failed" when its
+    token choice raised -- it failed alone, no new token, ``error`` says where; else None). ``token_id`` is -1
+    when the request has none."""
 
     rid: int
     token_id: int
@@ -113,14 +116,16 @@ class ContinuousBatch:
 
     def prepare(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
                 params: Optional[SamplingParams] = None, *, options: Optional[dict] = None,
-                key: Optional[str] = None) -> Ready:
+                key: Optional[str] = None, base: Optional[ContextHandle] = None) -> Ready:
         """Check one request and encode its context: ``context`` (a string, token ids ``(L,)``, or a handle from
         ``Engine.encode``) runs Phase 1 unless the context cache holds it; ``query`` is a string or ids.
         ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
         ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
         engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
         encoded with other options is another cache entry); ``key``: the context's cache key when the caller has
-        it already (``Engine.cache_key``; the server hashes each context once). A bad request is a ValueError on
+        it already (``Engine.cache_key``; the server hashes each context once); ``base``: a handle of a proper
+        prefix of the context that the caller holds (its own Phase-1 chunks), extended on a cache miss whatever the
+        cache keeps (``Encoder.encode``). A bad request is a ValueError on
         every rank alike (nothing of it is left behind); with ``agree`` the ranks check they prepare the same
         request (one small collective, before its Phase 1)."""
         params = self.requests.sampling_params(params)
@@ -143,7 +148,7 @@ class ContinuousBatch:
         if isinstance(context, ContextHandle):
             return Ready(context, True, qids, params)
         with nvtx_range(GENERATE):
-            handle, cached = encoder.encode(ids, key=key)
+            handle, cached = encoder.encode(ids, key=key, base=base)
         return Ready(handle, cached, qids, params)
 
     def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:
@@ -197,7 +202,7 @@ class ContinuousBatch:
 
     def _event(self, rid: int, new_token: bool = True) -> TokenEvent:
         res, entry = self._batch.result(rid), self._entries[rid]
-        new_token = new_token and res.stop_reason != "nonfinite"  # a failed request got no token
+        new_token = new_token and res.stop_reason not in FAILED_ALONE  # a failed request got no token
         text = ""
         if entry.deltas is not None:
             if new_token:

@@ -76,6 +76,7 @@ class ContextCache:
         self.budget_bytes = budget_bytes
         self._handles: OrderedDict[str, ContextHandle] = OrderedDict()
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
+        self.warned = False  # the encoder said once that a context larger than the budget is not kept
 
     def __len__(self) -> int:
         return len(self._handles)

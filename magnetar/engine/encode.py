@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -30,6 +31,8 @@ from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats,
                                       plan_rank)
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
+
+log = logging.getLogger(__name__)
 
 
 # The methods whose Phase 1 is exact attention: a prefix extended by its new tokens' exact attention holds the KV
@@ -104,25 +107,38 @@ class Encoder:
                              f"weights, so it answers only there; encode the context with this engine "
                              f"(engine.encode(context)) and ask with that handle")
 
-    def encode(self, context_ids: torch.Tensor, key: Optional[str] = None) -> tuple[ContextHandle, bool]:
+    def encode(self, context_ids: torch.Tensor, key: Optional[str] = None, *, base: Optional[ContextHandle] = None,
+               keep: bool = True) -> tuple[ContextHandle, bool]:
         """(the handle of ``context_ids``, whether it came from the cache); Phase 1 runs on a miss (every rank of
-        the replica calls it with the same ids). ``key``: :meth:`key` of the ids, when the caller has it."""
+        the replica calls it with the same ids). ``key``: :meth:`key` of the ids, when the caller has it.
+
+        ``base``: a handle of a proper prefix of ``context_ids`` that the caller holds (a request's own earlier
+        Phase-1 chunk): extended whatever the cache keeps, where this configuration extends prefixes
+        (:meth:`can_extend`), instead of looking for a cached prefix. ``keep=False``: the handle is not put in the
+        cache (a partial context only its request extends)."""
         key = self.key(context_ids) if key is None else key
-        cached = self.cache.get(key)
+        cached = self.cache.get(key) if keep else None
         if cached is not None:
             return cached, True
-        base = self._prefix(context_ids)
+        if base is not None and self.can_extend() is not None:
+            base = None
+        base = self._prefix(context_ids) if base is None else base
         if base is not None:
             handle = self.extend(base, context_ids, key)
             self.cache.prefix_hits += 1
-            self.cache.put(handle)
-            return handle, False
-        out = self.phase1(context_ids)
-        prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
-        handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
-                               out.largest_bytes, self.config.method, engine=self.identity,
-                               options=self.options_digest)
-        self.cache.put(handle)
+        else:
+            out = self.phase1(context_ids)
+            prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
+            handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
+                                   out.largest_bytes, self.config.method, engine=self.identity,
+                                   options=self.options_digest)
+        budget = self.cache.budget_bytes  # 0: the user keeps nothing on purpose
+        if keep and not self.cache.put(handle) and handle.nbytes > budget > 0 and not self.cache.warned:
+            self.cache.warned = True  # once per cache: every such context would say it again
+            log.warning("a context of %d tokens holds %.0f MiB of KV on its largest rank, more than the whole context "
+                        "cache (runtime.context_cache_mb = %d MiB, --context-cache-mb): it is not kept, and its next "
+                        "question runs its Phase 1 again; raise the budget to keep such contexts",
+                        handle.context_tokens, handle.nbytes / 2**20, budget // 2**20)
         return handle, False
 
     # -- prefix reuse -----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from magnetar.engine.batch import ContinuousBatch, question
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.finite import NonFiniteError
-from magnetar.engine.phase2 import DecodeBatch, run_phase2
+from magnetar.engine.phase2 import DecodeBatch, RequestFailed, run_phase2
 from magnetar.engine.requests import Requests
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
@@ -199,6 +199,9 @@ class Engine:
                 if event.stop_reason == "nonfinite":  # as generate raises it
                     batch.pop(rid)
                     raise NonFiniteError(event.error)
+                if event.stop_reason == "failed":  # its token choice raised (the log has its traceback)
+                    batch.pop(rid)
+                    raise RequestFailed(event.error)
                 if event.stop_reason is not None:
                     break
                 [event] = batch.step()

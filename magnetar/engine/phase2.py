@@ -145,8 +145,9 @@ class DecodeResult:
     token_ids: list[int]
     ttft_seconds: float
     decode_seconds: list[float] = field(default_factory=list)  # per generated token after the first
-    stop_reason: Optional[str] = None  # eos, stop_string or max_new_tokens once finished ("nonfinite": failed)
-    error: Optional[str] = None  # why a request failed alone (stop_reason "nonfinite", DecodeBatch.isolate)
+    # eos, stop_string or max_new_tokens once finished; "nonfinite" / "failed": it failed alone (DecodeBatch.isolate)
+    stop_reason: Optional[str] = None
+    error: Optional[str] = None  # why a request failed alone (stop_reason "nonfinite" or "failed")
     first_logits: Optional[torch.Tensor] = None
     gen_kv_tokens: int = 0
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
@@ -168,6 +169,16 @@ class TokenChooser(Protocol):
 
     @property
     def stop_reason(self) -> Optional[str]: ...
+
+
+# what the token broadcast carries instead of a token id for a request that got none
+NONFINITE = -1  # its logits were not finite (isolate)
+FAILED = -2  # its token choice raised on the replica's first rank (its sampler, its log-probabilities)
+
+
+class RequestFailed(RuntimeError):
+    """One request's token choice failed on the replica's first rank; the other ranks raise this (the first rank
+    raises the request's own exception)."""
 
 
 def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
@@ -226,8 +237,10 @@ class DecodeBatch:
 
     ``isolate``: a request whose logits turn non-finite (a NaN its own tokens reach) fails alone -- it ends with
     ``stop_reason`` "nonfinite" and ``error`` saying where (no token is chosen for it) -- and the others go on;
-    the first rank decides and the token broadcast carries the decision. Otherwise (``run_phase2``) any
-    non-finite logits raise :class:`~magnetar.engine.finite.NonFiniteError` on every rank (``check_finite``).
+    the first rank decides and the token broadcast carries the decision. So does a request whose token choice
+    raises (its sampler, its log-probabilities: stop reason "failed", ``error`` the exception). Otherwise
+    (``run_phase2``) any non-finite logits raise :class:`~magnetar.engine.finite.NonFiniteError` on every rank
+    (``check_finite``), and a failed choice its exception (:class:`RequestFailed` on the ranks that did not choose).
     """
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device, *,
@@ -288,34 +301,69 @@ class DecodeBatch:
             ctx.check_logits(logits, what)
         return logits, ctx, full
 
-    def _choose(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str) -> list[int]:
+    def _choose(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str,
+                full: Optional[torch.Tensor] = None, lengths: Optional[list[int]] = None) -> list[int]:
         """The next token of every request in ``live`` (chosen on the replica's first rank, recorded by every
         rank's chooser) appended to its result, with its stop reason. With ``isolate``, a request whose logits
-        are not finite gets token -1 in the broadcast: every rank then fails it alone (no token appended)."""
+        are not finite gets :data:`NONFINITE` in the broadcast, and one whose choice raised (its sampler, its
+        logprobs) :data:`FAILED`: every rank then fails it alone, stop reason "nonfinite" or "failed" (no token
+        appended). Without ``isolate`` a failed choice raises on every rank. ``full (B, S, V)`` and ``lengths``: the
+        query forward's logits of every position, for the requests that asked for ``prompt_logprobs``."""
         with nvtx_range(PHASE2_SAMPLE):
-            return self._choose_tokens(live, logits, ctx, what)
+            return self._choose_tokens(live, logits, ctx, what, full, lengths)
 
-    def _choose_tokens(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str) -> list[int]:
-        picked = [-1] * len(live)
+    def _choose_tokens(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str,
+                       full: Optional[torch.Tensor], lengths: Optional[list[int]]) -> list[int]:
+        picked, errors = [NONFINITE] * len(live), {}
         if self.chooses:
             finite = torch.isfinite(logits).all(dim=-1).tolist() if self.isolate else [True] * len(live)
-            picked = [r.req.chooser.choose(logits[i]) if finite[i] else -1 for i, r in enumerate(live)]
+            for i, r in enumerate(live):
+                if finite[i]:
+                    prompt = full[i, : lengths[i]] if full is not None and r.req.prompt_logprobs else None
+                    picked[i], errors[i] = self._choose_one(r, logits[i], prompt)
         tokens = _broadcast_tokens(picked, self.groups, self.device)
-        error = ctx.nonfinite_message(what) if any(t < 0 for t in tokens) else None  # every rank alike
-        want = [i for i, (r, t) in enumerate(zip(live, tokens)) if r.req.logprobs is not None and t >= 0]
-        if self.chooses and want:  # the log-probabilities of the chosen tokens, from the logits they were chosen by
-            rows = token_logprobs(logits[want], [tokens[i] for i in want], max(live[i].req.logprobs for i in want))
-            for i, row in zip(want, rows):
-                live[i].result.logprobs.append((row[0], row[1][:live[i].req.logprobs]))
-        for r, t in zip(live, tokens):
-            if t < 0:
+        error = ctx.nonfinite_message(what) if NONFINITE in tokens else None  # every rank alike
+        if not self.isolate and FAILED in tokens:  # every rank raises, the first with the request's own error
+            i = tokens.index(FAILED)
+            if errors.get(i) is not None:
+                raise errors[i]
+            raise RequestFailed(f"request {i} of this {what} failed on the replica's first rank (its log says why)")
+        for i, (r, t) in enumerate(zip(live, tokens)):
+            if t == NONFINITE:
                 r.result.stop_reason, r.result.error = "nonfinite", error
+                continue
+            if t == FAILED:
+                e = errors.get(i)
+                r.result.stop_reason = "failed"
+                r.result.error = (f"{type(e).__name__}: {e}" if e is not None
+                                  else "its token choice failed on the replica's first rank (its log says why)")
                 continue
             if not self.chooses:
                 r.req.chooser.record(t)
             r.result.token_ids.append(t)
             r.result.stop_reason = r.req.chooser.stop_reason
         return tokens
+
+    def _choose_one(self, r: _Live, logits: torch.Tensor,
+                    prompt: Optional[torch.Tensor] = None) -> tuple[int, Optional[Exception]]:
+        """On the replica's first rank: request ``r``'s next token for its ``logits (V,)``, and its log-probabilities
+        when it asked for them (``prompt (Q, V)``: its query's logits, for its query tokens' log-probabilities: token
+        i + 1 given the context and query tokens 0..i) -- or :data:`FAILED` and the exception when any raises. An
+        exception here belongs to this request alone (its options, its values): the token broadcast carries the
+        verdict, so every rank fails the request alone (``isolate``) or raises alike, and no rank waits in a
+        collective for the others."""
+        try:
+            token = r.req.chooser.choose(logits)
+            if r.req.logprobs is not None:  # from the logits the token was chosen by
+                [row] = token_logprobs(logits[None], [token], r.req.logprobs)
+                r.result.logprobs.append(row)
+            if prompt is not None:
+                r.result.prompt_logprobs = [] if len(prompt) < 2 else token_logprobs(
+                    prompt[:-1], r.req.query[1:].tolist(), r.req.logprobs or 0)
+            return token, None
+        except Exception as e:  # noqa: BLE001 -- every exception of one request's choice is that request's
+            log.error("a request's token choice failed: %s: %s", type(e).__name__, e, exc_info=not self.isolate)
+            return FAILED, e
 
     @torch.inference_mode()
     def join(self, requests: Sequence[Phase2Request]) -> list[int]:
@@ -337,12 +385,7 @@ class DecodeBatch:
         with nvtx_range(PHASE2_QUERY):
             logits, ctx, full = self._forward(live, padded, [r.req.query_position for r in live], lengths,
                                               "the query", every=every)
-            self._choose(live, logits, ctx, "the query")
-            if every and self.chooses:  # query token i + 1 given the context and query tokens 0..i
-                for b, r in enumerate(live):
-                    if r.req.prompt_logprobs:
-                        r.result.prompt_logprobs = [] if lengths[b] < 2 else token_logprobs(
-                            full[b, : lengths[b] - 1], r.req.query[1:].tolist(), r.req.logprobs or 0)
+            self._choose(live, logits, ctx, "the query", full=full, lengths=lengths)
         ttft = time.perf_counter() - t0
         rids = []
         for b, r in enumerate(live):

@@ -143,12 +143,18 @@ class Requests:
         """A request's :class:`~magnetar.engine.sampling.SamplingParams`: ``params`` (default: this engine's
         ``config.decode`` for temperature, top_p, top_k and seed, 64 new tokens, no stop strings) with ``fields``
         changed; temperature, top_p, top_k or seed given as None keep the default, ``stop=None`` is no stop strings.
-        A bad value or an unknown field is a ValueError naming it."""
+        A bad value or an unknown field is a ValueError naming it, and so is a value this model cannot give (more
+        ``logprobs`` alternatives than its vocabulary has)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (SamplingParams(max_new_tokens=..., ...) or "
                              f"engine.sampling_params(...)), got {type(params).__name__}")
         base = params if params is not None else SamplingParams.from_decode_config(self.config.decode)
-        return base.replace(**{k: v for k, v in fields.items() if v is not None or k not in DEFAULTED})
+        params = base.replace(**{k: v for k, v in fields.items() if v is not None or k not in DEFAULTED})
+        vocab = self.vocab_size
+        if params.logprobs is not None and vocab is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the model's vocabulary size ({vocab} tokens: there are no "
+                             f"more alternatives), got {params.logprobs}")
+        return params
 
     def sampler(self, params: SamplingParams) -> RequestSampler:
         """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request."""

@@ -12,6 +12,11 @@ A model argument ``dummy:<what>`` (``--model``, ``init_inference``, ``load_model
 The model is built on the device it will run on (``load_model(device=...)``) in the requested dtype and initialised
 there with the architecture's own ``_init_weights`` (normal, ``initializer_range``), so an 8B model on a GPU takes
 seconds, not the minutes a CPU init and copy would. Nothing here reaches the network.
+
+Before anything is allocated the config is checked as a real model's is: its file read through the bounded reader
+(at most :data:`MAX_CONFIG_BYTES`, a regular file, nesting and integers bounded), its shapes through
+:class:`~magnetar.models.dims.ModelDims` (every size a positive int, heads dividing evenly), and its weights' bytes
+against the memory the device has free (:func:`check_dummy`) -- one ``ValueError`` naming the file and the field.
 """
 from __future__ import annotations
 
@@ -22,7 +27,12 @@ from typing import Any, Optional
 
 import torch
 
+from magnetar.models.dims import ModelDims
+from magnetar.utils.cli import read_bounded
+
 PREFIX = "dummy:"
+MAX_CONFIG_BYTES = 2**20  # a config.json is a few KB
+_MAX_INT_DIGITS = 100  # an integer of a config is far shorter; Python refuses to read ints past 4300 digits
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -83,15 +93,29 @@ def _source(name: str | os.PathLike) -> tuple[Optional[Path], dict[str, Any]]:
     if not file.is_file():
         raise FileNotFoundError(f"model {os.fsdecode(name)!r}: the folder {path} holds no config.json; give a "
                                 f"config.json file or a folder with one (dummy weights need only the config)")
-    try:
-        with open(file) as f:
-            fields = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model {os.fsdecode(name)!r}: {file} is not a readable JSON config ({e})") from None
+    fields = _read_config(file, os.fsdecode(name))
     if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
         raise ValueError(f"model {os.fsdecode(name)!r}: {file} has no \"model_type\" (e.g. \"llama\"); a Hugging "
                          f"Face config.json names its architecture there")
     return (path if path.is_dir() else None), fields
+
+
+def _read_config(file: Path, name: str) -> Any:
+    """The JSON of a dummy model's ``file``, read bounded (:func:`~magnetar.utils.cli.read_bounded`): ValueError naming
+    the model and the file for one too large, not regular, not JSON, too deeply nested or with a huge integer."""
+    data = read_bounded(str(file), flag=f"--model {name}:", max_bytes=MAX_CONFIG_BYTES, what="config.json")
+
+    def bounded_int(text: str) -> int:
+        if len(text.lstrip("+-")) > _MAX_INT_DIGITS:
+            raise ValueError(f"an integer of {len(text)} digits")
+        return int(text)
+
+    try:
+        return json.loads(data.decode("utf-8-sig"), parse_int=bounded_int)
+    except RecursionError:
+        raise ValueError(f"model {name!r}: {file} is nested too deeply to be a model config") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"model {name!r}: {file} is not a readable JSON config ({str(e)[:200]})") from None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -126,9 +150,61 @@ def dummy_config(name: str | os.PathLike):
         fields.pop(key, None)
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"model {os.fsdecode(name)!r}: transformers cannot build a {model_type!r} config from "
-                         f"it ({e})") from None
+    except Exception as e:  # noqa: BLE001 -- ValueError, TypeError, huggingface_hub's strict-dataclass errors ...
+        raise ValueError(f"model {os.fsdecode(name)!r}: {_where(name)}: transformers cannot build a {model_type!r} "
+                         f"config from it ({' '.join(str(e).split())})") from None
+
+
+def check_dummy(name: str | os.PathLike, config, dtype: Optional[torch.dtype] = None,
+                device: Optional[torch.device] = None) -> ModelDims:
+    """The shapes of ``config`` (the dummy model ``name``'s) checked as a real model's (:class:`ModelDims`), and, given
+    ``dtype`` and ``device``, its weights' bytes in ``dtype`` against the memory ``device`` has free -- before
+    anything is allocated; a ValueError naming the model, its file and the field to change otherwise."""
+    where = _where(name)
+    try:
+        dims = ModelDims.from_config(config)
+    except ValueError as e:
+        raise ValueError(f"model {os.fsdecode(name)!r}: {where}: {e}") from None
+    if dtype is None or device is None:
+        return dims
+    size = torch.empty((), dtype=dtype).element_size()
+    need, have = dims.params * size, free_memory(device)
+    if need > have:
+        per_layer = dims.params - dims.vocab * dims.hidden * (1 if dims.tied_embeddings else 2)
+        field = "vocab_size" if dims.params - per_layer > per_layer else \
+            "num_hidden_layers" if dims.layers > 1 else "hidden_size"
+        raise ValueError(f"model {os.fsdecode(name)!r}: {where}: its shapes make {dims.params / 1e9:.3g}B parameters, "
+                         f"{need / 2**30:.3g} GiB in {str(dtype).replace('torch.', '')}, more than the "
+                         f"{have / 2**30:.3g} GiB free on {device}; lower {field} ({getattr(dims, _DIMS[field])}) "
+                         f"or pick a smaller preset ({', '.join(PRESETS)})")
+    return dims
+
+
+_DIMS = {"vocab_size": "vocab", "num_hidden_layers": "layers", "hidden_size": "hidden"}
+
+
+def free_memory(device: torch.device) -> int:
+    """The bytes ``device`` has free: a GPU's free memory, else the host's available memory (``MemAvailable``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _where(name: str | os.PathLike) -> str:
+    """Where a ``dummy:`` argument's config comes from: ``preset 'x'``, or its config.json file."""
+    what = _what(name)
+    if what.lower() in PRESETS:
+        return f"preset {what!r}"
+    path = Path(what).expanduser()
+    return str(path / "config.json" if path.is_dir() else path)
 
 
 def check_dtype_on(dtype: torch.dtype, device: torch.device) -> None:
@@ -151,6 +227,7 @@ def build_dummy(name: str | os.PathLike, *, dtype: torch.dtype, device: str | to
     check_dtype_on(dtype, device)
     folder, _ = _source(name)
     config = dummy_config(name)
+    check_dummy(name, config, dtype, device)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -124,9 +124,10 @@ def check_model(name_or_path: str | os.PathLike, *, revision: Optional[str] = No
     if kind == "hub":
         check_cached(os.fsdecode(name_or_path), revision, cache_dir)
     if kind == "dummy":
-        from magnetar.models.dummy import dummy_config
+        from magnetar.models.dummy import check_dummy, dummy_config
 
-        dummy_config(name_or_path)  # the preset or config.json exists and transformers can build it
+        # the preset or config.json exists, transformers can build it, its shapes are a model's
+        check_dummy(name_or_path, dummy_config(name_or_path))
 
 
 def model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,

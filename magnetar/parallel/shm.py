@@ -11,9 +11,14 @@ entered call ``n - 1``, so nobody still reads it.
 The rules of every collective hold: the group is explicit, and a wait past the timeout raises ``TimeoutError``
 naming the call -- sooner when a peer's process is gone (its pid is checked while waiting), which gloo's closed
 socket would also have told. Payloads larger than a slot go through gloo (:func:`gather_bytes` returns None).
-The buffer is a file in ``/dev/shm`` that the group's first rank creates (its room reserved: where there is none,
-the group keeps gloo, with a warning) and unlinks once every rank has mapped it (nothing is left behind, even after
-a crash).
+
+The buffer is a file in ``/dev/shm`` that the group's first rank creates, reserves room for (where there is none,
+the group keeps gloo, with a warning) and unlinks at once: from then on only open descriptors hold it, and the other
+ranks open it through the first rank's descriptor (``/proc/<pid>/fd/<fd>``), so a crash at any moment -- a rank
+killed while the buffer is set up included -- leaves nothing in ``/dev/shm``. A rank that cannot open it (no
+``/proc``, another pid namespace) makes the whole group keep gloo, with a warning. A file left by a process killed
+in the instant between creating and unlinking it (or by an older version) is swept by the next job that makes a
+buffer: a ``magnetar-gather-<pid>-*`` file whose creator ``pid`` no longer runs.
 """
 from __future__ import annotations
 
@@ -44,22 +49,11 @@ _GROUPS: list = []  # the groups of _GATHERS, kept alive so that their ids stay 
 class ShmGather:
     """The shared buffer of one process group (every rank of it on this host); see the module docstring."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta, path: str, slot_bytes: int = SLOT_BYTES):
-        """Map the buffer at ``path`` that the group's first rank made (:func:`_create`); every rank of ``group``
+    def __init__(self, group: dist.ProcessGroup, mapped: mmap.mmap, slot_bytes: int = SLOT_BYTES):
+        """A gather over the buffer ``mapped`` (:func:`_map`, on every rank of ``group``); every rank of ``group``
         calls this together."""
-        self.group, self.slot_bytes = group, slot_bytes
+        self.group, self.slot_bytes, self._map = group, slot_bytes, mapped
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        size = _size(self.world, slot_bytes)
-        try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        finally:
-            dist.monitored_barrier(group, timeout=timeout)  # every rank has mapped it (or failed): the file can go
-            if self.rank == 0:
-                os.unlink(path)
         self._flags = np.frombuffer(self._map, dtype=np.int64, count=_LINE // 8 * self.world).reshape(self.world, -1)
         self._data = torch.frombuffer(self._map, dtype=torch.uint8, offset=_LINE * self.world,
                                       count=2 * self.world * slot_bytes).view(2, self.world, slot_bytes)
@@ -131,13 +125,27 @@ def enable(group: Optional[dist.ProcessGroup], timeout: timedelta) -> bool:
     # need fences Python cannot issue
     here = (socket.gethostname(), os.path.isdir(_SHM_DIR) and platform.machine().lower() in ("x86_64", "amd64"))
     dist.all_gather_object(hosts, here, group=group)
-    path = [None]
+    fd, path = None, [None]
     if rank == 0 and all(h == (here[0], True) for h in hosts):
-        path[0] = _create(world)  # None if /dev/shm has no room: then nobody uses one
-    dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
-    _GATHERS[id(group)] = ShmGather(group, timeout, path[0]) if path[0] else None
+        fd = _create(world)  # None if /dev/shm has no room: then nobody uses one
+        path[0] = None if fd is None else f"/proc/{os.getpid()}/fd/{fd}"
+    try:
+        dist.broadcast_object_list(path, src=dist.get_global_rank(group, 0), group=group)
+        mapped = None if path[0] is None else _map(fd if rank == 0 else path[0], _size(world, SLOT_BYTES))
+        every = [torch.zeros(1, dtype=torch.long) for _ in range(world)]  # whether each rank mapped it: all or none
+        dist.all_gather(every, torch.tensor([int(mapped is not None)]), group=group, async_op=True).wait(timeout)
+        every = [bool(t) for t in every]
+    finally:
+        if fd is not None:  # every rank has opened it (or failed): only the mappings hold it now
+            os.close(fd)
+    if path[0] is not None and not all(every):
+        log.warning("parallel.shm_gather: group ranks %s could not open the shared buffer through /proc; the ranks "
+                    "gather through gloo", [r for r, ok in enumerate(every) if not ok])
+    if mapped is not None and not all(every):
+        mapped.close()
+    _GATHERS[id(group)] = ShmGather(group, mapped) if path[0] is not None and all(every) else None
     _GROUPS.append(group)
-    return path[0] is not None
+    return _GATHERS[id(group)] is not None
 
 
 def disable_all() -> None:
@@ -153,25 +161,71 @@ def _size(world: int, slot_bytes: int) -> int:
     return _LINE * world + 2 * world * slot_bytes
 
 
-def _create(world: int, slot_bytes: int = SLOT_BYTES) -> Optional[str]:
-    """A new buffer file for ``world`` ranks in /dev/shm, its room reserved (a full /dev/shm -- a container's 64 MB --
-    would otherwise kill a rank with SIGBUS at its first write); None, with a warning, if it cannot be made."""
-    path = os.path.join(_SHM_DIR, f"magnetar-gather-{os.getpid()}-{secrets.token_hex(8)}")
+_PREFIX = "magnetar-gather-"
+
+
+def _create(world: int, slot_bytes: int = SLOT_BYTES) -> Optional[int]:
+    """An open descriptor of a new buffer for ``world`` ranks: a file in /dev/shm unlinked as soon as it is made (a
+    crash from then on leaves nothing), its room reserved (a full /dev/shm -- a container's 64 MB -- would otherwise
+    kill a rank with SIGBUS at its first write); None, with a warning, if it cannot be made. Sweeps the files of dead
+    predecessors first (:func:`sweep`)."""
+    sweep()
+    path = os.path.join(_SHM_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError as e:
         log.warning("parallel.shm_gather: cannot create %s (%s); the ranks gather through gloo", path, e)
         return None
+    os.unlink(path)
     try:
         os.posix_fallocate(fd, 0, _size(world, slot_bytes))
     except OSError as e:
         os.close(fd)
-        os.unlink(path)
         log.warning("parallel.shm_gather: no room for %d bytes in %s (%s); the ranks gather through gloo",
                     _size(world, slot_bytes), _SHM_DIR, e)
         return None
-    os.close(fd)
-    return path
+    return fd
+
+
+def _map(where, size: int) -> Optional[mmap.mmap]:
+    """The buffer mapped from ``where`` (the creator's descriptor, or its ``/proc/<pid>/fd/<fd>`` path on the other
+    ranks), or None with the reason logged when it cannot be opened."""
+    try:
+        fd = where if isinstance(where, int) else os.open(where, os.O_RDWR)
+    except OSError as e:
+        log.warning("parallel.shm_gather: cannot open the group's buffer %s (%s)", where, e)
+        return None
+    try:
+        return mmap.mmap(fd, size)
+    except (OSError, ValueError) as e:
+        log.warning("parallel.shm_gather: cannot map the group's buffer %s (%s)", where, e)
+        return None
+    finally:
+        if fd is not where:
+            os.close(fd)
+
+
+def sweep(directory: str = _SHM_DIR) -> list[str]:
+    """Remove the gather buffers in ``directory`` whose creating process no longer runs (``magnetar-gather-<pid>-*``:
+    a process killed between making its file and unlinking it, or an older version's); returns their names. Files
+    of live processes are left alone."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0] if name.startswith(_PREFIX) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:  # another job swept it first, or it is not ours to remove
+                pass
+    if removed:
+        log.warning("parallel.shm_gather: removed %d gather buffer(s) of dead processes from %s: %s", len(removed),
+                    directory, ", ".join(removed))
+    return removed
 
 
 def _alive(pid: int) -> bool:

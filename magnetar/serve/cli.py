@@ -30,7 +30,7 @@ from magnetar.engine.inputs import MAX_STOP_STRINGS
 from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
-from magnetar.serve.gate import is_loopback
+from magnetar.serve.gate import check_api_key, is_loopback
 from magnetar.serve.loop import PREFILL_CHUNK
 from magnetar.serve.prompts import PASTE_TOKENS
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
@@ -134,9 +134,9 @@ def check_inputs(args):
     if args.max_stop_strings > MAX_STOP_STRINGS:
         raise ValueError(f"--max-stop-strings {args.max_stop_strings}: at most {MAX_STOP_STRINGS} (the engine's limit)")
     if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
-    elif not args.api_key.strip():
-        raise ValueError("--api-key is empty; give the key clients must send (or leave the flag out)")
+        args.api_key = check_api_key(os.environ.get(API_KEY_ENV) or None, API_KEY_ENV)
+    else:
+        args.api_key = check_api_key(args.api_key, "--api-key")
     if not config.parallel.simulate:
         replicas = max(1, launched_world_size() // (config.parallel.cp_size * config.parallel.tp_size))
         if args.port + replicas - 1 > 65535:

@@ -72,6 +72,26 @@ def host_of(header: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+def check_api_key(key: Optional[str], name: str = "api_key") -> Optional[str]:
+    """The API key as the server compares it (None: no key): surrounding whitespace stripped -- a key mounted from a
+    secret file ends in a newline, and the gate strips the token a client sends alike. A key that is empty once
+    stripped, or holds a character an HTTP header cannot carry as it is (non-ASCII -- headers are read as latin-1,
+    and the ``openai`` client refuses to send such a header -- or a control character), is a ValueError naming
+    ``name`` (the flag or variable it came from): no client could ever authenticate with it."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise ValueError(f"{name} must be a string (the key clients send), got {type(key).__name__}")
+    stripped = key.strip()
+    if not stripped:
+        raise ValueError(f"{name} is empty; give the key clients must send (or leave it out)")
+    bad = next((c for c in stripped if not (c.isascii() and c.isprintable())), None)
+    if bad is not None:
+        raise ValueError(f"{name} holds {bad!r} (U+{ord(bad):04X}), which an HTTP header cannot carry, so no client "
+                         f"could send this key; use printable ASCII (e.g. `openssl rand -hex 32`)")
+    return stripped
+
+
 class Refused(Exception):
     """A request the gate refuses: HTTP ``status``, OpenAI's error ``code`` and a message."""
 

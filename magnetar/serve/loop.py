@@ -16,9 +16,11 @@ Each tick:
 Idle, the leader waits on its inbox and sends an empty tick (a heartbeat) every ``heartbeat_s`` -- well under the
 collective timeout -- so the other ranks, blocked in the broadcast, never time out while nothing happens. A
 request the engine refuses with ValueError (on every rank alike) fails alone with a 400, and one whose own tokens
-turn the model's values non-finite (Phase 1's NonFiniteError, or its logits in the decode batch) fails alone with a
-500; any other exception (a dead rank's TimeoutError, a gloo error) ends the loop: the leader answers every request
-in flight with a 500 and every rank returns a non-zero status.
+turn the model's values non-finite (Phase 1's NonFiniteError, or its logits in the decode batch), or whose Phase 1,
+query forward or token choice raises anything else, fails alone with a 500 (a joint query forward that raises is
+run again one request at a time, to find which); only the replica's own failures (a dead rank's TimeoutError, a
+gloo error: :meth:`EngineLoop._own`) end the loop: the leader answers every request in flight with a 500 and every
+rank returns a non-zero status.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
+from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
+from magnetar.engine.phase2 import RequestFailed
 from magnetar.engine.sampling import SamplingParams
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
@@ -114,7 +119,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     last: Optional[float] = None  # when its last token was routed
     chunked: int = 0  # generate: the context tokens its Phase-1 chunks have encoded so far (--prefill-chunk)
-    chunk_base: Optional[int] = None  # generate, chunked: the context tokens cached before its first chunk
+    chunking: bool = False  # generate: a chunk of it was sent (every rank holds its partial context)
 
 
 class EngineLoop:
@@ -127,7 +132,10 @@ class EngineLoop:
         # a new context longer than this many tokens runs its Phase 1 in chunks of it, one between two decode steps
         # (0: whole); only where a chunk's extension is the exact Phase 1 (chunking_problem)
         self.prefill_chunk = prefill_chunk if chunking_problem(engine) is None else 0
-        self._chunk_keys: set[str] = set()  # cache keys of the partial contexts chunks made (dropped once extended)
+        # sid -> (the handle of its Phase-1 chunks so far, the context tokens reused before its first chunk), on every
+        # rank: the request holds its chunks for its life, so the next chunk extends them whatever the cache keeps
+        # (they never enter the cache: a partial context only its request extends)
+        self._partial: dict[int, tuple[Any, int]] = {}
         # intra-op threads while a tick's Phase 1s and query forwards run (compute-bound: every usable CPU), the
         # decode steps keeping the process's own count (magnetar.serve.cli.choose_threads); None: one count
         self.prefill_threads = prefill_threads
@@ -269,6 +277,8 @@ class EngineLoop:
         if waiting is not None:
             self.pending.remove(waiting)
             self._finish_job(sid, "cancelled")
+            if waiting.chunking:  # every rank drops the chunks it holds for it
+                self._cancels.append(sid)
         elif sid in self.rids:
             self._cancels.append(sid)
 
@@ -298,8 +308,7 @@ class EngineLoop:
                 continue
             if needs and job.kind == "generate" and self._chunks(job):  # a chunk now; the request joins after
                 ids = job.prepared.context_ids
-                job.chunk_base = job.chunked if job.chunk_base is None else job.chunk_base
-                job.chunked = min(job.chunked + self.prefill_chunk, int(ids.numel()))
+                job.chunked, job.chunking = min(job.chunked + self.prefill_chunk, int(ids.numel())), True
                 tick.chunks.append(Chunk(job.sid, ids[: job.chunked].tolist()))
                 phase1 = True
                 continue
@@ -312,7 +321,7 @@ class EngineLoop:
                 p = job.prepared
                 tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
                                      None if p.context_ids is None else p.context_ids.tolist(), p.context_id,
-                                     dict(p.options), p.key if p.context_id is None else None, job.chunk_base))
+                                     dict(p.options), p.key if p.context_id is None else None))
         return tick
 
     def _chunks(self, job: Job) -> bool:
@@ -329,6 +338,7 @@ class EngineLoop:
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
     def _apply(self, tick: Tick) -> None:
         for sid in tick.cancels:
+            self._partial.pop(sid, None)  # a request cancelled between its Phase-1 chunks
             rid = self.rids.get(sid)
             if rid is not None and rid in self.batch.active:
                 self._route([self.batch.cancel(rid)])  # its last event; the pop frees its KV
@@ -349,20 +359,22 @@ class EngineLoop:
         encoder = self.engine.encoder
         for ch in tick.chunks:  # a prefix of a checked context, the same on every rank (the tick): no agreement
             ids = torch.tensor(ch.context_ids, dtype=torch.long)
-            key = encoder.key(ids)
-            try:
+            held = self._partial.pop(ch.sid, None)
+            try:  # extends the request's own chunks (the first: a cached prefix, if any)
                 with nvtx_range(GENERATE):
-                    self._forget_chunk(encoder.encode(ids, key=key)[0])
-            except (ValueError, NonFiniteError) as e:  # its own tokens: the request fails alone
+                    handle, _ = encoder.encode(ids, base=None if held is None else held[0], keep=False)
+            except Exception as e:  # its own tokens: the request fails alone
+                self._own(e)
                 if self.leader:
                     self.pending = [j for j in self.pending if j.sid != ch.sid]
                 self._reject(ch.sid, e, None)
                 continue
-            self._chunk_keys.add(key)
+            self._partial[ch.sid] = (handle, handle.reused_tokens if held is None else held[1])
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
-            except (ValueError, NonFiniteError) as e:  # every rank refuses alike
+            except Exception as e:  # every rank refuses alike
+                self._own(e)
                 self._reject(enc.sid, e, "context")
                 continue
             self._send(enc.sid, Encoded(handle.context_tokens))
@@ -371,29 +383,49 @@ class EngineLoop:
         for add in tick.adds:  # each checked and encoded alone (a refused one fails alone) ...
             context = self.handles[add.context_id] if add.context_id is not None else \
                 torch.tensor(add.context_ids, dtype=torch.long)
+            held = self._partial.pop(add.sid, None)  # its Phase-1 chunks, when it ran in chunks
             try:
                 ready.append(self.batch.prepare(context, torch.tensor(add.query_ids, dtype=torch.long),
                                                 SamplingParams(**add.params), options=add.options or None,
-                                                key=add.key))
+                                                key=add.key, base=None if held is None else held[0]))
                 sids.append(add.sid)
-                self._forget_chunk(ready[-1].handle)
-                if add.reused is not None:  # its own chunks are not what it found cached: report what it did
-                    r = ready[-1]
-                    ready[-1] = dataclasses.replace(r, handle=dataclasses.replace(r.handle, reused_tokens=add.reused))
-            except (ValueError, NonFiniteError) as e:  # a bad request, or its own NaN in Phase 1: it fails alone
+                if held is not None and not ready[-1].cached:  # its own chunks are not what it found cached: report
+                    r = ready[-1]  # the prefix reused before its first chunk
+                    ready[-1] = dataclasses.replace(r, handle=dataclasses.replace(r.handle, reused_tokens=held[1]))
+            except Exception as e:  # a bad request, or its own NaN or failure in Phase 1: it fails alone
+                self._own(e)
                 self._reject(add.sid, e, None)
-        for sid, (rid, first) in zip(sids, self.batch.join(ready)):  # ... then their queries in one forward
+        self._join(sids, ready)  # ... then their queries in one forward
+
+    def _join(self, sids: list[int], ready: list) -> None:
+        """Join ``ready`` (the requests ``sids``) to the batch in one query forward. If that forward raises an
+        exception of the requests' own (not the replica's: :meth:`_own`), each joins alone, so that only the
+        request that raised fails (every rank raises alike on the same request: the ranks run the same forward)."""
+        try:
+            joined = self.batch.join(ready)
+        except Exception as e:
+            self._own(e)
+            if len(ready) > 1:
+                log.warning("a joint query forward of %d requests failed (%s: %s); they join one at a time",
+                            len(ready), type(e).__name__, e)
+                for sid, r in zip(sids, ready):
+                    self._join([sid], [r])
+                return
+            log.error("request %d failed in its query forward", sids[0], exc_info=True)
+            self._reject(sids[0], RequestFailed(f"{type(e).__name__}: {e}"), None)
+            return
+        for sid, (rid, first) in zip(sids, joined):
             self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
 
-    def _forget_chunk(self, handle) -> None:
-        """Drop from the context cache the partial context that ``handle`` extended, if a Phase-1 chunk made it
-        (each chunk's entry holds the KV of all the chunks before it: kept, they would fill the cache)."""
-        if handle.reused_tokens and self._chunk_keys:
-            key = self.engine.encoder.key(handle.context_ids[: handle.reused_tokens])
-            if key in self._chunk_keys:
-                self._chunk_keys.discard(key)
-                self.engine.cache.release(key)
+    @staticmethod
+    def _own(error: Exception) -> None:
+        """Re-raise ``error`` unless it belongs to one request: a collective that timed out or a peer that is gone
+        (TimeoutError, ConnectionError, torch.distributed's errors) is the replica's failure and ends the loop;
+        anything else raised while one request's Phase 1, query or token choice ran is that request's (its
+        options, its tokens, its values) and fails it alone."""
+        if isinstance(error, (TimeoutError, ConnectionError, dist.DistError)):
+            raise error
 
     def _apply_releases(self, tick: Tick) -> None:
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
@@ -403,13 +435,15 @@ class EngineLoop:
     def _route(self, events) -> None:
         for ev in events:
             sid = self.sids[ev.rid]
-            if ev.stop_reason not in ("cancelled", "nonfinite"):  # their last event has no new token
+            if ev.stop_reason != "cancelled" and ev.stop_reason not in FAILED_ALONE:  # those have no new token
                 self._token(sid, ev)
             if ev.stop_reason is not None:
                 result = self.batch.pop(ev.rid)  # every rank: a small collective
                 self._forget(sid)
-                if ev.stop_reason == "nonfinite":  # this request's own NaN: it fails alone, the server goes on
-                    self._reject(sid, NonFiniteError(ev.error), None)
+                if ev.stop_reason in FAILED_ALONE:  # this request's own NaN or failure: it fails alone, the server
+                    # goes on
+                    error = NonFiniteError if ev.stop_reason == "nonfinite" else RequestFailed
+                    self._reject(sid, error(ev.error), None)
                     continue
                 self._send(sid, Done(result, FINISH_REASONS.get(ev.stop_reason)))
                 if self.leader:
@@ -437,10 +471,11 @@ class EngineLoop:
             job.sink.put(Token(ev.text, ev.token_id, ev.logprob, ev.prompt_logprobs))
 
     def _reject(self, sid: int, error: Exception, param: Optional[str]) -> None:
-        if isinstance(error, NonFiniteError):  # not the client's fault: a 500 for this request alone
-            log.error("request %d failed: %s", sid, error)
-            self._send(sid, Failed(RequestError(f"the model produced non-finite values for this request ({error})",
-                                                status=500, type="server_error")))
+        if not isinstance(error, ValueError):  # not the client's fault: a 500 for this request alone
+            log.error("request %d failed: %s: %s", sid, type(error).__name__, error)
+            what = ("the model produced non-finite values for this request" if isinstance(error, NonFiniteError)
+                    else "this request failed in the engine (the server's log has the cause; the server goes on)")
+            self._send(sid, Failed(RequestError(f"{what} ({error})", status=500, type="server_error")))
             self._finish_job(sid, "error")
             return
         self._send(sid, Failed(RequestError(str(error), param)))

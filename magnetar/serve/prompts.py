@@ -240,7 +240,8 @@ class Preparer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if split == "context" else "messages"
         prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options,
-                                config, split=split, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                config, split=split, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                logprobs_name="top_logprobs")
         return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
 
     def completion(self, req: CompletionRequest) -> list[Prepared]:
@@ -479,7 +480,8 @@ class Preparer:
     def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
                 max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None,
                 config: Optional[EngineConfig] = None, *, split: str = "context", echo: str = "",
-                logprobs: Optional[int] = None, prompt_logprobs: bool = False, echo_context: int = 0) -> Prepared:
+                logprobs: Optional[int] = None, prompt_logprobs: bool = False, echo_context: int = 0,
+                logprobs_name: str = "logprobs") -> Prepared:
         if cid is not None:
             pinned = self.contexts.get(cid)
             L, key = pinned.tokens, pinned.key
@@ -506,9 +508,10 @@ class Preparer:
         except ValueError as e:
             msg = str(e)
             field = msg.split(" ", 1)[0].split("[", 1)[0]
-            param = max_name if field == "max_new_tokens" else (field if field in _SAMPLING else None)
-            if param == max_name:
-                msg = max_name + msg[len("max_new_tokens"):]
+            names = {"max_new_tokens": max_name, "logprobs": logprobs_name}
+            param = names.get(field, field if field in _SAMPLING else None)
+            if field in names:
+                msg = names[field] + msg[len(field):]
             raise RequestError(msg, param) from None
         if room is not None and params.max_new_tokens > room:
             raise RequestError(f"{max_name}: context ({L}) + query ({Q}) + {max_name} ({params.max_new_tokens}) "
@@ -543,18 +546,24 @@ def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, st
 
     The question is what follows the message's last blank line before non-blank text; when there is none, or what
     follows is itself longer than ``threshold // 2`` tokens, what follows its last line break; failing that, its
-    last :data:`QUERY_CUT_TOKENS` tokens (a cut between two tokens). The document is everything before, and is
-    never blank. At a blank line the cut falls after its first line break (the question starts with the second):
-    a byte-level BPE tokenizer makes one token of a run of line breaks that ends the text, and two of the same
-    run inside it, so a document ending in one line break tokenizes as the start of the whole conversation does
-    -- the next turn's context then starts with this one's token for token, and extends it (prefix reuse)."""
-    if threshold <= 0 or len(text) < threshold:  # a token is at least one character: it cannot be that long
+    last :data:`QUERY_CUT_TOKENS` tokens before any trailing blank lines and spaces (a cut between two tokens). The
+    document is everything before, and is never blank; neither is the question. At a blank line the cut falls after
+    its first line break (the question starts with the second): a byte-level BPE tokenizer makes one token of a run
+    of line breaks that ends the text, and two of the same run inside it, so a document ending in one line break
+    tokenizes as the start of the whole conversation does -- the next turn's context then starts with this one's
+    token for token, and extends it (prefix reuse). The threshold counts tokens, never characters."""
+    # a token holds at least one UTF-8 byte (a CJK character or an emoji is 2-4 tokens of a byte-level BPE, and a
+    # character count would miss them): fewer bytes than the threshold cannot be that many tokens
+    if threshold <= 0 or len(text.encode("utf-8", "surrogatepass")) < threshold:
         return None
     enc = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     starts = [a for a, _ in enc["offset_mapping"]]
     if len(starts) < threshold:
         return None
     body = text.rstrip()
+    starts = [a for a in starts if a < len(body)]  # trailing blank lines and spaces are no question
+    if len(starts) < 2:
+        return None
     for sep in ("\n\n", "\n"):
         cut = body.rfind(sep)
         if cut < 0:

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from magnetar.serve.gate import check_api_key
 from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
 from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
 from magnetar.serve.protocol import now
@@ -66,7 +67,7 @@ class Server:
             max_request_bytes = 64 * MIN_REQUEST_BYTES if positions is None else \
                 max(MIN_REQUEST_BYTES, BYTES_PER_POSITION * positions)
         self.max_request_bytes, self.request_timeout_s = max_request_bytes, request_timeout_s
-        self.max_connections, self.api_key = max_connections, api_key
+        self.max_connections, self.api_key = max_connections, check_api_key(api_key, "api_key")
         self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
@@ -87,7 +88,7 @@ class Server:
             self.metrics = self.loop.metrics = Metrics()
             self.app = build_app(self)
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout_s,
-                             bound_host=host, allowed_hosts=allowed_hosts, api_key=api_key,
+                             bound_host=host, allowed_hosts=allowed_hosts, api_key=self.api_key,
                              public_metrics=public_metrics, on_refused=self.metrics.refused)
             if allowed_origins:  # outside the gate: a preflight carries no API key, and refusals get CORS headers too
                 from starlette.middleware.cors import CORSMiddleware

@@ -34,9 +34,6 @@ class Add:
     context_id: Optional[str] = None
     options: dict = field(default_factory=dict)
     key: Optional[str] = None
-    # a request whose Phase 1 ran in chunks (--prefill-chunk): the context tokens cached before its first chunk
-    # (what it reports as cached; its own chunks are not); None otherwise
-    reused: Optional[int] = None
 
 
 @dataclass
@@ -51,7 +48,8 @@ class Encode:
 @dataclass
 class Chunk:
     """A chunk of request ``sid``'s Phase 1 (``--prefill-chunk``): encode ``context_ids`` -- its context's first
-    tokens, extending the chunks before it (prefix reuse) -- between two decode steps."""
+    tokens, extending the chunks before it, which every rank holds for the request (not the cache) -- between two
+    decode steps."""
 
     sid: int
     context_ids: list[int]
