@@ -283,6 +283,10 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("blank prompt in a list", "completions", {"model": NAME, "prompt": ["a\n\nb", " "]}, "prompt[1]"),
     ("token id outside the vocabulary", "completions", {"model": NAME, "prompt": [1, 10**9]}, "prompt"),
     ("negative token id in a list", "completions", {"model": NAME, "prompt": [[1, 2], [3, -1]]}, "prompt[1]"),
+    ("token id past int64", "completions", {"model": NAME, "prompt": [1, 2**64]}, "prompt"),  # issue 44 item 8
+    ("token id below int64 in a list", "completions", {"model": NAME, "prompt": [[1, 2], [3, -(2**70)]]}, "prompt[1]"),
+    ("a 5000-digit token id", "completions", f'{{"model": "{NAME}", "prompt": [1, 1{"0" * 4999}]}}'.encode(),
+     None),  # refused by the JSON parser: "number out of range at line 1 column 4334"
     ("mixed prompt list", "completions", {"model": NAME, "prompt": ["a\n\nb", [1, 2]]}, "prompt"),
     ("echo a string", "completions", {"model": NAME, "prompt": "a\n\nb", "echo": "yes"}, "echo"),
     ("split_document on completions", "completions",
@@ -518,6 +522,12 @@ def test_lm_eval_log_likelihood_request_equals_hugging_face(served, client, mode
     streamed = [x for c in chunks for ch in c.choices if ch.logprobs for x in ch.logprobs.token_logprobs]
     whole = client.completions.create(model=NAME, prompt=prompts[0], echo=True, logprobs=1, max_tokens=2)
     assert streamed == whole.choices[0].logprobs.token_logprobs
+    # and the same text_offsets (issue 44 item 9), also where the text deltas hold words back (a text prompt)
+    for prompt in (prompts[0], "The quick brown fox\n\njumps over the lazy"):
+        kw = dict(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=8, temperature=0)
+        offsets = [x for c in client.completions.create(stream=True, **kw) for ch in c.choices if ch.logprobs
+                   for x in ch.logprobs.text_offset]
+        assert offsets == client.completions.create(**kw).choices[0].logprobs.text_offset
 
 
 def test_chat_logprobs_are_the_answer_tokens_and_their_alternatives(client, ref):

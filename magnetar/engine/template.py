@@ -11,7 +11,8 @@ chat requests): the last user message is the question, everything before it the 
 User text is text: no special-token id ever comes from the context or the query. A ``<|im_start|>assistant``,
 ``<|eot_id|>``, ``</s>`` or the tokenizer's BOS/EOS string inside them is tokenized as the characters it is
 made of, so an injected chat turn stays inside the user turn. Special tokens are the tokenizer's own
-(``all_special_tokens``) and every added token flagged special; other added tokens are vocabulary. Without a
+(``all_special_tokens``), every added token flagged special and every added token the chat template writes (its
+turn markers, whatever their flag); other added tokens are vocabulary. Without a
 template (and in :func:`encode_text`, which the engine's ``score`` uses) the user text is tokenized with
 ``split_special_tokens=True``. With a template, each special token in the context or query is wrapped in two
 private markers (Unicode noncharacters) before rendering; the rendered halves are cut at the markers, the
@@ -31,13 +32,13 @@ bounded by the model's size, not by the text's (a 50 MB context used to take 140
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-_SPLIT = "\x00MAGNETAR_CONTEXT_END\x00"
 # Noncharacters, which Unicode keeps for a program's internal use: they wrap the special tokens of user text
 # through the template's rendering.
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
@@ -92,13 +93,25 @@ def check_fits(tokenizer, texts, limit: Optional[int], name: str) -> None:
 
 
 def special_tokens(tokenizer) -> tuple[str, ...]:
-    """The strings of ``tokenizer``'s special tokens (``all_special_tokens`` and the added tokens flagged
-    special), longest first."""
+    """The strings of ``tokenizer``'s control tokens, longest first: its special tokens (``all_special_tokens`` and
+    the added tokens flagged special) and every other added token that its chat template writes (a template's turn
+    markers are control tokens whatever their flag says: some tokenizers add ``<|im_start|>`` unflagged)."""
     found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
     for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
+        if getattr(tok, "special", False) or (str(tok) and str(tok) in template):
             found.add(str(tok))
     return tuple(sorted((t for t in found if t), key=len, reverse=True))
+
+
+def _split_marker(texts) -> str:
+    """The mark rendered between the context and the query: private to this call (a random part no client can
+    guess), so user text that holds any earlier mark is text like any other."""
+    while True:
+        mark = f"\x00MAGNETAR_CONTEXT_END_{secrets.token_hex(8)}\x00"
+        if not any(mark in t for t in texts):
+            return mark
 
 
 def _wrap_special(tokenizer, text: str, name: str) -> str:
@@ -124,13 +137,34 @@ def _encode_rendered(tokenizer, text: str) -> torch.Tensor:
         return _encode(tokenizer, text)
     newline = _encode(tokenizer, "\n").tolist()
     ids = _encode(tokenizer, pieces[0]).tolist()
+    control = _control_ids(tokenizer)
+
+    def as_text(tok, piece: str) -> torch.Tensor:
+        return torch.tensor(_as_text(tok, piece, control), dtype=torch.long)
+
     for i, piece in enumerate(pieces[1:], start=1):
         if not piece:
             continue
-        encode = encode_text if i % 2 == 1 else _encode  # odd pieces: wrapped special tokens of user text
+        encode = as_text if i % 2 == 1 else _encode  # odd pieces: wrapped special tokens of user text
         piece_ids = encode(tokenizer, "\n" + piece).tolist()
         ids += piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else encode(tokenizer, piece).tolist()
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _control_ids(tokenizer) -> set[int]:
+    """The ids of :func:`special_tokens`."""
+    return {i for i in tokenizer.convert_tokens_to_ids(list(special_tokens(tokenizer))) if isinstance(i, int)}
+
+
+def _as_text(tokenizer, text: str, control: set[int]) -> list[int]:
+    """``text`` (a control-token string a client wrote) as the ids of its characters: :func:`encode_text`, and where
+    that still gives a control id (an added token the template writes but does not flag special:
+    ``split_special_tokens`` splits only flagged ones) its two halves each, so the string can never match."""
+    ids = encode_text(tokenizer, text).tolist()
+    if len(text) < 2 or not control.intersection(ids):
+        return ids
+    half = len(text) // 2
+    return _as_text(tokenizer, text[:half], control) + _as_text(tokenizer, text[half:], control)
 
 
 def split_prompt(tokenizer, context: str, query: str, limit: Optional[int] = None) -> Prompt:
@@ -142,18 +176,21 @@ def split_prompt(tokenizer, context: str, query: str, limit: Optional[int] = Non
         raise ValueError("the query is empty: Phase 2 needs at least one query token; pass a question")
     check_fits(tokenizer, [context, query], limit, "context" if len(context) >= len(query) else "query")
     if getattr(tokenizer, "chat_template", None):
-        content = _wrap_special(tokenizer, context, "context") + _SPLIT + _wrap_special(tokenizer, query, "query")
-        return _split_rendered(tokenizer, [{"role": "user", "content": content}])
+        mark = _split_marker([context, query])
+        content = _wrap_special(tokenizer, context, "context") + mark + _wrap_special(tokenizer, query, "query")
+        return _split_rendered(tokenizer, [{"role": "user", "content": content}], mark)
     return split_plain(tokenizer, context, query)
 
 
-def _split_rendered(tokenizer, messages: list[dict]) -> Prompt:
-    """Render ``messages`` (user text already wrapped, ``_SPLIT`` once in the last one) with the chat template and
-    cut it at ``_SPLIT``."""
+def _split_rendered(tokenizer, messages: list[dict], mark: str) -> Prompt:
+    """Render ``messages`` (user text already wrapped, ``mark`` once in the last one) with the chat template and
+    cut it at ``mark``."""
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if rendered.count(_SPLIT) != 1:
-        raise ValueError("the chat template altered the context/query boundary; pass token ids instead")
-    head, tail = rendered.split(_SPLIT)
+    if rendered.count(mark) != 1:  # the user text cannot hold it (_split_marker): the template dropped or copied it
+        raise ValueError(f"the model's chat template {'dropped' if mark not in rendered else 'repeated'} the last "
+                         f"user message, so its question cannot be cut from the conversation; send the "
+                         f"conversation as a completion's prompt, or pass token ids")
+    head, tail = rendered.split(mark)
     return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
 
 
@@ -200,8 +237,9 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
         wrapped = [dict(m, content=_wrap_special(tokenizer, m["content"], f"messages[{i}].content"))
                    for i, m in enumerate(messages)]
         head = "" if context is None else _wrap_special(tokenizer, context, "context")
-        wrapped[-1]["content"] = head + _SPLIT + wrapped[-1]["content"]
-        return _split_rendered(tokenizer, wrapped)
+        mark = _split_marker([m["content"] for m in messages] + ([] if context is None else [context]))
+        wrapped[-1]["content"] = head + mark + wrapped[-1]["content"]
+        return _split_rendered(tokenizer, wrapped, mark)
     parts = [m["content"] for m in messages[:-1]] + ([] if context is None else [context])
     text = "\n\n".join(parts)
     if not text:

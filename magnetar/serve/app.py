@@ -309,9 +309,11 @@ def build_app(server) -> FastAPI:
                         lp = names.completion(p, [item])
                         head = {k: v[:-1] for k, v in lp.items()}
                         yield _sse(chunk(i, p.echo, lp=head))
-                        offsets[i] = len(p.echo)
+                        offsets[i] = lp["text_offset"][-1]  # where the whole answer puts its first token
                     lp = names.completion(p, [item], offsets[i], prompt=False)
-                    offsets[i] += len(item.text)
+                    # text_offset counts each token's own text, as the whole answer's does (not the text deltas,
+                    # which hold back a word or a stop string's start until the next token decides)
+                    offsets[i] += len(lp["tokens"][0])
                     yield _sse(chunk(i, item.text, lp=lp))
                 elif isinstance(item, Token):
                     if item.text:

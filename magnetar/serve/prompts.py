@@ -327,6 +327,14 @@ class Preparer:
         """A completion prompt's ids whole: token ids as given (checked against the vocabulary), text as plain
         text (BOS first when the tokenizer adds one)."""
         if isinstance(prompt, list):
+            vocab = self.engine.vocab_size
+            lo, hi = min(prompt), max(prompt)  # before the int64 tensor: an int past 2**63 is no id of any model
+            if lo < 0 or (hi >= vocab if vocab is not None else hi >= 2**63):
+                bad = lo if lo < 0 else hi
+                shown = bad if abs(bad) < 10**30 else f"of {len(str(abs(bad)))} digits"
+                raise RequestError(f"{param} holds token id {shown} (at index {prompt.index(bad)}), outside the "
+                                   f"model's vocabulary [0, {vocab}); send ids from the model's own tokenizer",
+                                   param)
             ids = torch.tensor(prompt, dtype=torch.long)
             try:
                 inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
