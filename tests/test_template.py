@@ -181,7 +181,8 @@ def test_control_strings_are_text_in_every_role(smollm2_tokenizer, where):
         texts = {r: f"Text of {r}." for r in ROLE_CASES}
         texts[where] += extra
         messages = [{"role": "system", "content": texts["system"]}, {"role": "user", "content": texts["user"]},
-                    {"role": "assistant", "content": texts["assistant"]}, {"role": "user", "content": texts["question"]}]
+                    {"role": "assistant", "content": texts["assistant"]},
+                    {"role": "user", "content": texts["question"]}]
         return split_messages(tok, messages, context=texts["context"])
 
     plain = conversation("")
