@@ -29,8 +29,11 @@ $(STAMP): setup.py pyproject.toml Makefile | $(BIN)/python
 
 install: $(STAMP)
 
+# Two pytest-xdist workers, one per core of the 2-core machine (each computes on one thread: tests/conftest.py);
+# TEST_WORKERS=0 runs the suite in this one process, TEST_WORKERS=auto one worker per CPU.
+TEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 # ruff with the project's rules (pyproject.toml: pycodestyle + pyflakes, 120 columns): clean, or the test fails
 lint: install

@@ -49,6 +49,7 @@ def _prebuild():
     if not _requested():
         return [], {}
     ops = _load_op_builder()
+    ops.STAGE_SOURCES = False  # the package's own sources: setuptools builds them relative to this folder
     try:
         plan = ops.prebuild_plan(os.environ)
     except ValueError as err:

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# Keep the suite inside 2 CPU cores, and keep DeepSpeed from JIT-building its shm comm op (~65 s).
+# Keep the suite inside 2 CPU cores, and keep DeepSpeed from JIT-building its shm comm op (~65 s). Under
+# pytest-xdist (`make test` runs two workers, one per core) each worker computes on one thread: two workers of two
+# threads each would fight over the cores.
 os.environ.setdefault("MAGNETAR_DISABLE_DS_SHM", "1")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2 // _WORKERS or 1, torch.get_num_threads())))
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,8 @@ _PREBUILD_KEY = pytest.StashKey[subprocess.Popen]()
 
 
 def pytest_sessionstart(session):
-    if os.environ.get("MAGNETAR_TEST_PREBUILD", "1") != "0" and not session.config.option.collectonly:
+    worker = hasattr(session.config, "workerinput")  # an xdist worker: the controller started the builds
+    if os.environ.get("MAGNETAR_TEST_PREBUILD", "1") != "0" and not session.config.option.collectonly and not worker:
         session.config.stash[_PREBUILD_KEY] = subprocess.Popen(
             [sys.executable, "-c", _PREBUILD], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=dict(os.environ, MAX_JOBS="1", OMP_NUM_THREADS="1"), start_new_session=True)

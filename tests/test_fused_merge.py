@@ -539,6 +539,37 @@ def test_build_is_cached_across_processes(cpu_op):
     assert "ninja" not in res.stdout and "c++" not in res.stdout, "build logs must stay quiet by default"
 
 
+def test_a_clone_of_the_same_sources_reuses_the_build_and_other_sources_get_their_own(tmp_path):
+    """Issue 45: builds are keyed by the sources' digest and compiled from a copy staged under it, so a clean clone (CI's
+    folder, a second virtualenv) finds this checkout's build -- and a clone with an edited source builds apart."""
+    import importlib.util
+    import shutil
+
+    from magnetar.ops import op_builder
+
+    def builder_in(folder):
+        spec = importlib.util.spec_from_file_location(f"_op_builder_{folder.name}", folder / "op_builder.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module.MergeStatesBuilder()
+
+    here = op_builder.MergeStatesBuilder()
+    clone, edited = tmp_path / "clone", tmp_path / "edited"
+    for folder in (clone, edited):
+        folder.mkdir()
+        shutil.copy(Path(op_builder.__file__), folder / "op_builder.py")
+        shutil.copytree(op_builder.CSRC_DIR, folder / "csrc")
+    with open(edited / "csrc" / "merge_states.cpp", "a") as f:
+        f.write("\n// an edit\n")
+    same, other = builder_in(clone), builder_in(edited)
+    assert same.name == here.name and same.sources() == here.sources()  # the very build this checkout uses
+    assert other.name != here.name and other.sources() != here.sources()
+    shutil.rmtree(Path(other.sources()[0]).parent)  # the edited sources' staged copy: nothing left in the cache
+    assert Path(here.sources()[0]).read_bytes() == (op_builder.CSRC_DIR / "merge_states.cpp").read_bytes()
+    assert not str(here.sources()[0]).startswith(str(op_builder.CSRC_DIR))  # a staged copy, not the checkout
+
+
 # ------------------------------------------------------------------------------------------------------- CUDA
 
 

@@ -7,10 +7,12 @@ The builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBu
 
 Build cache: DeepSpeed's ``jit_load`` calls ``torch.utils.cpp_extension.load(name=<name>, ...)``, so the compiled
 extension lives in ``$TORCH_EXTENSIONS_DIR/<name>/`` (default ``~/.cache/torch_extensions/py<XY>_<cpu|cuXYZ>/<name>/``).
-``<name>`` is ``NAME`` plus a short hash of this checkout's source directory: the generated ninja file holds
-absolute source paths, so two checkouts (or virtualenvs) sharing one build directory would rebuild each
-other's op on every switch; with the hash each keeps its own cached build
-and is reused by every later process: ninja only recompiles when a source file or a flag changed. Concurrent
+``<name>`` is ``NAME`` plus a digest of the op sources' contents (every file of ``csrc/``), and the build compiles a
+copy of those sources staged under the same digest (``<extensions root>/magnetar_csrc_<digest>/``), never the
+checkout's own files: the generated ninja file holds absolute source paths, so with them every checkout (a clean
+clone, a virtualenv, CI's folder) of the same sources finds the same build and reuses it, while a checkout with
+other sources gets a build of its own (no two rebuild each other's op on every switch). A cached build is reused by
+every later process: ninja only recompiles when a source file or a flag changed. Concurrent
 first builds are serialised by torch's file lock ``<build dir>/lock``, which a process killed mid-build leaves
 behind; :class:`magnetar.ops.jit.LazyOp` loads under its own ``flock`` first and removes such a stale lock (see
 :mod:`magnetar.ops.jit`), so no load waits forever.
@@ -38,6 +40,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -55,9 +58,55 @@ PREBUILT_FORMAT = 1
 BUILD_ALL_VAR = "DS_BUILD_MAGNETAR_OPS"
 
 
+def csrc_digest(folder: Path = CSRC_DIR) -> str:
+    """A digest of the op sources: every file's name and bytes in ``folder`` (10 hex digits)."""
+    h = hashlib.sha1()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:10]
+
+
 def _build_name(base: str) -> str:
-    """``base`` + a hash of the source location, so separate checkouts keep separate cached builds."""
-    return f"{base}_{hashlib.sha1(str(CSRC_DIR).encode()).hexdigest()[:8]}"
+    """``base`` + the digest of the op sources: every checkout of the same sources shares one cached build."""
+    return f"{base}_{csrc_digest()[:8]}"
+
+
+# JIT builds compile a copy of the sources staged under their digest (:func:`staged_sources`); setup.py's prebuild
+# turns this off: setuptools wants the sources inside the package being built
+STAGE_SOURCES = True
+
+
+def _src() -> Path:
+    """The folder the builders' sources and include paths are taken from."""
+    return staged_sources() if STAGE_SOURCES else CSRC_DIR
+
+
+def staged_sources() -> Path:
+    """The op sources, copied once under their digest next to torch's builds
+    (``<extensions root>/magnetar_csrc_<digest>/``): the paths every build compiles, the same for every checkout of the
+    same sources. Made atomically (a copy in a temporary folder, then renamed); a copy whose files no longer match
+    the digest is replaced."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule (TORCH_EXTENSIONS_DIR, ...)
+
+    digest = csrc_digest()
+    root = Path(_get_build_directory("", verbose=False))
+    staged = root / f"magnetar_csrc_{digest}"
+    if staged.is_dir() and csrc_digest(staged) == digest:
+        return staged
+    tmp = Path(tempfile.mkdtemp(prefix=f".magnetar_csrc_{digest}.", dir=root))
+    try:
+        for path in CSRC_DIR.iterdir():
+            if path.is_file():
+                shutil.copy2(path, tmp / path.name)
+        if staged.is_dir():  # damaged (a cut copy, an edit): the fresh one replaces it
+            shutil.rmtree(staged, ignore_errors=True)
+        try:
+            os.rename(tmp, staged)
+        except OSError:  # another process staged it first: theirs holds the same bytes
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return staged
 
 
 def _cxx_compiler() -> str:
@@ -193,10 +242,10 @@ class MergeStatesBuilder(PrebuiltOp, OpBuilder):
         return f"magnetar.ops.{self.NAME}_op"
 
     def sources(self):
-        return [str(CSRC_DIR / "merge_states.cpp")]
+        return [str(_src() / "merge_states.cpp")]
 
     def include_paths(self):
-        return [str(CSRC_DIR)]
+        return [str(_src())]
 
     def cxx_args(self):
         # No -march=native (the cached .so may be shared across machines) and no -std=: torch's cpp_extension
@@ -256,10 +305,11 @@ class MergeStatesCUDABuilder(PrebuiltOp, CUDAOpBuilder):
         return f"magnetar.ops.{self.NAME}_op"
 
     def sources(self):
-        return [str(CSRC_DIR / "merge_states_cuda.cpp"), str(CSRC_DIR / "merge_states_kernel.cu")]
+        src = _src()
+        return [str(src / "merge_states_cuda.cpp"), str(src / "merge_states_kernel.cu")]
 
     def include_paths(self):
-        return [str(CSRC_DIR)]
+        return [str(_src())]
 
     def nvcc_args(self):
         # Keep IEEE expf/logf and division: the op must agree with the torch reference to fp32 tolerance.
@@ -315,7 +365,7 @@ class HammingBuilder(MergeStatesBuilder):
     NAME = "magnetar_hamming"
 
     def sources(self):
-        return [str(CSRC_DIR / "hamming.cpp")]
+        return [str(_src() / "hamming.cpp")]
 
     def cxx_args(self):
         # the POPCNT instruction (every x86-64 CPU since 2008) instead of the compiler's bit-twiddling fallback
@@ -329,7 +379,8 @@ class HammingCUDABuilder(MergeStatesCUDABuilder):
     NAME = "magnetar_hamming_cuda"
 
     def sources(self):
-        return [str(CSRC_DIR / "hamming_cuda.cpp"), str(CSRC_DIR / "hamming_kernel.cu")]
+        src = _src()
+        return [str(src / "hamming_cuda.cpp"), str(src / "hamming_kernel.cu")]
 
 
 class SparseAttentionBuilder(MergeStatesBuilder):
@@ -340,7 +391,7 @@ class SparseAttentionBuilder(MergeStatesBuilder):
     NAME = "magnetar_sparse_attention"
 
     def sources(self):
-        return [str(CSRC_DIR / "sparse_attention.cpp")]
+        return [str(_src() / "sparse_attention.cpp")]
 
 
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
