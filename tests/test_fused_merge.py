@@ -540,8 +540,8 @@ def test_build_is_cached_across_processes(cpu_op):
 
 
 def test_a_clone_of_the_same_sources_reuses_the_build_and_other_sources_get_their_own(tmp_path):
-    """Issue 45: builds are keyed by the sources' digest and compiled from a copy staged under it, so a clean clone (CI's
-    folder, a second virtualenv) finds this checkout's build -- and a clone with an edited source builds apart."""
+    """Issue 45: builds are keyed by the sources' digest and compiled from a copy staged under it, so a clean clone
+    (CI's folder, a second virtualenv) finds this checkout's build -- and a clone with an edited source builds apart."""
     import importlib.util
     import shutil
 
