@@ -169,3 +169,22 @@ def test_shard_helpers_roundtrip():
         assert sorted(torch.cat(idx).tolist()) == list(range(23)), fn.__name__
         assert torch.equal(unshard([shard(x, i, 2) for i in idx], idx, 2), x)
     assert zigzag_indices(8, 2, 0).tolist() == [0, 1, 6, 7] and zigzag_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+
+
+def _store_barrier_worker(rank, world):
+    from magnetar.parallel.collectives import store_barrier
+
+    if rank == 1:
+        time.sleep(1.5)  # still computing: the store answers rank 0's polls meanwhile
+    store_barrier("uneven", timeout=timedelta(seconds=30))
+    if rank == 0:
+        with pytest.raises(TimeoutError, match=r"barrier 'late': 1 of 2 ranks arrived within 0:00:00.300000"):
+            store_barrier("late", timeout=timedelta(seconds=0.3))
+    else:
+        time.sleep(1.0)
+        store_barrier("late", timeout=timedelta(seconds=30))  # its own count: it finds rank 0's arrival
+
+
+def test_a_store_barrier_waits_for_uneven_ranks_and_times_out_naming_the_count():
+    """The barrier an evaluation's dealt shares end on: bounded by its own timeout, not the group's transport."""
+    run_distributed(_store_barrier_worker, 2)

@@ -173,6 +173,45 @@ def test_engine_cache_budget_and_key():
         magnetar.EngineConfig.create(context_cache_mb=-1)
 
 
+def test_the_longest_cached_prefix_is_found_by_index_not_by_scanning_every_handle(monkeypatch):
+    """Issue 44 item 13: thousands of small cached contexts; the longest proper prefix of a context is found (at and
+    off block boundaries, of this engine and options only, never after eviction or release) with one ids comparison,
+    not one per cached handle; the byte total follows every put, eviction and release."""
+    from magnetar.engine import context as ctx_mod
+
+    def handle(ids, engine="e", options="o", nbytes=10):
+        return ContextHandle(context_key(ids, options + engine), ids, KVShard(1), int(ids.numel()), [], None,
+                             nbytes, engine=engine, options=options)
+
+    doc = _ids(1, 400)
+    cache = ContextCache(10**6)
+    for i in range(2000):  # the noise: small contexts, several of them sharing the document's first tokens
+        noise = torch.cat((doc[: i % 150], _ids(100 + i, 5))) if i % 3 == 0 else _ids(100 + i, 3 + i % 40)
+        cache.put(handle(noise))
+    prefixes = {n: handle(doc[:n]) for n in (64, 100, 128, 321)}
+    for h in prefixes.values():
+        cache.put(h)
+    cache.put(handle(doc[:350], engine="other"))  # another engine's, and another options' longer prefix
+    cache.put(handle(doc[:360], options="p"))
+    calls = []
+    equal = torch.equal
+    monkeypatch.setattr(ctx_mod.torch, "equal", lambda a, b: calls.append(1) or equal(a, b))
+    assert cache.longest_prefix(doc, "e", "o") is prefixes[321] and len(calls) == 1
+    assert cache.prefix_tokens(doc[:321], "e", "o") == 128  # a proper prefix: not itself
+    assert cache.prefix_tokens(doc[:128], "e", "o") == 100 and cache.prefix_tokens(doc, "other", "o") == 350
+    assert cache.prefix_tokens(_ids(9, 500), "e", "o") == 0 and len(calls) <= 5
+    assert cache.release(prefixes[321]) and cache.prefix_tokens(doc, "e", "o") == 128
+    total = cache.nbytes
+    small = ContextCache(25)  # evictions unfile their handles
+    for n in (64, 100, 128):
+        small.put(prefixes[n])
+    assert small.prefix_tokens(doc, "e", "o") == 128 and small.nbytes == 20 and small.evictions == 1
+    assert small.prefix_tokens(doc[:99], "e", "o") == 0  # 64 was evicted: nothing shorter than 99 is left
+    assert total == 10 * len(cache) and cache.stats()["bytes"] == total
+    cache.clear()
+    assert cache.nbytes == 0 and cache.prefix_tokens(doc, "e", "o") == 0
+
+
 def test_a_context_larger_than_the_whole_cache_is_not_kept_and_says_so_once(caplog):
     """2100 tokens of the tiny llama hold ~1.03 MiB of KV (2 layers x 2 KV heads x 16 x fp32 x K and V): over a
     1 MiB cache. The engine answers, keeps nothing, and warns once naming the budget's flag."""

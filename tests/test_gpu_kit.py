@@ -34,7 +34,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     kit = _kit()
     report, out, stdout = dry_report
     assert kit.check_report(report) == []
-    assert report["dry_run"] is True and report["elapsed_s"] < 120
+    assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
     assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "phase1_1K",
                                   "sparse_prefill_1K", "quest_1K", "pytest_gpu"]

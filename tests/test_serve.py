@@ -509,13 +509,14 @@ def test_lm_eval_log_likelihood_request_equals_hugging_face(served, client, mode
         with torch.no_grad():
             want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
         expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]  # token i + 1 given 0..i
-        # the first token (no past) and the first query token (after the 1-token Phase 1) have none, as OpenAI's
-        assert lp.token_logprobs[:2] == [None, None] and len(lp.token_logprobs) == len(prompt) + 1
-        assert_close(torch.tensor(lp.token_logprobs[2:-1]), expected[1:], what="logits", msg="prompt log-probs")
+        # the first token (no past) has none, as OpenAI's; the second -- the first query token, after the 1-token
+        # Phase 1 -- has Phase 1's last logits' (issue 44 item 9), every later one the query forward's
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt) + 1
+        assert_close(torch.tensor(lp.token_logprobs[1:-1]), expected, what="logits", msg="prompt log-probs")
         # the generated token's: greedy, so it is the most likely one, and its log-prob is HF's at the last position
         assert_close(lp.token_logprobs[-1], want[-1].max(), what="logits", msg="answer log-prob")
         assert all(len(top) == 1 and abs(max(top.values()) - max(want[i].tolist())) < 1e-4
-                   for i, top in enumerate(lp.top_logprobs[2:], start=1))
+                   for i, top in enumerate(lp.top_logprobs[1:]))
     # streamed: the same numbers, the echo's chunk first
     chunks = list(client.completions.create(model=NAME, prompt=prompts[0], echo=True, logprobs=1, max_tokens=2,
                                             stream=True))
@@ -591,6 +592,7 @@ def test_cors_and_retry_headers_without_running_the_engine(served):
     pre, got, foreign, drained, failed = asyncio.run(calls())
     other.preparer.close()
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+    assert pre.headers["x-request-id"].startswith("req-")  # issue 44 item 10: the preflight too
     assert got.headers["access-control-allow-origin"] == "https://app.example"
     assert "x-request-id" in got.headers["access-control-expose-headers"]
     assert "access-control-allow-origin" not in foreign.headers

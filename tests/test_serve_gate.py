@@ -220,13 +220,36 @@ def test_connections_past_the_limit_get_503(model_dir):
         idle = [socket.create_connection((server.host, server.port), timeout=30) for _ in range(3)]
         try:
             time.sleep(0.3)
-            r = httpx.get(server.url + "/health", timeout=30)
+            r = httpx.get(server.url + "/health", timeout=30, headers={"x-request-id": "over-1"})
             assert r.status_code == 503, r.text
+            # issue 44 item 10: the server's own refusal, with the headers a client's retry logic reads
+            assert r.headers["retry-after"] == "1" and r.headers["x-request-id"] == "over-1"
+            assert r.json()["error"]["code"] == "server_overloaded" and "--max-connections" in r.text
         finally:
             for s in idle:
                 s.close()
         time.sleep(0.3)
         assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_request_bodies_in_flight_have_one_budget(model_dir):
+    """Issue 44 item 14: --max-connections x --max-request-bytes could all be buffered at once; the bodies of the
+    requests in flight share one budget (told by Content-Length, or counted as a body arrives), past it a 503 with
+    Retry-After, and the budget is given back when a request is answered."""
+    with serving(model_dir, max_request_bytes=BODY_LIMIT, max_inflight_bytes=BODY_LIMIT + 1024,
+                 request_timeout_s=30) as server:
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {BODY_LIMIT - 10}\r\n\r\n").encode()
+        with socket.create_connection((server.host, server.port), timeout=30) as slow:
+            slow.sendall(head + b"{" * 1000)  # a body of BODY_LIMIT - 10 announced (reserved), its start sent
+            time.sleep(0.3)
+            r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": [
+                {"role": "user", "content": "x" * 4000}]}, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "server_overloaded" and "--max-inflight-bytes" in r.text
+        time.sleep(0.3)  # the slow client left: its budget is back
+        assert _chat(_client(server)).choices[0].message.content is not None
+        assert server.asgi.app.inflight_bytes == 0  # RequestIds around the Gate
 
 
 # -- tokenizing does not serialise the clients ----------------------------------------------------------------

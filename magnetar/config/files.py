@@ -99,17 +99,41 @@ def _yaml_size(node, memo: dict) -> int:
     return n
 
 
+def _too_large_at(node, memo: dict) -> tuple[str, Any]:
+    """Where a document too large with its aliases expanded is too large: the dotted path of the deepest field (or
+    ``[i]`` item) whose value alone expands past :data:`MAX_YAML_NODES`, and the mark of that field's key (where it
+    is written -- an alias's target is defined elsewhere); ``("", the document's mark)`` when no single field is."""
+    import yaml
+
+    path, mark, seen = "", node.start_mark, set()
+    while id(node) not in seen:  # a recursive value leads back to a node already passed: stop there
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            children = [(k.value if isinstance(k, yaml.ScalarNode) else "?", k.start_mark, v) for k, v in node.value]
+            children = [(f"{path}.{name}" if path else str(name), m, v) for name, m, v in children]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(f"{path}[{i}]", v.start_mark, v) for i, v in enumerate(node.value)]
+        else:
+            break
+        big = [c for c in children if memo.get(id(c[2]), 0) > MAX_YAML_NODES]
+        if not big:
+            break
+        path, mark, node = big[0]
+    return path, mark
+
+
 def _parse_yaml(text: str) -> Any:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):  # PyYAML keeps the last of two equal keys without a word
         def construct_document(self, node):
-            size = _yaml_size(node, {})
-            if size > MAX_YAML_NODES:
-                raise yaml.constructor.ConstructorError(None, None, f"the document expands to more than "
+            memo: dict = {}
+            if _yaml_size(node, memo) > MAX_YAML_NODES:
+                path, mark = _too_large_at(node, memo)
+                where = f"the value of {path}" if path else "the document"
+                raise yaml.constructor.ConstructorError(None, None, f"{where} expands to more than "
                                                         f"{MAX_YAML_NODES} values (aliases repeated or recursive); "
-                                                        f"a config holds a few dozen -- write the values out",
-                                                        node.start_mark)
+                                                        f"a config holds a few dozen -- write the values out", mark)
             return super().construct_document(node)
 
         def construct_yaml_int(self, node):

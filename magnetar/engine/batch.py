@@ -74,7 +74,8 @@ def question(handle: ContextHandle, query_ids: torch.Tensor, sampler: RequestSam
     """One question over ``handle``'s KV: a fresh view of the shard (its own decode-policy state)."""
     params = sampler.params
     return Phase2Request(handle.shard.view(), query_ids, handle.query_position, handle.context_tokens, sampler,
-                         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+                         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+                         context_logits=handle.last_logits if params.prompt_logprobs else None)
 
 
 class ContinuousBatch:

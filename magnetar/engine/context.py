@@ -57,10 +57,34 @@ class ContextHandle:
     engine: str = ""
     options: str = ""  # a digest of the encoding options (Encoder.kv_options): a prefix extends only its own kind
     reused_tokens: int = 0  # its first tokens' KV came from a cached prefix handle (0: all encoded by Phase 1)
+    # (V,) float32 on CPU: the logits at the context's last position, where Phase 1 (one CP rank, no TP) or an
+    # extension computed them -- what a scored prompt's first query token is given; None elsewhere
+    last_logits: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def context_tokens(self) -> int:
         return int(self.context_ids.numel())
+
+
+PREFIX_BLOCK = 64  # tokens per block of the prefix index's chained hashes
+
+
+class _Prefixes:
+    """The chained block hashes of one id sequence, computed as far as asked: ``digest(n)`` names its first ``n``
+    tokens in O(n mod PREFIX_BLOCK) once the blocks before are hashed (each block once)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.data = ids.reshape(-1).to(torch.int64).cpu().contiguous().numpy().tobytes()
+        self.chain = [b""]  # chain[k]: the hash of the first k blocks
+
+    def digest(self, n: int) -> bytes:
+        m, width = n // PREFIX_BLOCK, PREFIX_BLOCK * 8
+        while len(self.chain) <= m:
+            k = len(self.chain) - 1
+            self.chain.append(hashlib.blake2b(self.chain[k] + self.data[k * width:(k + 1) * width],
+                                              digest_size=16).digest())
+        tail = self.data[m * width:n * 8]
+        return hashlib.blake2b(self.chain[m] + tail + n.to_bytes(8, "little"), digest_size=16).digest()
 
 
 class ContextCache:
@@ -68,6 +92,11 @@ class ContextCache:
 
     A handle larger than the whole budget is not kept. Eviction only drops the cache's reference: a question
     still decoding over an evicted handle keeps it alive until it is done.
+
+    Finding the longest cached prefix of a context is indexed, not a scan of every handle: each handle is filed
+    under its engine, options, length and a chained hash of its ids (blocks of :data:`PREFIX_BLOCK` tokens), so a
+    look-up hashes the context's blocks once and then tries each distinct cached length, longest first -- a server
+    holding thousands of small contexts no longer slows every tick. The byte total is kept as handles come and go.
     """
 
     def __init__(self, budget_bytes: int):
@@ -75,6 +104,10 @@ class ContextCache:
             raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
         self._handles: OrderedDict[str, ContextHandle] = OrderedDict()
+        self._nbytes = 0
+        self._index: dict[tuple, str] = {}  # (engine, options, length, prefix digest) -> key
+        self._filed: dict[str, tuple] = {}  # key -> its index entry
+        self._lengths: dict[tuple, dict[int, int]] = {}  # (engine, options) -> {length: handles of that length}
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
         self.warned = False  # the encoder said once that a context larger than the budget is not kept
 
@@ -86,7 +119,7 @@ class ContextCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(h.nbytes for h in self._handles.values())
+        return self._nbytes
 
     def get(self, key: str) -> Optional[ContextHandle]:
         """The cached handle of ``key`` (now the most recently used; counted as a hit), or None (a miss)."""
@@ -115,35 +148,65 @@ class ContextCache:
         return 0 if best is None else best.context_tokens
 
     def _longest_prefix(self, context_ids: torch.Tensor, engine: str, options: str) -> Optional[ContextHandle]:
+        lengths = self._lengths.get((engine, options))
         ids = context_ids.reshape(-1)
-        best = None
-        for h in self._handles.values():
-            n = h.context_tokens
-            if h.engine == engine and h.options == options and n < ids.numel() and \
-                    (best is None or n > best.context_tokens) and torch.equal(ids[:n], h.context_ids):
-                best = h
-        return best
+        if not lengths:
+            return None
+        prefixes = _Prefixes(ids)
+        for n in sorted((n for n in lengths if n < ids.numel()), reverse=True):
+            key = self._index.get((engine, options, n, prefixes.digest(n)))
+            handle = self._handles.get(key) if key is not None else None
+            if handle is not None and torch.equal(ids[:n], handle.context_ids):  # a hash collision is no prefix
+                return handle
+        return None
 
     def put(self, handle: ContextHandle) -> bool:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
         returns whether it is kept."""
-        self._handles.pop(handle.key, None)
+        self._remove(handle.key)
         if handle.nbytes > self.budget_bytes:
             return False
-        while self._handles and self.nbytes + handle.nbytes > self.budget_bytes:
-            self._handles.popitem(last=False)
+        while self._handles and self._nbytes + handle.nbytes > self.budget_bytes:
+            self._remove(next(iter(self._handles)))
             self.evictions += 1
         self._handles[handle.key] = handle
+        self._nbytes += handle.nbytes
+        n, kind = handle.context_tokens, (handle.engine, handle.options)
+        entry = (*kind, n, _Prefixes(handle.context_ids).digest(n))
+        self._index[entry], self._filed[handle.key] = handle.key, entry
+        counts = self._lengths.setdefault(kind, {})
+        counts[n] = counts.get(n, 0) + 1
         return True
 
     def release(self, handle_or_key) -> bool:
         """Drop a handle (or key) from the cache; returns whether it was there."""
         key = handle_or_key.key if isinstance(handle_or_key, ContextHandle) else handle_or_key
-        return self._handles.pop(key, None) is not None
+        return self._remove(key)
 
     def clear(self) -> None:
         self._handles.clear()
+        self._index.clear()
+        self._filed.clear()
+        self._lengths.clear()
+        self._nbytes = 0
+
+    def _remove(self, key: str) -> bool:
+        handle = self._handles.pop(key, None)
+        if handle is None:
+            return False
+        self._nbytes -= handle.nbytes
+        entry = self._filed.pop(key)
+        if self._index.get(entry) == key:
+            del self._index[entry]
+        n, kind = handle.context_tokens, (handle.engine, handle.options)
+        counts = self._lengths[kind]
+        counts[n] -= 1
+        if not counts[n]:
+            del counts[n]
+        if not counts:
+            del self._lengths[kind]
+        return True
 
     def stats(self) -> dict:
-        return dict(handles=len(self._handles), bytes=self.nbytes, budget_bytes=self.budget_bytes, hits=self.hits,
+        return dict(handles=len(self._handles), bytes=self._nbytes, budget_bytes=self.budget_bytes, hits=self.hits,
                     misses=self.misses, evictions=self.evictions, prefix_hits=self.prefix_hits)

@@ -66,6 +66,7 @@ class Phase1Output:
     stats: list[RankStats]
     largest_bytes: int
     prefill_stats: Optional[PrefillStats] = None
+    last_logits: Optional[torch.Tensor] = None  # (V,): the context's last position (one CP rank only, else None)
 
 
 class Encoder:
@@ -131,7 +132,7 @@ class Encoder:
             prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
             handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
                                    out.largest_bytes, self.config.method, engine=self.identity,
-                                   options=self.options_digest)
+                                   options=self.options_digest, last_logits=out.last_logits)
         budget = self.cache.budget_bytes  # 0: the user keeps nothing on purpose
         if keep and not self.cache.put(handle) and handle.nbytes > budget > 0 and not self.cache.warned:
             self.cache.warned = True  # once per cache: every such context would say it again
@@ -178,8 +179,8 @@ class Encoder:
             raise ValueError("extend: base must hold a proper prefix of context_ids")
         t0 = time.perf_counter()
         gen = KVShard(self.model.config.num_hidden_layers) if self.groups.is_cp_leader else None
-        run_teacher_forced(self.model, self.config, base.shard.view(), new, base.query_position, self.groups,
-                           self.device, context_tokens=n, gen=gen, every=False)
+        logits = run_teacher_forced(self.model, self.config, base.shard.view(), new, base.query_position,
+                                    self.groups, self.device, context_tokens=n, gen=gen, every=False)
         seconds = time.perf_counter() - t0
         shard = KVShard.join([base.shard, gen]) if gen is not None else base.shard
         added = gen.nbytes() if gen is not None else 0
@@ -196,7 +197,8 @@ class Encoder:
             largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
                              base.query_position + int(new.numel()), stats, base.prefill_stats, largest, base.method,
-                             engine=self.identity, options=self.options_digest, reused_tokens=n)
+                             engine=self.identity, options=self.options_digest, reused_tokens=n,
+                             last_logits=logits[-1].float().cpu())
 
     def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
         """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's
@@ -217,8 +219,11 @@ class Encoder:
     # -- the two ways ---------------------------------------------------------------------------------------
     def _distributed(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         plan = plan_rank(self.config, context_ids, self.groups.cp_rank)
+        # the context's last logits (a scored prompt's first query token) where they need no collective: one CP
+        # rank, its weights whole (a TP rank's LM head may hold a slice of the vocabulary)
+        whole = self.groups.cp_size == 1 and self.config.parallel.tp_size == 1
         p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device,
-                        mass=self._mass(variants), prefill=self.prefill)
+                        mass=self._mass(variants), prefill=self.prefill, last_logits=whole)
         # one integer gather for the checks, the shard sizes and the sparse-prefill counts
         mine = [kept_token_count(plan), -1 if p1.nonfinite_layer is None else p1.nonfinite_layer, p1.shard.nbytes()]
         if self.prefill is not None:  # a local Phase 1 on every rank: every rank has counts
@@ -231,7 +236,8 @@ class Encoder:
         if self.prefill is not None:  # every rank's counts of this request, summed
             prefill_stats = p1.prefill_stats.with_counts([sum(col) for col in zip(*(r[3:] for r in rows))])
         stats = RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes())
-        return Phase1Output(p1.shard, plan.query_position, [stats], max(r[2] for r in rows), prefill_stats)
+        return Phase1Output(p1.shard, plan.query_position, [stats], max(r[2] for r in rows), prefill_stats,
+                            p1.last_logits)
 
     def _simulated(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge

@@ -3,7 +3,10 @@
 The driver runs one model forward per segment of the rank's plan (the method's ``[prefix ‖ block]`` inputs
 with the tokens' own positions, ring's shard, streaming's chunks); in every layer the attention function
 asks the method (:meth:`magnetar.engine.strategy.ContextMethod.attend`) through :class:`Phase1Context`.
-No logits are computed (the base model is called, not the LM head). This module knows no method by name.
+No logits are computed (the base model is called, not the LM head) -- except, with ``last_logits``, for the context's
+last token on the rank whose segment ends the context: then that segment runs through the LM head too, which keeps
+only its last position (what a prompt's scoring needs for the first query token). This module knows no method by
+name.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class Phase1Result:
     seconds: float
     prefill_stats: Optional[object] = None  # sparse prefill: this rank's PrefillStats (see engine.strategy)
     nonfinite_layer: Optional[int] = None  # runtime.check_finite: first layer whose attention output was not finite
+    last_logits: Optional[torch.Tensor] = None  # (V,) float32 on CPU: the context's last position, when asked
 
 
 class Phase1Context(LayerContext):
@@ -68,12 +72,14 @@ def _base_model(model):
 @torch.inference_mode()
 def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.Tensor, groups: ParallelGroups,
                device: torch.device, mass: Optional[Callable[..., torch.Tensor]] = None,
-               prefill: Optional[PrefillPolicy] = None, earlier: Sequence[KVShard] = ()) -> Phase1Result:
+               prefill: Optional[PrefillPolicy] = None, earlier: Sequence[KVShard] = (),
+               last_logits: bool = False) -> Phase1Result:
     """Encode the plan's segments of ``context_ids (L,)``; returns the frozen KV shard.
     ``mass``: a decode policy's recorder of the attention mass every stored key received (LuKA), used by
     methods with a local Phase 1. ``prefill``: the engine's sparse-prefill policy (None: dense prefill); the
     patched layers of every segment then attend sparsely, budget from the context length. ``earlier``: simulated
-    ranks, the shards of the ranks encoded before this one (hybrid layers read them)."""
+    ranks, the shards of the ranks encoded before this one (hybrid layers read them). ``last_logits``: the logits at
+    the context's last position too, where a segment of this rank ends the context (``Phase1Result.last_logits``)."""
     method = context_method(config.method)
     local = METHODS[config.method].local_prefill
     run = prefill.start(int(context_ids.numel())) if prefill is not None and local else None
@@ -85,17 +91,22 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     method.begin(shard)
     flags = LayerFlags(model.config.num_hidden_layers, device) if config.runtime.check_finite else None
     t0 = time.perf_counter()
+    last, logits = int(context_ids.numel()) - 1, None
     with nvtx_range(PHASE1):
         for seg in plan.segments:
             ctx = Phase1Context(method, config, seg, shard, group=groups.cp_group, timeout=groups.timeout,
                                 prefill=run, mass=mass, device=device, flags=flags, earlier=earlier)
+            inputs = dict(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
+                          use_cache=False, magnetar=ctx)
             with nvtx_range(PHASE1_BLOCK, i=seg.block):
-                base(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
-                     use_cache=False, magnetar=ctx)
+                if last_logits and len(seg.indices) and int(seg.indices[-1]) == last:  # the model's own head
+                    logits = model(**inputs, logits_to_keep=1).logits[0, -1].float().cpu()
+                else:
+                    base(**inputs)
     shard.freeze()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     method.finish(shard, config, int(context_ids.numel()))
     return Phase1Result(shard, seconds, None if run is None else run.stats,
-                        None if flags is None else flags.first())
+                        None if flags is None else flags.first(), logits)

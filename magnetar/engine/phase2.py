@@ -152,7 +152,8 @@ class DecodeResult:
     gen_kv_tokens: int = 0
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank after the last token
     # with Phase2Request.logprobs, on the replica's first rank: per generated token (log p, [(id, log p)] of the
-    # most likely alternatives); with prompt_logprobs, the same for query tokens 1.. (each given those before it)
+    # most likely alternatives); with prompt_logprobs, the same for query tokens 1.. (each given those before it),
+    # and for query token 0 too when the context's last logits are known (Phase2Request.context_logits)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: Optional[list] = None
 
@@ -206,6 +207,9 @@ class Phase2Request:
     chooser: TokenChooser
     logprobs: Optional[int] = None  # None: none; k: each chosen token's log-probability and k alternatives
     prompt_logprobs: bool = False  # also the query tokens' (from the query forward)
+    # (V,): the logits at the context's last position (ContextHandle.last_logits), when known: with prompt_logprobs
+    # the first query token gets its log-probability too
+    context_logits: Optional[torch.Tensor] = None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[tuple[float, list]]:
@@ -357,9 +361,13 @@ class DecodeBatch:
             if r.req.logprobs is not None:  # from the logits the token was chosen by
                 [row] = token_logprobs(logits[None], [token], r.req.logprobs)
                 r.result.logprobs.append(row)
-            if prompt is not None:
-                r.result.prompt_logprobs = [] if len(prompt) < 2 else token_logprobs(
-                    prompt[:-1], r.req.query[1:].tolist(), r.req.logprobs or 0)
+            if prompt is not None:  # row i predicts query token i + 1; the context's last logits query token 0
+                rows, first = prompt[:-1], r.req.context_logits
+                if first is not None:
+                    rows = torch.cat((first.to(rows.device, rows.dtype)[None], rows))
+                targets = r.req.query.tolist()[len(r.req.query) - len(rows):]
+                r.result.prompt_logprobs = [] if not len(rows) else token_logprobs(rows, targets,
+                                                                                    r.req.logprobs or 0)
             return token, None
         except Exception as e:  # noqa: BLE001 -- every exception of one request's choice is that request's
             log.error("a request's token choice failed: %s: %s", type(e).__name__, e, exc_info=not self.isolate)

@@ -49,7 +49,7 @@ from magnetar.eval.common import check_attention_backend, check_cp_size, parse_l
 from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
 from magnetar.parallel import local_groups
-from magnetar.parallel.collectives import barrier
+from magnetar.parallel.collectives import barrier, store_barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
 from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors
 
@@ -513,8 +513,11 @@ def run(args) -> int:
             bar.update(len(group))
     if bar is not None:
         bar.close()
-    # dealt shares end at different times: wait long for the slowest before rank 0 writes the report
-    barrier(timeout=timedelta(hours=6) if dealt else timeout)
+    # dealt shares end at different times: wait long for the slowest before rank 0 writes the report -- in the
+    # store, whose wait a rank still computing cannot outlast (a collective's is bounded by the group's timeout)
+    if dealt:
+        store_barrier("eval-dealt-done", timeout=timedelta(hours=6))
+    barrier(timeout=timeout)
     if rank == 0:
         from magnetar.eval.report import write_report
 

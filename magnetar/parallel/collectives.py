@@ -5,7 +5,9 @@ collective per layer, whatever the dtype of ``out`` (bf16 ``out`` is not inflate
 """
 from __future__ import annotations
 
+import itertools
 import pickle
+import time
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -46,6 +48,28 @@ def barrier(group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[time
         dist.monitored_barrier(group=group, timeout=timeout)
     else:
         wait_all(dist.barrier(group=group, async_op=True), timeout, "barrier")
+
+
+_STORE_BARRIERS = itertools.count()
+
+
+def store_barrier(name: str, *, timeout: timedelta, poll_s: float = 0.2) -> None:
+    """Wait until every rank of the default group has reached the barrier ``name`` (the n-th call of each rank meets
+    the n-th of the others), counted
+    in the group's key-value store. For ranks that end uneven work far apart (an evaluation's dealt items): the
+    store answers from its own thread, so the wait is bounded by ``timeout`` alone -- a collective's (gloo's
+    monitored barrier included) is bounded by the process group's transport timeout, which a rank still computing
+    can outlast. TimeoutError naming how many ranks came; a no-op without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    key = f"magnetar/barrier/{name}/{next(_STORE_BARRIERS)}"  # every rank calls them in the same order
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (came := store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r}: {came} of {world} ranks arrived within {timeout}")
+        time.sleep(poll_s)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

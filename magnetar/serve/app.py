@@ -145,8 +145,9 @@ def build_app(server) -> FastAPI:
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused):  # raised by the gate while a route reads the body
         metrics.refused(exc.status)
-        return Response(exc.body(), status_code=exc.status,
-                        media_type="application/json", headers={"connection": "close"})
+        extra = {k.decode("latin-1"): v.decode("latin-1") for k, v in exc.headers}
+        return Response(exc.body(), status_code=exc.status, media_type="application/json",
+                        headers={"connection": "close", **extra})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

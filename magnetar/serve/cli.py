@@ -118,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout-s", type=_positive_seconds, default=60.0,
                    help="a request's head, and then its body, must arrive within this (default 60)")
     g.add_argument("--max-connections", type=int_at_least(1), default=512,
-                   help="open connections at most; more get 503 (default 512)")
+                   help="open connections at most; more get 503 with Retry-After (default 512)")
+    g.add_argument("--max-inflight-bytes", type=int_at_least(1024), default=None,
+                   help="request-body bytes all requests in flight may hold together; more get 503 with Retry-After "
+                        "(default: 16 x --max-request-bytes, at least 64 MiB)")
     g.add_argument("--max-stop-strings", type=int_at_least(1), default=4,
                    help=f"stop strings a request may send (default 4, OpenAI's limit; at most {MAX_STOP_STRINGS})")
     add_cli_args(p)
@@ -257,6 +260,7 @@ def main(argv=None) -> int:
                     max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
                     log_level=args.log_level, max_request_bytes=args.max_request_bytes,
                     request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
+                    max_inflight_bytes=args.max_inflight_bytes,
                     max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
                     allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
                     paste_threshold=args.paste_threshold, prefill_threads=prefill_threads,

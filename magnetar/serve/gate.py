@@ -14,14 +14,17 @@ error body when
 4. its body is larger than ``--max-request-bytes`` -- told by ``Content-Length`` before anything is read, or
    counted as a chunked body arrives: **413** ``request_too_large``;
 5. its body does not arrive whole within ``--request-timeout-s`` of its headers (a body shorter than its
-   ``Content-Length``, a client that trickles): **408**.
+   ``Content-Length``, a client that trickles): **408**;
+6. more connections are open than ``--max-connections`` (counted by the protocol, :class:`Connections`), or the
+   request bodies of the requests in flight would hold more than ``--max-inflight-bytes`` (told by
+   ``Content-Length``, or counted as bodies arrive): **503** ``server_overloaded`` with ``Retry-After: 1``.
 
-Every response carries an ``x-request-id`` header: the request's own when it sent a usable one (at most 128
-characters of letters, digits and ``-_.:``), else one made here (``req-`` and 24 hex digits); refusals too.
+Every response carries an ``x-request-id`` header (:class:`RequestIds`, the outermost layer: CORS preflights and
+every refusal too): the request's own when it sent a usable one (at most 128 characters of letters, digits and
+``-_.:``), else one made here (``req-`` and 24 hex digits).
 
 A request's headers are bounded by :class:`BoundedH11Protocol`: a connection that has not sent a whole request
-head within ``--request-timeout-s`` (nothing at all, or half the headers) is closed; uvicorn's own
-``limit_concurrency`` (``--max-connections``) answers 503 past that many connections, and h11 refuses a head
+head within ``--request-timeout-s`` (nothing at all, or half the headers) is closed, and h11 refuses a head
 larger than its 16 KiB limit. This module knows nothing about the engine (the error bodies are
 :func:`magnetar.serve.protocol.error_body`).
 """
@@ -104,15 +107,44 @@ class Refused(Exception):
         return json.dumps(error_body(self.message, code=self.code)).encode()
 
 
+class Connections:
+    """The HTTP connections open now (the protocol counts them: :func:`bounded_protocol`), and how many may be."""
+
+    def __init__(self, limit: Optional[int] = None):
+        self.open, self.limit = 0, limit
+
+
+class RequestIds:
+    """The outermost ASGI layer: every response -- the app's, the gate's refusals, a CORS preflight answered before
+    the gate -- carries ``x-request-id`` (:func:`request_id`), which the layers inside read from
+    ``scope["state"]["request_id"]``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers") or () if k.lower() == b"x-request-id"), None)
+        rid = request_id(given.decode("latin-1") if given is not None else None)
+        scope.setdefault("state", {})["request_id"] = rid
+        await self.app(scope, receive, _with_request_id(send, rid.encode()))
+
+
 class Gate:
     """ASGI middleware: the checks of the module docstring, then ``app``. ``bound_host``: the address the server
     listens on; ``allowed_hosts``: ``Host`` names accepted besides the loopback names (with any, only those and
-    the loopback names are accepted even off loopback); ``api_key``: None for no key."""
+    the loopback names are accepted even off loopback); ``api_key``: None for no key; ``connections``: the open
+    connections and their limit (None: unlimited); ``max_inflight_bytes``: the request-body bytes all requests in
+    flight may hold together (None: unlimited)."""
 
     def __init__(self, app, *, max_request_bytes: int, request_timeout_s: float, bound_host: str,
                  allowed_hosts: Iterable[str] = (), api_key: Optional[str] = None, public_metrics: bool = False,
-                 on_refused=None):
+                 on_refused=None, connections: Optional[Connections] = None,
+                 max_inflight_bytes: Optional[int] = None):
         self.app = app
+        self.connections = connections
+        self.max_inflight_bytes, self.inflight_bytes = max_inflight_bytes, 0
         self.max_request_bytes = max_request_bytes
         self.request_timeout_s = request_timeout_s
         self.allowed_hosts = {h.lower() for h in allowed_hosts}
@@ -132,19 +164,32 @@ class Gate:
         headers = {}
         for name, value in scope.get("headers") or ():
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        rid = request_id(headers.get("x-request-id"))
-        scope.setdefault("state", {})["request_id"] = rid
-        send = _with_request_id(send, rid.encode())
+        if "request_id" not in scope.setdefault("state", {}):  # a gate without RequestIds outside it
+            scope["state"]["request_id"] = rid = request_id(headers.get("x-request-id"))
+            send = _with_request_id(send, rid.encode())
         try:
             self._check(scope, headers)
         except Refused as r:
             return await self._refuse(send, r)
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            receive = self._bounded(receive, started)
-        await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        # this request's body bytes in the in-flight budget until it is answered: its Content-Length reserved now
+        # (checked in _check, no await since), more as a body without one arrives
+        length = headers.get("content-length")
+        held = {"bytes": int(length) if length is not None else 0}
+        self.inflight_bytes += held["bytes"]
+        try:
+            await self.app(scope, self._bounded(receive, started, held), send)
+        finally:
+            self.inflight_bytes -= held["bytes"]
 
     def _check(self, scope, headers: dict) -> None:
         path = scope["path"]
+        c = self.connections
+        if c is not None and c.limit is not None and c.open > c.limit:
+            raise Refused(503, f"this server has {c.open} connections open, more than its {c.limit} "
+                               f"(--max-connections); retry shortly, or close idle connections",
+                          "server_overloaded", [(b"retry-after", b"1")])
         if self.check_host:
             host = host_of(headers.get("host", ""))
             if host not in self.allowed_hosts:
@@ -171,14 +216,24 @@ class Gate:
                     raise Refused(400, f"Content-Length {length[:40]!r} is not a number of bytes", None)
                 if int(length) > self.max_request_bytes:
                     raise Refused(413, self._too_large(f"{int(length)} bytes"), "request_too_large")
+                self._check_inflight(int(length))
+
+    def _check_inflight(self, more: int) -> None:
+        """503 when ``more`` body bytes would take the requests in flight past ``max_inflight_bytes``."""
+        if self.max_inflight_bytes is not None and self.inflight_bytes + more > self.max_inflight_bytes:
+            raise Refused(503, f"the requests in flight hold {self.inflight_bytes} bytes of request bodies; "
+                               f"{more} more would pass this server's {self.max_inflight_bytes} "
+                               f"(--max-inflight-bytes); retry shortly", "server_overloaded",
+                          [(b"retry-after", b"1")])
 
     def _too_large(self, size: str) -> str:
         return (f"the request body ({size}) is larger than this server accepts ({self.max_request_bytes} bytes, "
                 f"--max-request-bytes); a context that long does not fit the model anyway -- shorten it")
 
-    def _bounded(self, receive, started: float):
-        """``receive`` that refuses a body past the byte limit (413) or still incomplete at the deadline (408);
-        once the body is whole it passes every message through (the disconnect a streaming response waits for)."""
+    def _bounded(self, receive, started: float, held: dict):
+        """``receive`` that refuses a body past the byte limit (413), past the in-flight budget (503; ``held``
+        counts this request's bytes in it) or still incomplete at the deadline (408); once the body is whole it
+        passes every message through (the disconnect a streaming response waits for)."""
         state = {"bytes": 0, "done": False}
         deadline = started + self.request_timeout_s
 
@@ -193,7 +248,13 @@ class Gate:
                                    f"(--request-timeout-s): send all the bytes its Content-Length announces",
                               "request_timeout") from None
             if message["type"] == "http.request":
-                state["bytes"] += len(message.get("body", b""))
+                n = len(message.get("body", b""))
+                extra = state["bytes"] + n - held["bytes"]  # past what its Content-Length reserved
+                if extra > 0:
+                    self._check_inflight(extra)
+                    held["bytes"] += extra
+                    self.inflight_bytes += extra
+                state["bytes"] += n
                 if state["bytes"] > self.max_request_bytes:
                     raise Refused(413, self._too_large(f"more than {self.max_request_bytes} bytes"),
                                   "request_too_large")
@@ -225,9 +286,11 @@ def _with_request_id(send, rid: bytes):
     return sender
 
 
-def bounded_protocol(header_timeout_s: float):
+def bounded_protocol(header_timeout_s: float, connections: Optional[Connections] = None):
     """uvicorn's h11 protocol, with a connection closed when it has not sent a whole request head within
-    ``header_timeout_s`` of connecting (or of the bytes of its next request)."""
+    ``header_timeout_s`` of connecting (or of the bytes of its next request), and the open connections counted in
+    ``connections`` (the gate answers past their limit: uvicorn's own ``limit_concurrency`` 503 carries none of
+    the server's headers)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -236,6 +299,8 @@ def bounded_protocol(header_timeout_s: float):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            if connections is not None:
+                connections.open += 1
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -248,6 +313,8 @@ def bounded_protocol(header_timeout_s: float):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if connections is not None:
+                connections.open -= 1
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from magnetar.serve.gate import check_api_key
+from magnetar.serve.gate import Connections, check_api_key
 from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
 from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
 from magnetar.serve.protocol import now
@@ -26,6 +26,9 @@ STARTUP_TIMEOUT_S = 60.0  # for uvicorn to bind its port
 GRACEFUL_S = 10  # after the loop stops, for the last responses to be written
 BYTES_PER_POSITION = 64  # the default --max-request-bytes: this many per model position (JSON-escaped CJK: ~12)
 MIN_REQUEST_BYTES = 2**20
+# the default --max-inflight-bytes: this many whole requests' bodies at once (at least 64 MiB)
+INFLIGHT_REQUESTS = 16
+MIN_INFLIGHT_BYTES = 64 * 2**20
 
 
 class Server:
@@ -42,7 +45,9 @@ class Server:
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
-    and again for its body), ``max_connections``, ``max_stop_strings``; ``api_key`` (None: none) with
+    and again for its body), ``max_connections``, ``max_inflight_bytes`` (the request-body bytes all requests in
+    flight may hold together; default :data:`INFLIGHT_REQUESTS` whole requests' worth, at least 64 MiB),
+    ``max_stop_strings``; ``api_key`` (None: none) with
     ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's); ``allowed_origins`` (browser
     origins answered with CORS headers, ``*`` for any; none by default: browsers refuse cross-origin reads).
     ``sock``: a socket already bound
@@ -54,6 +59,7 @@ class Server:
                  heartbeat_s: Optional[float] = None, log_level: str = "warning",
                  max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
                  max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
+                 max_inflight_bytes: Optional[int] = None,
                  public_metrics: bool = False, allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
                  paste_threshold: int = PASTE_TOKENS, prefill_threads: Optional[int] = None,
                  prefill_chunk: int = PREFILL_CHUNK,
@@ -68,6 +74,9 @@ class Server:
                 max(MIN_REQUEST_BYTES, BYTES_PER_POSITION * positions)
         self.max_request_bytes, self.request_timeout_s = max_request_bytes, request_timeout_s
         self.max_connections, self.api_key = max_connections, check_api_key(api_key, "api_key")
+        self.connections = Connections(max_connections)  # counted by the HTTP protocol, refused by the gate
+        self.max_inflight_bytes = (max(INFLIGHT_REQUESTS * max_request_bytes, MIN_INFLIGHT_BYTES)
+                                   if max_inflight_bytes is None else max_inflight_bytes)
         self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
@@ -80,7 +89,7 @@ class Server:
         self.started = threading.Event()  # set once the leader listens (or failed to)
         if self.loop.leader:  # only the replica's first rank reads requests
             from magnetar.serve.app import build_app
-            from magnetar.serve.gate import Gate
+            from magnetar.serve.gate import Gate, RequestIds
             from magnetar.serve.metrics import Metrics
 
             self.preparer = Preparer(engine, model_name, max_tokens, self.contexts, max_stop_strings=max_stop_strings,
@@ -89,7 +98,8 @@ class Server:
             self.app = build_app(self)
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout_s,
                              bound_host=host, allowed_hosts=allowed_hosts, api_key=self.api_key,
-                             public_metrics=public_metrics, on_refused=self.metrics.refused)
+                             public_metrics=public_metrics, on_refused=self.metrics.refused,
+                             connections=self.connections, max_inflight_bytes=self.max_inflight_bytes)
             if allowed_origins:  # outside the gate: a preflight carries no API key, and refusals get CORS headers too
                 from starlette.middleware.cors import CORSMiddleware
 
@@ -97,6 +107,7 @@ class Server:
                                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
                                            expose_headers=["x-request-id", "retry-after", "x-should-retry"],
                                            max_age=600)
+            self.asgi = RequestIds(self.asgi)  # outermost: CORS preflights carry the request id too
 
     @property
     def leader(self) -> bool:
@@ -131,7 +142,7 @@ class Server:
 
         config = uvicorn.Config(self.asgi, host=self.host, port=self.port, log_level=self.log_level, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_S, access_log=False,
-                                http=bounded_protocol(self.request_timeout_s), limit_concurrency=self.max_connections)
+                                http=bounded_protocol(self.request_timeout_s, self.connections))
         self._http = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._http.run, name="magnetar-http", daemon=True,
                                         kwargs={"sockets": [self.sock]} if self.sock is not None else {})
