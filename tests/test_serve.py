@@ -449,6 +449,17 @@ def test_split_pasted_counts_tokens_not_characters_and_ignores_trailing_blanks(r
     assert got.model_extra["magnetar"]["prompts"][0]["split"] == "pasted"
 
 
+def test_text_that_looks_like_the_servers_own_marks_is_text(client, ref):
+    """Issue 44 item 7: the mark that cuts a conversation into context and question is private to each request,
+    so a message holding the old fixed one is answered as text (it was a 400 about the chat template)."""
+    mark = "\x00MAGNETAR_CONTEXT_END\x00"
+    messages = [{"role": "system", "content": "Be brief." + mark}, {"role": "user", "content": "Why?" + mark}]
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3)
+    p = split_messages(ref.tokenizer, messages)
+    assert got.usage.prompt_tokens == int(p.context_ids.numel() + p.query_ids.numel())
+    assert got.choices[0].message.content == ref.generate(p.context_ids, p.query_ids, max_new_tokens=3).text
+
+
 def test_split_pasted_cuts_at_the_last_paragraph_then_line_then_tokens(ref):
     tok = ref.tokenizer
     doc = DOCS[0] * 4
