@@ -151,3 +151,22 @@ def test_a_compiled_decode_step_is_warmed_up_before_serving(model_dir, monkeypat
     assert got.choices[0].message.content == ref.generate(LONG_DOC[:300], " What is item 2?", max_new_tokens=6).text
     assert [h.context_tokens for h in engine.cache._handles.values()] == [got.model_extra["magnetar"]["prompts"][0][
         "context_tokens"]]  # no warm-up context left
+
+
+def test_a_new_exact_method_gets_prefix_reuse_and_chunks_from_its_registry_facts(monkeypatch):
+    """Issue 46 item 3 (method facts): the engine and the server ask the registry whether a method's Phase 1 is exact
+    (extendable prefixes, chunked Phase 1) or partitions its KV (prefix_reuse "all"); neither names a method."""
+    from magnetar.config import METHODS, MethodSpec
+
+    monkeypatch.setitem(METHODS, "dense_copy", MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False,
+                                                          local_prefill=True, exact=True, partitions=True))
+    monkeypatch.setitem(METHODS, "approx_copy", MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False,
+                                                           local_prefill=True, partitions=True))
+    exact = magnetar.init_inference(tiny_model("llama"), method="dense_copy")
+    assert exact.encoder.can_extend() is None and chunking_problem(exact) is None
+    approx = magnetar.init_inference(tiny_model("llama"), method="approx_copy")
+    assert approx.encoder.can_extend() == ("method 'approx_copy' is not extended with prefix_reuse 'exact' (its "
+                                           "Phase 1 is approximate: prefix_reuse 'all' extends it)")
+    assert chunking_problem(approx).startswith("method 'approx_copy': its Phase 1 is not a causal pass")
+    assert magnetar.init_inference(tiny_model("llama"), method="approx_copy", prefix_reuse="all").encoder \
+        .can_extend() is None

@@ -16,13 +16,19 @@ class MethodSpec:
     ``local_prefill``: its Phase 1 is causal attention over ``[prefix ‖ block]`` segments on each rank, which
     LuKA's attention mass and sparse prefill build on. ``own_options``: config fields that only this method (and the
     others that list them) reads, each with what it does (the config refuses them with any other method; a command
-    comparing several methods gives them to those alone).
+    comparing several methods gives them to those alone). ``exact``: its Phase 1 is exact causal attention over the
+    whole context, so a cached prefix extended by exact attention over its KV holds what a fresh Phase 1 of the
+    longer context would (``runtime.prefix_reuse`` "exact", the server's chunked Phase 1). ``partitions``: its KV
+    keeps every context token once over the ranks, so a new token's KV can join it (``prefix_reuse`` "all").
+    The engine and the server ask these facts; neither names a method.
     """
 
     impl: str
     distributed: bool
     local_prefill: bool
     own_options: tuple[tuple[str, str], ...] = ()
+    exact: bool = False
+    partitions: bool = False
 
 
 # The halo (issue 30): Star's and Pulsar's option, each block also sees the tokens just before it
@@ -32,12 +38,14 @@ HALO_OPTIONS = (("halo_size", "each block also sees the tokens just before it"),
 EXACT_OPTIONS = (("exact_layers", "these layers attend exactly to every earlier block (KV exchanged as ring's)"),)
 # The registry of Phase-1 methods: adding a method is its module in magnetar/methods/ plus one line here.
 METHODS: dict[str, MethodSpec] = {
-    "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True),
-    "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False),
+    "dense": MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False, local_prefill=True, exact=True,
+                        partitions=True),
+    "ring": MethodSpec("magnetar.methods.ring:RingMethod", distributed=True, local_prefill=False, exact=True,
+                       partitions=True),
     "star": MethodSpec("magnetar.methods.star:StarMethod", distributed=True, local_prefill=True,
-                       own_options=HALO_OPTIONS + EXACT_OPTIONS),
+                       own_options=HALO_OPTIONS + EXACT_OPTIONS, partitions=True),
     "pulsar": MethodSpec("magnetar.methods.pulsar:PulsarMethod", distributed=True, local_prefill=True,
-                         own_options=HALO_OPTIONS + EXACT_OPTIONS),
+                         own_options=HALO_OPTIONS + EXACT_OPTIONS, partitions=True),
     "streaming": MethodSpec("magnetar.methods.streaming:StreamingMethod", distributed=False, local_prefill=False),
 }
 DISTRIBUTED_METHODS = tuple(n for n, s in METHODS.items() if s.distributed)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from magnetar.config import EngineConfig
+from magnetar.config import METHODS, EngineConfig
 from magnetar.engine.context import ContextCache, ContextHandle, context_key
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
@@ -33,13 +33,6 @@ from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
 
 log = logging.getLogger(__name__)
-
-
-# The methods whose Phase 1 is exact attention: a prefix extended by its new tokens' exact attention holds the KV
-# a fresh Phase 1 would (runtime.prefix_reuse "exact"); "all" adds the approximate methods whose KV partitions the
-# context (every token kept once), so a new token's KV can join it.
-EXACT_PHASE1 = ("dense", "ring")
-EXTENDABLE = EXACT_PHASE1 + ("star", "pulsar")
 
 
 def kv_options(config: EngineConfig) -> str:
@@ -148,9 +141,12 @@ class Encoder:
         mode, method = self.config.runtime.prefix_reuse, self.config.method
         if mode == "off":
             return "runtime.prefix_reuse is off"
-        if method not in (EXACT_PHASE1 if mode == "exact" else EXTENDABLE):
+        # the registry's facts: "exact" extends a method whose Phase 1 is exact attention (the extension is then the
+        # fresh Phase 1); "all" also one whose KV partitions the context (every token kept once: new KV can join it)
+        spec = METHODS[method]
+        if not (spec.exact if mode == "exact" else spec.partitions):
             return (f"method {method!r} is not extended with prefix_reuse {mode!r}" +
-                    (" (its Phase 1 is approximate: prefix_reuse 'all' extends it)" if method in EXTENDABLE else ""))
+                    (" (its Phase 1 is approximate: prefix_reuse 'all' extends it)" if spec.partitions else ""))
         if self.prefill is not None:
             return "sparse prefill chooses Phase 1's keys; an extension would attend to all of them"
         if self._mass() is not None:

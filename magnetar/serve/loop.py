@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from magnetar.config import METHODS
 from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import RequestFailed
@@ -85,7 +86,7 @@ def chunking_problem(engine) -> Optional[str]:
     cfg = engine.config
     if cfg.parallel.cp_size > 1:
         return f"cp_size {cfg.parallel.cp_size}: each rank encodes its own block of the context (not chunked yet)"
-    if cfg.method not in ("dense", "ring"):
+    if not METHODS[cfg.method].exact:  # the registry's fact, never a list of names
         return f"method {cfg.method!r}: its Phase 1 is not a causal pass over the context"
     return engine.encoder.can_extend()
 
