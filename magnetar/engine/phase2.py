@@ -364,7 +364,7 @@ class DecodeBatch:
             if prompt is not None:  # row i predicts query token i + 1; the context's last logits query token 0
                 rows, first = prompt[:-1], r.req.context_logits
                 if first is not None:
-                    rows = torch.cat((first.to(rows.device, rows.dtype)[None], rows))
+                    rows = torch.cat((first.to(rows.device, torch.float32)[None], rows.float()))
                 targets = r.req.query.tolist()[len(r.req.query) - len(rows):]
                 r.result.prompt_logprobs = [] if not len(rows) else token_logprobs(rows, targets,
                                                                                     r.req.logprobs or 0)
