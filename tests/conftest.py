@@ -209,6 +209,3 @@ def pytest_sessionfinish(session):
         os.killpg(proc.pid, signal.SIGKILL)  # the compiler under it too (a cut build is redone on its next load)
         proc.wait()
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "model: needs a real model prepared from a PyPI package (slow)")

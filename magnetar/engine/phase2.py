@@ -251,7 +251,7 @@ class DecodeBatch:
                  policy: Optional[DecodePolicy] = None, keep_logits: bool = False, isolate: bool = False):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.policy, self.keep_logits, self.isolate = policy, keep_logits, isolate
-        self.chooses = groups.cp_rank == 0 and groups.tp_rank == 0  # the replica's first rank
+        self.chooses = groups.is_replica_leader
         self._live: dict[int, _Live] = {}
         self._ids = itertools.count()
         self._steps = 0

@@ -163,6 +163,12 @@ class ParallelGroups:
         return self.cp_rank == 0
 
     @property
+    def is_replica_leader(self) -> bool:
+        """cp_rank 0 and tp_rank 0: the replica's first rank, which chooses every token (then broadcast) and, in a
+        server, reads the requests and decides the ticks."""
+        return self.cp_rank == 0 and self.tp_rank == 0
+
+    @property
     def replica_size(self) -> int:
         """``tp_size x cp_size``: the ranks that serve one request together."""
         return self.tp_size * self.cp_size

@@ -44,7 +44,7 @@ from magnetar.engine.phase2 import RequestFailed
 from magnetar.engine.sampling import SamplingParams
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
-from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick, is_leader
+from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick
 from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class EngineLoop:
         # intra-op threads while a tick's Phase 1s and query forwards run (compute-bound: every usable CPU), the
         # decode steps keeping the process's own count (magnetar.serve.cli.choose_threads); None: one count
         self.prefill_threads = prefill_threads
-        self.leader = is_leader(self.groups)
+        self.leader = self.groups.is_replica_leader  # it serves HTTP and decides the ticks
         self.max_batch_size = max_batch_size
         self.metrics = metrics
         timeout = self.groups.timeout.total_seconds()

@@ -80,11 +80,6 @@ class Tick:
                    chunks=[Chunk(**c) for c in d["chunks"]], stop=bool(d["stop"]), error=d["error"])
 
 
-def is_leader(groups: ParallelGroups) -> bool:
-    """The replica's first rank (cp_rank 0, tp_rank 0): it serves HTTP and decides the ticks."""
-    return groups.cp_rank == 0 and groups.tp_rank == 0
-
-
 def broadcast_tick(tick: Optional[Tick], groups: ParallelGroups, device: torch.device) -> Tick:
     """``tick`` (given on the leader, None elsewhere) on every rank of the replica group; a no-op for a replica of
     one rank. Raises TimeoutError after ``groups.timeout`` when a rank of the replica is missing."""
@@ -92,7 +87,7 @@ def broadcast_tick(tick: Optional[Tick], groups: ParallelGroups, device: torch.d
         if tick is None:
             raise ValueError("tick must be given on a replica of one rank (this rank is its leader)")
         return tick
-    leader = is_leader(groups)
+    leader = groups.is_replica_leader
     if leader != (tick is not None):
         raise ValueError("the replica's first rank gives the tick (tick=...), every other rank passes None")
     group, src, timeout = groups.replica_group, groups.replica_ranks[0], groups.timeout
