@@ -208,4 +208,3 @@ def pytest_sessionfinish(session):
     if proc is not None and proc.poll() is None:  # a short run (-k) ends before the builds: they stop with it
         os.killpg(proc.pid, signal.SIGKILL)  # the compiler under it too (a cut build is redone on its next load)
         proc.wait()
-
