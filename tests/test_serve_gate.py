@@ -254,6 +254,8 @@ def test_request_bodies_in_flight_have_one_budget(model_dir):
         while gate.inflight_bytes and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gate.inflight_bytes == 0
+    with pytest.raises(ValueError, match="--max-inflight-bytes 2048 is below --max-request-bytes 4096"):
+        Server(server.engine, model_name=NAME, port=free_port(), max_request_bytes=4096, max_inflight_bytes=2048)
 
 
 # -- tokenizing does not serialise the clients ----------------------------------------------------------------

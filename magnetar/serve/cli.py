@@ -136,6 +136,10 @@ def check_inputs(args):
         raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
     if args.max_stop_strings > MAX_STOP_STRINGS:
         raise ValueError(f"--max-stop-strings {args.max_stop_strings}: at most {MAX_STOP_STRINGS} (the engine's limit)")
+    if args.max_inflight_bytes is not None and args.max_request_bytes is not None and \
+            args.max_inflight_bytes < args.max_request_bytes:
+        raise ValueError(f"--max-inflight-bytes {args.max_inflight_bytes} is below --max-request-bytes "
+                         f"{args.max_request_bytes}: one whole request could never be taken; raise it")
     if args.api_key is None:
         args.api_key = check_api_key(os.environ.get(API_KEY_ENV) or None, API_KEY_ENV)
     else:

@@ -77,6 +77,9 @@ class Server:
         self.connections = Connections(max_connections)  # counted by the HTTP protocol, refused by the gate
         self.max_inflight_bytes = (max(INFLIGHT_REQUESTS * max_request_bytes, MIN_INFLIGHT_BYTES)
                                    if max_inflight_bytes is None else max_inflight_bytes)
+        if self.max_inflight_bytes < max_request_bytes:
+            raise ValueError(f"--max-inflight-bytes {self.max_inflight_bytes} is below --max-request-bytes "
+                             f"{max_request_bytes}: one whole request could never be taken; raise it")
         self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
