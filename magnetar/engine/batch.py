@@ -22,13 +22,15 @@ import torch
 
 from magnetar.engine.context import ContextHandle
 from magnetar.engine.encode import Encoder
-from magnetar.engine.phase2 import DecodeBatch, Phase2Request
+from magnetar.engine.finite import NonFiniteError
+from magnetar.engine.phase2 import DecodeBatch, Phase2Request, RequestFailed
 from magnetar.engine.requests import Requests
 from magnetar.engine.results import Results
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
 from magnetar.utils.nvtx import GENERATE, nvtx_range
 
-FAILED_ALONE = ("nonfinite", "failed")  # the stop reasons of a request that failed alone (its last event has no token)
+# the stop reasons of a request that failed alone (its last event has no token), and the error each one raises
+FAILED_ALONE = {"nonfinite": NonFiniteError, "failed": RequestFailed}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class TokenEvent:
     # with prompt_logprobs, the first event also carries the query tokens' (DecodeResult.prompt_logprobs)
     logprob: Optional[tuple] = None
     prompt_logprobs: Optional[list] = None
+
+    def failure(self) -> Optional[Exception]:
+        """The error of a request that failed alone (stop reason "nonfinite": NonFiniteError, "failed":
+        RequestFailed; ``error`` its message), else None."""
+        kind = FAILED_ALONE.get(self.stop_reason)
+        return None if kind is None else kind(self.error)
 
 
 @dataclass(frozen=True)

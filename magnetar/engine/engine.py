@@ -32,8 +32,7 @@ from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, question
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
-from magnetar.engine.finite import NonFiniteError
-from magnetar.engine.phase2 import DecodeBatch, RequestFailed, run_phase2
+from magnetar.engine.phase2 import DecodeBatch, run_phase2
 from magnetar.engine.requests import Requests
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
@@ -196,12 +195,10 @@ class Engine:
             while True:
                 if event.text:
                     yield event.text
-                if event.stop_reason == "nonfinite":  # as generate raises it
+                failure = event.failure()  # its own NaN (as generate raises it) or its token choice raised
+                if failure is not None:
                     batch.pop(rid)
-                    raise NonFiniteError(event.error)
-                if event.stop_reason == "failed":  # its token choice raised (the log has its traceback)
-                    batch.pop(rid)
-                    raise RequestFailed(event.error)
+                    raise failure
                 if event.stop_reason is not None:
                     break
                 [event] = batch.step()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -93,26 +93,36 @@ def check_unicode(text: str, name: str) -> None:
                          f"Unicode text; decode the source with errors='replace' or remove it") from None
 
 
-def check_token_ids(ids: torch.Tensor, name: str, vocab_size: Optional[int], *, min_tokens: int = 1,
-                    tokenized: bool = False) -> None:
-    """``ids (N,)`` integer: at least ``min_tokens`` of them, each in ``[0, vocab_size)``.
+_INT64 = 2**63
+
+
+def check_token_ids(ids: Union[torch.Tensor, Sequence[int]], name: str, vocab_size: Optional[int], *,
+                    min_tokens: int = 1, tokenized: bool = False) -> None:
+    """``ids (N,)`` integer: at least ``min_tokens`` of them, each in ``[0, vocab_size)``. ``ids`` may be a list of
+    Python ints not yet made a tensor (a client's): then ints past int64 are refused too, also without a
+    vocabulary (``torch.tensor`` would fail on them).
 
     ``tokenized``: the ids came from the tokenizer (an id out of range then means it does not match the model).
     """
-    n = int(ids.numel())
+    tensor = isinstance(ids, torch.Tensor)
+    n = int(ids.numel()) if tensor else len(ids)
     if n < min_tokens:
         why = _MIN_TOKENS_WHY.get(name, f"pass at least {min_tokens}")
         raise ValueError(f"the {name} is empty: {why}" if n == 0 else f"the {name} has {n} token(s); {why}")
-    if vocab_size is None:
+    if n == 0 or (vocab_size is None and tensor):
         return
-    lo, hi = (int(x) for x in ids.aminmax())
-    if lo >= 0 and hi < vocab_size:
+    lo, hi = (int(x) for x in ids.aminmax()) if tensor else (min(ids), max(ids))
+    if (lo >= 0 and hi < vocab_size) if vocab_size is not None else (-_INT64 <= lo and hi < _INT64):
         return
     bad = lo if lo < 0 else hi
-    where = int((ids == bad).nonzero()[0, 0])
+    where = int((ids == bad).nonzero()[0, 0]) if tensor else ids.index(bad)
+    shown = bad if bad.bit_length() <= 128 else f"of {bad.bit_length()} bits"  # a huge int's repr is slow, or refused
     fix = ("the tokenizer does not match the model; pass the model's own tokenizer" if tokenized else
            "pass ids from the model's own tokenizer")
-    raise ValueError(f"{name} holds token id {bad} (at index {where}), outside the model's vocabulary "
+    if vocab_size is None:
+        raise ValueError(f"{name} holds token id {shown} (at index {where}), past int64: no model has such an id; "
+                         f"{fix}")
+    raise ValueError(f"{name} holds token id {shown} (at index {where}), outside the model's vocabulary "
                      f"[0, {vocab_size}) (model.config.vocab_size = {vocab_size}); {fix}")
 
 

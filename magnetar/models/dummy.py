@@ -169,33 +169,25 @@ def check_dummy(name: str | os.PathLike, config, dtype: Optional[torch.dtype] = 
         return dims
     size = torch.empty((), dtype=dtype).element_size()
     need, have = dims.params * size, free_memory(device)
-    if need > have:
-        per_layer = dims.params - dims.vocab * dims.hidden * (1 if dims.tied_embeddings else 2)
-        field = "vocab_size" if dims.params - per_layer > per_layer else \
-            "num_hidden_layers" if dims.layers > 1 else "hidden_size"
+    if need > have:  # name the field that holds most of them: the vocabulary's embeddings, else the layers
+        embeddings = dims.vocab * dims.hidden * (1 if dims.tied_embeddings else 2)
+        field, value = (("vocab_size", dims.vocab) if embeddings > dims.params - embeddings else
+                        ("num_hidden_layers", dims.layers) if dims.layers > 1 else ("hidden_size", dims.hidden))
         raise ValueError(f"model {os.fsdecode(name)!r}: {where}: its shapes make {dims.params / 1e9:.3g}B parameters, "
                          f"{need / 2**30:.3g} GiB in {str(dtype).replace('torch.', '')}, more than the "
-                         f"{have / 2**30:.3g} GiB free on {device}; lower {field} ({getattr(dims, _DIMS[field])}) "
+                         f"{have / 2**30:.3g} GiB free on {device}; lower {field} ({value}) "
                          f"or pick a smaller preset ({', '.join(PRESETS)})")
     return dims
 
 
-_DIMS = {"vocab_size": "vocab", "num_hidden_layers": "layers", "hidden_size": "hidden"}
-
-
 def free_memory(device: torch.device) -> int:
-    """The bytes ``device`` has free: a GPU's free memory, else the host's available memory (``MemAvailable``)."""
+    """The bytes ``device`` has free: a GPU's free memory, else the host's available memory (psutil)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def _where(name: str | os.PathLike) -> str:

@@ -30,7 +30,7 @@ from magnetar.engine.inputs import MAX_STOP_STRINGS
 from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
-from magnetar.serve.gate import check_api_key, is_loopback
+from magnetar.serve.gate import check_api_key, check_body_budget, is_loopback
 from magnetar.serve.loop import PREFILL_CHUNK
 from magnetar.serve.prompts import PASTE_TOKENS
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
@@ -136,10 +136,8 @@ def check_inputs(args):
         raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
     if args.max_stop_strings > MAX_STOP_STRINGS:
         raise ValueError(f"--max-stop-strings {args.max_stop_strings}: at most {MAX_STOP_STRINGS} (the engine's limit)")
-    if args.max_inflight_bytes is not None and args.max_request_bytes is not None and \
-            args.max_inflight_bytes < args.max_request_bytes:
-        raise ValueError(f"--max-inflight-bytes {args.max_inflight_bytes} is below --max-request-bytes "
-                         f"{args.max_request_bytes}: one whole request could never be taken; raise it")
+    if args.max_inflight_bytes is not None and args.max_request_bytes is not None:  # before the model loads
+        check_body_budget(args.max_inflight_bytes, args.max_request_bytes)
     if args.api_key is None:
         args.api_key = check_api_key(os.environ.get(API_KEY_ENV) or None, API_KEY_ENV)
     else:

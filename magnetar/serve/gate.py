@@ -107,6 +107,13 @@ class Refused(Exception):
         return json.dumps(error_body(self.message, code=self.code)).encode()
 
 
+def check_body_budget(max_inflight_bytes: int, max_request_bytes: int) -> None:
+    """ValueError naming both flags when the in-flight budget of request bodies could never hold one whole request."""
+    if max_inflight_bytes < max_request_bytes:
+        raise ValueError(f"--max-inflight-bytes {max_inflight_bytes} is below --max-request-bytes "
+                         f"{max_request_bytes}: one whole request could never be taken; raise it")
+
+
 class Connections:
     """The HTTP connections open now (the protocol counts them: :func:`bounded_protocol`), and how many may be."""
 

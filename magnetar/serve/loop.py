@@ -441,10 +441,9 @@ class EngineLoop:
             if ev.stop_reason is not None:
                 result = self.batch.pop(ev.rid)  # every rank: a small collective
                 self._forget(sid)
-                if ev.stop_reason in FAILED_ALONE:  # this request's own NaN or failure: it fails alone, the server
-                    # goes on
-                    error = NonFiniteError if ev.stop_reason == "nonfinite" else RequestFailed
-                    self._reject(sid, error(ev.error), None)
+                failure = ev.failure()  # this request's own NaN or failure: it fails alone, the server goes on
+                if failure is not None:
+                    self._reject(sid, failure, None)
                     continue
                 self._send(sid, Done(result, FINISH_REASONS.get(ev.stop_reason)))
                 if self.leader:

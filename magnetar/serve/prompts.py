@@ -327,20 +327,11 @@ class Preparer:
         """A completion prompt's ids whole: token ids as given (checked against the vocabulary), text as plain
         text (BOS first when the tokenizer adds one)."""
         if isinstance(prompt, list):
-            vocab = self.engine.vocab_size
-            lo, hi = min(prompt), max(prompt)  # before the int64 tensor: an int past 2**63 is no id of any model
-            if lo < 0 or (hi >= vocab if vocab is not None else hi >= 2**63):
-                bad = lo if lo < 0 else hi
-                shown = bad if abs(bad) < 10**30 else f"of {len(str(abs(bad)))} digits"
-                raise RequestError(f"{param} holds token id {shown} (at index {prompt.index(bad)}), outside the "
-                                   f"model's vocabulary [0, {vocab}); send ids from the model's own tokenizer",
-                                   param)
-            ids = torch.tensor(prompt, dtype=torch.long)
-            try:
-                inputs.check_token_ids(ids, param, self.engine.vocab_size, tokenized=True)
+            try:  # the list itself, before the int64 tensor: an int past 2**63 is no id of any model
+                inputs.check_token_ids(prompt, param, self.engine.vocab_size, tokenized=True)
             except ValueError as e:
                 raise RequestError(str(e), param) from None
-            return ids
+            return torch.tensor(prompt, dtype=torch.long)
         try:
             return split_plain(self.tokenizer, prompt, "", limit=self.limit).context_ids
         except ValueError as e:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from magnetar.serve.gate import Connections, check_api_key
+from magnetar.serve.gate import Connections, check_api_key, check_body_budget
 from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
 from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
 from magnetar.serve.protocol import now
@@ -77,9 +77,7 @@ class Server:
         self.connections = Connections(max_connections)  # counted by the HTTP protocol, refused by the gate
         self.max_inflight_bytes = (max(INFLIGHT_REQUESTS * max_request_bytes, MIN_INFLIGHT_BYTES)
                                    if max_inflight_bytes is None else max_inflight_bytes)
-        if self.max_inflight_bytes < max_request_bytes:
-            raise ValueError(f"--max-inflight-bytes {self.max_inflight_bytes} is below --max-request-bytes "
-                             f"{max_request_bytes}: one whole request could never be taken; raise it")
+        check_body_budget(self.max_inflight_bytes, max_request_bytes)
         self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
         self.contexts = ContextRegistry(max_contexts)
         self.preparer = None
