@@ -139,7 +139,8 @@ class RequestIds:
 
 
 class Gate:
-    """ASGI middleware: the checks of the module docstring, then ``app``. ``bound_host``: the address the server
+    """ASGI middleware: the checks of the module docstring, then ``app`` (inside :class:`RequestIds`, which gives
+    every response its request id). ``bound_host``: the address the server
     listens on; ``allowed_hosts``: ``Host`` names accepted besides the loopback names (with any, only those and
     the loopback names are accepted even off loopback); ``api_key``: None for no key; ``connections``: the open
     connections and their limit (None: unlimited); ``max_inflight_bytes``: the request-body bytes all requests in
@@ -171,9 +172,6 @@ class Gate:
         headers = {}
         for name, value in scope.get("headers") or ():
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
-        if "request_id" not in scope.setdefault("state", {}):  # a gate without RequestIds outside it
-            scope["state"]["request_id"] = rid = request_id(headers.get("x-request-id"))
-            send = _with_request_id(send, rid.encode())
         try:
             self._check(scope, headers)
         except Refused as r:
