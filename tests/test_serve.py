@@ -23,6 +23,8 @@ openai = pytest.importorskip("openai", reason="the test extra: pip install 'magn
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
 
 import magnetar  # noqa: E402
+from magnetar.engine.requests import CheckedRequest  # noqa: E402
+from magnetar.engine.sampling import SamplingParams  # noqa: E402
 from magnetar.engine.template import split_messages, split_plain, split_prompt  # noqa: E402
 from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_body  # noqa: E402
 from magnetar.serve.prompts import split_completion, split_pasted  # noqa: E402
@@ -659,10 +661,15 @@ def test_request_parsing_is_strict_and_names_the_field():
 
 
 def test_the_tick_round_trips_as_json():
-    tick = Tick(adds=[Add(3, [1, 2], {"max_new_tokens": 4, "stop": ["\n"]}, context_ids=[5, 6]),
-                      Add(4, [7], {}, context_id="ctx-ab")], cancels=[1], encodes=[Encode(5, "ctx-cd", [9])],
-                releases=["ctx-ef"])
+    checked = CheckedRequest(torch.tensor([5, 6]), torch.tensor([1, 2]), SamplingParams(max_new_tokens=4, stop=["\n"]),
+                             "k1", {"method": "star"})
+    tick = Tick(adds=[Add(3, checked.to_dict()), Add(4, checked.to_dict(context=False), context_id="ctx-ab")],
+                cancels=[1], encodes=[Encode(5, "ctx-cd", [9])], releases=["ctx-ef"])
     assert Tick.from_bytes(tick.to_bytes()) == tick and not tick.empty and Tick().empty
+    back = [CheckedRequest.from_dict(a.request, context_ids=torch.tensor([5, 6]))
+            for a in Tick.from_bytes(tick.to_bytes()).adds]
+    assert all(torch.equal(b.context_ids, checked.context_ids) and torch.equal(b.query_ids, checked.query_ids) and
+               b.params == checked.params and b.key == "k1" and b.options == {"method": "star"} for b in back)
     assert Tick.from_bytes(Tick(stop=True, error="x").to_bytes()) == Tick(stop=True, error="x")
 
 

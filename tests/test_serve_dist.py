@@ -178,7 +178,9 @@ def test_a_killed_rank_fails_the_request_in_flight_and_ends_the_job(model_dir, t
 
 def _tick_worker(rank, world):
     groups = init_groups(2, timeout=timedelta(seconds=3))
-    tick = Tick(adds=[Add(1, [1, 2, 3], {"max_new_tokens": 2, "stop": []}, context_ids=[4, 5])], cancels=[7])
+    request = {"context_ids": [4, 5], "query_ids": [1, 2, 3], "params": {"max_new_tokens": 2, "stop": []},
+               "key": "k", "options": {}}
+    tick = Tick(adds=[Add(1, request)], cancels=[7])
     got = broadcast_tick(tick if rank == 0 else None, groups, device_for_rank())
     assert got == tick
     if rank == 1:  # the leader sends nothing more: the follower gives up after the timeout, naming the tick

@@ -137,9 +137,8 @@ def test_a_joint_query_forward_that_raises_fails_only_the_request_that_raised(mo
     sinks = {sid: _Sink() for sid in (1, 2)}
     for sid, sink in sinks.items():
         loop.jobs[sid] = Job("generate", sid, sink=sink)
-    params = {"max_new_tokens": 5, "stop": []}
-    loop._apply(Tick(adds=[Add(1, [60, POISON_TOKEN], params, context_ids=context.tolist()),
-                           Add(2, good.tolist(), params, context_ids=context.tolist())]))
+    loop._apply(Tick(adds=[Add(1, engine.check(context, torch.tensor([60, POISON_TOKEN]), max_new_tokens=5).to_dict()),
+                           Add(2, engine.check(context, good, max_new_tokens=5).to_dict())]))
     [failed] = sinks[1].items
     assert isinstance(failed, Failed) and failed.error.status == 500
     assert "RuntimeError: this request's query broke the forward" in str(failed.error)

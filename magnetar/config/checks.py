@@ -26,11 +26,22 @@ def _where(name: str) -> str:
     return f"{name} ({_flag(name)})" if name == "method" else name
 
 
+class FieldError(ValueError):
+    """A bad value of one named field: the config's (``block_size``), an engine argument's (``context``,
+    ``query``, ``max_new_tokens``, a sampling field) or a per-request option's (``options.method``). Callers map
+    ``field`` to their own names (a CLI flag, the file a field came from, an OpenAI ``param``) without reading the
+    message; it is a ValueError, so code that catches those keeps working."""
+
+    def __init__(self, message: str, field: str, *, setting: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
+        self.setting = setting  # the config field whose value made ``field``'s fail (a block larger than the context)
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
-        err = ValueError(f"{_where(name)}: {msg}")
-        err.field = name  # EngineConfig.from_cli names the config file when the field came from it
-        raise err
+        # EngineConfig.from_cli names the config file when the field came from it
+        raise FieldError(f"{_where(name)}: {msg}", name)
 
 
 def short_repr(value: Any, limit: int = 60) -> str:

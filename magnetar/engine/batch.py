@@ -24,7 +24,7 @@ from magnetar.engine.context import ContextHandle
 from magnetar.engine.encode import Encoder
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import DecodeBatch, Phase2Request, RequestFailed
-from magnetar.engine.requests import Requests
+from magnetar.engine.requests import CheckedRequest, Requests
 from magnetar.engine.results import Results
 from magnetar.engine.sampling import RequestSampler, SamplingParams, TextDeltas
 from magnetar.utils.nvtx import GENERATE, nvtx_range
@@ -88,16 +88,18 @@ def question(handle: ContextHandle, query_ids: torch.Tensor, sampler: RequestSam
 
 class ContinuousBatch:
     """Requests of one engine decoding together; see the module docstring. Made by ``Engine.open_batch()`` from
-    the engine's parts: ``source(options)`` gives the :class:`~magnetar.engine.requests.Requests` and
+    the engine's parts: ``check`` is ``Engine.check`` (a request's one check, :meth:`prepare`); ``source(options)``
+    gives the :class:`~magnetar.engine.requests.Requests` and
     :class:`~magnetar.engine.encode.Encoder` of the engine (``options`` None) or of its variant with those
     per-request encoding options; ``decode`` is the :class:`~magnetar.engine.phase2.DecodeBatch` the requests
     step in; ``results`` assembles a finished request's :class:`~magnetar.engine.results.GenerationResult`.
     ``agree``: the ranks check they prepare the same request (one small collective each); a caller that already
     gives every rank the same requests -- the server, whose ticks are one broadcast -- turns it off."""
 
-    def __init__(self, source: Callable[[Optional[dict]], tuple[Requests, Encoder]], decode: DecodeBatch,
+    def __init__(self, check: Callable[..., CheckedRequest],
+                 source: Callable[[Optional[dict]], tuple[Requests, Encoder]], decode: DecodeBatch,
                  results: Results, *, return_logits: bool = False, agree: bool = True):
-        self.source, self._batch, self.results, self.agree = source, decode, results, agree
+        self.check, self.source, self._batch, self.results, self.agree = check, source, decode, results, agree
         self.requests, _ = source(None)
         self._entries: dict[int, _Entry] = {}
         self.return_logits = return_logits
@@ -126,39 +128,31 @@ class ContinuousBatch:
     def prepare(self, context: Union[str, torch.Tensor, ContextHandle], query: Union[str, torch.Tensor],
                 params: Optional[SamplingParams] = None, *, options: Optional[dict] = None,
                 key: Optional[str] = None, base: Optional[ContextHandle] = None) -> Ready:
-        """Check one request and encode its context: ``context`` (a string, token ids ``(L,)``, or a handle from
-        ``Engine.encode``) runs Phase 1 unless the context cache holds it; ``query`` is a string or ids.
-        ``params``: the request's :class:`~magnetar.engine.sampling.SamplingParams` (default: the engine's,
-        ``Engine.sampling_params()``); ``options``: how this request's context is encoded when it is not the
-        engine's way (``Engine.variant``'s options, e.g. ``{"method": "star", "block_size": 4096}``; a context
-        encoded with other options is another cache entry); ``key``: the context's cache key when the caller has
-        it already (``Engine.cache_key``; the server hashes each context once); ``base``: a handle of a proper
-        prefix of the context that the caller holds (its own Phase-1 chunks), extended on a cache miss whatever the
-        cache keeps (``Encoder.encode``). A bad request is a ValueError on
-        every rank alike (nothing of it is left behind); with ``agree`` the ranks check they prepare the same
-        request (one small collective, before its Phase 1)."""
-        params = self.requests.sampling_params(params)
-        if options is not None and not isinstance(options, dict):
-            raise ValueError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
-                             f"{type(options).__name__}")
-        if options and isinstance(context, ContextHandle):
-            raise ValueError("options choose how a context is encoded; this context is a handle, already encoded: "
-                             "pass its text or ids, or no options")
-        requests, encoder = self.source(options or None)
-        qids = requests.query_ids(query)
-        if isinstance(context, ContextHandle):
-            encoder.check_handle(context, "context")
-            ids = context.context_ids
-        else:
-            ids = requests.context_ids(context)
+        """Check one request (``Engine.check``: ``context`` a string, token ids ``(L,)`` or a handle from
+        ``Engine.encode``; ``query`` a string or ids; ``params`` its
+        :class:`~magnetar.engine.sampling.SamplingParams`, default the engine's; ``options`` how its context is
+        encoded when not the engine's way, ``Engine.variant``'s options, e.g. ``{"method": "star"}``; ``key`` the
+        context's cache key when the caller has it) and :meth:`encode` it. A bad request is a ValueError (a
+        :class:`~magnetar.config.FieldError`) on every rank alike, before any collective."""
+        return self.encode(self.check(context, query, params, options=options, key=key), base=base)
+
+    def encode(self, request: CheckedRequest, *, base: Optional[ContextHandle] = None) -> Ready:
+        """Encode the context of a request checked already (``Engine.check``; a server's tick carries it to every
+        rank): Phase 1 unless the context cache holds it, or its handle. ``base``: a handle of a proper prefix of
+        the context that the caller holds (its own Phase-1 chunks), extended on a cache miss whatever the cache
+        keeps (``Encoder.encode``). With ``agree`` the ranks first check they encode the same request (one small
+        collective)."""
+        if not isinstance(request, CheckedRequest):
+            raise ValueError(f"request must be a CheckedRequest from Engine.check(), got {type(request).__name__}")
+        requests, encoder = self.source(request.options or None)
         if self.agree:
-            requests.agree("ask", [ids], [qids], params, return_logits=self.return_logits)
-        requests.check_lengths(int(ids.numel()), int(qids.numel()), params.max_new_tokens)
-        if isinstance(context, ContextHandle):
-            return Ready(context, True, qids, params)
+            requests.agree("ask", [request.context_ids], [request.query_ids], request.params,
+                           return_logits=self.return_logits)
+        if request.handle is not None:
+            return Ready(request.handle, True, request.query_ids, request.params)
         with nvtx_range(GENERATE):
-            handle, cached = encoder.encode(ids, key=key, base=base)
-        return Ready(handle, cached, qids, params)
+            handle, cached = encoder.encode(request.context_ids, key=request.key, base=base)
+        return Ready(handle, cached, request.query_ids, request.params)
 
     def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:
         """Add prepared requests to the batch: their queries run as ONE forward (right-padded) between two

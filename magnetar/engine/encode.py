@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from magnetar.config import METHODS, EngineConfig
+from magnetar.config import METHODS, EngineConfig, FieldError
 from magnetar.engine.context import ContextCache, ContextHandle, context_key
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
@@ -93,13 +93,14 @@ class Encoder:
         """ValueError naming ``name`` unless ``h`` is a handle this engine (or one of its variants) encoded: its KV
         belongs to that engine's model and weights."""
         if not isinstance(h, ContextHandle) or h.shard is None:
-            raise ValueError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}")
+            raise FieldError(f"{name} must be a ContextHandle from this engine's encode(), got {type(h).__name__}",
+                             name)
         if h.engine != self.identity:
             made = h.engine.rsplit(":", 1)[0] if h.engine else "no engine"
-            raise ValueError(f"{name} was encoded by another engine ({made}), not this one "
+            raise FieldError(f"{name} was encoded by another engine ({made}), not this one "
                              f"({self.identity.rsplit(':', 1)[0]}): its KV belongs to that engine's model and "
                              f"weights, so it answers only there; encode the context with this engine "
-                             f"(engine.encode(context)) and ask with that handle")
+                             f"(engine.encode(context)) and ask with that handle", name)
 
     def encode(self, context_ids: torch.Tensor, key: Optional[str] = None, *, base: Optional[ContextHandle] = None,
                keep: bool = True) -> tuple[ContextHandle, bool]:

@@ -27,13 +27,13 @@ from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 
-from magnetar.config import REQUEST_OPTIONS, EngineConfig, PolicySection, short_repr
+from magnetar.config import REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, question
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.phase2 import DecodeBatch, run_phase2
-from magnetar.engine.requests import Requests
+from magnetar.engine.requests import CheckedRequest, Requests
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
@@ -127,6 +127,48 @@ class Engine:
         """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request of this engine."""
         return self.requests.sampler(params)
 
+    def check(self, context: Union[Context, ContextHandle], query: Context, params: Optional[SamplingParams] = None,
+              *, options: Optional[dict] = None, key: Optional[str] = None,
+              default_max_new_tokens: Optional[int] = None, **sampling: Any) -> CheckedRequest:
+        """One generation request checked once, into the :class:`~magnetar.engine.requests.CheckedRequest` that
+        :meth:`open_batch`'s ``encode`` (and a server's tick) trusts: ``context`` a string, token ids or a handle from
+        :meth:`encode`; ``query`` a string or ids; ``params`` / ``sampling`` as for :meth:`generate`; ``options``
+        this request's encoding options (:meth:`variant`); ``key`` the context's cache key when the caller has it;
+        ``default_max_new_tokens``: with no ``max_new_tokens`` given, at most this many, capped to the positions
+        left. A bad request raises :class:`~magnetar.config.FieldError` naming its field (``context``, ``query``,
+        ``max_new_tokens``, a sampling field, ``options.<name>``). No collective, no compute."""
+        if options is not None and not isinstance(options, dict):
+            raise FieldError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
+                             f"{type(options).__name__}", "options")
+        handle = context if isinstance(context, ContextHandle) else None
+        if options and handle is not None:
+            raise FieldError("options choose how a context is encoded; this context is a handle, already encoded: "
+                             "pass its text or ids, or no options", "options")
+        try:
+            engine = self.variant(**options) if options else self
+        except FieldError as e:
+            raise FieldError(str(e), f"options.{e.field}") from None
+        if handle is not None:
+            engine.encoder.check_handle(handle, "context")
+
+        def checked(by: "Engine") -> CheckedRequest:
+            return by.requests.check(None if handle is not None else context, query, params,
+                                     key_of=by.encoder.key, options=options, key=key, handle=handle,
+                                     default_max_new_tokens=default_max_new_tokens, **sampling)
+
+        try:
+            return checked(engine)
+        except FieldError as e:
+            if options and e.setting in options:  # the method's plan refused an option's value for this context
+                raise FieldError(str(e), f"options.{e.setting}") from None
+            if engine is self or e.field != "context":
+                raise
+            try:  # the context fits this engine's own way: the request's options cannot run it
+                checked(self)
+            except ValueError:
+                raise e from None
+            raise FieldError(str(e), f"options.{next(iter(options))}") from None
+
     # -- generation -----------------------------------------------------------------------------------------
     def generate(self, context: Context, query: Context, params: Optional[SamplingParams] = None, *,
                  return_logits: bool = False, **sampling: Any) -> GenerationResult:
@@ -213,7 +255,7 @@ class Engine:
         drops the per-request agreement collective, for a caller that already broadcasts the requests."""
         decode = DecodeBatch(self.model, self.config, self.groups, self.device, policy=self.policy,
                              keep_logits=return_logits, isolate=True)  # one request's NaN fails it alone
-        return ContinuousBatch(self._source, decode, self.results, return_logits=return_logits, agree=agree)
+        return ContinuousBatch(self.check, self._source, decode, self.results, return_logits=return_logits, agree=agree)
 
     def _source(self, options: Optional[dict]) -> tuple[Requests, Encoder]:
         """The requests and encoder of this engine, or of its variant with ``options`` (ContinuousBatch)."""
@@ -284,10 +326,17 @@ class Engine:
         change per request, or a bad value), without making the variant."""
         for name in options:
             if name not in REQUEST_OPTIONS:
-                raise ValueError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
+                raise FieldError(f"{name} cannot change per request: only {', '.join(REQUEST_OPTIONS)} can (they "
                                  f"change how a context is encoded, not the ranks' layout or the decoding); start an "
-                                 f"engine with {name}={short_repr(options[name])} for it")
-        return self.config.replace(**options)  # validates each value and the method's needs
+                                 f"engine with {name}={short_repr(options[name])} for it", name)
+        try:
+            return self.config.replace(**options)  # validates each value and the method's needs
+        except FieldError as e:
+            if e.field in options:
+                raise
+            raise FieldError(str(e), next(iter(options))) from None  # another field's check: the options' values
+        except ValueError as e:  # the options together (a method's needs)
+            raise FieldError(str(e), next(iter(options))) from None
 
     def variant(self, **options) -> "Engine":
         """This engine with other per-request options (:data:`REQUEST_OPTIONS`: ``method`` and the fields of the

@@ -1,7 +1,8 @@
 """Argument checks of the engine's public entry points: ``init_inference``, ``Engine.generate`` /
 ``generate_batch`` / ``score`` / ``score_variants``.
 
-Every check raises ``ValueError`` naming the argument, what was passed and what to pass instead, before any
+Every check raises ``ValueError`` naming the argument (a :class:`~magnetar.config.FieldError` whose ``field`` is
+the argument's name where a request's field is checked), what was passed and what to pass instead, before any
 compute or collective; nothing is coerced silently (a ``bool`` is not an ``int``, ``2.5`` is not ``2``, a
 ``str`` is not a list of strings, a float tensor is not token ids). What the entries accept:
 
@@ -33,7 +34,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, PolicySection
+from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, FieldError, PolicySection
 from magnetar.models import MODELS
 from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
@@ -69,19 +70,21 @@ def check_prompt(value, name: str) -> None:
         check_unicode(value, name)
         return
     if isinstance(value, (bytes, bytearray)):
-        raise ValueError(f"{name} is bytes; pass a str (decode it first: .decode('utf-8')) or a tensor of token ids")
+        raise FieldError(f"{name} is bytes; pass a str (decode it first: .decode('utf-8')) or a tensor of token "
+                         f"ids", name)
     if isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} is a {type(value).__name__}; pass a str or a 1-D tensor of token ids "
-                         f"(torch.tensor(ids)) -- for several requests use generate_batch([(context, query), ...])")
+        raise FieldError(f"{name} is a {type(value).__name__}; pass a str or a 1-D tensor of token ids "
+                         f"(torch.tensor(ids)) -- for several requests use generate_batch([(context, query), ...])",
+                         name)
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a str or a 1-D tensor of token ids, got {_kind(value)}")
+        raise FieldError(f"{name} must be a str or a 1-D tensor of token ids, got {_kind(value)}", name)
     if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-        raise ValueError(f"{name} is a {value.dtype} tensor; token ids must be an integer tensor "
-                         f"(e.g. torch.long), not rounded or cast from {value.dtype}")
+        raise FieldError(f"{name} is a {value.dtype} tensor; token ids must be an integer tensor "
+                         f"(e.g. torch.long), not rounded or cast from {value.dtype}", name)
     if value.dim() == 0 or value.dim() > 2 or (value.dim() == 2 and value.shape[0] != 1):
-        raise ValueError(
+        raise FieldError(
             f"{name} has shape {tuple(value.shape)}; one request takes token ids of shape (N,) or (1, N) -- "
-            f"for several requests use generate_batch([(context, query), ...])")
+            f"for several requests use generate_batch([(context, query), ...])", name)
 
 
 def check_unicode(text: str, name: str) -> None:
@@ -89,8 +92,8 @@ def check_unicode(text: str, name: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{name} holds a lone surrogate (U+{ord(text[e.start]):04X} at index {e.start}), which is not "
-                         f"Unicode text; decode the source with errors='replace' or remove it") from None
+        raise FieldError(f"{name} holds a lone surrogate (U+{ord(text[e.start]):04X} at index {e.start}), which is not "
+                         f"Unicode text; decode the source with errors='replace' or remove it", name) from None
 
 
 _INT64 = 2**63
@@ -108,7 +111,7 @@ def check_token_ids(ids: Union[torch.Tensor, Sequence[int]], name: str, vocab_si
     n = int(ids.numel()) if tensor else len(ids)
     if n < min_tokens:
         why = _MIN_TOKENS_WHY.get(name, f"pass at least {min_tokens}")
-        raise ValueError(f"the {name} is empty: {why}" if n == 0 else f"the {name} has {n} token(s); {why}")
+        raise FieldError(f"the {name} is empty: {why}" if n == 0 else f"the {name} has {n} token(s); {why}", name)
     if n == 0 or (vocab_size is None and tensor):
         return
     lo, hi = (int(x) for x in ids.aminmax()) if tensor else (min(ids), max(ids))
@@ -120,10 +123,10 @@ def check_token_ids(ids: Union[torch.Tensor, Sequence[int]], name: str, vocab_si
     fix = ("the tokenizer does not match the model; pass the model's own tokenizer" if tokenized else
            "pass ids from the model's own tokenizer")
     if vocab_size is None:
-        raise ValueError(f"{name} holds token id {shown} (at index {where}), past int64: no model has such an id; "
-                         f"{fix}")
-    raise ValueError(f"{name} holds token id {shown} (at index {where}), outside the model's vocabulary "
-                     f"[0, {vocab_size}) (model.config.vocab_size = {vocab_size}); {fix}")
+        raise FieldError(f"{name} holds token id {shown} (at index {where}), past int64: no model has such an id; "
+                         f"{fix}", name)
+    raise FieldError(f"{name} holds token id {shown} (at index {where}), outside the model's vocabulary "
+                     f"[0, {vocab_size}) (model.config.vocab_size = {vocab_size}); {fix}", name)
 
 
 def answer_ids(value, vocab_size: Optional[int]) -> torch.Tensor:
@@ -146,9 +149,9 @@ def answer_ids(value, vocab_size: Optional[int]) -> torch.Tensor:
 # -- generation options -----------------------------------------------------------------------------------
 def check_max_new_tokens(value) -> None:
     if not is_int(value):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {_kind(value)}")
+        raise FieldError(f"max_new_tokens must be an int >= 1, got {_kind(value)}", "max_new_tokens")
     if value < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {value}")
+        raise FieldError(f"max_new_tokens must be >= 1, got {value}", "max_new_tokens")
 
 
 def check_positions(context: int, query: int, max_new_tokens: int, max_positions: Optional[int]) -> None:
@@ -162,8 +165,9 @@ def check_positions(context: int, query: int, max_new_tokens: int, max_positions
     if excess < context:  # at least one context token stays
         fixes.append(f"shorten the context by at least {excess} tokens")
     fix = " or ".join(fixes) or f"shorten the query ({query} tokens) and the context"
-    raise ValueError(f"context ({context}) + query ({query}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
-                     f"exceeds the model's {max_positions} positions (max_position_embeddings); {fix}")
+    raise FieldError(f"context ({context}) + query ({query}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
+                     f"exceeds the model's {max_positions} positions (max_position_embeddings); {fix}",
+                     "max_new_tokens" if room >= 1 else "context")  # room for one new token: fewer new tokens
 
 
 # Stop strings are looked for in the decoded tail of the answer after every token (engine.sampling.StopStrings):
@@ -179,17 +183,19 @@ def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:
         return
     if isinstance(stop, (str, bytes)):
         wrapped = repr(stop) if len(stop) <= 60 else "..."
-        raise ValueError(f"stop must be a list of strings, got the {_kind(stop)}; wrap it: stop=[{wrapped}]")
+        raise FieldError(f"stop must be a list of strings, got the {_kind(stop)}; wrap it: stop=[{wrapped}]", "stop")
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be None or a list of strings, got {_kind(stop)}")
+        raise FieldError(f"stop must be None or a list of strings, got {_kind(stop)}", "stop")
     if len(stop) > max_count:
-        raise ValueError(f"stop holds {len(stop)} strings; at most {max_count} are allowed: keep the ones that matter")
+        raise FieldError(f"stop holds {len(stop)} strings; at most {max_count} are allowed: keep the ones that "
+                         f"matter", "stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop[{i}] must be a non-empty str (an empty one would stop at once), got {_kind(s)}")
+            raise FieldError(f"stop[{i}] must be a non-empty str (an empty one would stop at once), got "
+                             f"{_kind(s)}", "stop")
         if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
-                             f"{MAX_STOP_CHARS}")
+            raise FieldError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
+                             f"{MAX_STOP_CHARS}", "stop")
 
 
 def check_flag(value, name: str) -> None:

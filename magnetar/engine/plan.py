@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from magnetar.config import EngineConfig
+from magnetar.config import EngineConfig, FieldError
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def resolve_block_size(config: EngineConfig, context_len: int) -> int:
     if bs is None:
         bs = -(-context_len // cp)
     if bs > context_len:
-        raise ValueError(f"block_size ({bs}, --block-size) is larger than the context ({context_len} tokens); "
-                         f"use a block size <= {context_len}")
+        raise FieldError(f"block_size ({bs}, --block-size) is larger than the context ({context_len} tokens); "
+                         f"use a block size <= {context_len}", "block_size")
     return bs
 
 

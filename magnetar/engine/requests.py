@@ -1,18 +1,23 @@
 """A request's inputs, checked: strings or ids -> token ids (the one place every entry tokenizes), the length
 checks against the model's positions and the decode policy, the ranks' agreement, and the request's sampling
-parameters and sampler.
+parameters and sampler -- together :meth:`Requests.check`, which makes the one :class:`CheckedRequest` the rest of
+the pipeline trusts (``Engine.check``; the server's tick carries it to every rank).
 
-Every check raises ``ValueError`` naming the argument before any compute (:mod:`magnetar.engine.inputs`); strings
+Every check raises ``ValueError`` naming the argument before any compute (:mod:`magnetar.engine.inputs`): a
+:class:`~magnetar.config.FieldError` whose ``field`` says which (``context``, ``query``, ``max_new_tokens``, a
+sampling field, ``options.<name>``), so a caller maps it to its own names without reading the message. Strings
 are tokenized with the chat template (:mod:`magnetar.engine.template`), and one too long for the model is refused
 from a bounded prefix. This module knows nothing of methods, phases or batches.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from magnetar.config import EngineConfig
+from magnetar.config import EngineConfig, FieldError
 from magnetar.engine import inputs
 from magnetar.engine.agree import check_request
 from magnetar.engine.sampling import RequestSampler, SamplingParams
@@ -36,15 +41,69 @@ def check_fit(context_tokens: int, query_tokens: int, max_new_tokens: Optional[i
     if max_new_tokens is not None:
         inputs.check_positions(L, Q, max_new_tokens, max_positions)
     elif max_positions is not None and L + Q + 1 > max_positions:
-        raise ValueError(f"the context ({L} tokens) + query ({Q}) + one new token exceeds the model's "
+        raise FieldError(f"the context ({L} tokens) + query ({Q}) + one new token exceeds the model's "
                          f"{max_positions} positions; shorten the context by at least {L + Q + 1 - max_positions} "
-                         f"tokens")
-    if config is not None:
-        for rank in sorted({0, config.parallel.cp_size - 1}):
-            plan_for_length(config, L, rank)
-    if policy is not None:
-        policy.check(L)
+                         f"tokens", "context")
+    try:
+        if config is not None:
+            for rank in sorted({0, config.parallel.cp_size - 1}):
+                plan_for_length(config, L, rank)
+        if policy is not None:
+            policy.check(L)
+    except ValueError as e:  # the method or the decode policy cannot run a context of this length
+        raise FieldError(str(e), "context", setting=getattr(e, "field", None)) from None
     return None if max_positions is None else max_positions - L - Q
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """One generation request, checked once (:meth:`Requests.check`, ``Engine.check``): what the rest of the
+    pipeline -- the server's tick, ``ContinuousBatch.encode``, Phase 1, Phase 2 -- trusts without checking again.
+
+    ``context_ids`` ``(L,)`` and ``query_ids`` ``(Q,)`` int64 on CPU, in the vocabulary, fitting the model's
+    positions with ``params.max_new_tokens`` and runnable by the method (its block plan) and the decode policy;
+    ``params`` the request's :class:`~magnetar.engine.sampling.SamplingParams`; ``options`` the per-request
+    encoding options (``Engine.variant``; empty: the engine's own); ``key`` the context's cache key under those
+    options; ``handle`` the encoded context when the request came with one (``Engine.encode``; not sent to
+    other ranks: they hold their own part of it)."""
+
+    context_ids: torch.Tensor
+    query_ids: torch.Tensor
+    params: SamplingParams
+    key: str
+    options: dict = field(default_factory=dict)
+    handle: Any = field(default=None, compare=False, repr=False)  # a ContextHandle, or None
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.context_ids.numel())
+
+    @property
+    def query_tokens(self) -> int:
+        return int(self.query_ids.numel())
+
+    def reseeded(self, offset: int) -> "CheckedRequest":
+        """The same request with its seed plus ``offset`` (choice ``offset`` of ``n``: sampled choices differ and
+        repeat)."""
+        if offset == 0:
+            return self
+        return dataclasses.replace(self, params=self.params.replace(seed=self.params.seed + offset))
+
+    def to_dict(self, *, context: bool = True) -> dict:
+        """JSON-able fields (the tick's); ``context=False`` leaves the context's ids out (a context the receiving
+        ranks hold already: give them back to :meth:`from_dict`)."""
+        params = dataclasses.asdict(self.params)
+        params["stop"] = list(params["stop"])
+        return {"context_ids": self.context_ids.tolist() if context else None, "query_ids": self.query_ids.tolist(),
+                "params": params, "key": self.key, "options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, d: dict, *, context_ids: Optional[torch.Tensor] = None, handle: Any = None) -> "CheckedRequest":
+        """The request :meth:`to_dict` wrote, trusted as it was checked where it was made (the ranks of one
+        replica receive it from their leader); ``context_ids`` / ``handle`` supply a context left out."""
+        ids = context_ids if d["context_ids"] is None else torch.tensor(d["context_ids"], dtype=torch.long)
+        return cls(ids, torch.tensor(d["query_ids"], dtype=torch.long), SamplingParams(**d["params"]), d["key"],
+                   dict(d["options"]), handle)
 
 
 def sampling_key(params: SamplingParams) -> tuple:
@@ -152,9 +211,35 @@ class Requests:
         params = base.replace(**{k: v for k, v in fields.items() if v is not None or k not in DEFAULTED})
         vocab = self.vocab_size
         if params.logprobs is not None and vocab is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be at most the model's vocabulary size ({vocab} tokens: there are no "
-                             f"more alternatives), got {params.logprobs}")
+            raise FieldError(f"logprobs must be at most the model's vocabulary size ({vocab} tokens: there are no "
+                             f"more alternatives), got {params.logprobs}", "logprobs")
         return params
+
+    # -- the one check of a generation request --------------------------------------------------------------
+    def check(self, context, query, params: Optional[SamplingParams] = None, *, key_of, options: Optional[dict] = None,
+              key: Optional[str] = None, handle: Any = None, default_max_new_tokens: Optional[int] = None,
+              **fields: Any) -> CheckedRequest:
+        """One request as a :class:`CheckedRequest`: ``context`` (a string, ids, or None with ``handle``: an
+        encoded context whose ids it takes) and ``query`` (a string or ids) to checked ids, the sampling params
+        (:meth:`sampling_params` of ``params`` and ``fields``), the lengths against the model, this configuration's
+        method and the decode policy (:func:`check_fit`). ``default_max_new_tokens``: when neither ``params`` nor
+        ``fields`` gives ``max_new_tokens``, at most this many, capped to the positions left after the prompt (a
+        server's default). ``key`` the context's cache key when the caller has it, else ``key_of(ids)``. A bad
+        request is a :class:`~magnetar.config.FieldError` naming its field; no collective."""
+        if handle is not None:
+            c = handle.context_ids
+        else:
+            c = self.context_ids(context)
+        q = self.query_ids(query)
+        L, Q = int(c.numel()), int(q.numel())
+        if fields.get("max_new_tokens", 0) is None:  # not given: the default
+            del fields["max_new_tokens"]
+        if default_max_new_tokens is not None and "max_new_tokens" not in fields and params is None:
+            room = check_fit(L, Q, None, max_positions=self.max_positions)
+            fields["max_new_tokens"] = default_max_new_tokens if room is None else min(default_max_new_tokens, room)
+        params = self.sampling_params(params, **fields)
+        self.check_lengths(L, Q, params.max_new_tokens)
+        return CheckedRequest(c, q, params, key if key is not None else key_of(c), dict(options or {}), handle)
 
     def sampler(self, params: SamplingParams) -> RequestSampler:
         """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request."""

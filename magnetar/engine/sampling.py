@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria
 from transformers.generation.streamers import TextStreamer
 
-from magnetar.config import DecodeConfig
+from magnetar.config import DecodeConfig, FieldError
 from magnetar.engine.inputs import _kind, check_max_new_tokens, check_stop, is_int
 
 # The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
@@ -127,7 +127,7 @@ def _show(value: Any) -> str:
 
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
-        raise ValueError(f"{name} {msg}")
+        raise FieldError(f"{name} {msg}", name)
 
 
 def _number(name: str, value: Any, what: str) -> None:

@@ -39,6 +39,8 @@ from typing import Optional
 
 import torch
 
+from magnetar.config import FieldError
+
 # Noncharacters, which Unicode keeps for a program's internal use: they wrap the special tokens of user text
 # through the template's rendering.
 _OPEN, _CLOSE = "\ufdd0", "\ufdd1"
@@ -87,9 +89,9 @@ def check_fits(tokenizer, texts, limit: Optional[int], name: str) -> None:
             break
     n = len(tokenizer("".join(prefix), add_special_tokens=False, split_special_tokens=True)["input_ids"])
     if n > limit + len(texts):
-        raise ValueError(f"{name}: too long for the model's {limit} positions: its first {cut} characters alone "
+        raise FieldError(f"{name}: too long for the model's {limit} positions: its first {cut} characters alone "
                          f"are {n} tokens (of {total} characters in all); shorten it to about {cut * limit // n} "
-                         f"characters")
+                         f"characters", name)
 
 
 def special_tokens(tokenizer) -> tuple[str, ...]:
@@ -117,8 +119,8 @@ def _split_marker(texts) -> str:
 def _wrap_special(tokenizer, text: str, name: str) -> str:
     """``text`` with every special-token string wrapped in ``_OPEN`` ... ``_CLOSE``."""
     if _OPEN in text or _CLOSE in text:
-        raise ValueError(f"the {name} contains the Unicode noncharacter U+FDD0 or U+FDD1, which Magnetar reserves "
-                         "to mark special-token strings; remove it (or pass token-id tensors)")
+        raise FieldError(f"the {name} contains the Unicode noncharacter U+FDD0 or U+FDD1, which Magnetar reserves "
+                         "to mark special-token strings; remove it (or pass token-id tensors)", name)
     tokens = special_tokens(tokenizer)
     if not tokens:
         return text
@@ -171,9 +173,10 @@ def split_prompt(tokenizer, context: str, query: str, limit: Optional[int] = Non
     """Tokenize ``context`` and ``query`` into the two phases (see module docstring); ``limit``: the model's
     positions (:func:`check_fits`)."""
     if not isinstance(context, str) or not isinstance(query, str):
-        raise ValueError("context and query must both be strings (or pass token-id tensors to Engine.generate)")
+        raise FieldError("context and query must both be strings (or pass token-id tensors to Engine.generate)",
+                         "context" if not isinstance(context, str) else "query")
     if not query.strip():
-        raise ValueError("the query is empty: Phase 2 needs at least one query token; pass a question")
+        raise FieldError("the query is empty: Phase 2 needs at least one query token; pass a question", "query")
     check_fits(tokenizer, [context, query], limit, "context" if len(context) >= len(query) else "query")
     if getattr(tokenizer, "chat_template", None):
         mark = _split_marker([context, query])
@@ -187,9 +190,9 @@ def _split_rendered(tokenizer, messages: list[dict], mark: str) -> Prompt:
     cut it at ``mark``."""
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if rendered.count(mark) != 1:  # the user text cannot hold it (_split_marker): the template dropped or copied it
-        raise ValueError(f"the model's chat template {'dropped' if mark not in rendered else 'repeated'} the last "
+        raise FieldError(f"the model's chat template {'dropped' if mark not in rendered else 'repeated'} the last "
                          f"user message, so its question cannot be cut from the conversation; send the "
-                         f"conversation as a completion's prompt, or pass token ids")
+                         f"conversation as a completion's prompt, or pass token ids", "messages")
     head, tail = rendered.split(mark)
     return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
 
@@ -213,23 +216,24 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
     positions (:func:`check_fits` over ``context`` and the contents).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts (the last one "
-                         f"the user's question), got {_describe(messages)}")
+        raise FieldError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts (the last one "
+                         f"the user's question), got {_describe(messages)}", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise ValueError(f"messages[{i}] must be a dict with a non-empty str 'role' and a str 'content', got "
-                             f"{_describe(m)}")
+            raise FieldError(f"messages[{i}] must be a dict with a non-empty str 'role' and a str 'content', got "
+                             f"{_describe(m)}", f"messages[{i}]")
         if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a str, got {_describe(m.get('content'))}")
+            raise FieldError(f"messages[{i}].content must be a str, got {_describe(m.get('content'))}",
+                             f"messages[{i}].content")
     last = messages[-1]
     if last["role"] != "user":
-        raise ValueError(f"messages[{len(messages) - 1}].role must be 'user': the last message is the question, "
-                         f"got role {last['role']!r}")
+        raise FieldError(f"messages[{len(messages) - 1}].role must be 'user': the last message is the question, "
+                         f"got role {last['role']!r}", f"messages[{len(messages) - 1}].role")
     if not last["content"].strip():
-        raise ValueError(f"messages[{len(messages) - 1}].content is empty: Phase 2 needs at least one query "
-                         f"token; pass a question")
+        raise FieldError(f"messages[{len(messages) - 1}].content is empty: Phase 2 needs at least one query "
+                         f"token; pass a question", f"messages[{len(messages) - 1}].content")
     if context is not None and not isinstance(context, str):
-        raise ValueError(f"context must be a str or None, got {_describe(context)}")
+        raise FieldError(f"context must be a str or None, got {_describe(context)}", "context")
     longest = max((len(m["content"]) for m in messages), default=0)
     check_fits(tokenizer, ([] if context is None else [context]) + [m["content"] for m in messages], limit,
                "context" if context is not None and len(context) >= longest else "messages")
@@ -243,8 +247,8 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
     parts = [m["content"] for m in messages[:-1]] + ([] if context is None else [context])
     text = "\n\n".join(parts)
     if not text:
-        raise ValueError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
-                         "before the question (or a given context); add the document before the question")
+        raise FieldError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
+                         "before the question (or a given context); add the document before the question", "messages")
     return split_plain(tokenizer, text, last["content"])  # check_fits ran above, over the same text
 
 

@@ -346,8 +346,8 @@ def build_app(server) -> FastAPI:
     async def post_context(request: Request):
         req = parse_body(ContextRequest, await request.body())
         _open()
-        ids = await preparer.run(preparer.context, req)
-        key = server.engine.cache_key(ids)
+        checked = await preparer.run(preparer.context, req)
+        ids, key = checked.context_ids, checked.key
         cid = context_id_of(key)
         pinned = server.contexts.get(cid)
         if pinned is None:
@@ -364,7 +364,7 @@ def build_app(server) -> FastAPI:
                     with contextlib.suppress(RequestError):
                         loop.submit(Job("release", loop.new_sid(), cid=cid))
                 raise
-            pinned = PinnedContext(cid, key, req.format, item.tokens, now())
+            pinned = PinnedContext(cid, key, req.format, item.tokens, now(), ids)
             server.contexts.add(pinned)
         return _context_object(pinned).model_dump()
 

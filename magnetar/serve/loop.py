@@ -41,7 +41,7 @@ from magnetar.config import METHODS
 from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import RequestFailed
-from magnetar.engine.sampling import SamplingParams
+from magnetar.engine.requests import CheckedRequest
 from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
 from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick
@@ -319,17 +319,15 @@ class EngineLoop:
             if job.kind == "encode":
                 tick.encodes.append(Encode(job.sid, job.cid, job.context_ids.tolist()))
             else:
-                p = job.prepared
-                tick.adds.append(Add(job.sid, p.query_ids.tolist(), p.params,
-                                     None if p.context_ids is None else p.context_ids.tolist(), p.context_id,
-                                     dict(p.options), p.key if p.context_id is None else None))
+                p = job.prepared  # a pinned context's ids stay out: every rank holds its handle
+                tick.adds.append(Add(job.sid, p.request.to_dict(context=p.context_id is None), p.context_id))
         return tick
 
     def _chunks(self, job: Job) -> bool:
         """Whether the next Phase-1 work of ``job`` (a request whose context is not cached) is a chunk: chunking is
         on, the request is encoded the server's way, and more than one chunk of its context is left to encode."""
         p = job.prepared
-        if self.prefill_chunk <= 0 or p.options or p.context_ids is None:
+        if self.prefill_chunk <= 0 or p.options or p.context_id is not None:
             return False
         if job.chunked == 0:  # chunks start after the longest cached prefix (a conversation's earlier turn)
             enc = self.engine.encoder
@@ -381,14 +379,13 @@ class EngineLoop:
             self._send(enc.sid, Encoded(handle.context_tokens))
             self._finish_job(enc.sid, None)
         ready, sids = [], []
-        for add in tick.adds:  # each checked and encoded alone (a refused one fails alone) ...
-            context = self.handles[add.context_id] if add.context_id is not None else \
-                torch.tensor(add.context_ids, dtype=torch.long)
+        for add in tick.adds:  # each encoded alone (one that fails, fails alone) ...
+            handle = self.handles[add.context_id] if add.context_id is not None else None
             held = self._partial.pop(add.sid, None)  # its Phase-1 chunks, when it ran in chunks
-            try:
-                ready.append(self.batch.prepare(context, torch.tensor(add.query_ids, dtype=torch.long),
-                                                SamplingParams(**add.params), options=add.options or None,
-                                                key=add.key, base=None if held is None else held[0]))
+            try:  # checked once, by the leader's Engine.check: trusted here
+                request = CheckedRequest.from_dict(add.request, handle=handle,
+                                                   context_ids=None if handle is None else handle.context_ids)
+                ready.append(self.batch.encode(request, base=None if held is None else held[0]))
                 sids.append(add.sid)
                 if held is not None and not ready[-1].cached:  # its own chunks are not what it found cached: report
                     r = ready[-1]  # the prefix reused before its first chunk

@@ -41,7 +41,6 @@ import dataclasses
 import difflib
 import functools
 import queue
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,16 +48,15 @@ from typing import Any, Optional
 
 import torch
 
-from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig
+from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig, FieldError
 from magnetar.engine import inputs
-from magnetar.engine.requests import check_fit
+from magnetar.engine.requests import CheckedRequest, check_fit
 from magnetar.engine.sampling import MAX_TOP_LOGPROBS
 from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
 
 OPTIONS = ("context", "context_id", "split_document")
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "max_new_tokens")
 PASTE_TOKENS = 1024  # --paste-threshold's default: a last user message this long (tokens) holds a document
 QUERY_CUT_TOKENS = 64  # a prompt with no line break to cut at (or token ids): its last this many tokens are the query
 MAX_PROMPTS = 64  # a completion's prompt list, at most
@@ -67,17 +65,13 @@ MAX_CHOICES = 64  # prompts x n, at most
 
 @dataclass(frozen=True)
 class Prepared:
-    """A checked generation request. Exactly one of ``context_ids`` (``(L,)`` int64) and ``context_id`` (a pinned
-    context of ``POST /v1/contexts``) is set; ``key`` is the context's cache key; ``params`` the
-    :class:`~magnetar.engine.sampling.SamplingParams` fields (JSON-able: what the ranks receive)."""
+    """A generation request of the server: the engine's :class:`~magnetar.engine.requests.CheckedRequest` (made
+    once, by ``Engine.check``: the tick carries it to every rank, the batch trusts it) and how the prompt became it.
+    ``context_id``: the pinned context (``POST /v1/contexts``) it asks about, whose KV every rank holds (the tick
+    then leaves the context's ids out)."""
 
-    context_ids: Optional[torch.Tensor]
-    context_id: Optional[str]
-    query_ids: torch.Tensor  # (Q,) int64
-    key: str
-    context_tokens: int
-    params: dict
-    options: dict = field(default_factory=dict)  # engine options of this request's encoding (Engine.variant)
+    request: CheckedRequest
+    context_id: Optional[str] = None
     # how the prompt was cut into the two phases (reported in the response's ``magnetar`` object): "context"
     # (magnetar.context), "context_id", "conversation" (chat: the turns before the last user message),
     # "pasted" (chat: a long last user message's document), "paragraph" (a completion cut at a line break),
@@ -88,6 +82,26 @@ class Prepared:
     # prompt's tokens are context_ids[-echo_context:] and query_ids)
     echo_context: int = 0
 
+    @property
+    def query_ids(self) -> torch.Tensor:
+        return self.request.query_ids
+
+    @property
+    def context_tokens(self) -> int:
+        return self.request.context_tokens
+
+    @property
+    def key(self) -> str:
+        return self.request.key
+
+    @property
+    def options(self) -> dict:
+        return self.request.options
+
+    @property
+    def context_ids(self) -> torch.Tensor:
+        return self.request.context_ids
+
 
 @dataclass(frozen=True)
 class PinnedContext:
@@ -96,6 +110,8 @@ class PinnedContext:
     format: str
     tokens: int
     created: int
+    # (L,) int64: its ids, which a request about it is checked with (Engine.check)
+    context_ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
 
 class ContextRegistry:
@@ -229,19 +245,15 @@ class Preparer:
                 prompt = split_messages(self.tokenizer, messages, context=".", limit=self.limit)
             else:
                 prompt = split_messages(self.tokenizer, messages, context=context, limit=self.limit)
-        except ValueError as e:
-            raise RequestError(str(e), _message_param(str(e))) from None
+        except FieldError as e:  # a message's field, or the document's
+            raise RequestError(str(e), "magnetar.context" if e.field == "context" else e.field) from None
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs={show(req.top_logprobs)}: give 0..{MAX_TOP_LOGPROBS} alternatives",
                                "top_logprobs")
-        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         where = "magnetar.context" if split == "context" else "messages"
-        prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, max_tokens, name, where, options,
-                                config, split=split, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                logprobs_name="top_logprobs")
+        prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, where, options, split=split)
         return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
 
     def completion(self, req: CompletionRequest) -> list[Prepared]:
@@ -282,9 +294,7 @@ class Preparer:
         ids = None if text else self._prompt_ids(prompt, param)
         scoring = bool(req.echo) and req.logprobs is not None
         echo = (prompt if text else self.tokenizer.decode(prompt)) if req.echo else ""
-        finish = functools.partial(self._finish, req, max_tokens=req.max_tokens, max_name="max_tokens",
-                                   options=options, config=config, echo=echo, logprobs=req.logprobs,
-                                   prompt_logprobs=scoring)
+        finish = functools.partial(self._finish, req, options=options, echo=echo, prompt_logprobs=scoring)
         where, split = "magnetar.context", "context" if cid is None else "context_id"
         if context is None and cid is None:
             cut = split_completion(prompt) if text and not scoring else None
@@ -318,9 +328,8 @@ class Preparer:
             return finish(context_ids=c_ids, cid=cid, query_ids=ids, where=where, split=split)
         try:
             p = split_plain(self.tokenizer, doc, prompt, limit=self.limit)
-        except ValueError as e:
-            raise RequestError(str(e) if str(e).startswith(("context:", "query:")) else f"{where}: {e}",
-                               where if not str(e).startswith("query:") else param) from None
+        except FieldError as e:
+            raise refusal(e, req, context=where, query=param) from None
         return finish(context_ids=p.context_ids, cid=cid, query_ids=p.query_ids, where=where, split=split)
 
     def _prompt_ids(self, prompt, param: str) -> torch.Tensor:
@@ -351,8 +360,8 @@ class Preparer:
                 continue
         return candidates[-1]  # refused later by the same check, with its message
 
-    def context(self, req: ContextRequest) -> torch.Tensor:
-        """The ids ``POST /v1/contexts`` encodes (``(L,)`` int64), checked like a request's context."""
+    def context(self, req: ContextRequest) -> CheckedRequest:
+        """What ``POST /v1/contexts`` encodes, checked like a request's context (its ``context_ids`` and ``key``)."""
         self._model(req.model)
         if not req.context.strip():
             raise RequestError("context is empty: give the document to encode", "context")
@@ -364,8 +373,10 @@ class Preparer:
                 ids = split_plain(self.tokenizer, raw_document(req.context), "?", limit=self.limit)
         except ValueError as e:
             raise RequestError(f"context: {e}", "context") from None
-        self._check_context(ids.context_ids, 1, "context")
-        return ids.context_ids
+        try:  # as a request's context would be: with a one-token question and one new token
+            return self.engine.check(ids.context_ids, ids.context_ids[-1:], max_new_tokens=1)
+        except FieldError as e:
+            raise RequestError(f"context: {e}", "context") from None
 
     # -- checks ------------------------------------------------------------------------------------------------
     def _model(self, name: str) -> None:
@@ -424,9 +435,8 @@ class Preparer:
         if engine_options:
             try:  # validates the values together (a method's needs); makes no variant for a refused request
                 config = self.engine.variant_config(**engine_options)
-            except ValueError as e:
-                name = next((n for n in engine_options if n in str(e)), next(iter(engine_options)))
-                raise RequestError(f"magnetar: {e}", f"magnetar.{name}") from None
+            except FieldError as e:  # its field is the option at fault
+                raise RequestError(f"magnetar.{e.field}: {e}", f"magnetar.{e.field}") from None
             if options.get("context_id") is not None:
                 raise RequestError("magnetar.context_id is a context already encoded with the server's options: "
                                    "send the document in magnetar.context to encode it with others",
@@ -459,67 +469,40 @@ class Preparer:
                                "magnetar.context_id")
         return context, cid, engine_options, config
 
-    def _check_context(self, ids: torch.Tensor, query_tokens: int, param: str, options: Optional[dict] = None,
-                       config: Optional[EngineConfig] = None) -> None:
-        """``ids`` can be encoded with ``config`` (default: the server's) for a query of ``query_tokens``."""
-        L = int(ids.numel())
-        config = self.config if config is None else config
+    def _finish(self, req, context_ids: Optional[torch.Tensor], cid: Optional[str], query_ids: torch.Tensor,
+                where: str, options: Optional[dict] = None, *, split: str = "context", echo: str = "",
+                prompt_logprobs: bool = False, echo_context: int = 0) -> Prepared:
+        """The engine's one check of the request (``Engine.check``), its errors as this request's fields: the
+        context's at ``where``, the query's at ``messages`` / ``prompt``, a sampling field's at the request's name
+        for it (``max_tokens``, ``top_logprobs``, ...), an option's at ``magnetar.<name>``."""
+        pinned = self.contexts.get(cid) if cid is not None else None
+        query = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
-            inputs.check_token_ids(ids, "context", self.engine.vocab_size, tokenized=True)
-            # the engine's own checks (positions, the method's block plan, the decode policy), so that a request
-            # the engine would refuse is refused here, by name, before it is queued or a stream starts
-            check_fit(L, query_tokens, None, max_positions=self.engine.max_positions, config=config,
-                      policy=self.engine.policy)
-        except ValueError as e:
-            option = next((n for n in (options or {}) if n in str(e)), None)
-            if option is not None:  # the request's own option made it fail: name it
-                raise RequestError(f"magnetar.{option}: {e}", f"magnetar.{option}") from None
-            raise RequestError(f"{param}: {e}", param) from None
+            checked = self.engine.check(pinned.context_ids if pinned is not None else context_ids, query_ids,
+                                        options=options or None, key=pinned.key if pinned is not None else None,
+                                        default_max_new_tokens=self.default_max_tokens,
+                                        **req.sampling_fields(prompt_logprobs=prompt_logprobs))
+        except FieldError as e:
+            raise refusal(e, req, context=where, query=query) from None
+        return Prepared(checked, cid, split, echo, echo_context)
 
-    def _finish(self, req, context_ids: torch.Tensor, cid: Optional[str], query_ids: torch.Tensor,
-                max_tokens: Optional[int], max_name: str, where: str, options: Optional[dict] = None,
-                config: Optional[EngineConfig] = None, *, split: str = "context", echo: str = "",
-                logprobs: Optional[int] = None, prompt_logprobs: bool = False, echo_context: int = 0,
-                logprobs_name: str = "logprobs") -> Prepared:
-        if cid is not None:
-            pinned = self.contexts.get(cid)
-            L, key = pinned.tokens, pinned.key
-        else:
-            L, key = int(context_ids.numel()), self.engine.cache_key(context_ids, config if options else None)
-        Q = int(query_ids.numel())
-        query_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        try:
-            inputs.check_token_ids(query_ids, "query", self.engine.vocab_size, tokenized=True)
-        except ValueError as e:
-            raise RequestError(f"{query_param}: {e}", query_param) from None
-        if cid is None:
-            self._check_context(context_ids, Q, where, options, config)
-        room = None if self.engine.max_positions is None else self.engine.max_positions - L - Q
-        if room is not None and room < 1:
-            raise RequestError(f"{where}: the context ({L} tokens) and query ({Q}) fill the model's "
-                               f"{self.engine.max_positions} positions; shorten them", where)
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens if room is None else min(self.default_max_tokens, room)
-        given = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                     seed=req.seed, stop=req.stop_list(), logprobs=logprobs, prompt_logprobs=prompt_logprobs or None)
-        try:
-            params = self.engine.sampling_params(**{k: v for k, v in given.items() if v is not None})
-        except ValueError as e:
-            msg = str(e)
-            field = msg.split(" ", 1)[0].split("[", 1)[0]
-            names = {"max_new_tokens": max_name, "logprobs": logprobs_name}
-            param = names.get(field, field if field in _SAMPLING else None)
-            if field in names:
-                msg = names[field] + msg[len(field):]
-            raise RequestError(msg, param) from None
-        if room is not None and params.max_new_tokens > room:
-            raise RequestError(f"{max_name}: context ({L}) + query ({Q}) + {max_name} ({params.max_new_tokens}) "
-                               f"exceeds the model's {self.engine.max_positions} positions; lower {max_name} to at "
-                               f"most {room} or shorten the prompt", max_name)
-        fields = dataclasses.asdict(params)
-        fields["stop"] = list(fields["stop"])
-        return Prepared(None if cid is not None else context_ids, cid, query_ids, key, L, fields, dict(options or {}),
-                        split, echo, echo_context)
+
+def refusal(error: FieldError, req, *, context: str, query: str) -> RequestError:
+    """The 400 of the engine's ``error`` about a request ``req``: its field as the request's OpenAI ``param`` -- the
+    context at ``context`` (``magnetar.context``, ``messages``, ``prompt[1]``), the query at ``query``, a sampling
+    field at the request's own name for it, an option ``options.<name>`` at ``magnetar.<name>`` -- read from the
+    field, never from the message (which says it under the engine's name: renamed to the request's)."""
+    field, message = error.field, str(error)
+    if field.startswith("options."):
+        param = "magnetar." + field[len("options."):]
+        return RequestError(f"{param}: {message}", param)
+    if field in ("context", "query"):
+        param = context if field == "context" else query
+        return RequestError(f"{param}: {message}", param)
+    param = req.sampling_param(field)
+    if param is not None and param != field:
+        message = message.replace(field, param)
+    return RequestError(message, param)
 
 
 def raw_document(doc: str) -> str:
@@ -594,19 +577,5 @@ def _prompt_list(prompt) -> list:
 
 
 def _reseeded(prepared: Prepared, j: int) -> Prepared:
-    """The ``j``-th of ``n`` choices of ``prepared``: its seed, if any, plus ``j`` (so sampled choices differ and
-    repeat)."""
-    seed = prepared.params.get("seed")
-    if seed is None or j == 0:
-        return prepared
-    return dataclasses.replace(prepared, params=dict(prepared.params, seed=seed + j))
-
-
-def _message_param(message: str) -> Optional[str]:
-    """The request field a split_messages error is about."""
-    found = re.search(r"messages\[\d+\]\.\w+", message)
-    if found:
-        return found.group(0)
-    if message.startswith(("context ", "context:")) or "the context contains" in message:
-        return "magnetar.context"
-    return "messages"
+    """The ``j``-th of ``n`` choices of ``prepared``: its seed plus ``j`` (so sampled choices differ and repeat)."""
+    return prepared if j == 0 else dataclasses.replace(prepared, request=prepared.request.reseeded(j))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -95,6 +95,31 @@ class _Generation(_Strict):
         """``stop`` as a list: OpenAI allows one string or a list of them."""
         return [self.stop] if isinstance(self.stop, str) else self.stop
 
+    # the engine's SamplingParams field -> this request's field (a FieldError of the engine names the former)
+    SAMPLING_PARAMS: ClassVar[dict[str, str]] = {
+        "max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+        "seed": "seed", "stop": "stop", "logprobs": "logprobs"}
+
+    def sampling_fields(self, *, prompt_logprobs: bool = False) -> dict[str, Any]:
+        """The request as the engine's :class:`~magnetar.engine.sampling.SamplingParams` fields (vLLM's
+        ``to_sampling_params``): the fields given, no others -- what is not given is the server's default
+        (``Engine.check`` fills it). ``prompt_logprobs``: also score the query's tokens (echo with logprobs)."""
+        given = dict(max_new_tokens=self.max_new_tokens(), temperature=self.temperature, top_p=self.top_p,
+                     top_k=self.top_k, seed=self.seed, stop=self.stop_list(), logprobs=self.alternatives(),
+                     prompt_logprobs=prompt_logprobs or None)
+        return {k: v for k, v in given.items() if v is not None}
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def alternatives(self) -> Optional[int]:
+        """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return None
+
+    def sampling_param(self, field: str) -> Optional[str]:
+        """This request's field that sets the engine's SamplingParams ``field`` (None: no field of the client's)."""
+        return self.SAMPLING_PARAMS.get(field)
+
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage]
@@ -105,6 +130,17 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
 
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def alternatives(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling_param(self, field: str) -> Optional[str]:
+        if field == "max_new_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if field == "logprobs" else super().sampling_param(field)
+
 
 class CompletionRequest(_Generation):
     # a string, a list of strings, token ids, or a list of token-id lists (one choice each, in order)
@@ -114,6 +150,9 @@ class CompletionRequest(_Generation):
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    def alternatives(self) -> Optional[int]:
+        return self.logprobs
 
 
 class ContextRequest(_Strict):

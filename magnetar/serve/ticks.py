@@ -22,18 +22,14 @@ from magnetar.parallel.collectives import wait_all
 
 @dataclass
 class Add:
-    """One request to add: ``sid`` the server's id; the context as ``context_ids`` or a pinned ``context_id``;
-    ``params`` the SamplingParams fields; ``options`` the engine options its context is encoded with
-    (``Engine.variant``; empty: the server's); ``key`` the context's cache key, hashed once by the leader (every
-    rank applies the same tick, so it holds for each)."""
+    """One request to add: ``sid`` the server's id; ``request`` the leader's checked request
+    (``CheckedRequest.to_dict``: ids, sampling parameters, encoding options, the context's cache key -- checked and
+    hashed once, by the leader: every rank applies the same tick, so it holds for each); ``context_id`` a pinned
+    context whose KV every rank holds (its ids then stay out of ``request``)."""
 
     sid: int
-    query_ids: list[int]
-    params: dict
-    context_ids: Optional[list[int]] = None
+    request: dict
     context_id: Optional[str] = None
-    options: dict = field(default_factory=dict)
-    key: Optional[str] = None
 
 
 @dataclass
