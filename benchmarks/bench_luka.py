@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     import magnetar
     from magnetar.config import EngineConfig, LukaConfig
-    from magnetar.engine.phase2 import Phase2Request, run_phase2
+    from magnetar.engine.phase2 import DecodeBatch, Phase2Request
     from magnetar.eval.common import parse_length
     from magnetar.eval.ppl import ppl_window
     from magnetar.luka.decoder import LukaDecoder
@@ -101,7 +101,11 @@ def main(argv=None) -> int:
         def decode(dec, n):
             sampler = eng.sampler(eng.sampling_params(max_new_tokens=n))
             request = Phase2Request(shard.view(), query, qpos, L, sampler)
-            return run_phase2(model, eng.config, [request], eng.groups, eng.device, policy=dec)[0]
+            batch = DecodeBatch(model, eng.config, eng.groups, eng.device, policy=dec)  # this decoder's own batch
+            [rid] = batch.join([request])
+            while batch.step():
+                pass
+            return batch.pop(rid)
 
         for mode in modes:
             decode(decoder(mode), 4)  # warm-up

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import magnetar
-from magnetar.engine.static import FAR, slot_attention, slot_attention_flex, static_problem
+from magnetar.engine.static import static_problem
+from magnetar.ops.backends import get_backend
+from magnetar.ops.slots import FAR, slot_attention, slot_backend, slot_backends
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
@@ -55,7 +57,8 @@ def test_slot_attention_equals_the_reference(case):
         k_pos[b, :n] = torch.randperm(3 * C, generator=g)[:n]
     q_pos = torch.tensor([[3 * C], [2 * C], [C]])
     window = 30 if case == "window" else None
-    for impl in (slot_attention, slot_attention_flex):
+    assert slot_backends() == ["flex", "torch"]  # every backend that owns a decode kernel, each against fp64
+    for impl in (get_backend(name).slot_forward for name in slot_backends()):
         out, lse = impl(q.float(), k.float(), v.float(), q_pos, k_pos, 0.25, window)
         for b in range(B):
             keep = torch.arange(fill[b])  # the slot's entries; a window keeps those after q_pos - window
@@ -135,7 +138,7 @@ def test_compiled_steps_choose_eager_tokens():
     want, _ = _batch_tokens(_engine(model, **flat), steps_between=0)
     got, compiled = _batch_tokens(_engine(model, decode_step="compiled", **flat), steps_between=0)
     assert (compiled.decode_step, compiled.why_not, compiled.static.fallback) == ("compiled", None, None)
-    assert compiled.static._compiled is not None and compiled.static.attention == "math"
+    assert compiled.static._compiled is not None and compiled.static.attention == "torch"
     assert got == want
 
 
@@ -245,3 +248,38 @@ def test_static_logits_check_follows_check_finite():
         StaticDecode(model, local_groups(), "cpu", "static", check_finite=True).check_logits(nan, "decode step 3")
     StaticDecode(model, local_groups(), "cpu", "static", check_finite=False).check_logits(nan, "decode step 3")
     assert StaticDecode(model, local_groups(), "cpu", "static")._model_heads() == (2, 16)
+
+
+def test_design_doc_attention_backend_runs_the_decode_step(tmp_path, monkeypatch):
+    """docs/design.md's example attention backend, taken from the doc as written and registered with its one line:
+    a static decode step runs its slot kernel (and Phase 1 / the query its ``forward``), choosing eager's tokens."""
+    import re
+    from pathlib import Path
+
+    from magnetar.ops import backends
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    code = next(b for b in blocks if b.startswith("# magnetar/ops/backends/exact64.py"))
+    line = next(b for b in blocks if b.startswith("# magnetar/ops/backends/__init__.py")).splitlines()[1]
+    (tmp_path / "exact64_plugin.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert line == 'register_backend("exact64", _lazy(".exact64", "Exact64Backend"))'
+    monkeypatch.setitem(backends._REGISTRY, "exact64", lambda: __import__("exact64_plugin").Exact64Backend())
+    monkeypatch.delitem(backends._INSTANCES, "exact64", raising=False)
+    calls = {"forward": 0, "slot_forward": 0}
+    plugin = backends.get_backend("exact64")
+    for name in calls:
+        inner = getattr(plugin, name)
+
+        def counted(*a, _inner=inner, _name=name, **kw):
+            calls[_name] += 1
+            return _inner(*a, **kw)
+        monkeypatch.setattr(plugin, name, counted)
+    assert "exact64" in slot_backends() and slot_backend("exact64", "cpu", compiled=False) is plugin
+    assert slot_backend("cpu_flash", "cpu", compiled=False).name == "torch"  # no slot kernel: auto's choice
+    model = tiny_model("llama", seed=2)
+    want, _ = _batch_tokens(_engine(model))
+    got, static = _batch_tokens(_engine(model, decode_step="static", attention_backend="exact64"))
+    assert static.static.attention == "exact64" and calls["slot_forward"] > 0 and calls["forward"] > 0
+    assert got == want

@@ -134,14 +134,16 @@ class ContinuousBatch:
         encoded when not the engine's way, ``Engine.variant``'s options, e.g. ``{"method": "star"}``; ``key`` the
         context's cache key when the caller has it) and :meth:`encode` it. A bad request is a ValueError (a
         :class:`~magnetar.config.FieldError`) on every rank alike, before any collective."""
-        return self.encode(self.check(context, query, params, options=options, key=key), base=base)
+        request = self.check(context, query, params, options=options, key=key)
+        with nvtx_range(GENERATE):
+            return self.encode(request, base=base)
 
     def encode(self, request: CheckedRequest, *, base: Optional[ContextHandle] = None) -> Ready:
         """Encode the context of a request checked already (``Engine.check``; a server's tick carries it to every
         rank): Phase 1 unless the context cache holds it, or its handle. ``base``: a handle of a proper prefix of
         the context that the caller holds (its own Phase-1 chunks), extended on a cache miss whatever the cache
         keeps (``Encoder.encode``). With ``agree`` the ranks first check they encode the same request (one small
-        collective)."""
+        collective). The caller opens the NVTX range (``magnetar/generate``) it belongs to."""
         if not isinstance(request, CheckedRequest):
             raise ValueError(f"request must be a CheckedRequest from Engine.check(), got {type(request).__name__}")
         requests, encoder = self.source(request.options or None)
@@ -150,8 +152,7 @@ class ContinuousBatch:
                            return_logits=self.return_logits)
         if request.handle is not None:
             return Ready(request.handle, True, request.query_ids, request.params)
-        with nvtx_range(GENERATE):
-            handle, cached = encoder.encode(request.context_ids, key=request.key, base=base)
+        handle, cached = encoder.encode(request.context_ids, key=request.key, base=base)
         return Ready(handle, cached, request.query_ids, request.params)
 
     def join(self, prepared: Sequence[Ready]) -> list[tuple[int, TokenEvent]]:
@@ -195,6 +196,18 @@ class ContinuousBatch:
         dec = self._batch.pop(rid)
         del self._entries[rid]
         return self.results.assemble([entry.handle], [entry.query_ids], [entry.cached], [dec], [entry.sampler])[0]
+
+    def pop_all(self, rids: Sequence[int]) -> list:
+        """:meth:`pop` of several finished requests with one gather of every rank's figures (``Engine.generate``'s
+        batch)."""
+        entries = [self._check(rid) for rid in rids]
+        if any(rid in self._batch.active for rid in rids):
+            raise ValueError("every request must be finished: step until their last events, or cancel them")
+        decs = [self._batch.pop(rid) for rid in rids]
+        for rid in rids:
+            del self._entries[rid]
+        return self.results.assemble([e.handle for e in entries], [e.query_ids for e in entries],
+                                     [e.cached for e in entries], decs, [e.sampler for e in entries])
 
     def _check(self, rid) -> _Entry:
         entry = self._entries.get(rid) if isinstance(rid, int) and not isinstance(rid, bool) else None

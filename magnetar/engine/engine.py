@@ -6,7 +6,8 @@ Data flow of one request (each step its own module)::
     requests.Requests       context / query strings or ids -> checked Phase-1 ids, Phase-2 ids; sampling params
     encode.Encoder          the context cache; Phase 1 (plan.plan_rank, phase1.run_phase1), distributed or
                             simulated -> a ContextHandle holding this rank's KV shard
-    phase2.run_phase2       query + decode over the distributed KV (gather + merge per layer)
+    batch.ContinuousBatch   the one decode driver: queries join, decode steps (phase2.DecodeBatch: gather +
+                            merge per layer), results
     results.Results         the GenerationResult, with every rank's figures
 
 Every rank of a CP group calls the engine with the same arguments (the launcher starts one process per rank;
@@ -29,10 +30,10 @@ import torch
 
 from magnetar.config import REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
-from magnetar.engine.batch import ContinuousBatch, question
+from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
-from magnetar.engine.phase2 import DecodeBatch, run_phase2
+from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
@@ -212,15 +213,25 @@ class Engine:
 
     def _generate_share(self, toks: list[tuple[torch.Tensor, torch.Tensor]], params: SamplingParams,
                         return_logits: bool) -> list[GenerationResult]:
-        """This replica's ``(context ids, query ids)`` requests: agreement, length checks, Phase 1, Phase 2."""
+        """This replica's ``(context ids, query ids)`` requests: agreement, their checks, then :meth:`_run`."""
         self.requests.agree("generate", [c for c, _ in toks], [q for _, q in toks], params,
                             return_logits=return_logits)
-        for c, q in toks:
-            self.requests.check_lengths(int(c.numel()), int(q.numel()), params.max_new_tokens)
+        return self._run([self.check(c, q, params) for c, q in toks], return_logits)
+
+    def _run(self, requests: list[CheckedRequest], return_logits: bool) -> list[GenerationResult]:
+        """Checked requests (the ranks agreed on them) to their results, through the one decode driver -- a
+        :class:`~magnetar.engine.batch.ContinuousBatch` that every request joins at once (their queries in one
+        forward) and leaves when finished -- without isolation: a request's NaN or failed token choice raises on
+        every rank, as :meth:`generate` documents. A request with a handle (:meth:`ask`) reports its Phase 1 as the
+        handle measured it (not as a cache hit)."""
+        batch = self._open(return_logits=return_logits, agree=False, isolate=False)
         with nvtx_range(GENERATE):
-            encoded = [self.encoder.encode(c) for c, _ in toks]
-            return self._ask([h for h, _ in encoded], [q for _, q in toks], [hit for _, hit in encoded],
-                             params, return_logits)
+            ready = [batch.encode(r) if r.handle is None else Ready(r.handle, False, r.query_ids, r.params)
+                     for r in requests]
+            rids = [rid for rid, _ in batch.join(ready)]
+            while batch.active:
+                batch.step()
+        return batch.pop_all(rids)
 
     def stream(self, context: Union[Context, ContextHandle], query: Context, params: Optional[SamplingParams] = None,
                **sampling: Any) -> Generator[str, None, GenerationResult]:
@@ -251,11 +262,16 @@ class Engine:
 
     def open_batch(self, *, return_logits: bool = False, agree: bool = True) -> ContinuousBatch:
         """A :class:`~magnetar.engine.batch.ContinuousBatch` on this engine: requests join it between decode steps
-        and leave when finished (a server's loop; every rank of the replica makes the same calls). ``agree=False``
-        drops the per-request agreement collective, for a caller that already broadcasts the requests."""
+        and leave when finished (a server's loop; every rank of the replica makes the same calls); one request's
+        NaN or failed token choice fails it alone. ``agree=False`` drops the per-request agreement collective, for
+        a caller that already broadcasts the requests."""
+        return self._open(return_logits=return_logits, agree=agree, isolate=True)
+
+    def _open(self, *, return_logits: bool, agree: bool, isolate: bool) -> ContinuousBatch:
         decode = DecodeBatch(self.model, self.config, self.groups, self.device, policy=self.policy,
-                             keep_logits=return_logits, isolate=True)  # one request's NaN fails it alone
-        return ContinuousBatch(self.check, self._source, decode, self.results, return_logits=return_logits, agree=agree)
+                             keep_logits=return_logits, isolate=isolate)
+        return ContinuousBatch(self.check, self._source, decode, self.results, return_logits=return_logits,
+                               agree=agree)
 
     def _source(self, options: Optional[dict]) -> tuple[Requests, Encoder]:
         """The requests and encoder of this engine, or of its variant with ``options`` (ContinuousBatch)."""
@@ -292,21 +308,11 @@ class Engine:
                 len(handles) != len(queries) or not handles:
             raise ValueError("handles and queries must be non-empty lists of the same length (one query per handle)")
         for i, h in enumerate(handles):
-            self.encoder.check_handle(h, f"handles[{i}]")
-        qids = [self.requests.query_ids(q) for q in queries]
-        self.requests.agree("ask", [h.context_ids for h in handles], qids, params, return_logits=return_logits)
-        for h, q in zip(handles, qids):
-            self.requests.check_lengths(h.context_tokens, int(q.numel()), params.max_new_tokens)
-        with nvtx_range(GENERATE):
-            return self._ask(list(handles), qids, [False] * len(handles), params, return_logits)
-
-    def _ask(self, handles: list[ContextHandle], qids: list[torch.Tensor], hits: list[bool], params: SamplingParams,
-             return_logits: bool) -> list[GenerationResult]:
-        samplers = [self.requests.sampler(params) for _ in handles]
-        requests = [question(h, q, s) for h, q, s in zip(handles, qids, samplers)]
-        decs = run_phase2(self.model, self.config, requests, self.groups, self.device, keep_logits=return_logits,
-                          policy=self.policy)
-        return self.results.assemble(handles, qids, hits, decs, samplers)
+            self.encoder.check_handle(h, f"handles[{i}]")  # by its place in the list (check names it "context")
+        checked = [self.check(h, q, params) for h, q in zip(handles, queries)]
+        self.requests.agree("ask", [h.context_ids for h in handles], [r.query_ids for r in checked], params,
+                            return_logits=return_logits)
+        return self._run(checked, return_logits)
 
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""

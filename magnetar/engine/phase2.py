@@ -243,8 +243,9 @@ class DecodeBatch:
     ``stop_reason`` "nonfinite" and ``error`` saying where (no token is chosen for it) -- and the others go on;
     the first rank decides and the token broadcast carries the decision. So does a request whose token choice
     raises (its sampler, its log-probabilities: stop reason "failed", ``error`` the exception). Otherwise
-    (``run_phase2``) any non-finite logits raise :class:`~magnetar.engine.finite.NonFiniteError` on every rank
-    (``check_finite``), and a failed choice its exception (:class:`RequestFailed` on the ranks that did not choose).
+    (``Engine.generate``'s batch) any non-finite logits raise :class:`~magnetar.engine.finite.NonFiniteError` on
+    every rank (``check_finite``), and a failed choice its exception (:class:`RequestFailed` on the ranks that did
+    not choose).
     """
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device, *,
@@ -259,7 +260,8 @@ class DecodeBatch:
         self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
         if self.why_not is not None:
             log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
-        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.check_finite)
+        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.check_finite,
+                                    config.runtime.attention_backend)
                        if self.decode_step != "eager" else None)
 
     @property
@@ -469,19 +471,6 @@ class DecodeBatch:
             raise ValueError(f"rid {rid} is not in this batch (finished requests leave it with pop)")
         if live.result.stop_reason is None:
             live.result.stop_reason = "cancelled"
-
-
-def run_phase2(model, config: EngineConfig, requests: Sequence[Phase2Request], groups: ParallelGroups, device, *,
-               keep_logits: bool = False, policy: Optional[DecodePolicy] = None) -> list[DecodeResult]:
-    """Run ``requests`` as one batch (their queries in one forward, then decode steps until each is finished);
-    one result each, in order. Finished requests leave the batch; the others go on. ``policy`` (a
-    :class:`~magnetar.engine.strategy.DecodePolicy`: sparse decoding or LuKA) makes every Phase-2 token attend to
-    its choice of its request's context KV."""
-    batch = DecodeBatch(model, config, groups, device, policy=policy, keep_logits=keep_logits)
-    rids = batch.join(requests)
-    while batch.step():
-        pass
-    return [batch.pop(rid) for rid in rids]
 
 
 @torch.inference_mode()

@@ -8,9 +8,10 @@ and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 
 * ``static`` -- :class:`StaticSlots`: when a request joins (after its query forward, which stays eager), this rank's
   KV of it -- its context shard and, on the query rank, its query tokens' KV -- is copied once into a slot of
   preallocated per-layer buffers ``(slots, Hkv, capacity, D)``; each step writes the new token's KV in place and
-  attends all slots in ONE call per layer (:func:`slot_attention`: float32 scores, key positions decide what each
-  query sees, the empty part of a slot sits at position :data:`FAR`), then the CP gather and merge as eager.
-  No per-request Python, no per-call checks; the shapes change only when the slots or their capacity grow.
+  attends all slots in ONE call per layer (:mod:`magnetar.ops.slots`: the decode kernel of an attention backend,
+  float32 scores, key positions decide what each query sees, the empty part of a slot sits at position
+  :data:`~magnetar.ops.slots.FAR`), then the CP gather and merge as eager. No per-request Python, no per-call
+  checks; the shapes change only when the slots or their capacity grow.
 * ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): the
   first shape compiles static, the first other one with the sizes that changed dynamic, which later shapes reuse
   (``magnetar serve`` compiles a single request's graphs before its first request; a batch's first step compiles
@@ -33,7 +34,6 @@ batch of requests over one cached context holds it once per request; capacity gr
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -43,12 +43,13 @@ from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import LayerContext
 from magnetar.models.dims import ModelDims
 from magnetar.ops import merge_states
+from magnetar.ops.backends import get_backend
 from magnetar.ops.nonfinite import all_finite
+from magnetar.ops.slots import FAR, slot_backend
 from magnetar.parallel import ParallelGroups, all_gather_states
 
 log = logging.getLogger(__name__)
 
-FAR = 2 ** 62  # the key position of an empty slot entry: no query's position reaches it
 MIN_CAPACITY = 256  # a slot's first capacity is a multiple of this (tokens)
 
 
@@ -63,76 +64,6 @@ def static_problem(mode: str, policy, groups: ParallelGroups) -> tuple[str, Opti
         return "static", ("tensor parallelism's all-reduce inside the layers is not compiled: decode steps run static "
                           "(batched, uncompiled)")
     return mode, None
-
-
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, Hq, S, D) in q's dtype, lse (B, Hq, S) float32)`` of ``q`` over the slot buffers ``k, v
-    (B, Hkv, C, D)`` whose entries sit at positions ``k_pos (B, C)`` (:data:`FAR`: empty); ``q_pos (B, S)``. Key j
-    is visible to query i iff ``k_pos[j] <= q_pos[i]`` (and ``> q_pos[i] - window``). Scores, softmax and the
-    weighted sum in float32; query head h reads KV head ``h // (Hq // Hkv)``."""
-    B, Hq, S, D = q.shape
-    Hkv, C = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    s = torch.matmul(q.float().reshape(B, Hkv, G * S, D), k.float().transpose(-1, -2)).view(B, Hkv, G, S, C)
-    qp, kp = q_pos.view(B, 1, 1, S, 1), k_pos.view(B, 1, 1, 1, C)
-    vis = kp <= qp
-    if window is not None:
-        vis = vis & (kp > qp - window)
-    s = (s * scale).masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, S): -inf where nothing is visible, NaN where a NaN is
-    seen = vis.any(dim=-1)  # (B, 1, 1, S)
-    p = torch.exp(s - torch.where(seen, lse, 0.0).unsqueeze(-1))
-    out = torch.matmul(p.view(B, Hkv, G * S, C), v.float()).view(B, Hkv, G, S, D)
-    out = torch.where(seen.unsqueeze(-1), out, 0.0)
-    lse = torch.where(seen, lse, float("-inf"))
-    return out.reshape(B, Hq, S, D).to(q.dtype), lse.reshape(B, Hq, S)
-
-
-def slot_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                        scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`slot_attention` through torch's FlexAttention (the compiled step's on CUDA: a fused kernel that reads
-    the bf16 KV once, float32 inside; the visibility rule is its ``score_mod``). Same contract."""
-    from magnetar.ops.backends.flex import _load
-
-    flex, _, aux = _load()
-    B, Hq, S, D = q.shape
-
-    def score_mod(score, b, h, qi, kj):
-        kp, qp = k_pos[b, kj], q_pos[b, qi]
-        vis = kp <= qp
-        if window is not None:
-            vis = vis & (kp > qp - window)
-        return torch.where(vis, score, float("-inf"))
-
-    kw = dict(score_mod=score_mod, scale=scale, enable_gqa=Hq != k.shape[1])
-    if aux is not None:
-        out, extra = flex(q, k, v, return_aux=aux(lse=True), **kw)
-        lse = extra.lse
-    else:
-        out, lse = flex(q, k, v, return_lse=True, **kw)
-    qp, kp = q_pos.view(B, S, 1), k_pos.view(B, 1, -1)
-    vis = kp <= qp
-    if window is not None:
-        vis = vis & (kp > qp - window)
-    seen = vis.any(dim=-1).view(B, 1, S)
-    out = torch.where(seen.unsqueeze(-1), out, 0.0).to(q.dtype)
-    return out, torch.where(seen, lse.float(), float("-inf"))
-
-
-SLOT_ATTENTION = {"math": slot_attention, "flex": slot_attention_flex}
-
-
-def slot_attention_impl(mode: str, device) -> str:
-    """Which :data:`SLOT_ATTENTION` a step runs: ``MAGNETAR_SLOT_ATTENTION`` (math | flex) if set, else flex for a
-    compiled step on CUDA (fused; the math path would copy the KV to float32 every step) and math otherwise (exact
-    float32 steps that CPU compilers fuse; eager FlexAttention on CPU materialises its scores)."""
-    forced = os.environ.get("MAGNETAR_SLOT_ATTENTION", "")
-    if forced:
-        if forced not in SLOT_ATTENTION:
-            raise ValueError(f"MAGNETAR_SLOT_ATTENTION must be one of {', '.join(SLOT_ATTENTION)}, got {forced!r}")
-        return forced
-    return "flex" if mode == "compiled" and torch.device(device).type == "cuda" else "math"
 
 
 class StaticSlots:
@@ -191,7 +122,7 @@ class StaticContext(LayerContext):
     layer_range = None  # no profiler range inside a compiled graph (magnetar_attention skips it)
 
     def __init__(self, slots: StaticSlots, positions: torch.Tensor, write: torch.Tensor, groups: ParallelGroups,
-                 attention=slot_attention, used: Optional[int] = None):
+                 attention, used: Optional[int] = None):
         self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
         self.attention, self.used = attention, used  # used: attend the slots' first `used` entries only (None: all)
         self.rows = torch.arange(write.shape[0], device=write.device)
@@ -230,14 +161,17 @@ class StaticDecode:
     which request holds which slot, the slots, and the step function. Every rank of the replica makes the same
     calls (the batch's are replicated), so the slots' layout is the same on every rank."""
 
-    def __init__(self, model, groups: ParallelGroups, device, mode: str, check_finite: bool = True):
+    def __init__(self, model, groups: ParallelGroups, device, mode: str, check_finite: bool = True,
+                 attention_backend: str = "auto"):
         self.model, self.groups, self.device, self.mode = model, groups, device, mode
         self.check_finite = check_finite  # runtime.check_finite: raise on non-finite logits (eager's rule)
         self.slots: Optional[StaticSlots] = None
         self.owner: dict[int, int] = {}  # rid -> slot
         self.fallback: Optional[str] = None  # why a compiled step runs static
         self._compiled = None
-        self.attention = slot_attention_impl(mode, device)  # the SLOT_ATTENTION of the steps
+        # the attention backend whose decode kernel the steps run (magnetar.ops.slots: runtime.attention_backend when it
+        # owns one, else flex for a compiled step on CUDA, torch's float32 math otherwise)
+        self.attention = slot_backend(attention_backend, device, compiled=mode == "compiled").name
 
     # ---------------------------------------------------------------------------------------------- slots
     def place(self, rid: int, shard: KVShard, gen: Optional[KVShard]) -> None:
@@ -386,7 +320,7 @@ class StaticDecode:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
                  ) -> torch.Tensor:
-        attention = SLOT_ATTENTION[self.attention if self.fallback is None else "math"]
+        attention = get_backend(self.attention if self.fallback is None else "torch").slot_forward
         ctx = StaticContext(self.slots, pos, write, self.groups, attention, used)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
         return out.logits[:, -1]

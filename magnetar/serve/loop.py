@@ -385,7 +385,8 @@ class EngineLoop:
             try:  # checked once, by the leader's Engine.check: trusted here
                 request = CheckedRequest.from_dict(add.request, handle=handle,
                                                    context_ids=None if handle is None else handle.context_ids)
-                ready.append(self.batch.encode(request, base=None if held is None else held[0]))
+                with nvtx_range(GENERATE):
+                    ready.append(self.batch.encode(request, base=None if held is None else held[0]))
                 sids.append(add.sid)
                 if held is not None and not ready[-1].cached:  # its own chunks are not what it found cached: report
                     r = ready[-1]  # the prefix reused before its first chunk

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import torch
 
@@ -105,9 +106,39 @@ def _mask_mod(call):
     return mask_mod, per_seq
 
 
+def slot_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                        scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`magnetar.ops.slots.slot_attention` through torch's FlexAttention (the compiled step's on CUDA: a fused
+    kernel that reads the bf16 KV once, float32 inside; the visibility rule is its ``score_mod``). Same contract."""
+    flex, _, aux = _load()
+    B, Hq, S, D = q.shape
+
+    def score_mod(score, b, h, qi, kj):
+        kp, qp = k_pos[b, kj], q_pos[b, qi]
+        vis = kp <= qp
+        if window is not None:
+            vis = vis & (kp > qp - window)
+        return torch.where(vis, score, float("-inf"))
+
+    kw = dict(score_mod=score_mod, scale=scale, enable_gqa=Hq != k.shape[1])
+    if aux is not None:
+        out, extra = flex(q, k, v, return_aux=aux(lse=True), **kw)
+        lse = extra.lse
+    else:
+        out, lse = flex(q, k, v, return_lse=True, **kw)
+    qp, kp = q_pos.view(B, S, 1), k_pos.view(B, 1, -1)
+    vis = kp <= qp
+    if window is not None:
+        vis = vis & (kp > qp - window)
+    seen = vis.any(dim=-1).view(B, 1, S)
+    out = torch.where(seen.unsqueeze(-1), out, 0.0).to(q.dtype)
+    return out, torch.where(seen, lse.float(), float("-inf"))
+
+
 class FlexAttentionBackend:
     name = "flex"
     device_types = ("cuda", "cpu")
+    slot_forward = staticmethod(slot_attention_flex)  # the decode step's kernel (magnetar.ops.slots)
 
     def validate(self, call) -> list[str]:
         fx = _load()

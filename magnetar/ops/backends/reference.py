@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from magnetar.ops.call import FULL
+from magnetar.ops.slots import slot_attention
 
 
 def fold_gqa(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -55,6 +56,11 @@ def attend_block(
 class ReferenceBackend:
     name = "torch"
     device_types = None
+
+    @staticmethod
+    def slot_forward(q, k, v, q_pos, k_pos, scale, window=None):
+        """The decode step's kernel (:func:`magnetar.ops.slots.slot_attention`: float32 math)."""
+        return slot_attention(q, k, v, q_pos, k_pos, scale, window)
 
     def validate(self, call) -> list[str]:
         return []
