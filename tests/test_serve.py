@@ -27,7 +27,7 @@ from magnetar.engine.requests import CheckedRequest  # noqa: E402
 from magnetar.engine.sampling import SamplingParams  # noqa: E402
 from magnetar.engine.template import split_messages, split_plain, split_prompt  # noqa: E402
 from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_body  # noqa: E402
-from magnetar.serve.prompts import split_completion, split_pasted  # noqa: E402
+from magnetar.serve.split import split_completion, split_pasted  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
 from tests.dist_utils import free_port, serve_in_thread, wait_serving  # noqa: E402

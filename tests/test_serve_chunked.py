@@ -13,7 +13,6 @@ openai = pytest.importorskip("openai", reason="the test extra: pip install 'magn
 pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
 
 import magnetar  # noqa: E402
-from magnetar.serve.loop import chunking_problem  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Chunk, Tick  # noqa: E402
 from tests.dist_utils import free_port, serve_in_thread  # noqa: E402
@@ -125,11 +124,11 @@ def test_chunks_are_held_by_their_request_whatever_the_cache_keeps(model_dir, mo
 
 def test_where_chunks_apply():
     eng = magnetar.init_inference(tiny_model("llama"), method="dense")
-    assert chunking_problem(eng) is None
+    assert eng.chunk_problem() is None
     off = magnetar.init_inference(tiny_model("llama"), method="dense", prefix_reuse="off")
-    assert chunking_problem(off) == "runtime.prefix_reuse is off"
+    assert off.chunk_problem() == "runtime.prefix_reuse is off"
     star = magnetar.init_inference(tiny_model("llama"), method="star", cp_size=2, simulate=True)
-    assert chunking_problem(star).startswith("cp_size 2: each rank encodes its own block")
+    assert star.chunk_problem().startswith("cp_size 2: each rank encodes its own block")
     tick = Tick(chunks=[Chunk(3, [1, 2, 3])])
     assert Tick.from_bytes(tick.to_bytes()) == tick and not tick.empty
     assert torch.equal(torch.tensor(tick.chunks[0].context_ids), torch.tensor([1, 2, 3]))
@@ -163,10 +162,10 @@ def test_a_new_exact_method_gets_prefix_reuse_and_chunks_from_its_registry_facts
     monkeypatch.setitem(METHODS, "approx_copy", MethodSpec("magnetar.methods.dense:DenseMethod", distributed=False,
                                                            local_prefill=True, partitions=True))
     exact = magnetar.init_inference(tiny_model("llama"), method="dense_copy")
-    assert exact.encoder.can_extend() is None and chunking_problem(exact) is None
+    assert exact.encoder.can_extend() is None and exact.chunk_problem() is None
     approx = magnetar.init_inference(tiny_model("llama"), method="approx_copy")
     assert approx.encoder.can_extend() == ("method 'approx_copy' is not extended with prefix_reuse 'exact' (its "
                                            "Phase 1 is approximate: prefix_reuse 'all' extends it)")
-    assert chunking_problem(approx).startswith("method 'approx_copy': its Phase 1 is not a causal pass")
+    assert approx.chunk_problem().startswith("method 'approx_copy': its Phase 1 is not a causal pass")
     assert magnetar.init_inference(tiny_model("llama"), method="approx_copy", prefix_reuse="all").encoder \
         .can_extend() is None

@@ -28,13 +28,13 @@ from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 
-from magnetar.config import REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
+from magnetar.config import METHODS, REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.phase2 import DecodeBatch
-from magnetar.engine.requests import CheckedRequest, Requests
+from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
@@ -313,6 +313,56 @@ class Engine:
         self.requests.agree("ask", [h.context_ids for h in handles], [r.query_ids for r in checked], params,
                             return_logits=return_logits)
         return self._run(checked, return_logits)
+
+    # -- the context cache, as a server plans with it -------------------------------------------------------
+    def is_cached(self, key: str) -> bool:
+        """Whether the context cache holds the context of cache key ``key`` (:meth:`cache_key`)."""
+        return key in self.cache
+
+    def cached_prefix_tokens(self, context_ids: torch.Tensor) -> int:
+        """How many first tokens of ``context_ids`` the longest cached proper prefix encoded this engine's way holds
+        (0: none), without touching the cache's recency order (a server's leader plans with it; the ranks' caches
+        must stay alike)."""
+        return self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest)
+
+    def cache_stats(self) -> dict:
+        """The context cache's figures: handles, bytes, budget_bytes, hits, misses, evictions, prefix_hits."""
+        return self.cache.stats()
+
+    def chunk_problem(self) -> Optional[str]:
+        """Why this engine does not run a long context's Phase 1 in chunks (a server's ``--prefill-chunk``), or
+        None: a chunk extends the chunks before it as prefix reuse does (:meth:`encode_chunk`), which is the exact
+        Phase 1 only for an exact method (the registry's fact, never a list of names) on one CP rank (on several
+        ranks every chunk's KV would pile up on the first) that extends prefixes."""
+        cfg = self.config
+        if cfg.parallel.cp_size > 1:
+            return f"cp_size {cfg.parallel.cp_size}: each rank encodes its own block of the context (not chunked yet)"
+        if not METHODS[cfg.method].exact:
+            return f"method {cfg.method!r}: its Phase 1 is not a causal pass over the context"
+        return self.encoder.can_extend()
+
+    def encode_chunk(self, context_ids: torch.Tensor, base: Optional[ContextHandle] = None) -> ContextHandle:
+        """One chunk of a long context's Phase 1 (:meth:`chunk_problem` is None): ``context_ids`` -- the context's
+        first tokens, already checked -- extending ``base``, the caller's handle of the chunks before (None: the
+        first chunk, which extends the longest cached prefix, if any). The handle is the caller's alone: it never
+        enters the cache (a partial context only its request extends). Every rank of the replica calls it alike."""
+        with nvtx_range(GENERATE):
+            return self.encoder.encode(context_ids, base=base, keep=False)[0]
+
+    def min_context_tokens(self, options: Optional[dict] = None) -> int:
+        """The fewest context tokens this engine's method (or its variant's with ``options``) accepts: one per CP
+        rank, else one block (``block_size``) -- a scored prompt's Phase-1 part."""
+        config = self.variant_config(**options) if options else self.config
+        candidates = [max(1, config.parallel.cp_size)]
+        if config.blocks.block_size is not None:
+            candidates.append(max(candidates[0], config.blocks.block_size))
+        for c in candidates:
+            try:
+                check_fit(c, 1, None, max_positions=self.max_positions, config=config, policy=self.policy)
+                return c
+            except ValueError:
+                continue
+        return candidates[-1]  # refused later by the request's check, with its message
 
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""

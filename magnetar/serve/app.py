@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from magnetar.serve.gate import Refused
 from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
-from magnetar.serve.prompts import PinnedContext, context_id_of
+from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, ModelCard, ModelList,

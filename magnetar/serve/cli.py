@@ -32,7 +32,7 @@ from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import check_api_key, check_body_budget, is_loopback
 from magnetar.serve.loop import PREFILL_CHUNK
-from magnetar.serve.prompts import PASTE_TOKENS
+from magnetar.serve.split import PASTE_TOKENS
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"

@@ -37,7 +37,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from magnetar.config import METHODS
 from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import RequestFailed
@@ -77,18 +76,6 @@ class Failed:
 
 
 PREFILL_CHUNK = 2048  # the server's default --prefill-chunk (tokens)
-
-
-def chunking_problem(engine) -> Optional[str]:
-    """Why ``engine``'s server does not run Phase 1 in chunks (``--prefill-chunk``), or None: a chunk extends the
-    chunks before it as prefix reuse does (``Encoder.extend``), which is the exact Phase 1 only for an exact method
-    on one CP rank (on several ranks every chunk's KV would pile up on the first) that extends prefixes."""
-    cfg = engine.config
-    if cfg.parallel.cp_size > 1:
-        return f"cp_size {cfg.parallel.cp_size}: each rank encodes its own block of the context (not chunked yet)"
-    if not METHODS[cfg.method].exact:  # the registry's fact, never a list of names
-        return f"method {cfg.method!r}: its Phase 1 is not a causal pass over the context"
-    return engine.encoder.can_extend()
 
 
 class Sink:
@@ -131,8 +118,8 @@ class EngineLoop:
                  prefill_threads: Optional[int] = None, prefill_chunk: int = 0):
         self.engine, self.groups = engine, engine.groups
         # a new context longer than this many tokens runs its Phase 1 in chunks of it, one between two decode steps
-        # (0: whole); only where a chunk's extension is the exact Phase 1 (chunking_problem)
-        self.prefill_chunk = prefill_chunk if chunking_problem(engine) is None else 0
+        # (0: whole); only where a chunk's extension is the exact Phase 1 (Engine.chunk_problem)
+        self.prefill_chunk = prefill_chunk if engine.chunk_problem() is None else 0
         # sid -> (the handle of its Phase-1 chunks so far, the context tokens reused before its first chunk), on every
         # rank: the request holds its chunks for its life, so the next chunk extends them whatever the cache keeps
         # (they never enter the cache: a partial context only its request extends)
@@ -224,7 +211,7 @@ class EngineLoop:
         if self.engine.config.runtime.decode_step != "compiled":
             return
         t0 = time.perf_counter()
-        vocab = int(self.engine.model.config.vocab_size)
+        vocab = int(self.engine.vocab_size)
         params = self.engine.sampling_params(max_new_tokens=4, temperature=0.0)
         for n, length in ((1, 16), (1, 300)):
             ready = [self.batch.prepare((torch.arange(length) * (7 + i) + 3) % vocab, torch.arange(4) % vocab, params)
@@ -234,7 +221,7 @@ class EngineLoop:
                 self.batch.step()
             for rid, r in zip(rids, ready):
                 self.batch.pop(rid)
-                self.engine.cache.release(r.handle)
+                self.engine.release(r.handle)
         log.warning("decode_step compiled: the decode step compiled before serving (%.0f s)",
                     time.perf_counter() - t0)
 
@@ -304,7 +291,7 @@ class EngineLoop:
                 self._reject(job.sid, ValueError(f"magnetar.context_id {job.prepared.context_id!r} was deleted"),
                              "magnetar.context_id")
                 continue
-            needs = not pinned and key not in self.engine.cache and key not in keys
+            needs = not pinned and not self.engine.is_cached(key) and key not in keys
             if (job.kind == "generate" and room <= 0) or (needs and phase1):
                 continue
             if needs and job.kind == "generate" and self._chunks(job):  # a chunk now; the request joins after
@@ -330,8 +317,7 @@ class EngineLoop:
         if self.prefill_chunk <= 0 or p.options or p.context_id is not None:
             return False
         if job.chunked == 0:  # chunks start after the longest cached prefix (a conversation's earlier turn)
-            enc = self.engine.encoder
-            job.chunked = self.engine.cache.prefix_tokens(p.context_ids, enc.identity, enc.options_digest)
+            job.chunked = self.engine.cached_prefix_tokens(p.context_ids)
         return int(p.context_ids.numel()) - job.chunked > self.prefill_chunk
 
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
@@ -355,13 +341,11 @@ class EngineLoop:
 
     def _apply_new(self, tick: Tick) -> None:
         """A tick's Phase-1 chunks, encodes and new requests (their Phase 1s and one query forward)."""
-        encoder = self.engine.encoder
         for ch in tick.chunks:  # a prefix of a checked context, the same on every rank (the tick): no agreement
             ids = torch.tensor(ch.context_ids, dtype=torch.long)
             held = self._partial.pop(ch.sid, None)
             try:  # extends the request's own chunks (the first: a cached prefix, if any)
-                with nvtx_range(GENERATE):
-                    handle, _ = encoder.encode(ids, base=None if held is None else held[0], keep=False)
+                handle = self.engine.encode_chunk(ids, base=None if held is None else held[0])
             except Exception as e:  # its own tokens: the request fails alone
                 self._own(e)
                 if self.leader:
@@ -487,7 +471,7 @@ class EngineLoop:
     def _gauges(self) -> None:
         self.metrics.active.set(len(self.batch.active))
         self.metrics.queued.set(len(self.pending) + self.inbox.qsize())
-        self.metrics.cache(self.engine.cache.stats(), len(self.handles))
+        self.metrics.cache(self.engine.cache_stats(), len(self.handles))
 
     def _fail_all(self, why: str) -> None:
         self.failed = why  # the cause stays in the server's log (log.exception above): clients see no internals

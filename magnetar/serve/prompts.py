@@ -1,5 +1,6 @@
-"""Requests -> (Phase-1 context ids, Phase-2 query ids, sampling parameters), checked on the serving rank before
-anything reaches the other ranks.
+"""OpenAI requests -> :class:`Prepared` (the engine's ``CheckedRequest``, made once by ``Engine.check``, and how the
+prompt was cut), on the serving rank before anything reaches the other ranks. The cutting rules on text are
+:mod:`magnetar.serve.split`; the pinned contexts, :mod:`magnetar.serve.contexts`.
 
 How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"):
 
@@ -9,13 +10,13 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
 * chat without it: everything before the last user message (system prompt, earlier turns, the user header) is
   the context, the last user message the question -- unless that message is long (``--paste-threshold``
   tokens, 1024 by default): then its leading document opens the context's last turn, as ``magnetar.context``
-  would, and its tail is the question (:func:`split_pasted`: after the last blank line's first line break, else
+  would, and its tail is the question (:func:`~magnetar.serve.split.split_pasted`: after the last blank line's first line break, else
   the last line break, else its last 64 tokens); ``"magnetar": {"split_document": false}`` keeps the whole
   message as the question;
 * chat or completion with ``"magnetar": {"context_id": id}`` (``POST /v1/contexts``): the encoded context; the
   messages are then one user message, the question;
 * completion, ``"magnetar": {"context": doc}``: the document as plain text (BOS first when the tokenizer adds
-  one; a blank line after it unless it ends with a line break: :func:`raw_document`), the prompt as the query;
+  one; a blank line after it unless it ends with a line break: :func:`~magnetar.serve.split.raw_document`), the prompt as the query;
   without it a text prompt is cut after its last blank line (``"\\n\\n"``, else its last newline) before
   non-blank text -- what precedes is the context, the rest the query --, and a prompt with no line break, or
   token ids (taken as given), is cut between tokens: its last 64 tokens (all but the first, if shorter) are the
@@ -43,22 +44,22 @@ import functools
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig, FieldError
 from magnetar.engine import inputs
-from magnetar.engine.requests import CheckedRequest, check_fit
+from magnetar.engine.requests import CheckedRequest
 from magnetar.engine.sampling import MAX_TOP_LOGPROBS
 from magnetar.engine.template import check_fits, split_messages, split_plain
+from magnetar.serve.contexts import ContextRegistry
+from magnetar.serve.split import PASTE_TOKENS, QUERY_CUT_TOKENS, raw_document, split_completion, split_pasted
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
 
 OPTIONS = ("context", "context_id", "split_document")
-PASTE_TOKENS = 1024  # --paste-threshold's default: a last user message this long (tokens) holds a document
-QUERY_CUT_TOKENS = 64  # a prompt with no line break to cut at (or token ids): its last this many tokens are the query
 MAX_PROMPTS = 64  # a completion's prompt list, at most
 MAX_CHOICES = 64  # prompts x n, at most
 
@@ -101,78 +102,6 @@ class Prepared:
     @property
     def context_ids(self) -> torch.Tensor:
         return self.request.context_ids
-
-
-@dataclass(frozen=True)
-class PinnedContext:
-    id: str
-    key: str
-    format: str
-    tokens: int
-    created: int
-    # (L,) int64: its ids, which a request about it is checked with (Engine.check)
-    context_ids: Optional[torch.Tensor] = field(default=None, repr=False)
-
-
-class ContextRegistry:
-    """The pinned contexts the serving rank knows about (thread-safe: HTTP handlers and the engine loop), at most
-    ``limit`` of them counting those being encoded: :meth:`reserve` takes a place before the encode is queued
-    (check and take in one step, so concurrent POSTs cannot pass the limit together), :meth:`add` fills it,
-    :meth:`unreserve` gives it back when the encode fails."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._items: dict[str, PinnedContext] = {}
-        self._reserved: dict[str, int] = {}  # cid -> POSTs of it being encoded
-
-    def get(self, cid: str) -> Optional[PinnedContext]:
-        with self._lock:
-            return self._items.get(cid)
-
-    def reserve(self, cid: str) -> None:
-        """Take a place for ``cid`` (RequestError when the registry is full; a cid pinned or being encoded already
-        takes no second place)."""
-        with self._lock:
-            if cid not in self._items and cid not in self._reserved and \
-                    len(self._items) + len(self._reserved) >= self.limit:
-                raise RequestError(f"this server pins at most {self.limit} contexts (--max-contexts); DELETE "
-                                   f"/v1/contexts/{{id}} one first", "context")
-            self._reserved[cid] = self._reserved.get(cid, 0) + 1
-
-    def unreserve(self, cid: str) -> bool:
-        """Give back a place :meth:`reserve` took; returns whether ``cid`` is now neither pinned nor being encoded
-        (then nothing holds its encoded KV: the caller releases it)."""
-        with self._lock:
-            self._give_back(cid)
-            return cid not in self._items and cid not in self._reserved
-
-    def add(self, item: PinnedContext) -> None:
-        """Pin ``item`` in the place :meth:`reserve` took for it."""
-        with self._lock:
-            self._items[item.id] = item
-            self._give_back(item.id)
-
-    def _give_back(self, cid: str) -> None:
-        """One reservation of ``cid`` fewer (the lock held)."""
-        n = self._reserved.get(cid, 0) - 1
-        if n > 0:
-            self._reserved[cid] = n
-        else:
-            self._reserved.pop(cid, None)
-
-    def remove(self, cid: str) -> Optional[PinnedContext]:
-        with self._lock:
-            return self._items.pop(cid, None)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-
-def context_id_of(key: str) -> str:
-    """The id of a pinned context: from its cache key, so posting the same document twice gives the same id."""
-    return f"ctx-{key}"
 
 
 class Preparer:
@@ -222,7 +151,7 @@ class Preparer:
                                "message", "messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-        context, cid, options, config = self._options(req.magnetar, "chat")
+        context, cid, options = self._options(req.magnetar, "chat")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
@@ -268,7 +197,7 @@ class Preparer:
         if len(prompts) * n > MAX_CHOICES:
             raise RequestError(f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; at most "
                                f"{MAX_CHOICES} per request: send several requests", "n")
-        context, cid, options, config = self._options(req.magnetar, "raw")
+        context, cid, options = self._options(req.magnetar, "raw")
         if (req.magnetar or {}).get("split_document") is not None:
             raise RequestError("magnetar.split_document applies to chat requests; a completion's prompt is cut by the "
                                "rule of docs/serving.md, or give the document in magnetar.context",
@@ -276,13 +205,12 @@ class Preparer:
         one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
         out = []
         for i, prompt in enumerate(prompts):
-            prepared = self._completion_one(req, prompt, "prompt" if one else f"prompt[{i}]", context, cid, options,
-                                            config)
+            prepared = self._completion_one(req, prompt, "prompt" if one else f"prompt[{i}]", context, cid, options)
             out += [_reseeded(prepared, j) for j in range(n)]
         return out
 
     def _completion_one(self, req: CompletionRequest, prompt, param: str, context: Optional[str],
-                        cid: Optional[str], options: dict, config: EngineConfig) -> Prepared:
+                        cid: Optional[str], options: dict) -> Prepared:
         """One prompt (a string or token ids) as a request: cut into context and query by the rule of the module
         docstring. ``echo`` with ``logprobs`` and no document scores the prompt: Phase 1 encodes only its first
         tokens (one per CP rank, or a block) and the rest runs as the query, so every token after the first query
@@ -301,7 +229,7 @@ class Preparer:
             if cut is None:  # token ids, a prompt with no line break, or a scored prompt: a cut between tokens
                 ids = self._prompt_ids(prompt, param) if ids is None else ids
                 if scoring:
-                    c = self._scoring_context(config)
+                    c = self.engine.min_context_tokens(options)
                     if ids.numel() <= c:
                         raise RequestError(f"{param}: scoring a prompt (echo with logprobs) needs more than {c} "
                                            f"tokens (its first {c} are Phase 1's context: one per CP rank, or the "
@@ -346,20 +274,6 @@ class Preparer:
         except ValueError as e:
             raise RequestError(f"{param}: {e}", param) from None
 
-    def _scoring_context(self, config: EngineConfig) -> int:
-        """The fewest context tokens ``config``'s method accepts: one per CP rank, else a block (``block_size``)."""
-        candidates = [max(1, config.parallel.cp_size)]
-        if config.blocks.block_size is not None:
-            candidates.append(max(candidates[0], config.blocks.block_size))
-        for c in candidates:
-            try:
-                check_fit(c, 1, None, max_positions=self.engine.max_positions, config=config,
-                          policy=self.engine.policy)
-                return c
-            except ValueError:
-                continue
-        return candidates[-1]  # refused later by the same check, with its message
-
     def context(self, req: ContextRequest) -> CheckedRequest:
         """What ``POST /v1/contexts`` encodes, checked like a request's context (its ``context_ids`` and ``key``)."""
         self._model(req.model)
@@ -400,15 +314,15 @@ class Preparer:
             raise RequestError(f"{e}{hint}", "stop") from None
 
     def _options(self, options: Optional[dict[str, Any]], fmt: str) -> tuple[Optional[str], Optional[str],
-                                                                              dict[str, Any], EngineConfig]:
-        """(magnetar.context, magnetar.context_id, the engine options, the config they make -- checked once here,
-        the server's own without options) of a request's ``magnetar`` object; ``fmt``:
+                                                                              dict[str, Any]]:
+        """(magnetar.context, magnetar.context_id, the engine options -- their values checked together here) of a
+        request's ``magnetar`` object; ``fmt``:
         the format a pinned context must have for this endpoint (``chat`` or ``raw``). Engine
         options are those :data:`~magnetar.config.REQUEST_OPTIONS` (how the context is encoded: ``method``,
         ``block_size``, pulsar's and streaming's fields); the others would change the ranks' layout or the
         decoding of the whole batch, so only the server's own value is accepted."""
         if not options:
-            return None, None, {}, self.config
+            return None, None, {}
         engine_options = {}
         for name, value in options.items():
             if name in OPTIONS:
@@ -431,10 +345,9 @@ class Preparer:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise RequestError(f"{param} is not an option (per-request options: {', '.join(OPTIONS)}, "
                                f"{', '.join(REQUEST_OPTIONS)}){hint}", param)
-        config = self.config
         if engine_options:
             try:  # validates the values together (a method's needs); makes no variant for a refused request
-                config = self.engine.variant_config(**engine_options)
+                self.engine.variant_config(**engine_options)
             except FieldError as e:  # its field is the option at fault
                 raise RequestError(f"magnetar.{e.field}: {e}", f"magnetar.{e.field}") from None
             if options.get("context_id") is not None:
@@ -467,7 +380,7 @@ class Preparer:
                                f"as the {'chat template' if pinned.format == 'chat' else 'plain text'}): use it with "
                                f"{endpoint}, or POST /v1/contexts with format {fmt!r} for this endpoint",
                                "magnetar.context_id")
-        return context, cid, engine_options, config
+        return context, cid, engine_options
 
     def _finish(self, req, context_ids: Optional[torch.Tensor], cid: Optional[str], query_ids: torch.Tensor,
                 where: str, options: Optional[dict] = None, *, split: str = "context", echo: str = "",
@@ -503,59 +416,6 @@ def refusal(error: FieldError, req, *, context: str, query: str) -> RequestError
     if param is not None and param != field:
         message = message.replace(field, param)
     return RequestError(message, param)
-
-
-def raw_document(doc: str) -> str:
-    """A completion's document (``magnetar.context``, or ``POST /v1/contexts`` with format ``raw``) as Phase 1
-    encodes it: ending with a blank line (``"\\n\\n"`` is added unless it ends with a line break already), so that the
-    prompt after it starts a paragraph of its own instead of running on from the document's last sentence."""
-    return doc if doc.endswith("\n") else doc + "\n\n"
-
-
-def split_completion(prompt: str) -> Optional[tuple[str, str]]:
-    """A raw prompt's (context, query): cut after its last blank line before non-blank text, else after its last
-    newline; None when it has neither or the context would be blank (then the caller cuts tokens)."""
-    body = prompt.rstrip()
-    cut = body.rfind("\n\n")
-    cut = cut + 2 if cut >= 0 else body.rfind("\n") + 1
-    if cut <= 0 or not prompt[:cut].strip():
-        return None
-    return prompt[:cut], prompt[cut:]
-
-
-def split_pasted(tokenizer, text: str, threshold: int) -> Optional[tuple[str, str]]:
-    """(document, question) of a chat's last user message of at least ``threshold`` tokens (0: never), else None.
-
-    The question is what follows the message's last blank line before non-blank text; when there is none, or what
-    follows is itself longer than ``threshold // 2`` tokens, what follows its last line break; failing that, its
-    last :data:`QUERY_CUT_TOKENS` tokens before any trailing blank lines and spaces (a cut between two tokens). The
-    document is everything before, and is never blank; neither is the question. At a blank line the cut falls after
-    its first line break (the question starts with the second): a byte-level BPE tokenizer makes one token of a run
-    of line breaks that ends the text, and two of the same run inside it, so a document ending in one line break
-    tokenizes as the start of the whole conversation does -- the next turn's context then starts with this one's
-    token for token, and extends it (prefix reuse). The threshold counts tokens, never characters."""
-    # a token holds at least one UTF-8 byte (a CJK character or an emoji is 2-4 tokens of a byte-level BPE, and a
-    # character count would miss them): fewer bytes than the threshold cannot be that many tokens
-    if threshold <= 0 or len(text.encode("utf-8", "surrogatepass")) < threshold:
-        return None
-    enc = tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
-    starts = [a for a, _ in enc["offset_mapping"]]
-    if len(starts) < threshold:
-        return None
-    body = text.rstrip()
-    starts = [a for a in starts if a < len(body)]  # trailing blank lines and spaces are no question
-    if len(starts) < 2:
-        return None
-    for sep in ("\n\n", "\n"):
-        cut = body.rfind(sep)
-        if cut < 0:
-            continue
-        cut += 1
-        tail_tokens = sum(a >= cut for a in starts)
-        if text[:cut].strip() and text[cut:].strip() and tail_tokens <= threshold // 2:
-            return text[:cut], text[cut:]
-    cut = starts[len(starts) - min(QUERY_CUT_TOKENS, len(starts) - 1)]
-    return (text[:cut], text[cut:]) if text[:cut].strip() else None
 
 
 def _prompt_list(prompt) -> list:

@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 
 from magnetar.serve.gate import Connections, check_api_key, check_body_budget
 from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
-from magnetar.serve.prompts import PASTE_TOKENS, ContextRegistry, Preparer
+from magnetar.serve.contexts import ContextRegistry
+from magnetar.serve.prompts import Preparer
+from magnetar.serve.split import PASTE_TOKENS
 from magnetar.serve.protocol import now
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class Server:
     Phase 1s and query forwards run (None: the process's count throughout); ``prefill_chunk``: a new context of
     more tokens runs its Phase 1 in chunks of this many, one between two decode steps, so the requests decoding
     are never held for a whole Phase 1 (0: whole; only where a chunk is exact: one CP rank, dense or ring,
-    :func:`magnetar.serve.loop.chunking_problem`);
+    :meth:`magnetar.engine.Engine.chunk_problem`);
     ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
     What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
     :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
