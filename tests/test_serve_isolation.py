@@ -17,7 +17,8 @@ pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[se
 import magnetar  # noqa: E402
 from magnetar.engine.phase2 import DecodeBatch, RequestFailed  # noqa: E402
 from magnetar.engine.sampling import RequestSampler, SamplingParams  # noqa: E402
-from magnetar.serve.loop import EngineLoop, Failed, Job, Token  # noqa: E402
+from magnetar.serve.loop import EngineLoop, Failed, Token  # noqa: E402
+from magnetar.serve.scheduler import Job  # noqa: E402
 from magnetar.serve.metrics import Metrics  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Tick  # noqa: E402

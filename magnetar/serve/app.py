@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from magnetar.serve.gate import Refused
-from magnetar.serve.loop import Done, Encoded, Failed, Job, Sink, Token
+from magnetar.serve.loop import Done, Encoded, Failed, Sink, Token
+from magnetar.serve.scheduler import Job
 from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -41,9 +41,9 @@ from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
 from magnetar.engine.phase2 import RequestFailed
 from magnetar.engine.requests import CheckedRequest
-from magnetar.serve.prompts import Prepared
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
-from magnetar.serve.ticks import Add, Chunk, Encode, Tick, broadcast_tick
+from magnetar.serve.scheduler import Job, Scheduler
+from magnetar.serve.ticks import Tick, broadcast_tick
 from magnetar.utils.nvtx import GENERATE, nvtx_range
 
 log = logging.getLogger(__name__)
@@ -92,24 +92,6 @@ class Sink:
             pass
 
 
-@dataclass
-class Job:
-    """What the HTTP thread asks of the engine loop (leader only)."""
-
-    kind: str  # "generate" | "encode" | "release" | "cancel"
-    sid: int
-    sink: Optional[Sink] = None
-    prepared: Optional[Prepared] = None
-    endpoint: str = ""
-    cid: Optional[str] = None
-    context_ids: Optional[torch.Tensor] = None  # encode
-    key: Optional[str] = None  # encode: the context's cache key
-    arrived: float = field(default_factory=time.monotonic)
-    last: Optional[float] = None  # when its last token was routed
-    chunked: int = 0  # generate: the context tokens its Phase-1 chunks have encoded so far (--prefill-chunk)
-    chunking: bool = False  # generate: a chunk of it was sent (every rank holds its partial context)
-
-
 class EngineLoop:
     """See the module docstring. ``metrics`` (a :class:`~magnetar.serve.metrics.Metrics`) and ``contexts`` are
     the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
@@ -139,8 +121,9 @@ class EngineLoop:
         # the leader's side
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # sid -> job, from submission to its last event
-        self.pending: list[Job] = []  # taken from the inbox, not yet in a tick
-        self._cancels: list[int] = []
+        # what waits (taken from the inbox, not yet in a tick) and the rules of the next tick
+        self.scheduler = Scheduler(max_batch_size=max_batch_size, prefill_chunk=self.prefill_chunk,
+                                   is_cached=engine.is_cached, prefix_tokens=engine.cached_prefix_tokens)
         self._sid = itertools.count(1)
         self._gate = threading.Lock()
         self.closed = False  # no more submissions (stopping)
@@ -230,10 +213,10 @@ class EngineLoop:
         deadline = time.monotonic() + self.heartbeat_s
         while True:
             busy = bool(self.batch.active)
-            self._take(block=not busy and not self.pending, until=deadline)
+            self._take(block=not busy and not self.scheduler.pending, until=deadline)
             if self.start_error is not None:
                 return Tick(stop=True, error=self.start_error)
-            if self.draining and not self.batch.active and not self.pending and not self._cancels:
+            if self.draining and not self.batch.active and self.scheduler.idle:
                 with self._gate:
                     if self.inbox.empty():
                         self.closed = True
@@ -258,67 +241,20 @@ class EngineLoop:
                 self._take_cancel(job.sid)
             else:
                 self.jobs[job.sid] = job
-                self.pending.append(job)
+                self.scheduler.add(job)
 
     def _take_cancel(self, sid: int) -> None:
-        waiting = next((j for j in self.pending if j.sid == sid), None)
-        if waiting is not None:
-            self.pending.remove(waiting)
+        if self.scheduler.cancel(sid, decoding=sid in self.rids) is not None:  # it was still waiting
             self._finish_job(sid, "cancelled")
-            if waiting.chunking:  # every rank drops the chunks it holds for it
-                self._cancels.append(sid)
-        elif sid in self.rids:
-            self._cancels.append(sid)
 
     def _schedule(self) -> Tick:
-        tick = Tick(cancels=self._cancels)
-        self._cancels = []
-        room = self.max_batch_size - (len(self.batch.active) - len(tick.cancels))
-        phase1, keys = False, set()
-        for job in list(self.pending):
-            if job.kind == "release":
-                # after the requests that read it, and after an encode of it still queued (a POST whose client left)
-                if not any((j.kind == "generate" and j.prepared.context_id == job.cid) or
-                           (j.kind == "encode" and j.cid == job.cid) for j in self.pending):
-                    tick.releases.append(job.cid)
-                    self.pending.remove(job)
-                    self.jobs.pop(job.sid, None)
-                continue
-            key = job.key if job.kind == "encode" else job.prepared.key
-            pinned = job.kind == "generate" and job.prepared.context_id is not None
-            if pinned and job.prepared.context_id not in self.handles:  # deleted after the request was checked
-                self.pending.remove(job)
-                self._reject(job.sid, ValueError(f"magnetar.context_id {job.prepared.context_id!r} was deleted"),
-                             "magnetar.context_id")
-                continue
-            needs = not pinned and not self.engine.is_cached(key) and key not in keys
-            if (job.kind == "generate" and room <= 0) or (needs and phase1):
-                continue
-            if needs and job.kind == "generate" and self._chunks(job):  # a chunk now; the request joins after
-                ids = job.prepared.context_ids
-                job.chunked, job.chunking = min(job.chunked + self.prefill_chunk, int(ids.numel())), True
-                tick.chunks.append(Chunk(job.sid, ids[: job.chunked].tolist()))
-                phase1 = True
-                continue
-            phase1, room = phase1 or needs, room - (job.kind == "generate")
-            keys.add(key)
-            self.pending.remove(job)
-            if job.kind == "encode":
-                tick.encodes.append(Encode(job.sid, job.cid, job.context_ids.tolist()))
-            else:
-                p = job.prepared  # a pinned context's ids stay out: every rank holds its handle
-                tick.adds.append(Add(job.sid, p.request.to_dict(context=p.context_id is None), p.context_id))
-        return tick
-
-    def _chunks(self, job: Job) -> bool:
-        """Whether the next Phase-1 work of ``job`` (a request whose context is not cached) is a chunk: chunking is
-        on, the request is encoded the server's way, and more than one chunk of its context is left to encode."""
-        p = job.prepared
-        if self.prefill_chunk <= 0 or p.options or p.context_id is not None:
-            return False
-        if job.chunked == 0:  # chunks start after the longest cached prefix (a conversation's earlier turn)
-            job.chunked = self.engine.cached_prefix_tokens(p.context_ids)
-        return int(p.context_ids.numel()) - job.chunked > self.prefill_chunk
+        decision = self.scheduler.decide(active=len(self.batch.active), pinned=set(self.handles))
+        for job in decision.released:
+            self.jobs.pop(job.sid, None)
+        for job in decision.refused:
+            self._reject(job.sid, ValueError(f"magnetar.context_id {job.prepared.context_id!r} was deleted"),
+                         "magnetar.context_id")
+        return decision.tick
 
     # -- every rank: apply a tick, route events ---------------------------------------------------------------
     def _apply(self, tick: Tick) -> None:
@@ -349,7 +285,7 @@ class EngineLoop:
             except Exception as e:  # its own tokens: the request fails alone
                 self._own(e)
                 if self.leader:
-                    self.pending = [j for j in self.pending if j.sid != ch.sid]
+                    self.scheduler.drop(ch.sid)
                 self._reject(ch.sid, e, None)
                 continue
             self._partial[ch.sid] = (handle, handle.reused_tokens if held is None else held[1])
@@ -470,7 +406,7 @@ class EngineLoop:
 
     def _gauges(self) -> None:
         self.metrics.active.set(len(self.batch.active))
-        self.metrics.queued.set(len(self.pending) + self.inbox.qsize())
+        self.metrics.queued.set(len(self.scheduler.pending) + self.inbox.qsize())
         self.metrics.cache(self.engine.cache_stats(), len(self.handles))
 
     def _fail_all(self, why: str) -> None:

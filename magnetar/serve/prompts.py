@@ -10,13 +10,14 @@ How prompts map to the two phases (docs/serving.md, "Prompts and the two phases"
 * chat without it: everything before the last user message (system prompt, earlier turns, the user header) is
   the context, the last user message the question -- unless that message is long (``--paste-threshold``
   tokens, 1024 by default): then its leading document opens the context's last turn, as ``magnetar.context``
-  would, and its tail is the question (:func:`~magnetar.serve.split.split_pasted`: after the last blank line's first line break, else
-  the last line break, else its last 64 tokens); ``"magnetar": {"split_document": false}`` keeps the whole
-  message as the question;
+  would, and its tail is the question (:func:`~magnetar.serve.split.split_pasted`: after the last blank line's
+  first line break, else the last line break, else its last 64 tokens); ``"magnetar": {"split_document":
+  false}`` keeps the whole message as the question;
 * chat or completion with ``"magnetar": {"context_id": id}`` (``POST /v1/contexts``): the encoded context; the
   messages are then one user message, the question;
 * completion, ``"magnetar": {"context": doc}``: the document as plain text (BOS first when the tokenizer adds
-  one; a blank line after it unless it ends with a line break: :func:`~magnetar.serve.split.raw_document`), the prompt as the query;
+  one; a blank line after it unless it ends with a line break: :func:`~magnetar.serve.split.raw_document`), the
+  prompt as the query;
   without it a text prompt is cut after its last blank line (``"\\n\\n"``, else its last newline) before
   non-blank text -- what precedes is the context, the rest the query --, and a prompt with no line break, or
   token ids (taken as given), is cut between tokens: its last 64 tokens (all but the first, if shorter) are the
