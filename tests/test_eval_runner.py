@@ -47,12 +47,11 @@ def _fake_runner(monkeypatch, world: int = 1) -> dict:
     With ``world`` > 1 the process acts as rank 0 of a process group whose collectives do nothing. Returns what
     it saw: the items answered (their index), every barrier's timeout and init_distributed's timeout."""
     import magnetar
-    import magnetar.models
+    import magnetar.engine.load
     from magnetar.eval import runner
 
     seen = {"answered": [], "barrier": [], "init_distributed": []}
-    monkeypatch.setattr(magnetar.models, "prepare_model", lambda name: None)
-    monkeypatch.setattr(magnetar.models, "load_model", lambda name, **kw: (SimpleNamespace(), None))
+    monkeypatch.setattr(magnetar.engine.load, "load_weights", lambda name, dtype, **kw: (SimpleNamespace(), None))
     monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(model=model,
                                                                                               simulated=False))
 

@@ -8,19 +8,43 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from magnetar.config import EngineConfig
 from magnetar.engine import hf, inputs
 from magnetar.engine.engine import Engine
 from magnetar.engine.tensor_parallel import checkpoint_index, load_shard, shard_tensor_parallel
-from magnetar.models import load_model, model_dtype, model_kind, model_path
+from magnetar.models import load_model, model_dtype, model_kind, model_path, prepare_model
 from magnetar.parallel import ParallelGroups, init_groups, local_groups
-from magnetar.parallel.launcher import device_for_rank, init_distributed
+from magnetar.parallel.collectives import barrier
+from magnetar.parallel.launcher import DEFAULT_TIMEOUT, device_for_rank, init_distributed
 from magnetar.parallel.shm import enable as enable_shm_gather
 
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_weights(name, dtype: str = "auto", *, revision: Optional[str] = None, trust_remote_code: bool = False,
+                 cache_dir=None, timeout: timedelta = DEFAULT_TIMEOUT):
+    """``(model, tokenizer)`` of a model given by name -- the one loader of ``init_inference``, ``magnetar eval``
+    and ``magnetar bench``: a ``magnetar.models`` registry name (converted once: under a launcher the first rank
+    converts while the others wait, up to ``timeout``), a local folder or a Hub id (:func:`magnetar.models.load_model`;
+    ``revision``, ``trust_remote_code``, ``cache_dir`` go there), or ``dummy:<preset or config>`` (random weights,
+    made on this rank's device at once: an 8B model never passes through the CPU). ``dtype``: a
+    ``runtime.dtype`` name (``auto``: the checkpoint's). Every rank calls it."""
+    device = "cpu"
+    kind = model_kind(name)
+    if kind == "dummy":
+        init_distributed(timeout=timeout)  # sets this rank's GPU
+        device = device_for_rank()
+    elif kind == "registry":
+        init_distributed(timeout=timeout)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            prepare_model(os.fsdecode(name), cache_dir)
+        barrier(timeout=timeout)  # a no-op without a process group
+    return load_model(name, dtype=_TORCH_DTYPES.get(dtype, "auto"), revision=revision,
+                      trust_remote_code=trust_remote_code, cache_dir=cache_dir, device=device)
 
 
 def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=None,
@@ -63,13 +87,9 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
             hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
             dtype = dtype or _checkpoint_dtype(hf_config)
         else:  # from_pretrained: resolves (downloads) Hub ids, runs remote code, reads any format; whole (cut by TP)
-            # dummy weights are made on the rank's device at once (an 8B model never passes through the CPU)
-            device = "cpu"
-            if model_kind(name) == "dummy":
-                init_distributed(timeout=_timedelta(config.parallel.timeout_s))  # sets this rank's GPU
-                device = device_for_rank()
-            model, loaded_tok = load_model(folder or name, dtype=dtype or "auto", revision=revision,
-                                           trust_remote_code=trust_remote_code, cache_dir=cache_dir, device=device)
+            model, loaded_tok = load_weights(folder or name, config.runtime.dtype, revision=revision,
+                                             trust_remote_code=trust_remote_code, cache_dir=cache_dir,
+                                             timeout=_timedelta(config.parallel.timeout_s))
             tokenizer = tokenizer or loaded_tok
             folder = None
     if folder is None:

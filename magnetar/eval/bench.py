@@ -40,14 +40,13 @@ from typing import Optional
 
 import torch
 
-from magnetar.config import METHODS
+from magnetar.config import DTYPES, METHODS
 from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_names
 from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
 
 PROG = "magnetar-bench"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def allow_positions(model, longest: int, name: str, what: str, beyond: bool, prog: str = PROG) -> str:
@@ -103,7 +102,7 @@ def parse_args(argv):
     p.add_argument("--beyond-trained-length", action="store_true",
                    help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
                         "shapes are real, the outputs past the trained length are meaningless)")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--anchor-size", type=int, default=None)
     p.add_argument("--halo-size", type=int, default=None,
@@ -254,24 +253,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from magnetar.eval.cost import estimate
     from magnetar.parallel import ParallelGroups  # noqa: F401  (import check before the long load)
 
-    dtype = _DTYPES[args.dtype]
     longest = max(args.lengths) + args.query_len + args.max_new_tokens
     t_load = time.perf_counter()
     if args.tiny:
         model, tokenizer, name = tiny_model(max(longest, 1024)), None, "tiny-llama-random"
     else:
-        from magnetar.models import ModelNotInstalledError, load_model
+        from magnetar.engine.load import load_weights
+        from magnetar.models import ModelNotInstalledError
 
-        from magnetar.models.dummy import is_dummy
-        from magnetar.parallel.launcher import device_for_rank, init_distributed
-
-        device = "cpu"
-        if is_dummy(args.model):  # random weights are made where they run (an 8B model never passes the CPU)
-            init_distributed()
-            device = device_for_rank()
         with user_errors(PROG, extra=(ModelNotInstalledError,)):
-            model, tokenizer = load_model(args.model, dtype=dtype, revision=args.revision,
-                                          trust_remote_code=args.trust_remote_code, device=device)
+            model, tokenizer = load_weights(args.model, args.dtype, revision=args.revision,
+                                            trust_remote_code=args.trust_remote_code)
         if args.text and tokenizer is None:
             fail(PROG, f"--text needs a tokenizer, and {args.model} has none (a dummy preset builds weights only): "
                        f"drop --text, or give dummy:<a folder with config.json and tokenizer files>")

@@ -422,7 +422,7 @@ def _run_group(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = N
 
 def run(args) -> int:
     import magnetar
-    from magnetar.models import MODELS, load_model, prepare_model
+    from magnetar.engine.load import load_weights
 
     out = Path(args.out)
     suite = get_suite(args.suite)
@@ -446,12 +446,9 @@ def run(args) -> int:
     problem = _broadcast_obj((write_problem(out, names) or lock_output(out)) if rank == 0 else None)
     if problem:
         raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
-    if rank == 0 and args.model in MODELS:
-        prepare_model(args.model)  # converts once into the cache; the other ranks then just load it
-    barrier(timeout=timeout)
-    dtype = base.runtime.dtype if base.runtime.dtype == "auto" else getattr(torch, base.runtime.dtype)
-    model, tokenizer = load_model(args.model, dtype=dtype, revision=args.revision,
-                                  trust_remote_code=args.trust_remote_code)
+    barrier(timeout=timeout)  # rank 0 holds the output folder's lock
+    model, tokenizer = load_weights(args.model, base.runtime.dtype, revision=args.revision,
+                                    trust_remote_code=args.trust_remote_code, timeout=timeout)
     results_path = out / names[rank if dealt else 0]
     done = _broadcast_obj(load_done(out) if rank == 0 else None)
 
