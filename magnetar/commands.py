@@ -1,11 +1,13 @@
-"""``magnetar COMMAND [ARGS]``: one command for every tool, beside their own console scripts.
+"""``magnetar COMMAND [ARGS]``: the one command of every tool. The ``magnetar-*`` console scripts are aliases of its
+subcommands, kept for launchers that need a script path (``deepspeed "$(which magnetar-run)" ...``).
 
-    magnetar run ...         = magnetar-run        (magnetar.launch.run)
+    magnetar run ...         alias magnetar-run        (magnetar.launch.run)
     magnetar serve ...       = python -m magnetar.serve
-    magnetar eval ...        = magnetar-eval       (magnetar.eval.runner)
-    magnetar bench ...       = magnetar-bench      (magnetar.eval.bench)
-    magnetar calibrate ...   = magnetar-calibrate  (magnetar.calibrate.cli)
-    magnetar demo ...        = magnetar-demo       (magnetar.launch.niah_demo)
+    magnetar eval ...        alias magnetar-eval       (magnetar.eval.runner)
+    magnetar bench ...       alias magnetar-bench      (magnetar.eval.bench)
+    magnetar calibrate ...   alias magnetar-calibrate  (magnetar.calibrate.cli)
+    magnetar demo ...        alias magnetar-demo       (magnetar.launch.niah_demo)
+    magnetar ops-demo ...    alias magnetar-ops-demo   (magnetar.launch.demo)
 
 The subcommand's module is imported only when it is run (the server's dependencies are not needed to evaluate).
 Under a launcher: ``torchrun --nproc-per-node 4 -m magnetar.commands serve ...``.
@@ -19,12 +21,13 @@ from magnetar.utils.cli import fail
 
 # subcommand -> (module with main(argv), what it does)
 COMMANDS = {
-    "run": ("magnetar.launch.run", "answer one question about a long context (magnetar-run)"),
+    "run": ("magnetar.launch.run", "answer one question about a long context"),
     "serve": ("magnetar.serve.cli", "an OpenAI-compatible server"),
-    "eval": ("magnetar.eval.runner", "RULER / BABILong / NIAH / perplexity suites (magnetar-eval)"),
-    "bench": ("magnetar.eval.bench", "speed and memory per method and length (magnetar-bench)"),
+    "eval": ("magnetar.eval.runner", "RULER / BABILong / NIAH / perplexity / fidelity suites"),
+    "bench": ("magnetar.eval.bench", "speed and memory per method and length"),
     "calibrate": ("magnetar.calibrate.cli", "train Spotlight hashes or the sparse-prefill indexer"),
-    "demo": ("magnetar.launch.niah_demo", "the needle demo of make demo (magnetar-demo)"),
+    "demo": ("magnetar.launch.niah_demo", "the needle demo of make demo"),
+    "ops-demo": ("magnetar.launch.demo", "the attention and merge ops on this machine"),
 }
 
 

@@ -31,7 +31,7 @@ have"), :mod:`~magnetar.config.tree` (``EngineConfig``), :mod:`~magnetar.config.
 :mod:`~magnetar.config.cli` (flags) and :mod:`~magnetar.config.checks` (the generic checks). It is the bottom
 layer: it imports nothing of magnetar.
 """
-from magnetar.config.checks import FieldError, short_repr
+from magnetar.config.checks import FieldError, describe, short_repr
 from magnetar.config.cli import add_cli_args
 from magnetar.config.files import MAX_CONFIG_BYTES, MAX_INT_DIGITS, MAX_YAML_NODES
 from magnetar.config.registry import (DECODE_SECTIONS, DISTRIBUTED_METHODS, DTYPES, FIELD_CHOICES, LUKA_COMPRESSORS,
@@ -53,4 +53,4 @@ __all__ = ["EngineConfig", "SECTIONS", "FLAT_FIELDS", "REQUEST_OPTIONS", "add_cl
            "PulsarConfig", "StreamingConfig", "DecodeConfig", "RuntimeConfig", "SparseConfig", "LukaConfig",
            "PrefillConfig", "Schedule", "PAPER_SCHEDULE", "SPARSE_DEFAULT_SINKS_WINDOW", "parse_schedule",
            "parse_exact_layers", "budget_for_length", "MAX_CONFIG_BYTES", "MAX_INT_DIGITS", "MAX_YAML_NODES",
-           "short_repr", "FieldError"]
+           "short_repr", "describe", "FieldError"]

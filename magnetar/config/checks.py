@@ -15,15 +15,15 @@ from typing import Any, Optional, Sequence, get_args, get_type_hints
 FLAT_FIELDS: dict[str, str] = {}  # field name -> its section; filled by magnetar.config.tree
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
 def _where(name: str) -> str:
     """``pulsar.scorer (--scorer)`` for a field, ``method (--method)``, or the bare name of a section."""
     if name in FLAT_FIELDS:
-        return f"{FLAT_FIELDS[name]}.{name} ({_flag(name)})"
-    return f"{name} ({_flag(name)})" if name == "method" else name
+        return f"{FLAT_FIELDS[name]}.{name} ({flag_of(name)})"
+    return f"{name} ({flag_of(name)})" if name == "method" else name
 
 
 class FieldError(ValueError):
@@ -38,7 +38,7 @@ class FieldError(ValueError):
         self.setting = setting  # the config field whose value made ``field``'s fail (a block larger than the context)
 
 
-def _require(cond: bool, name: str, msg: str) -> None:
+def require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         # EngineConfig.from_cli names the config file when the field came from it
         raise FieldError(f"{_where(name)}: {msg}", name)
@@ -60,7 +60,22 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text[: limit - 4] + "...'" if isinstance(value, str) else text[:limit] + "..."
 
 
-def _suggest(word: Any, options) -> str:
+def describe(value: Any) -> str:
+    """A value's type and (short) value for an error message -- ``int 5``, ``str 'abc'``, ``list of 3 items``, a bare
+    type name for other objects -- never the repr of a whole hostile value (:func:`short_repr` cuts it). The one
+    describer of "got ..." in the config's, the engine's and the template's messages."""
+    if isinstance(value, (list, tuple, dict, set)):
+        return f"{type(value).__name__} of {len(value)} items"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value).bit_length() > 128:
+        return f"int of {int(value).bit_length()} bits"  # its repr is slow, or refused past 4300 digits
+    if not isinstance(value, (bool, numbers.Number, str, bytes)):
+        return type(value).__name__
+    if isinstance(value, (str, bytes)) and len(value) > 80:
+        return f"{type(value).__name__} of {len(value)} characters {short_repr(value[:50], 57)}..."
+    return f"{type(value).__name__} {short_repr(value)}"
+
+
+def suggest(word: Any, options) -> str:
     """``"; did you mean 'scorer'?"`` when ``word`` is close to one of ``options``, else ``""``."""
     if not isinstance(word, str):
         return ""
@@ -68,9 +83,9 @@ def _suggest(word: Any, options) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _choice(name: str, value: Any, options: Sequence, noun: str) -> None:
+def check_choice(name: str, value: Any, options: Sequence, noun: str) -> None:
     """``value`` must be one of ``options``; the error lists them (and the nearest one)."""
-    _require(value in options, name, f"unknown {noun} {short_repr(value)}{_suggest(value, options)} "
+    require(value in options, name, f"unknown {noun} {short_repr(value)}{suggest(value, options)} "
                                      f"(choose one of {', '.join(map(str, options))})")
 
 
@@ -121,7 +136,7 @@ def _field_types(cls: type) -> dict[str, tuple[type, bool]]:
     return out
 
 
-def _check_types(obj: Any) -> None:
+def check_types(obj: Any) -> None:
     """Every field of the config dataclass ``obj`` has its annotated type (ValueError naming the field and
     flag); numpy-style scalars become plain ``int`` / ``float`` so that the config serialises as given."""
     for f in fields(obj):
@@ -132,19 +147,19 @@ def _check_types(obj: Any) -> None:
         problem = _type_problem(value, want)
         if problem is None and want is int and not -_MAX_INT <= value < _MAX_INT:
             problem = f"must fit in 64 bits, got {short_repr(value)}"
-        _require(problem is None, f.name, problem or "")
+        require(problem is None, f.name, problem or "")
         if want in (int, float) and type(value) not in (int, float):
             object.__setattr__(obj, f.name, int(value) if want is int else float(value))
 
 
 _MAX_INT = 2**63  # every int field ends up in a torch int64 or a C long (seeds: torch.Generator.manual_seed)
-_MAX_TIMEOUT_S = 1e9  # about 31 years: a timedelta and every process group backend still hold it
-_MIN_TIMEOUT_S = 1e-3  # seconds: a process-group timeout rounds to whole milliseconds
+MAX_TIMEOUT_S = 1e9  # about 31 years: a timedelta and every process group backend still hold it
+MIN_TIMEOUT_S = 1e-3  # seconds: a process-group timeout rounds to whole milliseconds
 
 
-def _seed(name: str, value: int) -> None:
-    _require(value >= 0, name, f"must be an int >= 0, got {value}")
+def check_seed(name: str, value: int) -> None:
+    require(value >= 0, name, f"must be an int >= 0, got {value}")
 
 
-def _path(name: str, value: Optional[str]) -> None:
-    _require(value is None or bool(value.strip()), name, "must be a file path (or unset), got an empty string")
+def check_path(name: str, value: Optional[str]) -> None:
+    require(value is None or bool(value.strip()), name, "must be a file path (or unset), got an empty string")

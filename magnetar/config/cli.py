@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from magnetar.config.checks import _flag
+from magnetar.config.checks import flag_of
 from magnetar.config.registry import METHODS, field_choices
 from magnetar.config.tree import FLAT_FIELDS, SECTIONS
 
@@ -19,13 +19,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f = next(f for f in fields(SECTIONS[section]) if f.name == name)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if "bool" in kind:
-            g.add_argument(_flag(name), type=_parse_bool, metavar="{true,false}")
+            g.add_argument(flag_of(name), type=_parse_bool, metavar="{true,false}")
         elif "int" in kind:
-            g.add_argument(_flag(name), type=int)
+            g.add_argument(flag_of(name), type=int)
         elif "float" in kind:
-            g.add_argument(_flag(name), type=float)
+            g.add_argument(flag_of(name), type=float)
         else:
-            g.add_argument(_flag(name), choices=field_choices(name))
+            g.add_argument(flag_of(name), choices=field_choices(name))
     return parser
 
 

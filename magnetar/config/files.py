@@ -12,7 +12,7 @@ from magnetar.config.checks import short_repr
 MAX_CONFIG_BYTES = 2**20
 
 
-def _read_file(path: Any) -> dict[str, Any]:
+def read_file(path: Any) -> dict[str, Any]:
     """The top-level mapping of a JSON or YAML config file, with every way a file can be wrong named."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"a config file path is a str or Path, got {type(path).__name__} {short_repr(path)}")

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Sequence
 
-from magnetar.config.checks import (_MAX_TIMEOUT_S, _MIN_TIMEOUT_S, _check_types, _choice, _path,
-                                    _require, _seed, short_repr)
+from magnetar.config.checks import (MAX_TIMEOUT_S, MIN_TIMEOUT_S, check_types, check_choice, check_path,
+                                    require, check_seed, short_repr)
 from magnetar.config.registry import (DECODE_STEPS, DTYPES, LUKA_COMPRESSORS, LUKA_REFINE, LUKA_REFINE_MASS,
                                       LUKA_REFINE_SCOPE, LUKA_REGIMES, POLICY_FIELDS, POSITION_MODES, PREFILL_D_IDX,
                                       PREFIX_REUSE, SCORERS, policy_choices)
@@ -46,12 +46,12 @@ class ParallelConfig:
     shm_gather: bool = True
 
     def __post_init__(self):
-        _check_types(self)
-        _require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {short_repr(self.cp_size)}")
-        _require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {short_repr(self.tp_size)}")
+        check_types(self)
+        require(self.cp_size >= 1, "cp_size", f"must be an int >= 1, got {short_repr(self.cp_size)}")
+        require(self.tp_size >= 1, "tp_size", f"must be an int >= 1, got {short_repr(self.tp_size)}")
         # at least a millisecond: below it the process-group timeout rounds to 0 and the rendezvous fails
-        _require(_MIN_TIMEOUT_S <= self.timeout_s <= _MAX_TIMEOUT_S, "timeout_s",
-                 f"must be > 0 (at least {_MIN_TIMEOUT_S:g} s) and at most {_MAX_TIMEOUT_S:g} seconds, got "
+        require(MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S, "timeout_s",
+                 f"must be > 0 (at least {MIN_TIMEOUT_S:g} s) and at most {MAX_TIMEOUT_S:g} seconds, got "
                  f"{self.timeout_s}")
 
 
@@ -71,16 +71,16 @@ class BlockConfig(EncodingSection):
     exact_layers: str = ""
 
     def __post_init__(self):
-        _check_types(self)
+        check_types(self)
         parse_exact_layers(self.exact_layers)  # the syntax now; the indices against the model when it is loaded
-        _require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        _require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
+        require(self.block_size is None or self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        require(self.anchor_size is None or self.anchor_size >= 0, "anchor_size",
                  f"must be >= 0, got {self.anchor_size}")
-        _require(self.halo_size >= 0, "halo_size", f"must be >= 0 tokens (0: no halo), got {self.halo_size}")
-        _require(0.0 <= self.halo_blocks <= 1.0, "halo_blocks",
+        require(self.halo_size >= 0, "halo_size", f"must be >= 0 tokens (0: no halo), got {self.halo_size}")
+        require(0.0 <= self.halo_blocks <= 1.0, "halo_blocks",
                  f"must be in [0, 1] (a fraction of the block: 1 = the whole block before it; 0: no halo), got "
                  f"{self.halo_blocks}")
-        _require(not (self.halo_size and self.halo_blocks), "halo_blocks",
+        require(not (self.halo_size and self.halo_blocks), "halo_blocks",
                  f"give halo_size (tokens, {self.halo_size}) or halo_blocks (a fraction of the block, "
                  f"{self.halo_blocks}), not both")
 
@@ -98,17 +98,17 @@ def parse_exact_layers(spec: str, num_layers: Optional[int] = None) -> tuple[int
         return tuple(range(num_layers)) if num_layers else ()
     if text.startswith("every:"):
         k = text[len("every:"):].strip()
-        _require(k.isdigit() and int(k) >= 1, "exact_layers", f"{short_repr(spec)} is not a layer spec: {hint}")
+        require(k.isdigit() and int(k) >= 1, "exact_layers", f"{short_repr(spec)} is not a layer spec: {hint}")
         return tuple(range(0, num_layers, int(k))) if num_layers else ()
     out = set()
     for part in text.split(","):
         a, dash, b = part.strip().partition("-")
         ok = a.strip().isdigit() and (not dash or b.strip().isdigit())
-        _require(ok, "exact_layers", f"{short_repr(spec)} is not a layer spec ({short_repr(part)}): {hint}")
+        require(ok, "exact_layers", f"{short_repr(spec)} is not a layer spec ({short_repr(part)}): {hint}")
         lo, hi = int(a), int(b) if dash else int(a)
-        _require(lo <= hi, "exact_layers", f"range {short_repr(part.strip())} runs backwards: write it low-high")
+        require(lo <= hi, "exact_layers", f"range {short_repr(part.strip())} runs backwards: write it low-high")
         if num_layers is not None:
-            _require(hi < num_layers, "exact_layers",
+            require(hi < num_layers, "exact_layers",
                      f"layer {hi} is outside the model: it has {num_layers} layers (0-{num_layers - 1}); {hint}")
         out.update(range(lo, hi + 1))
     return tuple(sorted(out))
@@ -124,12 +124,12 @@ class PulsarConfig(EncodingSection):
     discard_summary_kv: bool = True  # drop sink and summary KV after Phase 1
 
     def __post_init__(self):
-        _check_types(self)
-        _require(self.sink_size >= 0, "sink_size", f"must be >= 0, got {self.sink_size}")
-        _require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
-        _require(0 < self.summary_budget <= 1, "summary_budget", f"must be in (0, 1], got {self.summary_budget}")
-        _choice("scorer", self.scorer, SCORERS, "scorer")
-        _choice("positions", self.positions, POSITION_MODES, "positions mode")
+        check_types(self)
+        require(self.sink_size >= 0, "sink_size", f"must be >= 0, got {self.sink_size}")
+        require(self.chunk_size >= 1, "chunk_size", f"must be >= 1, got {self.chunk_size}")
+        require(0 < self.summary_budget <= 1, "summary_budget", f"must be in (0, 1], got {self.summary_budget}")
+        check_choice("scorer", self.scorer, SCORERS, "scorer")
+        check_choice("positions", self.positions, POSITION_MODES, "positions mode")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,9 +138,9 @@ class StreamingConfig(EncodingSection):
     window_size: int = 1024  # recent tokens kept besides the sinks
 
     def __post_init__(self):
-        _check_types(self)
-        _require(self.sink_tokens >= 0, "sink_tokens", f"must be >= 0, got {self.sink_tokens}")
-        _require(self.window_size >= 1, "window_size", f"must be >= 1, got {self.window_size}")
+        check_types(self)
+        require(self.sink_tokens >= 0, "sink_tokens", f"must be >= 0, got {self.sink_tokens}")
+        require(self.window_size >= 1, "window_size", f"must be >= 1, got {self.window_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,11 +151,11 @@ class DecodeConfig:
     seed: int = 0  # sampling seed (the token is drawn on one rank and broadcast)
 
     def __post_init__(self):
-        _check_types(self)
-        _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        _require(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _seed("seed", self.seed)
+        check_types(self)
+        require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        require(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check_seed("seed", self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,13 +180,13 @@ class RuntimeConfig:
     decode_step: str = "eager"
 
     def __post_init__(self):
-        _check_types(self)
-        _choice("prefix_reuse", self.prefix_reuse, PREFIX_REUSE, "prefix_reuse")
-        _choice("decode_step", self.decode_step, DECODE_STEPS, "decode_step")
-        _require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
+        check_types(self)
+        check_choice("prefix_reuse", self.prefix_reuse, PREFIX_REUSE, "prefix_reuse")
+        check_choice("decode_step", self.decode_step, DECODE_STEPS, "decode_step")
+        require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
-        _choice("dtype", self.dtype, DTYPES, "dtype")
-        _require(bool(self.attention_backend.strip()), "attention_backend",
+        check_choice("dtype", self.dtype, DTYPES, "dtype")
+        require(bool(self.attention_backend.strip()), "attention_backend",
                  "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")
 
 
@@ -213,28 +213,28 @@ class SparseConfig(PolicySection):
     hash_seed: int = 0  # lsh: seed of the random rotations
 
     def __post_init__(self):
-        _check_types(self)
-        _choice("sparse_policy", self.sparse_policy, policy_choices(self.section), "policy")
-        _require(self.sparse_budget >= 0, "sparse_budget",
+        check_types(self)
+        check_choice("sparse_policy", self.sparse_policy, policy_choices(self.section), "policy")
+        require(self.sparse_budget >= 0, "sparse_budget",
                  f"must be an int >= 0 tokens (0: use sparse_pruning), got {self.sparse_budget!r}")
-        _require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
+        require(0.0 <= self.sparse_pruning < 1.0, "sparse_pruning",
                  f"must be in [0, 1) (the fraction of context KV pruned, e.g. 0.98), got {self.sparse_pruning}")
         if self.sparse_policy != "none":
-            _require((self.sparse_budget > 0) != (self.sparse_pruning > 0), "sparse_budget",
+            require((self.sparse_budget > 0) != (self.sparse_pruning > 0), "sparse_budget",
                      "give exactly one of sparse_budget (tokens, > 0) and sparse_pruning (a rate in (0, 1)) for "
                      f"policy {self.sparse_policy!r}, got budget {self.sparse_budget} and pruning "
                      f"{self.sparse_pruning}")
-        _require(self.dense_layers >= 0, "dense_layers", f"must be >= 0, got {self.dense_layers}")
-        _require(self.sparse_sinks >= -1, "sparse_sinks",
+        require(self.dense_layers >= 0, "dense_layers", f"must be >= 0, got {self.dense_layers}")
+        require(self.sparse_sinks >= -1, "sparse_sinks",
                  f"must be >= 0 (or -1: the policy default), got {self.sparse_sinks}")
-        _require(self.sparse_window >= -1, "sparse_window",
+        require(self.sparse_window >= -1, "sparse_window",
                  f"must be >= 0 (or -1: the policy default), got {self.sparse_window}")
-        _require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
+        require(self.code_bits > 0 and self.code_bits % 32 == 0, "code_bits",
                  f"must be a positive multiple of 32 (codes are packed 32 bits to a word), got {self.code_bits}")
-        _require(self.page_size >= 1, "page_size", f"must be >= 1 keys per page, got {self.page_size}")
-        _path("hash_path", self.hash_path)
-        _seed("hash_seed", self.hash_seed)
-        _require(self.sparse_policy != "spotlight" or bool(self.hash_path), "hash_path",
+        require(self.page_size >= 1, "page_size", f"must be >= 1 keys per page, got {self.page_size}")
+        check_path("hash_path", self.hash_path)
+        check_seed("hash_seed", self.hash_seed)
+        require(self.sparse_policy != "spotlight" or bool(self.hash_path), "hash_path",
                  "policy 'spotlight' needs trained hash weights: make them with `magnetar-calibrate spotlight "
                  "--out hashes.pt` and pass hash_path=hashes.pt")
 
@@ -302,31 +302,31 @@ class LukaConfig(PolicySection):
     luka_seed: int = 0  # the random compressor's seed
 
     def __post_init__(self):
-        _check_types(self)
-        _choice("luka_mode", self.luka_mode, policy_choices(self.section), "mode")
-        _require(self.luka_lined_layers >= 0, "luka_lined_layers",
+        check_types(self)
+        check_choice("luka_mode", self.luka_mode, policy_choices(self.section), "mode")
+        require(self.luka_lined_layers >= 0, "luka_lined_layers",
                  f"must be an int >= 0 (first and last layers lined in mode 'mixed'), got {self.luka_lined_layers!r}")
-        _require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
+        require(0.0 < self.luka_heavy_fraction <= 1.0, "luka_heavy_fraction",
                  f"must be in (0, 1] (a fraction of the context, e.g. 0.125), got {self.luka_heavy_fraction}")
-        _require(self.luka_recent >= 0, "luka_recent",
+        require(self.luka_recent >= 0, "luka_recent",
                  f"must be an int >= 0 tokens (the raw tail), got {self.luka_recent!r}")
-        _require(self.luka_page_size >= 1, "luka_page_size",
+        require(self.luka_page_size >= 1, "luka_page_size",
                  f"must be an int >= 1 tokens per page, got {self.luka_page_size!r}")
-        _choice("luka_compressor", self.luka_compressor, LUKA_COMPRESSORS, "compressor")
-        _require(self.luka_tau > 0, "luka_tau", f"must be > 0, got {self.luka_tau}")
-        _choice("luka_refine", self.luka_refine, LUKA_REFINE, "refinement rule")
-        _require(self.luka_refine_k >= 0, "luka_refine_k",
+        check_choice("luka_compressor", self.luka_compressor, LUKA_COMPRESSORS, "compressor")
+        require(self.luka_tau > 0, "luka_tau", f"must be > 0, got {self.luka_tau}")
+        check_choice("luka_refine", self.luka_refine, LUKA_REFINE, "refinement rule")
+        require(self.luka_refine_k >= 0, "luka_refine_k",
                  f"must be an int >= 0 pages, got {self.luka_refine_k!r}")
-        _require(0.0 <= self.luka_refine_fraction <= 1.0, "luka_refine_fraction",
+        require(0.0 <= self.luka_refine_fraction <= 1.0, "luka_refine_fraction",
                  f"must be in [0, 1], got {self.luka_refine_fraction}")
-        _require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
+        require(0.0 <= self.luka_refine_eps <= 1.0, "luka_refine_eps",
                  f"must be in [0, 1] (an attention mass), got {self.luka_refine_eps}")
-        _choice("luka_refine_mass", self.luka_refine_mass, LUKA_REFINE_MASS, "refinement mass rule")
-        _choice("luka_refine_scope", self.luka_refine_scope, LUKA_REFINE_SCOPE, "refinement scope")
-        _require(self.luka_compress_every >= 1, "luka_compress_every",
+        check_choice("luka_refine_mass", self.luka_refine_mass, LUKA_REFINE_MASS, "refinement mass rule")
+        check_choice("luka_refine_scope", self.luka_refine_scope, LUKA_REFINE_SCOPE, "refinement scope")
+        require(self.luka_compress_every >= 1, "luka_compress_every",
                  f"must be an int >= 1 decode steps, got {self.luka_compress_every!r}")
-        _choice("luka_regime", self.luka_regime, LUKA_REGIMES, "regime")
-        _seed("luka_seed", self.luka_seed)
+        check_choice("luka_regime", self.luka_regime, LUKA_REGIMES, "regime")
+        check_seed("luka_seed", self.luka_seed)
 
     def layer_kind(self, layer: int, num_layers: int) -> str:
         """``lined``, ``clustered`` or ``none`` for ``layer`` of a model with ``num_layers`` layers."""
@@ -414,27 +414,27 @@ class PrefillConfig(PolicySection):
     prefill_seed: int = 0  # seed of the random-init indexer
 
     def __post_init__(self):
-        _check_types(self)
-        _choice("prefill_policy", self.prefill_policy, policy_choices(self.section), "policy")
-        _require(self.prefill_topk >= 0, "prefill_topk",
+        check_types(self)
+        check_choice("prefill_policy", self.prefill_policy, policy_choices(self.section), "policy")
+        require(self.prefill_topk >= 0, "prefill_topk",
                  f"must be an int >= 1 keys per query (or 0: from prefill_schedule), got {self.prefill_topk!r}")
         try:
             parse_schedule(self.prefill_schedule)
         except ValueError as e:
-            _require(False, "prefill_schedule", str(e))
-        _require(self.prefill_b_sel >= 1, "prefill_b_sel",
+            require(False, "prefill_schedule", str(e))
+        require(self.prefill_b_sel >= 1, "prefill_b_sel",
                  f"must be an int >= 1 query rows per selection block (1: per query), got {self.prefill_b_sel!r}")
-        _require(self.prefill_dense_layers >= 0, "prefill_dense_layers",
+        require(self.prefill_dense_layers >= 0, "prefill_dense_layers",
                  f"must be an int >= 0 layers, got {self.prefill_dense_layers!r}")
-        _require(self.prefill_d_idx == 0 or self.prefill_d_idx in PREFILL_D_IDX, "prefill_d_idx",
+        require(self.prefill_d_idx == 0 or self.prefill_d_idx in PREFILL_D_IDX, "prefill_d_idx",
                  f"must be one of {PREFILL_D_IDX} (or 0: the weight file's), got {self.prefill_d_idx!r}")
-        _path("prefill_indexer_path", self.prefill_indexer_path)
-        _seed("prefill_seed", self.prefill_seed)
+        check_path("prefill_indexer_path", self.prefill_indexer_path)
+        check_seed("prefill_seed", self.prefill_seed)
         if self.prefill_policy == "indexer":
-            _require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
+            require(bool(self.prefill_indexer_path) or self.prefill_indexer_random_init, "prefill_indexer_path",
                      "policy 'indexer' needs distilled indexer weights (prefill_indexer_path=FILE); an untrained "
                      "indexer runs only with prefill_indexer_random_init=true, as a stress test, not quality evidence")
-            _require(not (self.prefill_indexer_path and self.prefill_indexer_random_init),
+            require(not (self.prefill_indexer_path and self.prefill_indexer_random_init),
                      "prefill_indexer_random_init",
                      "give either prefill_indexer_path (distilled weights) or prefill_indexer_random_init, not both")
 

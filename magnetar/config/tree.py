@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from magnetar.config import checks
-from magnetar.config.checks import _check_types, _choice, _require, short_repr, _suggest
-from magnetar.config.files import _read_file
+from magnetar.config.checks import check_types, check_choice, require, short_repr, suggest
+from magnetar.config.files import read_file
 from magnetar.config.registry import (DECODE_SECTIONS, DISTRIBUTED_METHODS, LUKA_METHODS, METHOD_OPTIONS, METHODS,
                                       PREFILL_METHODS)
 from magnetar.config.sections import (BlockConfig, DecodeConfig, EncodingSection, LukaConfig, ParallelConfig,
@@ -51,35 +51,35 @@ class EngineConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
 
     def __post_init__(self):
-        _check_types(self)
-        _choice("method", self.method, tuple(METHODS), "method")
+        check_types(self)
+        check_choice("method", self.method, tuple(METHODS), "method")
         if self.luka.luka_mode != "none":
-            _require(self.sparse.sparse_policy == "none", "luka_mode",
+            require(self.sparse.sparse_policy == "none", "luka_mode",
                      f"LuKA and sparse decoding ({self.sparse.sparse_policy!r}) both choose the context KV a step "
                      "attends to; use one of them (set sparse_policy none or luka_mode none)")
-            _require(self.method in LUKA_METHODS, "luka_mode",
+            require(self.method in LUKA_METHODS, "luka_mode",
                      f"LuKA needs every context token's attention mass from a local Phase 1; use method "
                      f"{' / '.join(LUKA_METHODS)}, not {self.method!r}")
         if self.prefill.prefill_policy != "none":
-            _require(self.method in PREFILL_METHODS, "prefill_policy",
+            require(self.method in PREFILL_METHODS, "prefill_policy",
                      f"sparse prefill replaces the attention of a local Phase 1; use method "
                      f"{' / '.join(PREFILL_METHODS)}, not {self.method!r}")
-            _require(self.luka.luka_mode == "none", "prefill_policy",
+            require(self.luka.luka_mode == "none", "prefill_policy",
                      "LuKA's Phase-1 attention mass assumes dense prefill attention; use sparse prefill or LuKA "
                      "(set prefill_policy none or luka_mode none)")
         for option, (owners, what) in METHOD_OPTIONS.items():
             value = getattr(self, option)
             if value:
                 unset = '""' if isinstance(value, str) else "0"
-                _require(self.method in owners, option,
+                require(self.method in owners, option,
                          f"{option} is an option of {' / '.join(owners)} ({what}); use method "
                          f"{' or '.join(owners)}, or {option} {unset}, not method {self.method!r}")
         if self.blocks.exact_layers.strip():
-            _require(self.prefill.prefill_policy == "none", "exact_layers",
+            require(self.prefill.prefill_policy == "none", "exact_layers",
                      f"hybrid layers attend exactly over the CP group, sparse prefill sparsely within a block; use "
                      f"one (set exact_layers \"\" or prefill_policy none, not {self.prefill.prefill_policy!r})")
         if not METHODS[self.method].distributed:
-            _require(self.parallel.cp_size == 1, "cp_size",
+            require(self.parallel.cp_size == 1, "cp_size",
                      f"method {self.method!r} runs on one rank; use cp_size=1 (or method "
                      f"{'/'.join(DISTRIBUTED_METHODS)} to spread it)")
 
@@ -117,7 +117,7 @@ class EngineConfig:
     def from_file(cls, path: str | os.PathLike) -> "EngineConfig":
         """Load a ``.json`` or ``.yaml``/``.yml`` file (UTF-8; nested or flat keys). FileNotFoundError for a
         missing file; ValueError naming the file (and line and column of a syntax error) for anything else."""
-        data = _read_file(path)
+        data = read_file(path)
         try:
             return cls.from_dict(data)
         except ValueError as e:
@@ -143,7 +143,7 @@ class EngineConfig:
         top, per = {}, {s: {} for s in SECTIONS}
         path = getattr(args, "config", None)
         if path is not None:
-            data = _read_file(path)
+            data = read_file(path)
             try:
                 top, per = _split(data)
             except ValueError as e:
@@ -177,9 +177,9 @@ def _unknown(key: Any, section: Optional[str] = None) -> str:
     if section is not None:
         names = [f.name for f in fields(SECTIONS[section])]
         home = FLAT_FIELDS.get(key)
-        where = f"; {key!r} belongs in section {home!r}" if home else _suggest(key, names)
+        where = f"; {key!r} belongs in section {home!r}" if home else suggest(key, names)
         return f"unknown field {short_repr(key)} in config section {section!r}{where} (its fields: {', '.join(names)})"
-    return (f"unknown config field {short_repr(key)}{_suggest(key, ['method', *SECTIONS, *FLAT_FIELDS])} (fields: "
+    return (f"unknown config field {short_repr(key)}{suggest(key, ['method', *SECTIONS, *FLAT_FIELDS])} (fields: "
             f"'method', the sections {', '.join(SECTIONS)} and their fields {', '.join(sorted(FLAT_FIELDS))})")
 
 

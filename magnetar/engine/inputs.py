@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, FieldError, PolicySection
+from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, FieldError, PolicySection, describe
 from magnetar.models import MODELS
 from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
@@ -45,16 +45,6 @@ _MIN_TOKENS_WHY = {
     "continuation": "scoring needs at least 2 (token i + 1 is scored given tokens 0..i); pass a longer continuation",
     "answer": "there is nothing to score; pass the answer's token ids (e.g. GenerationResult.token_ids)",
 }
-
-
-def _kind(value) -> str:
-    """``value`` for an error message: type and (short) repr of a scalar or string, else the type alone."""
-    if not isinstance(value, (bool, numbers.Number, str, bytes)):
-        return type(value).__name__
-    if isinstance(value, (str, bytes)) and len(value) > 80:
-        return f"{type(value).__name__} of {len(value)} characters {repr(value[:50])[:57]}..."
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def is_int(value) -> bool:
@@ -77,7 +67,7 @@ def check_prompt(value, name: str) -> None:
                          f"(torch.tensor(ids)) -- for several requests use generate_batch([(context, query), ...])",
                          name)
     if not isinstance(value, torch.Tensor):
-        raise FieldError(f"{name} must be a str or a 1-D tensor of token ids, got {_kind(value)}", name)
+        raise FieldError(f"{name} must be a str or a 1-D tensor of token ids, got {describe(value)}", name)
     if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
         raise FieldError(f"{name} is a {value.dtype} tensor; token ids must be an integer tensor "
                          f"(e.g. torch.long), not rounded or cast from {value.dtype}", name)
@@ -135,7 +125,7 @@ def answer_ids(value, vocab_size: Optional[int]) -> torch.Tensor:
     if isinstance(value, (list, tuple)):
         if not all(is_int(t) for t in value):
             raise ValueError("answer must be token ids (ints), e.g. GenerationResult.token_ids; got "
-                             f"{_kind(next(t for t in value if not is_int(t)))} in the list")
+                             f"{describe(next(t for t in value if not is_int(t)))} in the list")
         value = torch.tensor(list(value), dtype=torch.long)
     if isinstance(value, str):
         raise ValueError("answer must be token ids (GenerationResult.token_ids), not text: text would be "
@@ -149,7 +139,7 @@ def answer_ids(value, vocab_size: Optional[int]) -> torch.Tensor:
 # -- generation options -----------------------------------------------------------------------------------
 def check_max_new_tokens(value) -> None:
     if not is_int(value):
-        raise FieldError(f"max_new_tokens must be an int >= 1, got {_kind(value)}", "max_new_tokens")
+        raise FieldError(f"max_new_tokens must be an int >= 1, got {describe(value)}", "max_new_tokens")
     if value < 1:
         raise FieldError(f"max_new_tokens must be >= 1, got {value}", "max_new_tokens")
 
@@ -183,16 +173,16 @@ def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:
         return
     if isinstance(stop, (str, bytes)):
         wrapped = repr(stop) if len(stop) <= 60 else "..."
-        raise FieldError(f"stop must be a list of strings, got the {_kind(stop)}; wrap it: stop=[{wrapped}]", "stop")
+        raise FieldError(f"stop must be a list of strings, got the {describe(stop)}; wrap it: stop=[{wrapped}]", "stop")
     if not isinstance(stop, (list, tuple)):
-        raise FieldError(f"stop must be None or a list of strings, got {_kind(stop)}", "stop")
+        raise FieldError(f"stop must be None or a list of strings, got {describe(stop)}", "stop")
     if len(stop) > max_count:
         raise FieldError(f"stop holds {len(stop)} strings; at most {max_count} are allowed: keep the ones that "
                          f"matter", "stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
             raise FieldError(f"stop[{i}] must be a non-empty str (an empty one would stop at once), got "
-                             f"{_kind(s)}", "stop")
+                             f"{describe(s)}", "stop")
         if len(s) > MAX_STOP_CHARS:
             raise FieldError(f"stop[{i}] is {len(s)} characters long; a stop string may have at most "
                              f"{MAX_STOP_CHARS}", "stop")
@@ -200,18 +190,18 @@ def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:
 
 def check_flag(value, name: str) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {_kind(value)}")
+        raise ValueError(f"{name} must be True or False, got {describe(value)}")
 
 
 def check_requests(requests) -> None:
     """``requests``: a non-empty list/tuple of ``(context, query)`` pairs, each checked by :func:`check_prompt`."""
     if not isinstance(requests, (list, tuple)):
-        raise ValueError(f"requests must be a list of (context, query) pairs, got {_kind(requests)}")
+        raise ValueError(f"requests must be a list of (context, query) pairs, got {describe(requests)}")
     if not requests:
         raise ValueError("generate_batch needs at least one (context, query) request")
     for i, r in enumerate(requests):
         if not isinstance(r, (list, tuple)) or len(r) != 2:
-            got = f"a {type(r).__name__} of {len(r)}" if isinstance(r, (list, tuple)) else _kind(r)
+            got = f"a {type(r).__name__} of {len(r)}" if isinstance(r, (list, tuple)) else describe(r)
             raise ValueError(f"requests[{i}] must be a (context, query) pair, got {got}; for one request use "
                              f"generate(context, query) or generate_batch([(context, query)])")
         where = f"requests[{i}] " if len(requests) > 1 else ""  # generate() passes one request
@@ -226,12 +216,12 @@ def check_score(context, continuation, variants) -> None:
     kinds = [SECTIONS[s].__name__ for s in DECODE_SECTIONS]  # the decode-policy sections: SparseConfig, LukaConfig
     if not isinstance(variants, (list, tuple)):
         raise ValueError(f"sparse must be a list of decoding variants (None, {' or '.join(kinds)}), "
-                         f"got {_kind(variants)}; for one variant pass [variant]")
+                         f"got {describe(variants)}; for one variant pass [variant]")
     if not variants:
         raise ValueError("sparse is empty; pass at least one decoding variant (None for dense decoding)")
     for i, v in enumerate(variants):
         if v is not None and not (isinstance(v, PolicySection) and v.section in DECODE_SECTIONS):
-            raise ValueError(f"sparse[{i}] must be None or a {' or a '.join(kinds)}, got {_kind(v)}"
+            raise ValueError(f"sparse[{i}] must be None or a {' or a '.join(kinds)}, got {describe(v)}"
                              + (f"; build it with {'(**d) or '.join(kinds)}(**d)" if isinstance(v, dict) else ""))
 
 
@@ -247,7 +237,7 @@ def check_init(model, config, tokenizer, groups, *, revision=None, trust_remote_
     if not is_model_path(model) and not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
         raise ValueError(f"model must be a loaded Hugging Face causal LM (a transformers PreTrainedModel), a "
                          f"registered model name ({', '.join(sorted(MODELS))}), a local model folder or a Hugging "
-                         f"Face Hub id (org/name); got {_kind(model)}")
+                         f"Face Hub id (org/name); got {describe(model)}")
     check_hub_options(revision, trust_remote_code, cache_dir)
     if not is_model_path(model):
         given = [name for name, value, default in (("revision", revision, None), ("cache_dir", cache_dir, None),
@@ -258,12 +248,12 @@ def check_init(model, config, tokenizer, groups, *, revision=None, trust_remote_
                              f"(Hub id, folder or registry name), which init_inference loads; this model is loaded "
                              f"already: drop {'it' if len(given) == 1 else 'them'}")
     if config is not None and not isinstance(config, EngineConfig):
-        raise ValueError(f"config must be an EngineConfig, got {_kind(config)}; build one with "
+        raise ValueError(f"config must be an EngineConfig, got {describe(config)}; build one with "
                          f"EngineConfig.from_dict(d) / EngineConfig.from_file(path), or pass fields as keywords "
                          f"(init_inference(model, method='star', cp_size=2))")
     if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
         raise ValueError(f"tokenizer must be a Hugging Face tokenizer (callable, tokenizer(text) -> "
-                         f"{{'input_ids': [...]}}, with .decode(ids)), got {_kind(tokenizer)}")
+                         f"{{'input_ids': [...]}}, with .decode(ids)), got {describe(tokenizer)}")
     if groups is not None and not isinstance(groups, ParallelGroups):
         raise ValueError(f"groups must be a ParallelGroups from magnetar.parallel.init_groups(cp_size) (or None: "
-                         f"init_inference creates them), got {_kind(groups)}")
+                         f"init_inference creates them), got {describe(groups)}")

@@ -27,8 +27,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, Tempera
 from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria
 from transformers.generation.streamers import TextStreamer
 
-from magnetar.config import DecodeConfig, FieldError
-from magnetar.engine.inputs import _kind, check_max_new_tokens, check_stop, is_int
+from magnetar.config import DecodeConfig, FieldError, describe
+from magnetar.engine.inputs import check_max_new_tokens, check_stop, is_int
 
 # The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
 # float32 and softmax turns them into NaN (vLLM treats temperatures under 1e-5 as greedy; here they are refused).
@@ -71,7 +71,8 @@ class SamplingParams:
 
     def __post_init__(self):
         check_max_new_tokens(self.max_new_tokens)
-        _require(self.max_new_tokens < _MAX_INT, "max_new_tokens", f"must be < 2**63, got {_show(self.max_new_tokens)}")
+        _require(self.max_new_tokens < _MAX_INT, "max_new_tokens",
+                 f"must be < 2**63, got {describe(self.max_new_tokens)}")
         _number("temperature", self.temperature, "0 for greedy or a temperature such as 0.7")
         _require(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
                  f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller ones overflow the scaled logits), "
@@ -84,9 +85,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, f"None or an int in 0..{MAX_TOP_LOGPROBS}")
             _require(self.logprobs <= MAX_TOP_LOGPROBS, "logprobs",
-                     f"must be None or an int in 0..{MAX_TOP_LOGPROBS}, got {_show(self.logprobs)}")
+                     f"must be None or an int in 0..{MAX_TOP_LOGPROBS}, got {describe(self.logprobs)}")
         _require(isinstance(self.prompt_logprobs, bool), "prompt_logprobs",
-                 f"must be True or False, got {_show(self.prompt_logprobs)}")
+                 f"must be True or False, got {describe(self.prompt_logprobs)}")
         stop = () if self.stop is None else tuple(self.stop)
         # plain Python numbers: transformers' warpers check isinstance(top_k, int) / isinstance(temperature, float)
         for name, value in (("max_new_tokens", int(self.max_new_tokens)), ("temperature", float(self.temperature)),
@@ -103,7 +104,7 @@ class SamplingParams:
                            stop: Optional[Sequence[str]] = None) -> "SamplingParams":
         """The engine's defaults: ``cfg``'s temperature, top_k, top_p and seed, with these two per-call values."""
         if not isinstance(cfg, DecodeConfig):
-            raise ValueError(f"cfg must be a magnetar.config.DecodeConfig (EngineConfig.decode), got {_kind(cfg)}")
+            raise ValueError(f"cfg must be a magnetar.config.DecodeConfig (EngineConfig.decode), got {describe(cfg)}")
         return cls(max_new_tokens=max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                    seed=cfg.seed, stop=stop)
 
@@ -118,13 +119,6 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-def _show(value: Any) -> str:
-    """``_kind(value)``, but a huge int by its size (its repr is slow, and refused past 4300 digits)."""
-    if is_int(value) and int(value).bit_length() > 128:
-        return f"int of {int(value).bit_length()} bits"
-    return _kind(value)
-
-
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise FieldError(f"{name} {msg}", name)
@@ -132,19 +126,19 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 def _number(name: str, value: Any, what: str) -> None:
     _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name,
-             f"must be {what}, got {_show(value)}")
+             f"must be {what}, got {describe(value)}")
     try:
         finite = math.isfinite(value)
     except OverflowError:  # an int too large for a float
         finite = False
-    _require(finite, name, f"must be finite ({what}), got {_show(value)}")
+    _require(finite, name, f"must be finite ({what}), got {describe(value)}")
 
 
 def _integer(name: str, value: Any, what: str) -> None:
     rounded = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    _require(is_int(value), name, f"must be {what}, got {_show(value)}"
+    _require(is_int(value), name, f"must be {what}, got {describe(value)}"
              + (" (write a whole number; nothing is rounded)" if rounded else ""))
-    _require(0 <= value < _MAX_INT, name, f"must be {what}, got {_show(value)}")
+    _require(0 <= value < _MAX_INT, name, f"must be {what}, got {describe(value)}")
 
 
 # -- the stop criteria --------------------------------------------------------------------------------------
@@ -199,16 +193,16 @@ class RequestSampler:
     def __init__(self, params: SamplingParams, *, vocab_size: int, eos_ids: Sequence[int] = (), tokenizer=None):
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams (SamplingParams(temperature=..., ...) or "
-                             f"SamplingParams.from_decode_config(config.decode)), got {_kind(params)}")
+                             f"SamplingParams.from_decode_config(config.decode)), got {describe(params)}")
         if not is_int(vocab_size) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be an int >= 1 (model.config.vocab_size), got {_show(vocab_size)}")
+            raise ValueError(f"vocab_size must be an int >= 1 (model.config.vocab_size), got {describe(vocab_size)}")
         if not isinstance(eos_ids, (list, tuple)):
-            raise ValueError(f"eos_ids must be a list or tuple of token ids, got {_kind(eos_ids)}")
+            raise ValueError(f"eos_ids must be a list or tuple of token ids, got {describe(eos_ids)}")
         for i, t in enumerate(eos_ids):  # one beyond the vocabulary (a tokenizer's) is never generated: harmless
             if not is_int(t) or not 0 <= t < _MAX_INT:
-                raise ValueError(f"eos_ids[{i}] must be a token id, an int >= 0, got {_show(t)}")
+                raise ValueError(f"eos_ids[{i}] must be a token id, an int >= 0, got {describe(t)}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
-            raise ValueError(f"tokenizer must be None or a tokenizer with .decode(ids), got {_kind(tokenizer)}")
+            raise ValueError(f"tokenizer must be None or a tokenizer with .decode(ids), got {describe(tokenizer)}")
         if params.stop and tokenizer is None:
             raise ValueError(f"stop {list(params.stop)!r} needs a tokenizer to read the generated text: pass "
                              f"tokenizer=... (init_inference(model, config, tokenizer=...)) or no stop strings")
@@ -275,7 +269,7 @@ class RequestSampler:
         self._check_open()
         if not is_int(token) or not 0 <= token < self.vocab_size:
             raise ValueError(f"token must be a token id, an int in [0, vocab_size={self.vocab_size}), "
-                             f"got {_show(token)}")
+                             f"got {describe(token)}")
         self._add(int(token))
 
     def text(self) -> str:
@@ -304,7 +298,7 @@ class RequestSampler:
     def _check_logits(self, logits) -> None:
         if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
             raise ValueError(f"logits must be a float tensor (V,) of the request's last position, got "
-                             f"{logits.dtype if isinstance(logits, torch.Tensor) else _kind(logits)}")
+                             f"{logits.dtype if isinstance(logits, torch.Tensor) else describe(logits)}")
         if tuple(logits.shape) != (self.vocab_size,):
             raise ValueError(f"logits must have shape ({self.vocab_size},) (vocab_size), got {tuple(logits.shape)}; "
                              f"pass one request's last position, e.g. logits[b, -1]")
@@ -328,12 +322,12 @@ class TextDeltas(TextStreamer):
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True, stop: Optional[Sequence[str]] = None,
                  eos_ids: Sequence[int] = ()):
         if not callable(getattr(tokenizer, "decode", None)):
-            raise ValueError(f"tokenizer must be a tokenizer with .decode(ids), got {_kind(tokenizer)}")
+            raise ValueError(f"tokenizer must be a tokenizer with .decode(ids), got {describe(tokenizer)}")
         if not isinstance(skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be True or False, got {_kind(skip_special_tokens)}")
+            raise ValueError(f"skip_special_tokens must be True or False, got {describe(skip_special_tokens)}")
         check_stop(stop)
         if not isinstance(eos_ids, (list, tuple)) or not all(is_int(t) for t in eos_ids):
-            raise ValueError(f"eos_ids must be a list or tuple of int token ids, got {_kind(eos_ids)}")
+            raise ValueError(f"eos_ids must be a list or tuple of int token ids, got {describe(eos_ids)}")
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=skip_special_tokens)
         self.stop = tuple(stop or ())
         self.eos_ids = frozenset(int(t) for t in eos_ids)
@@ -350,7 +344,7 @@ class TextDeltas(TextStreamer):
         if self._finished:
             raise RuntimeError("TextDeltas.push after finish(): make a new TextDeltas for a new request")
         if not is_int(token_id):
-            raise ValueError(f"token_id must be an int token id, got {_show(token_id)}")
+            raise ValueError(f"token_id must be an int token id, got {describe(token_id)}")
         if int(token_id) not in self.eos_ids:
             self.put(torch.tensor([int(token_id)]))
         return self._release(end=False)

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from magnetar.config import FieldError
+from magnetar.config import FieldError, describe
 
 # Noncharacters, which Unicode keeps for a program's internal use: they wrap the special tokens of user text
 # through the template's rendering.
@@ -217,13 +217,13 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise FieldError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts (the last one "
-                         f"the user's question), got {_describe(messages)}", "messages")
+                         f"the user's question), got {describe(messages)}", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"]:
             raise FieldError(f"messages[{i}] must be a dict with a non-empty str 'role' and a str 'content', got "
-                             f"{_describe(m)}", f"messages[{i}]")
+                             f"{describe(m)}", f"messages[{i}]")
         if not isinstance(m.get("content"), str):
-            raise FieldError(f"messages[{i}].content must be a str, got {_describe(m.get('content'))}",
+            raise FieldError(f"messages[{i}].content must be a str, got {describe(m.get('content'))}",
                              f"messages[{i}].content")
     last = messages[-1]
     if last["role"] != "user":
@@ -233,7 +233,7 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
         raise FieldError(f"messages[{len(messages) - 1}].content is empty: Phase 2 needs at least one query "
                          f"token; pass a question", f"messages[{len(messages) - 1}].content")
     if context is not None and not isinstance(context, str):
-        raise FieldError(f"context must be a str or None, got {_describe(context)}", "context")
+        raise FieldError(f"context must be a str or None, got {describe(context)}", "context")
     longest = max((len(m["content"]) for m in messages), default=0)
     check_fits(tokenizer, ([] if context is None else [context]) + [m["content"] for m in messages], limit,
                "context" if context is not None and len(context) >= longest else "messages")
@@ -250,15 +250,6 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
         raise FieldError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
                          "before the question (or a given context); add the document before the question", "messages")
     return split_plain(tokenizer, text, last["content"])  # check_fits ran above, over the same text
-
-
-def _describe(value) -> str:
-    """``value`` for an error message, cheaply: a string's start, a container's type and size (never the repr of
-    a whole client-sent value)."""
-    if isinstance(value, (list, tuple, dict, set)):
-        return f"{type(value).__name__} of {len(value)} items"
-    text = repr(value[:60]) if isinstance(value, (str, bytes)) else repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def split_plain(tokenizer, context: str, query: str, limit: Optional[int] = None) -> Prompt:

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, _positions, _visible, block_topk, check_b_sel, check_topk,
-                                     use_sparse_op)
+from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, block_topk, check_b_sel, check_positions_arg, check_topk,
+                                     use_sparse_op, visible_mask)
 from magnetar.utils.timing import no_timer
 from magnetar.utils.weights import WeightsFile, model_signature
 
@@ -88,7 +88,7 @@ class HeadCollapsedIndexer(torch.nn.Module):
         x = x.detach().to(self.wq.dtype)
         q = x @ self.wq.T
         k = self.k_norm(x @ self.wk.T)
-        pos = _positions(positions, x.shape[1], x.shape[0], x.device, "positions", 0)  # (1|B, S)
+        pos = check_positions_arg(positions, x.shape[1], x.shape[0], x.device, "positions", 0)  # (1|B, S)
         cos, sin = rope_cos_sin(pos, self.d_idx, self.theta)
         return apply_rope(q.float(), cos, sin), apply_rope(k.float(), cos, sin)
 
@@ -116,7 +116,7 @@ class HeadCollapsedIndexer(torch.nn.Module):
         with timer("projection"):
             q, k = self.project(x, positions)
         with timer("score_topk"):
-            pos = _positions(positions, S, B, x.device, "positions", 0)
+            pos = check_positions_arg(positions, S, B, x.device, "positions", 0)
             if use_sparse_op(backend, q.device):
                 p = pos.expand(B, S).contiguous()
                 return SPARSE_ATTENTION_OP.load(q.device).indexer_topk(
@@ -127,7 +127,7 @@ class HeadCollapsedIndexer(torch.nn.Module):
             for r0 in range(0, S, step):
                 r1 = min(S, r0 + step)
                 z = F.relu(q[:, r0:r1] @ k.transpose(1, 2) / math.sqrt(self.d_idx))
-                z = z.masked_fill(~_visible(pos[:, r0:r1], pos, window), float("-inf"))
+                z = z.masked_fill(~visible_mask(pos[:, r0:r1], pos, window), float("-inf"))
                 parts.append(block_topk(z, b_sel, topk))
             return torch.cat(parts, dim=1)
 

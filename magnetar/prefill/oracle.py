@@ -86,7 +86,7 @@ def check_b_sel(b_sel, fn: str = "oracle") -> None:
                          f"--prefill-b-sel), got {b_sel!r}")
 
 
-def _positions(pos, length: int, batch: int, device, name: str, default_start: int) -> torch.Tensor:
+def check_positions_arg(pos, length: int, batch: int, device, name: str, default_start: int) -> torch.Tensor:
     """Positions as ``(1 or B, length)`` int64 on ``device``."""
     if pos is None:
         return torch.arange(default_start, default_start + length, device=device).view(1, length)
@@ -100,7 +100,7 @@ def _positions(pos, length: int, batch: int, device, name: str, default_start: i
     raise ValueError(f"{name} must be ({length},) or ({batch}, {length}), got shape {tuple(pos.shape)}")
 
 
-def _visible(qp: torch.Tensor, kp: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+def visible_mask(qp: torch.Tensor, kp: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """``qp (Bp, r)``, ``kp (Bp, n)`` -> ``(Bp, r, n)`` bool: key visible to query."""
     vis = kp[:, None, :] <= qp[:, :, None]
     if window is not None:
@@ -124,7 +124,7 @@ def _row_lse(qg, kf, qp, kp, scale, window, k_tile) -> torch.Tensor:
     for n0 in range(0, kf.shape[2], k_tile):
         n1 = min(kf.shape[2], n0 + k_tile)
         logits = torch.einsum("bhgrd,bhnd->bhgrn", qg, kf[:, :, n0:n1]) * scale
-        vis = _visible(qp, kp[:, n0:n1], window)[:, None, None]  # (Bp, 1, 1, r, n)
+        vis = visible_mask(qp, kp[:, n0:n1], window)[:, None, None]  # (Bp, 1, 1, r, n)
         lse = torch.logaddexp(lse, torch.logsumexp(logits.masked_fill(~vis, float("-inf")), dim=-1))
     return lse
 
@@ -137,7 +137,7 @@ def _row_probs(qg, kf, lse, qp, kp, scale, window, k_tile) -> torch.Tensor:
     for n0 in range(0, N, k_tile):
         n1 = min(N, n0 + k_tile)
         logits = torch.einsum("bhgrd,bhnd->bhgrn", qg, kf[:, :, n0:n1]) * scale
-        vis = _visible(qp, kp[:, n0:n1], window)[:, None, None]
+        vis = visible_mask(qp, kp[:, n0:n1], window)[:, None, None]
         p = torch.where(vis, torch.exp(logits - lse[..., None]), torch.zeros((), device=qg.device))
         out[:, :, n0:n1] = p.sum(dim=(1, 2)) / (Hkv * G)
     return out
@@ -161,8 +161,8 @@ def head_averaged_probs(q: torch.Tensor, k: torch.Tensor, *, scale: Optional[flo
     B, Hq, S, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S)
-    kp = _positions(k_pos, N, B, q.device, "k_pos", 0)
+    qp_all = check_positions_arg(q_pos, S, B, q.device, "q_pos", N - S)
+    kp = check_positions_arg(k_pos, N, B, q.device, "k_pos", 0)
     idx = _row_index(rows, S, q.device)
     kf = k.float()
     out = torch.empty(B, idx.numel(), N, device=q.device)
@@ -211,8 +211,8 @@ def head_averaged_topk(q: torch.Tensor, k: torch.Tensor, *, topk: int, b_sel: in
     B, Hq, S, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S)
-    kp = _positions(k_pos, N, B, q.device, "k_pos", 0)
+    qp_all = check_positions_arg(q_pos, S, B, q.device, "q_pos", N - S)
+    kp = check_positions_arg(k_pos, N, B, q.device, "k_pos", 0)
     if use_sparse_op(backend, q.device):
         return SPARSE_ATTENTION_OP.load(q.device).oracle_topk(
             q.float().contiguous(), k.float().contiguous(), qp_all.expand(B, S).contiguous(),
@@ -226,7 +226,7 @@ def head_averaged_topk(q: torch.Tensor, k: torch.Tensor, *, topk: int, b_sel: in
         lr = _row_lse(qg, kf, qp, kp, scale, window, k_tile) if lse is None else \
             lse[:, :, r].float().reshape(B, Hkv, Hq // Hkv, r.numel())
         p = _row_probs(qg, kf, lr, qp, kp, scale, window, k_tile)
-        p = p.masked_fill(~_visible(qp, kp, window), float("-inf"))
+        p = p.masked_fill(~visible_mask(qp, kp, window), float("-inf"))
         parts.append(block_topk(p, b_sel, topk))
     return torch.cat(parts, dim=1)
 
@@ -269,8 +269,8 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     G = Hq // Hkv
     _check_idx(idx, B, S, N, b_sel)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    qp_all = _positions(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
-    kp = _positions(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
+    qp_all = check_positions_arg(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
+    kp = check_positions_arg(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
     M, kk = idx.shape[1], idx.shape[2]
     if use_sparse_op(backend, q.device):
         out, lse = SPARSE_ATTENTION_OP.load(q.device).sparse_gqa_attention(
@@ -331,7 +331,7 @@ def visible_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int
     """(query, key) pairs dense attention sees: ``k_pos <= q_pos`` (within the window); 1-D positions."""
     total = 0
     for r0 in range(0, q_pos.numel(), tile):
-        total += int(_visible(q_pos[r0:r0 + tile].view(1, -1), k_pos.view(1, -1), window).sum())
+        total += int(visible_mask(q_pos[r0:r0 + tile].view(1, -1), k_pos.view(1, -1), window).sum())
     return total
 
 
