@@ -24,9 +24,12 @@ from magnetar.launch import run
 
 
 def _arm(kind: str, phase: str, rank: int, call: int) -> None:
-    name = f"run_phase{phase}"
-    module = encode_module if phase == "1" else engine_module  # Phase 1 runs in the encoder, Phase 2 in the engine
-    original = getattr(module, name)
+    # Phase 1 runs in the encoder (run_phase1(model, ...)); Phase 2 in the engine's one decode driver (Engine._run)
+    if phase == "1":
+        owner, name, model_of = encode_module, "run_phase1", lambda args: args[0]
+    else:
+        owner, name, model_of = engine_module.Engine, "_run", lambda args: args[0].model
+    original = getattr(owner, name)
     me = int(os.environ["RANK"])
     mark_dir = os.environ.get("MAGNETAR_TEST_FAULT_DIR")
 
@@ -35,10 +38,10 @@ def _arm(kind: str, phase: str, rank: int, call: int) -> None:
             with open(os.path.join(mark_dir, f"{what}.{me}"), "w") as f:
                 f.write(str(os.getpid()))
 
-    def faulty(model, *args, **kwargs):
+    def faulty(*args, **kwargs):
         if me != rank:
             mark("ready")
-            return original(model, *args, **kwargs)
+            return original(*args, **kwargs)
         calls = 0
 
         def hook(module, inputs):
@@ -53,13 +56,13 @@ def _arm(kind: str, phase: str, rank: int, call: int) -> None:
                 time.sleep(60)
 
         # on the decoder: Phase 1 calls it directly, Phase 2 through the LM head's model
-        handle = model.get_decoder().register_forward_pre_hook(hook)
+        handle = model_of(args).get_decoder().register_forward_pre_hook(hook)
         try:
-            return original(model, *args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             handle.remove()
 
-    setattr(module, name, faulty)
+    setattr(owner, name, faulty)
 
 
 if __name__ == "__main__":
