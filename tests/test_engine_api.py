@@ -291,3 +291,72 @@ def test_a_half_precision_model_cast_to_float32_is_said(caplog):
     with caplog.at_level("WARNING", logger="magnetar.engine.load"):
         eng = magnetar.init_inference(copy.deepcopy(model), method="dense", dtype="auto")
     assert next(eng.model.parameters()).dtype == torch.bfloat16 and "casts it" not in caplog.text
+
+
+_OPTION_CHECK = r"""
+import argparse, sys
+import torch
+import magnetar
+from magnetar.config import REQUEST_OPTIONS, EngineConfig, add_cli_args
+from magnetar.config.registry import METHOD_OPTIONS
+from tests.tiny_models import tiny_model
+
+args = add_cli_args(argparse.ArgumentParser()).parse_args(["--method", "prefix", "--prefix-size", "64"])
+assert EngineConfig.from_cli(args).blocks.prefix_size == 64
+assert "prefix_size" in REQUEST_OPTIONS and METHOD_OPTIONS["prefix_size"][0] == ("prefix",)
+for bad, words in ((dict(method="dense", prefix_size=5), "prefix_size is an option of prefix"),
+                   (dict(method="prefix", prefix_size=2.5), "prefix_size")):
+    try:
+        EngineConfig.create(**bad)
+        raise SystemExit(f"accepted {bad}")
+    except ValueError as e:
+        assert words in str(e), str(e)
+model = tiny_model("llama", seed=3)
+g = torch.Generator().manual_seed(3)
+ctx, q = torch.randint(0, 256, (300,), generator=g), torch.randint(0, 256, (5,), generator=g)
+eng = magnetar.init_inference(model, method="prefix", prefix_size=128, cp_size=3, simulate=True, timeout_s=60)
+mine = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
+star = magnetar.init_inference(model, method="star", anchor_size=128, cp_size=3, simulate=True,
+                               timeout_s=60).generate(ctx, q, max_new_tokens=3, return_logits=True)
+assert mine.token_ids == star.token_ids and torch.equal(mine.first_token_logits, star.first_token_logits)
+try:  # a request's own bad value: the method's validate refuses it, naming the option
+    eng.check(ctx, q, options={"prefix_size": 0})
+    raise SystemExit("accepted prefix_size 0")
+except ValueError as e:
+    assert e.field == "options.prefix_size" and "prefix_size must be >= 1" in str(e), (e.field, str(e))
+print("ok")
+"""
+
+
+def test_design_doc_method_with_an_option_of_its_own(tmp_path):
+    """docs/design.md's "A method with an option of its own": its three snippets, applied as written to a copy of
+    the package (the field line into BlockConfig, the module, the registry line), make a method whose option has a
+    flag, a type check, a per-request form, a refusal for other methods and equals Star with that anchor."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "design.md").read_text()
+    section = doc[doc.index("### A method with an option of its own"):]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)[:3]
+    field_line = blocks[0].splitlines()[1]
+    module, registry_line = blocks[1], "\n".join(blocks[2].splitlines()[1:])
+    copy = tmp_path / "magnetar"
+    shutil.copytree(root / "magnetar", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    sections = (copy / "config" / "sections.py").read_text()
+    after = '    exact_layers: str = ""\n'
+    assert sections.count(after) == 1
+    (copy / "config" / "sections.py").write_text(sections.replace(after, after + field_line + "\n"))
+    registry = (copy / "config" / "registry.py").read_text()
+    end = "\n}\nDISTRIBUTED_METHODS"
+    assert registry.count(end) == 1
+    (copy / "config" / "registry.py").write_text(registry.replace(end, "\n" + registry_line + end))
+    (copy / "methods" / "prefix.py").write_text(module)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{root}")
+    res = subprocess.run([sys.executable, "-c", _OPTION_CHECK], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
