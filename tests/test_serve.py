@@ -748,3 +748,22 @@ def test_serving_threads_come_from_the_affinity_less_one_for_http(monkeypatch):
     assert choose_threads(5) == (5, 5, "--threads")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert choose_threads(None) == (None, None, "OMP_NUM_THREADS=2")  # the user's own: torch read it at start
+
+
+def test_the_serve_flags_are_made_from_serve_config():
+    """One place for the server's options: every ServeConfig field with a flag is a flag of `magnetar serve`, whose
+    defaults parse back to ServeConfig's own."""
+    from dataclasses import fields
+
+    from magnetar.serve.cli import build_parser
+    from magnetar.serve.config import ServeConfig
+
+    args = build_parser().parse_args(["--model", "m"])
+    assert ServeConfig.from_args(args, model_name="m") == ServeConfig(model_name="m")
+    flagged = [f.name for f in fields(ServeConfig) if f.metadata["flag"]]
+    assert {"port", "max_batch_size", "api_key", "allowed_origins", "prefill_chunk"} <= set(flagged)
+    args = build_parser().parse_args(["--model", "m", "--max-batch-size", "3", "--allowed-hosts", "A.example,b"])
+    got = ServeConfig.from_args(args, model_name="m")
+    assert (got.max_batch_size, got.allowed_hosts) == (3, ("a.example", "b"))
+    with pytest.raises(ValueError, match="max_stop_strings"):
+        ServeConfig(model_name="m", max_stop_strings=10**6)

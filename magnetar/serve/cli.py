@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -31,51 +30,11 @@ from magnetar.cli.args import check_engine_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import check_api_key, check_body_budget, is_loopback
-from magnetar.serve.loop import PREFILL_CHUNK
-from magnetar.serve.split import PASTE_TOKENS
+from magnetar.serve.config import ServeConfig, add_serve_args
 from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
 API_KEY_ENV = "MAGNETAR_API_KEY"
-_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (an int in 1..65535), got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0.001 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"must be between 0.001 and 86400 seconds, got {text!r}")
-    return value
-
-
-def _host_list(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip().lower() for n in text.split(",") if n.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated host names, got {text!r}")
-    return names
-
-
-def _origin_list(text: str) -> tuple[str, ...]:
-    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
-    if not origins:
-        raise argparse.ArgumentTypeError(f"expected comma-separated origins (https://app.example.com) or '*', got "
-                                         f"{text!r}")
-    for o in origins:
-        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
-            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: give scheme://host[:port] (no path), or '*'")
-    return origins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,54 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
     p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
     p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
-    p.add_argument("--port", type=_port, default=8000, help="port of the first replica; replica d listens on port + d")
     p.add_argument("--served-model-name",
                    help="the model name clients send (default: --model, or a local folder's own name)")
-    p.add_argument("--max-batch-size", type=int_at_least(1), default=16, help="requests decoding together")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=256,
-                   help="max_tokens of a request that gives none (capped to the positions left)")
-    p.add_argument("--max-contexts", type=int_at_least(0), default=16,
-                   help="contexts pinned by POST /v1/contexts at most")
-    p.add_argument("--paste-threshold", type=int_at_least(0), default=PASTE_TOKENS,
-                   help=f"a chat's last user message of at least this many tokens holds a document: its text before "
-                        f"the question is encoded as context (Phase 1, cached); 0: never (default {PASTE_TOKENS})")
-    p.add_argument("--prefill-chunk", type=int_at_least(0), default=PREFILL_CHUNK,
-                   help=f"a new context of more tokens runs its Phase 1 in chunks of this many, one between two decode "
-                        f"steps, so decoding requests are not held for a whole Phase 1 (dense or ring on one CP "
-                        f"rank; 0: whole; default {PREFILL_CHUNK})")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="intra-op CPU threads per rank (default: OMP_NUM_THREADS if set, else from this process's "
                         "CPU affinity shared by the local ranks: all for Phase 1, one fewer for decode steps)")
-    p.add_argument("--log-level", choices=_LOG_LEVELS, default="warning")
-    g = p.add_argument_group("what clients may send (docs/serving.md, \"Limits and access\")")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}; "
-                        "prefer the variable: a flag is visible in the process list)")
-    g.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
-    g.add_argument("--allowed-hosts", type=_host_list, default=(),
-                   help="comma-separated Host names accepted besides localhost/127.0.0.1/::1 (DNS-rebinding "
-                        "guard; checked when --host is loopback, or always once this is given)")
-    g.add_argument("--allowed-origins", type=_origin_list, default=(),
-                   help="comma-separated browser origins allowed to call the API (CORS), or '*'; default none")
-    g.add_argument("--max-request-bytes", type=int_at_least(1024), default=None,
-                   help="largest request body, else 413 (default: 64 bytes per model position, at least 1 MiB)")
-    g.add_argument("--request-timeout-s", type=_positive_seconds, default=60.0,
-                   help="a request's head, and then its body, must arrive within this (default 60)")
-    g.add_argument("--max-connections", type=int_at_least(1), default=512,
-                   help="open connections at most; more get 503 with Retry-After (default 512)")
-    g.add_argument("--max-inflight-bytes", type=int_at_least(1024), default=None,
-                   help="request-body bytes all requests in flight may hold together; more get 503 with Retry-After "
-                        "(default: 16 x --max-request-bytes, at least 64 MiB)")
-    g.add_argument("--max-stop-strings", type=int_at_least(1), default=4,
-                   help=f"stop strings a request may send (default 4, OpenAI's limit; at most {MAX_STOP_STRINGS})")
+    add_serve_args(p)
     add_cli_args(p)
     add_launcher_args(p)
     return p
 
 
-def check_inputs(args):
-    """Every check that needs no model (the config, --model, files, ports); ValueError names the flag."""
+def check_inputs(args) -> tuple:
+    """Every check that needs no model (the engine's config, --model, files, ports, the server's config):
+    ``(EngineConfig, ServeConfig)``; ValueError names the flag."""
     config = check_engine_args(args)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name is empty; give the name clients will send (or leave it out)")
@@ -147,7 +72,7 @@ def check_inputs(args):
         if args.port + replicas - 1 > 65535:
             raise ValueError(f"--port {args.port}: the {replicas} replicas listen on ports {args.port}.."
                              f"{args.port + replicas - 1}, past 65535; choose a lower --port")
-    return config
+    return config, ServeConfig.from_args(args, model_name=args.served_model_name or served_name(args.model))
 
 
 def served_name(model: str) -> str:
@@ -239,7 +164,7 @@ def main(argv=None) -> int:
         fail(PROG, f"the server needs the serve extra ({e.name} is not installed): pip install 'magnetar[serve]'")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     with user_errors(PROG):
-        config = check_inputs(args)
+        config, serve_config = check_inputs(args)
         sock = bind_first(args, config)  # before the model loads (minutes for a large one)
     import torch
 
@@ -257,16 +182,7 @@ def main(argv=None) -> int:
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
-    server = Server(engine, model_name=args.served_model_name or served_name(args.model), host=args.host,
-                    port=args.port,
-                    max_batch_size=args.max_batch_size, max_tokens=args.max_tokens, max_contexts=args.max_contexts,
-                    log_level=args.log_level, max_request_bytes=args.max_request_bytes,
-                    request_timeout_s=args.request_timeout_s, max_connections=args.max_connections,
-                    max_inflight_bytes=args.max_inflight_bytes,
-                    max_stop_strings=args.max_stop_strings, api_key=args.api_key, public_metrics=args.public_metrics,
-                    allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-                    paste_threshold=args.paste_threshold, prefill_threads=prefill_threads,
-                    prefill_chunk=args.prefill_chunk, sock=sock)
+    server = Server(engine, serve_config, sock=sock, prefill_threads=prefill_threads)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

@@ -75,7 +75,6 @@ class Failed:
     error: RequestError
 
 
-PREFILL_CHUNK = 2048  # the server's default --prefill-chunk (tokens)
 
 
 class Sink:

@@ -9,17 +9,18 @@ taking requests (503), finishes those in flight, then stops every rank of the re
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
-from magnetar.serve.gate import Connections, check_api_key, check_body_budget
-from magnetar.serve.loop import PREFILL_CHUNK, EngineLoop
+from magnetar.serve.config import ServeConfig
 from magnetar.serve.contexts import ContextRegistry
+from magnetar.serve.gate import Connections, check_api_key, check_body_budget
+from magnetar.serve.loop import EngineLoop
 from magnetar.serve.prompts import Preparer
-from magnetar.serve.split import PASTE_TOKENS
 from magnetar.serve.protocol import now
 
 log = logging.getLogger(__name__)
@@ -34,57 +35,41 @@ MIN_INFLIGHT_BYTES = 64 * 2**20
 
 
 class Server:
-    """Serve ``engine`` (every rank of a replica builds one with the same arguments and calls :meth:`run`).
+    """Serve ``engine`` with the options of ``config`` (a :class:`~magnetar.serve.config.ServeConfig`; or its fields
+    as keywords: ``Server(engine, model_name="tiny", port=8000)``); every rank of a replica builds one with the same
+    arguments and calls :meth:`run`. ``sock``: a socket already bound to ``host:port`` (``magnetar serve`` binds it
+    before loading the model), else uvicorn binds one. The defaults that depend on the model: ``max_request_bytes``
+    :data:`BYTES_PER_POSITION` per model position (at least 1 MiB), ``max_inflight_bytes``
+    :data:`INFLIGHT_REQUESTS` whole requests' worth (at least 64 MiB); ``prefill_chunk`` applies only where a chunk
+    is exact (:meth:`magnetar.engine.Engine.chunk_problem`)."""
 
-    ``max_batch_size``: requests decoding together; ``max_tokens``: a request's ``max_tokens`` when it gives
-    none (capped to the positions left); ``max_contexts``: contexts pinned by ``POST /v1/contexts``;
-    ``paste_threshold``: a chat's last user message of at least this many tokens holds a document that is
-    encoded as context (0: never; :mod:`magnetar.serve.prompts`); ``prefill_threads``: intra-op threads while
-    Phase 1s and query forwards run (None: the process's count throughout); ``prefill_chunk``: a new context of
-    more tokens runs its Phase 1 in chunks of this many, one between two decode steps, so the requests decoding
-    are never held for a whole Phase 1 (0: whole; only where a chunk is exact: one CP rank, dense or ring,
-    :meth:`magnetar.engine.Engine.chunk_problem`);
-    ``heartbeat_s``: the idle tick period (default: a quarter of the collective timeout, at most 5 s).
-    What a client may send (:mod:`magnetar.serve.gate`): ``max_request_bytes`` (default
-    :data:`BYTES_PER_POSITION` per model position, at least 1 MiB), ``request_timeout_s`` (for a request's head,
-    and again for its body), ``max_connections``, ``max_inflight_bytes`` (the request-body bytes all requests in
-    flight may hold together; default :data:`INFLIGHT_REQUESTS` whole requests' worth, at least 64 MiB),
-    ``max_stop_strings``; ``api_key`` (None: none) with
-    ``public_metrics``; ``allowed_hosts`` (``Host`` names besides loopback's); ``allowed_origins`` (browser
-    origins answered with CORS headers, ``*`` for any; none by default: browsers refuse cross-origin reads).
-    ``sock``: a socket already bound
-    to ``host:port`` (``magnetar serve`` binds it before loading the model), else uvicorn binds one.
-    """
-
-    def __init__(self, engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 max_batch_size: int = 16, max_tokens: int = 256, max_contexts: int = 16,
-                 heartbeat_s: Optional[float] = None, log_level: str = "warning",
-                 max_request_bytes: Optional[int] = None, request_timeout_s: float = 60.0,
-                 max_connections: int = 512, max_stop_strings: int = 4, api_key: Optional[str] = None,
-                 max_inflight_bytes: Optional[int] = None,
-                 public_metrics: bool = False, allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
-                 paste_threshold: int = PASTE_TOKENS, prefill_threads: Optional[int] = None,
-                 prefill_chunk: int = PREFILL_CHUNK,
-                 sock: Optional[socket.socket] = None):
-        self.engine, self.model_name, self.host, self.sock = engine, model_name, host, sock
-        self.port = port + engine.groups.dp_rank
-        self.log_level = log_level
+    def __init__(self, engine, config: Optional[ServeConfig] = None, *, sock: Optional[socket.socket] = None,
+                 **options):
+        if config is None:
+            config = ServeConfig(**options)
+        elif options:
+            config = dataclasses.replace(config, **options)
+        self.config, self.engine, self.sock = config, engine, sock
+        self.model_name, self.host = config.model_name, config.host
+        self.port = config.port + engine.groups.dp_rank
+        self.log_level = config.log_level
         self.created = now()
+        max_request_bytes = config.max_request_bytes
         if max_request_bytes is None:
             positions = engine.max_positions
             max_request_bytes = 64 * MIN_REQUEST_BYTES if positions is None else \
                 max(MIN_REQUEST_BYTES, BYTES_PER_POSITION * positions)
-        self.max_request_bytes, self.request_timeout_s = max_request_bytes, request_timeout_s
-        self.max_connections, self.api_key = max_connections, check_api_key(api_key, "api_key")
-        self.connections = Connections(max_connections)  # counted by the HTTP protocol, refused by the gate
+        self.max_request_bytes, self.request_timeout_s = max_request_bytes, config.request_timeout_s
+        self.max_connections, self.api_key = config.max_connections, check_api_key(config.api_key, "api_key")
+        self.connections = Connections(config.max_connections)  # counted by the HTTP protocol, refused by the gate
         self.max_inflight_bytes = (max(INFLIGHT_REQUESTS * max_request_bytes, MIN_INFLIGHT_BYTES)
-                                   if max_inflight_bytes is None else max_inflight_bytes)
+                                   if config.max_inflight_bytes is None else config.max_inflight_bytes)
         check_body_budget(self.max_inflight_bytes, max_request_bytes)
-        self.public_metrics, self.allowed_hosts = public_metrics, tuple(allowed_hosts)
-        self.contexts = ContextRegistry(max_contexts)
+        self.public_metrics, self.allowed_hosts = config.public_metrics, config.allowed_hosts
+        self.contexts = ContextRegistry(config.max_contexts)
         self.preparer = None
-        self.loop = EngineLoop(engine, max_batch_size=max_batch_size, heartbeat_s=heartbeat_s,
-                               prefill_threads=prefill_threads, prefill_chunk=prefill_chunk)
+        self.loop = EngineLoop(engine, max_batch_size=config.max_batch_size, heartbeat_s=config.heartbeat_s,
+                               prefill_threads=config.prefill_threads, prefill_chunk=config.prefill_chunk)
         self.metrics = None
         self.app = None
         self._http = None
@@ -95,18 +80,18 @@ class Server:
             from magnetar.serve.gate import Gate, RequestIds
             from magnetar.serve.metrics import Metrics
 
-            self.preparer = Preparer(engine, model_name, max_tokens, self.contexts, max_stop_strings=max_stop_strings,
-                                     paste_tokens=paste_threshold)
+            self.preparer = Preparer(engine, config.model_name, config.max_tokens, self.contexts,
+                                     max_stop_strings=config.max_stop_strings, paste_tokens=config.paste_threshold)
             self.metrics = self.loop.metrics = Metrics()
             self.app = build_app(self)
-            self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=request_timeout_s,
-                             bound_host=host, allowed_hosts=allowed_hosts, api_key=self.api_key,
-                             public_metrics=public_metrics, on_refused=self.metrics.refused,
+            self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=config.request_timeout_s,
+                             bound_host=config.host, allowed_hosts=config.allowed_hosts, api_key=self.api_key,
+                             public_metrics=config.public_metrics, on_refused=self.metrics.refused,
                              connections=self.connections, max_inflight_bytes=self.max_inflight_bytes)
-            if allowed_origins:  # outside the gate: a preflight carries no API key, and refusals get CORS headers too
+            if config.allowed_origins:  # outside the gate: a preflight has no API key, and refusals get CORS headers
                 from starlette.middleware.cors import CORSMiddleware
 
-                self.asgi = CORSMiddleware(self.asgi, allow_origins=list(allowed_origins),
+                self.asgi = CORSMiddleware(self.asgi, allow_origins=list(config.allowed_origins),
                                            allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
                                            expose_headers=["x-request-id", "retry-after", "x-should-retry"],
                                            max_age=600)
