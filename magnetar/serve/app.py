@@ -2,9 +2,11 @@
 
 Handlers parse and check a request (:mod:`magnetar.serve.protocol`, :mod:`magnetar.serve.prompts`; tokenizing
 runs in a worker thread), hand it to the engine loop (:class:`~magnetar.serve.loop.EngineLoop`, a thread-safe
-queue) and read its events from an asyncio queue. A request refused here never reaches the other ranks.
-A client that disconnects (mid-stream, or while waiting for a whole answer) cancels its request, which frees
-its slot in the decode batch.
+queue) and read its events from an asyncio queue (:class:`Exchange`). A request refused here never reaches the
+other ranks. A client that disconnects (mid-stream, or while waiting for a whole answer) cancels its request,
+which frees its slot in the decode batch. :func:`build_app` adds the routes in groups (errors, information,
+generation, pinned contexts); the two generation endpoints share one collect / stream path and differ only in
+their :class:`Responder` (the objects OpenAI defines for each).
 """
 from __future__ import annotations
 
@@ -129,12 +131,235 @@ def _sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
+class Exchange:
+    """One HTTP request's choices in the engine loop: their server ids ``sids`` and the :class:`Sink` their events
+    arrive on, read as ``(choice, event)``. Every wait checks the client, whose leaving cancels every choice."""
+
+    def __init__(self, loop, request: Request, sink: Sink, sids: list[int]):
+        self.loop, self.request, self.sink, self.sids = loop, request, sink, sids
+        self._checked = time.monotonic()
+
+    async def next(self):
+        """The next ``(choice, event)``. The client is checked every poll period -- also while events keep coming
+        --, and when it has gone every choice is cancelled and a 499 raised."""
+        getter = asyncio.ensure_future(self.sink.queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+                if time.monotonic() - self._checked >= _DISCONNECT_POLL_S:
+                    self._checked = time.monotonic()
+                    if await self.request.is_disconnected():
+                        for sid in self.sids:
+                            self.loop.cancel(sid)
+                        raise RequestError("the client disconnected", status=499)
+                if done:
+                    return getter.result()
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    async def first(self):
+        """The first event of the choices (a first token, or Done) as ``(choice, event)``; RequestError when it
+        failed (the other choices are cancelled), or the client left meanwhile (then all are)."""
+        i, item = await self.next()
+        if isinstance(item, Failed):
+            self.cancel_others([None] * len(self.sids), i)
+            raise item.error
+        return i, item
+
+    async def collect(self) -> tuple[list[list[Token]], list[Done]]:
+        """Every choice's tokens and last event; cancels them all if the client goes away meanwhile or one fails."""
+        parts: list[list[Token]] = [[] for _ in self.sids]
+        dones: list[Optional[Done]] = [None] * len(self.sids)
+        while any(d is None for d in dones):
+            i, item = await self.next()
+            if isinstance(item, Failed):
+                self.cancel_others(dones, i)
+                raise item.error
+            if isinstance(item, Done):
+                dones[i] = item
+            else:
+                parts[i].append(item)
+        return parts, dones
+
+    def cancel_others(self, dones: list, failed: int) -> None:
+        for j, sid in enumerate(self.sids):
+            if j != failed and dones[j] is None:
+                self.loop.cancel(sid)
+
+    def cancel_unfinished(self, dones: list) -> None:
+        for sid, d in zip(self.sids, dones):
+            if d is None:  # the client went away (or the response was cancelled): free the slot
+                self.loop.cancel(sid)
+
+
+class Responder:
+    """What one generation endpoint answers, as OpenAI defines it: the whole response, the stream's chunks (each
+    choice's opening, its tokens with their log-probabilities, its end, the usage), over one request's
+    ``prepared`` choices (``n`` per prompt) and ``info`` (how the prompts were cut). ``names``: the token texts of
+    log-probabilities."""
+
+    id_prefix = ""
+
+    def __init__(self, model: str, names: LogprobFormat, prepared: list, n: int, info: dict, logprobs: bool):
+        self.model, self.names, self.prepared, self.n, self.info = model, names, prepared, n, info
+        self.logprobs = logprobs
+        self.id, self.created = new_id(self.id_prefix), now()
+
+    def whole(self, tokens: list[list[Token]], dones: list[Done]) -> dict:
+        raise NotImplementedError
+
+    def chunk(self, i: int, text: Optional[str], finish: Optional[str] = None, role: bool = False,
+              lp: Optional[dict] = None):
+        raise NotImplementedError
+
+    def opening(self, i: int):
+        """Choice ``i``'s first chunk, or None."""
+        return None
+
+    def tokens(self, i: int, item: Token) -> list:
+        """The chunks of choice ``i``'s token ``item``."""
+        return [self.chunk(i, item.text)] if item.text else []
+
+    def end(self, i: int, done: Done):
+        return self.chunk(i, "", done.finish_reason)
+
+    def usage_chunk(self, dones: list[Done]):
+        raise NotImplementedError
+
+    def usage(self, dones: list[Done]) -> Usage:
+        return usage_of([d.result for d in dones], self.n)
+
+
+class ChatResponder(Responder):
+    id_prefix = "chatcmpl"
+
+    def whole(self, tokens, dones):
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage(dones),
+                              magnetar=self.info,
+                              choices=[ChatChoice(index=i, finish_reason=d.finish_reason,
+                                                  message=AssistantMessage(content="".join(t.text for t in ts)),
+                                                  logprobs=self.names.chat(ts) if self.logprobs else None)
+                                       for i, (ts, d) in enumerate(zip(tokens, dones))]).model_dump()
+
+    def chunk(self, i, text, finish=None, role=False, lp=None):
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[ChunkChoice(
+            index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish,
+            logprobs=lp)])
+
+    def opening(self, i):
+        return self.chunk(i, "", role=True)
+
+    def tokens(self, i, item):
+        if self.logprobs:
+            return [self.chunk(i, item.text, lp=self.names.chat([item]))]
+        return super().tokens(i, item)
+
+    def end(self, i, done):
+        return self.chunk(i, None, done.finish_reason)
+
+    def usage_chunk(self, dones):
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                   usage=self.usage(dones), magnetar=self.info)
+
+
+class CompletionResponder(Responder):
+    id_prefix = "cmpl"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.offsets = [0] * len(self.prepared)  # text_offset so far, per choice
+
+    def whole(self, tokens, dones):
+        return Completion(id=self.id, created=self.created, model=self.model, usage=self.usage(dones),
+                          magnetar=self.info,
+                          choices=[CompletionChoice(index=i, text=p.echo + "".join(t.text for t in ts),
+                                                    finish_reason=d.finish_reason,
+                                                    logprobs=self.names.completion(p, ts) if self.logprobs else None)
+                                   for i, (p, ts, d) in enumerate(zip(self.prepared, tokens, dones))]).model_dump()
+
+    def chunk(self, i, text, finish=None, role=False, lp=None):
+        return Completion(id=self.id, created=self.created, model=self.model,
+                          choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish, logprobs=lp)])
+
+    def opening(self, i):
+        p = self.prepared[i]
+        return self.chunk(i, p.echo) if p.echo and not self.logprobs else None
+
+    def tokens(self, i, item):
+        if not self.logprobs:
+            return super().tokens(i, item)
+        p, out = self.prepared[i], []
+        if p.echo and self.offsets[i] == 0:  # the echoed prompt (and its tokens' log-probabilities) first
+            lp = self.names.completion(p, [item])
+            out.append(self.chunk(i, p.echo, lp={k: v[:-1] for k, v in lp.items()}))
+            self.offsets[i] = lp["text_offset"][-1]  # where the whole answer puts its first token
+        lp = self.names.completion(p, [item], self.offsets[i], prompt=False)
+        # text_offset counts each token's own text, as the whole answer's does (not the text deltas, which hold
+        # back a word or a stop string's start until the next token decides)
+        self.offsets[i] += len(lp["tokens"][0])
+        out.append(self.chunk(i, item.text, lp=lp))
+        return out
+
+    def usage_chunk(self, dones):
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage(dones),
+                          magnetar=self.info)
+
+
+async def stream_events(exchange: Exchange, responder: Responder, include_usage: bool, first=None):
+    """The server-sent events of a streamed response: each choice's opening, its tokens, its end, then the usage
+    (``include_usage``) and ``[DONE]``; a failure after the status line goes as an error event. ``first``: the
+    first ``(choice, event)``, already read (the status line waits for it)."""
+    dones: list = [None] * len(exchange.sids)
+    try:
+        for i in range(len(exchange.sids)):
+            opening = responder.opening(i)
+            if opening is not None:
+                yield _sse(opening)
+        while True:
+            (i, item), first = (first, None) if first is not None else (await exchange.sink.queue.get(), None)
+            if isinstance(item, Token):
+                for c in responder.tokens(i, item):
+                    yield _sse(c)
+            elif isinstance(item, Done):
+                dones[i] = item
+                yield _sse(responder.end(i, item))
+                if any(d is None for d in dones):
+                    continue
+                if include_usage:
+                    yield _sse(responder.usage_chunk(dones))
+                yield "data: [DONE]\n\n"
+                return
+            elif isinstance(item, Failed):  # the status line is sent: the error goes as an event
+                exchange.cancel_others(dones, i)
+                dones[i] = item
+                yield _sse(item.error.body())
+                return
+    finally:
+        exchange.cancel_unfinished(dones)
+
+
 def build_app(server) -> FastAPI:
-    """The FastAPI app of ``server`` (a :class:`magnetar.serve.server.Server`)."""
+    """The FastAPI app of ``server`` (a :class:`magnetar.serve.server.Server`): its routes in groups."""
     app = FastAPI(title="Magnetar", version=__version__, docs_url="/docs", redoc_url=None,
                   description="OpenAI-compatible long-context serving (docs/serving.md)")
-    loop, preparer, metrics = server.loop, server.preparer, server.metrics
-    names = LogprobFormat(copy.deepcopy(server.engine.tokenizer))  # the HTTP thread's own copy
+    _error_handlers(app, server)
+    _info_routes(app, server)
+    _generation_routes(app, server)
+    _context_routes(app, server)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _open(loop) -> None:
+    """A 503 when the server takes no new request (draining, failed, stopped)."""
+    refused = loop.refusal()
+    if refused is not None:
+        raise refused
+
+
+def _error_handlers(app: FastAPI, server) -> None:
+    loop, metrics = server.loop, server.metrics
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -155,6 +380,10 @@ def build_app(server) -> FastAPI:
         return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path[:200]}", None,
                                        "invalid_request_error"), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))  # a 405's Allow
+
+
+def _info_routes(app: FastAPI, server) -> None:
+    loop, metrics = server.loop, server.metrics
 
     @app.get("/health")
     async def health():
@@ -179,18 +408,22 @@ def build_app(server) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _generation_routes(app: FastAPI, server) -> None:
+    loop, preparer = server.loop, server.preparer
+    names = LogprobFormat(copy.deepcopy(server.engine.tokenizer))  # the HTTP thread's own copy
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _generate(request, parse_body(ChatCompletionRequest, await request.body()))
+        return await generate(request, parse_body(ChatCompletionRequest, await request.body()), ChatResponder)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(request, parse_body(CompletionRequest, await request.body()))
+        return await generate(request, parse_body(CompletionRequest, await request.body()), CompletionResponder)
 
-    async def _generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest]):
-        _open()
-        chat_kind = isinstance(req, ChatCompletionRequest)
-        prepared = await preparer.run(preparer.chat if chat_kind else preparer.completion, req)
+    async def generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest], kind: type):
+        _open(loop)
+        prepared = await preparer.run(preparer.chat if kind is ChatResponder else preparer.completion, req)
         n = 1 if req.n is None else req.n
         sink = Sink(asyncio.get_running_loop())
         sids = []
@@ -202,151 +435,29 @@ def build_app(server) -> FastAPI:
             for sid in sids:
                 loop.cancel(sid)
             raise
-        rid = new_id("chatcmpl" if chat_kind else "cmpl")
         info = {"prompts": [{"split": p.split, "context_tokens": p.context_tokens,
                              "query_tokens": int(p.query_ids.numel())} for p in prepared[::n]]}
         logprobs = req.logprobs is not None and req.logprobs is not False  # chat: a bool; completions: 0..20
+        responder = kind(server.model_name, names, prepared, n, info, logprobs)
+        exchange = Exchange(loop, request, sink, sids)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # the status line waits for the request's first event: a request the engine refuses (or fails) gets
             # its own HTTP status, not a 200 followed by an error event
-            first = await _first(request, sink, sids)
-            return StreamingResponse(_stream(sink, sids, prepared, rid, chat_kind, include_usage, n, info, logprobs,
-                                             first),
+            first = await exchange.first()
+            return StreamingResponse(stream_events(exchange, responder, include_usage, first),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        tokens, dones = await _collect(request, sink, sids)
-        texts = ["".join(t.text for t in ts) for ts in tokens]
-        usage = usage_of([d.result for d in dones], n)
-        if chat_kind:
-            return ChatCompletion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
-                                  choices=[ChatChoice(index=i, message=AssistantMessage(content=t),
-                                                      finish_reason=d.finish_reason,
-                                                      logprobs=names.chat(ts) if logprobs else None)
-                                           for i, (t, ts, d) in enumerate(zip(texts, tokens, dones))]).model_dump()
-        return Completion(id=rid, created=now(), model=server.model_name, usage=usage, magnetar=info,
-                          choices=[CompletionChoice(index=i, text=p.echo + t, finish_reason=d.finish_reason,
-                                                    logprobs=names.completion(p, ts) if logprobs else None)
-                                   for i, (p, t, ts, d) in enumerate(zip(prepared, texts, tokens, dones))]).model_dump()
+        return responder.whole(*await exchange.collect())
 
-    async def _collect(request: Request, sink: Sink, sids: list[int]) -> tuple[list[list[Token]], list[Done]]:
-        """Every choice's tokens and last event; cancels them all if the client goes away meanwhile or one
-        fails."""
-        parts: list[list[Token]] = [[] for _ in sids]
-        dones: list[Optional[Done]] = [None] * len(sids)
-        checked = [time.monotonic()]
-        while any(d is None for d in dones):
-            i, item = await _next(request, sink, sids, checked)
-            if isinstance(item, Failed):
-                _cancel_others(sids, dones, i)
-                raise item.error
-            if isinstance(item, Done):
-                dones[i] = item
-            else:
-                parts[i].append(item)
-        return parts, dones
 
-    def _cancel_others(sids: list[int], dones: list, failed: int) -> None:
-        for j, sid in enumerate(sids):
-            if j != failed and dones[j] is None:
-                loop.cancel(sid)
-
-    async def _first(request: Request, sink: Sink, sids: list[int]):
-        """The first event of a request's choices (a first token, or Done) as ``(choice, event)``; RequestError
-        when it failed (the other choices are cancelled), or the client left meanwhile (then all are)."""
-        i, item = await _next(request, sink, sids, [time.monotonic()])
-        if isinstance(item, Failed):
-            _cancel_others(sids, [None] * len(sids), i)
-            raise item.error
-        return i, item
-
-    async def _next(request: Request, sink: Sink, sids: list[int], checked: list[float]):
-        """The next ``(choice, event)``. The client is checked every poll period since ``checked[0]`` -- also while
-        events keep coming --, and when it has gone every choice is cancelled and a 499 raised."""
-        getter = asyncio.ensure_future(sink.queue.get())
-        try:
-            while True:
-                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-                if time.monotonic() - checked[0] >= _DISCONNECT_POLL_S:
-                    checked[0] = time.monotonic()
-                    if await request.is_disconnected():
-                        for sid in sids:
-                            loop.cancel(sid)
-                        raise RequestError("the client disconnected", status=499)
-                if done:
-                    return getter.result()
-        finally:
-            if not getter.done():
-                getter.cancel()
-
-    async def _stream(sink: Sink, sids: list[int], prepared: list, rid: str, chat_kind: bool, include_usage: bool,
-                      n: int, info: dict, logprobs: bool, first=None):
-        created, name = now(), server.model_name
-        dones: list[Optional[Done]] = [None] * len(sids)
-        offsets = [0] * len(sids)  # completions' text_offset so far, per choice
-
-        def chunk(i: int, text: Optional[str], finish: Optional[str] = None, role: bool = False,
-                  lp: Optional[dict] = None):
-            if chat_kind:
-                return ChatCompletionChunk(id=rid, created=created, model=name, choices=[ChunkChoice(
-                    index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish,
-                    logprobs=lp)])
-            return Completion(id=rid, created=created, model=name,
-                              choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish, logprobs=lp)])
-
-        try:
-            for i, p in enumerate(prepared):  # each choice's opening chunk: the role, or the echoed prompt
-                if chat_kind:
-                    yield _sse(chunk(i, "", role=True))
-                elif p.echo and not logprobs:
-                    yield _sse(chunk(i, p.echo))
-            while True:
-                (i, item), first = (first, None) if first is not None else (await sink.queue.get(), None)
-                if isinstance(item, Token) and logprobs:
-                    p = prepared[i]
-                    if chat_kind:
-                        yield _sse(chunk(i, item.text, lp=names.chat([item])))
-                        continue
-                    if p.echo and offsets[i] == 0:  # the echoed prompt (and its tokens' log-probabilities) first
-                        lp = names.completion(p, [item])
-                        head = {k: v[:-1] for k, v in lp.items()}
-                        yield _sse(chunk(i, p.echo, lp=head))
-                        offsets[i] = lp["text_offset"][-1]  # where the whole answer puts its first token
-                    lp = names.completion(p, [item], offsets[i], prompt=False)
-                    # text_offset counts each token's own text, as the whole answer's does (not the text deltas,
-                    # which hold back a word or a stop string's start until the next token decides)
-                    offsets[i] += len(lp["tokens"][0])
-                    yield _sse(chunk(i, item.text, lp=lp))
-                elif isinstance(item, Token):
-                    if item.text:
-                        yield _sse(chunk(i, item.text))
-                elif isinstance(item, Done):
-                    dones[i] = item
-                    yield _sse(chunk(i, None if chat_kind else "", item.finish_reason))
-                    if any(d is None for d in dones):
-                        continue
-                    if include_usage:
-                        usage = usage_of([d.result for d in dones], n)
-                        final = ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage,
-                                                    magnetar=info) if chat_kind else \
-                            Completion(id=rid, created=created, model=name, choices=[], usage=usage, magnetar=info)
-                        yield _sse(final)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(item, Failed):  # the status line is sent: the error goes as an event
-                    _cancel_others(sids, dones, i)
-                    dones[i] = item
-                    yield _sse(item.error.body())
-                    return
-        finally:
-            for sid, d in zip(sids, dones):
-                if d is None:  # the client went away (or the response was cancelled): free the slot
-                    loop.cancel(sid)
+def _context_routes(app: FastAPI, server) -> None:
+    loop, preparer = server.loop, server.preparer
 
     @app.post("/v1/contexts")
     async def post_context(request: Request):
         req = parse_body(ContextRequest, await request.body())
-        _open()
+        _open(loop)
         checked = await preparer.run(preparer.context, req)
         ids, key = checked.context_ids, checked.key
         cid = context_id_of(key)
@@ -367,7 +478,7 @@ def build_app(server) -> FastAPI:
                 raise
             pinned = PinnedContext(cid, key, req.format, item.tokens, now(), ids)
             server.contexts.add(pinned)
-        return _context_object(pinned).model_dump()
+        return context_object(pinned).model_dump()
 
     @app.delete("/v1/contexts/{cid}")
     async def delete_context(cid: str):
@@ -377,37 +488,29 @@ def build_app(server) -> FastAPI:
                                status=404)
         loop.submit(Job("release", loop.new_sid(), cid=cid))
         server.contexts.remove(cid)
-        return _context_object(pinned, deleted=True).model_dump()
+        return context_object(pinned, deleted=True).model_dump()
 
-    def _context_object(p: PinnedContext, deleted: bool = False) -> ContextObject:
+    def context_object(p: PinnedContext, deleted: bool = False) -> ContextObject:
         return ContextObject(id=p.id, created=p.created, model=server.model_name, format=p.format, tokens=p.tokens,
                              deleted=deleted)
 
-    def openapi() -> dict:
-        """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body)
-        and ``/metrics`` as Prometheus text."""
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
 
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
-                                ("/v1/contexts", ContextRequest)):
-                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(body.pop("$defs", {}))
-                components[model.__name__] = body
-                schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-            schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
-                "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
-            app.openapi_schema = schema
-        return app.openapi_schema
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body) and
+    ``/metrics`` as Prometheus text."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
 
-    app.openapi = openapi
-
-    def _open() -> None:
-        refused = loop.refusal()
-        if refused is not None:
-            raise refused
-
-    return app
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+                            ("/v1/contexts", ContextRequest)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
+            "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
