@@ -420,12 +420,71 @@ def _run_group(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = N
     return records
 
 
+@dataclasses.dataclass
+class _Place:
+    """Where this process runs an evaluation: its rank in the world, whether the items are dealt to the processes
+    (data parallel, ``--simulate-ranks`` under a launcher), the results file it appends to, the waits' timeout."""
+
+    out: Path
+    rank: int
+    world: int
+    dealt: bool
+    results_path: Path
+    timeout: timedelta
+    owns_group: bool  # a caller's process group is left for the caller to destroy
+
+
 def run(args) -> int:
-    import magnetar
+    """``magnetar eval``: the process group and the output folder (:func:`_setup`), the model, the items left to run
+    (:func:`_todo`), the fidelity reference (:func:`_reference`), the items (:func:`_run_items`), the report."""
+    suite = get_suite(args.suite)
+    base = base_config(args)
+    place = _setup(args, base)
     from magnetar.engine.load import load_weights
 
+    model, tokenizer = load_weights(args.model, base.runtime.dtype, revision=args.revision,
+                                    trust_remote_code=args.trust_remote_code, timeout=place.timeout)
+    done = _broadcast_obj(load_done(place.out) if place.rank == 0 else None)
+    todo, total = _todo(args, suite, base, place, done)
+    fid = None
+    if suite.fidelity:
+        model, fid = _reference(args, base, model, tokenizer, place)
+    bar = None
+    if place.rank == 0:
+        from tqdm import tqdm
+
+        print(f"{total} items to run ({len(done)} already in {place.out})"
+              f"{f', dealt to {place.world} processes' if place.dealt else ''}", flush=True)
+        bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if place.dealt else None)
+    _run_items(args, suite, todo, model, tokenizer, fid, place, bar)
+    if bar is not None:
+        bar.close()
+    _finish(place)
+    return 0
+
+
+def _setup(args, base: EngineConfig) -> _Place:
+    """The process group (under a launcher) and the output folder: writable, and locked by rank 0 for this run,
+    before any model is loaded."""
     out = Path(args.out)
-    suite = get_suite(args.suite)
+    timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
+    owns_group = not dist.is_initialized()
+    init_distributed(timeout=timeout)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dealt = args.simulate_ranks is not None and world > 1  # data parallel: each process runs its share alone
+    names = [f"results.rank{r}.jsonl" for r in range(world)] if dealt else ["results.jsonl"]
+    # no other run writes to the folder (rank 0 holds the lock)
+    problem = _broadcast_obj((write_problem(out, names) or lock_output(out)) if rank == 0 else None)
+    if problem:
+        raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
+    barrier(timeout=timeout)  # rank 0 holds the output folder's lock
+    return _Place(out, rank, world, dealt, out / names[rank if dealt else 0], timeout, owns_group)
+
+
+def _todo(args, suite, base: EngineConfig, place: _Place, done: set) -> tuple[list, int]:
+    """The items not in ``done`` (``(method, length, task, index, config, key)``; this process's share when dealt)
+    and how many there are in all."""
     tasks = task_list(args) or suite.tasks  # the flags were checked by check_args (main calls it first)
     if args.context_file:  # fidelity on the user's own text
         from magnetar.eval.fidelity import FILE_TASK
@@ -433,29 +492,10 @@ def run(args) -> int:
         tasks = (FILE_TASK,)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lengths = [parse_length(x, minimum=0) for x in args.lengths.split(",")]
-    sim = args.simulate_ranks
-    base = base_config(args)
-    timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
-    owns_group = not dist.is_initialized()  # a caller's process group is left for the caller to destroy
-    init_distributed(timeout=timeout)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    dealt = sim is not None and world > 1  # data parallel: each process runs its share of the items alone
-    names = [f"results.rank{r}.jsonl" for r in range(world)] if dealt else ["results.jsonl"]
-    # before any model is loaded: the folder can be written, and no other run writes to it (rank 0 holds the lock)
-    problem = _broadcast_obj((write_problem(out, names) or lock_output(out)) if rank == 0 else None)
-    if problem:
-        raise SystemExit(f"--out {args.out}: {problem}; pass a directory this run can write its results to")
-    barrier(timeout=timeout)  # rank 0 holds the output folder's lock
-    model, tokenizer = load_weights(args.model, base.runtime.dtype, revision=args.revision,
-                                    trust_remote_code=args.trust_remote_code, timeout=timeout)
-    results_path = out / names[rank if dealt else 0]
-    done = _broadcast_obj(load_done(out) if rank == 0 else None)
-
     todo = []
     for method, length, task, index in items(args, tasks, lengths, methods):
         # the simulation gives the same answers as real ranks: one key for both
-        cfg = method_config(base, args, method, sim or args.cp or world)
+        cfg = method_config(base, args, method, args.simulate_ranks or args.cp or place.world)
         key = item_key(args.suite, task, method, length, index, config_key(cfg))
         if suite.perplexity:  # the scored tokens per window change the item
             key += f"/T{args.target_tokens}"
@@ -465,65 +505,68 @@ def run(args) -> int:
             key += "/acc"
         if key not in done:
             todo.append((method, length, task, index, cfg, key))
-    total = len(todo)
-    if dealt:
-        todo = todo[rank::world]
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
+    return (todo[place.rank::place.world] if place.dealt else todo), len(todo)
 
-        print(f"{total} items to run ({len(done)} already in {out})"
-              f"{f', dealt to {world} processes' if dealt else ''}", flush=True)
-        bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if dealt else None)
 
-    engines, model_obj, fid = {}, model, None
-    if suite.fidelity:  # the reference: plain dense attention and decoding, on this process alone
-        ref_cfg = EngineConfig(method="dense", runtime=dataclasses.replace(base.runtime, prefix_reuse="off"),
-                               parallel=dataclasses.replace(EngineConfig().parallel,
-                                                            timeout_s=base.parallel.timeout_s))
-        ref = magnetar.init_inference(model_obj, ref_cfg, tokenizer=tokenizer,
-                                      groups=local_groups(timeout=timeout) if world > 1 else None)
-        rows = [{k: r.get(k) for k in ("task", "length", "index", "dense_answer_ids", "dense_answer",
-                                        "dense_phase1_critical_path_s")} for r in set_aside_bad_lines(out)
-                if r.get("suite") == "fidelity" and r.get("dense_answer_ids")] if rank == 0 else None
-        model_obj, fid = ref.model, Fidelity(args, ref, _broadcast_obj(rows))
+def _reference(args, base: EngineConfig, model, tokenizer, place: _Place):
+    """The fidelity suite's reference -- plain dense attention and decoding, on this process alone -- with the
+    dense answers of earlier runs: ``(the model it holds, Fidelity)``."""
+    import magnetar
+
+    ref_cfg = EngineConfig(method="dense", runtime=dataclasses.replace(base.runtime, prefix_reuse="off"),
+                           parallel=dataclasses.replace(EngineConfig().parallel, timeout_s=base.parallel.timeout_s))
+    ref = magnetar.init_inference(model, ref_cfg, tokenizer=tokenizer,
+                                  groups=local_groups(timeout=place.timeout) if place.world > 1 else None)
+    rows = [{k: r.get(k) for k in ("task", "length", "index", "dense_answer_ids", "dense_answer",
+                                    "dense_phase1_critical_path_s")} for r in set_aside_bad_lines(place.out)
+            if r.get("suite") == "fidelity" and r.get("dense_answer_ids")] if place.rank == 0 else None
+    return ref.model, Fidelity(args, ref, _broadcast_obj(rows))
+
+
+def _run_items(args, suite, todo: list, model, tokenizer, fid, place: _Place, bar) -> None:
+    """Every item, grouped by batch (``--batch``), each group on the engine of its config (made once, on every rank:
+    group creation is collective unless dealt); the records appended as they come."""
+    import magnetar
+
+    engines = {}
     for group in _batches(todo, args.batch if not (suite.perplexity or suite.fidelity) else 1):
         method, length, task, index, cfg, key = group[0]
         ck = config_key(cfg)
-        if ck not in engines:  # every rank builds every engine (group creation is collective) unless dealt
-            run_cfg = cfg.replace(simulate=True) if sim is not None and cfg.parallel.cp_size > 1 else cfg
+        if ck not in engines:
+            run_cfg = cfg.replace(simulate=True) if args.simulate_ranks is not None and cfg.parallel.cp_size > 1 \
+                else cfg
             # every item's own Phase 1 (its measured seconds are the item's), whatever an earlier one cached
             run_cfg = run_cfg.replace(prefix_reuse="off")
-            groups = local_groups(timeout=timedelta(seconds=cfg.parallel.timeout_s)) if dealt else None
-            engines[ck] = magnetar.init_inference(model_obj, run_cfg, tokenizer=tokenizer, groups=groups,
+            groups = local_groups(timeout=timedelta(seconds=cfg.parallel.timeout_s)) if place.dealt else None
+            engines[ck] = magnetar.init_inference(model, run_cfg, tokenizer=tokenizer, groups=groups,
                                                   deepspeed_inference=not engines and fid is None)
-            model_obj = engines[ck].model
+            model = engines[ck].model
         engine = engines[ck]
-        runs_here = dealt or engine.simulated or cfg.parallel.cp_size > 1 or rank == 0
+        runs_here = place.dealt or engine.simulated or cfg.parallel.cp_size > 1 or place.rank == 0
         if runs_here:
             records = _run_group(args, engine, tokenizer, group, fid)
-            if rank == 0 or dealt:
-                append_records(results_path, records)
-        if not dealt and cfg.parallel.cp_size == 1 and world > 1:
-            barrier(timeout=timeout)  # the other ranks wait for rank 0's single-rank item
+            if place.rank == 0 or place.dealt:
+                append_records(place.results_path, records)
+        if not place.dealt and cfg.parallel.cp_size == 1 and place.world > 1:
+            barrier(timeout=place.timeout)  # the other ranks wait for rank 0's single-rank item
         if bar is not None:
             bar.update(len(group))
-    if bar is not None:
-        bar.close()
+
+
+def _finish(place: _Place) -> None:
+    """Every process done, rank 0 writes the report and unlocks the folder."""
     # dealt shares end at different times: wait long for the slowest before rank 0 writes the report -- in the
     # store, whose wait a rank still computing cannot outlast (a collective's is bounded by the group's timeout)
-    if dealt:
+    if place.dealt:
         store_barrier("eval-dealt-done", timeout=timedelta(hours=6))
-    barrier(timeout=timeout)
-    if rank == 0:
+    barrier(timeout=place.timeout)
+    if place.rank == 0:
         from magnetar.eval.report import write_report
 
-        print(write_report(out))
-    if rank == 0:
-        unlock_output(out)
-    if owns_group and dist.is_initialized():
+        print(write_report(place.out))
+        unlock_output(place.out)
+    if place.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
 def _files_digest(args) -> str:
