@@ -271,8 +271,9 @@ def test_regime_option_checks_flag_and_label():
     assert parser.parse_args(["--luka-regime", "after_generation"]).luka_regime == "after_generation"
     with pytest.raises(SystemExit):
         parser.parse_args(["--luka-regime", "later"])
-    from magnetar.eval.runner import luka_label
+    from magnetar.luka.decoder import LukaDecoder
 
+    luka_label = LukaDecoder.label  # the report's label of a LuKA run (method_label asks the registry's class)
     default = luka_label(LukaConfig(luka_mode="clustered"))  # the paper's regime goes unnamed
     assert "query" not in default and "generation" not in default
     assert luka_label(LukaConfig(luka_mode="clustered", luka_regime="before_query")) == default[:-1] + ", before query)"

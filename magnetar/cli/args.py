@@ -108,6 +108,12 @@ def check_cp_size(cp_size: int, world_size: int, flag: str, tp_size: int = 1) ->
                          f"(WORLD_SIZE={world_size}): launch a multiple of {cp_size * tp_size} processes, or {hint}")
 
 
+# the engine fields magnetar bench (and the cost model's CLI) take as flags, made from the config's own fields
+ENGINE_FLAGS = ("block_size", "anchor_size", "halo_size", "halo_blocks", "exact_layers", "sink_size", "chunk_size",
+                "summary_budget", "window_size", "attention_backend", "decode_step", "sparse_policy", "sparse_budget",
+                "prefill_policy", "prefill_indexer_path", "prefill_indexer_random_init")
+
+
 def engine_config(args, method: str, cp: int) -> EngineConfig:
     """The EngineConfig of ``method`` from the command line's engine options (``magnetar-bench`` and the cost
     model's CLI): ``cp`` ranks for the context-parallel methods, one for dense and streaming; ``--tp-size``
@@ -115,9 +121,7 @@ def engine_config(args, method: str, cp: int) -> EngineConfig:
     # context_cache_mb 0: every timed request runs its Phase 1 (a cached context would skip it)
     flat = dict(method=method, cp_size=cp if METHODS[method].distributed else 1, dtype=args.dtype,
                 tp_size=getattr(args, "tp_size", 1), context_cache_mb=0)
-    for name in ("block_size", "anchor_size", "halo_size", "halo_blocks", "exact_layers", "sink_size", "chunk_size",
-                 "summary_budget", "window_size", "attention_backend", "decode_step", "sparse_policy", "sparse_budget",
-                 "prefill_policy", "prefill_indexer_path", "prefill_indexer_random_init"):
+    for name in ENGINE_FLAGS:
         if name in METHOD_OPTIONS and method not in METHOD_OPTIONS[name][0]:
             continue  # another method's own option (the config refuses it elsewhere): one command compares them
         if getattr(args, name, None) is not None:

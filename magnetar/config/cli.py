@@ -15,18 +15,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine config (defaults in magnetar/config/sections.py)")
     g.add_argument("--config", help="JSON/YAML file with config fields (flags override it)")
     g.add_argument("--method", choices=tuple(METHODS))
-    for name, section in FLAT_FIELDS.items():
-        f = next(f for f in fields(SECTIONS[section]) if f.name == name)
+    add_field_args(g, FLAT_FIELDS)
+    return parser
+
+
+def add_field_args(parser, names) -> None:
+    """A flag for each config field of ``names`` (default None: the field keeps the config's default), its type and
+    choices read from the field; a bool flag alone means true (``--prefill-indexer-random-init``), or takes
+    ``true`` / ``false``. ``magnetar bench`` declares the engine fields it times this way."""
+    for name in names:
+        f = next(f for f in fields(SECTIONS[FLAT_FIELDS[name]]) if f.name == name)
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if "bool" in kind:
-            g.add_argument(flag_of(name), type=_parse_bool, metavar="{true,false}")
+            parser.add_argument(flag_of(name), type=_parse_bool, nargs="?", const=True, metavar="{true,false}")
         elif "int" in kind:
-            g.add_argument(flag_of(name), type=int)
+            parser.add_argument(flag_of(name), type=int)
         elif "float" in kind:
-            g.add_argument(flag_of(name), type=float)
+            parser.add_argument(flag_of(name), type=float)
         else:
-            g.add_argument(flag_of(name), choices=field_choices(name))
-    return parser
+            parser.add_argument(flag_of(name), choices=field_choices(name))
 
 
 def _parse_bool(text: str) -> bool:

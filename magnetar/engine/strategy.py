@@ -261,6 +261,12 @@ class DecodePolicyBase:
     pages_generated = False
     stats_keys: tuple[str, ...] = ()
 
+    @classmethod
+    def label(cls, cfg: PolicySection) -> str:
+        """What sets a run with this policy apart in a report's column (added to the method's label after a "+"):
+        by default the policy's name."""
+        return cfg.policy
+
     def __init__(self, cfg: PolicySection, model_config):
         self.cfg = cfg
 
@@ -340,6 +346,11 @@ class PrefillPolicyBase:
 
     needs_hidden = False
 
+    @classmethod
+    def label(cls, cfg: PolicySection) -> str:
+        """What sets a run with this policy apart in a report's column (after a "+"): by default its name."""
+        return f"prefill_{cfg.policy}"
+
     def __init__(self, cfg: PolicySection, model_config):
         self.cfg = cfg
 
@@ -401,6 +412,14 @@ def decode_policy(cfg: Optional[PolicySection], model_config) -> Optional[Decode
 def prefill_policy(cfg: Optional[PolicySection], model_config) -> Optional[PrefillPolicy]:
     """The :class:`PrefillPolicy` that a ``PrefillConfig`` names (None: policy ``none``)."""
     return _policy(cfg, model_config, ("prefill",), "prefill")
+
+
+def policy_label(cfg: PolicySection) -> Optional[str]:
+    """The report label of the policy a config section names (its class's ``label``, from the registry), or None
+    for policy ``none``."""
+    if cfg.policy == "none":
+        return None
+    return load_class(POLICIES[cfg.policy].impl).label(cfg)
 
 
 def _policy(cfg, model_config, sections: tuple, what: str):

@@ -40,7 +40,9 @@ from typing import Optional
 
 import torch
 
+from magnetar.cli.args import ENGINE_FLAGS
 from magnetar.config import DTYPES, METHODS
+from magnetar.config.cli import add_field_args
 from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_names
 from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
@@ -103,29 +105,8 @@ def parse_args(argv):
                    help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
                         "shapes are real, the outputs past the trained length are meaningless)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--anchor-size", type=int, default=None)
-    p.add_argument("--halo-size", type=int, default=None,
-                   help="star, pulsar: each block also sees this many tokens before it")
-    p.add_argument("--halo-blocks", type=float, default=None,
-                   help="star, pulsar: the halo as a fraction of the block (1: the whole block before it)")
-    p.add_argument("--exact-layers", default=None,
-                   help="star, pulsar: hybrid layers whose blocks attend exactly to every earlier block "
-                        "('every:4', '0-3,29', 'all')")
-    p.add_argument("--sink-size", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--summary-budget", type=float, default=None)
-    p.add_argument("--window-size", type=int, default=None, help="streaming window")
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
-                   help="how decode steps run (runtime.decode_step; default eager)")
-    p.add_argument("--sparse-policy", default=None, help="sparse decoding: quest | lsh | spotlight | oracle_topk "
-                   "(their other options at the defaults)")
-    p.add_argument("--sparse-budget", type=int, default=None, help="--sparse-policy: KV tokens each decode step reads")
-    p.add_argument("--prefill-policy", default=None, help="sparse prefill: oracle | indexer")
-    p.add_argument("--prefill-indexer-path", default=None, help="--prefill-policy indexer: distilled weights")
-    p.add_argument("--prefill-indexer-random-init", action="store_true", default=None,
-                   help="--prefill-policy indexer without weights: an untrained indexer (timing only)")
+    # the engine fields it times: flags made from the config (types, choices; default: the config's)
+    add_field_args(p.add_argument_group("engine config (defaults in magnetar/config/sections.py)"), ENGINE_FLAGS)
     p.add_argument("--tp-size", type=int_at_least(1), default=1,
                    help="tensor-parallel ranks sharing each CP rank's weights (DeepSpeed AutoTP; under a launcher: "
                         "world size = tp x cp)")

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from magnetar.config import METHODS, EngineConfig, add_cli_args
-from magnetar.config.registry import METHOD_OPTIONS
-from magnetar.engine.strategy import context_method
+from magnetar.config.registry import METHOD_OPTIONS, POLICY_FIELDS
+from magnetar.engine.strategy import context_method, policy_label
 from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
 from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
@@ -189,50 +189,13 @@ def method_label(config: EngineConfig) -> str:
     report's column, so that variants of one method (an ablation) are not pooled."""
     extra = context_method(config.method).label_options(config)  # the method says what sets its runs apart
     label = config.method + (f"({', '.join(extra)})" if extra else "")
-    sp = config.sparse
-    if sp.sparse_policy != "none":  # sparse decoding on top of the method, e.g. dense+spotlight(90% pruned)
-        amount = f"{100 * sp.sparse_pruning:g}% pruned" if sp.sparse_pruning else f"budget {sp.sparse_budget}"
-        label += f"+{sp.sparse_policy}({amount})"
-    # LuKA on top of the method, e.g. dense+luka(clustered, attention_weighted, top_k 3)
-    if config.luka.luka_mode != "none":
-        label += "+" + luka_label(config.luka)
-    pf = config.prefill
-    if pf.prefill_policy != "none":  # sparse prefill, e.g. dense+prefill_oracle(top-k 256, b_sel 64)
-        parts = [f"top-k {pf.prefill_topk}" if pf.prefill_topk else f"schedule {pf.prefill_schedule}"]
-        if pf.prefill_b_sel != 1:
-            parts.append(f"b_sel {pf.prefill_b_sel}")
-        if pf.prefill_dense_layers:
-            parts.append(f"dense layers {pf.prefill_dense_layers}")
-        if pf.prefill_policy == "indexer":
-            parts.append(f"d_idx {pf.prefill_d_idx}" if pf.prefill_d_idx else "")
-            parts.append("random init" if pf.prefill_indexer_random_init else "distilled")
-        label += f"+prefill_{pf.prefill_policy}({', '.join(x for x in parts if x)})"
+    for section in POLICY_FIELDS:  # each policy on top of it says what sets its runs apart (registry: its class)
+        extra = policy_label(getattr(config, section))
+        if extra is not None:
+            label += "+" + extra
     return label
 
 
-def luka_label(cfg) -> str:
-    """``luka(mode, ...)`` naming the LuKA options a result depends on, e.g. ``luka(clustered, mean, top_k 3)``."""
-    parts = [cfg.luka_mode]
-    if cfg.luka_mode == "mixed":
-        parts.append(f"lined {cfg.luka_lined_layers}+{cfg.luka_lined_layers}")
-    if cfg.luka_mode in ("lined", "mixed"):
-        parts.append(f"heavy {cfg.luka_heavy_fraction:g}")
-    if cfg.luka_mode in ("clustered", "mixed"):
-        parts.append(cfg.luka_compressor + (f" tau {cfg.luka_tau:g}" if cfg.luka_tau != 1.0 else ""))
-        rule = {"top_k": f"top_k {cfg.luka_refine_k}", "top_fraction": f"top_fraction {cfg.luka_refine_fraction:g}",
-                "threshold": f"threshold {cfg.luka_refine_eps:g}", "none": "no refinement"}[cfg.luka_refine]
-        # the options that differ from the defaults (the authors' exact mass and shared choice)
-        parts.append(rule + (" preserve" if cfg.luka_refine_mass == "preserve" else "")
-                     + (" per-KV-head" if cfg.luka_refine_scope == "per_kv_head" else ""))
-        if cfg.luka_page_size != 16:
-            parts.append(f"page {cfg.luka_page_size}")
-        if cfg.luka_zero_values:
-            parts.append("V=0")
-    if cfg.luka_recent != 128:
-        parts.append(f"recent {cfg.luka_recent}")
-    if cfg.luka_regime != "after_query":  # the paper's regime is the default; the others are named
-        parts.append(cfg.luka_regime.replace("_", " "))
-    return f"luka({', '.join(parts)})"
 
 
 def load_done(out_dir: Path) -> set[str]:

@@ -96,6 +96,31 @@ class LukaDecoder(DecodePolicyBase):
     """The engine's LuKA policy (a :class:`magnetar.engine.strategy.DecodePolicy`; every ``luka_mode`` but ``none``
     is registered to it)."""
 
+    @classmethod
+    def label(cls, cfg) -> str:
+        """``luka(mode, ...)`` naming the LuKA options a result depends on, e.g. ``luka(clustered, mean, top_k 3)``."""
+        parts = [cfg.luka_mode]
+        if cfg.luka_mode == "mixed":
+            parts.append(f"lined {cfg.luka_lined_layers}+{cfg.luka_lined_layers}")
+        if cfg.luka_mode in ("lined", "mixed"):
+            parts.append(f"heavy {cfg.luka_heavy_fraction:g}")
+        if cfg.luka_mode in ("clustered", "mixed"):
+            parts.append(cfg.luka_compressor + (f" tau {cfg.luka_tau:g}" if cfg.luka_tau != 1.0 else ""))
+            rule = {"top_k": f"top_k {cfg.luka_refine_k}", "top_fraction": f"top_fraction {cfg.luka_refine_fraction:g}",
+                    "threshold": f"threshold {cfg.luka_refine_eps:g}", "none": "no refinement"}[cfg.luka_refine]
+            # the options that differ from the defaults (the authors' exact mass and shared choice)
+            parts.append(rule + (" preserve" if cfg.luka_refine_mass == "preserve" else "")
+                         + (" per-KV-head" if cfg.luka_refine_scope == "per_kv_head" else ""))
+            if cfg.luka_page_size != 16:
+                parts.append(f"page {cfg.luka_page_size}")
+            if cfg.luka_zero_values:
+                parts.append("V=0")
+        if cfg.luka_recent != 128:
+            parts.append(f"recent {cfg.luka_recent}")
+        if cfg.luka_regime != "after_query":  # the paper's regime is the default; the others are named
+            parts.append(cfg.luka_regime.replace("_", " "))
+        return f"luka({', '.join(parts)})"
+
     needs_prefill_mass = True  # H2O's scores start with the attention mass of Phase 1
     pages_generated = True  # attend_context takes the query rank's Phase-2 store (gen=) and pages it too
 

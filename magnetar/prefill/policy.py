@@ -103,6 +103,19 @@ class PrefillPolicy(PrefillPolicyBase):
     """Sparse prefill for one engine (a :class:`magnetar.engine.strategy.PrefillPolicy`; see the module
     docstring): both ``oracle`` and ``indexer`` are registered to it, the indexer weights are what differs."""
 
+    @classmethod
+    def label(cls, cfg) -> str:
+        """``prefill_oracle(top-k 256, b_sel 64)``: the policy and the options a result depends on."""
+        parts = [f"top-k {cfg.prefill_topk}" if cfg.prefill_topk else f"schedule {cfg.prefill_schedule}"]
+        if cfg.prefill_b_sel != 1:
+            parts.append(f"b_sel {cfg.prefill_b_sel}")
+        if cfg.prefill_dense_layers:
+            parts.append(f"dense layers {cfg.prefill_dense_layers}")
+        if cfg.prefill_policy == "indexer":
+            parts.append(f"d_idx {cfg.prefill_d_idx}" if cfg.prefill_d_idx else "")
+            parts.append("random init" if cfg.prefill_indexer_random_init else "distilled")
+        return f"prefill_{cfg.prefill_policy}({', '.join(x for x in parts if x)})"
+
     def __init__(self, cfg, model_config):
         super().__init__(cfg, model_config)
         self.indexers = load_or_make_indexers(cfg, model_config) if cfg.prefill_policy == "indexer" else None

@@ -44,6 +44,12 @@ _IDS = itertools.count()
 class SparseSelector(DecodePolicyBase):
     """The base of a sparse-decode policy (a :class:`magnetar.engine.strategy.DecodePolicy`)."""
 
+    @classmethod
+    def label(cls, cfg: SparseConfig) -> str:
+        """``spotlight(90% pruned)`` / ``quest(budget 2048)``: the policy and how much it reads."""
+        amount = f"{100 * cfg.sparse_pruning:g}% pruned" if cfg.sparse_pruning else f"budget {cfg.sparse_budget}"
+        return f"{cfg.sparse_policy}({amount})"
+
     def __init__(self, cfg: SparseConfig, model_config):
         super().__init__(cfg, model_config)
         self.uid = next(_IDS)  # policy state is keyed by it: decoders sharing a shard keep their own derived data
