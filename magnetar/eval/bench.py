@@ -229,40 +229,59 @@ def _fmt_vs_model(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``magnetar bench``: the model (:func:`_load`), every (length, method) timed (:func:`_measure`), rows normalised
+    to dense (:func:`_normalise`), then the tables and the JSON line on rank 0 (:func:`_report`)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import magnetar
-    from magnetar.eval.cost import estimate
     from magnetar.parallel import ParallelGroups  # noqa: F401  (import check before the long load)
 
-    longest = max(args.lengths) + args.query_len + args.max_new_tokens
     t_load = time.perf_counter()
-    if args.tiny:
-        model, tokenizer, name = tiny_model(max(longest, 1024)), None, "tiny-llama-random"
-    else:
-        from magnetar.engine.load import load_weights
-        from magnetar.models import ModelNotInstalledError
-
-        with user_errors(PROG, extra=(ModelNotInstalledError,)):
-            model, tokenizer = load_weights(args.model, args.dtype, revision=args.revision,
-                                            trust_remote_code=args.trust_remote_code)
-        if args.text and tokenizer is None:
-            fail(PROG, f"--text needs a tokenizer, and {args.model} has none (a dummy preset builds weights only): "
-                       f"drop --text, or give dummy:<a folder with config.json and tokenizer files>")
-        name = args.model
-        name = allow_positions(model, longest, name, "--lengths + --query-len + --max-new-tokens",
-                               args.beyond_trained_length)
+    model, tokenizer, name = _load(args)
     load_s = time.perf_counter() - t_load
 
     import torch.distributed as dist
 
     from magnetar.parallel.launcher import finish_distributed, init_distributed
 
-    sim = args.simulate_ranks
     init_distributed()  # under a launcher (a no-op without one): the world size, and rank 0 prints
     world = dist.get_world_size() if dist.is_initialized() else None
-    tp = args.tp_size
-    cp = args.cp or sim or (world // tp if world else 1)
-    engines = {}
+    cp = args.cp or args.simulate_ranks or (world // args.tp_size if world else 1)
+    lead = world is None or dist.get_rank() == 0
+    rows = _measure(args, model, tokenizer, cp, lead)
+    _normalise(rows)
+    if lead:
+        _report(args, model, name, rows, cp, world, load_s)
+    finish_distributed()
+    return 0
+
+
+def _load(args):
+    """``(model, tokenizer, its name in the report)``: a tiny random Llama (``--tiny``) or ``--model`` (the one
+    loader of the engine), its positions raised for timing when ``--beyond-trained-length`` allows it."""
+    longest = max(args.lengths) + args.query_len + args.max_new_tokens
+    if args.tiny:
+        return tiny_model(max(longest, 1024)), None, "tiny-llama-random"
+    from magnetar.engine.load import load_weights
+    from magnetar.models import ModelNotInstalledError
+
+    with user_errors(PROG, extra=(ModelNotInstalledError,)):
+        model, tokenizer = load_weights(args.model, args.dtype, revision=args.revision,
+                                        trust_remote_code=args.trust_remote_code)
+    if args.text and tokenizer is None:
+        fail(PROG, f"--text needs a tokenizer, and {args.model} has none (a dummy preset builds weights only): "
+                   f"drop --text, or give dummy:<a folder with config.json and tokenizer files>")
+    name = allow_positions(model, longest, args.model, "--lengths + --query-len + --max-new-tokens",
+                           args.beyond_trained_length)
+    return model, tokenizer, name
+
+
+def _measure(args, model, tokenizer, cp: int, lead: bool) -> list[dict]:
+    """One row per (length, method): the median of ``--repeats`` timed generate calls after ``--warmup``, with the
+    cost model's prediction of the same configuration (a progress bar on rank 0's stderr)."""
+    import magnetar
+    from magnetar.eval.cost import estimate
+    from tqdm import tqdm
+
+    sim, engines, rows = args.simulate_ranks, {}, []
 
     def engine_for(cfg):
         key = (cfg.method, cfg.parallel.cp_size)
@@ -271,13 +290,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             engines[key] = magnetar.init_inference(model, run_cfg, tokenizer=tokenizer)
         return engines[key]
 
-    rows = []
-    lead = world is None or dist.get_rank() == 0
-    from tqdm import tqdm
-
-    # one tick per timed or warm-up generate call, on rank 0 (stderr: the table and JSON line stay on stdout)
+    # one tick per timed or warm-up generate call (stderr: the table and JSON line stay on stdout)
     bar = tqdm(total=len(args.lengths) * len(args.methods) * (args.warmup + args.repeats), unit="run",
-               dynamic_ncols=True, file=sys.stderr, desc="magnetar-bench", disable=not lead)
+               dynamic_ncols=True, file=sys.stderr, desc="magnetar bench", disable=not lead)
     for L in args.lengths:
         ctx, query = _inputs(args, model, tokenizer, L)
         warm_ctx = ctx if args.warmup_length is None else ctx[: min(L, args.warmup_length)]
@@ -310,7 +325,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 decode_kv_read_bytes=pred.critical_decode_kv_read_bytes)
             row["seconds_per_pflop"] = row["phase1_critical_path_seconds"] / pred.critical_phase1_flops * 1e15
             rows.append(row)
-    # normalise seconds per predicted FLOP to the dense row of the same length (else the first measured row)
+    bar.close()
+    return rows
+
+
+def _normalise(rows: list[dict]) -> None:
+    """Seconds per predicted FLOP relative to the dense row of the same length (else the first measured row), and
+    each row's speedups over dense."""
     measured = [r for r in rows if not r.get("skipped")]
     for r in measured:
         ref = next((d for d in measured if d["method"] == "dense" and d["context_len"] == r["context_len"]),
@@ -318,29 +339,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
     _speedups(rows)
 
-    bar.close()
-    if lead:
-        dev = next(model.parameters()).device
-        print(f"model {name} ({args.dtype}), device {dev.type}"
-              f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
-              f"torch threads {torch.get_num_threads()}, cp {cp}, tp {tp}"
-              f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
-              f"new tokens {args.max_new_tokens}, warmup {args.warmup}"
-              f"{f' (at {args.warmup_length} tokens)' if args.warmup_length else ''}, repeats {args.repeats}")
-        print(_fmt_table(rows))
-        print()
-        print("Phase-1 critical path vs the cost model:")
-        print(_fmt_vs_model(rows))
-        record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, tp=tp, simulate_ranks=sim,
-                      world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
-                      torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
-        line = json.dumps(record)
-        print(line)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                f.write(line + "\n")
-    finish_distributed()
-    return 0
+
+def _report(args, model, name: str, rows: list[dict], cp: int, world: Optional[int], load_s: float) -> None:
+    """The run's header, the table, the comparison with the cost model, then one JSON line (and ``--json-out``)."""
+    sim, tp = args.simulate_ranks, args.tp_size
+    dev = next(model.parameters()).device
+    print(f"model {name} ({args.dtype}), device {dev.type}"
+          f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
+          f"torch threads {torch.get_num_threads()}, cp {cp}, tp {tp}"
+          f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
+          f"new tokens {args.max_new_tokens}, warmup {args.warmup}"
+          f"{f' (at {args.warmup_length} tokens)' if args.warmup_length else ''}, repeats {args.repeats}")
+    print(_fmt_table(rows))
+    print()
+    print("Phase-1 critical path vs the cost model:")
+    print(_fmt_vs_model(rows))
+    record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, tp=tp, simulate_ranks=sim,
+                  world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
+                  torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
+    line = json.dumps(record)
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":
