@@ -18,24 +18,23 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 LIMITS = "what clients may send (docs/serving.md, \"Limits and access\")"  # the flags' second group
 
 
-def port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (an int in 1..65535), got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {value}")
-    return value
+def _bounded(cast, low, high, expected: str, bounds: str):
+    """An argparse ``type=``: ``cast(text)`` within ``[low, high]``, else an error saying what to give."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text!r}")
+        return value
+
+    return parse
 
 
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0.001 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"must be between 0.001 and 86400 seconds, got {text!r}")
-    return value
+port = _bounded(int, 1, 65535, "a TCP port (an int in 1..65535)", "a TCP port in 1..65535")
+positive_seconds = _bounded(float, 0.001, 86400, "a number of seconds", "between 0.001 and 86400 seconds")
 
 
 def host_list(text: str) -> tuple[str, ...]:
