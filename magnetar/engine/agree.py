@@ -153,7 +153,7 @@ def request_fields(config: EngineConfig, *, entry: str, contexts: Sequence[torch
         Field("max_new_tokens", "max_new_tokens", encode(max_new_tokens)),
         Field("stop", "stop strings", encode(stop)),
         Field("return_logits", "return_logits", encode(return_logits)),
-        Field("sampling", "sampling parameters (temperature, top_p, top_k, seed)", encode(sampling)),
+        Field("sampling", "sampling parameters (temperature, top_p, top_k, seed, grammar)", encode(sampling)),
         Field("n_variants", "number of variants", encode(n_variants)),
         Field("variants", "variant configs", encode(variants)),
     ]

@@ -20,6 +20,7 @@ import torch
 from magnetar.config import EngineConfig, FieldError
 from magnetar.engine import inputs
 from magnetar.engine.agree import check_request
+from magnetar.engine.grammar import check_grammar
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.strategy import DecodePolicy, plan_for_length
 from magnetar.engine.template import Prompt, encode_text, split_prompt
@@ -108,7 +109,7 @@ class CheckedRequest:
 
 def sampling_key(params: SamplingParams) -> tuple:
     """The sampling fields the ranks must agree on (max_new_tokens and stop are fields of their own)."""
-    return params.temperature, params.top_p, params.top_k, params.seed
+    return params.temperature, params.top_p, params.top_k, params.seed, params.grammar
 
 
 class Requests:
@@ -213,6 +214,8 @@ class Requests:
         if params.logprobs is not None and vocab is not None and params.logprobs > vocab:
             raise FieldError(f"logprobs must be at most the model's vocabulary size ({vocab} tokens: there are no "
                              f"more alternatives), got {params.logprobs}", "logprobs")
+        if params.grammar is not None:  # compiles for this tokenizer, or a FieldError naming where it does not
+            check_grammar(params.grammar, self.tokenizer, int(vocab))
         return params
 
     # -- the one check of a generation request --------------------------------------------------------------

@@ -28,6 +28,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, Stopping
 from transformers.generation.streamers import TextStreamer
 
 from magnetar.config import DecodeConfig, FieldError, describe
+from magnetar.engine.grammar import TokenMask
 from magnetar.engine.inputs import check_max_new_tokens, check_stop, is_int
 
 # The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
@@ -55,6 +56,8 @@ class SamplingParams:
       and that many most likely alternatives (``DecodeResult.logprobs``).
     * ``prompt_logprobs``: also the query tokens' log-probabilities (each given the context and the query
       before it; with ``logprobs`` alternatives), from the query's own forward (``DecodeResult.prompt_logprobs``).
+    * ``grammar``: None, or an llguidance grammar the answer must follow (structured outputs: a JSON schema's,
+      a regex's, a Lark grammar; :mod:`magnetar.engine.grammar`); the answer ends when it is complete.
 
     Every bad value is a ``ValueError`` naming the field and what to pass; nothing is coerced (a bool is not an
     int, 2.5 is not 2, NaN and inf are refused). numpy-style scalars become plain ``int`` / ``float``.
@@ -68,6 +71,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: Optional[int] = None
     prompt_logprobs: bool = False
+    grammar: Optional[str] = None
 
     def __post_init__(self):
         check_max_new_tokens(self.max_new_tokens)
@@ -88,6 +92,9 @@ class SamplingParams:
                      f"must be None or an int in 0..{MAX_TOP_LOGPROBS}, got {describe(self.logprobs)}")
         _require(isinstance(self.prompt_logprobs, bool), "prompt_logprobs",
                  f"must be True or False, got {describe(self.prompt_logprobs)}")
+        _require(self.grammar is None or isinstance(self.grammar, str), "grammar",
+                 f"must be None or an llguidance grammar string (magnetar.engine.grammar), got "
+                 f"{describe(self.grammar)}")
         stop = () if self.stop is None else tuple(self.stop)
         # plain Python numbers: transformers' warpers check isinstance(top_k, int) / isinstance(temperature, float)
         for name, value in (("max_new_tokens", int(self.max_new_tokens)), ("temperature", float(self.temperature)),
@@ -224,6 +231,8 @@ class RequestSampler:
         self.warpers = LogitsProcessorList(warpers)
         self._eos = EosTokenCriteria(list(self.eos_ids)) if self.eos_ids else None
         self._stop = StopStrings(tokenizer, params.stop) if params.stop else None
+        # the grammar's state, on every rank (the stop decision depends on it); it masks logits where one chooses
+        self._mask = TokenMask(params.grammar, tokenizer, self.vocab_size) if params.grammar is not None else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -233,7 +242,8 @@ class RequestSampler:
     @property
     def stop_reason(self) -> Optional[str]:
         """``"eos"`` (the last token is an EOS id), ``"stop_string"`` (a stop string appeared in the generated
-        text; checked after every token), ``"max_new_tokens"`` (that many were generated), in that precedence
+        text; checked after every token), ``"grammar"`` (the request's grammar is complete), ``"max_new_tokens"``
+        (that many were generated), in that precedence
         when several hold at once; None while the request goes on."""
         return self._stop_reason
 
@@ -252,6 +262,9 @@ class RequestSampler:
         to catch). Sampling: ``torch.multinomial`` of the softmax of :meth:`process`'s scores, in float32 on the
         CPU, with this request's generator; logits with NaN or +inf, or no finite entry, are a ValueError."""
         self._check_open()
+        if self._mask is not None:  # the tokens the grammar does not allow next: -inf
+            self._check_logits(logits)
+            logits = self._mask.apply(logits)
         if self.params.greedy:
             self._check_logits(logits)
             token = int(torch.argmax(logits))
@@ -281,12 +294,16 @@ class RequestSampler:
         return cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=True), self.params.stop)
 
     def _add(self, token: int) -> None:
+        if self._mask is not None:
+            self._mask.consume(token)
         self._ids.append(token)
         ids = torch.tensor([self._ids], dtype=torch.long)
         if self._eos is not None and bool(self._eos(ids, None)[0]):
             self._stop_reason = "eos"
         elif self._stop is not None and bool(self._stop(ids, None)[0]):
             self._stop_reason = "stop_string"
+        elif self._mask is not None and self._mask.done:
+            self._stop_reason = "grammar"
         elif len(self._ids) >= self.params.max_new_tokens:
             self._stop_reason = "max_new_tokens"
 

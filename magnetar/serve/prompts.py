@@ -56,6 +56,7 @@ from magnetar.engine.requests import CheckedRequest
 from magnetar.engine.sampling import MAX_TOP_LOGPROBS
 from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.contexts import ContextRegistry
+from magnetar.serve.structured import grammar_of
 from magnetar.serve.split import PASTE_TOKENS, QUERY_CUT_TOKENS, raw_document, split_completion, split_pasted
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
@@ -391,11 +392,14 @@ class Preparer:
         for it (``max_tokens``, ``top_logprobs``, ...), an option's at ``magnetar.<name>``."""
         pinned = self.contexts.get(cid) if cid is not None else None
         query = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        fields = req.sampling_fields(prompt_logprobs=prompt_logprobs)
+        grammar = grammar_of(getattr(req, "response_format", None))  # structured outputs: the engine's grammar
+        if grammar is not None:
+            fields["grammar"] = grammar
         try:
             checked = self.engine.check(pinned.context_ids if pinned is not None else context_ids, query_ids,
                                         options=options or None, key=pinned.key if pinned is not None else None,
-                                        default_max_new_tokens=self.default_max_tokens,
-                                        **req.sampling_fields(prompt_logprobs=prompt_logprobs))
+                                        default_max_new_tokens=self.default_max_tokens, **fields)
         except FieldError as e:
             raise refusal(e, req, context=where, query=query) from None
         return Prepared(checked, cid, split, echo, echo_context)

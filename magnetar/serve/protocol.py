@@ -98,7 +98,7 @@ class _Generation(_Strict):
     # the engine's SamplingParams field -> this request's field (a FieldError of the engine names the former)
     SAMPLING_PARAMS: ClassVar[dict[str, str]] = {
         "max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-        "seed": "seed", "stop": "stop", "logprobs": "logprobs"}
+        "seed": "seed", "stop": "stop", "logprobs": "logprobs", "grammar": "response_format"}
 
     def sampling_fields(self, *, prompt_logprobs: bool = False) -> dict[str, Any]:
         """The request as the engine's :class:`~magnetar.engine.sampling.SamplingParams` fields (vLLM's
@@ -183,10 +183,6 @@ def refuse_unsupported(req: BaseModel) -> None:
         value = getattr(req, name, None)
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise RequestError(f"{name}={show(value)} is not supported by Magnetar ({why}); leave it out", name)
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format other than {'type': 'text'} is not supported by Magnetar; leave it out",
-                           "response_format")
 
 
 def _param(loc: tuple) -> Optional[str]:
@@ -341,4 +337,4 @@ def now() -> int:
 
 
 # finish reasons: the engine's stop reasons -> OpenAI's
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "grammar": "stop", "max_new_tokens": "length"}

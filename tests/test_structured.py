@@ -1,0 +1,95 @@
+"""Structured outputs (issue 50, item 1, first step): a request's llguidance grammar masks its tokens on the rank that
+chooses, on every decode path; over HTTP, ``response_format`` json_schema (what ``chat.completions.parse`` sends) and
+json_object. With a random tiny model every constrained answer still follows its grammar."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import pytest
+import torch
+
+llguidance = pytest.importorskip("llguidance", reason="the serve extra: pip install 'magnetar[serve]'")
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pydantic = pytest.importorskip("pydantic")
+
+import magnetar  # noqa: E402
+from magnetar.serve.server import Server  # noqa: E402
+from tests.dist_utils import free_port, serve_in_thread  # noqa: E402
+from tests.tiny_models import save_tiny_chat  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-structured"), 1024)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("decode_step", ["eager", "static"])
+def test_a_grammar_constrains_every_answer(model_dir, sampled, decode_step):
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, decode_step=decode_step)
+    grammar = llguidance.LLMatcher.grammar_from_regex("(yes|no) [0-9]{2}")
+    ctx, q = torch.arange(10, 60), torch.tensor([5, 6, 7])
+    kw = dict(temperature=0.9, seed=3) if sampled else {}
+    free = engine.generate(ctx, q, max_new_tokens=12, **kw)
+    got = engine.generate(ctx, q, max_new_tokens=12, grammar=grammar, **kw)
+    assert re.fullmatch(r"(yes|no) [0-9]{2}", got.text), (got.text, free.text)
+    assert got.stop_reason == "grammar" and free.text != got.text
+
+
+def test_a_grammar_that_cannot_end_in_time_stops_at_the_limit(engine):
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{40}")
+    got = engine.generate(torch.arange(10, 60), torch.tensor([5, 6]), max_new_tokens=5, grammar=grammar)
+    assert got.stop_reason == "max_new_tokens" and re.fullmatch("[a-z]{5}", got.text)
+
+
+def test_a_bad_grammar_is_refused_by_name(engine):
+    bad = llguidance.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object", "properties":
+                                                                    {"a": {"type": "nosuch"}}}))
+    with pytest.raises(ValueError, match="grammar.*nosuch") as e:
+        engine.check(torch.arange(10, 20), torch.tensor([1]), grammar=bad)
+    assert e.value.field == "grammar"
+
+
+class Answer(pydantic.BaseModel):
+    ok: bool
+    color: Literal["red", "green", "blue"]
+
+
+def test_response_format_over_http(engine):
+    with serve_in_thread(Server(engine, model_name="tiny", port=free_port(), max_tokens=64)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Is the sky blue? Answer as JSON."}]
+        for seed in range(3):  # the random model's every answer parses and validates
+            done = client.chat.completions.parse(model="tiny", messages=messages, response_format=Answer, seed=seed,
+                                                 temperature=1.0)
+            choice = done.choices[0]
+            assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Answer), choice
+            assert json.loads(choice.message.content) == choice.message.parsed.model_dump()
+        with pytest.raises(openai.BadRequestError) as e:  # a schema llguidance rejects: 400 naming the field
+            client.chat.completions.create(model="tiny", messages=messages, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}})
+        assert e.value.body["param"] == "response_format" and "nosuch" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "yaml"})
+        assert e.value.body["param"] == "response_format"
+        deep: dict = {"type": "object"}
+        for _ in range(40):
+            deep = {"type": "object", "properties": {"a": deep}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": deep}})
+        assert e.value.body["param"] == "response_format.json_schema.schema"
+        strict = dict(Answer.model_json_schema(), additionalProperties=False)  # as parse() sends it
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, stream=True, max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": strict}}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        Answer.model_validate_json(text)
