@@ -93,3 +93,23 @@ def test_response_format_over_http(engine):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "stop"
         Answer.model_validate_json(text)
+
+
+def _two_ranks(rank, world, model_dir):
+    """Star over two real ranks: every rank follows the grammar (its stop decision must match), the first chooses;
+    the answer equals the simulated ranks' (the mask does not care where the KV lives)."""
+    flat = dict(method="star", cp_size=2, block_size=32, timeout_s=60)
+    grammar = llguidance.LLMatcher.grammar_from_regex("(red|green|blue)!")
+    ctx, q = torch.arange(10, 74), torch.tensor([5, 6, 7])
+    real = magnetar.init_inference(str(model_dir), **flat).generate(ctx, q, max_new_tokens=10, grammar=grammar,
+                                                                   temperature=0.8, seed=4)
+    sim = magnetar.init_inference(str(model_dir), simulate=True, groups=magnetar.parallel.local_groups(),
+                                  **flat).generate(ctx, q, max_new_tokens=10, grammar=grammar, temperature=0.8, seed=4)
+    assert re.fullmatch("(red|green|blue)!", real.text) and real.stop_reason == "grammar", (rank, real.text)
+    assert real.token_ids == sim.token_ids, (rank, real.text, sim.text)
+
+
+def test_a_grammar_on_two_ranks(model_dir):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_two_ranks, 2, str(model_dir))
