@@ -113,3 +113,29 @@ def test_a_grammar_on_two_ranks(model_dir):
     from tests.dist_utils import run_distributed
 
     run_distributed(_two_ranks, 2, str(model_dir))
+
+
+def test_the_magnetar_extras_regex_choice_grammar(engine):
+    """vLLM's extras in the magnetar object, on chat and on text completions: the answer follows them, and a bad
+    one is a 400 naming magnetar.<extra>."""
+    with serve_in_thread(Server(engine, model_name="tiny", port=free_port(), max_tokens=24)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Pick a color."}]
+        for extra, check in (({"choice": ["red", "green", "blue sky"]}, lambda t: t in ("red", "green", "blue sky")),
+                             ({"regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+                             ({"grammar": 'start: "ab" N\nN: /[0-9]/'}, lambda t: re.fullmatch("ab[0-9]", t))):
+            chat = client.chat.completions.create(model="tiny", messages=messages, temperature=1.0, seed=1,
+                                                  extra_body={"magnetar": extra})
+            text = client.completions.create(model="tiny", prompt="Colors:\n\nPick one:", temperature=1.0, seed=2,
+                                              extra_body={"magnetar": extra}).choices[0].text
+            assert check(chat.choices[0].message.content) and chat.choices[0].finish_reason == "stop", (extra, chat)
+            assert check(text), (extra, text)
+        for extra, param in (({"regex": "(unclosed"}, "magnetar.regex"), ({"choice": []}, "magnetar.choice"),
+                             ({"regex": "a", "choice": ["b"]}, "magnetar.choice")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="tiny", messages=messages, extra_body={"magnetar": extra})
+            assert e.value.body["param"] == param, (extra, e.value.body)
+        with pytest.raises(openai.BadRequestError) as e:  # one structured output per request
+            client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"},
+                                           extra_body={"magnetar": {"regex": "a"}})
+        assert e.value.body["param"] == "response_format"

@@ -56,12 +56,12 @@ from magnetar.engine.requests import CheckedRequest
 from magnetar.engine.sampling import MAX_TOP_LOGPROBS
 from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.contexts import ContextRegistry
-from magnetar.serve.structured import grammar_of
+from magnetar.serve.structured import EXTRAS, structured
 from magnetar.serve.split import PASTE_TOKENS, QUERY_CUT_TOKENS, raw_document, split_completion, split_pasted
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
                                      refuse_unsupported, show)
 
-OPTIONS = ("context", "context_id", "split_document")
+OPTIONS = ("context", "context_id", "split_document") + EXTRAS
 MAX_PROMPTS = 64  # a completion's prompt list, at most
 MAX_CHOICES = 64  # prompts x n, at most
 
@@ -393,7 +393,8 @@ class Preparer:
         pinned = self.contexts.get(cid) if cid is not None else None
         query = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         fields = req.sampling_fields(prompt_logprobs=prompt_logprobs)
-        grammar = grammar_of(getattr(req, "response_format", None))  # structured outputs: the engine's grammar
+        # structured outputs: response_format or the magnetar object's regex / choice / grammar, the engine's grammar
+        grammar, grammar_param = structured(getattr(req, "response_format", None), req.magnetar)
         if grammar is not None:
             fields["grammar"] = grammar
         try:
@@ -401,6 +402,8 @@ class Preparer:
                                         options=options or None, key=pinned.key if pinned is not None else None,
                                         default_max_new_tokens=self.default_max_tokens, **fields)
         except FieldError as e:
+            if e.field == "grammar":  # the grammar llguidance could not compile: the field the client set it in
+                raise RequestError(f"{grammar_param}: {e}", grammar_param) from None
             raise refusal(e, req, context=where, query=query) from None
         return Prepared(checked, cid, split, echo, echo_context)
 
