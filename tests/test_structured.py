@@ -139,3 +139,28 @@ def test_the_magnetar_extras_regex_choice_grammar(engine):
             client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"},
                                            extra_body={"magnetar": {"regex": "a"}})
         assert e.value.body["param"] == "response_format"
+
+
+def test_tokenize_and_detokenize(engine):
+    """vLLM's /tokenize and /detokenize: a prompt's ids (as the tokenizer gives them), a conversation's through the
+    chat template, ids back to text; bad input named; the API key guards them as it guards /v1."""
+    import httpx
+
+    tok = engine.tokenizer
+    with serve_in_thread(Server(engine, model_name="tiny", port=free_port(), api_key="sk-t")) as server:
+        headers = {"Authorization": "Bearer sk-t"}
+        r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": "hello <|user|> world"},
+                       headers=headers)
+        want = tok("hello <|user|> world", split_special_tokens=True)["input_ids"]
+        assert r.status_code == 200 and r.json()["tokens"] == want and r.json()["count"] == len(want), r.text
+        msgs = [{"role": "user", "content": "hi"}]
+        r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": msgs}, headers=headers)
+        want_chat = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)
+        assert r.json()["tokens"] == list(want_chat["input_ids"])
+        r = httpx.post(server.url + "/detokenize", json={"model": "tiny", "tokens": want}, headers=headers)
+        assert r.status_code == 200 and r.json()["prompt"] == tok.decode(want)
+        r = httpx.post(server.url + "/detokenize", json={"model": "tiny", "tokens": [1, 10**6]}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = httpx.post(server.url + "/tokenize", json={"model": "tiny"}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": "x"}).status_code == 401

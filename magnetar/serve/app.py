@@ -28,7 +28,8 @@ from magnetar.serve.scheduler import Job
 from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
-                                     CompletionRequest, ContextObject, ContextRequest, Delta, ModelCard, ModelList,
+                                     CompletionRequest, ContextObject, ContextRequest, Delta, DetokenizeRequest,
+                                     ModelCard, ModelList, TokenizeRequest,
                                      PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
                                      show)
 from magnetar.version import __version__
@@ -347,6 +348,7 @@ def build_app(server) -> FastAPI:
     _info_routes(app, server)
     _generation_routes(app, server)
     _context_routes(app, server)
+    _token_routes(app, server)
     app.openapi = lambda: _openapi(app)
     return app
 
@@ -493,6 +495,19 @@ def _context_routes(app: FastAPI, server) -> None:
     def context_object(p: PinnedContext, deleted: bool = False) -> ContextObject:
         return ContextObject(id=p.id, created=p.created, model=server.model_name, format=p.format, tokens=p.tokens,
                              deleted=deleted)
+
+
+def _token_routes(app: FastAPI, server) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (the server's tokenizer, on the preparing threads)."""
+    preparer = server.preparer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await preparer.run(preparer.tokenize, parse_body(TokenizeRequest, await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await preparer.run(preparer.detokenize, parse_body(DetokenizeRequest, await request.body()))
 
 
 def _openapi(app: FastAPI) -> dict:

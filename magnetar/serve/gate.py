@@ -6,7 +6,8 @@ error body when
 1. its ``Host`` header names another host than the server's (DNS rebinding: a web page whose name resolves to
    127.0.0.1 must not read the answers) -- checked when the server is bound to a loopback address, or always
    with ``--allowed-hosts``: **400** ``invalid_host``;
-2. an API key is set (``--api-key`` or ``MAGNETAR_API_KEY``) and the request to ``/v1/...`` (or ``/metrics``,
+2. an API key is set (``--api-key`` or ``MAGNETAR_API_KEY``) and the request to ``/v1/...``, ``/tokenize``,
+   ``/detokenize`` (or ``/metrics``,
    unless ``--public-metrics``) does not carry ``Authorization: Bearer KEY``: **401** ``invalid_api_key``
    (``/health`` and the OpenAPI schema stay open, as in vLLM and SGLang);
 3. a POST body is not ``application/json`` (a form, ``text/plain`` or no content type: the "simple" requests a
@@ -73,6 +74,9 @@ def host_of(header: str) -> str:
     if value.startswith("["):
         return value[1:value.find("]")] if "]" in value else value
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+KEYED_PATHS = ("/tokenize", "/detokenize")  # outside /v1, but the model's tokenizer: the key guards them too
 
 
 def check_api_key(key: Optional[str], name: str = "api_key") -> Optional[str]:
@@ -201,7 +205,7 @@ class Gate:
                 raise Refused(400, f"Host {headers.get('host', '')[:100]!r} is not a name of this server (allowed: "
                                    f"{', '.join(sorted(self.allowed_hosts))}); start it with --allowed-hosts NAME to "
                                    f"accept another", "invalid_host")
-        if self.api_key is not None and (path.startswith("/v1/") or path == "/v1" or
+        if self.api_key is not None and (path.startswith("/v1/") or path == "/v1" or path in KEYED_PATHS or
                                          (path == "/metrics" and not self.public_metrics)):
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")

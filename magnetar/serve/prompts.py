@@ -58,8 +58,8 @@ from magnetar.engine.template import check_fits, split_messages, split_plain
 from magnetar.serve.contexts import ContextRegistry
 from magnetar.serve.structured import EXTRAS, structured
 from magnetar.serve.split import PASTE_TOKENS, QUERY_CUT_TOKENS, raw_document, split_completion, split_pasted
-from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, RequestError,
-                                     refuse_unsupported, show)
+from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, DetokenizeRequest,
+                                     RequestError, TokenizeRequest, refuse_unsupported, show)
 
 OPTIONS = ("context", "context_id", "split_document") + EXTRAS
 MAX_PROMPTS = 64  # a completion's prompt list, at most
@@ -293,6 +293,40 @@ class Preparer:
             return self.engine.check(ids.context_ids, ids.context_ids[-1:], max_new_tokens=1)
         except FieldError as e:
             raise RequestError(f"context: {e}", "context") from None
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """``POST /tokenize``: the token ids of ``prompt`` or of ``messages`` (the chat template), vLLM's reply
+        (``count``, ``max_model_len``, ``tokens``). A text too long for the model is refused from a bounded prefix."""
+        self._model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give prompt or messages (one of them)", "prompt")
+        if req.prompt is not None:
+            try:
+                check_fits(self.tokenizer, [req.prompt], self.limit, "prompt")
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens,
+                                 split_special_tokens=True)["input_ids"]
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                check_fits(self.tokenizer, [m["content"] for m in messages], self.limit, "messages")
+                ids = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                         add_generation_prompt=req.add_generation_prompt)["input_ids"]
+            except ValueError as e:
+                raise RequestError(str(e), "messages") from None
+            except Exception as e:  # the model's template refused these messages (its own raise_exception)
+                raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
+        return {"count": len(ids), "max_model_len": self.limit, "tokens": list(ids)}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """``POST /detokenize``: the text of ``tokens`` (ids in the model's vocabulary)."""
+        self._model(req.model)
+        try:
+            inputs.check_token_ids(req.tokens, "tokens", self.engine.vocab_size, min_tokens=0)
+        except ValueError as e:
+            raise RequestError(str(e), "tokens") from None
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     # -- checks ------------------------------------------------------------------------------------------------
     def _model(self, name: str) -> None:

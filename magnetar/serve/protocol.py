@@ -165,6 +165,24 @@ class ContextRequest(_Strict):
     format: Literal["chat", "raw"] = "chat"
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): ``prompt`` as text (special-token strings are text; BOS as the tokenizer adds it
+    with ``add_special_tokens``), or ``messages`` rendered with the chat template (``add_generation_prompt``)."""
+
+    model: str
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): ``tokens`` (ids of the model's vocabulary) back to text."""
+
+    model: str
+    tokens: list[int]
+
+
 # The unsupported OpenAI fields and the values they may hold: (field, allowed values, why)
 _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("best_of", (None, 1), "no server-side best-of; ask for n choices and pick one"),
