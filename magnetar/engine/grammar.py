@@ -15,6 +15,7 @@ pulls triton into a CPU install.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -24,6 +25,8 @@ from magnetar.config import FieldError
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text at most (a JSON schema of 1 MiB is far past any real one)
 
 _TOKENIZERS: dict = {}  # (id(tokenizer), vocab_size) -> (tokenizer, LLTokenizer): built once per engine's tokenizer
+_VALID: OrderedDict = OrderedDict()  # (grammar, LLTokenizer id) of grammars that compiled, most recent last
+MAX_VALID = 256  # grammars remembered as valid (a server's schemas repeat: one compile check each, not per request)
 _LOCK = threading.Lock()
 
 
@@ -60,9 +63,19 @@ def check_grammar(grammar: str, tokenizer, vocab_size: int) -> None:
                          "grammar")
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise FieldError(f"grammar is {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}", "grammar")
-    error = _llguidance().LLMatcher.validate_grammar(grammar, grammar_tokenizer(tokenizer, vocab_size))
+    lltok = grammar_tokenizer(tokenizer, vocab_size)
+    key = (grammar, id(lltok))
+    with _LOCK:
+        if key in _VALID:
+            _VALID.move_to_end(key)
+            return
+    error = _llguidance().LLMatcher.validate_grammar(grammar, lltok)
     if error:
         raise FieldError(f"grammar: {error}", "grammar")
+    with _LOCK:
+        _VALID[key] = None
+        while len(_VALID) > MAX_VALID:
+            _VALID.popitem(last=False)
 
 
 class TokenMask:
@@ -75,7 +88,6 @@ class TokenMask:
         lltok = grammar_tokenizer(tokenizer, vocab_size)
         self.matcher = llg.LLMatcher(lltok, grammar)
         self.bitmask = llg.torch.allocate_token_bitmask(1, lltok.vocab_size)
-        self.vocab_size = vocab_size
 
     @property
     def done(self) -> bool:

@@ -57,8 +57,10 @@ def origin_list(text: str) -> tuple[str, ...]:
 
 def _opt(default, help: str, *, type=None, flag: bool = True, group: Optional[str] = None, **argparse_kw) -> Any:
     """A field with its flag: ``type`` (an argparse ``type=``; None with a bool default: ``store_true``),
-    ``flag=False``: no flag of its own (the command line sets it otherwise)."""
+    ``flag=False``: no flag of its own (the command line sets it otherwise); ``default`` MISSING: required."""
     meta = dict(help=help, type=type, flag=flag, group=group, argparse=argparse_kw)
+    if default is MISSING:
+        return field(metadata=meta)
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -70,8 +72,7 @@ class ServeConfig:
     (``--served-model-name``, default from ``--model``); ``sock``-binding, the model and the threads are the command
     line's (:mod:`magnetar.serve.cli`)."""
 
-    model_name: str = field(metadata=dict(help="the model name clients send", type=None, flag=False, group=None,
-                                          argparse={}))
+    model_name: str = _opt(MISSING, "the model name clients send", flag=False)
     host: str = _opt("127.0.0.1", "address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
     port: int = _opt(8000, "port of the first replica; replica d listens on port + d", type=port)
     max_batch_size: int = _opt(16, "requests decoding together", type=int_at_least(1))

@@ -147,7 +147,7 @@ class Preparer:
     # -- the three request kinds ------------------------------------------------------------------------------
     def chat(self, req: ChatCompletionRequest) -> list[Prepared]:
         """The request, ``n`` times (its choices)."""
-        self._common(req)
+        output = self._common(req)
         if not req.messages:
             raise RequestError("messages is empty: send at least one message, the question as the last user "
                                "message", "messages")
@@ -184,13 +184,14 @@ class Preparer:
             raise RequestError(f"top_logprobs={show(req.top_logprobs)}: give 0..{MAX_TOP_LOGPROBS} alternatives",
                                "top_logprobs")
         where = "magnetar.context" if split == "context" else "messages"
-        prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, where, options, split=split)
+        prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, where, options, split=split,
+                                output=output)
         return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
 
     def completion(self, req: CompletionRequest) -> list[Prepared]:
         """One request per prompt of ``req.prompt`` (a string, a list of strings, token ids or a list of them),
         each ``n`` times, in the order of OpenAI's choices (prompt by prompt, ``n`` choices each)."""
-        self._common(req)
+        output = self._common(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"logprobs={show(req.logprobs)}: give 0..{MAX_TOP_LOGPROBS} alternatives per token",
                                "logprobs")
@@ -207,12 +208,13 @@ class Preparer:
         one = isinstance(req.prompt, str) or isinstance(req.prompt[0], int)
         out = []
         for i, prompt in enumerate(prompts):
-            prepared = self._completion_one(req, prompt, "prompt" if one else f"prompt[{i}]", context, cid, options)
+            prepared = self._completion_one(req, prompt, "prompt" if one else f"prompt[{i}]", context, cid, options,
+                                            output)
             out += [_reseeded(prepared, j) for j in range(n)]
         return out
 
     def _completion_one(self, req: CompletionRequest, prompt, param: str, context: Optional[str],
-                        cid: Optional[str], options: dict) -> Prepared:
+                        cid: Optional[str], options: dict, output: tuple) -> Prepared:
         """One prompt (a string or token ids) as a request: cut into context and query by the rule of the module
         docstring. ``echo`` with ``logprobs`` and no document scores the prompt: Phase 1 encodes only its first
         tokens (one per CP rank, or a block) and the rest runs as the query, so every token after the first query
@@ -224,7 +226,8 @@ class Preparer:
         ids = None if text else self._prompt_ids(prompt, param)
         scoring = bool(req.echo) and req.logprobs is not None
         echo = (prompt if text else self.tokenizer.decode(prompt)) if req.echo else ""
-        finish = functools.partial(self._finish, req, options=options, echo=echo, prompt_logprobs=scoring)
+        finish = functools.partial(self._finish, req, options=options, echo=echo, prompt_logprobs=scoring,
+                                   output=output)
         where, split = "magnetar.context", "context" if cid is None else "context_id"
         if context is None and cid is None:
             cut = split_completion(prompt) if text and not scoring else None
@@ -334,8 +337,10 @@ class Preparer:
             raise RequestError(f"model {show(name)} is not served here; this server serves {self.model_name!r} "
                                f"(GET /v1/models)", "model")
 
-    def _common(self, req) -> None:
-        """The checks that need no tokenizing (before any)."""
+    def _common(self, req) -> tuple[Optional[str], Optional[str]]:
+        """The checks that need no tokenizing (before any), and the request's structured output --
+        ``(llguidance grammar, the field that set it)``, ``(None, None)`` for free text -- made once for all its
+        prompts (:func:`~magnetar.serve.structured.structured`)."""
         self._model(req.model)
         refuse_unsupported(req)
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
@@ -348,6 +353,7 @@ class Preparer:
         except ValueError as e:
             hint = " (this server's --max-stop-strings; OpenAI's limit is 4)" if str(e).startswith("stop holds") else ""
             raise RequestError(f"{e}{hint}", "stop") from None
+        return structured(getattr(req, "response_format", None), req.magnetar)
 
     def _options(self, options: Optional[dict[str, Any]], fmt: str) -> tuple[Optional[str], Optional[str],
                                                                               dict[str, Any]]:
@@ -420,15 +426,16 @@ class Preparer:
 
     def _finish(self, req, context_ids: Optional[torch.Tensor], cid: Optional[str], query_ids: torch.Tensor,
                 where: str, options: Optional[dict] = None, *, split: str = "context", echo: str = "",
-                prompt_logprobs: bool = False, echo_context: int = 0) -> Prepared:
+                prompt_logprobs: bool = False, echo_context: int = 0,
+                output: tuple = (None, None)) -> Prepared:
         """The engine's one check of the request (``Engine.check``), its errors as this request's fields: the
         context's at ``where``, the query's at ``messages`` / ``prompt``, a sampling field's at the request's name
-        for it (``max_tokens``, ``top_logprobs``, ...), an option's at ``magnetar.<name>``."""
+        for it (``max_tokens``, ``top_logprobs``, ...), an option's at ``magnetar.<name>``. ``output``: the
+        request's structured output (:meth:`_common`), whose grammar the engine checks against the tokenizer."""
         pinned = self.contexts.get(cid) if cid is not None else None
         query = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         fields = req.sampling_fields(prompt_logprobs=prompt_logprobs)
-        # structured outputs: response_format or the magnetar object's regex / choice / grammar, the engine's grammar
-        grammar, grammar_param = structured(getattr(req, "response_format", None), req.magnetar)
+        grammar, grammar_param = output  # response_format or the magnetar object's regex / choice / grammar
         if grammar is not None:
             fields["grammar"] = grammar
         try:

@@ -98,7 +98,7 @@ class _Generation(_Strict):
     # the engine's SamplingParams field -> this request's field (a FieldError of the engine names the former)
     SAMPLING_PARAMS: ClassVar[dict[str, str]] = {
         "max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-        "seed": "seed", "stop": "stop", "logprobs": "logprobs", "grammar": "response_format"}
+        "seed": "seed", "stop": "stop", "logprobs": "logprobs"}
 
     def sampling_fields(self, *, prompt_logprobs: bool = False) -> dict[str, Any]:
         """The request as the engine's :class:`~magnetar.engine.sampling.SamplingParams` fields (vLLM's
