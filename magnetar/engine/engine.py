@@ -124,6 +124,11 @@ class Engine:
         top_p, top_k or seed given as None keep the default). A bad value is a ValueError naming the field."""
         return self.requests.sampling_params(params, **fields)
 
+    def check_grammar(self, grammar: str) -> None:
+        """A FieldError naming ``grammar`` when llguidance cannot compile it (a structured output's grammar,
+        :mod:`magnetar.engine.grammar`) for this model's tokenizer; a grammar that compiled is remembered."""
+        self.requests.check_grammar(grammar)
+
     def sampler(self, params: SamplingParams) -> RequestSampler:
         """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request of this engine."""
         return self.requests.sampler(params)

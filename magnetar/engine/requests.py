@@ -215,7 +215,7 @@ class Requests:
             raise FieldError(f"logprobs must be at most the model's vocabulary size ({vocab} tokens: there are no "
                              f"more alternatives), got {params.logprobs}", "logprobs")
         if params.grammar is not None:  # compiles for this tokenizer, or a FieldError naming where it does not
-            check_grammar(params.grammar, self.tokenizer, int(vocab))
+            self.check_grammar(params.grammar)
         return params
 
     # -- the one check of a generation request --------------------------------------------------------------
@@ -248,6 +248,10 @@ class Requests:
         """A fresh :class:`~magnetar.engine.sampling.RequestSampler` for one request."""
         return RequestSampler(params, vocab_size=int(self.model.config.vocab_size), eos_ids=self.eos_ids(),
                               tokenizer=self.tokenizer)
+
+    def check_grammar(self, grammar: str) -> None:
+        """A FieldError naming ``grammar`` when llguidance cannot compile it for this model's tokenizer."""
+        check_grammar(grammar, self.tokenizer, int(self.vocab_size), tuple(self.eos_ids()))
 
     def eos_ids(self) -> list[int]:
         ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)

@@ -232,7 +232,8 @@ class RequestSampler:
         self._eos = EosTokenCriteria(list(self.eos_ids)) if self.eos_ids else None
         self._stop = StopStrings(tokenizer, params.stop) if params.stop else None
         # the grammar's state, on every rank (the stop decision depends on it); it masks logits where one chooses
-        self._mask = TokenMask(params.grammar, tokenizer, self.vocab_size) if params.grammar is not None else None
+        self._mask = TokenMask(params.grammar, tokenizer, self.vocab_size, self.eos_ids) \
+            if params.grammar is not None else None
 
     @property
     def token_ids(self) -> list[int]:

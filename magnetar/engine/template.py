@@ -185,10 +185,23 @@ def split_prompt(tokenizer, context: str, query: str, limit: Optional[int] = Non
     return split_plain(tokenizer, context, query)
 
 
-def _split_rendered(tokenizer, messages: list[dict], mark: str) -> Prompt:
-    """Render ``messages`` (user text already wrapped, ``mark`` once in the last one) with the chat template and
-    cut it at ``mark``."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def renders_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template renders tool definitions and calls itself (it reads ``tools``):
+    :func:`split_messages` then passes them to it; other templates get the server's fallback format
+    (:mod:`magnetar.serve.tools`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+
+
+def _split_rendered(tokenizer, messages: list[dict], mark: str, tools: Optional[list] = None) -> Prompt:
+    """Render ``messages`` (user text already wrapped, ``mark`` once in the question's message) with the chat
+    template (``tools``: the tool definitions it renders) and cut it at ``mark``."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's own raise_exception (a role order it refuses), or a missing field
+        if isinstance(e, FieldError):
+            raise
+        raise FieldError(f"the model's chat template cannot render these messages: {e}", "messages") from None
     if rendered.count(mark) != 1:  # the user text cannot hold it (_split_marker): the template dropped or copied it
         raise FieldError(f"the model's chat template {'dropped' if mark not in rendered else 'repeated'} the last "
                          f"user message, so its question cannot be cut from the conversation; send the "
@@ -197,13 +210,18 @@ def _split_rendered(tokenizer, messages: list[dict], mark: str) -> Prompt:
     return Prompt(_encode_rendered(tokenizer, head), _encode_rendered(tokenizer, tail))
 
 
-def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Optional[int] = None) -> Prompt:
+def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Optional[int] = None,
+                   tools: Optional[list] = None) -> Prompt:
     """A chat conversation into the two phases: the last message is the user's question (Phase 2, with the end
-    of its turn and the assistant header); everything before it is the context (Phase 1).
+    of its turn and the assistant header); everything before it is the context (Phase 1). When the conversation
+    ends with tool results (messages of role ``tool``, after an assistant message that called tools), those
+    results are Phase 2 and everything before them -- the calls included -- Phase 1, so the next turn of an
+    agent extends the cached context. ``tools``: the tool definitions, for a template that renders them
+    (:func:`renders_tools`); a message may then carry ``tool_calls`` / ``tool_call_id``, passed to the template.
 
     ``messages`` is a non-empty list of ``{"role": str, "content": str}``; the last one must have role ``user``
-    and a non-blank content. ``context`` (optional) is a document placed at the start of the last user turn,
-    before the question: ``split_messages(tok, [{"role": "user", "content": q}], context=doc)`` is exactly
+    and a non-blank content (or role ``tool``). ``context`` (optional) is a document placed at the start of the last
+    user turn, before the question: ``split_messages(tok, [{"role": "user", "content": q}], context=doc)`` is exactly
     ``split_prompt(tok, doc, q)``. Without ``context``, Phase 1 is the rendered conversation up to the question
     (system prompt, earlier turns, the last user header). Special-token strings in any message or in ``context``
     are text, as in :func:`split_prompt`.
@@ -226,10 +244,17 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
             raise FieldError(f"messages[{i}].content must be a str, got {describe(m.get('content'))}",
                              f"messages[{i}].content")
     last = messages[-1]
-    if last["role"] != "user":
-        raise FieldError(f"messages[{len(messages) - 1}].role must be 'user': the last message is the question, "
-                         f"got role {last['role']!r}", f"messages[{len(messages) - 1}].role")
-    if not last["content"].strip():
+    if last["role"] not in ("user", "tool"):
+        raise FieldError(f"messages[{len(messages) - 1}].role must be 'user' (the question) or 'tool' (tool "
+                         f"results): the last message is what the answer replies to, got role {last['role']!r}",
+                         f"messages[{len(messages) - 1}].role")
+    first = len(messages) - 1  # the question's message: the last, or the first of the trailing tool results
+    while last["role"] == "tool" and first > 0 and messages[first - 1]["role"] == "tool":
+        first -= 1
+    if last["role"] == "tool" and context is not None:
+        raise FieldError("a context opens the last user turn: with tool results last there is none; send the "
+                         "document in an earlier message", "context")
+    if last["role"] == "user" and not last["content"].strip():
         raise FieldError(f"messages[{len(messages) - 1}].content is empty: Phase 2 needs at least one query "
                          f"token; pass a question", f"messages[{len(messages) - 1}].content")
     if context is not None and not isinstance(context, str):
@@ -242,14 +267,15 @@ def split_messages(tokenizer, messages, context: Optional[str] = None, limit: Op
                    for i, m in enumerate(messages)]
         head = "" if context is None else _wrap_special(tokenizer, context, "context")
         mark = _split_marker([m["content"] for m in messages] + ([] if context is None else [context]))
-        wrapped[-1]["content"] = head + mark + wrapped[-1]["content"]
-        return _split_rendered(tokenizer, wrapped, mark)
-    parts = [m["content"] for m in messages[:-1]] + ([] if context is None else [context])
+        wrapped[first]["content"] = head + mark + wrapped[first]["content"]
+        return _split_rendered(tokenizer, wrapped, mark, tools)
+    parts = [m["content"] for m in messages[:first]] + ([] if context is None else [context])
     text = "\n\n".join(parts)
     if not text:
         raise FieldError("there is no context: the tokenizer has no chat template, so Phase 1 encodes the messages "
                          "before the question (or a given context); add the document before the question", "messages")
-    return split_plain(tokenizer, text, last["content"])  # check_fits ran above, over the same text
+    query = "\n\n".join(m["content"] for m in messages[first:])
+    return split_plain(tokenizer, text, query)  # check_fits ran above, over the same text
 
 
 def split_plain(tokenizer, context: str, query: str, limit: Optional[int] = None) -> Prompt:

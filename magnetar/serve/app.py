@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from magnetar.serve.gate import Refused
 from magnetar.serve.loop import Done, Encoded, Failed, Sink, Token
 from magnetar.serve.scheduler import Job
+from magnetar.serve.tools import ToolCallParser, parse_answer
 from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
@@ -222,8 +223,9 @@ class Responder:
         """The chunks of choice ``i``'s token ``item``."""
         return [self.chunk(i, item.text)] if item.text else []
 
-    def end(self, i: int, done: Done):
-        return self.chunk(i, "", done.finish_reason)
+    def end(self, i: int, done: Done) -> list:
+        """The chunks that end choice ``i``."""
+        return [self.chunk(i, "", done.finish_reason)]
 
     def usage_chunk(self, dones: list[Done]):
         raise NotImplementedError
@@ -233,31 +235,62 @@ class Responder:
 
 
 class ChatResponder(Responder):
+    """Chat completions; a request with tools has its answers read for calls (:class:`ToolCallParser`: the
+    content streams until a call begins, each call goes as one ``tool_calls`` delta when complete)."""
+
     id_prefix = "chatcmpl"
 
-    def whole(self, tokens, dones):
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage(dones),
-                              magnetar=self.info,
-                              choices=[ChatChoice(index=i, finish_reason=d.finish_reason,
-                                                  message=AssistantMessage(content="".join(t.text for t in ts)),
-                                                  logprobs=self.names.chat(ts) if self.logprobs else None)
-                                       for i, (ts, d) in enumerate(zip(tokens, dones))]).model_dump()
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.parsers = [ToolCallParser(p.tools) if p.tools is not None else None for p in self.prepared]
 
-    def chunk(self, i, text, finish=None, role=False, lp=None):
+    def whole(self, tokens, dones):
+        choices = []
+        for i, (p, ts, d) in enumerate(zip(self.prepared, tokens, dones)):
+            content, calls = "".join(t.text for t in ts), []
+            if p.tools is not None:
+                content, calls = parse_answer(p.tools, content)
+            choices.append(ChatChoice(index=i, finish_reason=p.tools.finish_reason(d.finish_reason, calls)
+                                      if p.tools is not None else d.finish_reason,
+                                      message=AssistantMessage(content=content, tool_calls=calls or None),
+                                      logprobs=self.names.chat(ts) if self.logprobs else None))
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self.usage(dones),
+                              magnetar=self.info, choices=choices).model_dump()
+
+    def chunk(self, i, text, finish=None, role=False, lp=None, calls=None):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[ChunkChoice(
-            index=i, delta=Delta(role="assistant" if role else None, content=text), finish_reason=finish,
-            logprobs=lp)])
+            index=i, delta=Delta(role="assistant" if role else None, content=text, tool_calls=calls),
+            finish_reason=finish, logprobs=lp)])
 
     def opening(self, i):
         return self.chunk(i, "", role=True)
 
     def tokens(self, i, item):
-        if self.logprobs:
-            return [self.chunk(i, item.text, lp=self.names.chat([item]))]
-        return super().tokens(i, item)
+        parser = self.parsers[i]
+        if parser is None:
+            if self.logprobs:
+                return [self.chunk(i, item.text, lp=self.names.chat([item]))]
+            return super().tokens(i, item)
+        text, calls = parser.feed(item.text)
+        lp = self.names.chat([item]) if self.logprobs else None
+        out = [self.chunk(i, text, lp=lp)] if text or lp else []
+        return out + self._calls(i, calls)
+
+    def _calls(self, i, calls: list[dict]) -> list:
+        """One chunk per completed call (OpenAI's delta: its index among the answer's calls, id, name, arguments)."""
+        parser, out = self.parsers[i], []
+        for call in calls:
+            index = parser.calls.index(call)
+            out.append(self.chunk(i, None, calls=[dict(call, index=index)]))
+        return out
 
     def end(self, i, done):
-        return self.chunk(i, None, done.finish_reason)
+        parser = self.parsers[i]
+        if parser is None:
+            return [self.chunk(i, None, done.finish_reason)]
+        text, calls = parser.finish()
+        out = ([self.chunk(i, text)] if text else []) + self._calls(i, calls)
+        return out + [self.chunk(i, None, self.prepared[i].tools.finish_reason(done.finish_reason, parser.calls))]
 
     def usage_chunk(self, dones):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
@@ -324,7 +357,8 @@ async def stream_events(exchange: Exchange, responder: Responder, include_usage:
                     yield _sse(c)
             elif isinstance(item, Done):
                 dones[i] = item
-                yield _sse(responder.end(i, item))
+                for c in responder.end(i, item):
+                    yield _sse(c)
                 if any(d is None for d in dones):
                     continue
                 if include_usage:

@@ -54,9 +54,10 @@ from magnetar.config import FLAT_FIELDS, REQUEST_OPTIONS, EngineConfig, FieldErr
 from magnetar.engine import inputs
 from magnetar.engine.requests import CheckedRequest
 from magnetar.engine.sampling import MAX_TOP_LOGPROBS
-from magnetar.engine.template import check_fits, split_messages, split_plain
+from magnetar.engine.template import check_fits, renders_tools, split_messages, split_plain
 from magnetar.serve.contexts import ContextRegistry
 from magnetar.serve.structured import EXTRAS, structured
+from magnetar.serve.tools import ToolUse, check_tools, tool_grammar, tool_messages
 from magnetar.serve.split import PASTE_TOKENS, QUERY_CUT_TOKENS, raw_document, split_completion, split_pasted
 from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, ContextRequest, DetokenizeRequest,
                                      RequestError, TokenizeRequest, refuse_unsupported, show)
@@ -84,6 +85,7 @@ class Prepared:
     # echo with logprobs: how many of the context's last tokens belong to the prompt (its first tokens: the
     # prompt's tokens are context_ids[-echo_context:] and query_ids)
     echo_context: int = 0
+    tools: Optional[ToolUse] = None  # chat with tools: how the answer's tool calls are read (serve.tools)
 
     @property
     def query_ids(self) -> torch.Tensor:
@@ -154,8 +156,12 @@ class Preparer:
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         context, cid, options = self._options(req.magnetar, "chat")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        use, tools, output = self._tools(req, output)
+        native = renders_tools(self.tokenizer)
+        messages = tool_messages(req.messages, tools, native)
+        if cid is not None and tools:
+            raise RequestError("with magnetar.context_id the encoded context is Phase 1, and tools are shown in its "
+                               "system message: send the document in magnetar.context (or leave tools out)", "tools")
         if cid is not None and (len(messages) != 1 or messages[0]["role"] != "user"):
             raise RequestError("with magnetar.context_id the encoded context is Phase 1: send only the question, as "
                                "one user message", "messages")
@@ -175,7 +181,8 @@ class Preparer:
             if cid is not None:  # the template's question part: split after a stand-in context
                 prompt = split_messages(self.tokenizer, messages, context=".", limit=self.limit)
             else:
-                prompt = split_messages(self.tokenizer, messages, context=context, limit=self.limit)
+                prompt = split_messages(self.tokenizer, messages, context=context, limit=self.limit,
+                                        tools=tools if native and tools else None)
         except FieldError as e:  # a message's field, or the document's
             raise RequestError(str(e), "magnetar.context" if e.field == "context" else e.field) from None
         if req.top_logprobs is not None and not req.logprobs:
@@ -185,8 +192,28 @@ class Preparer:
                                "top_logprobs")
         where = "magnetar.context" if split == "context" else "messages"
         prepared = self._finish(req, prompt.context_ids, cid, prompt.query_ids, where, options, split=split,
-                                output=output)
+                                output=output, tools=use)
         return [_reseeded(prepared, j) for j in range(1 if req.n is None else req.n)]
+
+    def _tools(self, req: ChatCompletionRequest, output: tuple) -> tuple[Optional[ToolUse], list[dict], tuple]:
+        """The request's tools (:func:`~magnetar.serve.tools.check_tools`; each one's argument schema compiled, or a
+        400 naming it) and its structured output: a ``required`` or named call's grammar, which cannot go with a
+        ``response_format`` or an extra."""
+        use, tools = check_tools(req)
+        for i, tool in enumerate(tools):
+            name = tool["function"]["name"]
+            try:
+                self.engine.check_grammar(tool_grammar(ToolUse((name,), "named", False, name), [tool]))
+            except FieldError as e:
+                raise RequestError(f"tools[{i}].function.parameters: {e}", f"tools[{i}].function.parameters") from None
+        if use is None:
+            return None, tools, output
+        if output[0] is not None:
+            raise RequestError(f"{output[1]} and tools (tool_choice {use.choice!r}) both decide the answer's form: "
+                               f"give one (tool_choice 'none' keeps the tools shown and answers as {output[1]} says)",
+                               output[1])
+        grammar = tool_grammar(use, tools)
+        return use, tools, (grammar, "tool_choice") if grammar is not None else output
 
     def completion(self, req: CompletionRequest) -> list[Prepared]:
         """One request per prompt of ``req.prompt`` (a string, a list of strings, token ids or a list of them),
@@ -427,7 +454,7 @@ class Preparer:
     def _finish(self, req, context_ids: Optional[torch.Tensor], cid: Optional[str], query_ids: torch.Tensor,
                 where: str, options: Optional[dict] = None, *, split: str = "context", echo: str = "",
                 prompt_logprobs: bool = False, echo_context: int = 0,
-                output: tuple = (None, None)) -> Prepared:
+                output: tuple = (None, None), tools: Optional[ToolUse] = None) -> Prepared:
         """The engine's one check of the request (``Engine.check``), its errors as this request's fields: the
         context's at ``where``, the query's at ``messages`` / ``prompt``, a sampling field's at the request's name
         for it (``max_tokens``, ``top_logprobs``, ...), an option's at ``magnetar.<name>``. ``output``: the
@@ -446,7 +473,7 @@ class Preparer:
             if e.field == "grammar":  # the grammar llguidance could not compile: the field the client set it in
                 raise RequestError(f"{grammar_param}: {e}", grammar_param) from None
             raise refusal(e, req, context=where, query=query) from None
-        return Prepared(checked, cid, split, echo, echo_context)
+        return Prepared(checked, cid, split, echo, echo_context, tools)
 
 
 def refusal(error: FieldError, req, *, context: str, query: str) -> RequestError:

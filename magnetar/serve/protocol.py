@@ -55,14 +55,53 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's)
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (sent back in the conversation's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None  # None: an assistant message that only called tools
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant message's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    refusal: Optional[str] = None  # an assistant message the SDK sends back as it got it (None here)
 
     def text(self) -> str:
-        """The content as one string (text parts joined, as OpenAI reads them)."""
+        """The content as one string (text parts joined, as OpenAI reads them; none is "")."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments (none: no arguments)
+    strict: Optional[bool] = None  # the arguments always follow the schema where the call is constrained
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Strict):
@@ -126,8 +165,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens
     logprobs: Optional[bool] = None  # each answer token's log-probability
     top_logprobs: Optional[int] = None  # and this many alternatives (0..20; needs logprobs)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[ToolDefinition]] = None  # functions the answer may call (magnetar.serve.tools)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
     def max_new_tokens(self) -> Optional[int]:
@@ -189,8 +229,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("presence_penalty", (None, 0, 0.0), "no penalties"),
     ("frequency_penalty", (None, 0, 0.0), "no penalties"),
     ("logit_bias", (None,), "no logit bias"),
-    ("tools", (None,), "no tool calls"),
-    ("tool_choice", (None, "none"), "no tool calls"),
     ("suffix", (None,), "no insertion"),
 )
 
@@ -263,7 +301,8 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]  # None when the answer is only tool calls
+    tool_calls: Optional[list[dict[str, Any]]] = None  # [{"id", "type": "function", "function": {"name", "arguments"}}]
 
 
 class ChatChoice(BaseModel):
@@ -286,6 +325,7 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # [{"index", "id", "type", "function": {"name", "arguments"}}]
 
 
 class ChunkChoice(BaseModel):

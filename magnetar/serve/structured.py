@@ -68,7 +68,7 @@ def grammar_of(response_format: Optional[dict[str, Any]]) -> Optional[str]:
             raise RequestError("response_format.json_schema must be an object {\"name\": ..., \"schema\": {...}, "
                                "\"strict\": ...}", "response_format.json_schema")
         schema = spec.get("schema", {"type": "object"})
-        _check_bounds(schema, "response_format.json_schema.schema")
+        check_bounds(schema, "response_format.json_schema.schema")
         return _json_grammar(schema)
     raise RequestError(f"response_format {show(response_format)}: give {{\"type\": \"text\"}}, {{\"type\": "
                        f"\"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": {{...}}}}",
@@ -89,7 +89,7 @@ def _json_grammar(schema: dict) -> str:
         json.dumps(schema), defaults={"whitespace_flexible": False})
 
 
-def _check_bounds(schema: Any, param: str) -> None:
+def check_bounds(schema: Any, param: str) -> None:
     """The schema's size and nesting are bounded (a hostile schema must not cost the server its compile time)."""
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise RequestError(f"{param} is over {MAX_SCHEMA_BYTES} bytes as JSON; send a smaller schema", param)
