@@ -5,6 +5,7 @@ killed rank makes the request in flight fail with a 5xx and the job exit non-zer
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -139,6 +140,7 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
         want_lp = sim.score(torch.tensor(ids[:64]), torch.tensor(ids[64:])).token_logprobs
         assert_close(torch.tensor(scored.choices[0].logprobs.token_logprobs[65:-1]), want_lp, what="same_computation")
         assert scored.choices[0].logprobs.token_logprobs[:65] == [None] * 65
+        _structured_on_two_ranks(client)
         ranks = _ranks(job)
         assert sorted(ranks) == [0, 1], ranks
         for p in ranks.values():  # as a scheduler stopping the job would
@@ -147,6 +149,30 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
         assert "rank 0 drained: exit status 0" in _log(tmp_path) and "rank 1 drained: exit status 0" in _log(tmp_path)
     finally:
         _end(job)
+
+
+def _structured_on_two_ranks(client) -> None:
+    """Structured answers over the two ranks (issue 50): a schema's answer parses, a required tool call follows
+    its tool's schema, the Responses API answers and continues from its stored response with the context cached."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    done = client.chat.completions.create(model=NAME, max_tokens=40, messages=[{"role": "user", "content": "Ok?"}],
+                                          extra_body={"magnetar": {"context": DOC}}, temperature=1.0,
+                                          response_format={"type": "json_schema", "json_schema": {
+                                              "name": "flag", "schema": schema}})
+    assert set(json.loads(done.choices[0].message.content)) == {"ok", "n"}
+    tool = {"type": "function", "function": {"name": "jump", "parameters": {
+        "type": "object", "properties": {"who": {"enum": ["fox", "dog"]}}, "required": ["who"]}}}
+    called = client.chat.completions.create(model=NAME, max_tokens=100, temperature=1.0, tools=[tool],
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            messages=[{"role": "user", "content": DOC + "\n\nWho jumps?"}])
+    assert called.choices[0].message.tool_calls, called.choices[0]
+    call = called.choices[0].message.tool_calls[0]
+    assert call.function.name == "jump" and json.loads(call.function.arguments)["who"] in ("fox", "dog")
+    first = client.responses.create(model=NAME, input=PASTED + "\n\nWho sleeps?", max_output_tokens=4)
+    second = client.responses.create(model=NAME, input="Where?", previous_response_id=first.id, max_output_tokens=4)
+    assert second.usage.input_tokens_details.cached_tokens >= first.model_extra["magnetar"]["prompts"][0][
+        "context_tokens"] > 0
 
 
 def test_a_killed_rank_fails_the_request_in_flight_and_ends_the_job(model_dir, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import time
 from typing import Optional, Union
@@ -25,16 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from magnetar.serve.gate import Refused
 from magnetar.serve.loop import Done, Encoded, Failed, Sink, Token
 from magnetar.serve.scheduler import Job
+from magnetar.serve.responses import ResponsesResponder, chat_turn
 from magnetar.serve.tools import ToolCallParser, parse_answer
 from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, DetokenizeRequest,
-                                     ModelCard, ModelList, TokenizeRequest,
+                                     ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
                                      PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
                                      show)
 from magnetar.version import __version__
 
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _DISCONNECT_POLL_S = 0.5  # how often a whole-answer request checks that its client is still there
 
 
@@ -202,6 +205,8 @@ class Responder:
     log-probabilities."""
 
     id_prefix = ""
+    done_marker = True  # the stream ends with "data: [DONE]"
+    sse = staticmethod(_sse)  # an event as server-sent text
 
     def __init__(self, model: str, names: LogprobFormat, prepared: list, n: int, info: dict, logprobs: bool):
         self.model, self.names, self.prepared, self.n, self.info = model, names, prepared, n, info
@@ -215,9 +220,13 @@ class Responder:
               lp: Optional[dict] = None):
         raise NotImplementedError
 
-    def opening(self, i: int):
-        """Choice ``i``'s first chunk, or None."""
-        return None
+    def opening(self, i: int) -> list:
+        """Choice ``i``'s first chunks."""
+        return []
+
+    def error_event(self, body: dict):
+        """The event of a failure after the status line (OpenAI's error object)."""
+        return body
 
     def tokens(self, i: int, item: Token) -> list:
         """The chunks of choice ``i``'s token ``item``."""
@@ -263,7 +272,7 @@ class ChatResponder(Responder):
             finish_reason=finish, logprobs=lp)])
 
     def opening(self, i):
-        return self.chunk(i, "", role=True)
+        return [self.chunk(i, "", role=True)]
 
     def tokens(self, i, item):
         parser = self.parsers[i]
@@ -318,7 +327,7 @@ class CompletionResponder(Responder):
 
     def opening(self, i):
         p = self.prepared[i]
-        return self.chunk(i, p.echo) if p.echo and not self.logprobs else None
+        return [self.chunk(i, p.echo)] if p.echo and not self.logprobs else []
 
     def tokens(self, i, item):
         if not self.logprobs:
@@ -347,28 +356,28 @@ async def stream_events(exchange: Exchange, responder: Responder, include_usage:
     dones: list = [None] * len(exchange.sids)
     try:
         for i in range(len(exchange.sids)):
-            opening = responder.opening(i)
-            if opening is not None:
-                yield _sse(opening)
+            for c in responder.opening(i):
+                yield responder.sse(c)
         while True:
             (i, item), first = (first, None) if first is not None else (await exchange.sink.queue.get(), None)
             if isinstance(item, Token):
                 for c in responder.tokens(i, item):
-                    yield _sse(c)
+                    yield responder.sse(c)
             elif isinstance(item, Done):
                 dones[i] = item
                 for c in responder.end(i, item):
-                    yield _sse(c)
+                    yield responder.sse(c)
                 if any(d is None for d in dones):
                     continue
                 if include_usage:
-                    yield _sse(responder.usage_chunk(dones))
-                yield "data: [DONE]\n\n"
+                    yield responder.sse(responder.usage_chunk(dones))
+                if responder.done_marker:
+                    yield "data: [DONE]\n\n"
                 return
             elif isinstance(item, Failed):  # the status line is sent: the error goes as an event
                 exchange.cancel_others(dones, i)
                 dones[i] = item
-                yield _sse(item.error.body())
+                yield responder.sse(responder.error_event(item.error.body()))
                 return
     finally:
         exchange.cancel_unfinished(dones)
@@ -400,7 +409,7 @@ def _error_handlers(app: FastAPI, server) -> None:
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         # a client that left (499) is counted as "cancelled" by the loop: not also as rejected
-        if request.url.path in ("/v1/chat/completions", "/v1/completions") and exc.status < 500 and exc.status != 499:
+        if request.url.path in GENERATION_PATHS and exc.status < 500 and exc.status != 499:
             metrics.requests.labels(endpoint=request.url.path, outcome="rejected").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry_headers(exc.status, loop.failed))
 
@@ -457,9 +466,32 @@ def _generation_routes(app: FastAPI, server) -> None:
     async def completions(request: Request):
         return await generate(request, parse_body(CompletionRequest, await request.body()), CompletionResponder)
 
-    async def generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest], kind: type):
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = parse_body(ResponsesRequest, await request.body())
+        turn = chat_turn(req, server.responses)
+        try:
+            return await generate(request, turn.chat, functools.partial(ResponsesResponder, turn=turn,
+                                                                        store=server.responses))
+        except RequestError as e:
+            raise turn.renamed(e) from None
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        return server.responses.find(rid).response
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        server.responses.find(rid)
+        server.responses.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    async def generate(request: Request, req: Union[ChatCompletionRequest, CompletionRequest], kind):
+        """``req`` through the engine loop, answered by ``kind`` (a :class:`Responder`'s class, or a factory of
+        one: the Responses API's) -- whole, or streamed."""
         _open(loop)
-        prepared = await preparer.run(preparer.chat if kind is ChatResponder else preparer.completion, req)
+        chat = isinstance(req, ChatCompletionRequest)
+        prepared = await preparer.run(preparer.chat if chat else preparer.completion, req)
         n = 1 if req.n is None else req.n
         sink = Sink(asyncio.get_running_loop())
         sids = []
@@ -553,7 +585,7 @@ def _openapi(app: FastAPI) -> dict:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
-                            ("/v1/contexts", ContextRequest)):
+                            ("/v1/contexts", ContextRequest), ("/v1/responses", ResponsesRequest)):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from magnetar.config import short_repr
 
@@ -216,6 +216,99 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
+# -- the Responses API (POST /v1/responses: magnetar.serve.responses) -------------------------------------------
+class ResponseInputText(_Strict):
+    type: Literal["input_text", "output_text"]  # output_text: an earlier answer sent back as input
+    text: str
+    annotations: Optional[list[Any]] = None
+    logprobs: Optional[list[Any]] = None
+
+
+class ResponseMessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[ResponseInputText]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ResponseFunctionOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+def _item_kind(value: Any) -> str:
+    return (value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message"))
+
+
+ResponseInputItem = Annotated[Union[Annotated[ResponseMessageItem, Tag("message")],
+                                    Annotated[ResponseFunctionCallItem, Tag("function_call")],
+                                    Annotated[ResponseFunctionOutputItem, Tag("function_call_output")]],
+                              Discriminator(_item_kind)]
+
+
+class ResponseTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponseNamedTool(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseText(_Strict):
+    format: Optional[dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema", "name", "schema", ...}
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``: OpenAI's Responses API over the chat pipeline (magnetar.serve.responses)."""
+
+    model: str
+    input: Union[str, list[ResponseInputItem]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    store: Optional[bool] = None  # kept for previous_response_id (true by default)
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    tools: Optional[list[ResponseTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponseNamedTool, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[ResponseText] = None
+    truncation: Optional[Literal["disabled"]] = None
+    service_tier: Optional[Literal["auto", "default"]] = None
+    prompt_cache_key: Optional[str] = None  # accepted: the context cache is keyed by the tokens themselves
+    magnetar: Optional[dict[str, Any]] = None
+    # refused unless at their default (refuse_unsupported)
+    reasoning: Optional[dict[str, Any]] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = None
+    background: Optional[bool] = None
+
+
 class DetokenizeRequest(_Strict):
     """``POST /detokenize`` (vLLM's): ``tokens`` (ids of the model's vocabulary) back to text."""
 
@@ -230,6 +323,10 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("frequency_penalty", (None, 0, 0.0), "no penalties"),
     ("logit_bias", (None,), "no logit bias"),
     ("suffix", (None,), "no insertion"),
+    ("reasoning", (None,), "no reasoning models"),
+    ("include", (None,), "no extra output (reasoning, sources, log-probabilities) in responses"),
+    ("top_logprobs", (None,), "no log-probabilities in responses; use /v1/chat/completions"),
+    ("background", (None, False), "no background responses"),
 )
 
 
@@ -241,14 +338,19 @@ def refuse_unsupported(req: BaseModel) -> None:
             raise RequestError(f"{name}={show(value)} is not supported by Magnetar ({why}); leave it out", name)
 
 
+_UNION_TAGS = ("str", "int", "float", "bool", "list", "message", "function_call", "function_call_output")
+
+
 def _param(loc: tuple) -> Optional[str]:
     """``("messages", 0, "content")`` -> ``"messages[0].content"``; the type tags pydantic adds under a union
-    (``"str"``, ``"list[str]"``) are dropped."""
+    (``"str"``, ``"list[str]"``, a Responses input item's kind) are dropped."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in ("str", "int", "float", "bool", "list"):
+        elif isinstance(part, str) and part in _UNION_TAGS or isinstance(part, str) and "[" in part:
+            continue
+        elif isinstance(part, str) and part.isidentifier():
             out += f".{part}" if out else part
         else:
             break
@@ -267,6 +369,9 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         if first["type"] == "json_invalid":
             raise RequestError(f"the body is not valid JSON ({first['msg']})", None) from None
         full = _param(first["loc"])
+        deeper = [err for err in errors if (_param(err["loc"]) or "").startswith(f"{full}[")]
+        if first["type"].endswith("_type") and deeper:  # a union's wrong-type branch: the other branch says more
+            first, full = deeper[0], _param(deeper[0]["loc"])
         same = [err for err in errors if _param(err["loc"]) == full]
         param = full if full is None or len(full) <= 100 else full[:97] + "..."  # a client's field name may be huge
         msgs = list(dict.fromkeys(_message(err) for err in same))

@@ -22,6 +22,7 @@ from magnetar.serve.gate import Connections, check_api_key, check_body_budget
 from magnetar.serve.loop import EngineLoop
 from magnetar.serve.prompts import Preparer
 from magnetar.serve.protocol import now
+from magnetar.serve.responses import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Server:
         check_body_budget(self.max_inflight_bytes, max_request_bytes)
         self.public_metrics, self.allowed_hosts = config.public_metrics, config.allowed_hosts
         self.contexts = ContextRegistry(config.max_contexts)
+        self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=config.max_batch_size, heartbeat_s=config.heartbeat_s,
                                prefill_threads=config.prefill_threads, prefill_chunk=config.prefill_chunk)

@@ -15,8 +15,9 @@ message of ``<tool_response>`` blocks. Either way the tool results are the new p
 (``<tool_call>`` blocks, or an answer that is one JSON object ``{"name", "arguments" | "parameters"}`` as Llama 3's
 template asks for); ``none``: the tools are shown but the answer is text; ``required`` and a named function: the
 answer is constrained (:func:`tool_grammar`, llguidance) to ``<tool_call>`` blocks whose JSON follows the tools'
-argument schemas, so it always parses -- one call, or several with ``parallel_tool_calls`` (the default). A call
-that runs out of ``max_tokens`` is no call: its text is the content and the finish reason ``length``.
+argument schemas, so it always parses -- one call, or several with ``parallel_tool_calls`` (the default); an
+object of a schema that does not say ``additionalProperties`` takes only its declared properties (:func:`closed`).
+A call that runs out of ``max_tokens`` is no call: its text is the content and the finish reason ``length``.
 """
 from __future__ import annotations
 
@@ -102,13 +103,27 @@ def tool_grammar(use: ToolUse, tools: list[dict]) -> Optional[str]:
 
     chosen = [t["function"] for t in tools if use.named in (None, t["function"]["name"])]
     options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or NO_ARGUMENTS},
+                                                 "arguments": closed(f.get("parameters") or NO_ARGUMENTS)},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = dict(schema, **{"x-guidance": {"whitespace_flexible": False}})
     more = ' ("\\n" call)*' if use.parallel else ""
     return llguidance.LLMatcher.grammar_from_lark(
         f'start: call{more}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\nbody: %json {json.dumps(schema)}')
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its properties and says nothing of others closed to them
+    (``additionalProperties: false``, as OpenAI's strict mode requires of a tool's schema): a constrained call holds
+    the declared arguments, not names the model makes up. An object that allows others says so and keeps them."""
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def tool_messages(messages: list[ChatMessage], tools: list[dict], native: bool) -> list[dict]:
