@@ -153,7 +153,8 @@ def test_two_ranks_answer_like_the_engine_and_drain_on_sigterm(model_dir, tmp_pa
 
 def _structured_on_two_ranks(client) -> None:
     """Structured answers over the two ranks (issue 50): a schema's answer parses, a required tool call follows
-    its tool's schema, the Responses API answers and continues from its stored response with the context cached."""
+    its tool's schema (openai, langchain-openai, litellm), the Responses API answers and continues from its stored
+    response with the context cached."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}
     done = client.chat.completions.create(model=NAME, max_tokens=40, messages=[{"role": "user", "content": "Ok?"}],
@@ -169,6 +170,19 @@ def _structured_on_two_ranks(client) -> None:
     assert called.choices[0].message.tool_calls, called.choices[0]
     call = called.choices[0].message.tool_calls[0]
     assert call.function.name == "jump" and json.loads(call.function.arguments)["who"] in ("fox", "dog")
+    # langchain-openai's structured output and litellm's tool call, as users' agents send them
+    langchain_openai = pytest.importorskip("langchain_openai", reason="the test extra: pip install 'magnetar[test]'")
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price list fetched at import
+    litellm = pytest.importorskip("litellm", reason="the test extra: pip install 'magnetar[test]'")
+    llm = langchain_openai.ChatOpenAI(model=NAME, base_url=str(client.base_url), api_key="unused", max_retries=0,
+                                      timeout=120, temperature=1.0, max_tokens=60)
+    got = llm.with_structured_output(schema | {"title": "flag"}, method="json_schema").invoke([("system", DOC),
+                                                                                        ("user", "Ok?")])
+    assert set(got) == {"ok", "n"}, got
+    done = litellm.completion(model=f"openai/{NAME}", api_base=str(client.base_url), api_key="unused", max_tokens=100,
+                              messages=[{"role": "user", "content": "Who jumps?"}], tools=[tool],
+                              tool_choice={"type": "function", "function": {"name": "jump"}}, num_retries=0)
+    assert json.loads(done.choices[0].message.tool_calls[0].function.arguments)["who"] in ("fox", "dog")
     first = client.responses.create(model=NAME, input=PASTED + "\n\nWho sleeps?", max_output_tokens=4)
     second = client.responses.create(model=NAME, input="Where?", previous_response_id=first.id, max_output_tokens=4)
     assert second.usage.input_tokens_details.cached_tokens >= first.model_extra["magnetar"]["prompts"][0][
