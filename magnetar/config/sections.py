@@ -169,6 +169,10 @@ class RuntimeConfig:
     # encoded contexts kept per rank for later questions (Engine.encode / ask, prefix reuse), least recently used
     # out; 0 keeps none (every request runs its Phase 1)
     context_cache_mb: int = 1024
+    # a folder where every rank also writes the contexts it encodes (magnetar.engine.store), so that a restarted
+    # engine -- or one whose cache evicted them -- loads them instead of running Phase 1 again; None: memory only
+    context_store: Optional[str] = None
+    context_store_mb: int = 10240  # the store's bound per rank (least recently used out)
     # a context that starts with a cached one encodes only its new tokens, which attend to the cached KV exactly
     # (as a Phase-2 query) and are kept on the first CP rank: "exact" for the methods whose Phase 1 is exact
     # (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
@@ -185,6 +189,9 @@ class RuntimeConfig:
         check_choice("decode_step", self.decode_step, DECODE_STEPS, "decode_step")
         require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
+        require(self.context_store_mb >= 0, "context_store_mb", f"must be >= 0 MiB, got {self.context_store_mb}")
+        require(self.context_store is None or bool(self.context_store.strip()), "context_store",
+                "must be a folder, or None (memory only), got ''")
         check_choice("dtype", self.dtype, DTYPES, "dtype")
         require(bool(self.attention_backend.strip()), "attention_backend",
                  "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")

@@ -69,7 +69,7 @@ class ContextHandle:
 PREFIX_BLOCK = 64  # tokens per block of the prefix index's chained hashes
 
 
-class _Prefixes:
+class Prefixes:
     """The chained block hashes of one id sequence, computed as far as asked: ``digest(n)`` names its first ``n``
     tokens in O(n mod PREFIX_BLOCK) once the blocks before are hashed (each block once)."""
 
@@ -85,6 +85,11 @@ class _Prefixes:
                                               digest_size=16).digest())
         tail = self.data[m * width:n * 8]
         return hashlib.blake2b(self.chain[m] + tail + n.to_bytes(8, "little"), digest_size=16).digest()
+
+
+def prefix_digest(ids: torch.Tensor, n: int) -> str:
+    """The hex digest naming the first ``n`` tokens of ``ids`` (:class:`Prefixes`; the disk tier files it)."""
+    return Prefixes(ids).digest(n).hex()
 
 
 class ContextCache:
@@ -152,7 +157,7 @@ class ContextCache:
         ids = context_ids.reshape(-1)
         if not lengths:
             return None
-        prefixes = _Prefixes(ids)
+        prefixes = Prefixes(ids)
         for n in sorted((n for n in lengths if n < ids.numel()), reverse=True):
             key = self._index.get((engine, options, n, prefixes.digest(n)))
             handle = self._handles.get(key) if key is not None else None
@@ -172,7 +177,7 @@ class ContextCache:
         self._handles[handle.key] = handle
         self._nbytes += handle.nbytes
         n, kind = handle.context_tokens, (handle.engine, handle.options)
-        entry = (*kind, n, _Prefixes(handle.context_ids).digest(n))
+        entry = (*kind, n, Prefixes(handle.context_ids).digest(n))
         self._index[entry], self._filed[handle.key] = handle.key, entry
         counts = self._lengths.setdefault(kind, {})
         counts[n] = counts.get(n, 0) + 1

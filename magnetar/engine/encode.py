@@ -20,13 +20,14 @@ from typing import Optional, Sequence
 import torch
 
 from magnetar.config import METHODS, EngineConfig, FieldError
-from magnetar.engine.context import ContextCache, ContextHandle, context_key
+from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, context_key, prefix_digest
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
+from magnetar.engine.store import ContextStore
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
                                       plan_rank)
 from magnetar.parallel import ParallelGroups
@@ -42,7 +43,8 @@ def kv_options(config: EngineConfig) -> str:
     d.pop("decode", None)
     for name in ("timeout_s",):
         d["parallel"].pop(name, None)
-    for name in ("context_cache_mb", "check_finite", "prefix_reuse", "decode_step"):
+    for name in ("context_cache_mb", "context_store", "context_store_mb", "check_finite", "prefix_reuse",
+                 "decode_step"):
         d["runtime"].pop(name, None)
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -68,9 +70,10 @@ class Encoder:
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device: torch.device,
                  cache: ContextCache, identity: str, *, policy: Optional[DecodePolicy] = None,
-                 prefill: Optional[PrefillPolicy] = None):
+                 prefill: Optional[PrefillPolicy] = None, store: Optional[ContextStore] = None):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
+        self.store = store  # the disk tier (runtime.context_store), shared with the variants
         check_model(config, model.config.num_hidden_layers)  # e.g. a hybrid layer outside the model: before compute
         self.kv_options = kv_options(config)
         self.options_digest = hashlib.blake2b(self.kv_options.encode(), digest_size=8).hexdigest()
@@ -78,7 +81,7 @@ class Encoder:
     def with_config(self, config: EngineConfig) -> "Encoder":
         """This encoder with another configuration (a per-request variant): the same cache, policies, identity."""
         return Encoder(self.model, config, self.groups, self.device, self.cache, self.identity, policy=self.policy,
-                       prefill=self.prefill)
+                       prefill=self.prefill, store=self.store)
 
     @property
     def simulated(self) -> bool:
@@ -115,6 +118,10 @@ class Encoder:
         cached = self.cache.get(key) if keep else None
         if cached is not None:
             return cached, True
+        stored = self._stored(key, context_ids) if keep and base is None else None
+        if stored is not None:  # the disk tier had it on every rank: no Phase 1
+            self.cache.put(stored)
+            return stored, True
         if base is not None and self.can_extend() is not None:
             base = None
         base = self._prefix(context_ids) if base is None else base
@@ -134,7 +141,50 @@ class Encoder:
                         "cache (runtime.context_cache_mb = %d MiB, --context-cache-mb): it is not kept, and its next "
                         "question runs its Phase 1 again; raise the budget to keep such contexts",
                         handle.context_tokens, handle.nbytes / 2**20, budget // 2**20)
+        if keep and self.store is not None:
+            self.store.save(handle, prefix_digest(context_ids, handle.context_tokens))
         return handle, False
+
+    # -- the disk tier ----------------------------------------------------------------------------------------
+    def _agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of the replica (one gather; simulated: this process's)."""
+        if self.store is None:
+            return False
+        if self.simulated:
+            return flag
+        g = self.groups
+        return bool(all_gather_ints([int(flag)], g.replica_group, self.device, timeout=g.timeout).min() == 1)
+
+    def _stored(self, key: str, context_ids: torch.Tensor) -> Optional[ContextHandle]:
+        """The handle of ``key`` loaded from the store, when every rank holds a valid file of it (two gathers: the
+        files are there, then they loaded), else None. Every rank of the replica calls it alike (a cache miss)."""
+        if self.store is None or not self._agree(key in self.store):
+            return None
+        loaded = self.store.load(key, context_ids, self.device)
+        if not self._agree(loaded is not None) or loaded["options"] != self.options_digest:
+            return None
+        return ContextHandle(key, loaded["context_ids"], loaded["shard"], loaded["query_position"], loaded["stats"],
+                             loaded["prefill_stats"], loaded["nbytes"], loaded["method"], engine=self.identity,
+                             options=self.options_digest, last_logits=loaded["last_logits"])
+
+    def _stored_prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
+        """The longest stored proper prefix of ``context_ids`` that every rank holds, loaded (into the memory
+        cache too), or None. The ranks agree on its length first (each may have evicted other files)."""
+        if self.store is None:
+            return None
+        ids = context_ids.reshape(-1)
+        prefixes = Prefixes(ids)
+        n = self.store.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex())
+        if ids.numel() - n > n:  # more new tokens than the prefix holds: a fresh Phase 1 spreads them (_prefix)
+            n = 0
+        lengths = [n] if self.simulated else all_gather_ints(
+            [n], self.groups.replica_group, self.device, timeout=self.groups.timeout)[:, 0].tolist()
+        if n == 0 or len(set(lengths)) != 1:
+            return None
+        handle = self._stored(self.key(ids[:n]), ids[:n])
+        if handle is not None:
+            self.cache.put(handle)
+        return handle
 
     # -- prefix reuse -----------------------------------------------------------------------------------------
     def can_extend(self) -> Optional[str]:
@@ -161,6 +211,8 @@ class Encoder:
         if self.can_extend() is not None:
             return None
         base = self.cache.longest_prefix(context_ids, self.identity, self.options_digest)
+        if base is None:  # the disk tier's, when every rank holds it (an earlier turn, stored before a restart)
+            base = self._stored_prefix(context_ids)
         if base is None or int(context_ids.numel()) - base.context_tokens > base.context_tokens:
             return None
         return base

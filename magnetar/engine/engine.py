@@ -31,13 +31,14 @@ import torch
 from magnetar.config import METHODS, REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
-from magnetar.engine.context import ContextCache, ContextHandle
+from magnetar.engine.context import ContextCache, ContextHandle, Prefixes
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
+from magnetar.engine.store import ContextStore, weights_fingerprint
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
 from magnetar.ops.merge import prepare_merge
@@ -61,6 +62,7 @@ class Engine:
         # handle from another engine -- another model, or the same shapes with other weights -- is refused by ask
         self.identity = f"{type(model).__name__}:{getattr(model.config, 'name_or_path', '') or '?'}:{uuid.uuid4().hex}"
         self.cache = ContextCache(config.runtime.context_cache_mb * 2**20)  # encoded contexts (encode / ask)
+        self.store = self._open_store()  # the cache's disk tier (runtime.context_store), or None
         # EngineConfig -> this engine with other per-request options (variant()), least recently used first
         self._variants: OrderedDict = OrderedDict()
         self._variants_lock = threading.Lock()
@@ -78,7 +80,7 @@ class Engine:
             hf.capture_attention_inputs(model)
         self.requests = Requests(tokenizer, model, config, groups, self.device, self.policy)
         self.encoder = Encoder(model, config, groups, self.device, self.cache, self.identity, policy=self.policy,
-                               prefill=self.prefill)
+                               prefill=self.prefill, store=self.store)
         # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP)
         mine = weight_bytes(model)
         if self.simulated:
@@ -88,6 +90,20 @@ class Engine:
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
                                method=config.method, stats_keys=self.policy.stats_keys if self.policy else ())
         self.scorer = self._scorer()
+
+    def _open_store(self) -> Optional[ContextStore]:
+        """This rank's disk tier under ``runtime.context_store`` (its own folder per rank layout), or None."""
+        root = self.config.runtime.context_store
+        if root is None:
+            return None
+        p, g = self.config.parallel, self.groups
+        layout = f"simulated-cp{p.cp_size}" if self.simulated else \
+            f"cp{g.cp_rank}of{p.cp_size}-tp{g.tp_rank}of{p.tp_size}"
+        try:
+            return ContextStore(root, layout, weights_fingerprint(self.model),
+                                self.config.runtime.context_store_mb * 2**20)
+        except ValueError as e:
+            raise FieldError(str(e), "context_store") from None
 
     def _scorer(self) -> Scorer:
         return Scorer(ScoreParts(self.model, self.config, self.groups, self.device, self.requests, self.encoder,
@@ -321,18 +337,43 @@ class Engine:
 
     # -- the context cache, as a server plans with it -------------------------------------------------------
     def is_cached(self, key: str) -> bool:
-        """Whether the context cache holds the context of cache key ``key`` (:meth:`cache_key`)."""
-        return key in self.cache
+        """Whether the context cache -- or this rank's disk tier -- holds the context of cache key ``key``
+        (:meth:`cache_key`)."""
+        return key in self.cache or (self.store is not None and key in self.store)
 
     def cached_prefix_tokens(self, context_ids: torch.Tensor) -> int:
-        """How many first tokens of ``context_ids`` the longest cached proper prefix encoded this engine's way holds
-        (0: none), without touching the cache's recency order (a server's leader plans with it; the ranks' caches
-        must stay alike)."""
-        return self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest)
+        """How many first tokens of ``context_ids`` the longest cached (or, on this rank, stored) proper prefix
+        encoded this engine's way holds (0: none), without touching the cache's recency order (a server's leader
+        plans with it; the ranks' caches must stay alike)."""
+        n = self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest)
+        if self.store is not None:
+            prefixes = Prefixes(context_ids)
+            n = max(n, self.store.longest_prefix(context_ids.reshape(-1), self.encoder.options_digest,
+                                                 lambda m: prefixes.digest(m).hex()))
+        return n
 
     def cache_stats(self) -> dict:
-        """The context cache's figures: handles, bytes, budget_bytes, hits, misses, evictions, prefix_hits."""
-        return self.cache.stats()
+        """The context cache's figures: handles, bytes, budget_bytes, hits, misses, evictions, prefix_hits; with
+        a disk tier, its own under ``store`` (contexts, bytes, budget_bytes, loads, writes, evictions, refused)."""
+        stats = self.cache.stats()
+        if self.store is not None:
+            stats["store"] = self.store.stats()
+        return stats
+
+    def pin(self, handle: ContextHandle) -> None:
+        """Keep ``handle``'s stored copy until :meth:`unpin` (a context pinned through the server's API: the disk
+        tier does not evict it). Every rank calls it."""
+        if self.store is not None:
+            self.store.pin(handle.key)
+
+    def unpin(self, handle: ContextHandle) -> None:
+        if self.store is not None:
+            self.store.unpin(handle.key)
+
+    def flush_store(self, timeout_s: float = 600) -> None:
+        """Wait until this rank's disk tier has written every context encoded so far (a draining server, tests)."""
+        if self.store is not None:
+            self.store.flush(timeout_s)
 
     def chunk_problem(self) -> Optional[str]:
         """Why this engine does not run a long context's Phase 1 in chunks (a server's ``--prefill-chunk``), or

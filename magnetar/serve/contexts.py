@@ -1,8 +1,15 @@
-"""The contexts a server pins (``POST /v1/contexts``): what the serving rank knows of each, and how many it holds."""
+"""The contexts a server pins (``POST /v1/contexts``): what the serving rank knows of each, and how many it holds.
+With a context store (``--context-store DIR``) the list is kept in ``DIR/pinned-<replica>.json`` (rewritten whole,
+atomically, on every change), so a restarted server pins them again -- their KV then loads from the store."""
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -27,11 +34,35 @@ class ContextRegistry:
     (check and take in one step, so concurrent POSTs cannot pass the limit together), :meth:`add` fills it,
     :meth:`unreserve` gives it back when the encode fails."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, path: Optional[Path] = None):
+        self.limit, self.path = limit, path
         self._lock = threading.Lock()
         self._items: dict[str, PinnedContext] = {}
         self._reserved: dict[str, int] = {}  # cid -> POSTs of it being encoded
+
+    def saved(self) -> list[PinnedContext]:
+        """The contexts pinned when the list was last written (none without a file; an unreadable file is said
+        and ignored)."""
+        if self.path is None or not self.path.exists():
+            return []
+        try:
+            return [PinnedContext(d["id"], d["key"], d["format"], int(d["tokens"]), int(d["created"]),
+                                  torch.tensor(d["context_ids"], dtype=torch.long))
+                    for d in json.loads(self.path.read_text())]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logging.getLogger(__name__).warning("the pinned contexts' list %s is unreadable (%s): ignored",
+                                                self.path, e)
+            return []
+
+    def _save(self) -> None:
+        """Write the list (the lock held): to a temporary name, then renamed over the old one."""
+        if self.path is None:
+            return
+        items = [{"id": p.id, "key": p.key, "format": p.format, "tokens": p.tokens, "created": p.created,
+                  "context_ids": p.context_ids.tolist()} for p in self._items.values()]
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{uuid.uuid4().hex}")
+        tmp.write_text(json.dumps(items))
+        os.replace(tmp, self.path)
 
     def get(self, cid: str) -> Optional[PinnedContext]:
         with self._lock:
@@ -59,6 +90,7 @@ class ContextRegistry:
         with self._lock:
             self._items[item.id] = item
             self._give_back(item.id)
+            self._save()
 
     def _give_back(self, cid: str) -> None:
         """One reservation of ``cid`` fewer (the lock held)."""
@@ -70,7 +102,9 @@ class ContextRegistry:
 
     def remove(self, cid: str) -> Optional[PinnedContext]:
         with self._lock:
-            return self._items.pop(cid, None)
+            item = self._items.pop(cid, None)
+            self._save()
+            return item
 
     def __len__(self) -> int:
         with self._lock:

@@ -291,6 +291,7 @@ class EngineLoop:
         for enc in tick.encodes:
             try:
                 self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
+                self.engine.pin(handle)  # the disk tier keeps it until it is released
             except Exception as e:  # every rank refuses alike
                 self._own(e)
                 self._reject(enc.sid, e, "context")
@@ -348,7 +349,9 @@ class EngineLoop:
     def _apply_releases(self, tick: Tick) -> None:
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
             # unpinned only: the context cache keeps its entry (shared with automatic reuse) under its LRU budget
-            self.handles.pop(cid, None)
+            handle = self.handles.pop(cid, None)
+            if handle is not None:
+                self.engine.unpin(handle)
 
     def _route(self, events) -> None:
         for ev in events:

@@ -14,7 +14,9 @@ Every name starts with ``magnetar_``:
 * ``kv_bytes{rank}`` -- the KV bytes each rank of the replica held for the last finished request;
 * ``context_cache_{hits,misses,evictions,prefix_hits}_total`` (a prefix hit: a miss whose context started with a
   cached one, so only its new tokens were encoded), ``context_cache_bytes``, ``context_cache_handles``,
-  ``pinned_contexts`` -- the engine's context cache, as of the last tick.
+  ``pinned_contexts`` -- the engine's context cache, as of the last tick;
+* with ``--context-store``: ``context_store_{loads,writes,evictions,refused}_total``, ``context_store_bytes``,
+  ``context_store_contexts`` -- the disk tier of the serving rank.
 
 The engine loop writes; the HTTP thread reads (prometheus_client is thread-safe; the cache figures are a
 snapshot the loop replaces whole).
@@ -42,6 +44,14 @@ class _CacheCollector:
                                 value=s["bytes"])
         yield GaugeMetricFamily("magnetar_context_cache_handles", "Encoded contexts in the cache", value=s["handles"])
         yield GaugeMetricFamily("magnetar_pinned_contexts", "Contexts pinned by POST /v1/contexts", value=s["pinned"])
+        store = s.get("store")
+        if store is not None:  # the disk tier (--context-store): the leader's rank
+            for name in ("loads", "writes", "evictions", "refused"):
+                yield CounterMetricFamily(f"magnetar_context_store_{name}", f"Context store {name} (this rank's)",
+                                          value=store[name])
+            yield GaugeMetricFamily("magnetar_context_store_bytes", "Bytes the context store holds (largest rank's "
+                                    "count per context)", value=store["bytes"])
+            yield GaugeMetricFamily("magnetar_context_store_contexts", "Contexts in the store", value=store["contexts"])
 
 
 class Metrics:
@@ -69,7 +79,7 @@ class Metrics:
         """The engine's ``cache.stats()`` and the number of pinned contexts (called by the engine loop)."""
         self._cache.snapshot = {"hits": stats["hits"], "misses": stats["misses"], "evictions": stats["evictions"],
                                 "prefix_hits": stats["prefix_hits"], "bytes": stats["bytes"],
-                                "handles": stats["handles"], "pinned": pinned}
+                                "handles": stats["handles"], "pinned": pinned, "store": stats.get("store")}
 
     def refused(self, status: int) -> None:
         self.http_refused.labels(status=str(status)).inc()

@@ -323,6 +323,8 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
     ("frequency_penalty", (None, 0, 0.0), "no penalties"),
     ("logit_bias", (None,), "no logit bias"),
     ("suffix", (None,), "no insertion"),
+)
+RESPONSES_UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (  # the Responses API's
     ("reasoning", (None,), "no reasoning models"),
     ("include", (None,), "no extra output (reasoning, sources, log-probabilities) in responses"),
     ("top_logprobs", (None,), "no log-probabilities in responses; use /v1/chat/completions"),
@@ -330,9 +332,10 @@ _UNSUPPORTED: tuple[tuple[str, tuple, str], ...] = (
 )
 
 
-def refuse_unsupported(req: BaseModel) -> None:
-    """RequestError for an OpenAI field Magnetar does not implement, set to something else than its default."""
-    for name, allowed, why in _UNSUPPORTED:
+def refuse_unsupported(req: BaseModel, fields: tuple = _UNSUPPORTED) -> None:
+    """RequestError for an OpenAI field Magnetar does not implement (of ``fields``: the generation endpoints' by
+    default), set to something else than its default."""
+    for name, allowed, why in fields:
         value = getattr(req, name, None)
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise RequestError(f"{name}={show(value)} is not supported by Magnetar ({why}); leave it out", name)
@@ -369,8 +372,10 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         if first["type"] == "json_invalid":
             raise RequestError(f"the body is not valid JSON ({first['msg']})", None) from None
         full = _param(first["loc"])
-        deeper = [err for err in errors if (_param(err["loc"]) or "").startswith(f"{full}[")]
-        if first["type"].endswith("_type") and deeper:  # a union's wrong-type branch: the other branch says more
+        deeper = [err for err in errors if (_param(err["loc"]) or "").startswith(f"{full}[") and
+                  any("tagged-union" in str(part) for part in err["loc"])]
+        if first["type"].endswith("_type") and deeper:  # text or a list of tagged items (Responses' input): the
+            # list's error names its item
             first, full = deeper[0], _param(deeper[0]["loc"])
         same = [err for err in errors if _param(err["loc"]) == full]
         param = full if full is None or len(full) <= 100 else full[:97] + "..."  # a client's field name may be huge

@@ -28,7 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from magnetar.serve.protocol import (ChatCompletionRequest, ChatMessage, RequestError, ResponseFunctionCallItem,
+from magnetar.serve.protocol import (RESPONSES_UNSUPPORTED, ChatCompletionRequest, ChatMessage, RequestError,
+                                     ResponseFunctionCallItem,
                                      ResponseFunctionOutputItem, ResponsesRequest, now, refuse_unsupported, show)
 from magnetar.serve.tools import ToolCallParser, parse_answer
 
@@ -113,7 +114,7 @@ def _responses_param(param: str) -> str:
 
 def chat_turn(req: ResponsesRequest, store: ResponseStore) -> ChatTurn:
     """The chat request of a Responses request (module docstring); RequestError naming the Responses field."""
-    refuse_unsupported(req)
+    refuse_unsupported(req, RESPONSES_UNSUPPORTED)
     history: list[ChatMessage] = []
     if req.previous_response_id is not None:
         history = list(store.find(req.previous_response_id).messages)

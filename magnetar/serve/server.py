@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from magnetar.serve.config import ServeConfig
@@ -67,7 +69,9 @@ class Server:
                                    if config.max_inflight_bytes is None else config.max_inflight_bytes)
         check_body_budget(self.max_inflight_bytes, max_request_bytes)
         self.public_metrics, self.allowed_hosts = config.public_metrics, config.allowed_hosts
-        self.contexts = ContextRegistry(config.max_contexts)
+        store = engine.config.runtime.context_store  # the pinned contexts' list lives beside their stored KV
+        self.contexts = ContextRegistry(config.max_contexts, path=None if store is None else
+                                        Path(store) / f"pinned-dp{engine.groups.dp_rank}.json")
         self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=config.max_batch_size, heartbeat_s=config.heartbeat_s,
@@ -114,11 +118,46 @@ class Server:
             if error is not None:
                 log.error("%s", error)
                 self.loop.start_error = error
+            elif self.contexts.path is not None:
+                threading.Thread(target=self._restore_pinned, name="magnetar-restore", daemon=True).start()
         try:
             return self.loop.run()
         finally:
             if self.leader:
                 self._stop_http()
+            try:  # what this rank encoded reaches the disk tier before the process goes (a drain, a failure)
+                self.engine.flush_store(60)
+            except TimeoutError as e:
+                log.warning("%s", e)
+
+    def _restore_pinned(self) -> None:
+        """Pin again the contexts pinned before a restart (``--context-store``): each is encoded as a ``POST
+        /v1/contexts`` would -- from the store, when every rank still has it --, under its old id. One whose cache
+        key changed (the server's options did) is dropped, and said."""
+        from magnetar.serve.loop import Encoded
+        from magnetar.serve.protocol import RequestError
+        from magnetar.serve.scheduler import Job
+
+        for p in self.contexts.saved():
+            if self.engine.cache_key(p.context_ids) != p.key:
+                log.warning("pinned context %s was encoded with other options than this server's: not pinned again",
+                            p.id)
+                continue
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            try:
+                self.contexts.reserve(p.id)
+                self.loop.submit(Job("encode", self.loop.new_sid(), events, cid=p.id, context_ids=p.context_ids,
+                                     key=p.key))
+            except RequestError as e:  # full, or the server is stopping
+                log.warning("pinned context %s is not pinned again: %s", p.id, e.message)
+                self.contexts.unreserve(p.id)
+                return
+            item = events.get()
+            if isinstance(item, Encoded):
+                self.contexts.add(p)
+            else:
+                self.contexts.unreserve(p.id)
+                log.warning("pinned context %s could not be encoded again: %s", p.id, getattr(item, "error", item))
 
     def drain(self) -> None:
         """Stop taking requests and stop once those in flight are answered (safe in a signal handler: it only

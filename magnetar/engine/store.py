@@ -1,0 +1,321 @@
+"""Encoded contexts that outlive the process: the context cache's disk tier (``runtime.context_store``,
+``magnetar serve --context-store DIR``).
+
+Each rank writes its own shard of a context it encoded -- one safetensors file per context and rank (every layer's
+``k``, ``v``, ``pos``; the context's ids) and a JSON manifest written after it (its size and blake2b checksum, the
+weights' fingerprint, the encoding options' digest, the rank layout, the context's length and prefix digest) -- under
+``DIR/<layout>/`` (``cp0of2-tp0of1``, or ``simulated-cp2``). A restarted server, or one whose memory cache evicted
+the context, loads it back instead of running Phase 1 again: when every rank of the replica finds its file valid
+(one gather of flags: the ranks must agree, or all encode). A context whose longest stored prefix is there (an
+earlier turn of a conversation) is loaded and extended, as a cached prefix is.
+
+What is never loaded, named in the log: a file without its manifest (the process died while writing: the data file
+goes to a temporary name first and is renamed, then the manifest), a file whose size or checksum differs from its
+manifest (truncated, corrupt) -- both deleted --, and a foreign one (other weights: another fingerprint; another
+layout or format) -- left for its owner, and replaced when this engine encodes the same context. The store is bounded
+(``runtime.context_store_mb``): the least recently used contexts go first, each counted at its largest shard over the
+ranks (the same on every rank, so the ranks evict alike); pinned contexts (``POST /v1/contexts``) are not evicted
+until released. Writes run on a background thread (a context's tensors are never changed once encoded), so a
+request does not wait for the disk; :meth:`ContextStore.flush` waits for them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_TMP = ".tmp-"  # a file being written: <name>.tmp-<uuid>, renamed when complete (stale ones removed at start)
+_CHUNK = 1 << 22  # bytes hashed per read
+
+
+def weights_fingerprint(model) -> str:
+    """A short, stable name of ``model``'s weights on this rank: its class, its config (less the path it came
+    from) and, per parameter and buffer, the name, shape, dtype and a strided sample of at most 4096 values -- other
+    weights (another checkpoint, a fine-tune, another TP slice) give another fingerprint, for a read of ~4K values
+    per tensor instead of a hash of every byte."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(type(model).__name__.encode())
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        d = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "name_or_path")}
+        h.update(json.dumps(d, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            h.update(flat[::step][:4096].to("cpu", torch.float64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _checksum(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
+
+
+@dataclass
+class Entry:
+    """A stored context of this rank's layout, as its manifest says."""
+
+    key: str
+    tokens: int
+    prefix: str  # the prefix digest of its ids (magnetar.engine.context.prefix_digest, hex)
+    options: str  # the encoding options' digest
+    nbytes: int  # its largest shard over the ranks (what the budget counts)
+    used: float  # last written or loaded (seconds since the epoch)
+
+
+class ContextStore:
+    """One rank's disk tier under ``root/layout`` (module docstring), for the weights ``fingerprint``, within
+    ``budget_bytes``."""
+
+    def __init__(self, root, layout: str, fingerprint: str, budget_bytes: int):
+        self.dir = Path(root) / layout
+        self.layout, self.fingerprint, self.budget_bytes = layout, fingerprint, budget_bytes
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"runtime.context_store {str(root)!r}: cannot create {self.dir} ({e}); give a writable "
+                             f"folder (--context-store DIR)") from None
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
+        self._pinned: set[str] = set()
+        self.loads = self.writes = self.evictions = self.refused = 0
+        self._scan()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="magnetar-context-store", daemon=True)
+        self._writer.start()
+
+    # -- the index ----------------------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index the manifests of this layout; remove what a killed writer left (temporary files, data without a
+        manifest)."""
+        found = []
+        for path in self.dir.iterdir():
+            if _TMP in path.name:
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
+                log.warning("context store: %s has no manifest (its writer died): removed", path)
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != ".json":
+                continue
+            try:
+                m = json.loads(path.read_text())
+                entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
+                              float(m["used"]))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("context store: manifest %s is unreadable (%s): removed with its data", path, e)
+                self._delete(path.stem)
+                continue
+            if m.get("format") != FORMAT or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
+                continue  # foreign: another engine's (left for it)
+            found.append(entry)
+        for entry in sorted(found, key=lambda e: e.used):
+            self._entries[entry.key] = entry
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
+        """The length of the longest stored proper prefix of ``context_ids`` with these ``options``
+        (``prefix_of(n)``: the hex digest of the ids' first ``n`` tokens), or 0."""
+        with self._lock:
+            candidates = sorted({(e.tokens, e.prefix) for e in self._entries.values()
+                                 if e.options == options and e.tokens < context_ids.numel()}, reverse=True)
+        for n, digest in candidates:
+            if prefix_of(n) == digest:
+                return n
+        return 0
+
+    def pin(self, key: str) -> None:
+        with self._lock:
+            self._pinned.add(key)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            self._pinned.discard(key)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(contexts=len(self._entries), bytes=sum(e.nbytes for e in self._entries.values()),
+                        budget_bytes=self.budget_bytes, loads=self.loads, writes=self.writes,
+                        evictions=self.evictions, refused=self.refused)
+
+    # -- writing ------------------------------------------------------------------------------------------------
+    def save(self, handle, prefix: str) -> None:
+        """Write ``handle`` (this rank's shard) on the background thread; ``prefix``: its ids' prefix digest."""
+        if handle.nbytes > self.budget_bytes or handle.shard is None:
+            return
+        with self._lock:
+            if handle.key in self._entries:  # already stored: now the most recent
+                self._entries[handle.key].used = time.time()
+                self._entries.move_to_end(handle.key)
+                return
+        self._queue.put((handle, prefix))
+
+    def flush(self, timeout_s: float = 600) -> None:
+        """Wait until every write asked for so far is done."""
+        done = threading.Event()
+        self._queue.put(done)
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"context store: writes not done after {timeout_s} s")
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(60)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(*item)
+            except Exception as e:  # a full disk, a removed folder: the context stays in memory; say it once per file
+                log.warning("context store: writing %s failed (%s); the context is not stored", item[0].key, e)
+
+    def _write(self, handle, prefix: str) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"context_ids": handle.context_ids.to(torch.int64).contiguous()}
+        for i, layer in enumerate(handle.shard.layers):
+            if layer.k is None:
+                continue
+            tensors[f"k.{i}"] = layer.k.detach().cpu().contiguous()
+            tensors[f"v.{i}"] = layer.v.detach().cpu().contiguous()
+            tensors[f"pos.{i}"] = layer.pos.detach().cpu().contiguous()
+            if layer.mass is not None:
+                tensors[f"mass.{i}"] = layer.mass.detach().cpu().contiguous()
+        if handle.last_logits is not None:
+            tensors["last_logits"] = handle.last_logits.contiguous()
+        data, manifest = self.dir / f"{handle.key}.safetensors", self.dir / f"{handle.key}.json"
+        tmp = data.with_name(data.name + _TMP + uuid.uuid4().hex)
+        save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
+        _fsync(tmp)
+        os.replace(tmp, data)
+        now = time.time()
+        m = {"format": FORMAT, "key": handle.key, "fingerprint": self.fingerprint, "layout": self.layout,
+             "options": handle.options, "tokens": handle.context_tokens, "prefix": prefix,
+             "nbytes": handle.nbytes, "bytes": data.stat().st_size, "checksum": _checksum(data), "used": now,
+             "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
+             "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats}
+        tmp = manifest.with_name(manifest.name + _TMP + uuid.uuid4().hex)
+        tmp.write_text(json.dumps(m, default=str))
+        _fsync(tmp)
+        os.replace(tmp, manifest)
+        with self._lock:
+            self._entries[handle.key] = Entry(handle.key, handle.context_tokens, prefix, handle.options,
+                                              handle.nbytes, now)
+            self._entries.move_to_end(handle.key)
+            self.writes += 1
+            victims = self._over_budget()
+        for key in victims:
+            self._delete(key)
+
+    def _over_budget(self) -> list[str]:
+        """The least recently used unpinned keys to drop until the budget holds (under the lock)."""
+        total, out = sum(e.nbytes for e in self._entries.values()), []
+        for key in list(self._entries):
+            if total <= self.budget_bytes:
+                break
+            if key in self._pinned:
+                continue
+            total -= self._entries.pop(key).nbytes
+            self.evictions += 1
+            out.append(key)
+        return out
+
+    def _delete(self, key: str) -> None:
+        for suffix in (".json", ".safetensors"):  # the manifest first: a data file without one is never loaded
+            (self.dir / f"{key}{suffix}").unlink(missing_ok=True)
+
+    # -- loading ------------------------------------------------------------------------------------------------
+    def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
+        """The stored shard of ``key`` -- ``{"shard", "context_ids", "query_position", "stats", "prefill_stats",
+        "nbytes", "method", "options", "last_logits"}`` on ``device`` -- or None when it is missing or invalid
+        (logged by name; a partial or corrupt file is deleted). ``context_ids``: the ids it must hold (None: a
+        prefix found by its digest, checked by the caller)."""
+        from safetensors import safe_open
+
+        from magnetar.engine.kv import KVShard
+        from magnetar.engine.results import RankStats
+
+        data, manifest = self.dir / f"{key}.safetensors", self.dir / f"{key}.json"
+        try:
+            m = json.loads(manifest.read_text())
+        except (OSError, ValueError) as e:
+            return self._refuse(key, f"its manifest is missing or unreadable ({e})", delete=True)
+        if m.get("format") != FORMAT or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
+            return self._refuse(key, "it was written by another engine (other weights, layout or format)")
+        size = data.stat().st_size if data.exists() else -1
+        if size != m.get("bytes"):
+            return self._refuse(key, f"its data file holds {size} bytes, its manifest says {m.get('bytes')} "
+                                     f"(truncated, or the writer died)", delete=True)
+        if _checksum(data) != m.get("checksum"):
+            return self._refuse(key, "its checksum differs from its manifest's (corrupt)", delete=True)
+        shard = KVShard(int(m["layers"]))
+        with safe_open(str(data), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            ids = f.get_tensor("context_ids")
+            if context_ids is not None and not torch.equal(ids, context_ids.reshape(-1).cpu()):
+                return self._refuse(key, "it holds other token ids (a key collision)")
+            for i, layer in enumerate(shard.layers):
+                if f"k.{i}" in names:
+                    mass = f.get_tensor(f"mass.{i}").to(device) if f"mass.{i}" in names else None
+                    layer.append(f.get_tensor(f"k.{i}").to(device), f.get_tensor(f"v.{i}").to(device),
+                                 f.get_tensor(f"pos.{i}").to(device), mass)
+            last = f.get_tensor("last_logits") if "last_logits" in names else None
+        shard.freeze()
+        with self._lock:
+            if key in self._entries:
+                self._entries[key].used = time.time()
+                self._entries.move_to_end(key)
+            self.loads += 1
+        return {"shard": shard, "context_ids": ids, "query_position": int(m["query_position"]),
+                "stats": [RankStats(**s) for s in m["stats"]], "prefill_stats": m.get("prefill_stats"),
+                "nbytes": int(m["nbytes"]), "method": m["method"], "options": m["options"], "last_logits": last}
+
+    def _refuse(self, key: str, why: str, delete: bool = False) -> None:
+        log.warning("context store: %s is not loaded: %s%s", self.dir / f"{key}.safetensors", why,
+                    "; removed" if delete else "")
+        with self._lock:
+            self.refused += 1
+            self._entries.pop(key, None)
+        if delete:
+            self._delete(key)
+        return None
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

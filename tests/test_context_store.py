@@ -1,0 +1,212 @@
+"""The context cache's disk tier (issue 49, item 2; magnetar.engine.store): a restarted engine answers from what an
+earlier one stored -- the same tokens as encoding again, no Phase 1 --, continues a stored conversation by extending
+it, and never loads a partial, corrupt or foreign file: a writer killed mid-write, a truncated or flipped file,
+other weights and another CP layout each fall back to Phase 1 (the bad files removed, a foreign one left). The
+store stays within its bound, least recently used out, pinned contexts kept; two real ranks agree before loading."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import magnetar
+from tests.dist_utils import run_distributed
+from tests.tiny_models import save_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+CTX, Q = torch.arange(10, 210), torch.tensor([5, 6, 7])
+MORE = torch.arange(200, 240)  # the next turn's new tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-store")
+    save_tiny(out, "llama", max_position_embeddings=1024)
+    return out
+
+
+def _engine(model_dir, store, **kw):
+    kw.setdefault("method", "dense")
+    return magnetar.init_inference(str(model_dir), context_store=str(store), timeout_s=60, **kw)
+
+
+def _files(store: Path) -> list[str]:
+    return sorted(p.name for p in store.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("kw", [dict(method="dense"), dict(method="star", cp_size=2, block_size=64,
+                                                              simulate=True)], ids=["dense", "star-simulated"])
+def test_a_restarted_engine_answers_from_the_store(model_dir, tmp_path, kw):
+    first = _engine(model_dir, tmp_path, **kw)
+    want = first.generate(CTX, Q, max_new_tokens=6)
+    first.flush_store()
+    assert want.cached_context_tokens == 0 and first.cache_stats()["store"]["writes"] == 1
+    again = _engine(model_dir, tmp_path, **kw)  # a new engine: an empty memory cache
+    got = again.generate(CTX, Q, max_new_tokens=6)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == CTX.numel()
+    assert again.cache_stats()["store"]["loads"] == 1 and again.is_cached(again.cache_key(CTX))
+
+
+def test_a_stored_conversation_is_extended_after_a_restart(model_dir, tmp_path):
+    first = _engine(model_dir, tmp_path)
+    first.generate(CTX, Q, max_new_tokens=4)
+    first.flush_store()
+    longer = torch.cat((CTX, MORE))  # the next turn: the stored context plus 40 tokens
+    fresh = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, prefix_reuse="off")
+    want = fresh.generate(longer, Q, max_new_tokens=6)
+    again = _engine(model_dir, tmp_path)
+    assert again.cached_prefix_tokens(longer) == CTX.numel()  # what a server's leader plans with
+    got = again.generate(longer, Q, max_new_tokens=6)
+    assert got.cached_context_tokens == CTX.numel() and got.token_ids == want.token_ids
+
+
+def _stored(model_dir, store: Path) -> list[int]:
+    first = _engine(model_dir, store)
+    tokens = first.generate(CTX, Q, max_new_tokens=6).token_ids
+    first.flush_store()
+    return tokens
+
+
+@pytest.mark.parametrize("fault", ["truncated", "flipped", "no-manifest"])
+def test_a_damaged_file_is_never_loaded(model_dir, tmp_path, fault, caplog):
+    want = _stored(model_dir, tmp_path)
+    data = next(tmp_path.rglob("*.safetensors"))
+    if fault == "truncated":
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    elif fault == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[-100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:  # as a writer killed between the data file and its manifest leaves it
+        data.with_suffix(".json").unlink()
+    with caplog.at_level(logging.WARNING, logger="magnetar.engine.store"):
+        again = _engine(model_dir, tmp_path)
+        got = again.generate(CTX, Q, max_new_tokens=6)
+    assert got.cached_context_tokens == 0 and got.token_ids == want  # Phase 1 ran again
+    assert str(data.name) in caplog.text and ("removed" in caplog.text)
+    again.flush_store()  # and the context is stored anew, whole
+    assert again.cache_stats()["store"]["writes"] == 1 and data.exists() and data.with_suffix(".json").exists()
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_loadable(model_dir, tmp_path):
+    """A real process dies between renaming the data file and writing its manifest (os.replace of the manifest
+    kills it): the next engine removes the data file and encodes again."""
+    script = (f"import os, torch, magnetar\nimport magnetar.engine.store as s\n"
+              f"real = os.replace\n"
+              f"def dying(a, b):\n    if str(b).endswith('.json'): os._exit(9)\n    real(a, b)\n"
+              f"s.os.replace = dying\n"
+              f"e = magnetar.init_inference({str(model_dir)!r}, method='dense', context_store={str(tmp_path)!r})\n"
+              f"e.generate(torch.arange(10, 210), torch.tensor([5, 6, 7]), max_new_tokens=2)\n"
+              f"e.flush_store(60)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, timeout=300)
+    assert done.returncode == 9, done.stderr.decode()[-2000:]
+    assert [n for n in _files(tmp_path) if n.endswith(".safetensors")] and \
+        not [n for n in _files(tmp_path) if n.endswith(".json")]
+    again = _engine(model_dir, tmp_path)
+    assert not _files(tmp_path) and again.generate(CTX, Q, max_new_tokens=2).cached_context_tokens == 0
+
+
+def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):
+    _stored(model_dir, tmp_path)
+    other = tmp_path_factory.mktemp("tiny-other")
+    save_tiny(other, "llama", seed=1, max_position_embeddings=1024)
+    foreign = _engine(other, tmp_path)  # the same shapes and options, other weights: another fingerprint
+    assert not foreign.is_cached(foreign.cache_key(CTX))
+    assert foreign.generate(CTX, Q, max_new_tokens=2).cached_context_tokens == 0
+    layout = _engine(model_dir, tmp_path, method="ring", cp_size=2, simulate=True)  # another CP layout
+    assert layout.generate(CTX, Q, max_new_tokens=2).cached_context_tokens == 0
+    foreign.flush_store()
+    layout.flush_store()
+    assert len([n for n in _files(tmp_path) if n.endswith(".json")]) == 2  # the first is replaced by the foreign
+    # engine's own copy (same key), the simulated layout has its own folder
+
+
+def test_the_store_stays_within_its_bound_and_keeps_pinned_contexts(model_dir, tmp_path):
+    engine = _engine(model_dir, tmp_path, context_store_mb=1)
+    one = engine.encode(CTX)
+    each = one.nbytes
+    engine.pin(one)
+    for i in range(1, 14):  # 14 contexts of 100 KiB each: past the 1 MiB bound
+        engine.encode(torch.arange(10 + i, 210 + i))
+    engine.flush_store()
+    stats = engine.cache_stats()["store"]
+    assert stats["bytes"] <= 2**20 and stats["evictions"] >= 1 and stats["contexts"] == stats["bytes"] // each
+    assert engine.is_cached(one.key)  # pinned: kept while newer ones went
+    engine.unpin(one)
+
+
+def _two_ranks(rank, world, model_dir, store):
+    flat = dict(method="star", cp_size=2, block_size=64, timeout_s=60, context_store=store)
+    first = magnetar.init_inference(model_dir, **flat)
+    want = first.generate(CTX, Q, max_new_tokens=5)
+    first.flush_store()
+    torch.distributed.barrier()
+    again = magnetar.init_inference(model_dir, **flat)
+    got = again.generate(CTX, Q, max_new_tokens=5)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == CTX.numel(), rank
+    again.flush_store()
+    torch.distributed.barrier()
+    if rank == 1:  # one rank lost its file: the ranks agree to encode again, none loads
+        for p in Path(store).glob("cp1of2*/*.json"):
+            p.unlink()
+    torch.distributed.barrier()
+    third = magnetar.init_inference(model_dir, **flat)
+    got = third.generate(CTX, Q, max_new_tokens=5)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == 0, rank
+
+
+def test_two_ranks_agree_before_loading(model_dir, tmp_path):
+    run_distributed(_two_ranks, 2, str(model_dir), str(tmp_path))
+
+
+def test_a_restarted_server_answers_from_the_store(tmp_path, tmp_path_factory):
+    """A server started again on the same --context-store answers a pasted document's question and a pinned
+    context's (pinned again under its id) from the stored KV: the same answers, every context token cached."""
+    openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+    httpx = pytest.importorskip("httpx")
+    from magnetar.serve.server import Server
+    from tests.dist_utils import free_port, serve_in_thread
+    from tests.tiny_models import save_tiny_chat
+
+    model_dir = save_tiny_chat(tmp_path_factory.mktemp("tiny-store-chat"), 2048)
+    doc = "\n".join(f"Line {i}: the ledger keeps record {i * 7}." for i in range(16))
+
+    def ask(url: str) -> tuple:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        pinned = client.chat.completions.create(model="tiny", max_tokens=6, messages=[
+            {"role": "user", "content": "Which record?"}], extra_body={"magnetar": {"context_id": cid}})
+        pasted = client.chat.completions.create(model="tiny", max_tokens=6, messages=[
+            {"role": "user", "content": doc + "\n\nWhich record is on line 3?"}])
+        return pinned, pasted
+
+    def server() -> Server:
+        engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60,
+                                         context_store=str(tmp_path))
+        return Server(engine, model_name="tiny", port=free_port(), max_tokens=8, paste_threshold=64)
+
+    with serve_in_thread(server()) as s:
+        made = httpx.post(s.url + "/v1/contexts", json={"model": "tiny", "context": doc + " (pinned)"}, timeout=60)
+        cid, tokens = made.json()["id"], made.json()["tokens"]
+        before = ask(s.url)
+    assert (tmp_path / "pinned-dp0.json").exists()  # the drain wrote the pinned list and flushed the KV
+    with serve_in_thread(server()) as s:
+        for _ in range(100):  # the pinned context is pinned again just after the server starts
+            if httpx.get(s.url + "/metrics", timeout=10).text.count("magnetar_pinned_contexts 1.0"):
+                break
+            time.sleep(0.1)
+        after = ask(s.url)
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text
+    for b, a in zip(before, after):
+        assert a.choices[0].message.content == b.choices[0].message.content
+    assert after[0].usage.prompt_tokens_details.cached_tokens == tokens
+    assert after[1].usage.prompt_tokens_details.cached_tokens == before[1].model_extra["magnetar"]["prompts"][0][
+        "context_tokens"] > 0
+    assert "magnetar_context_store_loads_total 2.0" in metrics, metrics
