@@ -161,7 +161,7 @@ class Encoder:
         if self.store is None or not self._agree(key in self.store):
             return None
         loaded = self.store.load(key, context_ids, self.device)
-        if not self._agree(loaded is not None) or loaded["options"] != self.options_digest:
+        if not self._agree(loaded is not None and loaded["options"] == self.options_digest):
             return None
         return ContextHandle(key, loaded["context_ids"], loaded["shard"], loaded["query_position"], loaded["stats"],
                              loaded["prefill_stats"], loaded["nbytes"], loaded["method"], engine=self.identity,
