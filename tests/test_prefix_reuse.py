@@ -1,6 +1,7 @@
 """Prefix reuse: a context that starts with a cached one encodes only its new tokens (Encoder.extend), which attend
-to the cached KV exactly and join the first CP rank's shard. Exact methods give a fresh Phase 1's answers; the
-longest cached prefix is chosen, a chain of turns extends turn by turn; what cannot extend says why."""
+to the cached KV exactly and are dealt to the CP ranks in blocks, the least loaded first. Exact methods give a fresh
+Phase 1's answers; the longest cached prefix is chosen, a chain of turns extends turn by turn and stays balanced
+over the ranks; what cannot extend says why."""
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,8 @@ def test_exact_methods_extend_like_a_fresh_phase1(label, flat):
 def _two_rank_worker(rank, world):
     model = tiny_model("qwen3", seed=3)
     _extends_like_a_fresh_phase1(model, dict(method="ring", cp_size=2), f"[rank {rank}] ring")
-    # star, prefix_reuse all: the new tokens' KV sits on rank 0 only; the simulated engine gives the same answer
+    # star, prefix_reuse all: the new tokens' KV goes to the rank holding fewer (rank 0 on a tie); the simulated
+    # engine gives the same answer
     flat = dict(method="star", cp_size=2, block_size=48, anchor_size=8, prefix_reuse="all")
     real, sim = _engine(model, **flat), _engine(model, simulate=True, **flat)
     a, b, q = _ids(4, L), _ids(5, ADD), _ids(6, 4)
@@ -58,6 +60,35 @@ def _two_rank_worker(rank, world):
 
 def test_exact_and_star_extensions_on_two_real_ranks():
     run_distributed(_two_rank_worker, 2)
+
+
+def test_new_tokens_go_to_the_least_loaded_rank_in_blocks():
+    from magnetar.engine.encode import spread_blocks
+
+    owners = spread_blocks([100, 40], 150, block=64)
+    assert owners.tolist() == [1] * 64 + [0] * 64 + [1] * 22  # 40 -> 104 (r1), 100 -> 164 (r0), 104 -> 126 (r1)
+    assert spread_blocks([5, 5, 5], 10).tolist() == [0] * 10  # a tie: the first rank
+
+
+def _balanced_conversation(rank, world):
+    """Twelve turns of a conversation over ring on two real ranks: every answer equals the one-process simulation's,
+    and the ranks' shards stay within 1.2x of each other (each turn went to the rank holding fewer tokens)."""
+    model = tiny_model("llama", seed=5)
+    flat = dict(method="ring", cp_size=2)
+    real, sim = _engine(model, **flat), _engine(model, simulate=True, **flat)
+    ctx, q = _ids(10, L), _ids(11, 4)
+    for turn in range(12):
+        got = real.generate(ctx, q, max_new_tokens=3)
+        want = sim.generate(ctx, q, max_new_tokens=3)
+        assert got.token_ids == want.token_ids, (rank, turn)
+        assert got.context_kv_tokens_per_rank == want.context_kv_tokens_per_rank, (rank, turn)
+        ctx = torch.cat((ctx, _ids(20 + turn, 30)))
+    tokens = got.context_kv_tokens_per_rank
+    assert sum(tokens) == L + 11 * 30 and max(tokens) <= 1.2 * min(tokens), tokens
+
+
+def test_a_long_conversation_stays_balanced_over_two_real_ranks():
+    run_distributed(_balanced_conversation, 2)
 
 
 def test_star_extends_only_with_prefix_reuse_all_and_its_new_tokens_see_the_whole_prefix():

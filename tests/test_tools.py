@@ -74,15 +74,16 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris tomorrow?"
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_required_call_always_parses(client, parallel):
-    for seed in range(3):
+    for seed in range(2):
         done = client.chat.completions.create(model="tiny", messages=QUESTION, tools=[WEATHER, CLOCK], seed=seed,
                                               tool_choice="required", parallel_tool_calls=parallel, temperature=1.0,
-                                              max_tokens=200)
+                                              max_tokens=160)
         choice = done.choices[0]
         calls = choice.message.tool_calls
         assert calls and (parallel or len(calls) == 1), choice
         if choice.finish_reason == "length":  # a model without EOS calls on until max_tokens: the cut call is text
-            assert parallel and choice.message.content.startswith("<tool_call>")
+            cut = choice.message.content
+            assert parallel and (cut.startswith("<tool_call>") or "<tool_call>".startswith(cut)), cut
         else:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         for call in calls:

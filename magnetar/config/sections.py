@@ -174,8 +174,8 @@ class RuntimeConfig:
     context_store: Optional[str] = None
     context_store_mb: int = 10240  # the store's bound per rank (least recently used out)
     # a context that starts with a cached one encodes only its new tokens, which attend to the cached KV exactly
-    # (as a Phase-2 query) and are kept on the first CP rank: "exact" for the methods whose Phase 1 is exact
-    # (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
+    # (as a Phase-2 query) and are dealt to the CP ranks, least loaded first: "exact" for the methods whose Phase 1
+    # is exact (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
     # tokens then see the whole cached context, not the method's anchor or summaries), "off"
     prefix_reuse: str = "exact"
     # how decode steps run (magnetar.engine.static): "eager" (one attention call per request and layer), "static"

@@ -31,9 +31,25 @@ from magnetar.engine.store import ContextStore
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
                                       plan_rank)
 from magnetar.parallel import ParallelGroups
-from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers
+from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers, broadcast_tensor
 
 log = logging.getLogger(__name__)
+
+
+SPREAD_BLOCK = 64  # an extension's new tokens are dealt to the CP ranks in blocks of this many
+
+
+def spread_blocks(counts: Sequence[int], n: int, block: int = SPREAD_BLOCK) -> torch.Tensor:
+    """Which CP rank keeps each of ``n`` new tokens ``(n,)``: blocks of ``block`` tokens in order, each to the rank
+    holding the fewest context tokens so far (``counts``, one per rank; ties to the first), counted as they are
+    dealt -- the same on every rank."""
+    load, owners = list(counts), torch.empty(n, dtype=torch.long)
+    for a in range(0, n, block):
+        r = min(range(len(load)), key=lambda i: (load[i], i))
+        b = min(block, n - a)
+        owners[a:a + b] = r
+        load[r] += b
+    return owners
 
 
 def kv_options(config: EngineConfig) -> str:
@@ -207,7 +223,8 @@ class Encoder:
     def _prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
         """The cached handle to extend into ``context_ids``: the longest cached proper prefix of it, of this
         engine and options, when this configuration extends prefixes and the new tokens are no more than the
-        prefix's (more would run unspread on one rank: a fresh Phase 1 spreads them over the CP ranks)."""
+        prefix's (an extension runs them as one query on every rank; a fresh Phase 1 spreads them over the CP
+        ranks)."""
         if self.can_extend() is not None:
             return None
         base = self.cache.longest_prefix(context_ids, self.identity, self.options_digest)
@@ -219,9 +236,11 @@ class Encoder:
 
     def extend(self, base: ContextHandle, context_ids: torch.Tensor, key: Optional[str] = None) -> ContextHandle:
         """The handle of ``context_ids`` from ``base`` (a handle of its first tokens): the new tokens run as a
-        Phase-2 query over ``base``'s distributed KV (exact attention over it, causal among themselves) and their
-        KV joins the first CP rank's shard (the rank that keeps a question's KV). Every rank of the replica calls
-        it alike (the forward is collective)."""
+        Phase-2 query over ``base``'s distributed KV (exact attention over it, causal among themselves), and their
+        KV is dealt to the CP ranks in blocks of :data:`SPREAD_BLOCK` tokens, each block to the rank holding the
+        fewest context tokens (:func:`spread_blocks`; the first CP rank computed it and sends each rank its part),
+        so a long conversation's turns do not pile onto one rank. Every rank of the replica calls it alike (the
+        forward is collective)."""
         n = base.context_tokens
         new = context_ids.reshape(-1)[n:]
         if new.numel() < 1 or not torch.equal(context_ids.reshape(-1)[:n], base.context_ids):
@@ -230,24 +249,58 @@ class Encoder:
         gen = KVShard(self.model.config.num_hidden_layers) if self.groups.is_cp_leader else None
         logits = run_teacher_forced(self.model, self.config, base.shard.view(), new, base.query_position,
                                     self.groups, self.device, context_tokens=n, gen=gen, every=False)
+        g, added = self.groups, int(new.numel())
+        if self.simulated:
+            counts = [st.context_kv_tokens for st in base.stats]
+        else:
+            counts = all_gather_ints([base.shard.tokens()], g.cp_group, self.device, timeout=g.timeout)[:, 0].tolist()
+        owners = spread_blocks(counts, added)
+        if self.simulated or g.cp_size == 1:  # one process holds every rank's KV: the union grows
+            shard = KVShard.join([base.shard, gen])
+            per_token = gen.nbytes() // added
+        else:
+            mine = self._deal(base, gen, owners, base.query_position)
+            shard = base.shard if mine is None else KVShard.join([base.shard, mine])
+            per_token = 0 if mine is None else mine.nbytes() // mine.tokens()
         seconds = time.perf_counter() - t0
-        shard = KVShard.join([base.shard, gen]) if gen is not None else base.shard
-        added = gen.nbytes() if gen is not None else 0
-        # stats: this rank's (simulated: every rank's, the first CP rank's first), the new KV on the first CP rank
-        grows = [r == 0 and gen is not None for r in range(len(base.stats))]
+        # stats: this rank's (simulated: every rank's, the first CP rank's first), each grown by the tokens dealt to it
+        ranks = range(len(base.stats)) if self.simulated else [g.cp_rank]
         stats = [dataclasses.replace(st, phase1_seconds=seconds if (r == 0 or not self.simulated) else 0.0,
-                                     context_kv_tokens=st.context_kv_tokens + int(new.numel()) * grow,
-                                     kv_bytes=st.kv_bytes + added * grow)
-                 for r, (st, grow) in enumerate(zip(base.stats, grows))]
+                                     context_kv_tokens=st.context_kv_tokens + int((owners == r).sum()),
+                                     kv_bytes=st.kv_bytes + int((owners == r).sum()) * per_token)
+                 for r, st in zip(ranks, base.stats)]
         if self.simulated:
             largest = max(st.kv_bytes for st in stats)
         else:  # every rank's shard size: the cache budget counts the largest, the same on every rank
-            g = self.groups
             largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
-                             base.query_position + int(new.numel()), stats, base.prefill_stats, largest, base.method,
+                             base.query_position + added, stats, base.prefill_stats, largest, base.method,
                              engine=self.identity, options=self.options_digest, reused_tokens=n,
                              last_logits=logits[-1].float().cpu())
+
+    def _deal(self, base: ContextHandle, gen: Optional[KVShard], owners: torch.Tensor,
+              start: int) -> Optional[KVShard]:
+        """This rank's part of an extension's KV: the first CP rank (which holds ``gen``, every new token's KV)
+        sends it to every rank of the CP group (one broadcast of all layers' keys and values), and each keeps the
+        tokens ``owners`` gives it (at RoPE positions ``start ...``); None when it is given none."""
+        g, n = self.groups, int(owners.numel())
+        ref = next(layer.k for layer in base.shard.layers if layer.k is not None)
+        shape = (len(base.shard.layers), 2, ref.shape[0], ref.shape[1], n, ref.shape[3])
+        if gen is not None:
+            packed = torch.stack([torch.stack((layer.k, layer.v)) for layer in gen.layers]).contiguous()
+        else:
+            packed = torch.empty(shape, dtype=ref.dtype, device=ref.device)
+        broadcast_tensor(packed, g.cp_ranks[0], g.cp_group, timeout=g.timeout,
+                         what=f"the extension's KV broadcast over {g.cp_size} ranks")
+        idx = (owners == g.cp_rank).nonzero().reshape(-1).to(packed.device)
+        if idx.numel() == 0:
+            return None
+        pos = (start + torch.arange(n, device=ref.device))[idx.to(ref.device)]
+        mine = KVShard(len(base.shard.layers))
+        for i, layer in enumerate(mine.layers):
+            layer.append(packed[i, 0].index_select(2, idx), packed[i, 1].index_select(2, idx), pos)
+        mine.freeze()
+        return mine
 
     def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
         """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's

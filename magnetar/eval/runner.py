@@ -154,14 +154,16 @@ def method_config(base: EngineConfig, args, method: str, cp: int) -> EngineConfi
 def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
     were real or simulated: both give the same answers, nor how their states travel (parallel.shm_gather), nor
-    runtime.check_finite, which only stops a run, nor the context cache's budget, which only decides what is kept
-    between requests)."""
+    runtime.check_finite, which only stops a run, nor the context cache's budget and disk tier, which only decide
+    what is kept between requests)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
     d["parallel"].pop("shm_gather", None)  # how the ranks' states travel: the same bytes either way
     d["runtime"].pop("check_finite", None)
     d["runtime"].pop("context_cache_mb", None)
+    d["runtime"].pop("context_store", None)  # where encoded contexts are kept between runs: the same answers
+    d["runtime"].pop("context_store_mb", None)
     if d["runtime"].get("prefix_reuse") == "exact":
         d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
     if d["runtime"].get("decode_step") == "eager":

@@ -112,6 +112,16 @@ def all_gather_states(
     return outs, lses
 
 
+def broadcast_tensor(t: torch.Tensor, src: int, group: Optional[dist.ProcessGroup], *, timeout=None,
+                     what: str = "broadcast") -> torch.Tensor:
+    """``t`` from global rank ``src`` to every rank of ``group`` (the others pass a tensor of the same shape and
+    dtype to fill), in place; returns it. A group of one returns ``t``."""
+    if group_size(group) == 1:
+        return t
+    wait_all(dist.broadcast(t, src, group=group, async_op=True), timeout, what)
+    return t
+
+
 def all_gather_ints(values: list[int], group: Optional[dist.ProcessGroup], device, *, timeout=None) -> torch.Tensor:
     """Gather a short list of ints from every rank: ``(W, len(values))`` int64 (on CPU)."""
     t = torch.tensor(values, dtype=torch.long, device=device)
