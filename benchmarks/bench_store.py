@@ -26,18 +26,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _serve(args, store: str, port: int, log: Path) -> subprocess.Popen:
+def serve(args, flags: list[str], port: int, log: Path) -> subprocess.Popen:
+    """``magnetar serve`` of ``args.model`` on ``args.ranks`` CPU ranks under torchrun (``flags`` added), its output in
+    ``log``; the ranks share the cores."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     cmd = [torchrun, "--nproc-per-node", str(args.ranks), "--master-addr", "127.0.0.1", "--master-port",
-           str(_port()), "-m", "magnetar.serve", "--model", args.model, "--method", args.method, "--cp-size",
-           str(args.ranks), "--context-store", store, "--port", str(port), "--served-model-name", "m",
-           "--timeout-s", "600"]
+           str(free_port()), "-m", "magnetar.serve", "--model", args.model, *flags, "--port", str(port),
+           "--served-model-name", "m", "--timeout-s", "600"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.ranks)))
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def _port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -57,7 +58,7 @@ def _ask(url: str, document: str) -> tuple[float, dict]:
     return time.perf_counter() - t0, r.json()
 
 
-def _wait(url: str, job: subprocess.Popen, log: Path) -> None:
+def wait(url: str, job: subprocess.Popen, log: Path) -> None:
     import httpx
 
     deadline = time.monotonic() + 600
@@ -97,11 +98,12 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="magnetar-store-") as store:
         for run in ("first server (Phase 1, stored)", "restarted server (loaded)"):
-            port, log = _port(), Path(store) / f"server-{len(rows)}.log"
-            job = _serve(args, store, port, log)
+            port, log = free_port(), Path(store) / f"server-{len(rows)}.log"
+            job = serve(args, ["--method", args.method, "--cp-size", str(args.ranks), "--context-store", store], port,
+                        log)
             try:
                 url = f"http://127.0.0.1:{port}"
-                _wait(url, job, log)
+                wait(url, job, log)
                 seconds, body = _ask(url, document)
                 drained = _stop(job, log)
             finally:

@@ -51,12 +51,12 @@ def model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _start(model_dir: Path, tmp: Path, port: int) -> subprocess.Popen:
+def _start(model_dir: Path, tmp: Path, port: int, flags=FLAGS) -> subprocess.Popen:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("the torchrun launcher is not installed")
     cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "magnetar.serve", "--model", str(model_dir), *FLAGS, "--port", str(port), "--served-model-name", NAME,
+           "-m", "magnetar.serve", "--model", str(model_dir), *flags, "--port", str(port), "--served-model-name", NAME,
            "--timeout-s", str(TIMEOUT_S)]
     env = {k: v for k, v in os.environ.items() if k not in (lifetime.WATCHDOG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
@@ -230,3 +230,49 @@ def _tick_worker(rank, world):
 
 def test_the_tick_reaches_every_rank_and_a_missing_leader_times_out():
     run_distributed(_tick_worker, 2)
+
+
+def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_dir, tmp_path):
+    """Two data-parallel replicas (dense, one rank each) behind --front-port: ten questions about one document are
+    answered with one Phase 1 in total; a second document goes to the other replica; a pinned context's questions and
+    a stored response's continuation go to the replica that holds them; GET /v1/contexts says which."""
+    port, front = free_port(), free_port()
+    flags = ["--method", "dense", "--paste-threshold", "32", "--front-port", str(front)]
+    job = _start(model_dir, tmp_path, port, flags)
+    url = f"http://127.0.0.1:{front}"
+    try:
+        wait_serving(url, job, STARTUP_S, lambda: _log(tmp_path))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(doc, question):
+            raw = client.chat.completions.with_raw_response.create(
+                model=NAME, max_tokens=3, messages=[{"role": "user", "content": question}],
+                extra_body={"magnetar": {"context": doc}})
+            return raw.headers["x-magnetar-replica"], raw.parse()
+
+        answers = [ask(DOC, f"Question {i}?") for i in range(10)]
+        replicas = {r for r, _ in answers}
+        cached = [a.usage.prompt_tokens_details.cached_tokens for _, a in answers]
+        context = answers[0][1].model_extra["magnetar"]["prompts"][0]["context_tokens"]
+        assert len(replicas) == 1 and cached == [0] + [context] * 9, (replicas, cached)  # one Phase 1 in all
+        other, _ = ask(PASTED, "Who sleeps?")
+        assert other != answers[0][0]  # a new document: the replica routed fewer requests
+        made = httpx.post(url + "/v1/contexts", json={"model": NAME, "context": PASTED + " pinned", "format": "raw"},
+                          timeout=120)
+        owner = made.headers["x-magnetar-replica"]
+        cid = made.json()["id"]
+        for _ in range(3):
+            raw = client.completions.with_raw_response.create(model=NAME, prompt=" Why?", max_tokens=2,
+                                                              extra_body={"magnetar": {"context_id": cid}})
+            assert raw.headers["x-magnetar-replica"] == owner
+        listed = httpx.get(url + "/v1/contexts", timeout=60).json()["data"]
+        assert [(c["id"], str(c["replica"]), c["tier"]) for c in listed] == [(cid, owner, "memory")]
+        first = client.responses.with_raw_response.create(model=NAME, input=DOC + "\n\nWhat jumps?",
+                                                          max_output_tokens=2)
+        again = client.responses.with_raw_response.create(model=NAME, input="Why?", max_output_tokens=2,
+                                                          previous_response_id=first.parse().id)
+        assert again.headers["x-magnetar-replica"] == first.headers["x-magnetar-replica"]
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert health["replicas"] == [200, 200] and sum(health["routed"]) >= 16, health
+    finally:
+        _end(job)

@@ -341,6 +341,10 @@ class Engine:
         (:meth:`cache_key`)."""
         return key in self.cache or (self.store is not None and key in self.store)
 
+    def is_stored(self, key: str) -> bool:
+        """Whether this rank's disk tier (``runtime.context_store``) holds the context of cache key ``key``."""
+        return self.store is not None and key in self.store
+
     def cached_prefix_tokens(self, context_ids: torch.Tensor) -> int:
         """How many first tokens of ``context_ids`` the longest cached (or, on this rank, stored) proper prefix
         encoded this engine's way holds (0: none), without touching the cache's recency order (a server's leader

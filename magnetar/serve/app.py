@@ -548,6 +548,14 @@ def _context_routes(app: FastAPI, server) -> None:
             server.contexts.add(pinned)
         return context_object(pinned).model_dump()
 
+    @app.get("/v1/contexts")
+    async def list_contexts():
+        """The pinned contexts, each with where its KV lives: ``tier`` ``memory`` (every rank holds it), ``stored``
+        (also in the disk tier, ``--context-store``), ``tokens``."""
+        return {"object": "list", "data": [dict(context_object(p).model_dump(), tier="memory",
+                                                stored=server.engine.is_stored(p.key))
+                                           for p in server.contexts.items()]}
+
     @app.delete("/v1/contexts/{cid}")
     async def delete_context(cid: str):
         pinned = server.contexts.get(cid)

@@ -96,42 +96,68 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def bind_first(args, config) -> Optional[socket.socket]:
+def advertised_host(host: str) -> str:
+    """The address the front reaches a replica bound to ``host`` at: the host itself, or for a wildcard (``0.0.0.0``,
+    ``::``) this machine's name's address."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def bind_first(args, config) -> tuple[Optional[socket.socket], Optional[socket.socket], list[str]]:
     """The HTTP socket of this rank's replica, bound before the model loads, on the replica's first rank (None on
-    the others): a port in use is found in seconds, not after minutes of loading. Under a launcher the process
-    group is started here and every rank learns whether any replica's port failed (one small gather), so every
-    rank ends with the same ValueError naming ``--port``."""
+    the others): a port in use is found in seconds, not after minutes of loading. With ``--front-port`` the job's
+    first rank binds the front's socket too, and learns every replica's address (``[front socket, replica URLs]``;
+    None and [] elsewhere). Under a launcher the process group is started here and every rank learns whether any
+    port failed (one small gather), so every rank ends with the same ValueError naming ``--port`` or
+    ``--front-port``."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from magnetar.parallel.collectives import all_gather_ints
+    from magnetar.parallel.collectives import all_gather_ints, all_gather_objects
     from magnetar.parallel.launcher import device_for_rank, init_distributed
 
     timeout = timedelta(seconds=config.parallel.timeout_s)
     distributed = not config.parallel.simulate and init_distributed(timeout=timeout)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     per_replica = config.parallel.cp_size * config.parallel.tp_size if distributed else 1
-    sock, error = None, None
+    sock, front, error = None, None, None
     if rank % per_replica == 0:
         port = args.port + rank // per_replica
         try:
             sock = bind_socket(args.host, port)
         except OSError as e:
             error = (f"--port {port}: cannot listen on {args.host}:{port} ({e.strerror or e}: in use, or not an "
-                     f"address of this host); choose another --port or --host")
+                     f"address of this host); choose another --port")
+    if rank == 0 and args.front_port is not None and error is None:
+        try:
+            front = bind_socket(args.host, args.front_port)
+        except OSError as e:
+            error = (f"--front-port {args.front_port}: cannot listen on {args.host}:{args.front_port} "
+                     f"({e.strerror or e}); choose another --front-port")
     if world > 1:
         failed = all_gather_ints([int(error is not None)], dist.group.WORLD, device_for_rank(),
                                  timeout=timeout)[:, 0].tolist()
         if error is None and any(failed):
             bad = [r for r, f in enumerate(failed) if f]
-            error = (f"--port: the replica port of rank(s) {bad} cannot be bound (their message says why); choose "
-                     f"another --port")
+            error = (f"--port / --front-port: a port of rank(s) {bad} cannot be bound (their message says why); "
+                     f"choose another")
     if error is not None:
-        if sock is not None:
-            sock.close()
+        for s in (sock, front):
+            if s is not None:
+                s.close()
         raise ValueError(error)
-    return sock
+    urls: list[str] = []
+    if args.front_port is not None:  # every replica's address, by data-parallel rank
+        mine = f"http://{advertised_host(args.host)}:{args.port + rank // per_replica}"
+        every = all_gather_objects(mine, dist.group.WORLD, device_for_rank(), timeout=timeout) if world > 1 \
+            else [mine]
+        urls = every[::per_replica] if rank == 0 else []
+    return sock, front, urls
 
 
 def choose_threads(threads: Optional[int]) -> tuple[Optional[int], Optional[int], str]:
@@ -165,7 +191,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     with user_errors(PROG):
         config, serve_config = check_inputs(args)
-        sock = bind_first(args, config)  # before the model loads (minutes for a large one)
+        sock, front, urls = bind_first(args, config)  # before the model loads (minutes for a large one)
     import torch
 
     threads, prefill_threads, why = choose_threads(args.threads)
@@ -182,7 +208,7 @@ def main(argv=None) -> int:
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
-    server = Server(engine, serve_config, sock=sock, prefill_threads=prefill_threads)
+    server = Server(engine, serve_config, sock=sock, prefill_threads=prefill_threads, front=front, replica_urls=urls)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

@@ -33,7 +33,7 @@ def _bounded(cast, low, high, expected: str, bounds: str):
     return parse
 
 
-port = _bounded(int, 1, 65535, "a TCP port (an int in 1..65535)", "a TCP port in 1..65535")
+tcp_port = _bounded(int, 1, 65535, "a TCP port (an int in 1..65535)", "a TCP port in 1..65535")
 positive_seconds = _bounded(float, 0.001, 86400, "a number of seconds", "between 0.001 and 86400 seconds")
 
 
@@ -74,7 +74,10 @@ class ServeConfig:
 
     model_name: str = _opt(MISSING, "the model name clients send", flag=False)
     host: str = _opt("127.0.0.1", "address to listen on (default 127.0.0.1; 0.0.0.0: every one)")
-    port: int = _opt(8000, "port of the first replica; replica d listens on port + d", type=port)
+    port: int = _opt(8000, "port of the first replica; replica d listens on port + d", type=tcp_port)
+    front_port: Optional[int] = _opt(None, "one port for all the data-parallel replicas, on the job's first rank: "
+                                           "routes each request to the replica holding its longest cached prefix "
+                                           "(the fewest requests in flight breaks ties; default: none)", type=tcp_port)
     max_batch_size: int = _opt(16, "requests decoding together", type=int_at_least(1))
     max_tokens: int = _opt(256, "max_tokens of a request that gives none (capped to the positions left)",
                            type=int_at_least(1))

@@ -106,6 +106,10 @@ class ContextRegistry:
             self._save()
             return item
 
+    def items(self) -> list[PinnedContext]:
+        with self._lock:
+            return list(self._items.values())
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from magnetar.serve.config import ServeConfig
 from magnetar.serve.contexts import ContextRegistry
@@ -47,12 +47,15 @@ class Server:
     is exact (:meth:`magnetar.engine.Engine.chunk_problem`)."""
 
     def __init__(self, engine, config: Optional[ServeConfig] = None, *, sock: Optional[socket.socket] = None,
-                 **options):
+                 front: Optional[socket.socket] = None, replica_urls: Sequence[str] = (), **options):
         if config is None:
             config = ServeConfig(**options)
         elif options:
             config = dataclasses.replace(config, **options)
         self.config, self.engine, self.sock = config, engine, sock
+        # the front port's socket and every replica's URL (the job's first rank, with --front-port): the router
+        # (magnetar.serve.router) runs beside this replica's HTTP server
+        self.front_sock, self.replica_urls, self.front = front, list(replica_urls), None
         self.model_name, self.host = config.model_name, config.host
         self.port = config.port + engine.groups.dp_rank
         self.log_level = config.log_level
@@ -118,11 +121,22 @@ class Server:
             if error is not None:
                 log.error("%s", error)
                 self.loop.start_error = error
-            elif self.contexts.path is not None:
-                threading.Thread(target=self._restore_pinned, name="magnetar-restore", daemon=True).start()
+            else:
+                if self.contexts.path is not None:
+                    threading.Thread(target=self._restore_pinned, name="magnetar-restore", daemon=True).start()
+                if self.front_sock is not None:
+                    from magnetar.serve.router import Front
+
+                    self.front = Front(self.front_sock, self.replica_urls, max_request_bytes=self.max_request_bytes,
+                                       log_level=self.log_level)
+                    self.front.start()
+                    log.warning("front port %s routes to %d replica(s) by their cached prefixes",
+                                self.front_sock.getsockname()[:2], len(self.replica_urls))
         try:
             return self.loop.run()
         finally:
+            if self.front is not None:
+                self.front.stop()
             if self.leader:
                 self._stop_http()
             try:  # what this rank encoded reaches the disk tier before the process goes (a drain, a failure)
