@@ -12,9 +12,6 @@ import pytest
 
 pytest.importorskip("llguidance", reason="the serve extra: pip install 'magnetar[serve]'")
 pydantic = pytest.importorskip("pydantic")
-langchain_openai = pytest.importorskip("langchain_openai", reason="the test extra: pip install 'magnetar[test]'")
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm must not fetch its price list at import
-litellm = pytest.importorskip("litellm", reason="the test extra: pip install 'magnetar[test]'")
 
 import magnetar  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
@@ -43,7 +40,15 @@ def url(tmp_path_factory):
         yield server.url + "/v1"
 
 
+def _client(name: str):
+    """The client package, imported when its test runs (litellm takes ~5 s to import: not at every collection)."""
+    if name == "litellm":
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price list fetched at import
+    return pytest.importorskip(name, reason="the test extra: pip install 'magnetar[test]'")
+
+
 def test_langchain_structured_output_and_tools(url):
+    langchain_openai = _client("langchain_openai")
     llm = langchain_openai.ChatOpenAI(model="tiny", base_url=url, api_key="unused", max_retries=0, timeout=120,
                                       temperature=1.0, max_tokens=120)
     for method in ("json_schema", "function_calling"):
@@ -55,6 +60,7 @@ def test_langchain_structured_output_and_tools(url):
 
 
 def test_litellm_response_format_and_tools(url):
+    litellm = _client("litellm")
     common = dict(model="openai/tiny", api_base=url, api_key="unused", max_tokens=120, temperature=1.0,
                   num_retries=0, timeout=120)
     done = litellm.completion(messages=[{"role": "user", "content": "Weather in Rome?"}], response_format=Weather,
