@@ -210,3 +210,23 @@ def test_a_restarted_server_answers_from_the_store(tmp_path, tmp_path_factory):
     assert after[1].usage.prompt_tokens_details.cached_tokens == before[1].model_extra["magnetar"]["prompts"][0][
         "context_tokens"] > 0
     assert "magnetar_context_store_loads_total 2.0" in metrics, metrics
+
+
+def test_the_host_tier_keeps_what_the_cache_evicts(model_dir, tmp_path):
+    """runtime.host_cache_mb: a context the device cache evicts is kept in host memory and comes back from there
+    (no Phase 1, the same answer), before the disk tier is asked; a longer context extends it from there too."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=1, host_cache_mb=8,
+                                     context_store=str(tmp_path))
+    want = engine.generate(CTX, Q, max_new_tokens=5)
+    for i in range(1, 14):  # 100 KiB each: the 1 MiB cache evicts the first
+        engine.encode(torch.arange(10 + i, 210 + i))
+    assert engine.cache.get(engine.cache_key(CTX)) is None and engine.is_cached(engine.cache_key(CTX))
+    got = engine.generate(CTX, Q, max_new_tokens=5)
+    stats = engine.cache_stats()
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == CTX.numel()
+    assert stats["host"]["loads"] == 1 and stats["store"]["loads"] == 0 and stats["host"]["writes"] >= 1
+    for i in range(1, 14):  # evict it again, then ask for the context that starts with it
+        engine.encode(torch.arange(40 + i, 240 + i))
+    longer = torch.cat((CTX, MORE))
+    assert engine.generate(longer, Q, max_new_tokens=2).cached_context_tokens == CTX.numel()
+    assert engine.cache_stats()["host"]["loads"] == 2

@@ -169,6 +169,10 @@ class RuntimeConfig:
     # encoded contexts kept per rank for later questions (Engine.encode / ask, prefix reuse), least recently used
     # out; 0 keeps none (every request runs its Phase 1)
     context_cache_mb: int = 1024
+    # a second tier in host memory for the contexts the cache evicts (magnetar.engine.store.HostTier): on GPU ranks
+    # their KV is copied to the host and back when asked for again (no Phase 1); on CPU ranks it widens the cache;
+    # 0: none
+    host_cache_mb: int = 0
     # a folder where every rank also writes the contexts it encodes (magnetar.engine.store), so that a restarted
     # engine -- or one whose cache evicted them -- loads them instead of running Phase 1 again; None: memory only
     context_store: Optional[str] = None
@@ -190,6 +194,8 @@ class RuntimeConfig:
         require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
         require(self.context_store_mb >= 0, "context_store_mb", f"must be >= 0 MiB, got {self.context_store_mb}")
+        require(self.host_cache_mb >= 0, "host_cache_mb", f"must be >= 0 MiB (0: no host tier), got "
+                 f"{self.host_cache_mb}")
         require(self.context_store is None or bool(self.context_store.strip()), "context_store",
                 "must be a folder, or None (memory only), got ''")
         check_choice("dtype", self.dtype, DTYPES, "dtype")

@@ -115,6 +115,7 @@ class ContextCache:
         self._lengths: dict[tuple, dict[int, int]] = {}  # (engine, options) -> {length: handles of that length}
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
         self.warned = False  # the encoder said once that a context larger than the budget is not kept
+        self.on_evict = None  # called with each handle the budget evicts (the host-memory tier keeps it)
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -172,8 +173,11 @@ class ContextCache:
         if handle.nbytes > self.budget_bytes:
             return False
         while self._handles and self._nbytes + handle.nbytes > self.budget_bytes:
-            self._remove(next(iter(self._handles)))
+            victim = self._handles[next(iter(self._handles))]
+            self._remove(victim.key)
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
         self._handles[handle.key] = handle
         self._nbytes += handle.nbytes
         n, kind = handle.context_tokens, (handle.engine, handle.options)

@@ -27,7 +27,7 @@ from magnetar.engine.phase1 import run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
-from magnetar.engine.store import ContextStore
+from magnetar.engine.store import ContextStore, HostTier
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
                                       plan_rank)
 from magnetar.parallel import ParallelGroups
@@ -59,8 +59,8 @@ def kv_options(config: EngineConfig) -> str:
     d.pop("decode", None)
     for name in ("timeout_s",):
         d["parallel"].pop(name, None)
-    for name in ("context_cache_mb", "context_store", "context_store_mb", "check_finite", "prefix_reuse",
-                 "decode_step"):
+    for name in ("context_cache_mb", "host_cache_mb", "context_store", "context_store_mb", "check_finite",
+                 "prefix_reuse", "decode_step"):
         d["runtime"].pop(name, None)
     return json.dumps(d, sort_keys=True, default=str)
 
@@ -86,10 +86,13 @@ class Encoder:
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device: torch.device,
                  cache: ContextCache, identity: str, *, policy: Optional[DecodePolicy] = None,
-                 prefill: Optional[PrefillPolicy] = None, store: Optional[ContextStore] = None):
+                 prefill: Optional[PrefillPolicy] = None, store: Optional[ContextStore] = None,
+                 host: Optional[HostTier] = None):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
-        self.store = store  # the disk tier (runtime.context_store), shared with the variants
+        # the cache's lower tiers, shared with the variants: host memory (what the cache evicts), then disk
+        self.store, self.host = store, host
+        self.tiers = tuple(t for t in (host, store) if t is not None)
         check_model(config, model.config.num_hidden_layers)  # e.g. a hybrid layer outside the model: before compute
         self.kv_options = kv_options(config)
         self.options_digest = hashlib.blake2b(self.kv_options.encode(), digest_size=8).hexdigest()
@@ -97,7 +100,7 @@ class Encoder:
     def with_config(self, config: EngineConfig) -> "Encoder":
         """This encoder with another configuration (a per-request variant): the same cache, policies, identity."""
         return Encoder(self.model, config, self.groups, self.device, self.cache, self.identity, policy=self.policy,
-                       prefill=self.prefill, store=self.store)
+                       prefill=self.prefill, store=self.store, host=self.host)
 
     @property
     def simulated(self) -> bool:
@@ -135,7 +138,7 @@ class Encoder:
         if cached is not None:
             return cached, True
         stored = self._stored(key, context_ids) if keep and base is None else None
-        if stored is not None:  # the disk tier had it on every rank: no Phase 1
+        if stored is not None:  # a lower tier had it on every rank: no Phase 1
             self.cache.put(stored)
             return stored, True
         if base is not None and self.can_extend() is not None:
@@ -161,36 +164,37 @@ class Encoder:
             self.store.save(handle, prefix_digest(context_ids, handle.context_tokens))
         return handle, False
 
-    # -- the disk tier ----------------------------------------------------------------------------------------
+    # -- the lower tiers: host memory, disk --------------------------------------------------------------------
     def _agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank of the replica (one gather; simulated: this process's)."""
-        if self.store is None:
-            return False
         if self.simulated:
             return flag
         g = self.groups
         return bool(all_gather_ints([int(flag)], g.replica_group, self.device, timeout=g.timeout).min() == 1)
 
     def _stored(self, key: str, context_ids: torch.Tensor) -> Optional[ContextHandle]:
-        """The handle of ``key`` loaded from the store, when every rank holds a valid file of it (two gathers: the
-        files are there, then they loaded), else None. Every rank of the replica calls it alike (a cache miss)."""
-        if self.store is None or not self._agree(key in self.store):
-            return None
-        loaded = self.store.load(key, context_ids, self.device)
-        if not self._agree(loaded is not None and loaded["options"] == self.options_digest):
-            return None
-        return ContextHandle(key, loaded["context_ids"], loaded["shard"], loaded["query_position"], loaded["stats"],
-                             loaded["prefill_stats"], loaded["nbytes"], loaded["method"], engine=self.identity,
-                             options=self.options_digest, last_logits=loaded["last_logits"])
+        """The handle of ``key`` from the first lower tier (host memory, then disk) where every rank holds it and it
+        loads (a gather per tier asked, another when one has it), else None. Every rank of the replica calls it
+        alike (a cache miss)."""
+        for tier in self.tiers:
+            if not self._agree(key in tier):
+                continue
+            loaded = tier.load(key, context_ids, self.device)
+            if not self._agree(loaded is not None and loaded["options"] == self.options_digest):
+                continue
+            return ContextHandle(key, loaded["context_ids"], loaded["shard"], loaded["query_position"],
+                                 loaded["stats"], loaded["prefill_stats"], loaded["nbytes"], loaded["method"],
+                                 engine=self.identity, options=self.options_digest, last_logits=loaded["last_logits"])
+        return None
 
     def _stored_prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
-        """The longest stored proper prefix of ``context_ids`` that every rank holds, loaded (into the memory
-        cache too), or None. The ranks agree on its length first (each may have evicted other files)."""
-        if self.store is None:
+        """The longest proper prefix of ``context_ids`` that a lower tier holds on every rank, loaded (into the
+        memory cache too), or None. The ranks agree on its length first (each may have dropped other entries)."""
+        if not self.tiers:
             return None
         ids = context_ids.reshape(-1)
         prefixes = Prefixes(ids)
-        n = self.store.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex())
+        n = max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
         if ids.numel() - n > n:  # more new tokens than the prefix holds: a fresh Phase 1 spreads them (_prefix)
             n = 0
         lengths = [n] if self.simulated else all_gather_ints(
@@ -228,7 +232,7 @@ class Encoder:
         if self.can_extend() is not None:
             return None
         base = self.cache.longest_prefix(context_ids, self.identity, self.options_digest)
-        if base is None:  # the disk tier's, when every rank holds it (an earlier turn, stored before a restart)
+        if base is None:  # a lower tier's, when every rank holds it (an earlier turn, evicted or from before a restart)
             base = self._stored_prefix(context_ids)
         if base is None or int(context_ids.numel()) - base.context_tokens > base.context_tokens:
             return None

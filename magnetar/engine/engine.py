@@ -31,14 +31,14 @@ import torch
 from magnetar.config import METHODS, REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
-from magnetar.engine.context import ContextCache, ContextHandle, Prefixes
+from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, prefix_digest
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
-from magnetar.engine.store import ContextStore, weights_fingerprint
+from magnetar.engine.store import ContextStore, HostTier, weights_fingerprint
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
 from magnetar.ops.merge import prepare_merge
@@ -63,6 +63,11 @@ class Engine:
         self.identity = f"{type(model).__name__}:{getattr(model.config, 'name_or_path', '') or '?'}:{uuid.uuid4().hex}"
         self.cache = ContextCache(config.runtime.context_cache_mb * 2**20)  # encoded contexts (encode / ask)
         self.store = self._open_store()  # the cache's disk tier (runtime.context_store), or None
+        # the cache's host-memory tier (runtime.host_cache_mb): what the cache evicts, copied to the host
+        self.host = HostTier(config.runtime.host_cache_mb * 2**20) if config.runtime.host_cache_mb else None
+        if self.host is not None:
+            host = self.host
+            self.cache.on_evict = lambda h: host.save(h, prefix_digest(h.context_ids, h.context_tokens))
         # EngineConfig -> this engine with other per-request options (variant()), least recently used first
         self._variants: OrderedDict = OrderedDict()
         self._variants_lock = threading.Lock()
@@ -80,7 +85,7 @@ class Engine:
             hf.capture_attention_inputs(model)
         self.requests = Requests(tokenizer, model, config, groups, self.device, self.policy)
         self.encoder = Encoder(model, config, groups, self.device, self.cache, self.identity, policy=self.policy,
-                               prefill=self.prefill, store=self.store)
+                               prefill=self.prefill, store=self.store, host=self.host)
         # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP)
         mine = weight_bytes(model)
         if self.simulated:
@@ -339,7 +344,7 @@ class Engine:
     def is_cached(self, key: str) -> bool:
         """Whether the context cache -- or this rank's disk tier -- holds the context of cache key ``key``
         (:meth:`cache_key`)."""
-        return key in self.cache or (self.store is not None and key in self.store)
+        return key in self.cache or any(key in tier for tier in self.encoder.tiers)
 
     def is_stored(self, key: str) -> bool:
         """Whether this rank's disk tier (``runtime.context_store``) holds the context of cache key ``key``."""
@@ -350,16 +355,19 @@ class Engine:
         encoded this engine's way holds (0: none), without touching the cache's recency order (a server's leader
         plans with it; the ranks' caches must stay alike)."""
         n = self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest)
-        if self.store is not None:
-            prefixes = Prefixes(context_ids)
-            n = max(n, self.store.longest_prefix(context_ids.reshape(-1), self.encoder.options_digest,
-                                                 lambda m: prefixes.digest(m).hex()))
+        prefixes = Prefixes(context_ids)
+        for tier in self.encoder.tiers:
+            n = max(n, tier.longest_prefix(context_ids.reshape(-1), self.encoder.options_digest,
+                                           lambda m: prefixes.digest(m).hex()))
         return n
 
     def cache_stats(self) -> dict:
         """The context cache's figures: handles, bytes, budget_bytes, hits, misses, evictions, prefix_hits; with
-        a disk tier, its own under ``store`` (contexts, bytes, budget_bytes, loads, writes, evictions, refused)."""
+        a host-memory or disk tier, its own under ``host`` / ``store`` (contexts, bytes, budget_bytes, loads,
+        writes, evictions, refused)."""
         stats = self.cache.stats()
+        if self.host is not None:
+            stats["host"] = self.host.stats()
         if self.store is not None:
             stats["store"] = self.store.stats()
         return stats

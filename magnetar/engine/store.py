@@ -1,4 +1,5 @@
-"""Encoded contexts that outlive the process: the context cache's disk tier (``runtime.context_store``,
+"""The context cache's lower tiers: host memory (:class:`HostTier`, ``runtime.host_cache_mb``: what the device
+cache evicts) and disk, where encoded contexts outlive the process (:class:`ContextStore`, ``runtime.context_store``,
 ``magnetar serve --context-store DIR``).
 
 Each rank writes its own shard of a context it encoded -- one safetensors file per context and rank (every layer's
@@ -20,6 +21,7 @@ request does not wait for the disk; :meth:`ContextStore.flush` waits for them.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -319,3 +321,86 @@ class ContextStore:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+class HostTier:
+    """The context cache's host-memory tier (``runtime.host_cache_mb``): the contexts the device cache evicts, their
+    shards copied to host memory, least recently used out past ``budget_bytes`` (each counted at its largest shard,
+    as the cache counts it: the ranks keep and drop alike). A context asked for again is copied back to the device
+    and leaves this tier (:meth:`load`) -- the same interface as :class:`ContextStore`, which the encoder asks next.
+    On CPU ranks the copy is the tensors themselves: the tier then only widens the cache."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[str, tuple] = OrderedDict()  # key -> (handle on the host, prefix digest)
+        self._lock = threading.Lock()
+        self.loads = self.writes = self.evictions = self.refused = 0
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._items
+
+    def save(self, handle, prefix: str) -> None:
+        """Keep ``handle`` (one the device cache evicted) with its shard in host memory."""
+        if handle.nbytes > self.budget_bytes or handle.shard is None:
+            return
+        from magnetar.engine.kv import KVShard
+
+        host = KVShard(len(handle.shard.layers))
+        for mine, theirs in zip(host.layers, handle.shard.layers):
+            if theirs.k is not None:
+                mine.append(theirs.k.cpu(), theirs.v.cpu(), theirs.pos.cpu(),
+                            None if theirs.mass is None else theirs.mass.cpu())
+        host.freeze()
+        with self._lock:
+            self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix)
+            self._items.move_to_end(handle.key)
+            self.writes += 1
+            while sum(h.nbytes for h, _ in self._items.values()) > self.budget_bytes:
+                self._items.popitem(last=False)
+                self.evictions += 1
+
+    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
+        """As :meth:`ContextStore.longest_prefix`."""
+        with self._lock:
+            candidates = sorted({(h.context_tokens, p) for h, p in self._items.values()
+                                 if h.options == options and h.context_tokens < context_ids.numel()}, reverse=True)
+        for n, digest in candidates:
+            if prefix_of(n) == digest:
+                return n
+        return 0
+
+    def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
+        """The context of ``key`` on ``device`` (it leaves this tier), as :meth:`ContextStore.load` returns it."""
+        from magnetar.engine.kv import KVShard
+
+        with self._lock:
+            found = self._items.pop(key, None)
+        if found is None:
+            return None
+        h = found[0]
+        if context_ids is not None and not torch.equal(h.context_ids, context_ids.reshape(-1).cpu()):
+            self.refused += 1
+            return None
+        shard = KVShard(len(h.shard.layers))
+        for mine, theirs in zip(shard.layers, h.shard.layers):
+            if theirs.k is not None:
+                mine.append(theirs.k.to(device), theirs.v.to(device), theirs.pos.to(device),
+                            None if theirs.mass is None else theirs.mass.to(device))
+        shard.freeze()
+        self.loads += 1
+        return {"shard": shard, "context_ids": h.context_ids, "query_position": h.query_position, "stats": h.stats,
+                "prefill_stats": h.prefill_stats, "nbytes": h.nbytes, "method": h.method, "options": h.options,
+                "last_logits": h.last_logits}
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(contexts=len(self._items), bytes=sum(h.nbytes for h, _ in self._items.values()),
+                        budget_bytes=self.budget_bytes, loads=self.loads, writes=self.writes,
+                        evictions=self.evictions, refused=self.refused)
+
+    def pin(self, key: str) -> None:  # the device cache's pinned contexts are the server's; nothing to keep here
+        pass
+
+    def unpin(self, key: str) -> None:
+        pass

@@ -164,6 +164,7 @@ def config_key(config: EngineConfig) -> str:
     d["runtime"].pop("context_cache_mb", None)
     d["runtime"].pop("context_store", None)  # where encoded contexts are kept between runs: the same answers
     d["runtime"].pop("context_store_mb", None)
+    d["runtime"].pop("host_cache_mb", None)
     if d["runtime"].get("prefix_reuse") == "exact":
         d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
     if d["runtime"].get("decode_step") == "eager":

@@ -16,7 +16,8 @@ Every name starts with ``magnetar_``:
   cached one, so only its new tokens were encoded), ``context_cache_bytes``, ``context_cache_handles``,
   ``pinned_contexts`` -- the engine's context cache, as of the last tick;
 * with ``--context-store``: ``context_store_{loads,writes,evictions,refused}_total``, ``context_store_bytes``,
-  ``context_store_contexts`` -- the disk tier of the serving rank.
+  ``context_store_contexts`` -- the disk tier of the serving rank; with ``--host-cache-mb`` the same as
+  ``context_host_*`` for the host-memory tier.
 
 The engine loop writes; the HTTP thread reads (prometheus_client is thread-safe; the cache figures are a
 snapshot the loop replaces whole).
@@ -44,14 +45,16 @@ class _CacheCollector:
                                 value=s["bytes"])
         yield GaugeMetricFamily("magnetar_context_cache_handles", "Encoded contexts in the cache", value=s["handles"])
         yield GaugeMetricFamily("magnetar_pinned_contexts", "Contexts pinned by POST /v1/contexts", value=s["pinned"])
-        store = s.get("store")
-        if store is not None:  # the disk tier (--context-store): the leader's rank
-            for name in ("loads", "writes", "evictions", "refused"):
-                yield CounterMetricFamily(f"magnetar_context_store_{name}", f"Context store {name} (this rank's)",
-                                          value=store[name])
-            yield GaugeMetricFamily("magnetar_context_store_bytes", "Bytes the context store holds (largest rank's "
-                                    "count per context)", value=store["bytes"])
-            yield GaugeMetricFamily("magnetar_context_store_contexts", "Contexts in the store", value=store["contexts"])
+        for tier, name, what in (("host", "context_host", "host-memory tier"), ("store", "context_store", "disk tier")):
+            t = s.get(tier)
+            if t is None:  # --host-cache-mb, --context-store: the leader's rank
+                continue
+            for count in ("loads", "writes", "evictions", "refused"):
+                yield CounterMetricFamily(f"magnetar_{name}_{count}", f"Context {what} {count} (this rank's)",
+                                          value=t[count])
+            yield GaugeMetricFamily(f"magnetar_{name}_bytes", f"Bytes the context {what} holds (largest rank's count "
+                                    f"per context)", value=t["bytes"])
+            yield GaugeMetricFamily(f"magnetar_{name}_contexts", f"Contexts in the {what}", value=t["contexts"])
 
 
 class Metrics:
@@ -79,7 +82,8 @@ class Metrics:
         """The engine's ``cache.stats()`` and the number of pinned contexts (called by the engine loop)."""
         self._cache.snapshot = {"hits": stats["hits"], "misses": stats["misses"], "evictions": stats["evictions"],
                                 "prefix_hits": stats["prefix_hits"], "bytes": stats["bytes"],
-                                "handles": stats["handles"], "pinned": pinned, "store": stats.get("store")}
+                                "handles": stats["handles"], "pinned": pinned, "store": stats.get("store"),
+                                "host": stats.get("host")}
 
     def refused(self, status: int) -> None:
         self.http_refused.labels(status=str(status)).inc()
