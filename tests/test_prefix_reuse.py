@@ -91,6 +91,34 @@ def test_a_long_conversation_stays_balanced_over_two_real_ranks():
     run_distributed(_balanced_conversation, 2)
 
 
+def _long_extension(rank, world):
+    """A document three times its cached prefix's length (a system prompt cached, then a long document): each real
+    rank encodes its share over the cached prefix, and the answers equal the one-process simulation's (ring: also a
+    fresh Phase 1's; star with prefix_reuse all: the same extension semantics); the shards end balanced."""
+    model = tiny_model("llama", seed=6)
+    for flat in (dict(method="ring", cp_size=2), dict(method="star", cp_size=2, block_size=48, anchor_size=8,
+                                                     prefix_reuse="all")):
+        real, sim = _engine(model, **flat), _engine(model, simulate=True, **flat)
+        prompt, doc, q = _ids(30, 64), _ids(31, 200), _ids(32, 4)
+        before = [eng.generate(prompt, q, max_new_tokens=1) for eng in (real, sim)][0].context_kv_tokens_per_rank
+        ctx = torch.cat((prompt, doc))
+        got = real.generate(ctx, q, max_new_tokens=NEW, return_logits=True)
+        want = sim.generate(ctx, q, max_new_tokens=NEW, return_logits=True)
+        assert got.cached_context_tokens == want.cached_context_tokens == 64, (rank, flat["method"])
+        assert got.token_ids == want.token_ids, (rank, flat["method"])
+        assert_close(got.first_token_logits, want.first_token_logits, what="same_computation",
+                     msg=f"{flat['method']} long extension")
+        added = [a - b for a, b in zip(got.context_kv_tokens_per_rank, before)]
+        assert added == [100, 100], (flat["method"], added)  # each rank encoded and keeps half the document
+        if flat["method"] == "ring":
+            fresh = _engine(model, context_cache_mb=0, **flat).generate(ctx, q, max_new_tokens=NEW)
+            assert fresh.token_ids == got.token_ids
+
+
+def test_a_long_extension_is_spread_over_two_real_ranks():
+    run_distributed(_long_extension, 2)
+
+
 def test_star_extends_only_with_prefix_reuse_all_and_its_new_tokens_see_the_whole_prefix():
     model = tiny_model("llama", seed=4)
     flat = dict(method="star", cp_size=2, block_size=48, anchor_size=8, simulate=True)
@@ -118,9 +146,12 @@ def test_what_does_not_extend():
     a, q = _ids(10, L), _ids(11, 4)
     eng = _engine(model, method="dense")
     eng.generate(a, q, max_new_tokens=1)
-    # more new tokens than the prefix has: a fresh Phase 1 (it spreads them over the ranks)
-    assert eng.generate(torch.cat((a, _ids(12, L + 1))), q, max_new_tokens=1).cached_context_tokens == 0
-    assert eng.cache.prefix_hits == 0
+    # more new tokens than the prefix has extend it too (on one rank there is nothing to spread), as exactly
+    longer = torch.cat((a, _ids(12, L + 1)))
+    fresh = _engine(model, method="dense", context_cache_mb=0)
+    _same(eng.generate(longer, q, max_new_tokens=3, return_logits=True),
+          fresh.generate(longer, q, max_new_tokens=3, return_logits=True), "a long extension")
+    assert eng.cache.prefix_hits == 1
     off = _engine(model, method="dense", prefix_reuse="off")
     assert off.encoder.can_extend() == "runtime.prefix_reuse is off"
     luka = _engine(model, method="dense", luka_mode="clustered", luka_page_size=8, luka_recent=8, luka_refine_k=2,

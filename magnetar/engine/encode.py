@@ -23,14 +23,14 @@ from magnetar.config import METHODS, EngineConfig, FieldError
 from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, context_key, prefix_digest
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
-from magnetar.engine.phase1 import run_phase1
+from magnetar.engine.phase1 import run_extension, run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.store import ContextStore, HostTier
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
                                       plan_rank)
-from magnetar.parallel import ParallelGroups
+from magnetar.parallel import ParallelGroups, contiguous_indices, zigzag_indices
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers, broadcast_tensor
 
 log = logging.getLogger(__name__)
@@ -195,8 +195,6 @@ class Encoder:
         ids = context_ids.reshape(-1)
         prefixes = Prefixes(ids)
         n = max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
-        if ids.numel() - n > n:  # more new tokens than the prefix holds: a fresh Phase 1 spreads them (_prefix)
-            n = 0
         lengths = [n] if self.simulated else all_gather_ints(
             [n], self.groups.replica_group, self.device, timeout=self.groups.timeout)[:, 0].tolist()
         if n == 0 or len(set(lengths)) != 1:
@@ -225,35 +223,36 @@ class Encoder:
         return None
 
     def _prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
-        """The cached handle to extend into ``context_ids``: the longest cached proper prefix of it, of this
-        engine and options, when this configuration extends prefixes and the new tokens are no more than the
-        prefix's (an extension runs them as one query on every rank; a fresh Phase 1 spreads them over the CP
-        ranks)."""
+        """The cached handle to extend into ``context_ids``: the longest cached (or lower-tier) proper prefix of it,
+        of this engine and options, when this configuration extends prefixes -- however many new tokens follow it
+        (:meth:`extend` spreads a long extension's work over the CP ranks)."""
         if self.can_extend() is not None:
             return None
         base = self.cache.longest_prefix(context_ids, self.identity, self.options_digest)
         if base is None:  # a lower tier's, when every rank holds it (an earlier turn, evicted or from before a restart)
             base = self._stored_prefix(context_ids)
-        if base is None or int(context_ids.numel()) - base.context_tokens > base.context_tokens:
-            return None
         return base
 
     def extend(self, base: ContextHandle, context_ids: torch.Tensor, key: Optional[str] = None) -> ContextHandle:
-        """The handle of ``context_ids`` from ``base`` (a handle of its first tokens): the new tokens run as a
-        Phase-2 query over ``base``'s distributed KV (exact attention over it, causal among themselves), and their
-        KV is dealt to the CP ranks in blocks of :data:`SPREAD_BLOCK` tokens, each block to the rank holding the
-        fewest context tokens (:func:`spread_blocks`; the first CP rank computed it and sends each rank its part),
-        so a long conversation's turns do not pile onto one rank. Every rank of the replica calls it alike (the
-        forward is collective)."""
+        """The handle of ``context_ids`` from ``base`` (a handle of its first tokens). New tokens no more than the
+        prefix's (a conversation's turn) run as one Phase-2 query over ``base``'s distributed KV (exact attention
+        over it, causal among themselves), and their KV is dealt to the CP ranks in blocks of :data:`SPREAD_BLOCK`
+        tokens, each block to the rank holding the fewest context tokens (:func:`spread_blocks`; the first CP rank
+        computed it and sends each rank its part), so a long conversation's turns do not pile onto one rank. More
+        (a long document after a cached system prompt), on real CP ranks: each rank encodes its share, as a
+        Phase 1 would (:meth:`_extend_spread`). Every rank of the replica calls it alike (the forward is
+        collective)."""
         n = base.context_tokens
         new = context_ids.reshape(-1)[n:]
         if new.numel() < 1 or not torch.equal(context_ids.reshape(-1)[:n], base.context_ids):
             raise ValueError("extend: base must hold a proper prefix of context_ids")
+        g, added = self.groups, int(new.numel())
+        if not self.simulated and g.cp_size > 1 and added > n and added >= 2 * g.cp_size:
+            return self._extend_spread(base, context_ids, key)
         t0 = time.perf_counter()
         gen = KVShard(self.model.config.num_hidden_layers) if self.groups.is_cp_leader else None
         logits = run_teacher_forced(self.model, self.config, base.shard.view(), new, base.query_position,
                                     self.groups, self.device, context_tokens=n, gen=gen, every=False)
-        g, added = self.groups, int(new.numel())
         if self.simulated:
             counts = [st.context_kv_tokens for st in base.stats]
         else:
@@ -281,6 +280,31 @@ class Encoder:
                              base.query_position + added, stats, base.prefill_stats, largest, base.method,
                              engine=self.identity, options=self.options_digest, reused_tokens=n,
                              last_logits=logits[-1].float().cpu())
+
+    def _extend_spread(self, base: ContextHandle, context_ids: torch.Tensor, key: Optional[str]) -> ContextHandle:
+        """An extension longer than its prefix, on real CP ranks: each rank encodes its share of the new tokens
+        (zigzag or contiguous, as ring's Phase 1 deals a context) in one forward whose every layer attends, exactly,
+        to every rank's cached shard and every rank's share (:func:`~magnetar.engine.phase1.run_extension`), and
+        keeps its share's KV -- the work spread as a Phase 1's, the prefix's KV reused."""
+        g, n = self.groups, base.context_tokens
+        new = context_ids.reshape(-1)[n:]
+        added = int(new.numel())
+        idx = zigzag_indices(added, g.cp_size, g.cp_rank) if self.config.parallel.zigzag else \
+            contiguous_indices(added, g.cp_size, g.cp_rank)
+        out = run_extension(self.model, self.config, base.shard.view(), new[idx], base.query_position + idx, g,
+                            self.device)
+        rows = all_gather_ints([-1 if out.nonfinite_layer is None else out.nonfinite_layer, out.shard.tokens()],
+                               g.cp_group, self.device, timeout=g.timeout).tolist()
+        _check_finite([None if r[0] < 0 else r[0] for r in rows])
+        _check_kept([r[1] for r in rows], added)
+        shard = KVShard.join([base.shard, out.shard])
+        stats = [dataclasses.replace(st, phase1_seconds=out.seconds,
+                                     context_kv_tokens=st.context_kv_tokens + out.shard.tokens(),
+                                     kv_bytes=st.kv_bytes + out.shard.nbytes()) for st in base.stats]
+        largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
+        return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
+                             base.query_position + added, stats, base.prefill_stats, largest, base.method,
+                             engine=self.identity, options=self.options_digest, reused_tokens=n)
 
     def _deal(self, base: ContextHandle, gen: Optional[KVShard], owners: torch.Tensor,
               start: int) -> Optional[KVShard]:

@@ -110,3 +110,54 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     method.finish(shard, config, int(context_ids.numel()))
     return Phase1Result(shard, seconds, None if run is None else run.stats,
                         None if flags is None else flags.first(), logits)
+
+
+class ExtensionContext(LayerContext):
+    """One rank's block of a context's new tokens, encoded over a cached prefix (:func:`run_extension`): in every
+    layer its queries attend, exactly and by position, to every rank's cached shard and to every rank's block of the
+    new tokens (:func:`magnetar.parallel.ring_attention` over the CP group, with this rank's cached KV joined to its
+    block's), and the block's KV is kept."""
+
+    layer_range = PHASE1_LAYER
+
+    def __init__(self, prefix: KVShard, shard: KVShard, positions: torch.Tensor, config: EngineConfig,
+                 groups: ParallelGroups, flags: Optional[LayerFlags]):
+        self.prefix, self.shard, self.positions, self.flags = prefix, shard, positions, flags
+        self.group, self.timeout, self.backend = groups.cp_group, groups.timeout, config.runtime.attention_backend
+        self.wants_hidden, self.hidden = False, None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int] = None) -> torch.Tensor:
+        from magnetar.parallel import ring_attention
+
+        cached = self.prefix.layers[layer]
+        keys, values, pos = k, v, self.positions
+        if cached.k is not None:
+            keys, values = torch.cat((cached.k, k), dim=2), torch.cat((cached.v, v), dim=2)
+            pos = torch.cat((cached.pos.to(self.positions.device), self.positions))
+        out, _ = ring_attention(q, keys, values, group=self.group, q_pos=self.positions, k_pos=pos, scale=scale,
+                                window=window, timeout=self.timeout, backend=self.backend)
+        self.shard.layers[layer].append(k, v, self.positions)
+        if self.flags is not None:
+            self.flags.record(layer, out)
+        return out
+
+
+@torch.inference_mode()
+def run_extension(model, config: EngineConfig, prefix: KVShard, ids: torch.Tensor, positions: torch.Tensor,
+                  groups: ParallelGroups, device: torch.device) -> Phase1Result:
+    """This rank's block ``ids`` (at RoPE ``positions``) of a context's new tokens over the cached ``prefix`` shard
+    (:class:`ExtensionContext`): one forward of the base model, every rank of the CP group at once. Returns the
+    block's own KV (frozen) -- the rank keeps it beside its cached shard."""
+    shard = KVShard(model.config.num_hidden_layers)
+    flags = LayerFlags(model.config.num_hidden_layers, device) if config.runtime.check_finite else None
+    positions = positions.to(device)
+    ctx = ExtensionContext(prefix, shard, positions, config, groups, flags)
+    t0 = time.perf_counter()
+    with nvtx_range(PHASE1):
+        _base_model(model)(input_ids=ids.to(device)[None], position_ids=positions[None], use_cache=False,
+                           magnetar=ctx)
+    shard.freeze()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Phase1Result(shard, time.perf_counter() - t0, None, None if flags is None else flags.first())
