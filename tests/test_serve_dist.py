@@ -267,6 +267,7 @@ def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_di
             assert raw.headers["x-magnetar-replica"] == owner
         listed = httpx.get(url + "/v1/contexts", timeout=60).json()["data"]
         assert [(c["id"], str(c["replica"]), c["tier"]) for c in listed] == [(cid, owner, "memory")]
+        assert listed[0]["bytes"] > 0 and listed[0]["tokens"] == made.json()["tokens"]
         first = client.responses.with_raw_response.create(model=NAME, input=DOC + "\n\nWhat jumps?",
                                                           max_output_tokens=2)
         again = client.responses.with_raw_response.create(model=NAME, input="Why?", max_output_tokens=2,

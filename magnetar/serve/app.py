@@ -551,9 +551,9 @@ def _context_routes(app: FastAPI, server) -> None:
     @app.get("/v1/contexts")
     async def list_contexts():
         """The pinned contexts, each with where its KV lives: ``tier`` ``memory`` (every rank holds it), ``stored``
-        (also in the disk tier, ``--context-store``), ``tokens``."""
+        (also in the disk tier, ``--context-store``), ``tokens``, ``bytes`` (its largest shard over the ranks)."""
         return {"object": "list", "data": [dict(context_object(p).model_dump(), tier="memory",
-                                                stored=server.engine.is_stored(p.key))
+                                                stored=server.engine.is_stored(p.key), bytes=loop.pinned_bytes(p.id))
                                            for p in server.contexts.items()]}
 
     @app.delete("/v1/contexts/{cid}")

@@ -152,6 +152,11 @@ class EngineLoop:
                 raise refused
             self.inbox.put(job)
 
+    def pinned_bytes(self, cid: str) -> int:
+        """The KV bytes of pinned context ``cid`` (its largest shard over the ranks; 0 while it is encoded)."""
+        handle = self.handles.get(cid)
+        return 0 if handle is None else int(handle.nbytes)
+
     def cancel(self, sid: int) -> None:
         """The client of ``sid`` left: drop the request (queued or decoding); a no-op once it has finished."""
         self.inbox.put(Job("cancel", sid))
