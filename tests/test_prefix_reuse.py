@@ -87,8 +87,6 @@ def _balanced_conversation(rank, world):
     assert sum(tokens) == L + 11 * 30 and max(tokens) <= 1.2 * min(tokens), tokens
 
 
-def test_a_long_conversation_stays_balanced_over_two_real_ranks():
-    run_distributed(_balanced_conversation, 2)
 
 
 def _long_extension(rank, world):
@@ -115,8 +113,14 @@ def _long_extension(rank, world):
             assert fresh.token_ids == got.token_ids
 
 
-def test_a_long_extension_is_spread_over_two_real_ranks():
-    run_distributed(_long_extension, 2)
+def _spread_worker(rank, world):
+    _balanced_conversation(rank, world)
+    _long_extension(rank, world)
+
+
+def test_turns_and_long_extensions_are_spread_over_two_real_ranks():
+    """One pair of processes for both (a spawn costs seconds of the suite)."""
+    run_distributed(_spread_worker, 2)
 
 
 def test_star_extends_only_with_prefix_reuse_all_and_its_new_tokens_see_the_whole_prefix():
