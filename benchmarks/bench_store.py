@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.dist_utils import free_port, wait_serving  # noqa: E402  (the tests' helpers: a free port, a server up)
 
 
 def serve(args, flags: list[str], port: int, log: Path) -> subprocess.Popen:
@@ -36,14 +38,6 @@ def serve(args, flags: list[str], port: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.ranks)))
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ask(url: str, document: str) -> tuple[float, dict]:
@@ -59,17 +53,9 @@ def _ask(url: str, document: str) -> tuple[float, dict]:
 
 
 def wait(url: str, job: subprocess.Popen, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and job.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server did not start (exit {job.poll()}):\n{log.read_text(errors='replace')[-4000:]}")
+    """Until ``url`` serves (the tests' :func:`~tests.dist_utils.wait_serving`, 600 s); the log's tail if it does
+    not."""
+    wait_serving(url, job, 600, lambda: log.read_text(errors="replace")[-4000:])
 
 
 def _stop(job: subprocess.Popen, log: Path) -> int:

@@ -187,14 +187,22 @@ class Encoder:
                                  engine=self.identity, options=self.options_digest, last_logits=loaded["last_logits"])
         return None
 
+    def tier_prefix_tokens(self, context_ids: torch.Tensor) -> int:
+        """The length of the longest proper prefix of ``context_ids`` (of this engine's options) that a lower tier
+        holds on this rank (0: none)."""
+        if not self.tiers:
+            return 0
+        ids = context_ids.reshape(-1)
+        prefixes = Prefixes(ids)
+        return max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
+
     def _stored_prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
         """The longest proper prefix of ``context_ids`` that a lower tier holds on every rank, loaded (into the
         memory cache too), or None. The ranks agree on its length first (each may have dropped other entries)."""
         if not self.tiers:
             return None
         ids = context_ids.reshape(-1)
-        prefixes = Prefixes(ids)
-        n = max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
+        n = self.tier_prefix_tokens(ids)
         lengths = [n] if self.simulated else all_gather_ints(
             [n], self.groups.replica_group, self.device, timeout=self.groups.timeout)[:, 0].tolist()
         if n == 0 or len(set(lengths)) != 1:

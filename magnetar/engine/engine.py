@@ -31,7 +31,7 @@ import torch
 from magnetar.config import METHODS, REQUEST_OPTIONS, EngineConfig, FieldError, PolicySection, short_repr
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
-from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, prefix_digest
+from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
@@ -354,12 +354,8 @@ class Engine:
         """How many first tokens of ``context_ids`` the longest cached (or, on this rank, stored) proper prefix
         encoded this engine's way holds (0: none), without touching the cache's recency order (a server's leader
         plans with it; the ranks' caches must stay alike)."""
-        n = self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest)
-        prefixes = Prefixes(context_ids)
-        for tier in self.encoder.tiers:
-            n = max(n, tier.longest_prefix(context_ids.reshape(-1), self.encoder.options_digest,
-                                           lambda m: prefixes.digest(m).hex()))
-        return n
+        return max(self.cache.prefix_tokens(context_ids, self.encoder.identity, self.encoder.options_digest),
+                   self.encoder.tier_prefix_tokens(context_ids))
 
     def cache_stats(self) -> dict:
         """The context cache's figures: handles, bytes, budget_bytes, hits, misses, evictions, prefix_hits; with

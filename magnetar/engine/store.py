@@ -64,6 +64,15 @@ def weights_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+def _longest(candidates, length: int, prefix_of) -> int:
+    """The longest ``n`` of ``candidates`` ``(n, hex digest of n tokens)`` shorter than ``length`` whose digest
+    ``prefix_of(n)`` matches (0: none) -- a tier's longest stored proper prefix of a context."""
+    for n, digest in sorted({(n, d) for n, d in candidates if n < length}, reverse=True):
+        if prefix_of(n) == digest:
+            return n
+    return 0
+
+
 def _checksum(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
@@ -149,12 +158,8 @@ class ContextStore:
         """The length of the longest stored proper prefix of ``context_ids`` with these ``options``
         (``prefix_of(n)``: the hex digest of the ids' first ``n`` tokens), or 0."""
         with self._lock:
-            candidates = sorted({(e.tokens, e.prefix) for e in self._entries.values()
-                                 if e.options == options and e.tokens < context_ids.numel()}, reverse=True)
-        for n, digest in candidates:
-            if prefix_of(n) == digest:
-                return n
-        return 0
+            candidates = [(e.tokens, e.prefix) for e in self._entries.values() if e.options == options]
+        return _longest(candidates, int(context_ids.numel()), prefix_of)
 
     def pin(self, key: str) -> None:
         with self._lock:
@@ -363,12 +368,8 @@ class HostTier:
     def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
         """As :meth:`ContextStore.longest_prefix`."""
         with self._lock:
-            candidates = sorted({(h.context_tokens, p) for h, p in self._items.values()
-                                 if h.options == options and h.context_tokens < context_ids.numel()}, reverse=True)
-        for n, digest in candidates:
-            if prefix_of(n) == digest:
-                return n
-        return 0
+            candidates = [(h.context_tokens, p) for h, p in self._items.values() if h.options == options]
+        return _longest(candidates, int(context_ids.numel()), prefix_of)
 
     def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
         """The context of ``key`` on ``device`` (it leaves this tier), as :meth:`ContextStore.load` returns it."""
@@ -398,9 +399,3 @@ class HostTier:
             return dict(contexts=len(self._items), bytes=sum(h.nbytes for h, _ in self._items.values()),
                         budget_bytes=self.budget_bytes, loads=self.loads, writes=self.writes,
                         evictions=self.evictions, refused=self.refused)
-
-    def pin(self, key: str) -> None:  # the device cache's pinned contexts are the server's; nothing to keep here
-        pass
-
-    def unpin(self, key: str) -> None:
-        pass

@@ -321,11 +321,3 @@ class ResponsesResponder:
         body = self._finished(done)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return out + [self.event(kind, response=body)]
-
-    def usage_chunk(self, dones: list):  # the usage is in response.completed
-        raise AssertionError("the Responses stream has no usage chunk")
-
-
-def stored_object(stored: StoredResponse) -> dict:
-    """``GET /v1/responses/{id}``: the response as it was returned."""
-    return stored.response
