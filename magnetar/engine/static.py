@@ -71,15 +71,18 @@ class StaticSlots:
     empty) of this rank, and how many entries each slot holds (``fill``). ``writes``: this rank stores the new
     tokens' KV (the CP rank holding the query's and generated KV: the CP leader)."""
 
-    def __init__(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, dtype, device, writes: bool):
+    def __init__(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, dtype, device, writes: bool,
+                 graphs: bool = False):
         self.num_layers, self.slots, self.capacity, self.writes = num_layers, slots, capacity, writes
+        self.graphs = graphs
         self.hkv, self.d, self.dtype, self.device = hkv, d, dtype, device
         self.k = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.pos = [torch.full((slots, capacity), FAR, dtype=torch.long, device=device) for _ in range(num_layers)]
         self.fill = [0] * slots
-        for t in (*self.k, *self.v, *self.pos):  # fixed addresses: CUDA graphs read and write them in place
-            torch._dynamo.mark_static_address(t)
+        if graphs:  # compiled steps: fixed addresses, CUDA graphs read and write them in place
+            for t in (*self.k, *self.v, *self.pos):
+                torch._dynamo.mark_static_address(t)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.pos))
@@ -105,7 +108,8 @@ class StaticSlots:
 
     def resized(self, slots: int, capacity: int) -> "StaticSlots":
         """A copy with more slots and / or capacity (each slot's entries where they were)."""
-        new = StaticSlots(self.num_layers, slots, capacity, self.hkv, self.d, self.dtype, self.device, self.writes)
+        new = StaticSlots(self.num_layers, slots, capacity, self.hkv, self.d, self.dtype, self.device, self.writes,
+                          self.graphs)
         s, c = min(slots, self.slots), min(capacity, self.capacity)
         for i in range(self.num_layers):
             new.k[i][:s, :, :c] = self.k[i][:s, :, :c]
@@ -144,11 +148,21 @@ class StaticContext(LayerContext):
         return out
 
 
-@torch.compiler.disable
-def _gather_merge(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+def _gather_merge_eager(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """The CP gather of every rank's ``(out, lse)`` and their merge (outside any compiled graph)."""
     outs, lses = all_gather_states(out, lse, groups.cp_group, timeout=groups.timeout)
     return merge_states(outs, lses)[0]
+
+
+# what StaticContext.attend calls: made ``torch.compiler.disable``'d (a graph break) by the first compiled step --
+# not at import: ``torch.compiler.disable`` imports torch._dynamo, 1.4 s of every process's ``import magnetar``
+_gather_merge = _gather_merge_eager
+
+
+def _keep_out_of_graphs() -> None:
+    global _gather_merge
+    if _gather_merge is _gather_merge_eager:
+        _gather_merge = torch.compiler.disable(_gather_merge_eager)
 
 
 def _bucket(n: int) -> int:
@@ -183,7 +197,7 @@ class StaticDecode:
             hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*layers, *(gen.layers if gen else ()))
                           if lk.k is not None), None) or self._model_heads()
             self.slots = StaticSlots(len(layers), _bucket(len(self.owner) + 1), _round(need), *hkv_d, self._dtype(),
-                                     self.device, writes=self.groups.is_cp_leader)
+                                     self.device, writes=self.groups.is_cp_leader, graphs=self.mode == "compiled")
         used = set(self.owner.values())
         free = [i for i in range(self.slots.slots) if i not in used]
         slots, cap = self.slots.slots, self.slots.capacity
@@ -308,6 +322,7 @@ class StaticDecode:
                 # sizes that changed dynamic, and later shapes reuse it (measured on CPU: a capacity-dynamic graph
                 # at batch 1, a slot-dynamic one at batch 8, each at the static graph's speed; with both sizes
                 # dynamic -- dynamic=True, or a warm-up changing both -- a served step was 1.7x slower)
+                _keep_out_of_graphs()
                 self._compiled = torch.compile(self._forward, mode=mode, dynamic=None)
             try:
                 if ids.device.type == "cuda":
