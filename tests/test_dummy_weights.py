@@ -77,8 +77,30 @@ def test_magnetar_run_with_dummy_weights(chat_folder, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["method"] == "star"
 
 
+def test_magnetar_run_with_another_models_tokenizer(chat_folder, tmp_path):
+    # vLLM's --tokenizer: dummy weights of a preset read text with a folder's tokenizer (256 ids <= its 512)
+    code, out, err = _run_cli(["--model", "dummy:tiny-llama", "--tokenizer", str(chat_folder), "--method", "dense",
+                               "--context", "The number is 7. " * 10, "--query", "Number?", "--max-new-tokens", "2"])
+    assert code == 0 and "answer:" in out, err
+    # what --tokenizer cannot be, each named before any model is built
+    (tmp_path / "empty").mkdir()
+    for tok, words in (("dummy:tiny-llama", "--tokenizer dummy:tiny-llama: dummy weights have no tokenizer"),
+                       (str(tmp_path / "empty"), "no tokenizer in that folder"),
+                       ("", "--tokenizer is empty"),
+                       ("no such thing", "--tokenizer 'no such thing' is neither")):
+        code, out, err = _run_cli(["--model", "dummy:tiny-llama", "--tokenizer", tok, "--method", "dense",
+                                   "--context", "text", "--query", "q"])
+        assert code == 2 and words in err and "Traceback" not in err, err
+    # a tokenizer with more ids than the model has embeddings
+    small = json.loads((chat_folder / "config.json").read_text()) | {"vocab_size": 128}
+    (tmp_path / "small.json").write_text(json.dumps(small))
+    code, out, err = _run_cli(["--model", f"dummy:{tmp_path / 'small.json'}", "--tokenizer", str(chat_folder),
+                               "--method", "dense", "--context", "text", "--query", "q"])
+    assert code == 2 and "has 256 tokens, more than the model's vocabulary of 128" in err, err
+
+
 @pytest.mark.parametrize("model,names", [
-    ("dummy:llama-3.1-8b", ("--model dummy:llama-3.1-8b", "without a tokenizer", "magnetar-bench")),
+    ("dummy:llama-3.1-8b", ("--model dummy:llama-3.1-8b", "without a tokenizer", "--tokenizer", "magnetar-bench")),
     ("dummy:llama-9000", ("'llama-9000' is neither a dummy preset", "llama-3.1-8b")),
     ("dummy:", ("names no shape", "dummy:<preset>")),
 ])
@@ -124,6 +146,8 @@ def test_magnetar_bench_refuses_a_missing_preset():
 
 
 def test_magnetar_serve_with_dummy_weights_answers_the_openai_client(chat_folder):
+    # as on a GPU: `magnetar serve --model dummy:llama-3.1-8b --tokenizer smollm2-135m-instruct`, here a config.json
+    # alone (no tokenizer of its own) with the chat folder's tokenizer and chat template
     openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
     pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
     from tests.dist_utils import free_port, wait_serving
@@ -133,7 +157,8 @@ def test_magnetar_serve_with_dummy_weights_answers_the_openai_client(chat_folder
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     log = chat_folder / "serve.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "magnetar.serve", "--model", f"dummy:{chat_folder}",
+        proc = subprocess.Popen([sys.executable, "-m", "magnetar.serve", "--model",
+                                 f"dummy:{chat_folder / 'config.json'}", "--tokenizer", str(chat_folder),
                                  "--method", "dense", "--port", str(port), "--served-model-name", "dummy",
                                  "--timeout-s", "20"], env=env, stdout=f, stderr=subprocess.STDOUT)
     try:

@@ -17,12 +17,13 @@ from typing import Sequence
 
 from magnetar.config import METHODS, EngineConfig
 from magnetar.config.registry import METHOD_OPTIONS
-from magnetar.models import check_model
+from magnetar.models import check_model, check_tokenizer
 from magnetar.models.dummy import check_text_model
 from magnetar.parallel.launcher import launched_world_size
 from magnetar.utils.cli import check_input_file
 
-__all__ = ["engine_config", "parse_length", "parse_lengths", "parse_names", "check_attention_backend",
+__all__ = ["add_model_args", "load_tokenizer_arg",
+           "engine_config", "parse_length", "parse_lengths", "parse_names", "check_attention_backend",
            "check_cp_size", "config_from_args", "check_engine_args"]
 
 _LENGTH = re.compile(r"(\d{1,12}(?:\.\d*)?|\.\d{1,12})([km]?)")
@@ -143,12 +144,36 @@ def config_from_args(args) -> EngineConfig:
     return config
 
 
+def add_model_args(p) -> None:
+    """The flags naming the model (``magnetar-run``, ``magnetar serve``): ``--model``, ``--revision``,
+    ``--trust-remote-code`` and ``--tokenizer`` (vLLM's: the tokenizer of another model or folder, e.g. for dummy
+    weights)."""
+    p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
+    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
+    p.add_argument("--tokenizer", metavar="NAME|FOLDER",
+                   help="read text with this tokenizer instead of --model's (a magnetar.models name, a folder holding "
+                        "a tokenizer or a Hub id): e.g. --model dummy:llama-3.1-8b --tokenizer smollm2-135m-instruct")
+
+
+def load_tokenizer_arg(args):
+    """``--tokenizer``'s tokenizer (None when not given: the model's own)."""
+    if getattr(args, "tokenizer", None) is None:
+        return None
+    from magnetar.models import load_tokenizer
+
+    return load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+
+
 def check_engine_args(args) -> EngineConfig:
-    """The engine config of the flags, ``--model`` and the files the config reads (``--hash-path``,
+    """The engine config of the flags, ``--model``, ``--tokenizer`` and the files the config reads (``--hash-path``,
     ``--prefill-indexer-path``); ValueError / FileNotFoundError name the flag. Shared with ``magnetar serve``."""
     config = config_from_args(args)
     check_model(args.model, revision=args.revision)
-    check_text_model(args.model)
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
+    check_text_model(args.model, tokenizer=tokenizer)
     for name in ("hash_path", "prefill_indexer_path"):
         path = getattr(config, name)
         if path is not None:

@@ -231,6 +231,17 @@ def is_model_path(model) -> bool:
     return isinstance(model, (str, bytes)) or isinstance(model, os.PathLike)
 
 
+def check_tokenizer_fits(tokenizer, hf_config) -> None:
+    """A tokenizer given to ``init_inference`` (``--tokenizer``: another model's) must not make ids the model has no
+    embedding for: ValueError naming both sizes."""
+    size = len(tokenizer) if callable(getattr(tokenizer, "__len__", None)) else None
+    vocab = getattr(hf_config, "vocab_size", None)
+    if isinstance(size, int) and isinstance(vocab, int) and size > vocab:
+        raise ValueError(f"the tokenizer (tokenizer=, --tokenizer) has {size} tokens, more than the model's vocabulary "
+                         f"of {vocab} (config vocab_size): its ids from {vocab} on have no embedding; give a tokenizer "
+                         f"of at most {vocab} tokens (the model's own, or a smaller model's)")
+
+
 def check_init(model, config, tokenizer, groups, *, revision=None, trust_remote_code=False, cache_dir=None) -> None:
     """``init_inference``'s arguments (the flat config fields are checked by ``EngineConfig``; whether a model name
     is a registry name, a local folder or a Hub id is decided by ``load_model``)."""

@@ -69,6 +69,7 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
     """
     inputs.check_init(model, config, tokenizer, groups, revision=revision, trust_remote_code=trust_remote_code,
                       cache_dir=cache_dir)
+    given_tokenizer = tokenizer  # one given must fit the model's vocabulary (one loaded with the model does)
     if config is None:
         config = EngineConfig.create(**flat)
     elif flat:
@@ -96,6 +97,8 @@ def init_inference(model, config: Optional[EngineConfig] = None, *, tokenizer=No
         hf_config = model.config
         dtype = dtype or model_dtype(model)
     hf.check_supported(hf_config)
+    if given_tokenizer is not None:
+        inputs.check_tokenizer_fits(given_tokenizer, hf_config)
     hf.check_tensor_parallel(hf_config, tp)
     if folder is None and tp == 1 and getattr(model, "_magnetar_tp", None) is not None:
         raise ValueError(f"the model was sharded by an engine with tp_size {len(model._magnetar_tp)}: give tp_size "

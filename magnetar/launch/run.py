@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from magnetar.cli.args import check_engine_args
+from magnetar.cli.args import add_model_args, check_engine_args, load_tokenizer_arg
 from magnetar.config import EngineConfig, add_cli_args
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed
@@ -39,9 +39,7 @@ PROG = "magnetar-run"
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
-    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
+    add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", help="text file holding the context")
     src.add_argument("--context", help="the context itself")
@@ -97,8 +95,8 @@ def main(argv=None) -> int:
     # request (its length against the model's positions, the policies' limits) come before any compute, and
     # the engine raises ValueError only for bad input: those are the user's errors too
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
-        engine = magnetar.init_inference(args.model, config, revision=args.revision,
-                                         trust_remote_code=args.trust_remote_code)
+        engine = magnetar.init_inference(args.model, config, tokenizer=load_tokenizer_arg(args),
+                                         revision=args.revision, trust_remote_code=args.trust_remote_code)
         res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
     if engine.groups.rank == 0:
         print(f"\n[{config.method}, cp_size {config.parallel.cp_size}] {res.context_tokens} context + "

@@ -15,7 +15,9 @@ from magnetar.models.prepare import (
     MARKER,
     cache_root,
     check_model,
+    check_tokenizer,
     load_model,
+    load_tokenizer,
     model_dir,
     model_dtype,
     model_path,
@@ -35,5 +37,6 @@ from magnetar.models.registry import (
 __all__ = ["DamagedModelError", "check_folder",
            "MODELS", "ModelSpec", "ModelNotInstalledError", "SMOLLM2_135M_INSTRUCT", "GEMMA3_270M",
            "CONVERTER_REQUIREMENTS", "MARKER", "get_spec", "cache_root", "model_dir", "read_marker",
-           "prepare_model", "load_model", "check_model", "model_path", "model_dtype", "model_kind", "is_hub_id",
+           "prepare_model", "load_model", "check_model",
+           "load_tokenizer", "check_tokenizer", "model_path", "model_dtype", "model_kind", "is_hub_id",
            "ModelNotFoundError"]

@@ -20,6 +20,14 @@ MAX_JSON_BYTES = 64 * 2**20  # a tokenizer.json of a 256k vocabulary is ~20 MB
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # any one: a tokenizer's folder
+
+
+def has_tokenizer_files(folder: Optional[Path]) -> bool:
+    """Whether ``folder`` holds a tokenizer's files (what ``AutoTokenizer.from_pretrained`` reads)."""
+    return folder is not None and any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
 class DamagedModelError(ValueError):
     """A model folder's file is missing or damaged; the message names the file and the fix."""
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from magnetar.models.check import has_tokenizer_files
 from magnetar.models.dims import ModelDims
 from magnetar.utils.cli import read_bounded
 
@@ -118,24 +119,19 @@ def _read_config(file: Path, name: str) -> Any:
         raise ValueError(f"model {name!r}: {file} is not a readable JSON config ({str(e)[:200]})") from None
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
 def has_tokenizer(name: str | os.PathLike) -> bool:
     """Whether ``dummy:<what>`` brings a tokenizer: a folder holding a tokenizer's files (presets have none)."""
-    return _tokenizer_folder(_source(name)[0])
+    return has_tokenizer_files(_source(name)[0])
 
 
-def _tokenizer_folder(folder: Optional[Path]) -> bool:
-    return folder is not None and any((folder / f).is_file() for f in _TOKENIZER_FILES)
-
-
-def check_text_model(name: str | os.PathLike, flag: str = "--model") -> None:
-    """``ValueError`` naming ``flag`` when ``name`` is a dummy model without a tokenizer: commands that take text
-    (magnetar-run, magnetar serve, magnetar-eval) need one; magnetar-bench times token ids and needs none."""
-    if is_dummy(name) and not has_tokenizer(name):
+def check_text_model(name: str | os.PathLike, flag: str = "--model", tokenizer: Optional[str] = None) -> None:
+    """``ValueError`` naming ``flag`` when ``name`` is a dummy model without a tokenizer (none of its own and no
+    ``tokenizer`` given: ``--tokenizer``): commands that take text (magnetar-run, magnetar serve, magnetar-eval)
+    need one; magnetar-bench times token ids and needs none."""
+    if is_dummy(name) and tokenizer is None and not has_tokenizer(name):
         raise ValueError(f"{flag} {os.fsdecode(name)}: dummy weights without a tokenizer (a preset, or a config.json "
-                         f"alone) cannot read text: give dummy:<a folder holding config.json and the tokenizer's "
+                         f"alone) cannot read text: give one with --tokenizer NAME|FOLDER (e.g. --tokenizer "
+                         f"smollm2-135m-instruct), or dummy:<a folder holding config.json and the tokenizer's "
                          f"files>, or time it on token ids with magnetar-bench")
 
 
@@ -227,7 +223,7 @@ def build_dummy(name: str | os.PathLike, *, dtype: torch.dtype, device: str | to
     model.generation_config.eos_token_id = None  # random weights: decode always runs its max_new_tokens
     model.config.name_or_path = os.fsdecode(name)
     tokenizer = None
-    if _tokenizer_folder(folder):
+    if has_tokenizer_files(folder):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -34,9 +34,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from magnetar.models.check import check_folder
-from magnetar.models.hub import cached_folder, check_cached, check_hub_options, hub_errors, model_kind
+from magnetar.models.check import TOKENIZER_FILES, check_folder, has_tokenizer_files
+from magnetar.models.hub import cached_folder, check_cached, check_hub_options, hub_errors, is_hub_id, model_kind
 from magnetar.models.registry import (
+    MODELS,
     ModelNotInstalledError,
     ModelSpec,
     check_converter_installed,
@@ -202,6 +203,57 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype | str = to
     log.info("loaded %s%s (%s, %s) in %.1f s", source, f" at {revision}" if revision else "",
              model.config.model_type, model.dtype, time.perf_counter() - t0)
     return model, tokenizer
+
+
+def _tokenizer_kind(name: str, flag: str) -> str:
+    """``"registry"``, ``"local"`` (a folder holding a tokenizer's files) or ``"hub"``; ValueError / FileNotFoundError
+    naming ``flag`` otherwise."""
+    if not isinstance(name, (str, os.PathLike)) or not os.fsdecode(name).strip():
+        raise ValueError(f"{flag} is empty: give a magnetar.models name, a folder holding a tokenizer's files or a "
+                         f"Hub id org/name")
+    name = os.fsdecode(name)
+    if name.startswith("dummy:"):
+        raise ValueError(f"{flag} {name}: dummy weights have no tokenizer of their own; give a magnetar.models name "
+                         f"({', '.join(sorted(MODELS))}), a folder or a Hub id")
+    if name in MODELS:
+        return "registry"
+    path = Path(name).expanduser()
+    if path.exists():
+        if not has_tokenizer_files(path):
+            raise FileNotFoundError(f"{flag} {name}: no tokenizer in that folder (none of "
+                                    f"{', '.join(TOKENIZER_FILES)})")
+        return "local"
+    if is_hub_id(name):
+        return "hub"
+    raise FileNotFoundError(f"{flag} {name!r} is neither a registered model ({', '.join(sorted(MODELS))}), an "
+                            f"existing folder holding a tokenizer, nor a Hugging Face Hub id org/name")
+
+
+def check_tokenizer(name: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                    flag: str = "--tokenizer") -> None:
+    """Cheap check of a tokenizer argument (``--tokenizer``, vLLM's flag) before any work: a registry name, a folder
+    holding a tokenizer's files, or a Hub id (offline: in the Hub cache). Errors name ``flag``."""
+    if _tokenizer_kind(name, flag) == "hub":
+        try:
+            check_cached(os.fsdecode(name), None, cache_dir)
+        except FileNotFoundError as e:
+            raise type(e)(f"{flag}: {e}") from None
+
+
+def load_tokenizer(name: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                   trust_remote_code: bool = False, flag: str = "--tokenizer"):
+    """The tokenizer of ``name`` alone (``--tokenizer``: text for a model given without one, e.g. dummy weights): a
+    registry name's (the model prepared on demand, as :func:`model_path`), a folder's (offline) or a Hub id's
+    (downloaded when missing; ``HF_HUB_OFFLINE=1``: the cache only)."""
+    from transformers import AutoTokenizer
+
+    kind = _tokenizer_kind(name, flag)
+    if kind == "hub":
+        source = os.fsdecode(name)
+        with hub_errors(source, None, cache_dir):
+            return AutoTokenizer.from_pretrained(source, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    folder = model_path(name, cache_dir) if kind == "registry" else Path(os.fsdecode(name)).expanduser()
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

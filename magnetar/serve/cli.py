@@ -26,7 +26,7 @@ from typing import Optional
 
 from magnetar.config import add_cli_args
 from magnetar.engine.inputs import MAX_STOP_STRINGS
-from magnetar.cli.args import check_engine_args
+from magnetar.cli.args import add_model_args, check_engine_args, load_tokenizer_arg
 from magnetar.models import ModelNotInstalledError
 from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import check_api_key, check_body_budget, is_loopback
@@ -39,9 +39,7 @@ API_KEY_ENV = "MAGNETAR_API_KEY"
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a magnetar.models name, a local HF directory or a Hub id org/name")
-    p.add_argument("--revision", help="--model's Hub revision: a branch, tag or commit hash (default main)")
-    p.add_argument("--trust-remote-code", action="store_true", help="let --model run its own modelling code")
+    add_model_args(p)
     p.add_argument("--served-model-name",
                    help="the model name clients send (default: --model, or a local folder's own name)")
     p.add_argument("--threads", type=int_at_least(1), default=None,
@@ -203,8 +201,8 @@ def main(argv=None) -> int:
     from magnetar.serve.server import Server
 
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
-        engine = magnetar.init_inference(args.model, config, revision=args.revision,
-                                         trust_remote_code=args.trust_remote_code)
+        engine = magnetar.init_inference(args.model, config, tokenizer=load_tokenizer_arg(args),
+                                         revision=args.revision, trust_remote_code=args.trust_remote_code)
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
