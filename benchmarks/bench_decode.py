@@ -104,6 +104,7 @@ def launched(args) -> bool:
 def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: bool, engines: dict) -> dict:
     """One row: ``bsz`` questions about the context in one batch of the ``(config, mode)`` engine (made once)."""
     import magnetar
+    from magnetar.utils.sync import host_syncs
 
     if (config, mode) not in engines:
         # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
@@ -121,7 +122,7 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
         engines[(config, mode)] = (eng, handle, questions)
     eng, handle, questions = engines[(config, mode)]
     b = eng.open_batch()
-    n = args.warmup + args.steps + 2
+    n = args.warmup + args.steps + 3
     t0 = time.perf_counter()
     rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0] for q in questions[:bsz]]
     _sync(eng.device)
@@ -131,6 +132,8 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
     first = time.perf_counter() - t1
     _say(f"{config} {mode} batch {bsz}: joined in {t1 - t0:.2f} s, first step {first:.2f} s")
     for _ in range(args.warmup - 1):
+        b.step()
+    with host_syncs("count") as seen:  # one untimed step: how often a whole step made the host wait for the device
         b.step()
     _sync(eng.device)
     t0 = time.perf_counter()
@@ -145,7 +148,7 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
     tokens = [b.pop(rid).token_ids for rid in rids]
     _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
     return dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, ms_per_step=ms, ms_per_token=ms / bsz,
-                tokens_per_s=1000 * bsz / ms, first_step_s=first, tokens=tokens,
+                tokens_per_s=1000 * bsz / ms, first_step_s=first, host_syncs_per_step=len(seen.calls), tokens=tokens,
                 ranks=1 if config == "dense" else 2, simulated=config == "pulsar" and not distributed)
 
 
@@ -175,15 +178,15 @@ def main(argv=None) -> int:
     print(f"\n{args.model} {args.dtype}, {args.context_tokens} context tokens, {dev}, "
           f"{torch.get_num_threads()} threads\n")
     print("| config | batch | decode step (ran) | ms/step | ms/token | tokens/s | speed-up vs eager | first step s | "
-          "requests with eager's tokens |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+          "host syncs / step | requests with eager's tokens |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
         vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
         same = "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['batch']}"
         where = "" if r["ranks"] == 1 else f", {r['ranks']} ranks{' sim.' if r['simulated'] else ''}"
         print(f"| {r['config']}{where} | {r['batch']} | {ran} | {r['ms_per_step']:.1f} | {r['ms_per_token']:.1f} | "
-              f"{r['tokens_per_s']:.1f} | {vs} | {r['first_step_s']:.2f} | {same} |")
+              f"{r['tokens_per_s']:.1f} | {vs} | {r['first_step_s']:.2f} | {r['host_syncs_per_step']} | {same} |")
     for r in rows:
         if r["why"]:
             print(f"- {r['config']} {r['mode']} batch {r['batch']}: {r['why']}")

@@ -378,7 +378,7 @@ def step_decode(kit: Kit, shape: dict):
         if record is None or not record["rows"]:
             return False, None, _tail(err or out), cmd
         keep = ("mode", "ran", "why", "batch", "ms_per_step", "ms_per_token", "tokens_per_s", "first_step_s",
-                "vs_eager", "same_tokens")
+                "host_syncs_per_step", "vs_eager", "same_tokens")
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       context_tokens=record["context_tokens"], torch=record["torch"],
                       decode_rows=[{k: r[k] for k in keep} for r in record["rows"]])
@@ -465,15 +465,17 @@ def tables(report: dict) -> str:
             continue
         lines += ["", f"{s['name']}: decode steps, dense, {_k(s['result']['context_tokens'])} context "
                       f"({s['result']['dtype']}){'' if s['ok'] else ', cut short: the rows it measured'}", "",
-                  "| decode step (ran) | batch | ms/step | tokens/s | vs eager | first step (s) | eager's tokens |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| decode step (ran) | batch | ms/step | tokens/s | vs eager | first step (s) | host syncs / step | "
+                  "eager's tokens |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in s["result"]["decode_rows"]:
             ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
             vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
             lines.append(f"| {ran} | {r['batch']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {vs} | "
-                         f"{r['first_step_s']:.2f} | {r['same_tokens']}/{r['batch']} |")
+                         f"{r['first_step_s']:.2f} | {r.get('host_syncs_per_step', '-')} | "
+                         f"{r['same_tokens']}/{r['batch']} |")
             if r.get("why"):
-                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | |")
+                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | |")
     return "\n".join(lines)
 
 

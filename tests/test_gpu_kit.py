@@ -44,6 +44,8 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [(r["mode"], r["ran"], r["batch"]) for r in dec] == [("eager", "eager", 1), ("static", "static", 1),
                                                                ("eager", "eager", 2), ("static", "static", 2)]
     assert all(r["same_tokens"] == r["batch"] and r["ms_per_step"] > 0 for r in dec), dec
+    # a static step of greedy requests reads the device once (tokens and finite flags), whatever the batch
+    assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True, False, True], dec
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
@@ -126,7 +128,7 @@ def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     kit = _kit()
     k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
     row = dict(config="dense", mode="eager", ran="eager", why=None, batch=1, ms_per_step=9.0, ms_per_token=9.0,
-               tokens_per_s=111.1, first_step_s=0.1, vs_eager=1.0, same_tokens=1)
+               tokens_per_s=111.1, first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1)
 
     def killed(cmd, timeout):
         out = Path(cmd[cmd.index("--json-out") + 1])

@@ -210,6 +210,12 @@ def test_a_context_kv_not_finite_sends_the_batch_back_to_eager():
 
 
 def _two_rank_worker(rank, world):
+    with pytest.MonkeyPatch.context() as mp:  # the CP gather and merge inside a step: no host sync either
+        _no_sync_in_steps(mp)
+        _two_rank_checks(rank)
+
+
+def _two_rank_checks(rank):
     model = tiny_model("qwen3", seed=3)
     flat = dict(method="pulsar", cp_size=2, sink_size=4, chunk_size=8, summary_budget=0.25)
     _interleaved_against(_engine(model, decode_step="static", **flat), _engine(model, context_cache_mb=0, **flat),
@@ -226,9 +232,12 @@ def test_static_steps_on_two_ranks():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["static", "compiled"])
-def test_decode_steps_on_cuda(arch, mode):
-    # fp32 on the GPU: static (math) and compiled (CUDA graphs, FlexAttention over the slots) choose eager's tokens
+def test_decode_steps_on_cuda(arch, mode, monkeypatch):
+    # fp32 on the GPU: static (math) and compiled (CUDA graphs, FlexAttention over the slots) choose eager's tokens;
+    # a static step runs under the driver's sync debug mode "error" (magnetar.utils.sync.host_syncs)
     model = tiny_model(arch, seed=2)
+    if mode == "static":
+        _no_sync_in_steps(monkeypatch)
     flat = dict(method="star", cp_size=2, block_size=24, simulate=True, deepspeed_inference=False)
     want, _ = _batch_tokens(_engine(model, **flat), steps_between=0)
     got, batch = _batch_tokens(_engine(model, decode_step=mode, **flat), steps_between=0)
@@ -238,16 +247,73 @@ def test_decode_steps_on_cuda(arch, mode):
     assert got == want, f"{arch} {mode} (fallback: {batch.static.fallback})"
 
 
-def test_static_logits_check_follows_check_finite():
-    # as eager steps: non-finite logits raise only under runtime.check_finite (off: the run decodes on, unchecked)
+def test_static_logits_check_follows_check_finite(monkeypatch):
+    # as eager steps: non-finite logits raise only under runtime.check_finite (off: the run decodes on, unchecked);
+    # the check rides on the step's one read of the device (the tokens')
     from magnetar.engine.finite import NonFiniteError
     from magnetar.engine.static import StaticDecode
 
-    model, nan = tiny_model("llama"), torch.full((2, 256), float("nan"))
-    with pytest.raises(NonFiniteError, match=r"non-finite logits in Phase 2 \(decode step 3; static decode step"):
-        StaticDecode(model, local_groups(), "cpu", "static", check_finite=True).check_logits(nan, "decode step 3")
-    StaticDecode(model, local_groups(), "cpu", "static", check_finite=False).check_logits(nan, "decode step 3")
+    model = tiny_model("llama")
+    monkeypatch.setattr(StaticDecode, "_run", lambda self, ids, *a: torch.full((ids.shape[0], 256), float("nan")))
+    for check in (True, False):  # Engine.generate's batch (not isolated: non-finite logits raise)
+        eng = _engine(model, method="dense", decode_step="static", check_finite=check)
+        if check:
+            with pytest.raises(NonFiniteError, match=r"non-finite logits in Phase 2 \(decode step 1; static decode"):
+                eng.generate(_ids(1, 40), _ids(2, 3), max_new_tokens=4)
+        else:
+            assert len(eng.generate(_ids(1, 40), _ids(2, 3), max_new_tokens=4).token_ids) == 4
+    # a served batch (isolated): the request fails alone, saying so
+    eng = _engine(model, method="dense", decode_step="static")
+    batch = eng.open_batch()
+    rid, _ = batch.add(_ids(1, 40), _ids(2, 3), eng.sampling_params(max_new_tokens=4))
+    [event] = batch.step()
+    assert event.rid == rid and event.stop_reason == "nonfinite" and "static decode step" in event.error
     assert StaticDecode(model, local_groups(), "cpu", "static")._model_heads() == (2, 16)
+
+
+def _no_sync_in_steps(monkeypatch):
+    """Every static step's device part (StaticDecode._run: the forward over the slots, the CP gather and merge) runs
+    where a host synchronization raises."""
+    from magnetar.engine import static
+    from magnetar.utils.sync import host_syncs
+
+    run = static.StaticDecode._run
+
+    def guarded(self, *args, **kwargs):
+        with host_syncs("error"):
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(static.StaticDecode, "_run", guarded)
+
+
+def test_a_static_step_never_waits_for_the_device_and_a_batch_step_reads_it_once(monkeypatch):
+    # issue 47: nothing inside a step synchronizes with the host (.item(), .tolist(), .cpu(), bool(t), nonzero, a
+    # boolean-mask index raise there; on CUDA the driver's sync debug mode too), for every layout, with requests
+    # joining and leaving, greedy and sampled; a step of greedy requests then reads the device ONCE (their tokens and
+    # finite flags together), where it read once per request and once more for the check
+    from magnetar.utils.sync import HostSyncError, host_syncs
+
+    with pytest.raises(HostSyncError, match=r"host synchronization \(item\)"):
+        with host_syncs("error"):
+            torch.ones(2).sum().item()
+    with host_syncs("count") as seen:
+        t = torch.arange(4)
+        t[t > 1], bool(t.sum()), t.to(torch.float32) + 1  # noqa: B018 -- only the first two read the device
+    assert seen.calls == ["boolean-mask index", "bool"]
+    _no_sync_in_steps(monkeypatch)
+    model = tiny_model("llama", seed=2)
+    for label, flat in LAYOUTS:
+        want, _ = _batch_tokens(_engine(model, **flat))
+        got, batch = _batch_tokens(_engine(model, decode_step="static", **flat))
+        assert batch.decode_step == "static" and got == want, label
+    eng = _engine(model, method="dense", decode_step="static")
+    batch = eng.open_batch()
+    for i in range(3):
+        batch.add(_ids(i, 50 + 10 * i), _ids(10 + i, 4), eng.sampling_params(max_new_tokens=4))
+    for _ in range(2):
+        with host_syncs("count") as seen:
+            batch.step()
+        assert seen.calls == ["tolist"], seen.calls
 
 
 def test_design_doc_attention_backend_runs_the_decode_step(tmp_path, monkeypatch):

@@ -182,6 +182,19 @@ class RequestFailed(RuntimeError):
     raises the request's own exception)."""
 
 
+def _read_choices(logits: torch.Tensor, together: list[int], check: bool) -> tuple[list[bool], dict[int, int]]:
+    """One read of the device for a step's ``logits (B, V)``: whether each row is finite (all True without
+    ``check``), and the greedy tokens (``argmax``, as :meth:`RequestSampler.choose`) of the rows ``together``."""
+    n, parts = logits.shape[0], []
+    if check:
+        parts.append(torch.isfinite(logits).all(dim=-1).long())
+    if together:
+        parts.append(logits[torch.tensor(together, device=logits.device)].argmax(dim=-1))
+    values = torch.cat(parts).tolist() if parts else []
+    finite = [bool(v) for v in values[:n]] if check else [True] * n
+    return finite, dict(zip(together, values[n if check else 0:]))
+
+
 def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
     """The tokens chosen on the replica's first rank, on every rank of the replica (TP x CP): the ranks never
     choose for themselves, so sampling (or a tie in bitwise-different logits) cannot make them diverge."""
@@ -260,8 +273,7 @@ class DecodeBatch:
         self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
         if self.why_not is not None:
             log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
-        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.check_finite,
-                                    config.runtime.attention_backend)
+        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.attention_backend)
                        if self.decode_step != "eager" else None)
 
     @property
@@ -303,9 +315,7 @@ class DecodeBatch:
         # each request's row: its last real position (every), else its end's index among those kept (one end: 0)
         last = torch.tensor([n - 1 for n in valid] if every else [ends.index(n) for n in valid], device=device)
         logits = logits[torch.arange(len(valid), device=device), last]  # (B, V): each request's last real token
-        if not self.isolate:
-            ctx.check_logits(logits, what)
-        return logits, ctx, full
+        return logits, ctx, full  # checked finite where the tokens are chosen (_choose_tokens: one read per step)
 
     def _choose(self, live: list[_Live], logits: torch.Tensor, ctx: Phase2Context, what: str,
                 full: Optional[torch.Tensor] = None, lengths: Optional[list[int]] = None) -> list[int]:
@@ -322,13 +332,24 @@ class DecodeBatch:
                        full: Optional[torch.Tensor], lengths: Optional[list[int]]) -> list[int]:
         picked, errors = [NONFINITE] * len(live), {}
         if self.chooses:
-            finite = torch.isfinite(logits).all(dim=-1).tolist() if self.isolate else [True] * len(live)
+            # the greedy requests' tokens are chosen together on the device, read with every row's finite flag in
+            # ONE transfer (a step's only wait for the device when every request is greedy; the others' samplers
+            # read their own rows)
+            together = [i for i, r in enumerate(live) if r.req.chooser.device_choice and r.req.logprobs is None
+                        and not (full is not None and r.req.prompt_logprobs)]
+            finite, chosen = _read_choices(logits, together, self.isolate or self.config.runtime.check_finite)
             for i, r in enumerate(live):
-                if finite[i]:
+                if not finite[i]:
+                    continue
+                if i in chosen:
+                    picked[i], errors[i] = self._record_one(r, chosen[i])
+                else:
                     prompt = full[i, : lengths[i]] if full is not None and r.req.prompt_logprobs else None
                     picked[i], errors[i] = self._choose_one(r, logits[i], prompt)
         tokens = _broadcast_tokens(picked, self.groups, self.device)
         error = ctx.nonfinite_message(what) if NONFINITE in tokens else None  # every rank alike
+        if not self.isolate and NONFINITE in tokens:  # runtime.check_finite: every rank raises
+            raise NonFiniteError(error)
         if not self.isolate and FAILED in tokens:  # every rank raises, the first with the request's own error
             i = tokens.index(FAILED)
             if errors.get(i) is not None:
@@ -349,6 +370,16 @@ class DecodeBatch:
             r.result.token_ids.append(t)
             r.result.stop_reason = r.req.chooser.stop_reason
         return tokens
+
+    def _record_one(self, r: _Live, token: int) -> tuple[int, Optional[Exception]]:
+        """On the replica's first rank: request ``r``'s token chosen with the batch on the device, recorded as
+        :meth:`_choose_one` records its own (or :data:`FAILED` and the exception)."""
+        try:
+            r.req.chooser.record(token)
+            return token, None
+        except Exception as e:  # noqa: BLE001 -- as _choose_one: the request's own failure
+            log.error("a request's token failed: %s: %s", type(e).__name__, e, exc_info=not self.isolate)
+            return FAILED, e
 
     def _choose_one(self, r: _Live, logits: torch.Tensor,
                     prompt: Optional[torch.Tensor] = None) -> tuple[int, Optional[Exception]]:
@@ -451,8 +482,6 @@ class DecodeBatch:
             if self.static is not None:  # every request in one slot-batched (maybe compiled) forward
                 logits = self.static.step(rids, [r.result.token_ids[-1] for r in live], [r.next_pos for r in live])
                 ctx = self.static
-                if not self.isolate:
-                    ctx.check_logits(logits, what)
             else:
                 ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
                 logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)

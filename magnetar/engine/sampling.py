@@ -248,6 +248,12 @@ class RequestSampler:
         when several hold at once; None while the request goes on."""
         return self._stop_reason
 
+    @property
+    def device_choice(self) -> bool:
+        """Whether the engine may choose this request's tokens with its batch's, on the device: greedy without a
+        grammar (``argmax`` of the logits, exactly :meth:`choose`'s), the token then given to :meth:`record`."""
+        return self.params.greedy and self._mask is None
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits (V,)`` (any float dtype, any device) after the warpers: float32 on the CPU, ``-inf`` for the
         tokens top-k / top-p remove; unchanged values (as float32) for greedy requests."""
