@@ -47,6 +47,14 @@ Part ``stall`` (issue 33, item 3) -- one request streams ``--stall-tokens`` toke
 another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (its whole Phase 1 between two decode
 steps) and each of ``--stall-chunks``: the decoding request's longest gap between two tokens and the newcomer's TTFT.
 
+Part ``served`` (issue 47, item 3; the GPU kit's ``serve`` step) -- the server in this process, plain chat requests:
+one streamed request over a new ``--context-tokens`` document (TTFT, decode ms/token), then each ``--clients`` count of
+concurrent streaming clients, each with a new ``--client-context-tokens`` document (tokens/s, TTFT p50/p99). With
+dummy weights and another tokenizer, as on a GPU::
+
+    python benchmarks/bench_serve.py --parts served --model dummy:llama-3.1-8b --tokenizer byte --dtype bfloat16 \
+        --method dense --ranks 1 --context-tokens 32768 --clients 8,32 --client-context-tokens 2048 --new-tokens 64
+
 Prints the tables, then one JSON line.
 """
 from __future__ import annotations
@@ -83,10 +91,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="registry name, folder or Hub id")
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a byte tokenizer (smoke run)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME|FOLDER|byte",
+                   help="read text with this tokenizer instead of --model's (magnetar serve's --tokenizer); 'byte': a "
+                        "byte-level one with a plain chat template, made here (no files: the GPU kit's dummy model)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the weights' and the engine's dtype (dummy weights are made on this rank's device)")
     p.add_argument("--method", default="pulsar")
     p.add_argument("--ranks", type=int, default=4, help="simulated CP ranks (one process)")
-    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns (--peer: "
-                   "peer)")
+    p.add_argument("--parts", default="cache,clients", help="comma list of: cache, clients, pasted, turns, stall, "
+                   "served (--peer: peer)")
     p.add_argument("--peer", default=None, metavar="URL", help="another OpenAI-compatible server (e.g. vLLM at "
                    "http://127.0.0.1:8100): run the peer workloads against it and against `magnetar serve` (its own "
                    "process), one server at a time, and print the ratios (part 'peer')")
@@ -118,10 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if args.peer is not None and args.parts == p.get_default("parts"):
         parts = ["peer"]
-    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer", "stall")]
+    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer", "stall", "served")]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer, stall (comma "
-                f"separated)")
+        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer, stall, served "
+                f"(comma separated)")
     try:
         args.stall_chunks = [int(x) for x in args.stall_chunks.split(",") if x.strip()]
     except ValueError:
@@ -157,9 +170,26 @@ def load(args):
         args.model_path = folder  # what a `magnetar serve` process loads (part peer)
         return load_model(folder)
     from magnetar.models import load_model
+    from magnetar.models.dummy import is_dummy
+    from magnetar.parallel.launcher import device_for_rank
 
     args.model_path = args.model
-    return load_model(args.model)
+    device = device_for_rank() if is_dummy(args.model) else "cpu"  # an 8B dummy model never passes the CPU
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    if args.tokenizer == "byte":  # one id per byte of text, every other id of the model's vocabulary a word
+        import tempfile
+
+        from tests.tiny_models import CHAT_TEMPLATE, byte_tokenizer
+
+        tok = byte_tokenizer(int(model.config.vocab_size))
+        tok.chat_template = CHAT_TEMPLATE
+        args.tokenizer = tempfile.mkdtemp(prefix="magnetar-bench-tokenizer-")
+        tok.save_pretrained(args.tokenizer)
+    if args.tokenizer is not None:
+        from magnetar.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    return model, tokenizer
 
 
 def engine(model, tokenizer, args, **flat):
@@ -168,6 +198,7 @@ def engine(model, tokenizer, args, **flat):
     if args.decode_step is not None:
         flat.setdefault("decode_step", args.decode_step)
     simulate = args.ranks > 1
+    flat.setdefault("dtype", args.dtype)  # the engine's default (float32) would cast a bf16 model
     return magnetar.init_inference(model, tokenizer=tokenizer, method=args.method, cp_size=args.ranks,
                                    simulate=simulate, deepspeed_inference=False, **flat)
 
@@ -550,6 +581,66 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
     return out
 
 
+def part_served(model, tokenizer, args) -> dict:
+    """The served workloads of issue 47 (item 3), what the GPU kit's ``serve`` step runs: the server in this process,
+    plain chat requests (each document pasted before its question) with the ``openai`` client. ``one``: one streamed
+    request over a new ``--context-tokens`` document -- its TTFT (Phase 1 of the whole document) and decode ms/token
+    (after the first token); then for each ``--clients`` count that many concurrent streaming clients, each with a new
+    ``--client-context-tokens`` document of its own: completion tokens/s over the wall time and TTFT p50/p99."""
+    import threading
+
+    from openai import OpenAI
+
+    server, thread, status = _start_server(model, tokenizer, args)
+    api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    new, rows = args.new_tokens, []
+    try:
+        _stream(api, "bench", "Warm-up. " * 20 + "\n\nSay hello.", 4)
+        [(doc, question, _)] = documents(tokenizer, args.context_tokens, 1, args.seed)
+        one = _stream(api, "bench", doc + "\n\n" + question, new)
+        print(f"served: one request, {args.context_tokens}-token document: TTFT {one['ttft']:.2f} s, "
+              f"{one['ms_per_token'] or float('nan'):.1f} ms/token over {one['tokens']} tokens", flush=True)
+        for clients in args.clients:
+            docs = documents(tokenizer, args.client_context_tokens, clients, args.seed + 1000 * clients)
+            results = [None] * clients
+
+            def client(i):
+                results[i] = _stream(api, "bench", docs[i][0] + "\n\n" + QUESTIONS[i % len(QUESTIONS)], new)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if any(r is None for r in results):
+                raise RuntimeError(f"a client of the {clients}-client round failed (the server's log says why)")
+            ttfts = sorted(r["ttft"] for r in results)
+            tokens = sum(r["tokens"] for r in results)
+            rows.append(dict(clients=clients, tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
+                             ttft_p50=statistics.median(ttfts), ttft_p99=ttfts[min(len(ttfts) - 1,
+                                                                                   int(0.99 * len(ttfts)))]))
+            print(f"served: {clients} concurrent clients: {tokens / wall:.1f} tokens/s", flush=True)
+    finally:
+        server.drain()
+        thread.join(timeout=120)
+    print(f"\n## Served ({args.model}, {args.dtype}, {args.method}, {args.ranks} rank(s), {new} new tokens, greedy, "
+          f"decode batch <= {args.max_batch}, decode step {args.decode_step or 'default'})\n")
+    print("| workload | TTFT s (p50 / p99) | decode ms/token | tokens/s |")
+    print("|---|---|---:|---:|")
+    ms = "-" if one["ms_per_token"] is None else f"{one['ms_per_token']:.1f}"
+    print(f"| one request, {args.context_tokens}-token document | {one['ttft']:.2f} | {ms} | "
+          f"{1000 / one['ms_per_token'] if one['ms_per_token'] else float('nan'):.1f} |")
+    for r in rows:
+        print(f"| {r['clients']} clients, {args.client_context_tokens}-token documents | {r['ttft_p50']:.2f} / "
+              f"{r['ttft_p99']:.2f} | - | {r['tokens_per_s']:.1f} |")
+    return dict(context_tokens=args.context_tokens, one=dict(ttft=one["ttft"], ms_per_token=one["ms_per_token"],
+                                                             tokens=one["tokens"]),
+                clients=rows, client_context_tokens=args.client_context_tokens,
+                server_status=status[0] if status else None)
+
+
 @contextlib.contextmanager
 def _process(cmd: list, name: str, stop_s: float):
     """``(process, log path)`` of ``cmd`` started in a session of its own, its output in a log file (the error when
@@ -668,6 +759,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
     out = dict(bench="serve", model="tiny" if args.tiny else args.model, method=args.method, ranks=args.ranks,
+               dtype=args.dtype, device=str(next(model.parameters()).device),
                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                torch_threads=torch.get_num_threads())
     if "cache" in args.parts:
@@ -682,6 +774,8 @@ def main(argv=None) -> int:
         out["peer"] = part_peer(model, tokenizer, args)
     if "stall" in args.parts:
         out["stall"] = part_stall(model, tokenizer, args)
+    if "served" in args.parts:
+        out["served"] = part_served(model, tokenizer, args)
     print(json.dumps(out))
     return 0
 

@@ -55,8 +55,9 @@ SCHEMA = 1
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
             decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8", decode_steps=(3, 16),
+            serve_len=32768, serve_clients="8,32", serve_client_len=2048, serve_new=64,
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=360))
+                        decode=360, serve=150))
 # the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
 # compiles once)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
@@ -64,7 +65,9 @@ FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536,
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=300.0, warmup_len=256,
            decode_len=1024, decode_modes="eager,static", decode_batches="1,2", decode_steps=(1, 3),
-           limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60))
+           serve_len=512, serve_clients="2", serve_client_len=128, serve_new=4,
+           limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60,
+                       serve=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -386,6 +389,27 @@ def step_decode(kit: Kit, shape: dict):
     return kit.step(name, shape["limits"]["decode"], fn)
 
 
+def step_serve(kit: Kit, shape: dict):
+    """``benchmarks/bench_serve.py --parts served``: the dummy model served (OpenAI API, this process's server) with a
+    byte-level tokenizer made on the spot (no files to carry): one request over a ``serve_len`` document (TTFT,
+    decode ms/token), then concurrent clients with documents of their own (tokens/s)."""
+    name = f"serve_{_k(shape['serve_len'])}"
+
+    def fn(timeout):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--parts", "served", "--model",
+               shape["model"], "--tokenizer", "byte", "--dtype", shape["dtype"], "--method", "dense", "--ranks", "1",
+               "--context-tokens", str(shape["serve_len"]), "--clients", shape["serve_clients"],
+               "--client-context-tokens", str(shape["serve_client_len"]), "--new-tokens", str(shape["serve_new"]),
+               "--max-batch", "32", "--decode-step", "static"]
+        rc, out, err = kit.run(cmd, timeout)
+        lines = [x for x in out.splitlines() if x.startswith("{")]
+        record = json.loads(lines[-1]) if rc == 0 and lines else None
+        if record is None:
+            return False, None, _tail(err or out), cmd
+        return True, dict(device=record["device"], dtype=record["dtype"], **record["served"]), None, cmd
+    return kit.step(name, shape["limits"]["serve"], fn)
+
+
 # ------------------------------------------------------------------------------------------------ the report
 
 
@@ -399,7 +423,7 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     if report.get("kit") != KIT:
         problems.append(f"kit is {report.get('kit')!r}, not {KIT!r}")
     names = [s.get("name") for s in report.get("steps", [])]
-    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest", "decode"]
+    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest", "decode", "serve"]
     for w in want if complete else []:
         if not any(isinstance(n, str) and n.startswith(w) for n in names):
             problems.append(f"no step {w!r}")
@@ -418,6 +442,9 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
             for r in s["result"]["decode_rows"]:
                 problems += [f"step {s['name']!r} row {r.get('mode')} lacks {k!r}" for k in
                              ("ms_per_step", "tokens_per_s", "first_step_s", "same_tokens") if k not in r]
+        if s["ok"] and s["name"].startswith("serve"):
+            problems += [f"step {s['name']!r} lacks {k!r}" for k in ("one", "clients", "context_tokens")
+                         if k not in s["result"]]
         if s["ok"] and s["name"] == "pytest_gpu":
             problems += [f"pytest_gpu lacks {k!r}" for k in ("tests", "passed", "failed", "skipped")
                          if k not in s["result"]]
@@ -476,6 +503,16 @@ def tables(report: dict) -> str:
                          f"{r['same_tokens']}/{r['batch']} |")
             if r.get("why"):
                 lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | |")
+    for s in report["steps"]:
+        if not (s["name"].startswith("serve") and s["ok"]):
+            continue
+        r, one = s["result"], s["result"]["one"]
+        ms = "-" if one["ms_per_token"] is None else f"{one['ms_per_token']:.1f}"
+        lines += ["", f"{s['name']}: served (OpenAI API, static decode steps), dense, {r['dtype']}", "",
+                  "| workload | TTFT s (p50 / p99) | decode ms/token | tokens/s |", "|---|---|---|---|",
+                  f"| one request, {_k(r['context_tokens'])} document | {one['ttft']:.2f} | {ms} | - |"]
+        lines += [f"| {c['clients']} clients, {_k(r['client_context_tokens'])} documents each | {c['ttft_p50']:.2f} / "
+                  f"{c['ttft_p99']:.2f} | - | {c['tokens_per_s']:.1f} |" for c in r["clients"]]
     return "\n".join(lines)
 
 
@@ -529,7 +566,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan: list[tuple[str, Callable[[], Any]]] = [
         ("environment", lambda: step_environment(kit)),
         ("ops_build", lambda: step_ops(kit)),
-        (f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape))]
+        (f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape)),
+        (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape))]
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
         plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
             kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])))

@@ -36,7 +36,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "phase1_1K",
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
                                   "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # the decode step: static steps ran as asked and chose eager's tokens for every request
@@ -50,6 +50,11 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
     assert all("CUDA" in reason for reason in py["skip_reasons"]), py["skip_reasons"]
+    # the served step: dummy weights with a byte-level tokenizer made on the spot, one long request and clients
+    served = steps["serve_512"]["result"]
+    assert served["one"]["tokens"] == 4 and served["one"]["ttft"] > 0 and served["one"]["ms_per_token"] > 0
+    assert [c["clients"] for c in served["clients"]] == [2] and served["clients"][0]["tokens"] == 8
+    assert "serve_512: served (OpenAI API, static decode steps)" in stdout
     rows = {r["method"]: r for r in steps["phase1_1K"]["result"]["rows"]}
     assert set(rows) == {"dense", "star", "pulsar", "ring"} and "not simulated" in rows["ring"]["skipped"]
     assert len(rows["star"]["phase1_per_rank_s"]) == 4
@@ -74,14 +79,16 @@ def test_check_report_names_what_is_wrong(dry_report):
     report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
     report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
     del report["steps"][2]["timeout_s"]
-    report["steps"][4]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
+    report["steps"][5]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
     report["steps"][3]["result"]["decode_rows"][0].pop("first_step_s")  # decode_1K's eager batch-1 row
+    report["steps"][4]["result"].pop("one")  # serve_512's long request
     problems = kit.check_report(report)
     assert any("no step 'quest'" in p for p in problems)
     assert any("failed without an error" in p for p in problems)
     assert any("has keys" in p for p in problems)
     assert any("lacks 'ttft_s'" in p for p in problems)
     assert any("decode_1K' row eager lacks 'first_step_s'" in p for p in problems)
+    assert any("'serve_512' lacks 'one'" in p for p in problems)
     assert kit.check_report(report, complete=False) != [] and not any("no step" in p
                                                                        for p in kit.check_report(report, False))
 

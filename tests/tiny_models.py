@@ -60,17 +60,26 @@ def reference(model, context_ids: torch.Tensor, query_ids: torch.Tensor, max_new
     return first, tokens
 
 
-def save_tiny(out, arch: str = "llama", seed: int = 0, **overrides):
-    """Save :func:`tiny_model` with a byte-level tokenizer (256 ids = its vocabulary) into the folder ``out``, loadable
-    by ``--model`` / ``init_inference(path)``; returns the model."""
+def byte_tokenizer(vocab_size: int = 256):
+    """A byte-level tokenizer (text -> one id per byte, ids 0..255) with ``vocab_size`` ids: the ids past the bytes
+    decode to words `` w<id>`` (never made by encoding), so every id a model of that vocabulary generates reads as
+    text (the GPU kit serves dummy weights of a 128K vocabulary with it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), vocab_size)})  # \u0120: ByteLevel's space
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def save_tiny(out, arch: str = "llama", seed: int = 0, **overrides):
+    """Save :func:`tiny_model` with a byte-level tokenizer (256 ids = its vocabulary) into the folder ``out``, loadable
+    by ``--model`` / ``init_inference(path)``; returns the model."""
+    byte_tokenizer().save_pretrained(out)
     model = tiny_model(arch, seed=seed, **overrides)
     model.save_pretrained(out)
     return model
