@@ -133,7 +133,8 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
     _say(f"{config} {mode} batch {bsz}: joined in {t1 - t0:.2f} s, first step {first:.2f} s")
     for _ in range(args.warmup - 1):
         b.step()
-    with host_syncs("count") as seen:  # one untimed step: how often a whole step made the host wait for the device
+    # one untimed step: how often a whole step made the host wait for the device (on CPU every tensor read counts)
+    with host_syncs("count", eng.device) as seen:
         b.step()
     _sync(eng.device)
     t0 = time.perf_counter()

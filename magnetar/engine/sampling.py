@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
-from transformers.generation.stopping_criteria import EosTokenCriteria, StoppingCriteria
+from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import TextStreamer
 
 from magnetar.config import DecodeConfig, FieldError, describe
@@ -229,7 +229,6 @@ class RequestSampler:
             if params.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
         self.warpers = LogitsProcessorList(warpers)
-        self._eos = EosTokenCriteria(list(self.eos_ids)) if self.eos_ids else None
         self._stop = StopStrings(tokenizer, params.stop) if params.stop else None
         # the grammar's state, on every rank (the stop decision depends on it); it masks logits where one chooses
         self._mask = TokenMask(params.grammar, tokenizer, self.vocab_size, self.eos_ids) \
@@ -304,10 +303,9 @@ class RequestSampler:
         if self._mask is not None:
             self._mask.consume(token)
         self._ids.append(token)
-        ids = torch.tensor([self._ids], dtype=torch.long)
-        if self._eos is not None and bool(self._eos(ids, None)[0]):
+        if token in self.eos_ids:  # what EosTokenCriteria decides, without a tensor
             self._stop_reason = "eos"
-        elif self._stop is not None and bool(self._stop(ids, None)[0]):
+        elif self._stop is not None and bool(self._stop(torch.tensor([self._ids], dtype=torch.long), None)[0]):
             self._stop_reason = "stop_string"
         elif self._mask is not None and self._mask.done:
             self._stop_reason = "grammar"

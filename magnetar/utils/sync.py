@@ -47,16 +47,22 @@ def _bool_index(args) -> bool:
     return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
+def _on(args, device_type: str) -> bool:
+    """Whether the call's first tensor argument lives on ``device_type``."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.device.type == device_type
+
+
 class _Watch(TorchFunctionMode):
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, device_type: str):
         super().__init__()
-        self.mode, self.calls = mode, []
+        self.mode, self.device_type, self.calls = mode, device_type, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = SYNCING.get(func)
         if name is None and func is torch.Tensor.__getitem__ and _bool_index(args):
             name = "boolean-mask index"
-        if name is not None:
+        if name is not None and (self.device_type == "cpu" or _on(args, self.device_type)):
             if self.mode == "error":
                 raise HostSyncError(f"a host synchronization ({name}) inside a block that must not wait for the "
                                     f"device (magnetar.utils.sync.host_syncs)")
@@ -65,17 +71,20 @@ class _Watch(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def host_syncs(mode: Literal["error", "count"] = "error") -> Iterator[_Watch]:
+def host_syncs(mode: Literal["error", "count"] = "error", device=None) -> Iterator[_Watch]:
     """Raise :class:`HostSyncError` on (``"error"``), or count (``"count"``: the yielded object's ``calls``), every
-    host synchronization inside the block; on CUDA the driver's sync debug mode is set for the block as well."""
+    host synchronization inside the block; on CUDA the driver's sync debug mode is set for the block as well.
+    ``device``: the compute device (a CUDA one: only reads of tensors on it count, not the host's own tensors; the
+    CPU or None: every read counts -- the CPU stands in for a device that has none)."""
     if mode not in ("error", "count"):
         raise ValueError(f"mode must be 'error' or 'count', got {mode!r}")
+    device_type = "cpu" if device is None else torch.device(device).type
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     before = torch.cuda.get_sync_debug_mode() if cuda else None
     if cuda:
         torch.cuda.set_sync_debug_mode("error" if mode == "error" else "warn")
     try:
-        with _Watch(mode) as watch:
+        with _Watch(mode, device_type) as watch:
             yield watch
     finally:
         if cuda:
