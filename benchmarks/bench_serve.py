@@ -531,12 +531,37 @@ def _stream(api, model: str, content: str, max_tokens: int) -> dict:
     return dict(seconds=r["end"] - r["t0"], ttft=first - r["t0"], ms_per_token=ms, tokens=used, text=r["text"])
 
 
+def _clients(api, model: str, contents: list[str], new: int, together: bool, what: str) -> tuple[list[dict], float]:
+    """One streamed request per content (:func:`_stream`), all at once (a thread each) or one after another: their
+    results and the wall seconds; RuntimeError naming ``what`` when one failed."""
+    import threading
+
+    results = [None] * len(contents)
+
+    def client(i):
+        results[i] = _stream(api, model, contents[i], new)
+
+    t0 = time.perf_counter()
+    if together:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(contents))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i in range(len(contents)):
+            client(i)
+    wall = time.perf_counter() - t0
+    if any(r is None for r in results):
+        raise RuntimeError(f"a client request of {what} failed")
+    return results, wall
+
+
 def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
     """The workloads of issue 33 through the plain OpenAI API (nothing Magnetar-specific, so any server runs them):
     ``one_4k`` one streamed request over a 4K document, cold then again with another question (its context cached);
     ``questions_8k`` ten questions about one 8K document in a row; ``clients_8`` eight concurrent streaming clients,
     each with its own 1K document, and the same eight one at a time; ``prefill_8k`` one new 8K document, one token."""
-    import threading
 
     from openai import OpenAI
 
@@ -553,24 +578,8 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
     out["questions_8k"] = dict(seconds=time.perf_counter() - t0, texts=texts)
     for label, clients in (("alone", 1), ("together", 8)):
         jobs = docs["clients_alone" if label == "alone" else "clients_together"]
-        results = [None] * len(jobs)
-
-        def client(i):
-            results[i] = _stream(api, model, jobs[i] + "\n\n" + QUESTIONS[i % len(QUESTIONS)], new)
-
-        t0 = time.perf_counter()
-        if clients == 1:
-            for i in range(len(jobs)):
-                client(i)
-        else:
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        wall = time.perf_counter() - t0
-        if any(r is None for r in results):
-            raise RuntimeError(f"{url}: a client request of the {label} round failed")
+        results, wall = _clients(api, model, [j + "\n\n" + QUESTIONS[i % len(QUESTIONS)] for i, j in enumerate(jobs)],
+                                 new, together=clients > 1, what=f"{url}: the {label} round")
         tokens = sum(r["tokens"] for r in results)
         out[f"clients_8_{label}"] = dict(seconds=wall, tokens=tokens, tokens_per_s=tokens / wall,
                                          ttft_p50=statistics.median(r["ttft"] for r in results),
@@ -587,7 +596,6 @@ def part_served(model, tokenizer, args) -> dict:
     request over a new ``--context-tokens`` document -- its TTFT (Phase 1 of the whole document) and decode ms/token
     (after the first token); then for each ``--clients`` count that many concurrent streaming clients, each with a new
     ``--client-context-tokens`` document of its own: completion tokens/s over the wall time and TTFT p50/p99."""
-    import threading
 
     from openai import OpenAI
 
@@ -602,20 +610,9 @@ def part_served(model, tokenizer, args) -> dict:
               f"{one['ms_per_token'] or float('nan'):.1f} ms/token over {one['tokens']} tokens", flush=True)
         for clients in args.clients:
             docs = documents(tokenizer, args.client_context_tokens, clients, args.seed + 1000 * clients)
-            results = [None] * clients
-
-            def client(i):
-                results[i] = _stream(api, "bench", docs[i][0] + "\n\n" + QUESTIONS[i % len(QUESTIONS)], new)
-
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            if any(r is None for r in results):
-                raise RuntimeError(f"a client of the {clients}-client round failed (the server's log says why)")
+            results, wall = _clients(api, "bench", [d[0] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
+                                                    for i, d in enumerate(docs)], new, together=True,
+                                     what=f"the {clients}-client round (the server's log says why)")
             ttfts = sorted(r["ttft"] for r in results)
             tokens = sum(r["tokens"] for r in results)
             rows.append(dict(clients=clients, tokens=tokens, seconds=wall, tokens_per_s=tokens / wall,
