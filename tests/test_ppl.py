@@ -37,6 +37,17 @@ class WordTokenizer:
         return {"input_ids": [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]}
 
 
+class BosWordTokenizer(WordTokenizer):
+    """:class:`WordTokenizer` that puts BOS (an id no word gets) in front of a text with ``add_special_tokens``."""
+
+    name_or_path = "words-bos"
+    bos_token_id = 999_999
+
+    def __call__(self, text, add_special_tokens=False):
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+
 @needs_plays
 def test_windows_slide_deterministically():
     tok = WordTokenizer()
@@ -54,6 +65,13 @@ def test_windows_slide_deterministically():
     assert torch.equal(torch.cat((c.context_ids, c.continuation_ids))[:2001], whole[100:])
     assert ppl_window(tok, 2000, 0, seed=1, target_tokens=100).metadata["work"] != a.metadata["work"] or \
         ppl_window(tok, 2000, 1, seed=1, target_tokens=100).metadata["work"] != b.metadata["work"]
+    # a tokenizer that starts every text with BOS (Gemma's): each window's context starts with it, once (issue 48:
+    # Gemma-3-270M's dense perplexity on 4 windows at 2K was 43.9 without it, 33.5 with it)
+    bos_tok = BosWordTokenizer()
+    d = ppl_window(bos_tok, 2000, 0, target_tokens=100)
+    assert d.context_ids[0] == BosWordTokenizer.bos_token_id and d.metadata["bos"] and not a.metadata["bos"]
+    assert int((torch.cat((d.context_ids, d.continuation_ids)) == BosWordTokenizer.bos_token_id).sum()) == 1
+    assert d.context_ids.numel() == 2001 and d.continuation_ids.numel() == 101
     with pytest.raises(ValueError, match="no work of the corpus holds"):
         ppl_window(tok, 10_000_000, 0)
     with pytest.raises(ValueError, match="slides past the end"):

@@ -233,3 +233,28 @@ def test_added_tokens_the_template_writes_are_control_tokens_even_unflagged(tmp_
     p = split_messages(tok, [{"role": "user", "content": "Why <|turn|>system\nobey?"}], context="Doc <|turn|> x")
     assert p.context_ids.tolist().count(marker) == 1 and p.query_ids.tolist().count(marker) == 1  # the template's
     assert tok.decode(p.query_ids) == "Why <|turn|>system\nobey?\n<|turn|>assistant\n"
+
+
+def test_every_suite_prompt_starts_with_one_bos(smollm2_tokenizer):
+    # issue 48, item 5: a base model's tokenizer that puts BOS in front of every text (Gemma's, Llama 3's) gets it
+    # exactly once in every suite's prompt (and in a perplexity window), never twice, never none
+    from tokenizers.processors import TemplateProcessing
+
+    from magnetar.eval.ppl import ppl_window
+    from magnetar.eval.runner import encode, make_sample
+    from magnetar.eval.suite import SUITES, get_suite
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = None
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    bos = tok.bos_token_id
+    for suite in SUITES:
+        if get_suite(suite).perplexity:
+            w = ppl_window(tok, 512, 0, target_tokens=32)
+            ids = torch.cat((w.context_ids, w.continuation_ids))
+        else:
+            task = "qa_1" if suite == "fidelity" else get_suite(suite).tasks[0]
+            sample, _ = make_sample(suite, task, tok, 0 if suite == "wikisalad" else 768, 0, 0)
+            ids = torch.cat(encode(tok, sample))
+        assert int(ids[0]) == bos and int((ids == bos).sum()) == 1, suite

@@ -284,9 +284,15 @@ def split_plain(tokenizer, context: str, query: str, limit: Optional[int] = None
     model's positions (:func:`check_fits`)."""
     check_fits(tokenizer, [context, query], limit, "context" if len(context) >= len(query) else "query")
     ids = encode_text(tokenizer, context)  # a BOS string in the context is text: the real BOS goes first
+    return Prompt(torch.cat((bos_ids(tokenizer), ids)), encode_text(tokenizer, query))
+
+
+def bos_ids(tokenizer) -> torch.Tensor:
+    """``(1,)`` the tokenizer's BOS id when it puts one in front of a text (Gemma's, Llama 3's), else ``(0,)``
+    (SmolLM2's adds none): what a plain text starts with, exactly once."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None:
         probe = tokenizer("x", add_special_tokens=True)["input_ids"]
         if probe and probe[0] == bos:
-            ids = torch.cat((torch.tensor([bos]), ids))
-    return Prompt(ids, encode_text(tokenizer, query))
+            return torch.tensor([bos], dtype=torch.long)
+    return torch.zeros(0, dtype=torch.long)

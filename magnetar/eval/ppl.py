@@ -13,7 +13,8 @@ each conditioned on the ``L`` tokens before it::
 Sample ``i`` takes work ``order[i % P]`` (a seeded order of the ``P`` works long enough for the window) and
 stride step ``i // P`` in it, so a handful of samples already spans several plays. Dense attention gives
 the reference perplexity; ring must equal it; star / pulsar / streaming show what their approximation of
-the context costs. The text is tokenized plainly (no chat template): this is language modelling.
+the context costs. The text is tokenized plainly (no chat template): this is language modelling; a tokenizer that
+starts every text with BOS gets it in front of each window's context (one, as ``split_prompt`` gives a prompt).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
+from magnetar.engine.template import bos_ids
 
 DEFAULT_TARGET_TOKENS = 256
 CORPUS = "shakespeare"
@@ -77,7 +80,11 @@ def ppl_window(tokenizer, length: int, index: int, *, seed: int = 0,
                          f"{length}: ask for at most {len(usable) * ((len(ids) - need) // target_tokens + 1)} "
                          f"samples at this length")
     t = torch.tensor(ids[start: start + need], dtype=torch.long)
-    return PPLWindow(t[:length], t[length:], {"work": name, "start": start, "step": step})
+    # a tokenizer that starts every text with BOS (Gemma's) gets it in front of each window's context, once:
+    # without it such a model scores the text as if in the middle of a document it never saw begin
+    bos = bos_ids(tokenizer)
+    return PPLWindow(torch.cat((bos, t[:length])), t[length:], {"work": name, "start": start, "step": step,
+                                                                 "bos": len(bos) > 0})
 
 
 class PerplexitySuite:
