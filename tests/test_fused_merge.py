@@ -539,6 +539,22 @@ def test_build_is_cached_across_processes(cpu_op):
     assert "ninja" not in res.stdout and "c++" not in res.stdout, "build logs must stay quiet by default"
 
 
+def test_a_completed_build_is_imported_without_ninja_and_only_for_its_torch(cpu_op, monkeypatch):
+    # ninja rebuilt the ops whenever its command changed, and it holds the venv's torch path: a clean checkout and
+    # this one rebuilt all three in turn. A completed build (its record names this torch) is imported as it is.
+    import json
+
+    from magnetar.ops import jit
+
+    folder = Path(cpu_op.__file__).parent
+    name = folder.name
+    assert json.loads((folder / jit.BUILT_RECORD).read_text())["torch"] == str(torch.__version__)
+    again = jit.reuse_completed_build(folder, name)
+    assert again is not None and again.__name__ == name and Path(again.__file__) == Path(cpu_op.__file__)
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")  # a build against another torch is not reused
+    assert jit.reuse_completed_build(folder, name) is None
+
+
 def test_a_clone_of_the_same_sources_reuses_the_build_and_other_sources_get_their_own(tmp_path):
     """Issue 45: builds are keyed by the sources' digest and compiled from a copy staged under it, so a clean clone
     (CI's folder, a second virtualenv) finds this checkout's build -- and a clone with an edited source builds apart."""

@@ -27,6 +27,11 @@ table inside the file) and, once a build has completed, the size and sha256 reco
 (``magnetar.built``); a library that fails either is removed with the rest of its build folder and built again,
 with a warning -- and if the rebuild fails, the torch fallback is used with the warning every failed load gets.
 A prebuilt library (``pip install`` with the ops) that fails the ELF check is not imported (JIT instead).
+
+A completed CPU build whose record names the running torch is imported as it is, without running ninja
+(:func:`reuse_completed_build`): ninja rebuilds whenever its compile command changes, and the command holds the
+folder torch is installed in, so two virtual environments (a clean checkout's and this one's) rebuilt the same
+sources in turn. The build folder's name holds the sources' digest, so other sources still build apart.
 """
 from __future__ import annotations
 
