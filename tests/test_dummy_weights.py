@@ -91,6 +91,13 @@ def test_magnetar_run_with_another_models_tokenizer(chat_folder, tmp_path):
         code, out, err = _run_cli(["--model", "dummy:tiny-llama", "--tokenizer", tok, "--method", "dense",
                                    "--context", "text", "--query", "q"])
         assert code == 2 and words in err and "Traceback" not in err, err
+    with pytest.MonkeyPatch.context() as mp:  # a Hub id not in the cache, offline (HF_HUB_OFFLINE=1)
+        from huggingface_hub import constants
+
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        code, out, err = _run_cli(["--model", "dummy:tiny-llama", "--tokenizer", "someorg/no-such-tokenizer",
+                                   "--method", "dense", "--context", "text", "--query", "q"])
+        assert code == 2 and "--tokenizer: model 'someorg/no-such-tokenizer'" in err and "HF_HUB_OFFLINE" in err, err
     # a tokenizer with more ids than the model has embeddings
     small = json.loads((chat_folder / "config.json").read_text()) | {"vocab_size": 128}
     (tmp_path / "small.json").write_text(json.dumps(small))
