@@ -241,6 +241,32 @@ def test_cli_any_config_json(tmp_path, capsys):
     assert ests[("dense", 1 << 20)]["phase1_input_lengths"] == [[1 << 20]]
 
 
+def test_priced_seconds_overlap_ring_traffic_with_compute(tmp_path, capsys):
+    # issue 48, item 4's cost-model column: a layer that exchanges KV costs max(compute, transfer)
+    import json
+
+    from magnetar.eval.cost import main, priced_seconds
+
+    L, layers = 131072, LLAMA_8B["num_hidden_layers"]
+    dense = estimate(LLAMA_8B, cfg("dense", dtype="bfloat16"), L)
+    assert priced_seconds(dense, 100, 1e-9) == pytest.approx([dense.phase1_flops[0] / 100e12])  # no traffic
+    ring = estimate(LLAMA_8B, cfg("ring", cp_size=16, dtype="bfloat16"), L)
+    fast, slow = priced_seconds(ring, 350, 1e6), priced_seconds(ring, 350, 1.0)
+    assert fast == pytest.approx([f / 350e12 for f in ring.phase1_flops])  # compute-bound
+    assert slow == pytest.approx([layers * b / 1e9 for b in ring.phase1_comm_bytes_per_layer])  # link-bound
+    star = estimate(LLAMA_8B, cfg("star", cp_size=16, dtype="bfloat16"), L)
+    assert priced_seconds(star, 350, 1.0) == priced_seconds(star, 350, 1e6)  # no Phase-1 traffic
+    with pytest.raises(ValueError, match="must be > 0"):
+        priced_seconds(ring, 0, 50)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(LLAMA_8B, model_type="llama", max_position_embeddings=131072)))
+    assert main(["--model", str(path), "--methods", "dense,ring", "--lengths", "16k", "--cp", "4", "--tflops", "100",
+                 "--links", "450,0.01"]) == 0
+    assert "crit. P1 s @ 450 GB/s (vs dense) | crit. P1 s @ 0.01 GB/s (vs dense)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", str(path), "--tflops", "100", "--links", "fast"])
+
+
 def test_cli_bad_input():
     from magnetar.eval.cost import main
 

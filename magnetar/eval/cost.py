@@ -49,7 +49,8 @@ from magnetar.engine.plan import kept_token_count
 from magnetar.engine.strategy import context_method, plan_for_length, plan_rank
 from magnetar.models.dims import ModelDims
 
-__all__ = ["CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer", "attention_pairs"]
+__all__ = ["CostEstimate", "estimate", "format_table", "paper_phase1_flops_per_layer", "attention_pairs",
+           "priced_seconds", "format_priced"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -312,6 +313,22 @@ def _fmt(x: float, unit: str) -> str:
     return f"{x:.0f} {unit}"
 
 
+def priced_seconds(est: CostEstimate, tflops: float, link_gbps: float) -> list[float]:
+    """Each rank's Phase-1 seconds on a card computing ``tflops`` (dense TFLOP/s, what the kit measured) whose ranks
+    exchange KV over a ``link_gbps`` GB/s link (NVLink ~450, a network ~50), with the overlap rule of a ring: a layer
+    that exchanges KV costs max(its compute, its transfer) -- the sends overlap the attention they feed, an optimistic
+    bound at layer granularity --, the others their compute alone (FLOPs spread evenly over the layers)."""
+    if not (tflops > 0 and link_gbps > 0):
+        raise ValueError(f"tflops and link_gbps must be > 0, got {tflops} and {link_gbps}")
+    layers = int(est.model["layers"])
+    out = []
+    for flops, sent in zip(est.phase1_flops, est.phase1_comm_bytes_per_layer):
+        compute = flops / layers / (tflops * 1e12)
+        transfer = sent / (link_gbps * 1e9)
+        out.append(est.phase1_comm_layers * max(compute, transfer) + (layers - est.phase1_comm_layers) * compute)
+    return out
+
+
 def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "dense") -> str:
     """A Markdown table, one row per estimate; ``x base`` = critical Phase-1 FLOPs relative to the first
     estimate of method ``baseline`` with the same context length (if any); ``P1 KV traffic/rank``: the KV one rank
@@ -332,6 +349,25 @@ def format_table(estimates: Sequence[CostEstimate], baseline: Optional[str] = "d
                     f"{_fmt(e.critical_decode_kv_read_bytes, 'B')} | "
                     f"{_fmt(max(e.phase1_comm_bytes_per_layer, default=0) * e.phase1_comm_layers, 'B')} | "
                     f"{_fmt(e.phase2_comm_bytes_per_layer_decode, 'B')} |")
+    return "\n".join(rows)
+
+
+def format_priced(estimates: Sequence[CostEstimate], tflops: float, links: Sequence[float],
+                  baseline: Optional[str] = "dense") -> str:
+    """A Markdown table of each estimate's Phase-1 critical path in seconds at ``tflops`` over each link of
+    ``links`` (GB/s; :func:`priced_seconds`), and its speed-up over ``baseline`` at the same length."""
+    base = {}
+    for e in estimates:
+        if e.method == baseline:
+            base.setdefault(e.context_len, max(priced_seconds(e, tflops, links[0])))
+    head = "| method | L | cp | " + " | ".join(f"crit. P1 s @ {g:g} GB/s (vs {baseline})" for g in links) + " |"
+    rows = [head, "|" + "---|" * (3 + len(links))]
+    for e in estimates:
+        cells = []
+        for g in links:
+            t = max(priced_seconds(e, tflops, g))
+            cells.append(f"{t:.3f}" + (f" ({base[e.context_len] / t:.2f}x)" if e.context_len in base else ""))
+        rows.append(f"| {e.method} | {e.context_len} | {e.cp_size} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -388,6 +424,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--summary-budget", type=float, default=None)
     p.add_argument("--halo-blocks", type=float, default=None)
     p.add_argument("--exact-layers", default=None, help="star, pulsar: hybrid layers ('every:4', '0-3,29', 'all')")
+    p.add_argument("--tflops", type=float, default=None, help="price Phase 1 in seconds at this dense TFLOP/s (e.g. "
+                   "the GPU kit's measured rate) over each --links link")
+    p.add_argument("--links", default="450,50", help="--tflops: link bandwidths in GB/s (NVLink ~450, network ~50)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -408,6 +447,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"model {args.model}, {args.dtype}, cp {args.cp}, query {args.query_len} "
           f"({'flash' if not args.no_flash else 'materialised scores'})")
     print(format_table(ests, baseline="dense" if "dense" in methods else methods[0]))
+    if args.tflops is not None:
+        try:
+            links = [float(x) for x in args.links.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--links must be comma-separated GB/s figures like 450,50, got {args.links!r}")
+        if args.tflops <= 0 or not links or min(links) <= 0:
+            p.error("--tflops and every --links figure must be > 0")
+        print(f"\nPhase-1 critical path priced at {args.tflops:g} TFLOP/s (ring's KV exchange overlapping its compute, "
+              f"layer by layer):")
+        print(format_priced(ests, args.tflops, links, baseline="dense" if "dense" in methods else methods[0]))
     notes = sorted({a for e in ests for a in e.assumptions})
     for a in notes:
         print(f"assumed: {a}")
