@@ -177,15 +177,11 @@ def load(args):
     device = device_for_rank() if is_dummy(args.model) else "cpu"  # an 8B dummy model never passes the CPU
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     if args.tokenizer == "byte":  # one id per byte of text, every other id of the model's vocabulary a word
-        import tempfile
-
         from tests.tiny_models import CHAT_TEMPLATE, byte_tokenizer
 
-        tok = byte_tokenizer(int(model.config.vocab_size))
-        tok.chat_template = CHAT_TEMPLATE
-        args.tokenizer = tempfile.mkdtemp(prefix="magnetar-bench-tokenizer-")
-        tok.save_pretrained(args.tokenizer)
-    if args.tokenizer is not None:
+        tokenizer = byte_tokenizer(int(model.config.vocab_size))
+        tokenizer.chat_template = CHAT_TEMPLATE
+    elif args.tokenizer is not None:
         from magnetar.models import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
