@@ -21,8 +21,12 @@ A failing step records its error and the kit goes on.
    the JSON keeps the rows measured when the step is cut short.
 5. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
-   slowest rank; ring's ranks exchange KV every layer and are not simulated: its row says so): Phase-1 seconds per
-   rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's prediction beside them.
+   slowest rank): Phase-1 seconds per rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's
+   prediction beside them.
+   ``cp_table_128K``: exact vs approximate context parallelism at 128K over 4, 8 and 16 simulated ranks -- dense,
+   ring (each rank alone against the others' KV, in ring order), Star, Pulsar, Star with a halo and hybrid layers
+   (``--variant``) -- each critical path with its KV exchange priced at 450 and 50 GB/s (a step costs max(its
+   attention, its transfer)), ring's over it, and the cost model calibrated at dense's measured FLOP/s.
 6. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
    the path) and with Quest decoding, at 64K.
 7. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
@@ -56,8 +60,11 @@ FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
             decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8", decode_steps=(3, 16),
             serve_len=32768, serve_clients="8,32", serve_client_len=2048, serve_new=64,
+            cp_len=131072, cp_ranks="4,8,16", cp_variants=(
+                "star+halo=star --anchor-size 1000 --halo-blocks 1",
+                "hybrid=star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-15"),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=360, serve=150))
+                        decode=360, serve=150, cp_table=300))
 # the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
 # compiles once)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
@@ -66,8 +73,10 @@ DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_le
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=300.0, warmup_len=256,
            decode_len=1024, decode_modes="eager,static", decode_batches="1,2", decode_steps=(1, 3),
            serve_len=512, serve_clients="2", serve_client_len=128, serve_new=4,
+           cp_len=512, cp_ranks="2,4", cp_variants=("star+halo=star --anchor-size 32 --halo-blocks 1",
+                                                    "hybrid=star --anchor-size 16 --exact-layers 0"),
            limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60,
-                       serve=60))
+                       serve=60, cp_table=60))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -330,10 +339,15 @@ def _bench_cmd(shape: dict, lengths, methods: str, json_out: Path, extra: list[s
 def _rows(record: dict) -> list[dict]:
     rows = []
     for r in record["rows"]:
-        row = dict(method=r["method"], context_len=r["context_len"], ranks=r["ranks"])
+        row = dict(method=r.get("label", r["method"]), context_len=r["context_len"], ranks=r["ranks"])
         if r.get("skipped"):
             row["skipped"] = r["skipped"]
         else:
+            row.update(
+                phase1_critical_path_at={g: round(t, 4) for g, t in r.get("phase1_critical_path_at", {}).items()},
+                vs_ring_at={g: None if x is None else round(x, 3) for g, x in r.get("vs_ring_at", {}).items()},
+                predicted_at=None if not r.get("predicted_at") else
+                {g: round(t, 4) for g, t in r["predicted_at"].items()})
             row.update(
                 phase1_critical_path_s=round(r["phase1_critical_path_seconds"], 4),
                 phase1_per_rank_s=[round(t, 4) for t in r["phase1_seconds"]],
@@ -423,7 +437,8 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     if report.get("kit") != KIT:
         problems.append(f"kit is {report.get('kit')!r}, not {KIT!r}")
     names = [s.get("name") for s in report.get("steps", [])]
-    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "sparse_prefill", "quest", "decode", "serve"]
+    want = ["wheels", "environment", "ops_build", "pytest_gpu", "phase1", "cp_table", "sparse_prefill", "quest",
+            "decode", "serve"]
     for w in want if complete else []:
         if not any(isinstance(n, str) and n.startswith(w) for n in names):
             problems.append(f"no step {w!r}")
@@ -433,11 +448,14 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
             continue
         if not s["ok"] and not s["error"]:
             problems.append(f"step {s['name']!r} failed without an error")
-        if s["ok"] and s["name"].startswith(("phase1", "sparse_prefill", "quest")):
+        if s["ok"] and s["name"].startswith(("phase1", "cp_table", "sparse_prefill", "quest")):
             for r in s["result"]["rows"]:
                 need = ("skipped",) if "skipped" in r else ("phase1_critical_path_s", "ttft_s", "decode_ms_per_token",
                                                            "peak_memory_gb", "speedup_measured")
                 problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for k in need if k not in r]
+        if s["ok"] and s["name"].startswith("cp_table"):
+            problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for r in s["result"]["rows"]
+                         for k in ("phase1_critical_path_at", "vs_ring_at", "predicted_at") if k not in r]
         if s["ok"] and s["name"].startswith("decode"):
             for r in s["result"]["decode_rows"]:
                 problems += [f"step {s['name']!r} row {r.get('mode')} lacks {k!r}" for k in
@@ -487,6 +505,23 @@ def tables(report: dict) -> str:
             lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | "
                          f"{r['phase1_critical_path_s']:.3f} | {per} | {r['speedup_measured']:.2f}x / "
                          f"{r['speedup_predicted']:.2f}x | {r['ttft_s']:.3f} | {dec} | {r['peak_memory_gb']:.1f} |")
+    for s in report["steps"]:
+        if not (s["name"].startswith("cp_table") and s["ok"]):
+            continue
+        rows = s["result"]["rows"]
+        links = list(rows[0].get("phase1_critical_path_at", {})) if rows else []
+        lines += ["", f"{s['name']}: exact vs approximate CP, simulated ranks, each rank's KV exchange priced at the "
+                      f"link (a step costs max(its attention, its transfer)); model = the cost model at dense's "
+                      f"measured FLOP/s", "",
+                  "| method | ranks | " + " | ".join(f"P1 crit s @ {g} GB/s (x ring) | model" for g in links) + " |",
+                  "|---|---|" + "---|---|" * len(links)]
+        for r in rows:
+            cells = []
+            for g in links:
+                x, m = r["vs_ring_at"].get(g), (r["predicted_at"] or {}).get(g)
+                cells.append(f"{r['phase1_critical_path_at'][g]:.3f}" + (f" ({x:.2f}x)" if x else "") + " | " +
+                             ("-" if m is None else f"{m:.3f}"))
+            lines.append(f"| {r['method']} | {r['ranks']} | " + " | ".join(cells) + " |")
     for s in report["steps"]:
         if not isinstance(s["result"], dict) or "decode_rows" not in s["result"]:
             continue
@@ -570,7 +605,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape))]
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
         plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
-            kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar,ring", [])))
+            kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar", [])))
+    cp = f"cp_table_{_k(shape['cp_len'])}"
+    plan.append((cp, lambda: step_bench(
+        kit, shape, cp, shape["limits"]["cp_table"], [shape["cp_len"]], "dense,ring,star,pulsar",
+        ["--simulate-ranks", shape["cp_ranks"], "--links", "450,50", "--max-new-tokens", "2",
+         *[a for v in shape["cp_variants"] for a in ("--variant", v)]])))
     plan.append((f"sparse_prefill_{_k(n)}", lambda: step_bench(
         kit, shape, f"sparse_prefill_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
         ["--prefill-policy", "indexer", "--prefill-indexer-random-init"])))

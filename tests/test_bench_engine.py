@@ -19,12 +19,18 @@ def test_bench_engine_tiny(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("| method |") for line in out)
     record = json.loads(out[-1])
-    assert record["bench"] == "engine" and record["simulate_ranks"] == 2 and record["cp"] == 2
+    assert record["bench"] == "engine" and record["simulate_ranks"] == [2] and record["cp"] == [2]
     rows = {r["method"]: r for r in record["rows"]}
     assert set(rows) == {"dense", "ring", "star", "pulsar"}
-    assert "not simulated" in rows["ring"]["skipped"]
+    # ring's simulated ranks run one by one against the others' KV: each its own time, its exchange priced
+    assert all(t > 0 for t in rows["ring"]["phase1_seconds"]) and record["links_gbps"] == [450.0, 50.0]
+    assert rows["ring"]["vs_ring_at"] == {"450": 1.0, "50": 1.0}
+    for r in rows.values():
+        assert r["phase1_critical_path_at"]["50"] >= r["phase1_critical_path_at"]["450"] >= \
+            r["phase1_critical_path_seconds"]
+        assert r["predicted_at"]["450"] > 0 and r["calibrated_tflops"] > 0
     assert rows["dense"]["time_per_flop_norm"] == pytest.approx(1.0)
-    assert any(line.startswith("| method | L | P1 crit (s) | speed-up vs |") for line in out)
+    assert any(line.startswith("| method | L | ranks | P1 crit (s) | speed-up vs |") for line in out)
     assert rows["dense"]["speedup_measured"] == pytest.approx(1.0) == rows["dense"]["speedup_predicted"]
     for m in ("star", "pulsar"):  # speed-ups over dense: the cost model's is the FLOP ratio of the critical ranks
         r = rows[m]
@@ -49,6 +55,44 @@ def test_bench_engine_tiny(capsys):
     # star's block 1 = anchor (48) + block (48); pulsar's = sink (4) + Σ_0 (2 chunks of 4, budget 1/8) + block
     assert rows["star"]["predicted"]["phase1_input_lengths"] == [[48], [96]]
     assert rows["pulsar"]["predicted"]["critical_input_len"] < 96
+
+
+def test_bench_engine_ranks_variants_and_links(capsys):
+    """Several simulated CP sizes, a variant beside the methods, and a link so slow that ring's exchange shows."""
+    bench = _bench()
+    rc = bench.main(["--tiny", "--methods", "dense,ring,star", "--lengths", "64", "--simulate-ranks", "2,4",
+                     "--variant", "hybrid=star --exact-layers 0 --anchor-size 4", "--links", "1e-4,450",
+                     "--max-new-tokens", "1", "--query-len", "2", "--warmup", "0"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(out[-1])
+    rows = {(r["label"], r["ranks"]): r for r in record["rows"]}
+    assert set(rows) == {("dense", 1), ("ring", 2), ("star", 2), ("hybrid", 2), ("ring", 4), ("star", 4),
+                         ("hybrid", 4)}  # dense once, on one rank
+    assert rows[("hybrid", 4)]["method"] == "star" and "exact layers 0" in rows[("hybrid", 4)]["options"]
+    for key in (("ring", 4), ("hybrid", 4)):  # they exchange KV: at 1e-4 GB/s it is the time
+        r = rows[key]
+        assert r["phase1_critical_path_at"]["0.0001"] > r["phase1_critical_path_at"]["450"] + 0.01
+    star = rows[("star", 4)]  # no exchange: every link alike
+    assert star["phase1_critical_path_at"]["0.0001"] == star["phase1_critical_path_at"]["450"]
+    assert star["vs_ring_at"]["0.0001"] > star["vs_ring_at"]["450"]
+    assert any(line.startswith("| method | L | ranks | P1 crit @ 0.0001 GB/s (x ring)") for line in out)
+    assert any(line.startswith("| hybrid (sim) | 64 | 4 |") for line in out)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variant", "halo"], "write LABEL=METHOD"),
+    (["--variant", "x=nope"], "unknown 'nope'"),
+    (["--variant", "x=star --no-such-flag 1"], "unrecognized arguments"),
+    (["--variant", "star=star --halo-blocks 1"], "label 'star' is taken"),
+    (["--links", "450,0"], "--links: '0' is not a link bandwidth"),
+    (["--simulate-ranks", "2,2"], "--simulate-ranks"),
+])
+def test_bench_engine_flags_name_what_is_wrong(flags, message, capsys):
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--methods", "star", *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_bench_engine_bad_flags():

@@ -11,6 +11,7 @@ from magnetar.ops import attention_with_lse, merge_states
 from magnetar.parallel import (
     all_gather_states, contiguous_indices, init_groups, ring_attention, shard, unshard, zigzag_indices,
 )
+from magnetar.parallel.ring import ExchangeClock, exposed_seconds, ring_attention_local
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
 from tests.reference import dense_attention_fp64
@@ -67,6 +68,42 @@ def _ring_cases(rank, world, groups):
                 msg = f"[rank {rank}/{world} ring {name} causal={causal} {dtype}]"
                 assert_close(out, shard(ref_out, idx, 2), dtype, "out", msg)
                 assert_close(lse, shard(ref_lse, idx, 2), dtype, "lse", msg)
+                # the same rank simulated in one process (the other shards in the order the ring brings them):
+                # the same steps and merges as the real exchange
+                others = [idx_fn(S, world, (rank - s) % world) for s in range(1, world)]
+                clock = ExchangeClock(torch.device("cpu"))
+                sim_out, sim_lse = ring_attention_local(
+                    shard(q, idx, 2), shard(k, idx, 2), shard(v, idx, 2), q_pos=idx, k_pos=idx, causal=causal,
+                    received=[(shard(k, o, 2), shard(v, o, 2), o) for o in others], clock=clock)
+                assert_close(sim_out, out, what="same_computation", msg=msg + " simulated")
+                assert_close(sim_lse, lse, what="same_computation", msg=msg + " simulated")
+                per_token = 2 * 3 * 8 * k.element_size() + 8
+                assert [n for _, n in clock.steps()] == [len(o) * per_token for o in others] + [0], msg
+
+
+def test_exposed_seconds_is_the_transfer_a_step_leaves_uncovered():
+    steps = [(0.5, 100 * 10**9), (2.0, 100 * 10**9), (0.0, 0)]  # 2 s of transfer at 50 GB/s each
+    assert exposed_seconds(steps, 50) == pytest.approx(1.5)  # step 1: 2 - 0.5; step 2 hides under 2 s of compute
+    assert exposed_seconds(steps, 450) == 0.0
+    with pytest.raises(ValueError, match="link_gbps"):
+        exposed_seconds(steps, 0)
+
+
+def test_ring_attention_local_takes_invisible_shards_by_size():
+    # rank 0 of 3 contiguous shards: the later shards are after its queries (a count stands for each), the same
+    # answer as attention over its own shard; the clock still counts their bytes
+    q, k, v = _inputs(5, 1, 2, 1, 12, 12, 4, torch.float32)
+    own = torch.arange(4)
+    clock = ExchangeClock(torch.device("cpu"))
+    out, lse = ring_attention_local(q[:, :, :4], k[:, :, :4], v[:, :, :4], q_pos=own, k_pos=own,
+                                    received=[4, 4], clock=clock)
+    ref_out, ref_lse = dense_attention_fp64(q[:, :, :4], k[:, :, :4], v[:, :, :4])
+    assert_close(out, ref_out, torch.float32, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    per_token = 2 * 1 * 4 * 4 + 8
+    assert [n for _, n in clock.steps()] == [4 * per_token, 4 * per_token, 0]
+    with pytest.raises(ValueError, match=r"received\[0\] is a token count"):
+        ring_attention_local(q, k, v, q_pos=torch.arange(12), k_pos=torch.arange(12), received=[3], causal=False)
 
 
 def _ring_queries_differ_from_keys(rank, world, groups):

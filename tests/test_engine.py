@@ -120,10 +120,11 @@ def _simulated_worker(rank, world):
                     prefill_dense_layers=0)] if world == 2 else []  # the counts' gather: one world size is enough
     for flat in (dict(method="star", block_size=bs, anchor_size=5),
                  dict(method="pulsar", sink_size=4, chunk_size=4, summary_budget=0.25),
-                 *prefill, dict(method="ring")):
+                 *prefill, dict(method="ring"), dict(method="ring", rank_by_rank=True),
+                 dict(method="star", block_size=-(-L // world), anchor_size=5, exact_layers="0")):
         real = _run(model, ctx, q, cp_size=world, **flat)
         sim = _run(model, ctx, q, cp_size=world, simulate=True, **flat)
-        what = f"[rank {rank} simulated {flat['method']} x{world}]"
+        what = f"[rank {rank} simulated {flat} x{world}]"
         assert_close(sim.first_token_logits, real.first_token_logits, what="same_computation", msg=what)
         assert sim.token_ids == real.token_ids, what
         assert sim.simulated and not real.simulated
@@ -135,7 +136,22 @@ def _simulated_worker(rank, world):
         assert len(real.phase1_seconds) == world and all(t > 0 for t in real.phase1_seconds), what
         if "prefill_policy" in flat:
             assert real.prefill_stats["patched_calls"] > 0 and real.prefill_stats["sparse_calls"] > 0, what
-        if flat["method"] == "ring":
+        # ring's ranks alone (rank_by_rank) and hybrid layers time every exchange step: W - 1 moves per such layer
+        layers = model.config.num_hidden_layers if flat["method"] == "ring" else 1
+        if flat["method"] == "ring" and not flat.get("rank_by_rank"):  # one lock-step forward: its time on rank 0
+            assert sim.phase1_exchange == [[]] * world and sim.phase1_seconds[1:] == [0.0] * (world - 1), what
+        elif not (flat["method"] == "ring" or flat.get("exact_layers")):  # no exchange at all
+            assert sim.phase1_exchange == [[]] * world, what
+        else:
+            assert [len(s) for s in sim.phase1_exchange] == [layers * world] * world, what
+            assert all(t > 0 for t in sim.phase1_seconds), what
+            slow = sim.phase1_seconds_at(1e-6)  # a link so slow that every move shows
+            assert all(a > b for a, b in zip(slow, sim.phase1_seconds)), what
+            assert sim.phase1_seconds_at(1e9) == pytest.approx(sim.phase1_seconds, abs=1e-9), what
+        assert real.phase1_seconds_at(1e-6) == real.phase1_seconds, what  # real ranks measured their own link
+        # ring, and hybrid layers everywhere the last layer's KV depends on (the tiny model has 2 layers), are exact
+        if flat["method"] == "ring" or flat.get("exact_layers"):
+            assert model.config.num_hidden_layers == 2
             ref_logits, ref_tokens = reference(model, ctx, q, NEW)
             _same(sim, ref_logits, ref_tokens, what)
         else:  # approximate methods must differ from dense (else this comparison could not fail)

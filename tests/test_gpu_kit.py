@@ -37,7 +37,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
     assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
-                                  "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
+                                  "cp_table_512", "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # the decode step: static steps ran as asked and chose eager's tokens for every request
     dec = steps["decode_1K"]["result"]["decode_rows"]
@@ -56,9 +56,19 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [c["clients"] for c in served["clients"]] == [2] and served["clients"][0]["tokens"] == 8
     assert "serve_512: served (OpenAI API, static decode steps)" in stdout
     rows = {r["method"]: r for r in steps["phase1_1K"]["result"]["rows"]}
-    assert set(rows) == {"dense", "star", "pulsar", "ring"} and "not simulated" in rows["ring"]["skipped"]
+    assert set(rows) == {"dense", "star", "pulsar"}
     assert len(rows["star"]["phase1_per_rank_s"]) == 4
     assert rows["star"]["phase1_critical_path_s"] == pytest.approx(max(rows["star"]["phase1_per_rank_s"]), abs=1e-3)
+    # exact vs approximate CP: every method and variant at 2 and 4 simulated ranks, ring's ranks each timed, each
+    # critical path at both links beside ring's and the calibrated cost model's
+    table = {(r["method"], r["ranks"]): r for r in steps["cp_table_512"]["result"]["rows"]}
+    assert set(table) == {("dense", 1)} | {(m, h) for m in ("ring", "star", "pulsar", "star+halo", "hybrid")
+                                           for h in (2, 4)}
+    assert all(t > 0 for t in table[("ring", 4)]["phase1_per_rank_s"])
+    assert table[("ring", 4)]["vs_ring_at"] == {"450": 1.0, "50": 1.0}
+    assert all(set(r["phase1_critical_path_at"]) == {"450", "50"} and r["predicted_at"]["50"] > 0
+               for r in table.values())
+    assert "cp_table_512: exact vs approximate CP" in stdout and "| hybrid | 4 |" in stdout
     assert steps["sparse_prefill_1K"]["result"]["options"][:2] == ["--prefill-policy", "indexer"]
     env = steps["environment"]["result"]
     assert env["cuda_available"] is False and env["attention_auto_order"][0] == "flash_attn"

@@ -2,7 +2,7 @@
 
     EngineConfig
       method          dense | ring | star | pulsar | streaming
-      parallel        cp_size, tp_size, timeout_s, zigzag, simulate, shm_gather
+      parallel        cp_size, tp_size, timeout_s, zigzag, simulate, rank_by_rank, shm_gather
       blocks          block_size, anchor_size, halo_size/_blocks, exact_layers  (star, pulsar; anchor: star)
       pulsar          sink_size, chunk_size, summary_budget, scorer, positions, discard_summary_kv
       streaming       sink_tokens, window_size

@@ -41,6 +41,11 @@ class ParallelConfig:
     # One process stands in for the cp_size ranks: their Phase 1 runs one after another here, Phase 2 attends
     # to all their KV (the same result as the merge over ranks); no collectives. For evaluation on few devices.
     simulate: bool = False
+    # Simulated ranks of a method whose ranks exchange KV in every layer (ring): after the lock-step forward that
+    # stands in for them all, each rank runs alone against the others' KV from it (as the ring brings them), so
+    # every rank has its own Phase-1 time and its exchange steps to price at a link -- twice Phase 1's work (the
+    # benchmarks' choice); off: the lock-step forward's time stands on the first rank
+    rank_by_rank: bool = False
     # CPU ranks of a CP group that share one host (gloo, x86) gather Phase 2's per-layer (out, lse) through a
     # shared-memory buffer instead of gloo's sockets (magnetar.parallel.shm); off: always gloo
     shm_gather: bool = True

@@ -28,10 +28,11 @@ from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.store import ContextStore, HostTier
-from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, check_model, context_method,
-                                      plan_rank)
+from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, SimulatedRing, check_model,
+                                      context_method, plan_rank)
 from magnetar.parallel import ParallelGroups, contiguous_indices, zigzag_indices
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers, broadcast_tensor
+from magnetar.parallel.ring import ExchangeClock
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,11 @@ def spread_blocks(counts: Sequence[int], n: int, block: int = SPREAD_BLOCK) -> t
 
 def kv_options(config: EngineConfig) -> str:
     """The options of ``config`` that shape an encoded context's KV, as a stable string (a cache-key part): all
-    but the decoding (and how its steps run), the timeout, the cache budget and the finiteness check."""
+    but the decoding (and how its steps run), the timeout, how simulated ranks are timed, the cache budget and the
+    finiteness check."""
     d = config.to_dict()
     d.pop("decode", None)
-    for name in ("timeout_s",):
+    for name in ("timeout_s", "rank_by_rank"):
         d["parallel"].pop(name, None)
     for name in ("context_cache_mb", "host_cache_mb", "context_store", "context_store_mb", "check_finite",
                  "prefix_reuse", "decode_step"):
@@ -380,35 +382,63 @@ class Encoder:
     def _simulated(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
         over ranks). A method whose ranks run in lock-step (ring: they exchange KV in every layer) gives one plan
-        for all of them, run as one forward: one time for all of them."""
+        for all of them, run as one forward: one time for all of them -- or, with ``parallel.rank_by_rank``, each
+        rank then runs alone against the others' KV from that forward (:meth:`_ring_by_rank`). Each rank's
+        exchange steps (ring's layers, hybrid layers) are timed beside the bytes a ring would move
+        (``RankStats.exchange``)."""
         cfg, W = self.config, self.config.parallel.cp_size
         plans = [plan_rank(cfg, context_ids, r) for r in range(W)]
-        _check_kept([kept_token_count(p) for p in plans], int(context_ids.numel()))
+        sizes = [kept_token_count(p) for p in plans]
+        _check_kept(sizes, int(context_ids.numel()))
         lockstep = context_method(cfg.method).lockstep(plans)
         if lockstep is not None:  # attention by position over the union: exactly what the ranks compute
             p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
                             self.device)
             _check_finite([p1.nonfinite_layer])
-            sizes = [kept_token_count(p) for p in plans]
+            if cfg.parallel.rank_by_rank:
+                return self._ring_by_rank(context_ids, plans, p1.shard.split(sizes))
             per_token = p1.shard.nbytes() / max(1, sum(sizes))
             stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
             return Phase1Output(p1.shard, plans[0].query_position, stats, max(s.kv_bytes for s in stats))
         parts, stats, prefill_stats = [], [], None
         mass = self._mass(variants)
         for plan in plans:
+            r = plan.cp_rank
+            # a ring brings rank r the blocks of r-1, r-2, ..., 0 (encoded already), then those of W-1, ..., r+1,
+            # which follow its queries (only their sizes matter: the ring moves them all the same)
+            ring = SimulatedRing(parts[::-1] + sizes[:r:-1], ExchangeClock(self.device))
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device, mass=mass,
-                            prefill=self.prefill, earlier=parts)
+                            prefill=self.prefill, ring=ring)
             if p1.prefill_stats is not None:
                 prefill_stats = p1.prefill_stats if prefill_stats is None else prefill_stats.merge(p1.prefill_stats)
             _check_finite([None] * plan.cp_rank + [p1.nonfinite_layer])
             parts.append(p1.shard)
-            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device)))
+            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device),
+                                   exchange=tuple(ring.clock.steps())))
         if len({p.query_position for p in plans}) != 1:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
         return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats),
                             prefill_stats)
+
+    def _ring_by_rank(self, context_ids: torch.Tensor, plans, union: list[KVShard]) -> Phase1Output:
+        """Each simulated rank of a lock-step method (ring) alone: its shard's forward, every layer attending to its
+        own KV and then to the other ranks' -- taken from the lock-step forward's KV (``union``, one part per
+        rank), in the order the ring brings them --, timed on its own with every exchange step; the ranks' own KV
+        joined."""
+        W, parts, stats = len(plans), [], []
+        for plan in plans:
+            r = plan.cp_rank
+            ring = SimulatedRing([union[(r - s) % W] for s in range(1, W)], ExchangeClock(self.device))
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device, ring=ring)
+            _check_finite([None] * r + [p1.nonfinite_layer])
+            parts.append(p1.shard)
+            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device),
+                                   exchange=tuple(ring.clock.steps())))
+        return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats))
 
     def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
         """The recorder of the Phase-1 attention mass of every kept key when the decode policy or one of

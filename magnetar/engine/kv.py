@@ -170,6 +170,23 @@ class KVShard:
         out.layers = [layer.view() for layer in self.layers]
         return out
 
+    def split(self, sizes: "list[int]") -> "list[KVShard]":
+        """This frozen shard cut along the sequence into consecutive frozen parts of ``sizes`` tokens (views of its
+        tensors, no copy): the inverse of :meth:`join`."""
+        if sum(sizes) != self.tokens() or any(n < 0 for n in sizes):
+            raise ValueError(f"KVShard.split: sizes {sizes} do not cut a shard of {self.tokens()} tokens")
+        parts, start = [], 0
+        for n in sizes:
+            part = KVShard(len(self.layers))
+            part.freeze()  # frozen and empty: an append takes the views as they are
+            for src, dst in zip(self.layers, part.layers):
+                if n:
+                    dst.append(src.k[:, :, start:start + n], src.v[:, :, start:start + n], src.pos[start:start + n],
+                               None if src.mass is None else src.mass[:, :, start:start + n])
+            parts.append(part)
+            start += n
+        return parts
+
     @classmethod
     def join(cls, shards: "list[KVShard]") -> "KVShard":
         """One frozen shard holding the KV of all ``shards`` (each frozen), in order, per layer.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -22,7 +22,8 @@ from magnetar.engine.finite import LayerFlags
 from magnetar.engine.hf import capture_attention_inputs
 from magnetar.engine.kv import KVShard
 from magnetar.engine.plan import RankPlan, Segment
-from magnetar.engine.strategy import ContextMethod, LayerContext, PrefillPolicy, PrefillRun, context_method
+from magnetar.engine.strategy import (ContextMethod, LayerContext, PrefillPolicy, PrefillRun, SimulatedRing,
+                                      context_method)
 from magnetar.parallel import ParallelGroups
 from magnetar.utils.nvtx import PHASE1, PHASE1_BLOCK, PHASE1_LAYER, nvtx_range
 
@@ -45,9 +46,9 @@ class Phase1Context(LayerContext):
                  group: Optional[torch.distributed.ProcessGroup], timeout: Optional[timedelta],
                  prefill: Optional[PrefillRun] = None, mass: Optional[Callable[..., torch.Tensor]] = None,
                  device: Optional[torch.device] = None, flags: Optional[LayerFlags] = None,
-                 earlier: Sequence[KVShard] = ()):
+                 ring: Optional[SimulatedRing] = None):
         self.method, self.config, self.shard = method, config, shard
-        self.earlier = earlier
+        self.ring = ring
         self.positions = segment.positions.to(device)
         self.keep = segment.keep
         self.group, self.timeout = group, timeout
@@ -72,14 +73,15 @@ def _base_model(model):
 @torch.inference_mode()
 def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.Tensor, groups: ParallelGroups,
                device: torch.device, mass: Optional[Callable[..., torch.Tensor]] = None,
-               prefill: Optional[PrefillPolicy] = None, earlier: Sequence[KVShard] = (),
+               prefill: Optional[PrefillPolicy] = None, ring: Optional[SimulatedRing] = None,
                last_logits: bool = False) -> Phase1Result:
     """Encode the plan's segments of ``context_ids (L,)``; returns the frozen KV shard.
     ``mass``: a decode policy's recorder of the attention mass every stored key received (LuKA), used by
     methods with a local Phase 1. ``prefill``: the engine's sparse-prefill policy (None: dense prefill); the
-    patched layers of every segment then attend sparsely, budget from the context length. ``earlier``: simulated
-    ranks, the shards of the ranks encoded before this one (hybrid layers read them). ``last_logits``: the logits at
-    the context's last position too, where a segment of this rank ends the context (``Phase1Result.last_logits``)."""
+    patched layers of every segment then attend sparsely, budget from the context length. ``ring``: a simulated
+    rank, what a ring exchange brings it (the other ranks' shards: ring's layers and hybrid layers read them).
+    ``last_logits``: the logits at the context's last position too, where a segment of this rank ends the context
+    (``Phase1Result.last_logits``)."""
     method = context_method(config.method)
     local = METHODS[config.method].local_prefill
     run = prefill.start(int(context_ids.numel())) if prefill is not None and local else None
@@ -95,7 +97,7 @@ def run_phase1(model, config: EngineConfig, plan: RankPlan, context_ids: torch.T
     with nvtx_range(PHASE1):
         for seg in plan.segments:
             ctx = Phase1Context(method, config, seg, shard, group=groups.cp_group, timeout=groups.timeout,
-                                prefill=run, mass=mass, device=device, flags=flags, earlier=earlier)
+                                prefill=run, mass=mass, device=device, flags=flags, ring=ring)
             inputs = dict(input_ids=context_ids[seg.indices].to(device)[None], position_ids=ctx.positions[None],
                           use_cache=False, magnetar=ctx)
             with nvtx_range(PHASE1_BLOCK, i=seg.block):

@@ -20,6 +20,7 @@ from magnetar.engine.phase2 import DecodeResult
 from magnetar.engine.sampling import RequestSampler
 from magnetar.parallel import ParallelGroups
 from magnetar.parallel.collectives import all_gather_numbers
+from magnetar.parallel.ring import exposed_seconds
 
 @dataclass
 class GenerationResult:
@@ -51,13 +52,23 @@ class GenerationResult:
     weight_bytes_per_rank: list[int] = field(default_factory=list)
     # the context tokens whose Phase 1 was reused from the context cache (all of them on a hit, else 0)
     cached_context_tokens: int = 0
+    # simulated ranks: each rank's exchange steps (RankStats.exchange), for phase1_seconds_at; empty lists else
+    phase1_exchange: list = field(default_factory=list, repr=False)
 
     @property
     def phase1_critical_path_seconds(self) -> float:
         return max(self.phase1_seconds)
 
+    def phase1_seconds_at(self, link_gbps: float) -> list[float]:
+        """Each rank's Phase-1 seconds with its KV exchange over a ``link_gbps`` GB/s link: simulated ranks add what
+        their exchange steps leave uncovered (each step costs max(its attention, its transfer):
+        :func:`magnetar.parallel.ring.exposed_seconds`); real ranks' times are measured with their own link and
+        are returned as they are."""
+        steps = self.phase1_exchange or [()] * len(self.phase1_seconds)
+        return [t + exposed_seconds(s, link_gbps) for t, s in zip(self.phase1_seconds, steps)]
+
     def summary(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "first_token_logits"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("first_token_logits", "phase1_exchange")}
         d["phase1_critical_path_seconds"] = self.phase1_critical_path_seconds
         return d
 
@@ -116,6 +127,10 @@ class RankStats:
     peak_memory_bytes: Optional[int] = None
     gen_kv_tokens: int = 0  # query/generated KV (the query rank only)
     decode_stats: Optional[dict] = None  # the decode policy's stats() of this rank (DecodeResult.decode_stats)
+    # simulated ranks: each step of this rank's KV exchanges (ring's layers, hybrid layers) as (its attention
+    # seconds, the bytes a ring moves beside it) -- priced at a link by GenerationResult.phase1_seconds_at; real
+    # ranks measured their link: empty
+    exchange: tuple = ()
 
     @property
     def kv_tokens(self) -> int:
@@ -208,5 +223,6 @@ class Results:
                 decode_stats=sum_stats([s.decode_stats for s in per_rank]),
                 weight_bytes_per_rank=list(self.weight_bytes_per_rank),
                 cached_context_tokens=h.context_tokens if hits[i] else h.reused_tokens,
+                phase1_exchange=[list(s.exchange) for s in per_rank] if self.simulated and not hits[i] else [],
             ))
         return results

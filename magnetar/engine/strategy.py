@@ -19,14 +19,16 @@ This module knows no strategy by name and imports none: a strategy module import
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
 from magnetar.config import DECODE_SECTIONS, METHODS, POLICIES, EngineConfig, PolicySection
 from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.plan import RankPlan
+from magnetar.parallel.ring import ExchangeClock, ring_attention_local
 from magnetar.utils.nvtx import FORWARD_LAYER
 from magnetar.utils.registry import load_class
 
@@ -51,6 +53,35 @@ class LayerContext:
         raise NotImplementedError
 
 
+@dataclass
+class SimulatedRing:
+    """What a ring exchange brings one simulated rank (one process runs the CP ranks one after another): the other
+    ranks' KV shards in the order a ring delivers them (rank ``r-1``, ``r-2``, ...). A rank encoded after this one
+    whose keys all follow this rank's queries (contiguous blocks: Star's and Pulsar's hybrid layers) is not there
+    yet: its entry is its token count, so that the step still moves its bytes. ``clock`` times every step's
+    attention beside the bytes it moves (priced at a link afterwards: :func:`magnetar.parallel.ring.exposed_seconds`).
+    """
+
+    shards: Sequence[Union[KVShard, int]]
+    clock: ExchangeClock
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor,
+               k_pos: torch.Tensor, scale: float, window: Optional[int], backend: str):
+        """``(out, lse)`` of this rank's queries over its own KV ``k, v`` and every shard the ring brings at
+        ``layer`` (:func:`~magnetar.parallel.ring.ring_attention_local`)."""
+        received = []
+        for s in self.shards:
+            kv = None if isinstance(s, int) else s.layers[layer]
+            if kv is None:
+                received.append(int(s))
+            elif kv.k is None:
+                received.append(0)
+            else:
+                received.append((kv.k, kv.v, kv.pos))
+        return ring_attention_local(q, k, v, q_pos=q_pos, k_pos=k_pos, received=received, scale=scale,
+                                    window=window, backend=backend, clock=self.clock)
+
+
 class Phase1Layer(Protocol):
     """What a :class:`ContextMethod` reads of the Phase-1 context of one forward (one plan segment).
 
@@ -58,8 +89,8 @@ class Phase1Layer(Protocol):
     whose KV the rank stores; ``shard`` receives it; ``group``/``timeout`` the CP group (ring); ``backend`` the
     attention backend; ``prefill`` the sparse-prefill run of this request (or None); ``mass`` the decode policy's
     recorder of the attention mass each kept key received (or None); ``hidden`` the captured attention input;
-    ``earlier`` the KV shards of the ranks encoded before this one when one process simulates the ranks (what a
-    lock-step exchange would bring; empty otherwise).
+    ``ring`` when one process simulates the ranks: what a ring exchange would bring this rank (the other ranks'
+    KV shards, :class:`SimulatedRing`); None otherwise.
     """
 
     config: EngineConfig
@@ -72,7 +103,7 @@ class Phase1Layer(Protocol):
     prefill: Optional["PrefillRun"]
     mass: Optional[Callable[..., torch.Tensor]]
     hidden: Optional[tuple[int, torch.Tensor]]
-    earlier: Sequence[KVShard]
+    ring: Optional["SimulatedRing"]
 
 
 @runtime_checkable

@@ -3,6 +3,8 @@
     magnetar-bench --tiny --methods dense,star,pulsar --lengths 512 --cp 4 --simulate-ranks 4
     magnetar-bench --methods star,pulsar --lengths 4096 --simulate-ranks 4       # SmolLM2-135M-Instruct
     magnetar-bench --model dummy:llama-3.1-8b --dtype bfloat16 --lengths 32768 --simulate-ranks 4  # random weights
+    magnetar-bench --tiny --methods dense,ring,star,pulsar --lengths 2048 --simulate-ranks 4,8 \
+        --variant 'star+halo=star --halo-blocks 1' --links 450,50     # exact vs approximate CP at two links
     torchrun --nproc-per-node 4 -m magnetar.eval.bench --methods ring,star,pulsar --cp 4   # real ranks
     torchrun --nproc-per-node 4 -m magnetar.eval.bench --tiny --methods star --cp 2 --tp-size 2  # TP x CP
 
@@ -18,9 +20,13 @@ Two ways to get several ranks:
   Phase 1 runs one rank after another, each timed on its own, so one device stands in for W: the critical
   path is the max of the per-rank times (what W devices would take, with no contention between them).
   Phase 2 then attends to all the ranks' KV joined (the same result as the gather + merge, without the
-  collectives). **Ring is skipped** under ``--simulate-ranks``: its ranks exchange KV in every layer, so
-  its simulation is one lock-step forward with no per-rank time (run it under a launcher). Dense and
-  streaming run on one rank as usual.
+  collectives). Ring's ranks exchange KV in every layer: one lock-step forward gives every rank's KV, then
+  each rank runs alone against the others' KV in ring order (``parallel.rank_by_rank``: twice Phase 1's work,
+  every rank its own time). Each step of a KV exchange (ring's, hybrid layers') is timed beside the bytes a
+  ring moves during it, and ``--links`` prices them: a step costs max(its attention, its transfer). Several
+  counts (``--simulate-ranks 4,8,16``) time every CP method at each. Dense and streaming run on one rank.
+* ``--variant 'LABEL=METHOD FLAGS'`` adds a run of a method with other engine flags (Star with a halo, hybrid
+  layers) beside ``--methods``.
 
 Each row also shows the cost model's prediction (critical-path Phase-1 FLOPs, KV bytes) and
 ``s/PFLOP norm``: measured seconds per predicted FLOP, normalised to the dense row of the same length
@@ -91,8 +97,16 @@ def parse_args(argv):
     p.add_argument("--lengths", default="4096,8192", help="context lengths in tokens, comma-separated")
     p.add_argument("--cp", type=int_at_least(1), default=None, help="CP size for ring/star/pulsar (default: "
                    "--simulate-ranks, or the launcher's world size)")
-    p.add_argument("--simulate-ranks", type=int_at_least(1), default=None, metavar="W",
-                   help="run the W ranks' Phase 1 one after another in this process (see the module doc)")
+    p.add_argument("--simulate-ranks", default=None, metavar="W[,W...]",
+                   help="run the W ranks' Phase 1 one after another in this process (see the module doc); several "
+                        "counts (4,8,16) measure every CP method at each")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD [FLAGS]",
+                   help="also time METHOD with these engine flags under LABEL, e.g. --variant 'star+halo=star "
+                        "--halo-blocks 1' (repeatable; FLAGS are this command's engine flags)")
+    p.add_argument("--links", default="450,50", metavar="GBPS[,GBPS...]",
+                   help="simulated ranks: each rank's KV exchange (ring, hybrid layers) priced over these links in "
+                        "GB/s, each step costing max(its attention, its transfer) (default NVLink ~450, a 50 GB/s "
+                        "network)")
     p.add_argument("--query-len", type=int_at_least(1), default=32)
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=8)
     p.add_argument("--warmup", type=int_at_least(0), default=1)
@@ -116,15 +130,23 @@ def parse_args(argv):
     with user_errors(PROG):
         args.methods = parse_names(args.methods, tuple(METHODS), "--methods")
         args.lengths = parse_lengths(args.lengths)
+        args.links = _parse_links(args.links)
+        if args.simulate_ranks is not None:
+            args.simulate_ranks = parse_lengths(args.simulate_ranks, "--simulate-ranks")
         sim = args.simulate_ranks
-        if sim is not None and args.cp is not None and args.cp != sim:
-            raise ValueError(f"--cp ({args.cp}) and --simulate-ranks ({sim}) differ: simulate exactly the CP ranks "
-                             "you want")
+        if sim is not None and args.cp is not None and [args.cp] != sim:
+            raise ValueError(f"--cp ({args.cp}) and --simulate-ranks ({','.join(map(str, sim))}) differ: simulate "
+                             "exactly the CP ranks you want (--simulate-ranks alone)")
         if sim is not None and args.tp_size > 1:
             raise ValueError(f"--tp-size {args.tp_size} needs one process per TP rank; --simulate-ranks runs the CP "
                              "ranks in one process: launch tp x cp ranks (torchrun/deepspeed) instead")
-        for method in args.methods:  # the engine options hold for every method (e.g. --block-size >= 1)
-            check_attention_backend(engine_config(args, method, args.cp or sim or 1))
+        args.entries = [(m, m, args) for m in args.methods] + [_parse_variant(p, args, v) for v in args.variant]
+        labels = [label for label, _, _ in args.entries]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"--variant: label {next(x for x in labels if labels.count(x) > 1)!r} is taken (by a "
+                             f"method of --methods or another --variant): give each run its own label")
+        for _, method, eargs in args.entries:  # the engine options hold for every method (e.g. --block-size >= 1)
+            check_attention_backend(engine_config(eargs, method, args.cp or (sim or [1])[0]))
         if args.text and args.tiny:
             raise ValueError("--text needs the model's tokenizer, which --tiny has not; drop one of them")
         if not args.tiny:
@@ -134,6 +156,47 @@ def parse_args(argv):
         if args.json_out is not None:
             check_output_file(args.json_out, flag="--json-out")
     return args
+
+
+def _parse_links(text: str) -> list[float]:
+    """``"450,50"`` -> ``[450.0, 50.0]`` (GB/s); ValueError naming ``--links``."""
+    links = []
+    for part in text.split(","):
+        try:
+            g = float(part)
+        except ValueError:
+            g = float("nan")
+        if not g > 0 or g == float("inf"):
+            raise ValueError(f"--links: {part.strip()!r} is not a link bandwidth in GB/s (a number > 0, e.g. "
+                             f"--links 450,50)")
+        links.append(g)
+    return links
+
+
+def _parse_variant(parser, args, text: str):
+    """``"LABEL=METHOD [FLAGS]"`` -> ``(label, method, the command's arguments with FLAGS applied)``; ValueError
+    naming ``--variant``."""
+    import copy
+    import shlex
+
+    label, eq, rest = text.partition("=")
+    words = shlex.split(rest) if eq else []
+    if not (label.strip() and words):
+        raise ValueError(f"--variant {text!r}: write LABEL=METHOD [FLAGS], e.g. 'star+halo=star --halo-blocks 1'")
+    method = parse_names(words[0], tuple(METHODS), f"--variant {label}")[0]
+    class Flags(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(f"--variant {text!r}: {message} (its flags are this command's engine flags, e.g. "
+                             f"--halo-blocks 1, --exact-layers 0-15)")
+
+    flags = Flags(prog=f"--variant {label}", add_help=False)
+    add_field_args(flags, ENGINE_FLAGS)
+    given = flags.parse_args(words[1:])
+    merged = copy.copy(args)
+    for name, value in vars(given).items():
+        if value is not None:
+            setattr(merged, name, value)
+    return label.strip(), method, merged
 
 
 def _inputs(args, model, tokenizer, L: int):
@@ -157,10 +220,11 @@ def _reset_peak(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _engine_run(engine, ctx, query, max_new_tokens: int) -> dict:
+def _engine_run(engine, ctx, query, max_new_tokens: int, links) -> dict:
     _reset_peak(engine.device)
     res = engine.generate(ctx, query, max_new_tokens=max_new_tokens)
     return dict(phase1_seconds=res.phase1_seconds, ttft_seconds=res.ttft_seconds,
+                phase1_seconds_at={f"{g:g}": res.phase1_seconds_at(g) for g in links},
                 decode_seconds_per_token=res.decode_seconds_per_token,
                 context_kv_tokens_per_rank=res.context_kv_tokens_per_rank, kv_bytes_per_rank=res.kv_bytes_per_rank,
                 peak_memory_bytes_per_rank=res.peak_memory_bytes_per_rank,
@@ -172,6 +236,10 @@ def _median_runs(runs: list[dict]) -> dict:
     out["phase1_seconds"] = [statistics.median(r["phase1_seconds"][i] for r in runs)
                              for i in range(len(runs[0]["phase1_seconds"]))]
     out["phase1_critical_path_seconds"] = statistics.median(max(r["phase1_seconds"]) for r in runs)
+    # each link's critical path: the slowest rank with its exchange priced there (median over the runs)
+    out["phase1_critical_path_at"] = {g: statistics.median(max(r["phase1_seconds_at"][g]) for r in runs)
+                                      for g in runs[0]["phase1_seconds_at"]}
+    out.pop("phase1_seconds_at")
     out["ttft_seconds"] = statistics.median(r["ttft_seconds"] for r in runs)
     dec = [r["decode_seconds_per_token"] for r in runs if r["decode_seconds_per_token"] is not None]
     out["decode_ms_per_token"] = statistics.median(dec) * 1e3 if dec else None
@@ -186,15 +254,12 @@ def _fmt_table(rows: list[dict]) -> str:
             "TTFT (s) | decode ms/tok | KV MB/rank | pred. KV MB (max) | peak MB (max) | weights MB/rank |")
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        if r.get("skipped"):
-            lines.append(f"| {r['method']} | {r['context_len']} | {r['ranks']} | {r['skipped']} |" + " |" * 9)
-            continue
         weights = " ".join(f"{b / 1e6:.3g}" for b in r["weight_bytes_per_rank"])
         per = " ".join(f"{t:.2f}" for t in r["phase1_seconds"])
         dec = f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-"
         kv = " ".join(f"{b / 1e6:.3g}" for b in r["kv_bytes_per_rank"])
         lines.append(
-            f"| {r['method']}{' (sim)' if r['simulated'] else ''} | {r['context_len']} | {r['ranks']} | {per} | "
+            f"| {_label(r)} | {r['context_len']} | {r['ranks']} | {per} | "
             f"{r['phase1_critical_path_seconds']:.2f} | {r['predicted']['critical_phase1_flops'] / 1e9:.4g} | "
             f"{r['time_per_flop_norm']:.2f} | {r['ttft_seconds']:.3f} | {dec} | {kv} | "
             f"{r['predicted']['max_kv_bytes'] / 1e6:.3g} | {max(r['peak_memory_bytes_per_rank']) / 1e6:.0f} | "
@@ -205,9 +270,8 @@ def _fmt_table(rows: list[dict]) -> str:
 def _speedups(rows: list[dict]) -> None:
     """Add each measured row's Phase-1 critical-path speed-up over the reference row of its length (dense when
     measured, else the first method) as measured and as the cost model predicts it (FLOP ratio)."""
-    measured = [r for r in rows if not r.get("skipped")]
-    for r in measured:
-        same = [d for d in measured if d["context_len"] == r["context_len"]]
+    for r in rows:
+        same = [d for d in rows if d["context_len"] == r["context_len"]]
         ref = next((d for d in same if d["method"] == "dense"), same[0])
         r["speedup_ref"] = ref["method"]
         r["speedup_measured"] = ref["phase1_critical_path_seconds"] / r["phase1_critical_path_seconds"]
@@ -217,12 +281,10 @@ def _speedups(rows: list[dict]) -> None:
 
 def _fmt_vs_model(rows: list[dict]) -> str:
     """Phase-1 critical path: measured speed-up vs the cost model's, per length (Pulsar Table 4's comparison)."""
-    lines = ["| method | L | P1 crit (s) | speed-up vs | measured | predicted (FLOP) | measured / predicted |",
-             "|" + "---|" * 7]
+    lines = ["| method | L | ranks | P1 crit (s) | speed-up vs | measured | predicted (FLOP) | measured / predicted |",
+             "|" + "---|" * 8]
     for r in rows:
-        if r.get("skipped"):
-            continue
-        lines.append(f"| {r['method']} | {r['context_len']} | {r['phase1_critical_path_seconds']:.2f} | "
+        lines.append(f"| {_label(r)} | {r['context_len']} | {r['ranks']} | {r['phase1_critical_path_seconds']:.2f} | "
                      f"{r['speedup_ref']} | {r['speedup_measured']:.2f}x | {r['speedup_predicted']:.2f}x | "
                      f"{r['measured_over_predicted']:.2f} |")
     return "\n".join(lines)
@@ -244,12 +306,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     init_distributed()  # under a launcher (a no-op without one): the world size, and rank 0 prints
     world = dist.get_world_size() if dist.is_initialized() else None
-    cp = args.cp or args.simulate_ranks or (world // args.tp_size if world else 1)
+    cps = args.simulate_ranks or [args.cp or (world // args.tp_size if world else 1)]
     lead = world is None or dist.get_rank() == 0
-    rows = _measure(args, model, tokenizer, cp, lead)
+    rows = _measure(args, model, tokenizer, cps, lead)
     _normalise(rows)
     if lead:
-        _report(args, model, name, rows, cp, world, load_s)
+        _report(args, model, name, rows, cps, world, load_s)
     finish_distributed()
     return 0
 
@@ -274,49 +336,61 @@ def _load(args):
     return model, tokenizer, name
 
 
-def _measure(args, model, tokenizer, cp: int, lead: bool) -> list[dict]:
-    """One row per (length, method): the median of ``--repeats`` timed generate calls after ``--warmup``, with the
-    cost model's prediction of the same configuration (a progress bar on rank 0's stderr)."""
+def _jobs(args, cps: list[int]) -> list[tuple[int, str, str, object]]:
+    """Every (ranks, label, method, its arguments) to time at each length: each CP method at each of ``cps``, a
+    method on one rank (dense, streaming) once."""
+    jobs, single = [], set()
+    for cp in cps:
+        for label, method, eargs in args.entries:
+            if not METHODS[method].distributed:
+                if label in single:
+                    continue
+                single.add(label)
+            jobs.append((cp, label, method, eargs))
+    return jobs
+
+
+def _measure(args, model, tokenizer, cps: list[int], lead: bool) -> list[dict]:
+    """One row per (length, CP size, method or variant): the median of ``--repeats`` timed generate calls after
+    ``--warmup``, with the cost model's prediction of the same configuration (a progress bar on rank 0's
+    stderr). Simulated ranks of ring run rank by rank (``parallel.rank_by_rank``): every rank has its own time."""
     import magnetar
     from magnetar.eval.cost import estimate
     from tqdm import tqdm
 
     sim, engines, rows = args.simulate_ranks, {}, []
 
-    def engine_for(cfg):
-        key = (cfg.method, cfg.parallel.cp_size)
+    def engine_for(label, cfg):
+        key = (label, cfg.parallel.cp_size)
         if key not in engines:  # under --simulate-ranks the engine stands in for the ranks (config simulate)
-            run_cfg = cfg.replace(simulate=True) if sim and cfg.parallel.cp_size > 1 else cfg
+            run_cfg = cfg.replace(simulate=True, rank_by_rank=True) if sim and cfg.parallel.cp_size > 1 else cfg
             engines[key] = magnetar.init_inference(model, run_cfg, tokenizer=tokenizer)
         return engines[key]
 
+    jobs = _jobs(args, cps)
     # one tick per timed or warm-up generate call (stderr: the table and JSON line stay on stdout)
-    bar = tqdm(total=len(args.lengths) * len(args.methods) * (args.warmup + args.repeats), unit="run",
+    bar = tqdm(total=len(args.lengths) * len(jobs) * (args.warmup + args.repeats), unit="run",
                dynamic_ncols=True, file=sys.stderr, desc="magnetar bench", disable=not lead)
     for L in args.lengths:
         ctx, query = _inputs(args, model, tokenizer, L)
         warm_ctx = ctx if args.warmup_length is None else ctx[: min(L, args.warmup_length)]
-        for method in args.methods:
-            cfg = engine_config(args, method, cp)
+        for cp, label, method, eargs in jobs:
+            cfg = engine_config(eargs, method, cp)
             ranks = cfg.parallel.cp_size
-            row = dict(method=method, context_len=L, query_len=int(query.numel()), ranks=ranks,
-                       simulated=bool(sim) and ranks > 1)
-            if sim and context_method(method).lockstep_ranks and ranks > 1:
-                row["skipped"] = (f"{method} is not simulated (its ranks exchange KV every layer, so one process "
-                                  f"times them as one forward): run it under a launcher")
-                rows.append(row)
-                bar.update(args.warmup + args.repeats)
-                continue
-            engine = engine_for(cfg)
+            row = dict(method=method, label=label, context_len=L, query_len=int(query.numel()), ranks=ranks,
+                       simulated=bool(sim) and ranks > 1, options=context_method(method).label_options(cfg))
+            engine = engine_for(label, cfg)
             runs = []
             for i in range(args.warmup + args.repeats):
-                bar.set_postfix_str(f"{method} L={L} {'warm-up' if i < args.warmup else 'run'}")
-                out = _engine_run(engine, warm_ctx if i < args.warmup else ctx, query, args.max_new_tokens)
+                bar.set_postfix_str(f"{label} x{ranks} L={L} {'warm-up' if i < args.warmup else 'run'}")
+                out = _engine_run(engine, warm_ctx if i < args.warmup else ctx, query, args.max_new_tokens,
+                                  args.links)
                 bar.update(1)
                 if i >= args.warmup:
                     runs.append(out)
             row.update(_median_runs(runs))
             pred = estimate(model.config, cfg, L, int(query.numel()), context_ids=ctx)
+            row["_estimate"] = pred  # priced at the links once dense's FLOP/s is known (_normalise); not in the JSON
             row["predicted"] = dict(
                 phase1_flops_per_rank=pred.phase1_flops, critical_phase1_flops=pred.critical_phase1_flops,
                 critical_rank=pred.critical_rank, critical_input_len=pred.critical_input_len,
@@ -330,32 +404,82 @@ def _measure(args, model, tokenizer, cp: int, lead: bool) -> list[dict]:
 
 
 def _normalise(rows: list[dict]) -> None:
-    """Seconds per predicted FLOP relative to the dense row of the same length (else the first measured row), and
-    each row's speedups over dense."""
-    measured = [r for r in rows if not r.get("skipped")]
-    for r in measured:
-        ref = next((d for d in measured if d["method"] == "dense" and d["context_len"] == r["context_len"]),
-                   measured[0])
+    """Seconds per predicted FLOP relative to the dense row of the same length (else the first measured row), each
+    row's speedups over dense, and its critical path at each link beside ring's and the cost model's."""
+    for r in rows:
+        ref = next((d for d in rows if d["method"] == "dense" and d["context_len"] == r["context_len"]), rows[0])
         r["time_per_flop_norm"] = r["seconds_per_pflop"] / ref["seconds_per_pflop"]
     _speedups(rows)
+    _at_links(rows)
 
 
-def _report(args, model, name: str, rows: list[dict], cp: int, world: Optional[int], load_s: float) -> None:
-    """The run's header, the table, the comparison with the cost model, then one JSON line (and ``--json-out``)."""
+def _at_links(rows: list[dict]) -> None:
+    """Per row and link: the speed-up of its critical path over ring's at the same length and CP size (exact CP, when
+    measured), and the cost model's critical path priced at that link (:func:`magnetar.eval.cost.priced_seconds`)
+    at the TFLOP/s dense's row of the same length measured (its predicted FLOPs over its seconds): the model
+    calibrated from the run."""
+    from magnetar.eval.cost import priced_seconds
+
+    for r in rows:
+        est = r.pop("_estimate", None)
+        same = [d for d in rows if d["context_len"] == r["context_len"]]
+        ring = next((d for d in same if d["method"] == "ring" and d["ranks"] == r["ranks"]), None)
+        r["vs_ring_at"] = {g: ring["phase1_critical_path_at"][g] / t if ring else None
+                           for g, t in r["phase1_critical_path_at"].items()}
+        dense = next((d for d in same if d["method"] == "dense"), None)
+        r["calibrated_tflops"] = r["predicted_at"] = None
+        if dense is not None and est is not None:
+            tflops = dense["predicted"]["critical_phase1_flops"] / dense["phase1_critical_path_seconds"] / 1e12
+            r["calibrated_tflops"] = tflops
+            r["predicted_at"] = {g: max(priced_seconds(est, tflops, float(g))) for g in r["phase1_critical_path_at"]}
+
+
+def _fmt_links(rows: list[dict]) -> str:
+    """Phase-1 critical path per link (simulated ranks: each rank's exchange steps priced there), beside ring's
+    (exact CP) and the cost model's (calibrated at dense's measured FLOP/s)."""
+    links = list(rows[0]["phase1_critical_path_at"]) if rows else []
+    head = "| method | L | ranks | " + " | ".join(f"P1 crit @ {g} GB/s (x ring) | model @ {g}" for g in links) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(links))]
+    for r in rows:
+        cells = []
+        for g in links:
+            x = r["vs_ring_at"][g]
+            model = r["predicted_at"][g] if r["predicted_at"] else None
+            cells.append(f"{r['phase1_critical_path_at'][g]:.3f}" + (f" ({x:.2f}x)" if x else "") + " | "
+                         + ("-" if model is None else f"{model:.3f}"))
+        lines.append(f"| {_label(r)} | {r['context_len']} | {r['ranks']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _label(r: dict) -> str:
+    """A row's name in the tables: its variant's label (or method), marked when its ranks were simulated."""
+    return f"{r.get('label', r['method'])}{' (sim)' if r['simulated'] else ''}"
+
+
+def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float) -> None:
+    """The run's header, the table, the comparison with the cost model, the critical paths at each link (simulated
+    ranks), then one JSON line (and ``--json-out``)."""
     sim, tp = args.simulate_ranks, args.tp_size
     dev = next(model.parameters()).device
+    ranks = ",".join(map(str, cps))
     print(f"model {name} ({args.dtype}), device {dev.type}"
           f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
-          f"torch threads {torch.get_num_threads()}, cp {cp}, tp {tp}"
-          f"{f' simulated on one device ({sim} ranks)' if sim else ''}, query {args.query_len}, "
+          f"torch threads {torch.get_num_threads()}, cp {ranks}, tp {tp}"
+          f"{f' simulated on one device ({ranks} ranks)' if sim else ''}, query {args.query_len}, "
           f"new tokens {args.max_new_tokens}, warmup {args.warmup}"
           f"{f' (at {args.warmup_length} tokens)' if args.warmup_length else ''}, repeats {args.repeats}")
     print(_fmt_table(rows))
     print()
     print("Phase-1 critical path vs the cost model:")
     print(_fmt_vs_model(rows))
-    record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cp, tp=tp, simulate_ranks=sim,
-                  world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
+    if sim:
+        print()
+        print("Phase-1 critical path at each link (each simulated rank's KV exchange priced there: a step costs "
+              "max(its attention, its transfer)), x ring = ring's over this row's; the cost model priced at dense's "
+              "measured FLOP/s:")
+        print(_fmt_links(rows))
+    record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cps, tp=tp, simulate_ranks=sim,
+                  links_gbps=args.links, world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
                   torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
     line = json.dumps(record)
     print(line)

@@ -100,9 +100,8 @@ def _attend_exact(ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor
     if group_size(ctx.group) > 1:
         return ring_attention(q, k_own, v_own, group=ctx.group, q_pos=pos, k_pos=p_own, scale=scale, window=window,
                               timeout=ctx.timeout, backend=ctx.backend)
-    before = [s.layers[layer] for s in ctx.earlier if s.layers[layer].k is not None]  # simulated ranks before it
-    keys = torch.cat([kv.k for kv in before] + [k_own], dim=2)
-    values = torch.cat([kv.v for kv in before] + [v_own], dim=2)
-    k_pos = torch.cat([kv.pos.to(pos.device) for kv in before] + [p_own])
-    return attention_with_lse(q, keys, values, q_pos=pos, k_pos=k_pos, scale=scale, window=window,
+    if ctx.ring is not None:  # simulated ranks: the earlier ranks' blocks, as the ring brings them
+        return ctx.ring.attend(layer, q, k_own, v_own, q_pos=pos, k_pos=p_own, scale=scale, window=window,
+                               backend=ctx.backend)
+    return attention_with_lse(q, k_own, v_own, q_pos=pos, k_pos=p_own, scale=scale, window=window,
                               backend=ctx.backend)

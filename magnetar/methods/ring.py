@@ -38,13 +38,18 @@ class RingMethod(MethodBase):
     def attend(self, ctx: Phase1Layer, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int]) -> torch.Tensor:
         pos = ctx.positions
-        out, _ = ring_attention(q, k, v, group=ctx.group, q_pos=pos, k_pos=pos, scale=scale, window=window,
-                                timeout=ctx.timeout, backend=ctx.backend)
+        if ctx.ring is not None:  # a simulated rank: the other ranks' shards from the lock-step forward
+            out, _ = ctx.ring.attend(layer, q, k, v, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                                     backend=ctx.backend)
+        else:
+            out, _ = ring_attention(q, k, v, group=ctx.group, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                                    timeout=ctx.timeout, backend=ctx.backend)
         ctx.shard.layers[layer].append(k, v, pos)
         return out
 
     def lockstep(self, plans: list[RankPlan]) -> Optional[RankPlan]:
         """Simulated ranks: the shards exchange KV in every layer, so they run as one forward with attention
-        by position over their union -- exactly what the ring computes."""
+        by position over their union -- exactly what the ring computes (``parallel.rank_by_rank`` then runs each
+        rank alone against the others' KV from it, for its own time)."""
         idx = torch.cat([p.segments[0].indices for p in plans])
         return RankPlan(0, [], [Segment(idx, idx.clone(), slice(None), 0)], query_position=plans[0].query_position)

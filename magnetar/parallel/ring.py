@@ -17,8 +17,9 @@ W = 2, 8 tokens: rank 0 -> [0, 1, 6, 7], rank 1 -> [2, 3, 4, 5].
 from __future__ import annotations
 
 import hashlib
+import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,7 @@ def ring_attention(
 
     kv = torch.stack((k, v)).contiguous()  # one message per step for K and V
     pos = k_pos
-    acc_out, acc_lse = None, None
+    acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     for step in range(world):
         src = (me - step) % world
         works = []
@@ -148,27 +149,137 @@ def ring_attention(
                         dist.P2POp(dist.irecv, new_pos, recv_from, group)]
             if ops:
                 works = dist.batch_isend_irecv(ops)
-        skip = lengths[src] == 0 or (causal and (qmax is None or mins[src] > qmax))
-        if window is not None and not skip:  # every key of the shard is older than every query's window
-            skip = maxs[src] <= qmin - window
-        if not skip:
-            with nvtx_range(PHASE1_RING_STEP, s=step):
-                out, lse = attention_with_lse(
-                    q, kv[0], kv[1], q_pos=q_pos, k_pos=pos, causal=causal, scale=scale, window=window,
-                    backend=backend,
-                )
-            out = out.float()  # accumulate across steps in float32, round once at the end
-            if acc_out is None:
-                acc_out, acc_lse = out, lse
-            else:
-                acc_out, acc_lse = merge_states([acc_out, out], [acc_lse, lse])
+        skip = _invisible(lengths[src], mins[src], maxs[src], qmin, qmax, causal, window)
+        acc = _step(acc, q, kv[0], kv[1], q_pos, pos, step, skip, causal, scale, window, backend)
         if step < world - 1:
             wait_all(works, timeout, f"ring_attention KV exchange (step {step} of {world})")
             kv, pos = new_kv, new_pos
-    if acc_out is None:  # no key visible to any local query
+    return _result(acc, q, B)
+
+
+def _invisible(length: int, kmin: int, kmax: int, qmin: Optional[int], qmax: Optional[int], causal: bool,
+               window: Optional[int]) -> bool:
+    """Whether no local query sees any key of a shard (empty; every key after every query; every key older than
+    every query's window): the step computes nothing."""
+    skip = length == 0 or (causal and (qmax is None or kmin > qmax))
+    if window is not None and not skip:
+        skip = kmax <= qmin - window
+    return skip
+
+
+def _step(acc, q, k, v, q_pos, k_pos, step: int, skip: bool, causal, scale, window, backend):
+    """One ring step: the local queries over the shard held now, folded into ``acc`` ((out float32, lse) or None)
+    with :func:`merge_states`."""
+    if skip:
+        return acc
+    with nvtx_range(PHASE1_RING_STEP, s=step):
+        out, lse = attention_with_lse(q, k, v, q_pos=q_pos, k_pos=k_pos, causal=causal, scale=scale, window=window,
+                                      backend=backend)
+    out = out.float()  # accumulate across steps in float32, round once at the end
+    if acc is None:
+        return out, lse
+    return merge_states([acc[0], out], [acc[1], lse])
+
+
+def _result(acc, q, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if acc is None:  # no key visible to any local query
         Hq, Sq = q.shape[1], q.shape[2]
         return torch.zeros_like(q), torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
-    return acc_out.to(q.dtype), acc_lse
+    return acc[0].to(q.dtype), acc[1]
+
+
+class ExchangeClock:
+    """The steps of simulated ring exchanges (ranks run one after another on one device): each step's attention
+    time and the bytes a real ring moves beside it (the next shard's KV and positions), for pricing the exchange
+    at a link's bandwidth afterwards (:meth:`exposed_seconds`). On CUDA the steps are timed with events (no host
+    synchronization inside the forward; read after it synchronized), elsewhere with the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._steps: list[tuple[object, object, int]] = []
+
+    def start(self):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, started, moved_bytes: int) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._steps.append((started, ev, moved_bytes))
+        else:
+            self._steps.append((started, time.perf_counter(), moved_bytes))
+
+    def steps(self) -> list[tuple[float, int]]:
+        """``(attention seconds, bytes moved beside it)`` per step so far (a CUDA clock: after a synchronize)."""
+        if self.device.type == "cuda":
+            return [(a.elapsed_time(b) / 1e3, n) for a, b, n in self._steps]
+        return [(b - a, n) for a, b, n in self._steps]
+
+
+def exposed_seconds(steps: Sequence[tuple[float, int]], link_gbps: float) -> float:
+    """The exchange time a ring's steps leave uncovered over a ``link_gbps`` GB/s link: each step's transfer
+    overlaps that step's attention (as :func:`ring_attention` starts the next shard's exchange before attending
+    to the one it holds), so a step costs max(attention, transfer) and the exposed part is the excess."""
+    if not link_gbps > 0:
+        raise ValueError(f"link_gbps must be > 0 (GB/s), got {link_gbps}")
+    return sum(max(0.0, n / (link_gbps * 1e9) - s) for s, n in steps)
+
+
+def ring_attention_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    received: Sequence[Union[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]],
+    causal: bool = True,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    backend: str = "auto",
+    clock: Optional[ExchangeClock] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`ring_attention` computes on one rank, in one process: this rank's queries over its own KV shard
+    ``k, v`` (positions ``k_pos``), then over ``received`` -- every other rank's shard in the order the ring brings
+    them (rank ``r-1``, ``r-2``, ...) as ``(k, v, k_pos)`` --, step by step, each folded in with
+    :func:`merge_states` under the same skip rule. Simulated ranks run a ring rank by rank this way. An entry may
+    be a token count instead: a shard none of these queries can see (causally after them), which the ring still
+    moves. ``clock``: records each step's attention time beside the bytes the ring moves during it (the next
+    shard's K, V and positions; nothing beside the last step)."""
+    validate_qkv(q, k, v, caller="ring_attention_local")
+    check_options(causal, scale, window, backend, caller="ring_attention_local")
+    B, Hkv, _, D = k.shape
+    per_token = 2 * B * Hkv * D * k.element_size() + 8  # K and V, and an int64 position
+    shards: list = [(k, v, k_pos.to(device=k.device, dtype=torch.long))]
+    for i, entry in enumerate(received):
+        if isinstance(entry, int):
+            if entry == 0 or (causal and entry > 0):
+                shards.append(entry)
+                continue
+            raise ValueError(f"ring_attention_local: received[{i}] is a token count ({entry}), which stands only for "
+                             f"an empty shard or, causal, one that no query sees; pass its (k, v, k_pos)")
+        rk, rv, rp = entry
+        shards.append((rk, rv, rp.to(device=rk.device, dtype=torch.long)))
+    qmax = int(q_pos.max()) if q_pos.numel() else None
+    qmin = int(q_pos.min()) if q_pos.numel() else None
+    acc = None
+    for step, shard_kv in enumerate(shards):
+        started = clock.start() if clock is not None else None
+        if not isinstance(shard_kv, int):
+            sk, sv, sp = shard_kv
+            n = sp.shape[-1]
+            skip = _invisible(n, int(sp.min()) if n else _NO_KEYS, int(sp.max()) if n else -_NO_KEYS, qmin, qmax,
+                              causal, window)
+            acc = _step(acc, q, sk, sv, q_pos, sp, step, skip, causal, scale, window, backend)
+        if clock is not None:
+            nxt = shards[step + 1] if step + 1 < len(shards) else 0
+            moved = nxt * per_token if isinstance(nxt, int) else nxt[0].nbytes + nxt[1].nbytes + nxt[2].nbytes
+            clock.stop(started, moved)
+    return _result(acc, q, B)
 
 
 def _chunk_bounds(seq_len: int, parts: int) -> list[int]:
