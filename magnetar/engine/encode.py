@@ -279,7 +279,7 @@ class Encoder:
         # stats: this rank's (simulated: every rank's, the first CP rank's first), each grown by the tokens dealt to it
         ranks = range(len(base.stats)) if self.simulated else [g.cp_rank]
         stats = [dataclasses.replace(st, phase1_seconds=seconds if (r == 0 or not self.simulated) else 0.0,
-                                     context_kv_tokens=st.context_kv_tokens + int((owners == r).sum()),
+                                     exchange=(), context_kv_tokens=st.context_kv_tokens + int((owners == r).sum()),
                                      kv_bytes=st.kv_bytes + int((owners == r).sum()) * per_token)
                  for r, st in zip(ranks, base.stats)]
         if self.simulated:
