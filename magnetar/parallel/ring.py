@@ -191,7 +191,7 @@ def _result(acc, q, B: int) -> tuple[torch.Tensor, torch.Tensor]:
 class ExchangeClock:
     """The steps of simulated ring exchanges (ranks run one after another on one device): each step's attention
     time and the bytes a real ring moves beside it (the next shard's KV and positions), for pricing the exchange
-    at a link's bandwidth afterwards (:meth:`exposed_seconds`). On CUDA the steps are timed with events (no host
+    at a link's bandwidth afterwards (:func:`exposed_seconds`). On CUDA the steps are timed with events (no host
     synchronization inside the forward; read after it synchronized), elsewhere with the wall clock."""
 
     def __init__(self, device: torch.device):
@@ -252,6 +252,8 @@ def ring_attention_local(
     shard's K, V and positions; nothing beside the last step)."""
     validate_qkv(q, k, v, caller="ring_attention_local")
     check_options(causal, scale, window, backend, caller="ring_attention_local")
+    check_positions(q_pos, "q_pos", q.shape[2], q.shape[0], q.device, caller="ring_attention_local")
+    check_positions(k_pos, "k_pos", k.shape[2], k.shape[0], k.device, caller="ring_attention_local")
     B, Hkv, _, D = k.shape
     per_token = 2 * B * Hkv * D * k.element_size() + 8  # K and V, and an int64 position
     shards: list = [(k, v, k_pos.to(device=k.device, dtype=torch.long))]
