@@ -3,16 +3,21 @@ step's seconds (a compiled step's compile and CUDA-graph capture) and whether ev
 
     python benchmarks/bench_decode.py                                  # SmolLM2-135M-Instruct fp32, 4K context,
                                                                        # dense and 2-rank Pulsar (simulated), batch 1, 8
-    python benchmarks/bench_decode.py --model dummy:llama-3.1-8b --dtype bfloat16 --context-tokens 32768 \\
-        --configs dense --json-out decode.json                           # the GPU kit's step (random weights)
+    python benchmarks/bench_decode.py --model dummy:llama-3.1-8b --dtype bfloat16 --configs dense,star,pulsar \\
+        --ranks 4 --shapes 1@32K,8@32K,1@64K,1@128K,64@4K --json-out decode.json   # the GPU kit's step
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py --configs pulsar   # real gloo ranks (rank 0 reports)
 
-For each configuration (``dense``: one rank; ``pulsar``: 2 CP ranks, simulated in one process unless launched with 2
-ranks) and each mode, an engine with ``decode_step=<mode>`` encodes one ``--context-tokens`` context once; for each
-batch size, that many questions about it join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the
-first one timed apart: compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose
-the same tokens as eager (fp32; in bf16 a near-tie may differ: the table says how many requests agree). Prints a table,
-then one JSON line. Speed goals live here, not in tests.
+For each configuration (``dense``: one rank; ``star`` / ``pulsar``: ``--ranks`` CP ranks, simulated in one process
+unless launched with 2 ranks) and each mode, an engine with ``decode_step=<mode>`` encodes each context length once;
+for each shape (``B@L``: B questions about an L-token context; or every ``--batches`` at ``--context-tokens``), that
+many questions join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the first one timed apart:
+compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose the same tokens as eager
+(fp32; in bf16 a near-tie may differ: the table says how many requests agree).
+
+**The floor**: a decode step must read the weights the step uses (all but the input embedding) and every request's
+KV once; the device's copy bandwidth is measured in the same run (a buffer copied on the device: bytes read +
+written over the time), so each row's floor is ``(weight bytes + B x L x KV bytes per token) / bandwidth``, and
+``% floor`` = floor / measured step. Prints a table, then one JSON line. Speed goals live here, not in tests.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 MODES = ("eager", "static", "compiled")
+CONFIGS = ("dense", "star", "pulsar")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,10 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="an installed model name, a folder, or dummy:<preset> (random weights made on the device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--configs", default="dense,pulsar", help="comma list of: dense, pulsar (2 CP ranks)")
+    p.add_argument("--configs", default="dense,pulsar", help="comma list of: dense, star, pulsar (--ranks CP ranks)")
+    p.add_argument("--ranks", type=int, default=2, help="CP ranks of star and pulsar (simulated unless launched)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}")
-    p.add_argument("--batches", default="1,8", help="decode batch sizes")
+    p.add_argument("--batches", default="1,8", help="decode batch sizes (at --context-tokens)")
     p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--shapes", default=None, metavar="B@L[,B@L...]",
+                   help="batch@context pairs instead of --batches x --context-tokens, e.g. 1@32K,8@32K,64@4K")
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
     p.add_argument("--steps", type=int, default=12, help="steps timed")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
@@ -46,8 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON record to this file")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if not args.configs or any(c not in ("dense", "pulsar") for c in args.configs):
-        p.error(f"--configs: a comma list of dense, pulsar; got {args.configs}")
+    if not args.configs or any(c not in CONFIGS for c in args.configs):
+        p.error(f"--configs: a comma list of {', '.join(CONFIGS)}; got {args.configs}")
+    if args.ranks < 2:
+        p.error(f"--ranks: star and pulsar need at least 2 CP ranks, got {args.ranks}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes: a comma list of {', '.join(MODES)}; got {args.modes}")
@@ -57,7 +68,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batches: comma-separated ints, got {args.batches!r}")
     if min(args.batches) < 1 or args.steps < 2 or args.warmup < 1 or args.context_tokens < 64:
         p.error("--batches >= 1, --steps >= 2, --warmup >= 1, --context-tokens >= 64")
+    args.shapes = [(b, args.context_tokens) for b in args.batches] if args.shapes is None else \
+        _parse_shapes(p, args.shapes)
     return args
+
+
+def _parse_shapes(p, text: str) -> list[tuple[int, int]]:
+    """``"1@32K,64@4K"`` -> ``[(1, 32768), (64, 4096)]``; ``--shapes: ...`` errors through ``p``."""
+    from magnetar.cli.args import parse_length
+
+    shapes = []
+    for part in text.split(","):
+        b, at, n = part.strip().partition("@")
+        try:
+            shape = (int(b), parse_length(n, 64))
+        except ValueError:
+            shape = None
+        if not at or shape is None or shape[0] < 1:
+            p.error(f"--shapes: {part.strip()!r} is not BATCH@CONTEXT (e.g. 8@32K; batch >= 1, context >= 64)")
+        shapes.append(shape)
+    return shapes
 
 
 def _inputs(model, tokenizer, n: int, batch: int):
@@ -83,9 +113,40 @@ def _say(msg: str) -> None:
     print(f"[bench_decode] {msg}", file=sys.stderr, flush=True)
 
 
-def engine_flat(config: str, distributed: bool) -> dict:
-    """The engine fields of ``config``: dense on one rank, or Pulsar on 2 CP ranks (simulated unless launched)."""
-    return dict(method="dense") if config == "dense" else dict(method="pulsar", cp_size=2, simulate=not distributed)
+def engine_flat(config: str, distributed: bool, ranks: int = 2) -> dict:
+    """The engine fields of ``config``: dense on one rank, or Star / Pulsar on ``ranks`` CP ranks (simulated unless
+    launched)."""
+    return dict(method="dense") if config == "dense" else dict(method=config, cp_size=ranks, simulate=not distributed)
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """The device's copy bandwidth in bytes/s: a ``nbytes`` buffer copied on it (read + written), the best of five
+    after one warm-up."""
+    device = torch.device(device)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for i in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def floor_bytes(model, batch: int, context: int) -> int:
+    """What one decode step must read: every weight but the input embedding (a step reads B of its rows), and each
+    request's KV (every layer's keys and values of ``context`` tokens)."""
+    cfg = model.config
+    emb = model.get_input_embeddings().weight
+    tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    weights = sum(t.numel() * t.element_size() for t in model.parameters()) - (0 if tied else emb.numel() *
+                                                                               emb.element_size())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * emb.element_size()
+    return weights + batch * context * kv
 
 
 def launched(args) -> bool:
@@ -95,14 +156,17 @@ def launched(args) -> bool:
         torch.set_num_threads(args.threads)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        args.configs = [c for c in args.configs if c == "pulsar"]
+        args.configs = [c for c in args.configs if c != "dense"]
         if not args.configs:
-            raise SystemExit("under a launcher only --configs pulsar runs (2 real ranks)")
+            raise SystemExit("under a launcher only --configs star / pulsar run (on the launched ranks)")
+        args.ranks = int(os.environ["WORLD_SIZE"])
     return distributed
 
 
-def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: bool, engines: dict) -> dict:
-    """One row: ``bsz`` questions about the context in one batch of the ``(config, mode)`` engine (made once)."""
+def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, distributed: bool,
+        engines: dict) -> dict:
+    """One row: ``bsz`` questions about a ``context``-token document in one batch of the ``(config, mode)`` engine
+    (made once; each context length encoded once)."""
     import magnetar
     from magnetar.utils.sync import host_syncs
 
@@ -111,16 +175,18 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
         # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
         eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
                                       context_cache_mb=1 << 20, dtype=args.dtype, shm_gather=args.shm_gather == "true",
-                                      **engine_flat(config, distributed))
+                                      **engine_flat(config, distributed, args.ranks))
         got = next(eng.model.parameters()).dtype
         if got != getattr(torch, args.dtype):
             raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")
-        doc, questions = _inputs(model, tokenizer, args.context_tokens, max(args.batches))
+        engines[(config, mode)] = (eng, {})
+    eng, handles = engines[(config, mode)]
+    if context not in handles:
+        doc, questions = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context))
         t0 = time.perf_counter()
-        handle = eng.encode(doc)
-        _say(f"{config} {mode}: context encoded in {time.perf_counter() - t0:.1f} s")
-        engines[(config, mode)] = (eng, handle, questions)
-    eng, handle, questions = engines[(config, mode)]
+        handles[context] = (eng.encode(doc), questions)
+        _say(f"{config} {mode}: {context}-token context encoded in {time.perf_counter() - t0:.1f} s")
+    handle, questions = handles[context]
     b = eng.open_batch()
     n = args.warmup + args.steps + 3
     t0 = time.perf_counter()
@@ -148,9 +214,12 @@ def run(config: str, mode: str, bsz: int, args, model, tokenizer, distributed: b
         b.cancel(rid)
     tokens = [b.pop(rid).token_ids for rid in rids]
     _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
-    return dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, ms_per_step=ms, ms_per_token=ms / bsz,
-                tokens_per_s=1000 * bsz / ms, first_step_s=first, host_syncs_per_step=len(seen.calls), tokens=tokens,
-                ranks=1 if config == "dense" else 2, simulated=config == "pulsar" and not distributed)
+    floor_ms = 1000 * floor_bytes(model, bsz, context) / args.bandwidth
+    return dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, context_tokens=context, ms_per_step=ms,
+                ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first,
+                host_syncs_per_step=len(seen.calls), tokens=tokens, floor_ms=floor_ms,
+                pct_of_floor=100 * floor_ms / ms, ranks=1 if config == "dense" else args.ranks,
+                simulated=config != "dense" and not distributed)
 
 
 def main(argv=None) -> int:
@@ -166,28 +235,32 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     load_s = time.perf_counter() - t0
     dev = torch.cuda.get_device_name() if str(device).startswith("cuda") else platform.processor() or "cpu"
+    # the floor's bandwidth, measured on this device now (a GPU: 1 GiB copied; a CPU: 256 MiB)
+    args.bandwidth = copy_bandwidth(device, (1 << 30) if str(device).startswith("cuda") else (1 << 28))
+    _say(f"copy bandwidth {args.bandwidth / 1e9:.0f} GB/s")
     rows, engines = [], {}
-    for c in args.configs:  # batch by batch, every mode side by side; the JSON is rewritten after every row, so a
-        for bsz in args.batches:  # run cut short keeps what it measured
+    for bsz, n in args.shapes:  # shape by shape, every configuration and mode side by side; the JSON is rewritten
+        for c in args.configs:  # after every row, so a run cut short keeps what it measured
             for m in args.modes:
-                rows.append(run(c, m, bsz, args, model, tokenizer, distributed, engines))
+                rows.append(run(c, m, bsz, n, args, model, tokenizer, distributed, engines))
                 _compare(rows)
                 if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
                     args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows), indent=1))
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return 0
-    print(f"\n{args.model} {args.dtype}, {args.context_tokens} context tokens, {dev}, "
-          f"{torch.get_num_threads()} threads\n")
-    print("| config | batch | decode step (ran) | ms/step | ms/token | tokens/s | speed-up vs eager | first step s | "
-          "host syncs / step | requests with eager's tokens |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n{args.model} {args.dtype}, {dev}, {torch.get_num_threads()} threads, copy bandwidth "
+          f"{args.bandwidth / 1e9:.0f} GB/s (measured)\n")
+    print("| config | batch | context | decode step (ran) | ms/step | ms/token | tokens/s | floor ms | % floor | "
+          "speed-up vs eager | first step s | host syncs / step | requests with eager's tokens |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
         vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
         same = "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['batch']}"
         where = "" if r["ranks"] == 1 else f", {r['ranks']} ranks{' sim.' if r['simulated'] else ''}"
-        print(f"| {r['config']}{where} | {r['batch']} | {ran} | {r['ms_per_step']:.1f} | {r['ms_per_token']:.1f} | "
-              f"{r['tokens_per_s']:.1f} | {vs} | {r['first_step_s']:.2f} | {r['host_syncs_per_step']} | {same} |")
+        print(f"| {r['config']}{where} | {r['batch']} | {r['context_tokens']} | {ran} | {r['ms_per_step']:.1f} | "
+              f"{r['ms_per_token']:.1f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.2f} | {r['pct_of_floor']:.0f} | "
+              f"{vs} | {r['first_step_s']:.2f} | {r['host_syncs_per_step']} | {same} |")
     for r in rows:
         if r["why"]:
             print(f"- {r['config']} {r['mode']} batch {r['batch']}: {r['why']}")
@@ -198,15 +271,16 @@ def main(argv=None) -> int:
 def _compare(rows: list[dict]) -> None:
     """Each row's speed-up over eager's row of the same configuration and batch, and how many of its requests got
     eager's tokens (None where eager did not run)."""
-    eager = {(r["config"], r["batch"]): r for r in rows if r["mode"] == "eager"}
+    eager = {(r["config"], r["batch"], r["context_tokens"]): r for r in rows if r["mode"] == "eager"}
     for r in rows:
-        ref = eager.get((r["config"], r["batch"]))
+        ref = eager.get((r["config"], r["batch"], r["context_tokens"]))
         r["vs_eager"] = None if ref is None else ref["ms_per_step"] / r["ms_per_step"]
         r["same_tokens"] = None if ref is None else sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
 
 
 def _record(args, dev: str, load_s: float, rows: list[dict]) -> dict:
     return dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
+                shapes=args.shapes, copy_bandwidth_gbps=args.bandwidth / 1e9,
                 device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
                 rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
 

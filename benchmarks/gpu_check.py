@@ -15,10 +15,12 @@ A failing step records its error and the kit goes on.
 2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
    ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
 3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
-4. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense at 32K, batch 1 and 8, eager / static
-   (KV slots, one attention call per layer) / compiled (``torch.compile`` with CUDA graphs, FlexAttention over the
-   slots) side by side: ms per step, tokens/s, the first step's seconds (compiling), whether eager's tokens came;
-   the JSON keeps the rows measured when the step is cut short.
+4. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense and of Star / Pulsar over 4 simulated
+   ranks, batch 1 at 32K / 64K / 128K, batch 8 at 32K and batch 64 at 4K, static (KV slots, one attention call per
+   layer) / eager / compiled (``torch.compile`` with CUDA graphs, FlexAttention over the slots) side by side: ms per
+   step, tokens/s, % of the floor (the weights and every request's KV read at the card's copy bandwidth, measured in
+   the same run), the first step's seconds (compiling), whether eager's tokens came; the JSON keeps the rows
+   measured when the step is cut short (shape by shape).
 5. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
    slowest rank): Phase-1 seconds per rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's
@@ -58,20 +60,22 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
-            decode_len=32768, decode_modes="eager,static,compiled", decode_batches="1,8", decode_steps=(3, 16),
+            decode_len=32768, decode_modes="static,eager,compiled", decode_configs="dense,star,pulsar",
+            decode_shapes="1@32K,8@32K,1@64K,1@128K,64@4K", decode_steps=(3, 16),
             serve_len=32768, serve_clients="8,32", serve_client_len=2048, serve_new=64,
             cp_len=131072, cp_ranks="4,8,16", cp_variants=(
                 "star+halo=star --anchor-size 1000 --halo-blocks 1",
                 "hybrid=star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-15"),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=360, serve=150, cp_table=300))
+                        decode=480, serve=150, cp_table=300))
 # the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
 # compiles once)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
 # or a wait on another process's build of them): 240 s, the budget with it.
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=300.0, warmup_len=256,
-           decode_len=1024, decode_modes="eager,static", decode_batches="1,2", decode_steps=(1, 3),
+           decode_len=1024, decode_modes="eager,static", decode_configs="dense,star", decode_shapes="1@1K,2@512",
+           decode_steps=(1, 3),
            serve_len=512, serve_clients="2", serve_client_len=128, serve_new=4,
            cp_len=512, cp_ranks="2,4", cp_variants=("star+halo=star --anchor-size 32 --halo-blocks 1",
                                                     "hybrid=star --anchor-size 16 --exact-layers 0"),
@@ -385,8 +389,8 @@ def step_decode(kit: Kit, shape: dict):
         with tempfile.TemporaryDirectory() as tmp:
             json_out = Path(tmp) / "decode.json"
             cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--model", shape["model"],
-                   "--dtype", shape["dtype"], "--configs", "dense", "--context-tokens", str(shape["decode_len"]),
-                   "--modes", shape["decode_modes"], "--batches", shape["decode_batches"],
+                   "--dtype", shape["dtype"], "--configs", shape["decode_configs"], "--ranks", str(shape["ranks"]),
+                   "--shapes", shape["decode_shapes"], "--modes", shape["decode_modes"],
                    "--warmup", str(shape["decode_steps"][0]), "--steps", str(shape["decode_steps"][1]),
                    "--json-out", str(json_out)]
             rc, out, err = kit.run(cmd, timeout)
@@ -394,10 +398,12 @@ def step_decode(kit: Kit, shape: dict):
             record = json.loads(json_out.read_text()) if json_out.is_file() else None
         if record is None or not record["rows"]:
             return False, None, _tail(err or out), cmd
-        keep = ("mode", "ran", "why", "batch", "ms_per_step", "ms_per_token", "tokens_per_s", "first_step_s",
-                "host_syncs_per_step", "vs_eager", "same_tokens")
+        keep = ("config", "ranks", "mode", "ran", "why", "batch", "context_tokens", "ms_per_step", "ms_per_token",
+                "tokens_per_s", "floor_ms", "pct_of_floor", "first_step_s", "host_syncs_per_step", "vs_eager",
+                "same_tokens")
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       context_tokens=record["context_tokens"], torch=record["torch"],
+                      copy_bandwidth_gbps=round(record["copy_bandwidth_gbps"], 1),
                       decode_rows=[{k: r[k] for k in keep} for r in record["rows"]])
         return rc == 0, result, None if rc == 0 else _tail(err or out), cmd
     return kit.step(name, shape["limits"]["decode"], fn)
@@ -525,19 +531,24 @@ def tables(report: dict) -> str:
     for s in report["steps"]:
         if not isinstance(s["result"], dict) or "decode_rows" not in s["result"]:
             continue
-        lines += ["", f"{s['name']}: decode steps, dense, {_k(s['result']['context_tokens'])} context "
-                      f"({s['result']['dtype']}){'' if s['ok'] else ', cut short: the rows it measured'}", "",
-                  "| decode step (ran) | batch | ms/step | tokens/s | vs eager | first step (s) | host syncs / step | "
-                  "eager's tokens |",
-                  "|---|---|---|---|---|---|---|---|"]
+        bw = s["result"].get("copy_bandwidth_gbps")
+        lines += ["", f"{s['name']}: decode steps ({s['result']['dtype']}); the floor = the weights a step reads and "
+                      f"every request's KV at the copy bandwidth measured in the run ({bw} GB/s)"
+                      f"{'' if s['ok'] else ', cut short: the rows it measured'}", "",
+                  "| config | batch | context | decode step (ran) | ms/step | tokens/s | floor ms | % floor | "
+                  "vs eager | first step (s) | host syncs / step | eager's tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in s["result"]["decode_rows"]:
             ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
             vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
-            lines.append(f"| {ran} | {r['batch']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {vs} | "
-                         f"{r['first_step_s']:.2f} | {r.get('host_syncs_per_step', '-')} | "
-                         f"{r['same_tokens']}/{r['batch']} |")
+            same = "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['batch']}"
+            where = r.get("config", "dense") + ("" if r.get("ranks", 1) == 1 else f" x{r['ranks']}")
+            floor = "-" if r.get("floor_ms") is None else f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}"
+            lines.append(f"| {where} | {r['batch']} | {_k(r.get('context_tokens', s['result']['context_tokens']))} | "
+                         f"{ran} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {floor} | {vs} | "
+                         f"{r['first_step_s']:.2f} | {r.get('host_syncs_per_step', '-')} | {same} |")
             if r.get("why"):
-                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | |")
+                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | | | | | |")
     for s in report["steps"]:
         if not (s["name"].startswith("serve") and s["ok"]):
             continue

@@ -39,13 +39,17 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
                                   "cp_table_512", "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
-    # the decode step: static steps ran as asked and chose eager's tokens for every request
+    # the decode step, shape by shape: dense and Star over 4 simulated ranks, static steps ran as asked and chose
+    # eager's tokens for every request; each row against the floor of the bandwidth measured in the run
     dec = steps["decode_1K"]["result"]["decode_rows"]
-    assert [(r["mode"], r["ran"], r["batch"]) for r in dec] == [("eager", "eager", 1), ("static", "static", 1),
-                                                               ("eager", "eager", 2), ("static", "static", 2)]
+    assert [(r["config"], r["mode"], r["ran"], r["batch"], r["context_tokens"]) for r in dec] == [
+        (c, m, m, b, n) for b, n in ((1, 1024), (2, 512)) for c in ("dense", "star") for m in ("eager", "static")]
     assert all(r["same_tokens"] == r["batch"] and r["ms_per_step"] > 0 for r in dec), dec
+    assert all(0 < r["floor_ms"] and r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["ms_per_step"])
+               for r in dec), dec
+    assert steps["decode_1K"]["result"]["copy_bandwidth_gbps"] > 0
     # a static step of greedy requests reads the device once (tokens and finite flags), whatever the batch
-    assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True, False, True], dec
+    assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True] * 4, dec
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
@@ -75,7 +79,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [r["op"] for r in env["ops"]["ops"]][0] == "magnetar_merge_states"
     assert "cpu_flash" in env["ops"]["environment"]["attention (auto)"]
     assert "phase1_1K | star | 1K |" in stdout  # the tables printed at the end
-    assert "decode_1K: decode steps, dense, 1K context (float32)" in stdout
+    assert "decode_1K: decode steps (float32); the floor" in stdout and "| star x4 | 2 | 512 | static |" in stdout
     # every command's output is kept beside the report
     assert "magnetar.eval.bench" in out.with_suffix(".log").read_text()
     table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--table", str(out)],
@@ -144,18 +148,21 @@ def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     # bench_decode rewrites its JSON after every row; killed at the step's limit, the kit reports what it measured
     kit = _kit()
     k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
-    row = dict(config="dense", mode="eager", ran="eager", why=None, batch=1, ms_per_step=9.0, ms_per_token=9.0,
-               tokens_per_s=111.1, first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1)
+    row = dict(config="dense", ranks=1, mode="eager", ran="eager", why=None, batch=1, context_tokens=32768,
+               ms_per_step=9.0, ms_per_token=9.0, tokens_per_s=111.1, floor_ms=4.5, pct_of_floor=50.0,
+               first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1, simulated=False)
 
     def killed(cmd, timeout):
         out = Path(cmd[cmd.index("--json-out") + 1])
         out.write_text(json.dumps(dict(model="m", dtype="bfloat16", device="d", context_tokens=32768, torch="t",
-                                       rows=[row])))
+                                       copy_bandwidth_gbps=4000.0, rows=[row])))
         return 124, "", "(killed at its time limit, 5 s)"
 
     monkeypatch.setattr(k, "run", killed)
     rec = kit.step_decode(k, kit.FULL)
     assert not rec["ok"] and "killed at its time limit" in rec["error"]
-    assert rec["result"]["decode_rows"] == [{key: row[key] for key in row if key != "config"}]
-    assert "decode_32K: decode steps, dense, 32K context (bfloat16), cut short" in kit.tables(k.report)
+    assert rec["result"]["decode_rows"] == [{key: row[key] for key in row if key != "simulated"}]
+    table = kit.tables(k.report)
+    assert "decode_32K: decode steps (bfloat16)" in table and "(4000.0 GB/s), cut short" in table
+    assert "| dense | 1 | 32K | eager | 9.0 | 111.1 | 4.50 | 50 | 1.00x |" in table
     assert kit.check_report(k.report, complete=False) == []

@@ -153,9 +153,9 @@ def method_config(base: EngineConfig, args, method: str, cp: int) -> EngineConfi
 
 def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
-    were real or simulated -- or how simulated ones were timed --: both give the same answers, nor how their states travel (parallel.shm_gather), nor
-    runtime.check_finite, which only stops a run, nor the context cache's budget and disk tier, which only decide
-    what is kept between requests)."""
+    were real or simulated, or how simulated ones were timed: they give the same answers, nor how their states
+    travel (parallel.shm_gather), nor runtime.check_finite, which only stops a run, nor the context cache's budget
+    and disk tier, which only decide what is kept between requests)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
