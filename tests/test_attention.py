@@ -187,6 +187,33 @@ def test_plan_pieces_star_block():
     assert plan_pieces(torch.arange(10).view(2, 5), torch.arange(5)) is None  # per-sequence: mask path
 
 
+def test_a_segment_over_its_own_tokens_is_one_causal_call_whatever_its_gaps(seeded):
+    """Pulsar's Phase 1: sink, summary chunks and block as queries over themselves, positions increasing with gaps
+    (dozens of runs, past the pieces' limit): the position mask is the index-causal one -- one mask-free call --,
+    equal to the fp64 reference; with one position out of order, or a query seeing one key more, it is not."""
+    from magnetar.ops.attention import _classify
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, POSITIONS
+    from magnetar.ops.runs import MAX_RUN_PAIRS, index_causal, plan_pieces
+
+    pos = torch.cat([torch.arange(0, 4)] + [torch.arange(s, s + 2) for s in range(8, 8 + 6 * 80, 6)] +
+                    [torch.arange(600, 700)])
+    assert plan_pieces(pos, pos) is None and len(pos) > MAX_RUN_PAIRS  # the pieces would give up: a mask
+    assert index_causal(pos, pos) and _classify(pos, pos, len(pos), len(pos), True) == CAUSAL_BOTTOM_RIGHT
+    q, k, v = (torch.randn(1, 4, len(pos), 16) for _ in range(3))
+    out, lse = attention_with_lse(q, k[:, :2], v[:, :2], q_pos=pos, k_pos=pos)
+    ref_out, ref_lse = dense_attention_fp64(q, k[:, :2], v[:, :2], q_pos=pos, k_pos=pos)
+    assert_close(out, ref_out, torch.float32, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    # the block's queries alone over the whole segment: bottom-right causal too
+    assert index_causal(pos[-100:], pos)
+    swapped = pos.clone()
+    swapped[[5, 6]] = swapped[[6, 5]]
+    assert not index_causal(swapped, swapped)
+    assert not index_causal(pos[-100:] + 1, pos)  # each query sees one key more than the bottom-right mask
+    assert _classify(pos[-100:] + 1, pos, 100, len(pos), True) == POSITIONS
+    assert not index_causal(torch.arange(10).view(2, 5), torch.arange(5))  # per-sequence positions: the mask path
+
+
 def _random_runs(gen, n_runs, max_len, span):
     parts = []
     for _ in range(n_runs):

@@ -42,7 +42,7 @@ from magnetar.ops.backends import list_backends, select_backend
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCall
 from magnetar.ops.merge import merge_states
 from magnetar.ops.nonfinite import attend_nonfinite, fast_path_finite
-from magnetar.ops.runs import Piece, plan_pieces
+from magnetar.ops.runs import Piece, index_causal, plan_pieces
 from magnetar.utils.nvtx import ATTENTION, nvtx_range
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -153,6 +153,8 @@ def _classify(q_pos, k_pos, sq: int, sk: int, causal: bool, window: Optional[int
     kp = k_pos if k_pos is not None else torch.arange(sk, device=qp.device)
     if bool(kp.max() <= qp.min()):
         return FULL
+    if index_causal(qp, kp):  # a segment over its own tokens in position order (Pulsar's summaries, Star's anchor)
+        return CAUSAL_BOTTOM_RIGHT
     return POSITIONS
 
 
@@ -224,6 +226,8 @@ def attention_with_lse(
         return out, torch.full((B, Hq, Sq), float("-inf"), dtype=torch.float32, device=q.device)
 
     kind = _classify(q_pos_t, k_pos_t, Sq, Sk, causal, window)
+    if kind == CAUSAL_BOTTOM_RIGHT:  # the call's contract: the default positions (the same mask, by index)
+        q_pos_t = k_pos_t = None
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
     out, lse = _attend(call, backend)
     if fast_path_finite(call, out, check_k=not k_finite):  # the common case: one sum over q, k and out

@@ -37,6 +37,24 @@ class Piece(NamedTuple):
     causal: bool
 
 
+def index_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether the causal position mask is the bottom-right causal mask of the indices: the key positions strictly
+    increase and query ``i`` sees exactly the first ``Sk - Sq + i + 1`` keys. So it is for a segment's own tokens
+    attending to themselves in position order, whatever gaps the positions have -- Pulsar's sink, summaries and
+    block (dozens of runs), Star's anchor and block, a zigzag shard --: one mask-free causal call, at dense's rate,
+    instead of a position mask or several pieces. One reading of the device (1-D positions only)."""
+    if q_pos.dim() != 1 or k_pos.dim() != 1:
+        return False
+    sq, sk = q_pos.shape[0], k_pos.shape[0]
+    if not 0 < sq <= sk:
+        return False
+    seen = torch.searchsorted(k_pos, q_pos.to(k_pos.device), right=True)  # keys at or before each query (k sorted)
+    ok = (seen == torch.arange(sk - sq + 1, sk + 1, device=k_pos.device)).all()
+    if sk > 1:
+        ok &= (k_pos[1:] > k_pos[:-1]).all()  # else searchsorted's answer means nothing
+    return bool(ok)
+
+
 def contiguous_runs(pos: torch.Tensor, limit: int) -> Optional[list[tuple[int, int, int]]]:
     """Runs of consecutive positions as ``(start index, end index, first position)``; None if more than ``limit``."""
     n = pos.shape[0]
