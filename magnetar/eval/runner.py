@@ -402,17 +402,23 @@ class _Place:
 
 
 def run(args) -> int:
-    """``magnetar eval``: the process group and the output folder (:func:`_setup`), the model, the items left to run
-    (:func:`_todo`), the fidelity reference (:func:`_reference`), the items (:func:`_run_items`), the report."""
+    """``magnetar eval``: the process group and the output folder (:func:`_setup`), the items left to run
+    (:func:`_todo`; none: the report alone), the model, the fidelity reference (:func:`_reference`), the items
+    (:func:`_run_items`), the report."""
     suite = get_suite(args.suite)
     base = base_config(args)
     place = _setup(args, base)
+    done = _broadcast_obj(load_done(place.out) if place.rank == 0 else None)
+    todo, total = _todo(args, suite, base, place, done)
+    if total == 0:  # a finished run resumed: the report again, no model loaded (every process sees the same total)
+        if place.rank == 0:
+            print(f"0 items to run ({len(done)} already in {place.out})", flush=True)
+        _finish(place)
+        return 0
     from magnetar.engine.load import load_weights
 
     model, tokenizer = load_weights(args.model, base.runtime.dtype, revision=args.revision,
                                     trust_remote_code=args.trust_remote_code, timeout=place.timeout)
-    done = _broadcast_obj(load_done(place.out) if place.rank == 0 else None)
-    todo, total = _todo(args, suite, base, place, done)
     fid = None
     if suite.fidelity:
         model, fid = _reference(args, base, model, tokenizer, place)
