@@ -279,6 +279,44 @@ def test_cuda_attention_shards_merged_on_cuda_equal_dense(dtype, seeded):
     assert_close(lse.cpu(), ref_lse, dtype, "lse", "sharded + CUDA merge")
 
 
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_pulsar_segment_is_one_causal_flash_call_on_cuda(dtype, seeded):
+    """A Pulsar-like segment (sink, 80 summary chunks, a block: increasing positions, many gaps) over itself takes
+    the mask-free causal path on the card -- the auto backend's flash kernel, not a position mask -- and equals the
+    fp64 reference."""
+    from magnetar.ops.attention import _classify
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT
+
+    pos = torch.cat([torch.arange(0, 64)] + [torch.arange(s, s + 16) for s in range(100, 100 + 80 * 40, 40)] +
+                    [torch.arange(4000, 5024)])
+    assert _classify(pos.cuda(), pos.cuda(), len(pos), len(pos), True) == CAUSAL_BOTTOM_RIGHT
+    q, k, v = random_qkv(1, 8, 2, len(pos), len(pos), 64, dtype, seeded)
+    _check_cuda(q, k, v, "auto", "pulsar segment", q_pos=pos, k_pos=pos)
+
+
+def test_simulated_ring_times_its_steps_with_cuda_events(seeded):
+    """A simulated ring rank on the card: the same answer as dense over every shard, each step's attention timed
+    with CUDA events (read after the forward, none inside it) beside the bytes the ring moves."""
+    from magnetar.parallel.ring import ExchangeClock, exposed_seconds, ring_attention_local, zigzag_indices
+
+    q, k, v = (t.cuda() for t in random_qkv(1, 8, 2, 4096, 4096, 64, torch.bfloat16, seeded))
+    shards = [zigzag_indices(4096, 4, r).cuda() for r in range(4)]
+    clock = ExchangeClock(torch.device("cuda"))
+    mine = shards[2]
+    out, lse = ring_attention_local(q[:, :, mine], k[:, :, mine], v[:, :, mine], q_pos=mine, k_pos=mine,
+                                    received=[(k[:, :, shards[r]], v[:, :, shards[r]], shards[r]) for r in (1, 0, 3)],
+                                    clock=clock)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = dense_attention_fp64(q[:, :, mine].cpu(), k.cpu(), v.cpu(), q_pos=mine.cpu(),
+                                            k_pos=torch.arange(4096))
+    assert_close(out.cpu(), ref_out, torch.bfloat16, "out", "simulated ring rank 2")
+    assert_close(lse.cpu(), ref_lse, torch.bfloat16, "lse", "simulated ring rank 2")
+    steps = clock.steps()
+    assert len(steps) == 4 and all(t >= 0 for t, _ in steps) and steps[0][0] > 0
+    assert [n for _, n in steps] == [1024 * (2 * 2 * 64 * 2 + 8)] * 3 + [0]
+    assert exposed_seconds(steps, 1e-3) > 1.0 and exposed_seconds(steps, 1e6) == 0.0
+
+
 # -------------------------------------------------------------------------------------- Hamming op (CUDA)
 
 
