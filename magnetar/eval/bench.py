@@ -140,7 +140,7 @@ def parse_args(argv):
         if sim is not None and args.tp_size > 1:
             raise ValueError(f"--tp-size {args.tp_size} needs one process per TP rank; --simulate-ranks runs the CP "
                              "ranks in one process: launch tp x cp ranks (torchrun/deepspeed) instead")
-        args.entries = [(m, m, args) for m in args.methods] + [_parse_variant(p, args, v) for v in args.variant]
+        args.entries = [(m, m, args) for m in args.methods] + [_parse_variant(args, v) for v in args.variant]
         labels = [label for label, _, _ in args.entries]
         if len(set(labels)) != len(labels):
             raise ValueError(f"--variant: label {next(x for x in labels if labels.count(x) > 1)!r} is taken (by a "
@@ -173,7 +173,7 @@ def _parse_links(text: str) -> list[float]:
     return links
 
 
-def _parse_variant(parser, args, text: str):
+def _parse_variant(args, text: str):
     """``"LABEL=METHOD [FLAGS]"`` -> ``(label, method, the command's arguments with FLAGS applied)``; ValueError
     naming ``--variant``."""
     import copy
@@ -184,6 +184,7 @@ def _parse_variant(parser, args, text: str):
     if not (label.strip() and words):
         raise ValueError(f"--variant {text!r}: write LABEL=METHOD [FLAGS], e.g. 'star+halo=star --halo-blocks 1'")
     method = parse_names(words[0], tuple(METHODS), f"--variant {label}")[0]
+
     class Flags(argparse.ArgumentParser):
         def error(self, message):
             raise ValueError(f"--variant {text!r}: {message} (its flags are this command's engine flags, e.g. "
