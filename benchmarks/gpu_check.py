@@ -496,11 +496,11 @@ def tables(report: dict) -> str:
         lines += ["", "environment: " + ", ".join(
             f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "transformers",
                                           "deepspeed", "flash_attn", "nvcc") if k in env)]
-    lines += ["", "| step | method | L | P1 crit (s) | P1 per rank (s) | vs dense (meas. / model) | TTFT (s) | "
-                  "decode ms/tok | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
-    for s in report["steps"]:
-        if not s["ok"] or not isinstance(s["result"], dict) or "rows" not in s["result"]:
-            continue
+    benched = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]]
+    if benched:
+        lines += ["", "| step | method | L | P1 crit (s) | P1 per rank (s) | vs dense (meas. / model) | TTFT (s) | "
+                      "decode ms/tok | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in benched:
         for r in s["result"]["rows"]:
             if "skipped" in r:
                 lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | not run: "
@@ -508,7 +508,9 @@ def tables(report: dict) -> str:
                 continue
             per = " ".join(f"{t:.2f}" for t in r["phase1_per_rank_s"])
             dec = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
-            lines.append(f"| {s['name']} | {r['method']} | {_k(r['context_len'])} | "
+            # a cp_table step's rows span several rank counts: each says its own
+            name = r["method"] + (f" x{r['ranks']}" if s["name"].startswith("cp_table") and r["ranks"] > 1 else "")
+            lines.append(f"| {s['name']} | {name} | {_k(r['context_len'])} | "
                          f"{r['phase1_critical_path_s']:.3f} | {per} | {r['speedup_measured']:.2f}x / "
                          f"{r['speedup_predicted']:.2f}x | {r['ttft_s']:.3f} | {dec} | {r['peak_memory_gb']:.1f} |")
     for s in report["steps"]:
