@@ -366,7 +366,7 @@ def format_priced(estimates: Sequence[CostEstimate], tflops: float, links: Seque
         cells = []
         for g in links:
             t = max(priced_seconds(e, tflops, g))
-            cells.append(f"{t:.3f}" + (f" ({base[e.context_len] / t:.2f}x)" if e.context_len in base else ""))
+            cells.append(f"{t:.4g}" + (f" ({base[e.context_len] / t:.2f}x)" if e.context_len in base else ""))
         rows.append(f"| {e.method} | {e.context_len} | {e.cp_size} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
