@@ -120,6 +120,18 @@ def _report(err, bound, fa, fe, tol: Tol, label: str) -> str:
             f"{tol.rtol:g})")
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the folder is not a package): its functions and ``main``."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def assert_close(actual, expected, dtype: torch.dtype | None = None, what: str = "out", msg: str = ""):
     """Assert ``actual ~= expected`` (tensors or numbers) under the table's tolerance ``what`` (for "out" and
     "lse", its row for ``dtype``); infinities must match exactly, NaN never passes.

@@ -2,22 +2,15 @@
 GPU kit's dry run (tests/test_gpu_kit.py)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.conftest import load_benchmark
 from tests.tiny_models import tiny_model
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", REPO / "benchmarks" / "bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode")
 
 
 def test_floor_is_the_weights_but_the_embedding_and_every_requests_kv():

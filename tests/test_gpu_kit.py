@@ -3,7 +3,6 @@ DRY=1`` runs), the report's shape check, the parsers of pytest's output, and a s
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _kit():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 @pytest.fixture(scope="module")

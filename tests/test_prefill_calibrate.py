@@ -295,13 +295,9 @@ def test_gap_runs_one_runner_call_per_row(tmp_path, monkeypatch, capsys):
 
 # -- the TTFT benchmark ----------------------------------------------------------------------------------------------
 def test_bench_prefill_tiny(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.conftest import load_benchmark
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_prefill", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_prefill.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_prefill")
     argv = ["--tiny", "--lengths", "192", "--topk", "32", "--repeats", "2", "--block", "16", "--query-tokens", "4"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()

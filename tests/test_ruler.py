@@ -105,15 +105,10 @@ def test_samples_fit_the_model_positions_with_the_output_budget(smollm2_tokenize
 def test_needle_block_of_the_benchmark(smollm2_tokenizer):
     # benchmarks/ruler_needle_blocks.py: the block holding the asked needle, checked against the block where
     # the needle's own token ids ("...is: <value>.") are found in the Phase-1 ids
-    import importlib.util
-    from pathlib import Path
-
     from magnetar.eval.runner import fitted_sample
+    from tests.conftest import load_benchmark
 
-    spec = importlib.util.spec_from_file_location(
-        "ruler_needle_blocks", Path(__file__).resolve().parents[1] / "benchmarks" / "ruler_needle_blocks.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("ruler_needle_blocks")
     tok = smollm2_tokenizer
     seen = set()
     for index in range(6):
