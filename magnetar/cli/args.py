@@ -71,6 +71,22 @@ def parse_lengths(text: str, flag: str = "--lengths", minimum: int = 1) -> list[
     return lengths
 
 
+def parse_links(text: str, flag: str = "--links") -> list[float]:
+    """``"450,50"`` -> ``[450.0, 50.0]`` (link bandwidths in GB/s); ValueError naming ``flag`` for an entry that is
+    not a finite number > 0."""
+    links = []
+    for part in text.split(","):
+        try:
+            g = float(part)
+        except ValueError:
+            g = float("nan")
+        if not g > 0 or g == float("inf"):
+            raise ValueError(f"{flag}: {part.strip()!r} is not a link bandwidth in GB/s (a number > 0, e.g. "
+                             f"{flag} 450,50)")
+        links.append(g)
+    return links
+
+
 def parse_names(text: str, options: Sequence[str], flag: str) -> list[str]:
     """``"dense,star"`` -> ``["dense", "star"]``, each one of ``options``; ValueError naming ``flag`` (and the
     nearest option) for an unknown, empty or repeated entry."""

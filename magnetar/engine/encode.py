@@ -382,38 +382,41 @@ class Encoder:
     def _simulated(self, context_ids: torch.Tensor, variants) -> Phase1Output:
         """Every rank's Phase 1 in turn on this device; their KV joined (Phase 2 over the union equals the merge
         over ranks). A method whose ranks run in lock-step (ring: they exchange KV in every layer) gives one plan
-        for all of them, run as one forward: one time for all of them -- or, with ``parallel.rank_by_rank``, each
-        rank then runs alone against the others' KV from that forward (:meth:`_ring_by_rank`). Each rank's
-        exchange steps (ring's layers, hybrid layers) are timed beside the bytes a ring would move
-        (``RankStats.exchange``)."""
+        for all of them, run as one forward: one time for all of them -- or, with ``parallel.rank_by_rank``, that
+        forward only supplies every rank's KV, and each rank then runs alone against the others' in the order the
+        ring brings them, timed on its own. Each rank's exchange steps (ring's layers, hybrid layers) are timed
+        beside the bytes a ring would move (``RankStats.exchange``)."""
         cfg, W = self.config, self.config.parallel.cp_size
         plans = [plan_rank(cfg, context_ids, r) for r in range(W)]
         sizes = [kept_token_count(p) for p in plans]
         _check_kept(sizes, int(context_ids.numel()))
-        lockstep = context_method(cfg.method).lockstep(plans)
+        lockstep, union = context_method(cfg.method).lockstep(plans), None
         if lockstep is not None:  # attention by position over the union: exactly what the ranks compute
             p1 = run_phase1(self.model, cfg.replace(method="dense", cp_size=1), lockstep, context_ids, self.groups,
                             self.device)
             _check_finite([p1.nonfinite_layer])
-            if cfg.parallel.rank_by_rank:
-                return self._ring_by_rank(context_ids, plans, p1.shard.split(sizes))
-            per_token = p1.shard.nbytes() / max(1, sum(sizes))
-            stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token)) for r, n in enumerate(sizes)]
-            return Phase1Output(p1.shard, plans[0].query_position, stats, max(s.kv_bytes for s in stats))
+            if not cfg.parallel.rank_by_rank:
+                per_token = p1.shard.nbytes() / max(1, sum(sizes))
+                stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token))
+                         for r, n in enumerate(sizes)]
+                return Phase1Output(p1.shard, plans[0].query_position, stats, max(s.kv_bytes for s in stats))
+            union = p1.shard.split(sizes)  # each rank's part, as the ring would bring it
         parts, stats, prefill_stats = [], [], None
         mass = self._mass(variants)
         for plan in plans:
             r = plan.cp_rank
-            # a ring brings rank r the blocks of r-1, r-2, ..., 0 (encoded already), then those of W-1, ..., r+1,
-            # which follow its queries (only their sizes matter: the ring moves them all the same)
-            ring = SimulatedRing(parts[::-1] + sizes[:r:-1], ExchangeClock(self.device))
+            if union is not None:  # every other rank's part of the lock-step forward, in ring order
+                ring = SimulatedRing([union[(r - s) % W] for s in range(1, W)], ExchangeClock(self.device))
+            else:  # the blocks of r-1, ..., 0 (encoded already), then those of W-1, ..., r+1, which follow its
+                # queries (only their sizes matter: the ring moves them all the same)
+                ring = SimulatedRing(parts[::-1] + sizes[:r:-1], ExchangeClock(self.device))
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             p1 = run_phase1(self.model, cfg, plan, context_ids, self.groups, self.device, mass=mass,
                             prefill=self.prefill, ring=ring)
             if p1.prefill_stats is not None:
                 prefill_stats = p1.prefill_stats if prefill_stats is None else prefill_stats.merge(p1.prefill_stats)
-            _check_finite([None] * plan.cp_rank + [p1.nonfinite_layer])
+            _check_finite([None] * r + [p1.nonfinite_layer])
             parts.append(p1.shard)
             stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device),
                                    exchange=tuple(ring.clock.steps())))
@@ -421,24 +424,6 @@ class Encoder:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
         return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats),
                             prefill_stats)
-
-    def _ring_by_rank(self, context_ids: torch.Tensor, plans, union: list[KVShard]) -> Phase1Output:
-        """Each simulated rank of a lock-step method (ring) alone: its shard's forward, every layer attending to its
-        own KV and then to the other ranks' -- taken from the lock-step forward's KV (``union``, one part per
-        rank), in the order the ring brings them --, timed on its own with every exchange step; the ranks' own KV
-        joined."""
-        W, parts, stats = len(plans), [], []
-        for plan in plans:
-            r = plan.cp_rank
-            ring = SimulatedRing([union[(r - s) % W] for s in range(1, W)], ExchangeClock(self.device))
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            p1 = run_phase1(self.model, self.config, plan, context_ids, self.groups, self.device, ring=ring)
-            _check_finite([None] * r + [p1.nonfinite_layer])
-            parts.append(p1.shard)
-            stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device),
-                                   exchange=tuple(ring.clock.steps())))
-        return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats))
 
     def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
         """The recorder of the Phase-1 attention mass of every kept key when the decode policy or one of

@@ -50,7 +50,7 @@ from magnetar.cli.args import ENGINE_FLAGS
 from magnetar.config import DTYPES, METHODS
 from magnetar.config.cli import add_field_args
 from magnetar.engine.strategy import context_method
-from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_names
+from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_links, parse_names
 from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
 
 PROG = "magnetar-bench"
@@ -130,7 +130,7 @@ def parse_args(argv):
     with user_errors(PROG):
         args.methods = parse_names(args.methods, tuple(METHODS), "--methods")
         args.lengths = parse_lengths(args.lengths)
-        args.links = _parse_links(args.links)
+        args.links = parse_links(args.links)
         if args.simulate_ranks is not None:
             args.simulate_ranks = parse_lengths(args.simulate_ranks, "--simulate-ranks")
         sim = args.simulate_ranks
@@ -156,21 +156,6 @@ def parse_args(argv):
         if args.json_out is not None:
             check_output_file(args.json_out, flag="--json-out")
     return args
-
-
-def _parse_links(text: str) -> list[float]:
-    """``"450,50"`` -> ``[450.0, 50.0]`` (GB/s); ValueError naming ``--links``."""
-    links = []
-    for part in text.split(","):
-        try:
-            g = float(part)
-        except ValueError:
-            g = float("nan")
-        if not g > 0 or g == float("inf"):
-            raise ValueError(f"--links: {part.strip()!r} is not a link bandwidth in GB/s (a number > 0, e.g. "
-                             f"--links 450,50)")
-        links.append(g)
-    return links
 
 
 def _parse_variant(args, text: str):

@@ -407,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
     from magnetar.config import METHODS
-    from magnetar.eval.common import engine_config, parse_length
+    from magnetar.eval.common import engine_config, parse_length, parse_links
 
     p = argparse.ArgumentParser(prog="python -m magnetar.eval.cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct",
@@ -438,6 +438,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--lengths must be comma-separated lengths like 16k,1m, got {args.lengths!r}")
     if not lengths or min(lengths) < 1 or args.cp < 1 or args.query_len < 1:
         p.error("--lengths, --cp and --query-len must be positive")
+    if args.tflops is not None and not args.tflops > 0:
+        p.error(f"--tflops must be > 0, got {args.tflops}")
+    try:
+        links = parse_links(args.links)
+    except ValueError as e:
+        p.error(str(e))
     model_config = _load_config(args.model)
     try:
         ests = [estimate(model_config, engine_config(args, m, args.cp), L, args.query_len, flash=not args.no_flash)
@@ -448,12 +454,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"({'flash' if not args.no_flash else 'materialised scores'})")
     print(format_table(ests, baseline="dense" if "dense" in methods else methods[0]))
     if args.tflops is not None:
-        try:
-            links = [float(x) for x in args.links.split(",") if x.strip()]
-        except ValueError:
-            p.error(f"--links must be comma-separated GB/s figures like 450,50, got {args.links!r}")
-        if args.tflops <= 0 or not links or min(links) <= 0:
-            p.error("--tflops and every --links figure must be > 0")
         print(f"\nPhase-1 critical path priced at {args.tflops:g} TFLOP/s (ring's KV exchange overlapping its compute, "
               f"layer by layer):")
         print(format_priced(ests, args.tflops, links, baseline="dense" if "dense" in methods else methods[0]))

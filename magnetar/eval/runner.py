@@ -410,9 +410,10 @@ def run(args) -> int:
     place = _setup(args, base)
     done = _broadcast_obj(load_done(place.out) if place.rank == 0 else None)
     todo, total = _todo(args, suite, base, place, done)
+    if place.rank == 0:
+        print(f"{total} items to run ({len(done)} already in {place.out})"
+              f"{f', dealt to {place.world} processes' if place.dealt else ''}", flush=True)
     if total == 0:  # a finished run resumed: the report again, no model loaded (every process sees the same total)
-        if place.rank == 0:
-            print(f"0 items to run ({len(done)} already in {place.out})", flush=True)
         _finish(place)
         return 0
     from magnetar.engine.load import load_weights
@@ -426,8 +427,6 @@ def run(args) -> int:
     if place.rank == 0:
         from tqdm import tqdm
 
-        print(f"{total} items to run ({len(done)} already in {place.out})"
-              f"{f', dealt to {place.world} processes' if place.dealt else ''}", flush=True)
         bar = tqdm(total=len(todo), unit="item", dynamic_ncols=True, desc="rank 0" if place.dealt else None)
     _run_items(args, suite, todo, model, tokenizer, fid, place, bar)
     if bar is not None:
