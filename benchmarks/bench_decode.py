@@ -1,5 +1,6 @@
-"""Decode steps side by side: eager, static (slots) and compiled (issue 33, item 2) -- ms per step, tokens/s, the first
-step's seconds (a compiled step's compile and CUDA-graph capture) and whether every mode chose eager's tokens.
+"""Decode steps side by side: eager, static (slots), compiled (issue 33, item 2) and graph (shapes planned and captured
+at start, issue 47) -- ms per step, tokens/s, the first step's seconds (a compiled step's compile and CUDA-graph
+capture), the graphs' capture time, and whether every mode chose eager's tokens.
 
     python benchmarks/bench_decode.py                                  # SmolLM2-135M-Instruct fp32, 4K context,
                                                                        # dense and 2-rank Pulsar (simulated), batch 1, 8
@@ -8,9 +9,11 @@ step's seconds (a compiled step's compile and CUDA-graph capture) and whether ev
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py --configs pulsar   # real gloo ranks (rank 0 reports)
 
 For each configuration (``dense``: one rank; ``star`` / ``pulsar``: ``--ranks`` CP ranks, simulated in one process
-unless launched with 2 ranks) and each mode, an engine with ``decode_step=<mode>`` encodes each context length once;
-for each shape (``B@L``: B questions about an L-token context; or every ``--batches`` at ``--context-tokens``), that
-many questions join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the first one timed apart:
+unless launched with 2 ranks) one engine encodes each context length once (made with ``decode_step=graph`` and a plan
+fitted to ``--shapes`` when ``graph`` is among ``--modes``: its graphs are captured as it starts) and runs each mode in
+turn (``runtime.decode_step`` set before each batch); it is dropped before the next configuration. For each shape
+(``B@L``: B questions about an L-token context; or every ``--batches`` at ``--context-tokens``), that many questions
+join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the first one timed apart:
 compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose the same tokens as eager
 (fp32; in bf16 a near-tie may differ: the table says how many requests agree).
 
@@ -22,6 +25,7 @@ written over the time), so each row's floor is ``(weight bytes + B x L x KV byte
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("eager", "static", "compiled")
+MODES = ("eager", "static", "compiled", "graph")
 CONFIGS = ("dense", "star", "pulsar")
 
 
@@ -163,29 +167,52 @@ def launched(args) -> bool:
     return distributed
 
 
-def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, distributed: bool,
-        engines: dict) -> dict:
-    """One row: ``bsz`` questions about a ``context``-token document in one batch of the ``(config, mode)`` engine
-    (made once; each context length encoded once)."""
+def graph_plan(args) -> dict:
+    """The engine fields of ``graph`` steps for the benchmark's shapes: its batch sizes, and a slot pool just big
+    enough for the largest shape (each request's context, question and new tokens, padded to a planned capacity)."""
+    from magnetar.engine.graphs import capacities_up_to
+    from magnetar.engine.static import MIN_CAPACITY
+
+    extra = 64 + max(b for b, _ in args.shapes) + args.warmup + args.steps + 4  # a question, the new tokens
+    tokens = max(b * capacities_up_to(n + extra, MIN_CAPACITY)[-1] for b, n in args.shapes)
+    return dict(decode_graph_batches=",".join(str(b) for b in sorted({b for b, _ in args.shapes})),
+                decode_graph_tokens=tokens)
+
+
+def engine_for(config: str, args, model, tokenizer, distributed: bool):
+    """One engine per configuration, its modes run by it in turn (:func:`run` sets ``runtime.decode_step`` before
+    opening each batch): one encoded copy of each context, and -- with ``graph`` among ``--modes`` -- the graphs of
+    :func:`graph_plan` captured when it starts (logged, and in each graph row)."""
     import magnetar
+
+    # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
+    # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
+    plan = dict(decode_step="graph", **graph_plan(args)) if "graph" in args.modes else {}
+    t0 = time.perf_counter()
+    eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, context_cache_mb=1 << 20,
+                                  dtype=args.dtype, shm_gather=args.shm_gather == "true",
+                                  **engine_flat(config, distributed, args.ranks), **plan)
+    got = next(eng.model.parameters()).dtype
+    if got != getattr(torch, args.dtype):
+        raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")
+    if eng.decode_graphs is not None:
+        g = eng.decode_graphs
+        _say(f"{config}: {len(g.graphs)} decode graphs captured in {g.warmup_s:.1f} s (engine made in "
+             f"{time.perf_counter() - t0:.1f} s; {g.plan.describe()})" + (f"; {g.why_not}" if g.why_not else ""))
+    return eng
+
+
+def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, eng, handles: dict) -> dict:
+    """One row: ``bsz`` questions about a ``context``-token document in one batch of ``config``'s engine, its steps
+    run ``mode`` (each context length encoded once per configuration: ``handles``)."""
     from magnetar.utils.sync import host_syncs
 
-    if (config, mode) not in engines:
-        # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
-        # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
-        eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, decode_step=mode,
-                                      context_cache_mb=1 << 20, dtype=args.dtype, shm_gather=args.shm_gather == "true",
-                                      **engine_flat(config, distributed, args.ranks))
-        got = next(eng.model.parameters()).dtype
-        if got != getattr(torch, args.dtype):
-            raise SystemExit(f"bench_decode: the engine runs {got}, not --dtype {args.dtype}")
-        engines[(config, mode)] = (eng, {})
-    eng, handles = engines[(config, mode)]
+    eng.config = eng.config.replace(decode_step=mode)  # read by open_batch (the one field that differs per mode)
     if context not in handles:
         doc, questions = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context))
         t0 = time.perf_counter()
         handles[context] = (eng.encode(doc), questions)
-        _say(f"{config} {mode}: {context}-token context encoded in {time.perf_counter() - t0:.1f} s")
+        _say(f"{config}: {context}-token context encoded in {time.perf_counter() - t0:.1f} s")
     handle, questions = handles[context]
     b = eng.open_batch()
     n = args.warmup + args.steps + 3
@@ -210,16 +237,21 @@ def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, 
     ms = 1000 * (time.perf_counter() - t0) / args.steps
     inner = b._batch  # the DecodeBatch: how its steps ran
     ran, why = inner.decode_step, inner.why_not or (inner.static.fallback if inner.static is not None else None)
+    g, sl = eng.decode_graphs, inner.static.slots if inner.static is not None else None
+    captured = ran == "graph" and sl is not None and sl.pooled and (sl.slots, sl.capacity) in g.graphs
+    if ran == "graph" and not captured and why is None:
+        why = g.why_not or (f"shape {sl.slots} x {sl.capacity} not captured" if sl is not None else "no slots")
     for rid in list(b.active):
         b.cancel(rid)
     tokens = [b.pop(rid).token_ids for rid in rids]
     _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
     floor_ms = 1000 * floor_bytes(model, bsz, context) / args.bandwidth
-    return dict(config=config, mode=mode, ran=ran, why=why, batch=bsz, context_tokens=context, ms_per_step=ms,
+    return dict(config=config, mode=mode, ran=ran, why=why, captured=captured,
+                capture_s=g.warmup_s if ran == "graph" else None, batch=bsz, context_tokens=context, ms_per_step=ms,
                 ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first,
                 host_syncs_per_step=len(seen.calls), tokens=tokens, floor_ms=floor_ms,
                 pct_of_floor=100 * floor_ms / ms, ranks=1 if config == "dense" else args.ranks,
-                simulated=config != "dense" and not distributed)
+                simulated=eng.simulated)
 
 
 def main(argv=None) -> int:
@@ -238,14 +270,24 @@ def main(argv=None) -> int:
     # the floor's bandwidth, measured on this device now (a GPU: 1 GiB copied; a CPU: 256 MiB)
     args.bandwidth = copy_bandwidth(device, (1 << 30) if str(device).startswith("cuda") else (1 << 28))
     _say(f"copy bandwidth {args.bandwidth / 1e9:.0f} GB/s")
-    rows, engines = [], {}
-    for bsz, n in args.shapes:  # shape by shape, every configuration and mode side by side; the JSON is rewritten
-        for c in args.configs:  # after every row, so a run cut short keeps what it measured
+    rows = []
+    # configuration by configuration (one engine each, dropped before the next: an 8B model's contexts and slots at
+    # 32K-128K do not fit a card three times), shape by shape, every mode side by side; a context leaves the cache
+    # after its last shape; the JSON is rewritten after every row, so a run cut short keeps what it measured
+    for c in args.configs:
+        eng, handles = engine_for(c, args, model, tokenizer, distributed), {}
+        for i, (bsz, n) in enumerate(args.shapes):
             for m in args.modes:
-                rows.append(run(c, m, bsz, n, args, model, tokenizer, distributed, engines))
+                rows.append(run(c, m, bsz, n, args, model, tokenizer, eng, handles))
                 _compare(rows)
                 if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
                     args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows), indent=1))
+            if n in handles and all(later != n for _, later in args.shapes[i + 1:]):
+                eng.release(handles.pop(n)[0])
+        del eng, handles
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(f"\n{args.model} {args.dtype}, {dev}, {torch.get_num_threads()} threads, copy bandwidth "

@@ -113,8 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "process (the default: how a user runs it, and how the peer runs)")
     p.add_argument("--stall-chunks", default="1024,2048", help="part stall: the --prefill-chunk sizes tried after 0")
     p.add_argument("--stall-tokens", type=int, default=96, help="part stall: the decoding request's max_tokens")
-    p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled"),
-                   help="Magnetar's runtime.decode_step (default: the engine's, eager)")
+    p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled", "graph"),
+                   help="Magnetar's runtime.decode_step (default: the engine's, eager); graph: the batch sizes planned "
+                        "are the powers of two up to --max-batch")
     p.add_argument("--turns", type=int, default=6, help="turns of the turns part")
     p.add_argument("--turn-context-tokens", type=int, default=4000, help="the turns part's document")
     p.add_argument("--context-tokens", type=int, default=8000, help="(SmolLM2 has 8192 positions in all)")
@@ -188,11 +189,19 @@ def load(args):
     return model, tokenizer
 
 
+def graph_batches(max_batch: int) -> str:
+    """``runtime.decode_graph_batches`` for a server of ``max_batch``: the powers of two below it, and it."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
+    return ",".join(map(str, sizes))
+
+
 def engine(model, tokenizer, args, **flat):
     import magnetar
 
     if args.decode_step is not None:
         flat.setdefault("decode_step", args.decode_step)
+    if args.decode_step == "graph":
+        flat.setdefault("decode_graph_batches", graph_batches(args.max_batch))
     simulate = args.ranks > 1
     flat.setdefault("dtype", args.dtype)  # the engine's default (float32) would cast a bf16 model
     return magnetar.init_inference(model, tokenizer=tokenizer, method=args.method, cp_size=args.ranks,
@@ -705,6 +714,8 @@ def part_peer(model, tokenizer, args) -> dict:
             cmd += ["--cp-size", str(args.ranks), "--simulate", "true"]
         if args.decode_step is not None:
             cmd += ["--decode-step", args.decode_step]
+        if args.decode_step == "graph":
+            cmd += ["--decode-graph-batches", graph_batches(args.max_batch)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         with _process(cmd, "serve", 120) as (proc, mag_log):  # SIGTERM drains: nothing is in flight by then

@@ -16,11 +16,11 @@ A failing step records its error and the kit goes on.
    ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
 3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
 4. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense and of Star / Pulsar over 4 simulated
-   ranks, batch 1 at 32K / 64K / 128K, batch 8 at 32K and batch 64 at 4K, static (KV slots, one attention call per
-   layer) / eager / compiled (``torch.compile`` with CUDA graphs, FlexAttention over the slots) side by side: ms per
-   step, tokens/s, % of the floor (the weights and every request's KV read at the card's copy bandwidth, measured in
-   the same run), the first step's seconds (compiling), whether eager's tokens came; the JSON keeps the rows
-   measured when the step is cut short (shape by shape).
+   ranks, batch 1 at 32K / 64K / 128K, batch 8 at 32K and batch 64 at 4K, graph (the shapes planned and captured as
+   CUDA graphs when the engine starts, FlexAttention over the slots, empty blocks skipped) / static (KV slots, one
+   attention call per layer) / eager side by side: ms per step, tokens/s, % of the floor (the weights and every
+   request's KV read at the card's copy bandwidth, measured in the same run), the capture's seconds, the first
+   step's, whether eager's tokens came; the JSON keeps the rows measured when the step is cut short (row by row).
 5. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
    slowest rank): Phase-1 seconds per rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's
@@ -60,21 +60,21 @@ SCHEMA = 1
 
 FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536, 131072), sparse_len=65536,
             ranks=4, new_tokens=16, quest_budget=2048, pytest_args=None, budget_s=530.0, warmup_len=4096,
-            decode_len=32768, decode_modes="static,eager,compiled", decode_configs="dense,star,pulsar",
+            decode_len=32768, decode_modes="graph,static,eager", decode_configs="dense,star,pulsar",
             decode_shapes="1@32K,8@32K,1@64K,1@128K,64@4K", decode_steps=(3, 16),
             serve_len=32768, serve_clients="8,32", serve_client_len=2048, serve_new=64,
             cp_len=131072, cp_ranks="4,8,16", cp_variants=(
                 "star+halo=star --anchor-size 1000 --halo-blocks 1",
                 "hybrid=star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-15"),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=480, serve=150, cp_table=300))
-# the dry run's decode step leaves out `compiled` (a CPU compile takes ~20 s a shape; tests/test_static_decode.py
-# compiles once)
+                        decode=480, serve=200, cp_table=300))
+# neither run's decode step runs `compiled` (a CPU compile takes ~20 s a shape, tests/test_static_decode.py compiles
+# once; on the card `graph` is the captured step, without a compile per shape)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
 # or a wait on another process's build of them): 240 s, the budget with it.
 DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_len=1024, ranks=4, new_tokens=4,
            quest_budget=128, pytest_args=["-m", "gpu", "tests/test_gpu.py"], budget_s=300.0, warmup_len=256,
-           decode_len=1024, decode_modes="eager,static", decode_configs="dense,star", decode_shapes="1@1K,2@512",
+           decode_len=1024, decode_modes="eager,static,graph", decode_configs="dense,star", decode_shapes="1@1K,2@512",
            decode_steps=(1, 3),
            serve_len=512, serve_clients="2", serve_client_len=128, serve_new=4,
            cp_len=512, cp_ranks="2,4", cp_variants=("star+halo=star --anchor-size 32 --halo-blocks 1",
@@ -382,7 +382,8 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
 
 
 def step_decode(kit: Kit, shape: dict):
-    """``benchmarks/bench_decode.py``: decode steps eager / static / compiled (CUDA graphs) side by side, dense."""
+    """``benchmarks/bench_decode.py``: decode steps graph (captured at start) / static / eager side by side, dense and
+    Star / Pulsar over simulated ranks."""
     name = f"decode_{_k(shape['decode_len'])}"
 
     def fn(timeout):
@@ -400,7 +401,7 @@ def step_decode(kit: Kit, shape: dict):
             return False, None, _tail(err or out), cmd
         keep = ("config", "ranks", "mode", "ran", "why", "batch", "context_tokens", "ms_per_step", "ms_per_token",
                 "tokens_per_s", "floor_ms", "pct_of_floor", "first_step_s", "host_syncs_per_step", "vs_eager",
-                "same_tokens")
+                "same_tokens", "captured", "capture_s")
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       context_tokens=record["context_tokens"], torch=record["torch"],
                       copy_bandwidth_gbps=round(record["copy_bandwidth_gbps"], 1),
@@ -420,7 +421,7 @@ def step_serve(kit: Kit, shape: dict):
                shape["model"], "--tokenizer", "byte", "--dtype", shape["dtype"], "--method", "dense", "--ranks", "1",
                "--context-tokens", str(shape["serve_len"]), "--clients", shape["serve_clients"],
                "--client-context-tokens", str(shape["serve_client_len"]), "--new-tokens", str(shape["serve_new"]),
-               "--max-batch", "32", "--decode-step", "static"]
+               "--max-batch", "32", "--decode-step", "graph"]
         rc, out, err = kit.run(cmd, timeout)
         lines = [x for x in out.splitlines() if x.startswith("{")]
         record = json.loads(lines[-1]) if rc == 0 and lines else None
@@ -538,25 +539,28 @@ def tables(report: dict) -> str:
                       f"every request's KV at the copy bandwidth measured in the run ({bw} GB/s)"
                       f"{'' if s['ok'] else ', cut short: the rows it measured'}", "",
                   "| config | batch | context | decode step (ran) | ms/step | tokens/s | floor ms | % floor | "
-                  "vs eager | first step (s) | host syncs / step | eager's tokens |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "vs eager | first step (s) | capture (s) | host syncs / step | eager's tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in s["result"]["decode_rows"]:
             ran = r["mode"] if r["ran"] == r["mode"] else f"{r['mode']} ({r['ran']})"
+            if r["ran"] == "graph" and not r.get("captured"):
+                ran += " (uncaptured)"
             vs = "-" if r["vs_eager"] is None else f"{r['vs_eager']:.2f}x"
             same = "-" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['batch']}"
+            cap = "-" if r.get("capture_s") is None else f"{r['capture_s']:.1f}"
             where = r.get("config", "dense") + ("" if r.get("ranks", 1) == 1 else f" x{r['ranks']}")
             floor = "-" if r.get("floor_ms") is None else f"{r['floor_ms']:.2f} | {r['pct_of_floor']:.0f}"
             lines.append(f"| {where} | {r['batch']} | {_k(r.get('context_tokens', s['result']['context_tokens']))} | "
                          f"{ran} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {floor} | {vs} | "
-                         f"{r['first_step_s']:.2f} | {r.get('host_syncs_per_step', '-')} | {same} |")
+                         f"{r['first_step_s']:.2f} | {cap} | {r.get('host_syncs_per_step', '-')} | {same} |")
             if r.get("why"):
-                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | | | | | |")
+                lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | | | | | | |")
     for s in report["steps"]:
         if not (s["name"].startswith("serve") and s["ok"]):
             continue
         r, one = s["result"], s["result"]["one"]
         ms = "-" if one["ms_per_token"] is None else f"{one['ms_per_token']:.1f}"
-        lines += ["", f"{s['name']}: served (OpenAI API, static decode steps), dense, {r['dtype']}", "",
+        lines += ["", f"{s['name']}: served (OpenAI API, graph decode steps), dense, {r['dtype']}", "",
                   "| workload | TTFT s (p50 / p99) | decode ms/token | tokens/s |", "|---|---|---|---|",
                   f"| one request, {_k(r['context_tokens'])} document | {one['ttft']:.2f} | {ms} | - |"]
         lines += [f"| {c['clients']} clients, {_k(r['client_context_tokens'])} documents each | {c['ttft_p50']:.2f} / "

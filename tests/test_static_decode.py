@@ -72,6 +72,40 @@ def test_slot_attention_equals_the_reference(case):
             assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
 
 
+def test_flex_slot_kernel_skips_each_slots_empty_blocks_exactly(monkeypatch):
+    # on CUDA the slot kernel lists each slot's key blocks only up to its last filled entry (a graph step's slots are
+    # padded to a planned capacity: the padding is not read); forced on the CPU here: every block holding an entry is
+    # listed, none past the last, and the call stays exact (the CPU's eager kernel applies the rule, not the skipping)
+    from magnetar.ops.backends import flex
+
+    monkeypatch.setattr(flex, "SKIP_EMPTY_ON", ("cpu",))
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, C, D = 4, 4, 2, 3 * flex.SKIP_BLOCK, 16
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, C, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k_pos = torch.full((B, C), FAR, dtype=torch.long)
+    kept = [torch.arange(C), torch.arange(130), torch.arange(0), torch.cat([torch.arange(5), torch.arange(200, 260)])]
+    for b, idx in enumerate(kept):  # full, one block and a bit, empty, a hole then entries in the second block
+        k_pos[b, idx] = torch.randperm(4 * C, generator=g)[:len(idx)]
+    q_pos = torch.full((B, 1), 4 * C)
+    blocks = flex._filled_blocks(k_pos, 1)
+    assert blocks.kv_num_blocks.view(-1).tolist() == [3, 2, 0, 3]
+    listed = blocks.to_dense()[:, 0, 0].bool()  # (B, key blocks)
+    for b, idx in enumerate(kept):
+        holds = torch.zeros(C // flex.SKIP_BLOCK, dtype=torch.bool)
+        holds[idx // flex.SKIP_BLOCK] = True
+        assert bool((listed[b] | ~holds).all()), f"slot {b}: a block holding entries is not listed"
+    out, lse = flex.slot_attention_flex(q.float(), k.float(), v.float(), q_pos, k_pos, 0.25)
+    for b, idx in enumerate(kept):
+        if not len(idx):
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        ref_o, ref_l = dense_attention_fp64(q[b:b + 1], k[b:b + 1, :, idx], v[b:b + 1, :, idx], q_pos=q_pos[b],
+                                            k_pos=k_pos[b, idx], scale=0.25)
+        assert_close(out[b:b + 1], ref_o, torch.float32, "out", f"skipping flex row {b}")
+        assert_close(lse[b:b + 1], ref_l, torch.float32, "lse", f"skipping flex row {b}")
+
+
 def test_slot_attention_keeps_nan():
     # a NaN in q or in a key a row sees makes the row NaN (never a finite number); in a key it cannot see, nothing
     B, H, C, D = 1, 2, 8, 16

@@ -163,6 +163,22 @@ class DecodeConfig:
         check_seed("seed", self.seed)
 
 
+DEFAULT_GRAPH_BATCHES = "1,2,4,8,16,32,64"
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    """``runtime.decode_graph_batches``: ``"1,2,4"`` -> ``(1, 2, 4)`` (sorted, unique); ValueError saying what is
+    wrong."""
+    try:
+        sizes = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise ValueError(f"must be comma-separated batch sizes such as {DEFAULT_GRAPH_BATCHES!r}, got {text!r}") \
+            from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"must list batch sizes >= 1 such as {DEFAULT_GRAPH_BATCHES!r}, got {text!r}")
+    return tuple(sizes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     dtype: str = "float32"  # the model's dtype; "auto": the checkpoint's (a given model's own), nothing is cast
@@ -189,13 +205,29 @@ class RuntimeConfig:
     prefix_reuse: str = "exact"
     # how decode steps run (magnetar.engine.static): "eager" (one attention call per request and layer), "static"
     # (each request's KV copied into preallocated slots, one call per layer for the batch), "compiled" (static under
-    # torch.compile; CUDA graphs on CUDA); a decode policy runs eager, tensor parallelism static (said why)
+    # torch.compile; CUDA graphs on CUDA), "graph" (static over shapes planned up front, each captured as a CUDA
+    # graph when the engine starts; uncaptured on the CPU); a decode policy runs eager, tensor parallelism static
+    # (said why)
     decode_step: str = "eager"
+    # decode_step graph (magnetar.engine.graphs): the batch sizes planned (a batch pads to the next one), the KV
+    # entries per layer of the slot pool every planned shape shares (0: half the device's free memory on CUDA, no
+    # bound on the CPU), and the seconds the start's capture may take (shapes left out then run uncaptured)
+    decode_graph_batches: str = DEFAULT_GRAPH_BATCHES
+    decode_graph_tokens: int = 0
+    decode_graph_warmup_s: float = 300.0
 
     def __post_init__(self):
         check_types(self)
         check_choice("prefix_reuse", self.prefix_reuse, PREFIX_REUSE, "prefix_reuse")
         check_choice("decode_step", self.decode_step, DECODE_STEPS, "decode_step")
+        try:
+            parse_batches(self.decode_graph_batches)
+        except ValueError as e:
+            require(False, "decode_graph_batches", str(e))
+        require(self.decode_graph_tokens >= 0, "decode_graph_tokens", f"must be >= 0 KV entries (0: half the free "
+                f"device memory on CUDA, no bound on the CPU), got {self.decode_graph_tokens}")
+        require(self.decode_graph_warmup_s > 0, "decode_graph_warmup_s", f"must be > 0 seconds, got "
+                f"{self.decode_graph_warmup_s}")
         require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "
                  f"{self.context_cache_mb}")
         require(self.context_store_mb >= 0, "context_store_mb", f"must be >= 0 MiB, got {self.context_store_mb}")

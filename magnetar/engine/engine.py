@@ -39,6 +39,7 @@ from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Re
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
 from magnetar.engine.store import ContextStore, HostTier, weights_fingerprint
+from magnetar.engine.static import prepare_graphs
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
 from magnetar.ops.merge import prepare_merge
@@ -95,6 +96,9 @@ class Engine:
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
                                method=config.method, stats_keys=self.policy.stats_keys if self.policy else ())
         self.scorer = self._scorer()
+        # runtime.decode_step graph: the decode shapes planned now and, on CUDA, captured as graphs now -- before
+        # any request (magnetar.engine.graphs); None for the other steps
+        self.decode_graphs = prepare_graphs(model, config, groups, self.device, self.policy, self.max_positions)
 
     def _open_store(self) -> Optional[ContextStore]:
         """This rank's disk tier under ``runtime.context_store`` (its own folder per rank layout), or None."""
@@ -295,7 +299,7 @@ class Engine:
 
     def _open(self, *, return_logits: bool, agree: bool, isolate: bool) -> ContinuousBatch:
         decode = DecodeBatch(self.model, self.config, self.groups, self.device, policy=self.policy,
-                             keep_logits=return_logits, isolate=isolate)
+                             keep_logits=return_logits, isolate=isolate, graphs=self.decode_graphs)
         return ContinuousBatch(self.check, self._source, decode, self.results, return_logits=return_logits,
                                agree=agree)
 

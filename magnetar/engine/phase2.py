@@ -25,6 +25,7 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
+from magnetar.engine.graphs import DecodeGraphs
 from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
@@ -262,7 +263,8 @@ class DecodeBatch:
     """
 
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device, *,
-                 policy: Optional[DecodePolicy] = None, keep_logits: bool = False, isolate: bool = False):
+                 policy: Optional[DecodePolicy] = None, keep_logits: bool = False, isolate: bool = False,
+                 graphs: Optional[DecodeGraphs] = None):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.policy, self.keep_logits, self.isolate = policy, keep_logits, isolate
         self.chooses = groups.is_replica_leader
@@ -273,8 +275,9 @@ class DecodeBatch:
         self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
         if self.why_not is not None:
             log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
-        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.attention_backend)
-                       if self.decode_step != "eager" else None)
+        # graph steps: the engine's plan, slot pool and captured graphs (magnetar.engine.graphs)
+        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.attention_backend,
+                                    graphs=graphs) if self.decode_step != "eager" else None)
 
     @property
     def active(self) -> list[int]:

@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from magnetar.engine.finite import HINT
+from magnetar.engine.graphs import DecodeGraphs, SlotPool
 from magnetar.engine.kv import KVShard
 from magnetar.engine.strategy import LayerContext
 from magnetar.models.dims import ModelDims
@@ -46,6 +47,7 @@ from magnetar.ops import merge_states
 from magnetar.ops.backends import get_backend
 from magnetar.ops.slots import FAR, slot_backend
 from magnetar.parallel import ParallelGroups, all_gather_states
+from magnetar.utils.sync import to_device
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ def static_problem(mode: str, policy, groups: ParallelGroups) -> tuple[str, Opti
     if mode == "compiled" and groups.tp_size > 1:
         return "static", ("tensor parallelism's all-reduce inside the layers is not compiled: decode steps run static "
                           "(batched, uncompiled)")
+    if mode == "graph" and (groups.tp_size > 1 or groups.cp_size > 1):
+        what = "tensor parallelism's all-reduce" if groups.tp_size > 1 else "the CP ranks' gather and merge"
+        return "static", (f"{what} between the layers is a collective outside a CUDA graph: decode steps run static "
+                          f"(batched, uncaptured)")
     return mode, None
 
 
@@ -71,13 +77,17 @@ class StaticSlots:
     tokens' KV (the CP rank holding the query's and generated KV: the CP leader)."""
 
     def __init__(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, dtype, device, writes: bool,
-                 graphs: bool = False):
+                 graphs: bool = False, pool: Optional[SlotPool] = None):
         self.num_layers, self.slots, self.capacity, self.writes = num_layers, slots, capacity, writes
         self.graphs = graphs
         self.hkv, self.d, self.dtype, self.device = hkv, d, dtype, device
-        self.k = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.pos = [torch.full((slots, capacity), FAR, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.pooled = pool is not None  # views over a SlotPool (decode_step graph: the addresses its graphs hold)
+        if pool is not None:  # the empties are marked by whoever fills the views (StaticDecode._relayout)
+            self.k, self.v, self.pos = pool.views(slots, capacity)
+        else:
+            self.k = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(slots, hkv, capacity, d, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.pos = [torch.full((slots, capacity), FAR, dtype=torch.long, device=device) for _ in range(num_layers)]
         self.fill = [0] * slots
         if graphs:  # compiled steps: fixed addresses, CUDA graphs read and write them in place
             for t in (*self.k, *self.v, *self.pos):
@@ -104,18 +114,6 @@ class StaticSlots:
         for pos in self.pos:
             pos[slot] = FAR
         self.fill[slot] = 0
-
-    def resized(self, slots: int, capacity: int) -> "StaticSlots":
-        """A copy with more slots and / or capacity (each slot's entries where they were)."""
-        new = StaticSlots(self.num_layers, slots, capacity, self.hkv, self.d, self.dtype, self.device, self.writes,
-                          self.graphs)
-        s, c = min(slots, self.slots), min(capacity, self.capacity)
-        for i in range(self.num_layers):
-            new.k[i][:s, :, :c] = self.k[i][:s, :, :c]
-            new.v[i][:s, :, :c] = self.v[i][:s, :, :c]
-            new.pos[i][:s, :c] = self.pos[i][:s, :c]
-        new.fill[:s] = self.fill[:s]
-        return new
 
 
 class StaticContext(LayerContext):
@@ -170,19 +168,24 @@ def _bucket(n: int) -> int:
 
 
 class StaticDecode:
-    """The static (or compiled) decode steps of one :class:`~magnetar.engine.phase2.DecodeBatch` on this rank:
+    """The static (compiled, graph) decode steps of one :class:`~magnetar.engine.phase2.DecodeBatch` on this rank:
     which request holds which slot, the slots, and the step function. Every rank of the replica makes the same
-    calls (the batch's are replicated), so the slots' layout is the same on every rank."""
+    calls (the batch's are replicated), so the slots' layout is the same on every rank. ``graphs``: the engine's
+    :class:`~magnetar.engine.graphs.DecodeGraphs` (``graph`` steps: the planned shapes, the pool, the captured
+    graphs)."""
 
-    def __init__(self, model, groups: ParallelGroups, device, mode: str, attention_backend: str = "auto"):
+    def __init__(self, model, groups: ParallelGroups, device, mode: str, attention_backend: str = "auto",
+                 graphs: Optional[DecodeGraphs] = None):
         self.model, self.groups, self.device, self.mode = model, groups, device, mode
+        self.graphs = graphs if mode == "graph" else None
         self.slots: Optional[StaticSlots] = None
         self.owner: dict[int, int] = {}  # rid -> slot
         self.fallback: Optional[str] = None  # why a compiled step runs static
         self._compiled = None
+        self._off_plan = False  # a graph batch outgrew the plan (said once)
         # the attention backend whose decode kernel the steps run (magnetar.ops.slots: runtime.attention_backend when it
-        # owns one, else flex for a compiled step on CUDA, torch's float32 math otherwise)
-        self.attention = slot_backend(attention_backend, device, compiled=mode == "compiled").name
+        # owns one, else flex for a compiled or captured step on CUDA, torch's float32 math otherwise)
+        self.attention = decode_attention(attention_backend, device, mode)
 
     # ---------------------------------------------------------------------------------------------- slots
     def place(self, rid: int, shard: KVShard, gen: Optional[KVShard]) -> None:
@@ -193,18 +196,13 @@ class StaticDecode:
         if self.slots is None:
             hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*layers, *(gen.layers if gen else ()))
                           if lk.k is not None), None) or self._model_heads()
-            self.slots = StaticSlots(len(layers), _bucket(len(self.owner) + 1), _round(need), *hkv_d, self._dtype(),
-                                     self.device, writes=self.groups.is_cp_leader, graphs=self.mode == "compiled")
+            self.slots = self._new_slots(len(layers), *(self._planned(1, need) or (1, _round(need))), *hkv_d)
         used = set(self.owner.values())
         free = [i for i in range(self.slots.slots) if i not in used]
-        slots, cap = self.slots.slots, self.slots.capacity
-        if not free:
-            slots = _bucket(len(self.owner) + 1)
-            free = [self.slots.slots]
-        if need > cap:
-            cap = _round(max(need, 2 * cap))
-        if (slots, cap) != (self.slots.slots, self.slots.capacity):
-            self.slots = self.slots.resized(slots, cap)
+        if not free or need > self.slots.capacity:
+            self._relayout(*self._grow(len(self.owner) + 1, need))
+            used = set(self.owner.values())
+            free = [i for i in range(self.slots.slots) if i not in used]
         slot = free[0]
         for i, lk in enumerate(layers):
             parts = [(lk.k, lk.v, lk.pos)] if lk.k is not None else []
@@ -214,25 +212,92 @@ class StaticDecode:
             self.slots.place(slot, parts, i)
         self.owner[rid] = slot
 
+    def _planned(self, requests: int, need: int) -> Optional[tuple[int, int]]:
+        """A ``graph`` batch's smallest planned shape for ``requests`` slots of ``need`` entries (None: not a graph
+        batch, or none fits -- said once: it runs uncaptured)."""
+        if self.graphs is None:
+            return None
+        shape = self.graphs.plan.fit(requests, need)
+        if shape is None and not self._off_plan:
+            self._off_plan = True
+            log.warning("decode_step graph: %d requests of up to %d KV entries fit no planned shape (%s): they run "
+                        "uncaptured; raise runtime.decode_graph_tokens (--decode-graph-tokens) or "
+                        "decode_graph_batches (--decode-graph-batches) to plan for them", requests, need,
+                        self.graphs.plan.describe())
+        return shape
+
+    def _grow(self, requests: int, need: int) -> tuple[int, int]:
+        """The shape for ``requests`` slots of ``need`` entries from today's: a planned one (``graph``), else as many
+        slots (the next power of two when more are needed) and as much capacity (doubled when more is needed)."""
+        sl = self.slots
+        shape = self._planned(requests, max(need, sl.capacity))
+        if shape is not None:
+            return shape
+        slots = sl.slots if requests <= sl.slots else _bucket(requests)
+        return slots, sl.capacity if need <= sl.capacity else _round(max(need, 2 * sl.capacity))
+
+    def _new_slots(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, mark: bool = True
+                   ) -> StaticSlots:
+        """Empty slots of that shape: the pool's views for a ``graph`` batch whose shape the pool holds (and no other
+        batch holds the pool; their entries marked empty unless not ``mark``), else buffers of their own."""
+        g = self.graphs
+        pooled = g is not None and g.pool is not None and slots * capacity <= g.pool.tokens and g.take(self)
+        if g is not None and not pooled:
+            g.give_back(self)
+        new = StaticSlots(num_layers, slots, capacity, hkv, d, self._dtype(), self.device,
+                          writes=self.groups.is_cp_leader, graphs=self.mode == "compiled",
+                          pool=g.pool if pooled else None)
+        if pooled and mark:
+            for pos in new.pos:
+                pos.fill_(FAR)
+        return new
+
+    def _relayout(self, slots: int, capacity: int) -> None:
+        """Move the held slots into ``slots`` x ``capacity`` (each slot's entries kept, renumbered in order where a
+        slot index would not fit); views over the same pool go through a copy of what is held, layer by layer."""
+        old = self.slots
+        held = sorted(self.owner.items(), key=lambda x: x[1])
+        keep = all(s < slots for _, s in held)
+        target = {rid: s if keep else i for i, (rid, s) in enumerate(held)}
+        was_pooled = old.pooled
+        new = self._new_slots(old.num_layers, slots, capacity, old.hkv, old.d, mark=not was_pooled)
+        same = was_pooled and new.pooled  # the old views and the new ones share memory: copy out first
+        for layer in range(old.num_layers):
+            parts = {}
+            for rid, s in held:
+                n = old.fill[s]
+                part = (old.k[layer][s:s + 1, :, :n], old.v[layer][s:s + 1, :, :n], old.pos[layer][s, :n])
+                parts[rid] = tuple(t.clone() for t in part) if same else part
+            if same:
+                new.pos[layer].fill_(FAR)
+            for rid, part in parts.items():
+                new.place(target[rid], [part], layer)
+        if was_pooled and not new.pooled:
+            self.graphs.give_back(self)
+        self.owner, self.slots = target, new
+
     def generated(self, rid: int, shard: KVShard) -> tuple[torch.Tensor, ...]:
         """Request ``rid``'s query and generated KV on this (query) rank, per layer ``(k, v, pos)``: what its slot
         holds after its context ``shard``'s entries (the eager store's content, for :meth:`DecodeBatch` going
         back to eager)."""
         s, n, a = self.owner[rid], self.slots.fill[self.owner[rid]], shard.tokens()
         sl = self.slots
-        return tuple((sl.k[i][s:s + 1, :, a:n], sl.v[i][s:s + 1, :, a:n], sl.pos[i][s, a:n])
+        return tuple((sl.k[i][s:s + 1, :, a:n].clone(), sl.v[i][s:s + 1, :, a:n].clone(), sl.pos[i][s, a:n].clone())
                      for i in range(sl.num_layers))
 
     @torch.inference_mode()  # the slots are inference tensors (made in a join)
     def release(self, rid: int) -> int:
         """Free request ``rid``'s slot; returns how many entries it held. The last one out frees the buffers (the
-        next request gets slots sized for it, not for the largest batch or context seen so far; not compiled)."""
+        next request gets slots sized for it, not for the largest batch or context seen so far; not compiled) and
+        gives the pool back (``graph``)."""
         slot = self.owner.pop(rid)
         n = self.slots.fill[slot]
         if self.owner or self.compiles:
             self.slots.clear(slot)
         else:
             self.slots = None
+            if self.graphs is not None:
+                self.graphs.give_back(self)
         return n
 
     @property
@@ -244,23 +309,22 @@ class StaticDecode:
     def _compact(self) -> None:
         """Repack the slots held into fewer when there are at least twice too many for the requests holding them
         (a batch's last requests: every step computes every slot's row), each slot's capacity fitted to what is
-        held. The rule reads the requests only, so every rank of the replica repacks alike (the gathered rows must
-        stay the same requests). Static steps only (a compiled graph keeps its shapes)."""
+        held (``graph``: into the smallest planned shape that holds them with room to double). The rule reads the
+        requests only, so every rank of the replica repacks alike (the gathered rows must stay the same requests).
+        Not compiled (a compiled graph keeps its shapes)."""
         if self.compiles:
             return
         sl = self.slots
+        room = 2 * max(sl.fill[s] for s in self.owner.values())
+        if self.graphs is not None:
+            shape = self.graphs.plan.fit(len(self.owner), room)
+            if shape is not None and (2 * shape[0] <= sl.slots or 2 * shape[1] <= sl.capacity):
+                self._relayout(*shape)
+            return
         slots = _bucket(len(self.owner))
         if slots * 2 > sl.slots:
             return
-        cap = min(sl.capacity, _round(2 * max(sl.fill[s] for s in self.owner.values())))
-        new = StaticSlots(sl.num_layers, slots, cap, sl.hkv, sl.d, sl.dtype, sl.device, sl.writes)
-        for i, (rid, old) in enumerate(sorted(self.owner.items(), key=lambda x: x[1])):
-            n = sl.fill[old]
-            for layer in range(sl.num_layers):
-                new.place(i, [(sl.k[layer][old:old + 1, :, :n], sl.v[layer][old:old + 1, :, :n],
-                               sl.pos[layer][old, :n])], layer)
-            self.owner[rid] = i
-        self.slots = new
+        self._relayout(slots, min(sl.capacity, _round(room)))
 
     def _dtype(self):
         return next(self.model.parameters()).dtype
@@ -285,7 +349,8 @@ class StaticDecode:
         sl = self.slots
         need = max(sl.fill[self.owner[r]] for r in rids) + 1
         if need > sl.capacity:
-            self.slots = sl = sl.resized(sl.slots, _round(2 * sl.capacity))
+            self._relayout(*self._grow(len(self.owner), need))
+            sl = self.slots
         ids = torch.zeros(sl.slots, 1, dtype=torch.long)
         pos = torch.zeros(sl.slots, 1, dtype=torch.long)
         # an idle slot (empty, or its request finished) writes where nothing of it is read
@@ -295,16 +360,21 @@ class StaticDecode:
             s = self.owner[r]
             ids[s, 0], pos[s, 0] = t, p
             rows.append(s)
-        ids, pos, write = ids.to(self.device), pos.to(self.device), write.to(self.device)
-        # static steps read each slot up to the longest fill (a multiple of 64); a compiled graph keeps its shapes
-        used = min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
+        ids, pos, write, picked = (to_device(t, self.device) for t in (ids, pos, write, torch.tensor(rows)))
+        # static steps read each slot up to the longest fill (a multiple of 64); compiled and graph steps keep their
+        # shapes (the empty entries sit at FAR: invisible)
+        used = None if self.mode == "graph" else min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
         logits = self._run(ids, pos, write, used)
         if sl.writes:
             for s in rows:
                 sl.fill[s] += 1
-        return logits[torch.tensor(rows, device=logits.device)]
+        return logits[picked]
 
-    def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: int) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int]) -> torch.Tensor:
+        if self.graphs is not None:
+            logits = self.graphs.replay(self.slots, ids, pos, write)
+            if logits is not None:
+                return logits
         if self.compiles:
             if self._compiled is None:
                 from magnetar.ops.backends.flex import allow_recompiles
@@ -328,10 +398,45 @@ class StaticDecode:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
                  ) -> torch.Tensor:
-        attention = get_backend(self.attention if self.fallback is None else "torch").slot_forward
-        ctx = StaticContext(self.slots, pos, write, self.groups, attention, used)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
-        return out.logits[:, -1]
+        attention = self.attention if self.fallback is None else "torch"
+        return decode_forward(self.model, self.slots, self.groups, attention, ids, pos, write, used)
+
+
+def decode_attention(attention_backend: str, device, mode: str) -> str:
+    """The backend whose slot kernel a ``mode`` step runs (:func:`magnetar.ops.slots.slot_backend`)."""
+    return slot_backend(attention_backend, device, compiled=mode in ("compiled", "graph")).name
+
+
+def decode_forward(model, slots: StaticSlots, groups: ParallelGroups, attention: str, ids: torch.Tensor,
+                   pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None) -> torch.Tensor:
+    """One step of every slot (its token ``ids (B, 1)`` at positions ``pos (B, 1)``, its KV written at entry
+    ``write (B,)``): the last position's logits ``(B, V)`` -- what a compiled step compiles and a graph captures."""
+    ctx = StaticContext(slots, pos, write, groups, get_backend(attention).slot_forward, used)
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
+    return out.logits[:, -1]
+
+
+def prepare_graphs(model, config, groups: ParallelGroups, device, policy, max_positions: Optional[int]
+                   ) -> Optional[DecodeGraphs]:
+    """The engine's :class:`~magnetar.engine.graphs.DecodeGraphs` when its steps run ``graph`` (None otherwise),
+    its graphs captured now on CUDA (the warm-up's time logged, bounded by ``runtime.decode_graph_warmup_s``)."""
+    rt = config.runtime
+    if static_problem(rt.decode_step, policy, groups)[0] != "graph":
+        return None
+    graphs = DecodeGraphs.for_model(model, rt, device, max_positions, MIN_CAPACITY)
+    attention = decode_attention(rt.attention_backend, device, "graph")
+    dims = ModelDims.from_config(model.config)
+
+    def make_slots(b: int, c: int) -> StaticSlots:
+        return StaticSlots(dims.layers, b, c, graphs.pool.hkv, graphs.pool.d, next(model.parameters()).dtype,
+                           torch.device(device), writes=True, pool=graphs.pool)
+
+    def step(slots, ids, pos, write):
+        return decode_forward(model, slots, groups, attention, ids, pos, write)
+
+    with torch.inference_mode():
+        graphs.capture(step, make_slots, rt.decode_graph_warmup_s)
+    return graphs
 
 
 def _round(n: int) -> int:

@@ -12,8 +12,9 @@ transfer (:meth:`magnetar.engine.phase2.DecodeBatch.step`). This module is how t
 * on any device (the CPU tests: CI has no GPU), a :class:`~torch.overrides.TorchFunctionMode` that sees the tensor
   methods which synchronize on CUDA -- the same calls, caught by name rather than by the driver.
 
-A host-to-device copy (``torch.tensor(list, device=...)``, ``t.to(device)``) is not a synchronization: the host
-enqueues it and goes on.
+A host-to-device copy from pinned memory with ``non_blocking=True`` is not a synchronization: the host enqueues it
+and goes on (:func:`to_device`). From pageable memory (``torch.tensor(list, device="cuda")``, a plain
+``t.to("cuda")``) torch waits for the copy, and the driver's sync debug mode says so.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Iterator, Literal
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostSyncError", "host_syncs", "SYNCING"]
+__all__ = ["HostSyncError", "host_syncs", "SYNCING", "to_device"]
 
 
 class HostSyncError(RuntimeError):
@@ -89,3 +90,13 @@ def host_syncs(mode: Literal["error", "count"] = "error", device=None) -> Iterat
     finally:
         if cuda:
             torch.cuda.set_sync_debug_mode(before)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without making the host wait: on CUDA pinned, then copied with
+    ``non_blocking=True`` (torch's pinned-memory allocator keeps the page until the copy has run); elsewhere ``t``
+    moved as usual."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

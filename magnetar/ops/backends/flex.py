@@ -106,12 +106,37 @@ def _mask_mod(call):
     return mask_mod, per_seq
 
 
+SKIP_BLOCK = 128  # the slot kernel's key block: a slot's blocks past its last filled entry are not read
+SKIP_EMPTY_ON = ("cuda",)  # devices whose slot calls skip the empty blocks (the compiled kernel skips them)
+
+
+def _filled_blocks(k_pos: torch.Tensor, S: int):
+    """A block mask over slots ``k_pos (B, C)`` whose every slot lists its key blocks up to its last filled entry
+    (:data:`~magnetar.ops.slots.FAR` marks the empty ones): a slot of capacity C holding n entries costs n, not C.
+    Made on the device from ``k_pos`` alone (no read of the host: a CUDA graph holds it)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from magnetar.ops.slots import FAR
+
+    B, C = k_pos.shape
+    upto = ((k_pos < FAR) * torch.arange(1, C + 1, device=k_pos.device)).amax(dim=-1)  # entries up to the last filled
+    num = torch.div(upto + SKIP_BLOCK - 1, SKIP_BLOCK, rounding_mode="floor").to(torch.int32).view(B, 1, 1)
+    idx = torch.arange(C // SKIP_BLOCK, dtype=torch.int32, device=k_pos.device).view(1, 1, 1, -1)
+    return BlockMask.from_kv_blocks(num, idx.expand(B, 1, 1, -1).contiguous(), BLOCK_SIZE=(SKIP_BLOCK, SKIP_BLOCK),
+                                    seq_lengths=(S, C), compute_q_blocks=False)
+
+
 def slot_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                         scale: float, window: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`magnetar.ops.slots.slot_attention` through torch's FlexAttention (the compiled step's on CUDA: a fused
-    kernel that reads the bf16 KV once, float32 inside; the visibility rule is its ``score_mod``). Same contract."""
+    """:func:`magnetar.ops.slots.slot_attention` through torch's FlexAttention (the compiled and captured steps' on
+    CUDA: a fused kernel that reads the bf16 KV once, float32 inside; the visibility rule is its ``score_mod``). Called
+    alone (a ``graph`` step, captured eagerly) it runs the compiled kernel on CUDA and skips each slot's empty blocks
+    (:func:`_filled_blocks`); inside a compiled step, that step's compile takes it in. Same contract."""
     flex, _, aux = _load()
     B, Hq, S, D = q.shape
+    alone = not torch.compiler.is_compiling()
+    if alone:
+        flex = _kernel(q.device)
 
     def score_mod(score, b, h, qi, kj):
         kp, qp = k_pos[b, kj], q_pos[b, qi]
@@ -121,6 +146,8 @@ def slot_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
         return torch.where(vis, score, float("-inf"))
 
     kw = dict(score_mod=score_mod, scale=scale, enable_gqa=Hq != k.shape[1])
+    if alone and q.device.type in SKIP_EMPTY_ON and k.shape[2] % SKIP_BLOCK == 0:
+        kw["block_mask"] = _filled_blocks(k_pos, S)
     if aux is not None:
         out, extra = flex(q, k, v, return_aux=aux(lse=True), **kw)
         lse = extra.lse
