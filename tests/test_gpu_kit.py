@@ -37,17 +37,20 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
                                   "cp_table_512", "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
-    # the decode step, shape by shape: dense and Star over 4 simulated ranks, static steps ran as asked and chose
-    # eager's tokens for every request; each row against the floor of the bandwidth measured in the run
+    # the decode step, configuration by configuration and shape by shape: dense and Star over 4 simulated ranks,
+    # static and graph steps (uncaptured on the CPU, said in the row) ran as asked and chose eager's tokens for every
+    # request; each row against the floor of the bandwidth measured in the run
     dec = steps["decode_1K"]["result"]["decode_rows"]
     assert [(r["config"], r["mode"], r["ran"], r["batch"], r["context_tokens"]) for r in dec] == [
-        (c, m, m, b, n) for b, n in ((1, 1024), (2, 512)) for c in ("dense", "star") for m in ("eager", "static")]
+        (c, m, m, b, n) for c in ("dense", "star") for b, n in ((1, 1024), (2, 512))
+        for m in ("eager", "static", "graph")]
+    assert all(not r["captured"] and "nothing is captured on cpu" in r["why"] for r in dec if r["mode"] == "graph")
     assert all(r["same_tokens"] == r["batch"] and r["ms_per_step"] > 0 for r in dec), dec
     assert all(0 < r["floor_ms"] and r["pct_of_floor"] == pytest.approx(100 * r["floor_ms"] / r["ms_per_step"])
                for r in dec), dec
     assert steps["decode_1K"]["result"]["copy_bandwidth_gbps"] > 0
     # a static step of greedy requests reads the device once (tokens and finite flags), whatever the batch
-    assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True] * 4, dec
+    assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True, True] * 4, dec
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
@@ -56,7 +59,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     served = steps["serve_512"]["result"]
     assert served["one"]["tokens"] == 4 and served["one"]["ttft"] > 0 and served["one"]["ms_per_token"] > 0
     assert [c["clients"] for c in served["clients"]] == [2] and served["clients"][0]["tokens"] == 8
-    assert "serve_512: served (OpenAI API, static decode steps)" in stdout
+    assert "serve_512: served (OpenAI API, graph decode steps)" in stdout
     rows = {r["method"]: r for r in steps["phase1_1K"]["result"]["rows"]}
     assert set(rows) == {"dense", "star", "pulsar"}
     assert len(rows["star"]["phase1_per_rank_s"]) == 4
@@ -148,7 +151,8 @@ def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
     row = dict(config="dense", ranks=1, mode="eager", ran="eager", why=None, batch=1, context_tokens=32768,
                ms_per_step=9.0, ms_per_token=9.0, tokens_per_s=111.1, floor_ms=4.5, pct_of_floor=50.0,
-               first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1, simulated=False)
+               first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1, simulated=False, captured=False,
+               capture_s=None)
 
     def killed(cmd, timeout):
         out = Path(cmd[cmd.index("--json-out") + 1])

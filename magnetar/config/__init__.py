@@ -18,7 +18,8 @@
                       prefill_indexer_path, prefill_indexer_random_init, prefill_d_idx, prefill_seed
                       (sparse prefill of global attention layers: dense, star, pulsar)
       runtime         dtype, attention_backend, deepspeed_inference, check_finite, context_cache_mb,
-                      prefix_reuse, decode_step
+                      host_cache_mb, context_store, context_store_mb, prefix_reuse, decode_step,
+                      decode_graph_batches, decode_graph_tokens, decode_graph_warmup_s
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
 (``EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25")``), from a JSON/YAML file

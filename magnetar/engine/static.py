@@ -1,5 +1,6 @@
 """Static decode steps: every request's KV in preallocated slots, one attention call per layer for the whole batch,
-and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 33, item 2).
+and a step that ``torch.compile`` (on CUDA with CUDA graphs) or a CUDA graph captured at start can hold (issue 33,
+item 2; issue 47, item 1).
 
 ``runtime.decode_step`` chooses how a :class:`~magnetar.engine.phase2.DecodeBatch` runs its decode steps:
 
@@ -17,10 +18,14 @@ and a step that ``torch.compile`` (on CUDA with CUDA graphs) can capture (issue 
   (``magnetar serve`` compiles a single request's graphs before its first request; a batch's first step compiles
   once more); the CP gather and merge stay outside the graph (a graph break per layer where cp_size > 1). If
   compiling fails, the batch says why (:attr:`StaticDecode.fallback`) and runs ``static``.
+* ``graph`` -- the static step over shapes planned when the engine starts, each captured then as a CUDA graph
+  (:mod:`magnetar.engine.graphs`: the plan, the one slot pool all shapes view, the captures); a batch takes the
+  smallest planned shape that holds it and replays its graph. On the CPU the planned shapes run uncaptured.
 
-What ``static`` and ``compiled`` cannot run, a batch runs ``eager`` and says why (:func:`static_problem`): a decode
-policy (its choice of KV differs per token and request), and -- ``compiled`` only -- tensor parallelism (DeepSpeed's
-all-reduce inside the layers), which then runs ``static``.
+What ``static``, ``compiled`` and ``graph`` cannot run, a batch runs ``eager`` and says why (:func:`static_problem`): a
+decode policy (its choice of KV differs per token and request); ``compiled`` with tensor parallelism (DeepSpeed's
+all-reduce inside the layers) and ``graph`` with tensor parallelism or real CP ranks (a collective between the
+layers) run ``static``.
 
 The rules of :func:`magnetar.ops.attention_with_lse` hold: a row seeing no key is ``(0, -inf)``; a NaN in q or in a
 key the row sees makes the row NaN. The one difference -- a NaN in the *value* of a key no query sees would reach

@@ -155,7 +155,7 @@ def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
     were real or simulated, or how simulated ones were timed: they give the same answers, nor how their states
     travel (parallel.shm_gather), nor runtime.check_finite, which only stops a run, nor the context cache's budget
-    and disk tier, which only decide what is kept between requests)."""
+    and disk tier, which only decide what is kept between requests, nor the graph decode step's plan)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
@@ -166,6 +166,8 @@ def config_key(config: EngineConfig) -> str:
     d["runtime"].pop("context_store", None)  # where encoded contexts are kept between runs: the same answers
     d["runtime"].pop("context_store_mb", None)
     d["runtime"].pop("host_cache_mb", None)
+    for field in ("decode_graph_batches", "decode_graph_tokens", "decode_graph_warmup_s"):
+        d["runtime"].pop(field, None)  # which decode shapes are planned and captured: the same answers
     if d["runtime"].get("prefix_reuse") == "exact":
         d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
     if d["runtime"].get("decode_step") == "eager":
