@@ -366,9 +366,9 @@ class StaticDecode:
             ids[s, 0], pos[s, 0] = t, p
             rows.append(s)
         ids, pos, write, picked = (to_device(t, self.device) for t in (ids, pos, write, torch.tensor(rows)))
-        # static steps read each slot up to the longest fill (a multiple of 64); compiled and graph steps keep their
-        # shapes (the empty entries sit at FAR: invisible)
-        used = None if self.mode == "graph" else min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
+        # uncompiled, uncaptured steps read each slot up to the longest fill (a multiple of 64); compiled and captured
+        # steps keep their shapes (the empty entries sit at FAR: invisible; a captured step's kernel skips them)
+        used = min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
         logits = self._run(ids, pos, write, used)
         if sl.writes:
             for s in rows:
