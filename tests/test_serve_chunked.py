@@ -152,6 +152,34 @@ def test_a_compiled_decode_step_is_warmed_up_before_serving(model_dir, monkeypat
         "context_tokens"]]  # no warm-up context left
 
 
+def test_graph_decode_steps_are_captured_at_start_and_serve_concurrent_clients(model_dir, monkeypatch, caplog):
+    # decode_step graph in the server: its shapes captured when the engine starts (the CPU stand-in for CUDA graphs
+    # of tests/test_decode_graphs.py), concurrent clients answered as eager, from the graphs; a --max-batch-size above
+    # the largest planned batch is said at start
+    from concurrent.futures import ThreadPoolExecutor
+
+    from magnetar.engine import graphs
+    from tests.test_decode_graphs import _fake_record, _Replayed
+
+    monkeypatch.setattr(graphs, "_can_capture", lambda device: True)
+    monkeypatch.setattr(graphs, "_record", _fake_record)
+    _Replayed.replays = 0
+    ref = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, decode_step="graph",
+                                     decode_graph_batches="1,2", decode_graph_tokens=4096)
+    assert engine.decode_graphs.graphs and engine.decode_graphs.why_not is None
+    server = Server(engine, model_name=NAME, port=free_port(), max_batch_size=4, max_tokens=8)
+    questions = [f" What is item {i}?" for i in range(3)]
+    with caplog.at_level("WARNING", logger="magnetar.serve.loop"), serve_in_thread(server):
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda q: _chat(api, LONG_DOC[:400], q, max_tokens=6), questions))
+    assert [g.choices[0].message.content for g in got] == [
+        ref.generate(LONG_DOC[:400], q, max_new_tokens=6).text for q in questions]
+    assert _Replayed.replays > 0 and engine.decode_graphs.holder is None
+    assert "--max-batch-size 4 is more than the largest planned batch (2" in caplog.text
+
+
 def test_a_new_exact_method_gets_prefix_reuse_and_chunks_from_its_registry_facts(monkeypatch):
     """Issue 46 item 3 (method facts): the engine and the server ask the registry whether a method's Phase 1 is exact
     (extendable prefixes, chunked Phase 1) or partitions its KV (prefix_reuse "all"); neither names a method."""

@@ -110,6 +110,11 @@ class EngineLoop:
         self.prefill_threads = prefill_threads
         self.leader = self.groups.is_replica_leader  # it serves HTTP and decides the ticks
         self.max_batch_size = max_batch_size
+        graphs = getattr(engine, "decode_graphs", None)
+        if graphs is not None and max_batch_size > max(graphs.plan.batches):
+            log.warning("decode_step graph: --max-batch-size %d is more than the largest planned batch (%d, "
+                        "--decode-graph-batches %s): batches beyond it run uncaptured", max_batch_size,
+                        max(graphs.plan.batches), ",".join(map(str, graphs.plan.batches)))
         self.metrics = metrics
         timeout = self.groups.timeout.total_seconds()
         self.heartbeat_s = min(5.0, timeout / 4) if heartbeat_s is None else heartbeat_s
