@@ -31,6 +31,9 @@ A failing step records its error and the kit goes on.
    attention, its transfer)), ring's over it, and the cost model calibrated at dense's measured FLOP/s.
 6. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
    the path) and with Quest decoding, at 64K.
+   ``nsight_4K``: ``benchmarks/profile_ranges.py`` (a Phase 1 and eager decode steps, Magnetar's NVTX ranges on)
+   under Nsight Compute (``ncu --nvtx``, the ranges as include filters, a per-range summary): which kernels fall in
+   which range (docs/profiling.md).
 7. ``pytest_gpu``: ``pytest -m gpu`` -- every CUDA path against the CPU / fp64 references (tests/test_gpu.py and the
    ``gpu`` cases beside their CPU versions), 40 s per test at most: counts, and each failure's first line. Last, so
    that it takes what the budget leaves and the timed steps always run; cut short, it records what ran.
@@ -67,7 +70,8 @@ FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536,
                 "star+halo=star --anchor-size 1000 --halo-blocks 1",
                 "hybrid=star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-15"),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=480, serve=200, cp_table=300))
+                        decode=480, serve=200, cp_table=300, nsight=150),
+            nsight_len=4096, nsight_launches=1500)
 # neither run's decode step runs `compiled` (a CPU compile takes ~20 s a shape, tests/test_static_decode.py compiles
 # once; on the card `graph` is the captured step, without a compile per shape)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
@@ -80,7 +84,8 @@ DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_le
            cp_len=512, cp_ranks="2,4", cp_variants=("star+halo=star --anchor-size 32 --halo-blocks 1",
                                                     "hybrid=star --anchor-size 16 --exact-layers 0"),
            limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60,
-                       serve=60, cp_table=60))
+                       serve=60, cp_table=60, nsight=60),
+           nsight_len=256, nsight_launches=200)
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -410,6 +415,80 @@ def step_decode(kit: Kit, shape: dict):
     return kit.step(name, shape["limits"]["decode"], fn)
 
 
+def find_ncu() -> Optional[str]:
+    """Nsight Compute's command line (``ncu``) on PATH or under the CUDA toolkit, or None."""
+    import shutil
+
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/opt/nvidia/nsight-compute"):
+        if root and Path(root, "bin", "ncu").is_file():
+            return str(Path(root, "bin", "ncu"))
+        if root and Path(root, "ncu").is_file():
+            return str(Path(root, "ncu"))
+    return None
+
+
+def nvtx_kernels(text: str) -> dict:
+    """From ``ncu --print-summary per-nvtx`` output: the Magnetar ranges named in it and, for each, the kernel names
+    on its lines (best effort: the summary's layout is Nsight Compute's; the raw tail is kept beside it)."""
+    import re
+
+    ranges: dict[str, set] = {}
+    current = None
+    for line in text.splitlines():
+        named = re.findall(r"magnetar/[\w/{}.-]+", line)
+        if named:  # ncu writes a stack of push/pop ranges joined by "/": the innermost Magnetar range
+            current = "magnetar/" + named[-1].split("magnetar/")[-1].strip("/")
+            ranges.setdefault(current, set())
+            continue
+        kernel = re.search(r"([A-Za-z_][\w:<>, ]*(?:kernel|Kernel|gemm|sm90|flash|triton)[\w:<>, ]*)", line)
+        if current is not None and kernel:
+            ranges[current].add(kernel.group(1).strip()[:120])
+    return {name: sorted(kernels)[:20] for name, kernels in sorted(ranges.items())}
+
+
+def step_nsight(kit: Kit, shape: dict):
+    """``benchmarks/profile_ranges.py`` (a Phase 1 and a few eager decode steps, the ranges on) under Nsight Compute:
+    ``ncu --nvtx`` with Magnetar's ranges as include filters (``magnetar/phase1/``, ``magnetar/phase2/``) and a
+    per-NVTX summary of each kernel's duration -- which kernels fall in which range. Without ncu (the dry run, a
+    machine without it) the workload runs alone and the step says ncu is missing."""
+    name = f"nsight_{_k(shape['nsight_len'])}"
+
+    def fn(timeout):
+        work = [sys.executable, str(REPO / "benchmarks" / "profile_ranges.py"), "--model", shape["model"],
+                "--dtype", shape["dtype"], "--context-tokens", str(shape["nsight_len"]), "--new-tokens", "2"]
+        ncu = find_ncu()
+        if ncu is None:
+            rc, out, err = kit.run(work, timeout)
+            lines = [x for x in out.splitlines() if x.startswith("{")]
+            if rc != 0 or not lines:
+                return False, None, _tail(err or out), work
+            return True, dict(ncu=None, note="ncu not found: the workload ran without a profiler",
+                              workload=json.loads(lines[-1])), None, work
+        rep = Path(kit.out).parent / "nsight_ranges"
+        common = ["--print-summary", "per-nvtx", "--metrics", "gpu__time_duration.sum", "--launch-count",
+                  str(shape["nsight_launches"]), "--target-processes", "all", "-f", "--export", str(rep)]
+        filters = ["--nvtx-include", "regex:magnetar/phase1/", "--nvtx-include", "regex:magnetar/phase2/"]
+        t0, tries = time.monotonic(), []
+        # with Magnetar's ranges as filters first; if this ncu reads the filters otherwise (no kernel matched, or
+        # it refused them), every kernel up to the launch count, grouped by range all the same
+        for extra in (filters, []):
+            cmd = [ncu, "--nvtx", *extra, *common, *work]
+            left = timeout - (time.monotonic() - t0)
+            if left < 20:
+                break
+            rc, out, err = kit.run(cmd, left if extra == [] else left / 2)
+            result = dict(ncu=ncu, command=" ".join(cmd[:-len(work)]), ranges=nvtx_kernels(out),
+                          raw_tail=_tail(out), report=str(rep) + ".ncu-rep", tries=tries)
+            if rc == 0 and result["ranges"]:
+                return True, result, None, cmd
+            tries.append(dict(command=" ".join(cmd[:-len(work)]), rc=rc, tail=_tail(err or out)))
+        return False, dict(ncu=ncu, tries=tries), tries[-1]["tail"] if tries else "no time left", None
+    return kit.step(name, shape["limits"]["nsight"], fn)
+
+
 def step_serve(kit: Kit, shape: dict):
     """``benchmarks/bench_serve.py --parts served``: the dummy model served (OpenAI API, this process's server) with a
     byte-level tokenizer made on the spot (no files to carry): one request over a ``serve_len`` document (TTFT,
@@ -565,6 +644,17 @@ def tables(report: dict) -> str:
                   f"| one request, {_k(r['context_tokens'])} document | {one['ttft']:.2f} | {ms} | - |"]
         lines += [f"| {c['clients']} clients, {_k(r['client_context_tokens'])} documents each | {c['ttft_p50']:.2f} / "
                   f"{c['ttft_p99']:.2f} | - | {c['tokens_per_s']:.1f} |" for c in r["clients"]]
+    for s in report["steps"]:
+        if not (s["name"].startswith("nsight") and isinstance(s["result"], dict)):
+            continue
+        r = s["result"]
+        if r.get("ncu") is None:
+            lines += ["", f"{s['name']}: {r.get('note', 'no ncu')}"]
+            continue
+        lines += ["", f"{s['name']}: Nsight Compute ({r['command']}), the kernels in each Magnetar range", "",
+                  "| range | kernels (first of each name) |", "|---|---|"]
+        lines += [f"| `{name}` | {', '.join(k[:60] for k in kernels[:6]) or '-'} |"
+                  for name, kernels in r["ranges"].items()]
     return "\n".join(lines)
 
 
@@ -634,6 +724,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan.append((f"quest_{_k(n)}", lambda: step_bench(
         kit, shape, f"quest_{_k(n)}", shape["limits"]["sparse"], [n], "dense",
         ["--sparse-policy", "quest", "--sparse-budget", str(shape["quest_budget"])])))
+    plan.append((f"nsight_{_k(shape['nsight_len'])}", lambda: step_nsight(kit, shape)))
     # the tests last: they take what the budget leaves (a cut-short run still records what passed and failed), so
     # that the measurements, which need a known time, always run
     plan.append(("pytest_gpu", lambda: step_pytest(kit, shape, args.pytest_k, args.pytest_timeout)))

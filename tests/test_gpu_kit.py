@@ -35,7 +35,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
     assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
-                                  "cp_table_512", "sparse_prefill_1K", "quest_1K", "pytest_gpu"]
+                                  "cp_table_512", "sparse_prefill_1K", "quest_1K", "nsight_256", "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # the decode step, configuration by configuration and shape by shape: dense and Star over 4 simulated ranks,
     # static and graph steps (uncaptured on the CPU, said in the row) ran as asked and chose eager's tokens for every
@@ -51,6 +51,9 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert steps["decode_1K"]["result"]["copy_bandwidth_gbps"] > 0
     # a static step of greedy requests reads the device once (tokens and finite flags), whatever the batch
     assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True, True] * 4, dec
+    # the Nsight step: no ncu on the CPU machine, the workload (a Phase 1 and eager decode steps, ranges on) ran alone
+    ns = steps["nsight_256"]["result"]
+    assert ns["ncu"] is None and ns["workload"]["seconds"]["profiled"] > 0
     # on CPU every GPU test is collected and skips with its reason
     py = steps["pytest_gpu"]["result"]
     assert py["tests"] > 50 and py["skipped"] == py["tests"] and py["failed"] == py["errors"] == 0
@@ -168,3 +171,22 @@ def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     assert "decode_32K: decode steps (bfloat16)" in table and "(4000.0 GB/s), cut short" in table
     assert "| dense | 1 | 32K | eager | 9.0 | 111.1 | 4.50 | 50 | 1.00x |" in table
     assert kit.check_report(k.report, complete=False) == []
+
+
+def test_the_nsight_summary_is_read_range_by_range():
+    # the kernels listed under each Magnetar range of ncu's per-NVTX summary (its layout is Nsight Compute's: the
+    # reading is best effort, the raw tail is kept beside it)
+    kit = _kit()
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        "  magnetar/generate/magnetar/phase1/magnetar/phase1/block0/magnetar/phase1/layer0",
+        "    sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64 (132, 1, 1)x(384, 1, 1)  3",
+        "    flash_fwd_kernel (8, 32, 1)x(128, 1, 1)  1",
+        "  magnetar/generate/magnetar/phase2/decode/step1",
+        "    triton_poi_fused_0 (64, 1, 1)x(128, 1, 1)  2",
+    ])
+    got = kit.nvtx_kernels(text)
+    assert list(got) == ["magnetar/phase1/layer0", "magnetar/phase2/decode/step1"]
+    assert any("gemm" in k for k in got["magnetar/phase1/layer0"]) and any("flash" in k for k in
+                                                                            got["magnetar/phase1/layer0"])
+    assert kit.nvtx_kernels("no ranges here") == {}
