@@ -5,8 +5,11 @@
     python benchmarks/bench_ops.py --device cuda --dtype bf16
     python benchmarks/bench_ops.py --sk 4096 --sq 1 --repeats 20
 
-SDPA is the honest baseline for the *same* attention: no mask for decode (Sq=1, the query sees every key) and
-a boolean bottom-right causal mask for Sq < Sk (``is_causal=True`` would align the mask top-left: wrong).
+SDPA is the honest baseline for the *same* attention: no mask for decode (Sq=1, the query sees every key),
+``is_causal=True`` for a causal square (Sq = Sk: Phase 1's shape) and a boolean bottom-right causal mask for
+1 < Sq < Sk (``is_causal=True`` would align the mask top-left: wrong). Pairs with Sq > Sk are skipped. Each row's
+TFLOP/s counts the visible (query, key) pairs, 4 x H x D FLOPs each (the GPU kit's ``kernels`` step: which backend
+runs Phase 1's causal attention fastest on the card).
 SDPA does not return the log-sum-exp, so it does strictly less work than attention_with_lse.
 Prints a table, then one JSON line with every measurement (times are medians, in milliseconds).
 """
@@ -61,19 +64,22 @@ def bench_attention(args, device, dtype):
     rows = []
     for sk in args.sk:
         for sq in args.sq:
+            if sq > sk:
+                continue
             g = torch.Generator(device="cpu").manual_seed(0)
             q = torch.randn(1, args.heads, sq, args.head_dim, generator=g).to(device, dtype)
             k = torch.randn(1, args.kv_heads, sk, args.head_dim, generator=g).to(device, dtype)
             v = torch.randn(1, args.kv_heads, sk, args.head_dim, generator=g).to(device, dtype)
             group = args.heads // args.kv_heads
             kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # SDPA's GQA input
-            if sq == 1:
+            if sq == 1 or sq == sk:
                 mask = None
             else:
                 pos_q, pos_k = torch.arange(sk - sq, sk, device=device), torch.arange(sk, device=device)
                 mask = pos_k[None, :] <= pos_q[:, None]
             repeats = args.repeats if sk * sq <= 4096 * 128 else max(3, args.repeats // 2)
-            fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)}
+            square = sq == sk and sq > 1
+            fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, is_causal=square)}
             call = AttentionCall(q, k, v, None, None, 1.0, _classify(None, None, sq, sk, True))
             for name, reasons in sorted(explain(call).items()):
                 if reasons:
@@ -82,9 +88,11 @@ def bench_attention(args, device, dtype):
                     continue  # the reference materialises the full score matrix; skip where it would be silly
                 fns[name] = lambda name=name: attention_with_lse(q, k, v, backend=name)
             times = timed(fns, device, args.warmup, repeats)
+            pairs = sk if sq == 1 else sq * (sk - sq) + sq * (sq + 1) // 2  # bottom-right causal
+            flops = 4 * args.heads * args.head_dim * pairs
             for name, ms in times.items():
                 rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms,
-                             "x_sdpa": ms / times["sdpa"]})
+                             "x_sdpa": ms / times["sdpa"], "tflops": flops / (ms * 1e-3) / 1e12})
     return rows
 
 
@@ -132,9 +140,9 @@ def main(argv=None):
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
           f"{args.dtype}, {machine})")
-    print(f"{'impl':<11}{'Sq':>6}{'Sk':>8}{'ms':>11}{'x SDPA':>9}")
+    print(f"{'impl':<11}{'Sq':>7}{'Sk':>8}{'ms':>11}{'TFLOP/s':>9}{'x SDPA':>9}")
     for r in attn:
-        print(f"{r['impl']:<11}{r['sq']:>6}{r['sk']:>8}{r['ms']:>11.3f}{r['x_sdpa']:>9.2f}")
+        print(f"{r['impl']:<11}{r['sq']:>7}{r['sk']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{r['x_sdpa']:>9.2f}")
     print(f"\n# merge_states (B=1, H={args.heads}, D={args.head_dim}, {args.dtype})")
     print(f"{'impl':<8}{'N':>4}{'S':>7}{'ms':>11}{'x torch':>9}")
     for r in merge:

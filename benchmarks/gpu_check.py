@@ -15,6 +15,8 @@ A failing step records its error and the kit goes on.
 2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
    ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
 3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
+   ``kernels_128K``: ``benchmarks/bench_ops.py`` -- every attention backend that accepts the call (flash_attn where
+   installed, sdpa_flash, sdpa_cudnn, flex) against SDPA on a causal square at 32K and 128K and on decode: TFLOP/s.
 4. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense and of Star / Pulsar over 4 simulated
    ranks, batch 1 at 32K / 64K / 128K, batch 8 at 32K and batch 64 at 4K, graph (the shapes planned and captured as
    CUDA graphs when the engine starts, FlexAttention over the slots, empty blocks skipped) / static (KV slots, one
@@ -70,8 +72,9 @@ FULL = dict(model="dummy:llama-3.1-8b", dtype="bfloat16", lengths=(32768, 65536,
                 "star+halo=star --anchor-size 1000 --halo-blocks 1",
                 "hybrid=star --anchor-size 64 --halo-blocks 0.5 --exact-layers 0-15"),
             limits=dict(wheels=60, environment=60, ops=150, pytest_gpu=300, phase1=(60, 80, 130), sparse=70,
-                        decode=480, serve=200, cp_table=300, nsight=150),
-            nsight_len=4096, nsight_launches=1500)
+                        decode=480, serve=200, cp_table=300, nsight=150, kernels=120),
+            nsight_len=4096, nsight_launches=1500,
+            kernels=dict(device="cuda", dtype="bf16", sq=(1, 32768, 131072), sk=(32768, 131072), repeats=3))
 # neither run's decode step runs `compiled` (a CPU compile takes ~20 s a shape, tests/test_static_decode.py compiles
 # once; on the card `graph` is the captured step, without a compile per shape)
 # Its ops step may be a cold checkout's first JIT build of the three CPU ops on a busy 2-core machine (~30 s each,
@@ -84,8 +87,9 @@ DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_le
            cp_len=512, cp_ranks="2,4", cp_variants=("star+halo=star --anchor-size 32 --halo-blocks 1",
                                                     "hybrid=star --anchor-size 16 --exact-layers 0"),
            limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60,
-                       serve=60, cp_table=60, nsight=60),
-           nsight_len=256, nsight_launches=200)
+                       serve=60, cp_table=60, nsight=60, kernels=60),
+           nsight_len=256, nsight_launches=200,
+           kernels=dict(device="cpu", dtype="fp32", sq=(1, 512), sk=(512,), repeats=2))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
@@ -415,6 +419,29 @@ def step_decode(kit: Kit, shape: dict):
     return kit.step(name, shape["limits"]["decode"], fn)
 
 
+def step_kernels(kit: Kit, shape: dict):
+    """``benchmarks/bench_ops.py``: every attention backend that accepts the call (flash_attn where installed,
+    sdpa_flash, sdpa_cudnn, flex, ...) against SDPA on Phase 1's causal square and on decode, the TFLOP/s of each:
+    which kernel ``auto`` should pick on this card (issue 48, item 1)."""
+    k = shape["kernels"]
+    name = f"kernels_{_k(max(k['sk']))}"
+
+    def fn(timeout):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "bench_ops.py"), "--device", k["device"], "--dtype",
+               k["dtype"], "--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--sq", *map(str, k["sq"]),
+               "--sk", *map(str, k["sk"]), "--merge-n", "4", "--merge-s", "1", "--warmup", "1", "--repeats",
+               str(k["repeats"])]
+        rc, out, err = kit.run(cmd, timeout)
+        lines = [x for x in out.splitlines() if x.startswith("{")]
+        if rc != 0 or not lines:
+            return False, None, _tail(err or out), cmd
+        record = json.loads(lines[-1])
+        keep = ("impl", "sq", "sk", "ms", "tflops", "x_sdpa")
+        return True, dict(machine=record["machine"], dtype=record["dtype"], torch=record["torch"],
+                          rows=[{f: r[f] for f in keep} for r in record["attention"]]), None, cmd
+    return kit.step(name, shape["limits"]["kernels"], fn)
+
+
 def find_ncu() -> Optional[str]:
     """Nsight Compute's command line (``ncu``) on PATH or under the CUDA toolkit, or None."""
     import shutil
@@ -576,7 +603,8 @@ def tables(report: dict) -> str:
         lines += ["", "environment: " + ", ".join(
             f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "transformers",
                                           "deepspeed", "flash_attn", "nvcc") if k in env)]
-    benched = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]]
+    benched = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]
+               and not s["name"].startswith("kernels")]
     if benched:
         lines += ["", "| step | method | L | P1 crit (s) | P1 per rank (s) | vs dense (meas. / model) | TTFT (s) | "
                       "decode ms/tok | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -645,6 +673,15 @@ def tables(report: dict) -> str:
         lines += [f"| {c['clients']} clients, {_k(r['client_context_tokens'])} documents each | {c['ttft_p50']:.2f} / "
                   f"{c['ttft_p99']:.2f} | - | {c['tokens_per_s']:.1f} |" for c in r["clients"]]
     for s in report["steps"]:
+        if not (s["name"].startswith("kernels") and s["ok"]):
+            continue
+        r = s["result"]
+        lines += ["", f"{s['name']}: attention kernels, causal (Sq = Sk) and decode (Sq = 1), H 32 / 8 KV, D 128, "
+                      f"{r['dtype']}, {r['machine']}", "", "| backend | Sq | Sk | ms | TFLOP/s | x SDPA |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {x['impl']} | {x['sq']} | {x['sk']} | {x['ms']:.3f} | {x['tflops']:.1f} | {x['x_sdpa']:.2f} |"
+                  for x in r["rows"]]
+    for s in report["steps"]:
         if not (s["name"].startswith("nsight") and isinstance(s["result"], dict)):
             continue
         r = s["result"]
@@ -708,6 +745,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan: list[tuple[str, Callable[[], Any]]] = [
         ("environment", lambda: step_environment(kit)),
         ("ops_build", lambda: step_ops(kit)),
+        (f"kernels_{_k(max(shape['kernels']['sk']))}", lambda: step_kernels(kit, shape)),
         (f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape)),
         (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape))]
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):

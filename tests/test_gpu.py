@@ -139,6 +139,14 @@ def test_sdpa_flash_forward_and_lse(dtype, group, D, seeded):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sdpa_cudnn_forward_and_lse(dtype, group, D, seeded):
+    # cuDNN's fused attention through torch, the same pieces as sdpa_flash (issue 48, item 1), against fp64
+    _check_flash_shapes("sdpa_cudnn", dtype, group, D, seeded)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_torch_kernels_are_the_auto_choice_without_flash_attn(dtype, seeded, monkeypatch):
     from magnetar.ops.backends import flash_attn as fa_backend
     from magnetar.ops.backends import select_backend

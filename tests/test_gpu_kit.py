@@ -34,8 +34,9 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "phase1_1K",
-                                  "cp_table_512", "sparse_prefill_1K", "quest_1K", "nsight_256", "pytest_gpu"]
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "kernels_512", "decode_1K", "serve_512",
+                                  "phase1_1K", "cp_table_512", "sparse_prefill_1K", "quest_1K", "nsight_256",
+                                  "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
     # the decode step, configuration by configuration and shape by shape: dense and Star over 4 simulated ranks,
     # static and graph steps (uncaptured on the CPU, said in the row) ran as asked and chose eager's tokens for every
@@ -51,6 +52,10 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert steps["decode_1K"]["result"]["copy_bandwidth_gbps"] > 0
     # a static step of greedy requests reads the device once (tokens and finite flags), whatever the batch
     assert [r["host_syncs_per_step"] == 1 for r in dec] == [False, True, True] * 4, dec
+    # the kernels step: every backend that accepts a causal square and a decode call, timed beside SDPA
+    kern = steps["kernels_512"]["result"]["rows"]
+    assert {(r["impl"], r["sq"]) for r in kern} >= {("sdpa", 1), ("sdpa", 512), ("cpu_flash", 512)}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in kern)
     # the Nsight step: no ncu on the CPU machine, the workload (a Phase 1 and eager decode steps, ranges on) ran alone
     ns = steps["nsight_256"]["result"]
     assert ns["ncu"] is None and ns["workload"]["seconds"]["profiled"] > 0
@@ -97,9 +102,10 @@ def test_check_report_names_what_is_wrong(dry_report):
     report["steps"] = [s for s in report["steps"] if not s["name"].startswith("quest")]
     report["steps"][1]["ok"], report["steps"][1]["error"] = False, None
     del report["steps"][2]["timeout_s"]
-    report["steps"][5]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
-    report["steps"][3]["result"]["decode_rows"][0].pop("first_step_s")  # decode_1K's eager batch-1 row
-    report["steps"][4]["result"].pop("one")  # serve_512's long request
+    step = {s["name"]: s for s in report["steps"]}
+    step["phase1_1K"]["result"]["rows"][0].pop("ttft_s")  # phase1_1K's dense row
+    step["decode_1K"]["result"]["decode_rows"][0].pop("first_step_s")  # decode_1K's eager batch-1 row
+    step["serve_512"]["result"].pop("one")  # serve_512's long request
     problems = kit.check_report(report)
     assert any("no step 'quest'" in p for p in problems)
     assert any("failed without an error" in p for p in problems)

@@ -10,6 +10,7 @@ A backend need not handle NaN/inf: the front end applies the non-finite rule (:m
 Built-in backends:
     flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only; the flash-attn package)
     sdpa_flash  torch's own FlashAttention-2 kernel on CUDA (fp16/bf16, full or bottom-right causal): no extra package
+    sdpa_cudnn  the same pieces over cuDNN's fused attention through torch (returns the lse); after sdpa_flash in auto
     flex        torch's FlexAttention with the position rule as its mask: any mask; compiled on CUDA, eager on CPU
     cpu_flash   torch's fused CPU flash kernel with a float mask for position-based causality
     tiled       pure torch, online softmax over key tiles: any device, bounded memory (GPU fallback)
@@ -36,7 +37,7 @@ class AttentionBackend(Protocol):
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[str, AttentionBackend] = {}
-AUTO_ORDER = ["flash_attn", "sdpa_flash", "cpu_flash", "flex", "tiled", "torch"]
+AUTO_ORDER = ["flash_attn", "sdpa_flash", "sdpa_cudnn", "cpu_flash", "flex", "tiled", "torch"]
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -59,6 +60,7 @@ register_backend("tiled", _lazy(".tiled", "TiledBackend"))
 register_backend("cpu_flash", _lazy(".cpu_flash", "CpuFlashBackend"))
 register_backend("flash_attn", _lazy(".flash_attn", "FlashAttnBackend"))
 register_backend("sdpa_flash", _lazy(".sdpa_flash", "SdpaFlashBackend"))
+register_backend("sdpa_cudnn", _lazy(".sdpa_flash", "SdpaCudnnBackend"))
 register_backend("flex", _lazy(".flex", "FlexAttentionBackend"))
 
 

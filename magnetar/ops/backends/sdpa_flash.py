@@ -1,5 +1,8 @@
 """torch's own FlashAttention-2 kernel on CUDA (``aten::_scaled_dot_product_flash_attention``), which also returns the
-log-sum-exp: the fast GPU path when the ``flash-attn`` package is absent. Nothing but torch.
+log-sum-exp: the fast GPU path when the ``flash-attn`` package is absent. Nothing but torch. ``sdpa_cudnn`` is the
+same backend over cuDNN's fused attention (``aten::_scaled_dot_product_cudnn_attention``, its lse asked for): the
+kernel NVIDIA tunes for each card (Hopper's included), a candidate for Phase 1's fastest path on a card (issue 48,
+item 1); the GPU kit's ``kernels`` step times both.
 
 It serves the mask-free kinds only -- FULL and bottom-right causal (``Sq <= Sk``); the front end cuts Star anchors,
 zigzag shards and other contiguous runs of positions into such pieces, and a general position mask goes on to
@@ -11,7 +14,8 @@ zigzag shards and other contiguous runs of positions into such pieces, and a gen
   kernel checks equal head counts on some torch versions; the copy is one layer's K/V, freed at once).
 * Bottom-right causal, ``Sq < Sk``: the visible prefix ``[0, Sk - Sq)`` as FULL, merged with the causal square.
 
-The lse comes back ``(B, H, Sq)`` float32 (natural log). ``MAGNETAR_SDPA_FLASH=0`` turns the backend off.
+The lse comes back ``(B, H, Sq)`` float32 (natural log). ``MAGNETAR_SDPA_FLASH=0`` (``MAGNETAR_SDPA_CUDNN=0``) turns
+the backend off.
 """
 from __future__ import annotations
 
@@ -25,46 +29,55 @@ from magnetar.ops.merge import merge_states_torch
 from magnetar.ops.backends.flash_attn import flash_kernel_limits
 from magnetar.ops.backends.reference import fold_gqa, unfold_gqa
 
-_BROKEN: list[str] = []  # why the kernel failed on this machine (then auto skips this backend)
-
-
 def _flash(q, k, v, scale: float, causal: bool):
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]
     return out, lse[..., : q.shape[2]].float()
 
 
-def _full(q, k, v, scale):
-    hq, hkv = q.shape[1], k.shape[1]
-    out, lse = _flash(fold_gqa(q, hkv), k, v, scale, False)
-    return unfold_gqa(out, hq), unfold_gqa(lse, hq)
-
-
-def _causal_square(q, k, v, scale):
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return _flash(q, k, v, scale, True)
+def _cudnn(q, k, v, scale: float, causal: bool):
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    out, lse = res[0], res[1]
+    B, H, S = q.shape[:3]
+    return out, lse.reshape(B, H, -1)[..., :S].float()  # (B, H, S) or (B, H, S, 1) by version
 
 
 class SdpaFlashBackend:
     name = "sdpa_flash"
     device_types = ("cuda",)
+    kernel = staticmethod(_flash)
+    op = "_scaled_dot_product_flash_attention"
+    switch = "MAGNETAR_SDPA_FLASH"
+    what = "torch's flash kernel"
+
+    def __init__(self):
+        self.broken: list[str] = []  # why the kernel failed on this machine (then auto skips this backend)
+
+    def _full(self, q, k, v, scale):
+        hq, hkv = q.shape[1], k.shape[1]
+        out, lse = self.kernel(fold_gqa(q, hkv), k, v, scale, False)
+        return unfold_gqa(out, hq), unfold_gqa(lse, hq)
+
+    def _causal_square(self, q, k, v, scale):
+        g = q.shape[1] // k.shape[1]
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        return self.kernel(q, k, v, scale, True)
 
     def validate(self, call) -> list[str]:
         q = call.q
         reasons = []
-        if os.environ.get("MAGNETAR_SDPA_FLASH", "1") == "0":
-            reasons.append("turned off (MAGNETAR_SDPA_FLASH=0)")
-        if _BROKEN:
-            reasons.append(f"the kernel failed here: {_BROKEN[0]}")
+        if os.environ.get(self.switch, "1") == "0":
+            reasons.append(f"turned off ({self.switch}=0)")
+        if self.broken:
+            reasons.append(f"the kernel failed here: {self.broken[0]}")
         reasons += flash_kernel_limits(q)
         if call.mask_kind not in (FULL, CAUSAL_BOTTOM_RIGHT):
             reasons.append("a position mask (not full or bottom-right causal): flex serves it")
         elif call.mask_kind == CAUSAL_BOTTOM_RIGHT and q.shape[2] > call.k.shape[2]:
             reasons.append("causal with Sq > Sk")
-        if not reasons and not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention"):
-            reasons.append(f"torch {torch.__version__} has no aten::_scaled_dot_product_flash_attention")
+        if not reasons and not hasattr(torch.ops.aten, self.op):
+            reasons.append(f"torch {torch.__version__} has no aten::{self.op}")
         return reasons
 
     def forward(self, call):
@@ -73,8 +86,8 @@ class SdpaFlashBackend:
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:  # a kernel this torch build lacks or refuses: the run goes on without it
-            _BROKEN.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            warnings.warn(f"magnetar: torch's flash kernel failed ({_BROKEN[0]}); this call and the next ones go to "
+            self.broken.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            warnings.warn(f"magnetar: {self.what} failed ({self.broken[0]}); this call and the next ones go to "
                           f"the next backend", RuntimeWarning, stacklevel=2)
             from magnetar.ops.backends import select_backend
 
@@ -84,11 +97,27 @@ class SdpaFlashBackend:
         q, k, v, scale = call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), call.scale
         Sq, Sk = q.shape[2], k.shape[2]
         if call.mask_kind == FULL:
-            return _full(q, k, v, scale)
+            return self._full(q, k, v, scale)
         if Sq == Sk:
-            return _causal_square(q, k, v, scale)
+            return self._causal_square(q, k, v, scale)
         p = Sk - Sq
-        o1, l1 = _full(q, k[:, :, :p].contiguous(), v[:, :, :p].contiguous(), scale)
-        o2, l2 = _causal_square(q, k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), scale)
+        o1, l1 = self._full(q, k[:, :, :p].contiguous(), v[:, :, :p].contiguous(), scale)
+        o2, l2 = self._causal_square(q, k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), scale)
         out, lse = merge_states_torch(torch.stack((o1, o2)), torch.stack((l1, l2)))
         return out.to(q.dtype), lse
+
+
+class SdpaCudnnBackend(SdpaFlashBackend):
+    """The same pieces over cuDNN's fused attention (``aten::_scaled_dot_product_cudnn_attention``)."""
+
+    name = "sdpa_cudnn"
+    kernel = staticmethod(_cudnn)
+    op = "_scaled_dot_product_cudnn_attention"
+    switch = "MAGNETAR_SDPA_CUDNN"
+    what = "cuDNN's attention kernel"
+
+    def validate(self, call) -> list[str]:
+        reasons = super().validate(call)
+        if not reasons and call.q.is_cuda and not torch.backends.cudnn.is_available():
+            reasons.append("cuDNN is not available in this torch build")
+        return reasons
