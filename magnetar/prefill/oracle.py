@@ -33,7 +33,7 @@ from magnetar.ops.jit import LazyOp
 SENTINEL = -1  # a support slot holding no key (fewer than k keys were causally valid)
 
 Rows = Union[None, slice, torch.Tensor]
-SPARSE_BACKENDS = ("auto", "op", "torch")
+SPARSE_BACKENDS = ("auto", "op", "torch", "registry")
 
 
 def _make_builder(device_type: str):
@@ -51,7 +51,7 @@ def use_sparse_op(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` (auto / op / torch) means the fused sparse prefill op for tensors on ``device``."""
     if backend not in SPARSE_BACKENDS:
         raise ValueError(f"sparse prefill: unknown backend {backend!r}; choose one of {SPARSE_BACKENDS}")
-    if backend == "torch":
+    if backend in ("torch", "registry"):
         return False
     if device.type != "cpu":
         if backend == "op":
@@ -243,6 +243,46 @@ def _check_idx(idx: torch.Tensor, B: int, S: int, N: int, b_sel: int) -> None:
         raise ValueError(f"sparse_gqa_attention: indices must lie in [0, {N}) or be SENTINEL ({SENTINEL})")
 
 
+GATHER_BYTES = 1 << 29  # the registry path's gathered K and V per call (512 MiB): how many blocks one call takes
+
+
+def _sparse_via_registry(q, k, v, idx, scale, qp_all, kp, b_sel, window) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_gqa_attention` with each block's support as a sequence of its own: ``nb`` blocks at a time, the
+    queries ``(nb, Hq, b_sel, D)`` over their gathered keys ``(nb, Hkv, kk, D)`` at their own positions (an empty
+    slot at :data:`~magnetar.ops.slots.FAR`, a padding row at a position that sees nothing), through
+    :func:`magnetar.ops.attention_with_lse` -- one kernel call of the registry per batch of blocks (duplicates in a
+    support count twice, as in the torch path)."""
+    from magnetar.ops.slots import FAR
+
+    B, Hq, S, D = q.shape
+    Hkv, (M, kk) = k.shape[1], idx.shape[1:]
+    out = torch.zeros(B, Hq, S, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, S), float("-inf"), device=q.device)
+    if kk == 0 or S == 0:
+        return out, lse
+    low = -FAR  # a padding row's position: it sees no key
+    step = max(1, GATHER_BYTES // (2 * kk * Hkv * D * k.element_size()))  # blocks per call
+    for m0 in range(0, M, step):
+        m1 = min(M, m0 + step)
+        nb, r0, r1 = m1 - m0, m0 * b_sel, min(S, m1 * b_sel)
+        sel = idx[:, m0:m1].to(q.device)  # (B, nb, kk)
+        safe = sel.clamp(min=0)
+        where = safe.reshape(B, 1, nb * kk, 1).expand(B, Hkv, nb * kk, D)
+        kg, vg = (t.gather(2, where).view(B, Hkv, nb, kk, D).transpose(1, 2).reshape(B * nb, Hkv, kk, D)
+                  for t in (k, v))
+        kpos = torch.where(sel >= 0, kp.gather(1, safe.reshape(B, nb * kk)).view(B, nb, kk), FAR)
+        qt = q.new_zeros(B, Hq, nb * b_sel, D)
+        qt[:, :, :r1 - r0] = q[:, :, r0:r1]
+        qt = qt.view(B, Hq, nb, b_sel, D).transpose(1, 2).reshape(B * nb, Hq, b_sel, D)
+        qpos = torch.full((B, nb * b_sel), low, dtype=torch.long, device=q.device)
+        qpos[:, :r1 - r0] = qp_all[:, r0:r1]
+        o, l = attention_with_lse(qt, kg, vg, q_pos=qpos.view(B * nb, b_sel), k_pos=kpos.reshape(B * nb, kk),
+                                  scale=scale, window=window)
+        out[:, :, r0:r1] = o.view(B, nb, Hq, b_sel, D).transpose(1, 2).reshape(B, Hq, nb * b_sel, D)[:, :, :r1 - r0]
+        lse[:, :, r0:r1] = l.view(B, nb, Hq, b_sel).transpose(1, 2).reshape(B, Hq, nb * b_sel)[:, :, :r1 - r0]
+    return out, lse
+
+
 def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, *,
                          scale: Optional[float] = None, q_pos=None, k_pos=None, b_sel: int = 1,
                          window: Optional[int] = None, max_gather: int = 16384,
@@ -256,8 +296,11 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
 
     ``backend``: ``"op"`` the fused DeepSpeed op (``magnetar/ops/csrc/sparse_attention.cpp``, CPU: one work item
     per (batch, KV head, query) reads its selected K/V rows once for the G query heads sharing them), ``"torch"``
-    batched gathers (``max_gather`` support slots per step, shared by all KV heads; any device), ``"auto"`` the
-    op for CPU tensors when it builds, else torch.
+    batched gathers (``max_gather`` support slots per step, shared by all KV heads; any device; float32 einsums),
+    ``"registry"`` each block's support gathered into a sequence of its own and attended by the ops registry's
+    kernel for per-sequence positions (:func:`magnetar.ops.attention_with_lse`: compiled FlexAttention on CUDA,
+    bf16 in, float32 inside; many blocks per call, :func:`_gathered_batches`), ``"auto"`` the op for CPU tensors
+    when it builds, the registry on CUDA, else torch.
     """
     _check_qk("sparse_gqa_attention", q, k)
     check_b_sel(b_sel, "sparse_gqa_attention")
@@ -272,6 +315,8 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     qp_all = check_positions_arg(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
     kp = check_positions_arg(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
     M, kk = idx.shape[1], idx.shape[2]
+    if backend == "registry" or (backend == "auto" and q.device.type == "cuda"):
+        return _sparse_via_registry(q, k, v, idx, scale, qp_all, kp, b_sel, window)
     if use_sparse_op(backend, q.device):
         out, lse = SPARSE_ATTENTION_OP.load(q.device).sparse_gqa_attention(
             q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), idx.long().contiguous(),
