@@ -101,14 +101,16 @@ class HeadCollapsedIndexer(torch.nn.Module):
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, positions: torch.Tensor, *, topk: int, b_sel: int = 1,
-               window: Optional[int] = None, q_tile: int = 256, timer=None, backend: str = "auto") -> torch.Tensor:
+               window: Optional[int] = None, q_tile: Optional[int] = None, timer=None, backend: str = "auto"
+               ) -> torch.Tensor:
         """The support (Algorithm 2, steps 2-5): ``idx (B, ceil(S / b_sel), min(topk, S))`` as the oracle's
         :func:`~magnetar.prefill.oracle.head_averaged_topk` returns it, ranked by ``z`` instead of ``P``.
         Scores of causally invalid keys are masked before the block max; ReLU ties (zeros) break arbitrarily.
         ``timer``: a section timer (``with timer("projection"): ...``, e.g. :class:`magnetar.utils.timing.SectionTimer`)
         charged with the projection and with the scoring + top-k separately (the TTFT benchmark's profile).
         ``backend``: scoring + top-k in the fused op (CPU; ``magnetar.prefill.oracle.use_sparse_op``) or in torch
-        tiles of ``q_tile`` rows."""
+        tiles of ``q_tile`` rows (None: 256 on the CPU; on CUDA as many as keep a tile's scores near 512 MiB -- 256
+        rows at 64K meant 256 small launches per layer)."""
         check_topk(topk, "indexer.select")
         check_b_sel(b_sel, "indexer.select")
         timer = timer or no_timer
@@ -122,6 +124,8 @@ class HeadCollapsedIndexer(torch.nn.Module):
                 return SPARSE_ATTENTION_OP.load(q.device).indexer_topk(
                     q.contiguous(), k.contiguous(), p, p, topk, b_sel, 1.0 / math.sqrt(self.d_idx),
                     -1 if window is None else int(window))
+            if q_tile is None:
+                q_tile = max(256, (1 << 27) // max(1, B * S)) if q.device.type == "cuda" else 256
             step = b_sel * max(1, q_tile // b_sel)
             parts = []
             for r0 in range(0, S, step):
