@@ -159,6 +159,31 @@ def test_a_second_batch_at_once_gets_its_own_buffers(captured):
     assert eng.decode_graphs.holder is None
 
 
+def test_a_dropped_or_eager_batch_gives_the_pool_back(captured):
+    # a batch dropped while it holds the pool (an exception left it) holds it no more; one that goes eager for good
+    # (a context whose KV is not finite) gives it back and keeps its tokens
+    import gc
+
+    model = tiny_model("llama", seed=2)
+    alone = _engine(model).generate(_ids(1, 100), _ids(2, 5), max_new_tokens=5).token_ids
+    eng = _engine(model, decode_step="graph", **POOL)
+    b = eng.open_batch()
+    b.add(_ids(1, 100), _ids(2, 5), eng.sampling_params(max_new_tokens=5))
+    b.step()
+    assert eng.decode_graphs.holder is b._batch.static
+    del b
+    gc.collect()
+    assert eng.decode_graphs.holder is None
+    b = eng.open_batch()
+    rid = b.add(_ids(1, 100), _ids(2, 5), eng.sampling_params(max_new_tokens=5))[0]
+    b.step()
+    b._batch._to_eager("a test's reason")
+    assert eng.decode_graphs.holder is None and b._batch.decode_step == "eager"
+    while b.active:
+        b.step()
+    assert b.pop(rid).token_ids == alone
+
+
 def test_a_batch_beyond_the_plan_runs_uncaptured_and_says_so(captured, caplog):
     model = tiny_model("llama", seed=2)
     want, _ = _batch_tokens(_engine(model))

@@ -33,8 +33,10 @@ layers stays outside a graph: :func:`~magnetar.engine.static.static_problem`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -80,13 +82,21 @@ class GraphPlan:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every planned shape, batch sizes first then capacities, ascending."""
-        return [(b, c) for b in self.batches for c in self.capacities if self.tokens is None or b * c <= self.tokens]
+        return list(self._shapes)
+
+    @functools.cached_property
+    def _shapes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((b, c) for b in self.batches for c in self.capacities
+                     if self.tokens is None or b * c <= self.tokens)
 
     def fit(self, requests: int, need: int) -> Optional[tuple[int, int]]:
         """The smallest planned shape with at least ``requests`` slots of at least ``need`` entries each (fewest
-        entries, then fewest slots), or None when none holds them."""
-        fits = [(b * c, b, c) for b, c in self.shapes() if b >= requests and c >= need]
-        return min(fits)[1:] if fits else None
+        entries, then fewest slots), or None when none holds them (a batch's every step asks: one pass)."""
+        best = None
+        for b, c in self._shapes:
+            if b >= requests and c >= need and (best is None or (b * c, b) < (best[0] * best[1], best[0])):
+                best = (b, c)
+        return best
 
     def describe(self) -> str:
         bound = "no bound" if self.tokens is None else f"{self.tokens} entries"
@@ -136,7 +146,7 @@ class DecodeGraphs:
     pool: Optional[SlotPool]
     device: torch.device
     graphs: dict = field(default_factory=dict)  # (slots, capacity) -> _Graph
-    holder: Optional[object] = None  # the StaticDecode whose slots are the pool's views now
+    _holder: Optional[weakref.ref] = None  # the StaticDecode whose slots are the pool's views now
     warmup_s: float = 0.0
     uncaptured: list = field(default_factory=list)  # planned shapes the warm-up's time bound left out
     why_not: Optional[str] = None  # why nothing is captured (None: the graphs run)
@@ -167,17 +177,22 @@ class DecodeGraphs:
         return graphs
 
     # ------------------------------------------------------------------------------------------- the pool
+    @property
+    def holder(self):
+        """The StaticDecode holding the pool (None: free; a batch dropped without releasing it holds it no more)."""
+        return self._holder() if self._holder is not None else None
+
     def take(self, holder) -> bool:
         """Give ``holder`` (a StaticDecode) the pool if no other holds it; whether it has it."""
         if self.pool is None:
             return False
         if self.holder is None:
-            self.holder = holder
+            self._holder = weakref.ref(holder)
         return self.holder is holder
 
     def give_back(self, holder) -> None:
         if self.holder is holder:
-            self.holder = None
+            self._holder = None
 
     # ------------------------------------------------------------------------------------------- graphs
     def capture(self, step: Callable, make_slots: Callable, budget_s: float) -> None:

@@ -468,6 +468,7 @@ class DecodeBatch:
                 for layer, (k, v, pos) in zip(gen.layers, self.static.generated(rid, live.req.shard)):
                     layer.append(k.clone(), v.clone(), pos.clone())
                 live.gen = gen
+        self.static.close()
         self.static, self.decode_step, self.why_not = None, "eager", why
         log.warning("decode steps: %s", why)
 

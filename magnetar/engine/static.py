@@ -287,8 +287,14 @@ class StaticDecode:
         back to eager)."""
         s, n, a = self.owner[rid], self.slots.fill[self.owner[rid]], shard.tokens()
         sl = self.slots
-        return tuple((sl.k[i][s:s + 1, :, a:n].clone(), sl.v[i][s:s + 1, :, a:n].clone(), sl.pos[i][s, a:n].clone())
+        return tuple((sl.k[i][s:s + 1, :, a:n], sl.v[i][s:s + 1, :, a:n], sl.pos[i][s, a:n])
                      for i in range(sl.num_layers))
+
+    def close(self) -> None:
+        """Drop the slots (the batch goes eager for good) and give the pool back."""
+        self.slots, self.owner = None, {}
+        if self.graphs is not None:
+            self.graphs.give_back(self)
 
     @torch.inference_mode()  # the slots are inference tensors (made in a join)
     def release(self, rid: int) -> int:
