@@ -270,7 +270,7 @@ def main(argv=None) -> int:
     # the floor's bandwidth, measured on this device now (a GPU: 1 GiB copied; a CPU: 256 MiB)
     args.bandwidth = copy_bandwidth(device, (1 << 30) if str(device).startswith("cuda") else (1 << 28))
     _say(f"copy bandwidth {args.bandwidth / 1e9:.0f} GB/s")
-    rows = []
+    rows, skipped = [], []
     # configuration by configuration (one engine each, dropped before the next: an 8B model's contexts and slots at
     # 32K-128K do not fit a card three times), shape by shape, every mode side by side; a context leaves the cache
     # after its last shape; the JSON is rewritten after every row, so a run cut short keeps what it measured
@@ -278,10 +278,17 @@ def main(argv=None) -> int:
         eng, handles = engine_for(c, args, model, tokenizer, distributed), {}
         for i, (bsz, n) in enumerate(args.shapes):
             for m in args.modes:
-                rows.append(run(c, m, bsz, n, args, model, tokenizer, eng, handles))
+                try:
+                    rows.append(run(c, m, bsz, n, args, model, tokenizer, eng, handles))
+                except torch.OutOfMemoryError as e:  # this row does not fit the card beside the engine's
+                    first = str(e).splitlines()[0][:200] if str(e) else ""  # pool and contexts: the others go on
+                    skipped.append(dict(config=c, mode=m, batch=bsz, context_tokens=n, error=f"out of memory: {first}"))
+                    _say(f"{c} {m} batch {bsz} @ {n}: out of memory, row skipped")
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 _compare(rows)
                 if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
-                    args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows), indent=1))
+                    args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows, skipped), indent=1))
             if n in handles and all(later != n for _, later in args.shapes[i + 1:]):
                 eng.release(handles.pop(n)[0])
         del eng, handles
@@ -306,7 +313,9 @@ def main(argv=None) -> int:
     for r in rows:
         if r["why"]:
             print(f"- {r['config']} {r['mode']} batch {r['batch']}: {r['why']}")
-    print(json.dumps(_record(args, dev, load_s, rows)))
+    for r in skipped:
+        print(f"- {r['config']} {r['mode']} batch {r['batch']} @ {r['context_tokens']}: not run ({r['error']})")
+    print(json.dumps(_record(args, dev, load_s, rows, skipped)))
     return 0
 
 
@@ -320,11 +329,11 @@ def _compare(rows: list[dict]) -> None:
         r["same_tokens"] = None if ref is None else sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
 
 
-def _record(args, dev: str, load_s: float, rows: list[dict]) -> dict:
+def _record(args, dev: str, load_s: float, rows: list[dict], skipped: list[dict]) -> dict:
     return dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
                 shapes=args.shapes, copy_bandwidth_gbps=args.bandwidth / 1e9,
                 device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
-                rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
+                rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows], skipped=skipped)
 
 
 if __name__ == "__main__":

@@ -414,7 +414,8 @@ def step_decode(kit: Kit, shape: dict):
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       context_tokens=record["context_tokens"], torch=record["torch"],
                       copy_bandwidth_gbps=round(record["copy_bandwidth_gbps"], 1),
-                      decode_rows=[{k: r[k] for k in keep} for r in record["rows"]])
+                      decode_rows=[{k: r[k] for k in keep} for r in record["rows"]],
+                      skipped_rows=record.get("skipped", []))
         return rc == 0, result, None if rc == 0 else _tail(err or out), cmd
     return kit.step(name, shape["limits"]["decode"], fn)
 
@@ -662,6 +663,9 @@ def tables(report: dict) -> str:
                          f"{r['first_step_s']:.2f} | {cap} | {r.get('host_syncs_per_step', '-')} | {same} |")
             if r.get("why"):
                 lines.append(f"| ({r['mode']}: {r['why'][:150]}) | | | | | | | | | | | | |")
+        for r in s["result"].get("skipped_rows", []):
+            lines.append(f"| {r['config']} | {r['batch']} | {_k(r['context_tokens'])} | {r['mode']}: not run "
+                         f"({r['error'][:120]}) | | | | | | | | | |")
     for s in report["steps"]:
         if not (s["name"].startswith("serve") and s["ok"]):
             continue

@@ -37,3 +37,36 @@ def test_shapes_flag():
             bench.parse_args(["--shapes", bad])
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs", "ring"])
+
+
+def test_graph_plan_fits_the_largest_shape_and_a_row_out_of_memory_is_skipped(tmp_path, monkeypatch, capsys):
+    bench = _bench()
+    args = bench.parse_args(["--shapes", "1@32K,8@32K,64@4K", "--steps", "16", "--warmup", "3"])
+    plan = bench.graph_plan(args)
+    assert plan["decode_graph_batches"] == "1,8,64"
+    assert plan["decode_graph_tokens"] == max(8 * 40960, 64 * 5120)  # each request padded to a planned capacity
+    # a row that does not fit the card is recorded as skipped and the others go on
+    calls = []
+
+    def run(c, m, bsz, n, *a):
+        calls.append((c, m, bsz))
+        if m == "static" and bsz == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 34.00 GiB")
+        return dict(config=c, mode=m, ran=m, why=None, captured=False, capture_s=None, batch=bsz, context_tokens=n,
+                    ms_per_step=1.0, ms_per_token=1.0 / bsz, tokens_per_s=1000.0 * bsz, first_step_s=0.1,
+                    host_syncs_per_step=1, tokens=[[1]] * bsz, floor_ms=0.5, pct_of_floor=50.0, ranks=1,
+                    simulated=False)
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "engine_for", lambda *a: object())
+    out = tmp_path / "d.json"
+    assert bench.main(["--model", "dummy:tiny-llama", "--shapes", "1@512,2@512", "--configs", "dense", "--modes",
+                       "eager,static", "--json-out", str(out)]) == 0
+    assert len(calls) == 4
+    import json
+
+    record = json.loads(out.read_text())
+    assert [(r["mode"], r["batch"]) for r in record["rows"]] == [("eager", 1), ("static", 1), ("eager", 2)]
+    assert record["skipped"] == [dict(config="dense", mode="static", batch=2, context_tokens=512,
+                                      error="out of memory: CUDA out of memory. Tried to allocate 34.00 GiB")]
+    assert "not run (out of memory" in capsys.readouterr().out
