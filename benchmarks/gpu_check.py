@@ -450,12 +450,11 @@ def find_ncu() -> Optional[str]:
     found = shutil.which("ncu")
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/opt/nvidia/nsight-compute"):
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if root and Path(root, "bin", "ncu").is_file():
             return str(Path(root, "bin", "ncu"))
-        if root and Path(root, "ncu").is_file():
-            return str(Path(root, "ncu"))
-    return None
+    versions = sorted(Path("/opt/nvidia/nsight-compute").glob("*/ncu"))  # the lent image's /opt/nvidia/.../<ver>/ncu
+    return str(versions[-1]) if versions else None
 
 
 def nvtx_kernels(text: str) -> dict:
@@ -496,7 +495,10 @@ def step_nsight(kit: Kit, shape: dict):
             return True, dict(ncu=None, note="ncu not found: the workload ran without a profiler",
                               workload=json.loads(lines[-1])), None, work
         rep = Path(kit.out).parent / "nsight_ranges"
-        common = ["--print-summary", "per-nvtx", "--metrics", "gpu__time_duration.sum", "--launch-count",
+        # --clock-control none: leave the card's clocks alone (the lent machines' METHOD.md); on a gVisor machine
+        # ncu cannot read the counters at all ("LibraryNotLoaded"): the step then says so
+        common = ["--clock-control", "none", "--print-summary", "per-nvtx", "--metrics", "gpu__time_duration.sum",
+                  "--launch-count",
                   str(shape["nsight_launches"]), "--target-processes", "all", "-f", "--export", str(rep)]
         filters = ["--nvtx-include", "regex:magnetar/phase1/", "--nvtx-include", "regex:magnetar/phase2/"]
         t0, tries = time.monotonic(), []
