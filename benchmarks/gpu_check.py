@@ -438,9 +438,20 @@ def step_kernels(kit: Kit, shape: dict):
             return False, None, _tail(err or out), cmd
         record = json.loads(lines[-1])
         keep = ("impl", "sq", "sk", "ms", "tflops", "x_sdpa")
-        return True, dict(machine=record["machine"], dtype=record["dtype"], torch=record["torch"],
-                          rows=[{f: r[f] for f in keep} for r in record["attention"]]), None, cmd
+        rows = [{f: r[f] for f in keep} for r in record["attention"]]
+        return True, dict(machine=record["machine"], dtype=record["dtype"], torch=record["torch"], rows=rows,
+                          measured_order=measured_order(rows)), None, cmd
     return kit.step(name, shape["limits"]["kernels"], fn)
+
+
+def measured_order(rows: list[dict]) -> list[str]:
+    """The backends fastest first at the largest causal square measured (SDPA, the baseline, left out): the order
+    for this card in magnetar/ops/backends/measured.py's ``MEASURED``."""
+    squares = [r for r in rows if r["sq"] == r["sk"] and r["sq"] > 1 and r["impl"] != "sdpa"]
+    if not squares:
+        return []
+    top = max(r["sk"] for r in squares)
+    return [r["impl"] for r in sorted((r for r in squares if r["sk"] == top), key=lambda r: r["ms"])]
 
 
 def find_ncu() -> Optional[str]:
@@ -687,6 +698,8 @@ def tables(report: dict) -> str:
                   "|---|---|---|---|---|---|"]
         lines += [f"| {x['impl']} | {x['sq']} | {x['sk']} | {x['ms']:.3f} | {x['tflops']:.1f} | {x['x_sdpa']:.2f} |"
                   for x in r["rows"]]
+        lines += ["", "measured order (fastest first at the largest causal square; magnetar/ops/backends/measured.py's "
+                      f"MEASURED for this card): {', '.join(r.get('measured_order', [])) or '-'}"]
     for s in report["steps"]:
         if not (s["name"].startswith("nsight") and isinstance(s["result"], dict)):
             continue

@@ -1,8 +1,9 @@
 """A short workload for a profiler: one Phase 1 and a few decode steps with Magnetar's NVTX ranges on (issue 47,
 item 7) -- what the GPU kit's ``nsight`` step runs under Nsight Compute to see which kernels fall in which range.
 
-    MAGNETAR_NVTX=1 ncu --clock-control none --nvtx --print-summary per-nvtx --metrics gpu__time_duration.sum --launch-count 2000 \\
-        python benchmarks/profile_ranges.py --model dummy:llama-3.1-8b --dtype bfloat16 --context-tokens 4096
+    MAGNETAR_NVTX=1 ncu --clock-control none --nvtx --print-summary per-nvtx --metrics gpu__time_duration.sum \\
+        --launch-count 2000 python benchmarks/profile_ranges.py --model dummy:llama-3.1-8b --dtype bfloat16 \\
+        --context-tokens 4096
     nsys profile --trace=cuda,nvtx -o magnetar python benchmarks/profile_ranges.py ...   # where Nsight Systems is
 
 The engine runs dense on one rank with eager decode steps (each layer's Phase-2 attention is a range of its own; a

@@ -281,3 +281,27 @@ def test_flex_compile_failure_falls_back_for_that_kind_of_call_only(seeded, monk
     q2, k2, v2 = random_qkv(1, 4, 2, 5, 20, 16, torch.float32, seeded)  # another signature: still flex's
     assert flex._signature(AttentionCall(q2, k2, v2, None, None, 0.25, FULL)) not in flex._BROKEN
     assert backend.validate(AttentionCall(q2, k2, v2, None, None, 0.25, FULL)) == []
+
+
+def test_auto_tries_the_measured_or_named_backends_first(seeded, monkeypatch):
+    # issue 48, item 1: the order the GPU kit measured on a card (magnetar.ops.backends.measured.MEASURED, by card
+    # name), or MAGNETAR_ATTENTION_ORDER, goes before AUTO_ORDER; a backend that refuses still falls through
+    from magnetar.ops.backends import measured, select_backend
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, AttentionCall
+
+    q, k, v = random_qkv(1, 4, 2, 8, 24, 16, torch.float32, seeded)
+    call = AttentionCall(q, k, v, None, None, 0.25, CAUSAL_BOTTOM_RIGHT)
+    assert select_backend(call).name == "cpu_flash"
+    monkeypatch.setenv(measured.ENV, "flash_attn, tiled")  # flash_attn refuses a CPU call: tiled is next
+    assert select_backend(call).name == "tiled"
+    monkeypatch.setenv(measured.ENV, "tiled,fast")
+    with pytest.raises(ValueError, match=r"MAGNETAR_ATTENTION_ORDER='tiled,fast': unknown attention backend\(s\) "
+                                         r"\['fast'\]"):
+        select_backend(call)
+    monkeypatch.delenv(measured.ENV)
+    monkeypatch.setattr(measured, "MEASURED", {"H200": ("sdpa_cudnn", "sdpa_flash")})
+    monkeypatch.setattr(measured, "_card", lambda index: "NVIDIA H200")
+    assert measured.preferred(torch.device("cuda", 0), ["sdpa_cudnn", "sdpa_flash"]) == ("sdpa_cudnn", "sdpa_flash")
+    monkeypatch.setattr(measured, "_card", lambda index: "NVIDIA H100 80GB HBM3")
+    assert measured.preferred(torch.device("cuda", 0), ["sdpa_cudnn"]) == ()
+    assert measured.preferred(torch.device("cpu"), ["sdpa_cudnn"]) == ()  # the table is per card

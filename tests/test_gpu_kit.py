@@ -56,6 +56,8 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     kern = steps["kernels_512"]["result"]["rows"]
     assert {(r["impl"], r["sq"]) for r in kern} >= {("sdpa", 1), ("sdpa", 512), ("cpu_flash", 512)}
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in kern)
+    order = steps["kernels_512"]["result"]["measured_order"]
+    assert "cpu_flash" in order and "sdpa" not in order
     # the Nsight step: no ncu on the CPU machine, the workload (a Phase 1 and eager decode steps, ranges on) ran alone
     ns = steps["nsight_256"]["result"]
     assert ns["ncu"] is None and ns["workload"]["seconds"]["profiled"] > 0

@@ -4,7 +4,9 @@ A backend is an object with ``name``, ``validate(call) -> list[str]`` (the reaso
 empty means it accepts) and ``forward(call) -> (out, lse)``, where ``call`` is a
 :class:`magnetar.ops.call.AttentionCall` (backends import it and the mask kinds from there). Backends are registered
 by module path and imported lazily, so importing Magnetar never imports flash_attn. ``"auto"`` takes the first backend
-in ``AUTO_ORDER`` that accepts the call; forcing a backend that refuses raises ``ValueError`` with its reasons.
+in ``AUTO_ORDER`` that accepts the call -- after the backends measured fastest on this card, or named by
+``MAGNETAR_ATTENTION_ORDER`` (:mod:`magnetar.ops.backends.measured`); forcing a backend that refuses raises
+``ValueError`` with its reasons.
 A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`).
 
 Built-in backends:
@@ -84,9 +86,13 @@ def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot run this call: " + "; ".join(reasons))
         return backend
+    from magnetar.ops.backends.measured import preferred
+
     refusals = []
     device_type = call.q.device.type
-    for candidate in AUTO_ORDER + [n for n in list_backends() if n not in AUTO_ORDER]:
+    first = list(preferred(call.q.device, list_backends()))  # this card's measured order, or the user's
+    order = first + [n for n in AUTO_ORDER if n not in first]
+    for candidate in order + [n for n in list_backends() if n not in order]:
         backend = get_backend(candidate)
         devices = getattr(backend, "device_types", None)
         if devices is not None and device_type not in devices:
