@@ -259,7 +259,8 @@ class StaticDecode:
 
     def _relayout(self, slots: int, capacity: int) -> None:
         """Move the held slots into ``slots`` x ``capacity`` (each slot's entries kept, renumbered in order where a
-        slot index would not fit); views over the same pool go through a copy of what is held, layer by layer."""
+        slot index would not fit); views over the same pool go through a copy of what is held, layer by layer --
+        unless only the number of slots changes and every held slot keeps its index: the same addresses then."""
         old = self.slots
         held = sorted(self.owner.items(), key=lambda x: x[1])
         keep = all(s < slots for _, s in held)
@@ -267,6 +268,13 @@ class StaticDecode:
         was_pooled = old.pooled
         new = self._new_slots(old.num_layers, slots, capacity, old.hkv, old.d, mark=not was_pooled)
         same = was_pooled and new.pooled  # the old views and the new ones share memory: copy out first
+        if same and keep and capacity == old.capacity:  # slot s sits at the same addresses in both views:
+            for layer in range(old.num_layers):  # nothing moves; the slots added start empty
+                new.pos[layer][old.slots:] = FAR
+            for _, s in held:
+                new.fill[s] = old.fill[s]
+            self.owner, self.slots = target, new
+            return
         for layer in range(old.num_layers):
             parts = {}
             for rid, s in held:
