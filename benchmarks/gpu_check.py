@@ -596,6 +596,22 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     return problems
 
 
+def served_against_engine(report: dict, served: dict, one: dict) -> Optional[str]:
+    """The served stream's ms/token over the engine's own step at the same shape (the decode step's dense row, batch 1,
+    the same context, the served decode step): the goal is <= 1.2x. None when either is missing."""
+    if one.get("ms_per_token") is None:
+        return None
+    rows = [r for s in report["steps"] if s["name"].startswith("decode") and isinstance(s["result"], dict)
+            for r in s["result"].get("decode_rows", [])]
+    same = [r for r in rows if r.get("config", "dense") == "dense" and r["batch"] == 1 and r["mode"] == "graph"
+            and r.get("context_tokens") == served.get("context_tokens")]
+    if not same:
+        return None
+    step = same[0]["ms_per_token"]
+    return (f"served stream {one['ms_per_token']:.1f} ms/token against the engine's graph step {step:.1f} at the same "
+            f"context: {one['ms_per_token'] / step:.2f}x (goal <= 1.2x)")
+
+
 def tables(report: dict) -> str:
     """Markdown tables of a report: the steps, the environment, the Phase-1 rows."""
     lines = [f"GPU kit {'dry run' if report.get('dry_run') else 'run'} of {report.get('started', '?')}, "
@@ -689,6 +705,9 @@ def tables(report: dict) -> str:
                   f"| one request, {_k(r['context_tokens'])} document | {one['ttft']:.2f} | {ms} | - |"]
         lines += [f"| {c['clients']} clients, {_k(r['client_context_tokens'])} documents each | {c['ttft_p50']:.2f} / "
                   f"{c['ttft_p99']:.2f} | - | {c['tokens_per_s']:.1f} |" for c in r["clients"]]
+        engine = served_against_engine(report, r, one)
+        if engine:
+            lines += ["", engine]
     for s in report["steps"]:
         if not (s["name"].startswith("kernels") and s["ok"]):
             continue

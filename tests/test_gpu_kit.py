@@ -198,3 +198,16 @@ def test_the_nsight_summary_is_read_range_by_range():
     assert any("gemm" in k for k in got["magnetar/phase1/layer0"]) and any("flash" in k for k in
                                                                             got["magnetar/phase1/layer0"])
     assert kit.nvtx_kernels("no ranges here") == {}
+
+
+def test_the_served_stream_is_set_against_the_engines_step():
+    # issue 47's goal: a served single stream within 1.2x the engine's step at the same context (the decode step's
+    # dense graph row at batch 1); nothing to say when the decode step measured no such row
+    kit = _kit()
+    rows = [dict(config="dense", batch=1, mode="graph", context_tokens=32768, ms_per_token=6.0),
+            dict(config="star", batch=1, mode="graph", context_tokens=32768, ms_per_token=5.0)]
+    report = {"steps": [{"name": "decode_32K", "result": {"decode_rows": rows}}]}
+    line = kit.served_against_engine(report, {"context_tokens": 32768}, {"ms_per_token": 6.9})
+    assert line.startswith("served stream 6.9 ms/token against the engine's graph step 6.0") and "1.15x" in line
+    assert kit.served_against_engine(report, {"context_tokens": 512}, {"ms_per_token": 6.9}) is None
+    assert kit.served_against_engine(report, {"context_tokens": 32768}, {"ms_per_token": None}) is None
