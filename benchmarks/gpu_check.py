@@ -15,14 +15,15 @@ A failing step records its error and the kit goes on.
 2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
    ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
 3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
-   ``kernels_128K``: ``benchmarks/bench_ops.py`` -- every attention backend that accepts the call (flash_attn where
-   installed, sdpa_flash, sdpa_cudnn, flex) against SDPA on a causal square at 32K and 128K and on decode: TFLOP/s.
 4. ``decode_32K``: ``benchmarks/bench_decode.py`` -- decode steps of dense and of Star / Pulsar over 4 simulated
    ranks, batch 1 at 32K / 64K / 128K, batch 8 at 32K and batch 64 at 4K, graph (the shapes planned and captured as
    CUDA graphs when the engine starts, FlexAttention over the slots, empty blocks skipped) / static (KV slots, one
    attention call per layer) / eager side by side: ms per step, tokens/s, % of the floor (the weights and every
    request's KV read at the card's copy bandwidth, measured in the same run), the capture's seconds, the first
    step's, whether eager's tokens came; the JSON keeps the rows measured when the step is cut short (row by row).
+   ``kernels_128K`` (after the decode and serve steps): ``benchmarks/bench_ops.py`` -- every attention backend that
+   accepts the call (flash_attn where installed, sdpa_flash, sdpa_cudnn, flex) against SDPA on a causal square at
+   32K and 128K and on decode: TFLOP/s, and the order to record for the card (``measured.py``).
 5. ``phase1_<L>``: ``magnetar-bench`` on a dummy Llama-3.1-8B (random bf16 weights, :mod:`magnetar.models.dummy`)
    at 32K, 64K and 128K tokens, dense / Star / Pulsar on 4 simulated ranks on the one GPU (critical path = the
    slowest rank): Phase-1 seconds per rank, critical path, TTFT, decode ms/token, peak memory, and the cost model's
@@ -783,9 +784,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan: list[tuple[str, Callable[[], Any]]] = [
         ("environment", lambda: step_environment(kit)),
         ("ops_build", lambda: step_ops(kit)),
-        (f"kernels_{_k(max(shape['kernels']['sk']))}", lambda: step_kernels(kit, shape)),
         (f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape)),
-        (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape))]
+        (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape)),
+        (f"kernels_{_k(max(shape['kernels']['sk']))}", lambda: step_kernels(kit, shape))]
     for L, limit in zip(shape["lengths"], shape["limits"]["phase1"]):
         plan.append((f"phase1_{_k(L)}", lambda L=L, limit=limit: step_bench(
             kit, shape, f"phase1_{_k(L)}", limit, [L], "dense,star,pulsar", [])))

@@ -34,7 +34,7 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert kit.check_report(report) == []
     assert report["dry_run"] is True and report["elapsed_s"] < report["budget_s"]
     steps = {s["name"]: s for s in report["steps"]}
-    assert [n for n in steps] == ["wheels", "environment", "ops_build", "kernels_512", "decode_1K", "serve_512",
+    assert [n for n in steps] == ["wheels", "environment", "ops_build", "decode_1K", "serve_512", "kernels_512",
                                   "phase1_1K", "cp_table_512", "sparse_prefill_1K", "quest_1K", "nsight_256",
                                   "pytest_gpu"]
     assert all(s["ok"] and s["error"] is None for s in steps.values()), [s["error"] for s in steps.values()]
