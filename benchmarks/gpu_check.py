@@ -597,6 +597,32 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
     return problems
 
 
+def decode_goals(rows: list[dict]) -> list[str]:
+    """Issue 47's goals read off the decode step's rows (``graph`` steps; the floor from the card's copy bandwidth
+    measured in the same run): batch 1 within 1.5x the floor at each context, batch 8 at 32K and batch 64 at 4K at
+    >= 60 % of the floor, Star and Pulsar within 1.2x dense's step at the same shape. One line each, met or not."""
+    graph = [r for r in rows if r["mode"] == "graph"]
+    dense = {(r["batch"], r["context_tokens"]): r for r in graph if r.get("config", "dense") == "dense"}
+    lines = []
+    for (b, n), r in sorted(dense.items()):
+        x = r["ms_per_step"] / r["floor_ms"] if r.get("floor_ms") else None
+        if x is None:
+            continue
+        if b == 1:
+            lines.append(f"{'met' if x <= 1.5 else 'NOT met'}: dense batch 1 at {_k(n)}: {x:.2f}x the floor "
+                         f"(goal <= 1.5x)")
+        elif (b, n) in ((8, 32768), (64, 4096)):
+            lines.append(f"{'met' if r['pct_of_floor'] >= 60 else 'NOT met'}: dense batch {b} at {_k(n)}: "
+                         f"{r['pct_of_floor']:.0f} % of the floor's tokens/s (goal >= 60 %)")
+    for r in graph:
+        ref = dense.get((r["batch"], r["context_tokens"]))
+        if r.get("config", "dense") != "dense" and ref is not None:
+            x = r["ms_per_step"] / ref["ms_per_step"]
+            lines.append(f"{'met' if x <= 1.2 else 'NOT met'}: {r['config']} x{r.get('ranks', '?')} batch {r['batch']} "
+                         f"at {_k(r['context_tokens'])}: {x:.2f}x dense's step (goal <= 1.2x)")
+    return lines
+
+
 def served_against_engine(report: dict, served: dict, one: dict) -> Optional[str]:
     """The served stream's ms/token over the engine's own step at the same shape (the decode step's dense row, batch 1,
     the same context, the served decode step): the goal is <= 1.2x. None when either is missing."""
@@ -696,6 +722,9 @@ def tables(report: dict) -> str:
         for r in s["result"].get("skipped_rows", []):
             lines.append(f"| {r['config']} | {r['batch']} | {_k(r['context_tokens'])} | {r['mode']}: not run "
                          f"({r['error'][:120]}) | | | | | | | | | |")
+        goals = decode_goals(s["result"]["decode_rows"])
+        if goals:
+            lines += ["", "issue 47's goals (graph steps):", *[f"- {g}" for g in goals]]
     for s in report["steps"]:
         if not (s["name"].startswith("serve") and s["ok"]):
             continue

@@ -211,3 +211,21 @@ def test_the_served_stream_is_set_against_the_engines_step():
     assert line.startswith("served stream 6.9 ms/token against the engine's graph step 6.0") and "1.15x" in line
     assert kit.served_against_engine(report, {"context_tokens": 512}, {"ms_per_token": 6.9}) is None
     assert kit.served_against_engine(report, {"context_tokens": 32768}, {"ms_per_token": None}) is None
+
+
+def test_the_decode_goals_are_read_off_the_rows():
+    kit = _kit()
+
+    def row(config, b, n, ms, floor, ranks=1):
+        return dict(config=config, ranks=ranks, mode="graph", batch=b, context_tokens=n, ms_per_step=ms,
+                    floor_ms=floor, pct_of_floor=100 * floor / ms)
+
+    rows = [row("dense", 1, 32768, 7.0, 5.0), row("dense", 1, 131072, 12.0, 7.0), row("dense", 8, 32768, 40.0, 20.0),
+            row("star", 1, 32768, 8.0, 5.0, 4), row("pulsar", 1, 32768, 9.0, 5.0, 4),
+            dict(row("dense", 1, 32768, 99.0, 5.0), mode="eager")]
+    assert kit.decode_goals(rows) == [
+        "met: dense batch 1 at 32K: 1.40x the floor (goal <= 1.5x)",
+        "NOT met: dense batch 1 at 128K: 1.71x the floor (goal <= 1.5x)",
+        "NOT met: dense batch 8 at 32K: 50 % of the floor's tokens/s (goal >= 60 %)",
+        "met: star x4 batch 1 at 32K: 1.14x dense's step (goal <= 1.2x)",
+        "NOT met: pulsar x4 batch 1 at 32K: 1.29x dense's step (goal <= 1.2x)"]
