@@ -229,3 +229,25 @@ def test_the_decode_goals_are_read_off_the_rows():
         "NOT met: dense batch 8 at 32K: 50 % of the floor's tokens/s (goal >= 60 %)",
         "met: star x4 batch 1 at 32K: 1.14x dense's step (goal <= 1.2x)",
         "NOT met: pulsar x4 batch 1 at 32K: 1.29x dense's step (goal <= 1.2x)"]
+
+
+def test_the_phase1_goals_are_read_off_the_steps():
+    kit = _kit()
+
+    def step(name, rows):
+        return dict(name=name, ok=True, result=dict(rows=rows))
+
+    report = {"steps": [
+        step("phase1_64K", [dict(method="dense", context_len=65536, phase1_critical_path_s=6.0),
+                            dict(method="pulsar", context_len=65536, phase1_critical_path_s=1.4,
+                                 speedup_measured=4.3, speedup_predicted=4.6)]),
+        step("sparse_prefill_64K", [dict(method="dense", context_len=65536, phase1_critical_path_s=5.0)]),
+        step("cp_table_128K", [dict(method="ring", ranks=16, vs_ring_at={"50": 1.0}),
+                               dict(method="hybrid", ranks=16, vs_ring_at={"50": 2.5}),
+                               dict(method="star", ranks=16, vs_ring_at={"50": 3.1}),
+                               dict(method="star", ranks=4, vs_ring_at={"50": 9.0})])]}
+    assert kit.phase1_goals(report) == [
+        "met: pulsar at 64K: 0.93x its cost model's speed-up (goal >= 0.9x)",
+        "NOT met: sparse prefill at 64K: 1.20x faster than dense (goal >= 1.5x)",
+        "met: at 16 ranks, star is 3.10x faster than ring at 50 GB/s (goal >= 2x; accuracy: docs/results.md's "
+        "Gemma-3 32K table)"]
