@@ -90,7 +90,7 @@ DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_le
            limits=dict(wheels=60, environment=60, ops=240, pytest_gpu=60, phase1=(60,), sparse=60, decode=60,
                        serve=60, cp_table=60, nsight=60, kernels=60),
            nsight_len=256, nsight_launches=200,
-           kernels=dict(device="cpu", dtype="fp32", sq=(1, 512), sk=(512,), repeats=2))
+           kernels=dict(device="cpu", dtype="fp32", sq=(1, 256), sk=(256,), repeats=1))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
 
