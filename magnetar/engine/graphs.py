@@ -9,15 +9,15 @@ next one; this module does that for Magnetar's slots:
 * :class:`GraphPlan` -- the shapes, decided from the config before any request: the batch sizes
   ``runtime.decode_graph_batches`` (slots; default 1, 2, 4, ..., 64) times the capacities (from
   :data:`~magnetar.engine.static.MIN_CAPACITY` up to the model's positions, at most a quarter apart from 1024 on:
-  :func:`capacities_up_to`), every pair whose slots x capacity fits
-  the pool (``runtime.decode_graph_tokens`` KV entries per layer; 0: half the device's free memory on CUDA, no bound
-  on the CPU). A batch takes the smallest planned shape that holds it: a request's slot is padded to the next
-  capacity, a batch to the next batch size (idle slots step too; their rows are thrown away).
+  :func:`capacities_up_to`), every pair whose slots x capacity fits the pool (``runtime.decode_graph_tokens`` KV
+  entries per layer; 0: half the device's free memory on CUDA, no bound on the CPU). A batch takes the smallest
+  planned shape that holds it: a request's slot is padded to the next capacity, a batch to the next batch size (idle
+  slots step too; their rows are thrown away).
 * :class:`SlotPool` -- one flat KV buffer per layer (``tokens x Hkv x D``, and the key positions), allocated once;
   each planned shape ``(B, C)`` views its first ``B x C`` entries as ``(B, Hkv, C, D)``. A graph reads and writes the
-  addresses it was captured with, so every shape's views must sit in one allocation; when a batch moves to another
-  shape (a request joins or leaves, a slot fills), its entries are copied into the new layout through a temporary
-  of what the slots hold.
+  addresses it was captured with, so every shape's views must sit in one allocation; a batch moving to another shape
+  of the same capacity keeps every held slot where it is, and one whose capacity changes has its entries copied into
+  the new layout through a temporary of one layer's held KV at a time (:meth:`StaticDecode._relayout`).
 * :class:`DecodeGraphs` -- the engine's plan, pool and, on CUDA, one ``torch.cuda.CUDAGraph`` per planned shape,
   captured when the engine starts (each shape's eager step run twice on a side stream first -- the FlexAttention
   slot kernel compiles there -- then captured into one shared memory pool): a step copies its token ids, positions
