@@ -103,7 +103,15 @@ def _attention_choice() -> str:
             picks.append(f"{what}: {select_backend(AttentionCall(q, kv, kv, pos, pos, 0.125, kind)).name}")
         except ValueError as e:
             picks.append(f"{what}: none ({e})")
-    return f"{' > '.join(AUTO_ORDER)}; on {dev} bf16 auto picks {', '.join(picks)}"
+    from magnetar.ops.backends import list_backends
+    from magnetar.ops.backends.measured import preferred
+
+    try:
+        first = preferred(torch.device(dev), list_backends())
+    except ValueError as e:  # MAGNETAR_ATTENTION_ORDER names an unknown backend
+        first, picks = (), [*picks, str(e)]
+    order = [*first, *(n for n in AUTO_ORDER if n not in first)]
+    return f"{' > '.join(order)}; on {dev} bf16 auto picks {', '.join(picks)}"
 
 
 def _yes(flag: bool) -> str:
