@@ -210,6 +210,7 @@ if torch.cuda.is_available():
     info.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
                 memory_gb=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count,
                 bf16=torch.cuda.is_bf16_supported(), device_count=torch.cuda.device_count())
+info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
 for mod in ("transformers", "deepspeed", "flash_attn", "triton", "pydantic"):
     try:
         m = __import__(mod)
@@ -691,8 +692,8 @@ def tables(report: dict) -> str:
         lines.append(f"| {s['name']} | {'yes' if s['ok'] else 'NO'} | {s['seconds']} | {note} |")
     if env:
         lines += ["", "environment: " + ", ".join(
-            f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "transformers",
-                                          "deepspeed", "flash_attn", "nvcc") if k in env)]
+            f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "cudnn",
+                                          "transformers", "deepspeed", "flash_attn", "nvcc") if k in env)]
     benched = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]
                and not s["name"].startswith("kernels")]
     if benched:
