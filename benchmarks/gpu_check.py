@@ -805,6 +805,46 @@ def default_out() -> Path:
     return Path(out) / "gpu_check.json" if out else REPO / "runs" / "gpu_check.json"
 
 
+def _tokens(text: str) -> int:
+    """``"256K"`` -> 262144, ``"4096"`` -> 4096 (the kit's own process imports nothing of the package)."""
+    t = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(t[-1:], 1)
+    return int(t[:-1] if scale > 1 else t) * scale
+
+
+def override_shape(args) -> dict:
+    """The run's shape fields given on the command line (``--decode-shapes``, ``--decode-modes``, ``--cp-len``,
+    ``--cp-ranks``), checked; ValueError naming the flag."""
+    out = {}
+    if args.decode_shapes:
+        for part in args.decode_shapes.split(","):
+            b, _, n = part.partition("@")
+            try:
+                ok = int(b) >= 1 and _tokens(n) >= 64
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--decode-shapes: {part!r} is not BATCH@CONTEXT (e.g. 8@32K)")
+        out["decode_shapes"] = args.decode_shapes
+    if args.decode_modes:
+        modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
+        if not modes or any(m not in ("eager", "static", "compiled", "graph") for m in modes):
+            raise ValueError(f"--decode-modes: a comma list of eager, static, compiled, graph; got "
+                             f"{args.decode_modes!r}")
+        out["decode_modes"] = ",".join(modes)
+    if args.cp_len:
+        try:
+            out["cp_len"] = _tokens(args.cp_len)
+        except ValueError:
+            raise ValueError(f"--cp-len: a token count such as 131072 or 256K, got {args.cp_len!r}") from None
+    if args.cp_ranks:
+        ranks = [r.strip() for r in args.cp_ranks.split(",") if r.strip()]
+        if not ranks or any(not r.isdigit() or int(r) < 2 for r in ranks):
+            raise ValueError(f"--cp-ranks: comma-separated rank counts >= 2 (e.g. 8,16,32); got {args.cp_ranks!r}")
+        out["cp_ranks"] = ",".join(ranks)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, < 2 min: checks the kit itself")
@@ -819,6 +859,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "one hanging test must not take the step)")
     p.add_argument("--order", default=None, help="the steps' order (comma-separated name prefixes; the rest follow "
                    "in the default order)")
+    p.add_argument("--decode-shapes", default=None, metavar="B@L,...",
+                   help="the decode step's shapes instead of the run's (e.g. 1@32K,8@32K: a shorter call)")
+    p.add_argument("--decode-modes", default=None, help="the decode step's modes (e.g. graph,static)")
+    p.add_argument("--cp-len", default=None, help="the cp_table step's context (e.g. 256K on an H200)")
+    p.add_argument("--cp-ranks", default=None, help="the cp_table step's rank counts (e.g. 8,16,32)")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
                    "environment,pytest,phase1_32K); wheels always runs")
     args = p.parse_args(argv)
@@ -827,7 +872,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"--table: no such file {args.table}")
         print(tables(json.loads(args.table.read_text())))
         return 0
-    shape = DRY if args.dry_run else FULL
+    shape = dict(DRY if args.dry_run else FULL)
+    try:
+        shape.update(override_shape(args))
+    except ValueError as e:
+        p.error(str(e))
     budget = args.budget_s if args.budget_s is not None else shape["budget_s"]
     if budget <= 0:
         p.error(f"--budget-s must be > 0, got {budget}")

@@ -251,3 +251,25 @@ def test_the_phase1_goals_are_read_off_the_steps():
         "NOT met: sparse prefill at 64K: 1.20x faster than dense (goal >= 1.5x)",
         "met: at 16 ranks, star is 3.10x faster than ring at 50 GB/s (goal >= 2x; accuracy: docs/results.md's "
         "Gemma-3 32K table)"]
+
+
+def test_a_call_can_narrow_the_runs_shapes():
+    # a device session with little time left: fewer decode shapes or modes, or the exact-vs-approximate table at
+    # another length or rank counts, without editing the kit; bad values name their flag
+    import argparse
+
+    kit = _kit()
+
+    def args(**kw):
+        base = dict(decode_shapes=None, decode_modes=None, cp_len=None, cp_ranks=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    assert kit.override_shape(args()) == {}
+    assert kit.override_shape(args(decode_shapes="1@32K,8@32K", decode_modes="graph, static", cp_len="256K",
+                                   cp_ranks="8,16,32")) == dict(decode_shapes="1@32K,8@32K",
+                                                                decode_modes="graph,static", cp_len=262144,
+                                                                cp_ranks="8,16,32")
+    for bad, flag in ((dict(decode_shapes="8@x"), "--decode-shapes"), (dict(decode_modes="fast"), "--decode-modes"),
+                      (dict(cp_len="big"), "--cp-len"), (dict(cp_ranks="1,4"), "--cp-ranks")):
+        with pytest.raises(ValueError, match=flag):
+            kit.override_shape(args(**bad))
