@@ -192,6 +192,28 @@ def test_compile_failure_falls_back_to_static_and_says_why(monkeypatch, caplog):
     assert "decode steps run static" in caplog.text
 
 
+@pytest.mark.parametrize("mode", ["static", "graph"])
+def test_a_failing_flex_slot_kernel_falls_back_to_torchs_and_says_why(mode, monkeypatch, caplog):
+    # the compiled FlexAttention slot kernel (a graph step's on CUDA) failing on a card: the step runs again with
+    # torch's slot kernel, says why once, and the tokens stay eager's
+    from magnetar.ops.backends.flex import FlexAttentionBackend
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("NoValidChoicesError: no kernel lowers here")
+
+    monkeypatch.setattr(FlexAttentionBackend, "slot_forward", staticmethod(broken))
+    model = tiny_model("llama", seed=2)
+    want, _ = _batch_tokens(_engine(model, method="dense"))
+    with caplog.at_level("WARNING", logger="magnetar.engine.static"):
+        got, batch = _batch_tokens(_engine(model, method="dense", decode_step=mode, attention_backend="flex"))
+    assert got == want and len(calls) == 1
+    assert batch.static.fallback.startswith("the flex slot kernel failed (RuntimeError: NoValidChoicesError")
+    assert caplog.text.count("decode steps use torch's slot kernel") == 1
+
+
 def test_policies_run_eager_and_say_why():
     model = tiny_model("llama", seed=2)
     for extra, name in ((dict(sparse_policy="quest", sparse_budget=24, page_size=8), "Quest"),

@@ -413,6 +413,15 @@ class StaticDecode:
             except Exception as e:  # noqa: BLE001 - any compiler failure: say why, then run the same step uncompiled
                 self.fallback = f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
                 log.warning("decode_step compiled: %s; decode steps run static (batched, uncompiled)", self.fallback)
+        if self.attention == "flex" and self.fallback is None and not self.compiles:
+            try:
+                return self._forward(ids, pos, write, used)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the compiled slot kernel failed here: say why, use torch's
+                self.fallback = f"the flex slot kernel failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+                log.warning("decode_step %s: %s; decode steps use torch's slot kernel", self.mode, self.fallback)
+                # the step again: its KV writes land where they did, with the same values
         return self._forward(ids, pos, write, used)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
