@@ -25,6 +25,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from magnetar.ops.backends.measured import preferred
 from magnetar.ops.call import AttentionCall
 
 
@@ -86,12 +87,10 @@ def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot run this call: " + "; ".join(reasons))
         return backend
-    from magnetar.ops.backends.measured import preferred
-
     refusals = []
     device_type = call.q.device.type
-    first = list(preferred(call.q.device, list_backends()))  # this card's measured order, or the user's
-    order = first + [n for n in AUTO_ORDER if n not in first]
+    first = preferred(call.q.device)  # this card's measured order, or the user's (usually none)
+    order = [*first, *(n for n in AUTO_ORDER if n not in first)] if first else AUTO_ORDER
     for candidate in order + [n for n in list_backends() if n not in order]:
         backend = get_backend(candidate)
         devices = getattr(backend, "device_types", None)

@@ -26,18 +26,27 @@ def _card(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def preferred(device: torch.device, known: list[str]) -> tuple[str, ...]:
-    """The backends ``auto`` tries first for calls on ``device``: ``MAGNETAR_ATTENTION_ORDER``'s, else the measured
-    order of this card (:data:`MEASURED`), else none. ``known``: the registered names (an unknown one in the
-    variable is a ValueError naming it)."""
-    text = os.environ.get(ENV, "").strip()
-    if text:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            raise ValueError(f"{ENV}={text!r}: unknown attention backend(s) {unknown}; choose from {known}")
-        return names
+def preferred(device: torch.device) -> tuple[str, ...]:
+    """The backends ``auto`` tries first for calls on ``device``: ``MAGNETAR_ATTENTION_ORDER``'s (an unknown name in
+    it is a ValueError naming it), else the measured order of this card (:data:`MEASURED`), else none. Asked on
+    every ``auto`` call: nothing here sorts or parses twice."""
+    text = os.environ.get(ENV, "")
+    if text.strip():
+        return _named(text)
     if device.type != "cuda" or not MEASURED:
         return ()
     card = _card(device.index if device.index is not None else torch.cuda.current_device())
     return next((order for key, order in MEASURED.items() if key in card), ())
+
+
+@functools.lru_cache(maxsize=8)
+def _named(text: str) -> tuple[str, ...]:
+    """``MAGNETAR_ATTENTION_ORDER``'s backends, each a registered one."""
+    from magnetar.ops.backends import list_backends
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    known = list_backends()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"{ENV}={text.strip()!r}: unknown attention backend(s) {unknown}; choose from {known}")
+    return names
