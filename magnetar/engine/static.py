@@ -98,6 +98,13 @@ class StaticSlots:
             for t in (*self.k, *self.v, *self.pos):
                 torch._dynamo.mark_static_address(t)
 
+    @classmethod
+    def over(cls, pool: SlotPool, slots: int, capacity: int, writes: bool) -> "StaticSlots":
+        """Slots viewing ``pool``'s first ``slots x capacity`` entries (the pool's layers, heads, dtype and device;
+        their empties marked by the caller)."""
+        k = pool.k[0]
+        return cls(len(pool.k), slots, capacity, pool.hkv, pool.d, k.dtype, k.device, writes, pool=pool)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.pos))
 
@@ -249,9 +256,10 @@ class StaticDecode:
         pooled = g is not None and g.pool is not None and slots * capacity <= g.pool.tokens and g.take(self)
         if g is not None and not pooled:
             g.give_back(self)
-        new = StaticSlots(num_layers, slots, capacity, hkv, d, self._dtype(), self.device,
-                          writes=self.groups.is_cp_leader, graphs=self.mode == "compiled",
-                          pool=g.pool if pooled else None)
+        writes = self.groups.is_cp_leader
+        new = StaticSlots.over(g.pool, slots, capacity, writes) if pooled else \
+            StaticSlots(num_layers, slots, capacity, hkv, d, self._dtype(), self.device, writes=writes,
+                        graphs=self.mode == "compiled")
         if pooled and mark:
             for pos in new.pos:
                 pos.fill_(FAR)
@@ -453,17 +461,12 @@ def prepare_graphs(model, config, groups: ParallelGroups, device, policy, max_po
         return None
     graphs = DecodeGraphs.for_model(model, rt, device, max_positions, MIN_CAPACITY)
     attention = decode_attention(rt.attention_backend, device, "graph")
-    dims = ModelDims.from_config(model.config)
-
-    def make_slots(b: int, c: int) -> StaticSlots:
-        return StaticSlots(dims.layers, b, c, graphs.pool.hkv, graphs.pool.d, next(model.parameters()).dtype,
-                           torch.device(device), writes=True, pool=graphs.pool)
 
     def step(slots, ids, pos, write):
         return decode_forward(model, slots, groups, attention, ids, pos, write)
 
     with torch.inference_mode():
-        graphs.capture(step, make_slots, rt.decode_graph_warmup_s)
+        graphs.capture(step, lambda b, c: StaticSlots.over(graphs.pool, b, c, writes=True), rt.decode_graph_warmup_s)
     return graphs
 
 
