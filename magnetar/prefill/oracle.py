@@ -28,6 +28,7 @@ from typing import Optional, Union
 import torch
 
 from magnetar.ops import attention_with_lse
+from magnetar.ops.slots import FAR
 from magnetar.ops.jit import LazyOp
 
 SENTINEL = -1  # a support slot holding no key (fewer than k keys were causally valid)
@@ -243,6 +244,28 @@ def _check_idx(idx: torch.Tensor, B: int, S: int, N: int, b_sel: int) -> None:
         raise ValueError(f"sparse_gqa_attention: indices must lie in [0, {N}) or be SENTINEL ({SENTINEL})")
 
 
+def _block_batches(q, k, v, idx, qp_all, kp, b_sel: int, step: int, dtype):
+    """The blocks of ``idx`` ``step`` at a time: ``(r0, r1, nb, sel (B, nb, kk), kg, vg (B, Hkv, nb, kk, D),
+    kpos (B, nb, kk), qt (B, Hq, nb * b_sel, D), qp (B, nb * b_sel))`` -- each block's support gathered (an empty
+    slot reads key 0: ``sel`` < 0 marks it), its queries and their positions padded to whole blocks (a padding row
+    sits at a position that sees nothing), K, V and q in ``dtype``."""
+    B, Hq, S, D = q.shape
+    Hkv, (M, kk) = k.shape[1], idx.shape[1:]
+    for m0 in range(0, M, step):
+        m1 = min(M, m0 + step)
+        nb, r0, r1 = m1 - m0, m0 * b_sel, min(S, m1 * b_sel)
+        sel = idx[:, m0:m1].to(q.device)  # (B, nb, kk)
+        safe = sel.clamp(min=0)
+        where = safe.reshape(B, 1, nb * kk, 1).expand(B, Hkv, nb * kk, D)
+        kg, vg = (t.gather(2, where).to(dtype).view(B, Hkv, nb, kk, D) for t in (k, v))
+        kpos = kp.gather(1, safe.reshape(B, nb * kk)).view(B, nb, kk)
+        qt = torch.zeros(B, Hq, nb * b_sel, D, dtype=dtype, device=q.device)
+        qt[:, :, :r1 - r0] = q[:, :, r0:r1]
+        qp = torch.full((B, nb * b_sel), -FAR, dtype=torch.long, device=q.device)
+        qp[:, :r1 - r0] = qp_all[:, r0:r1]
+        yield r0, r1, nb, sel, kg, vg, kpos, qt, qp
+
+
 GATHER_BYTES = 1 << 29  # the registry path's gathered K and V per call (512 MiB): how many blocks one call takes
 
 
@@ -252,32 +275,19 @@ def _sparse_via_registry(q, k, v, idx, scale, qp_all, kp, b_sel, window) -> tupl
     slot at :data:`~magnetar.ops.slots.FAR`, a padding row at a position that sees nothing), through
     :func:`magnetar.ops.attention_with_lse` -- one kernel call of the registry per batch of blocks (duplicates in a
     support count twice, as in the torch path)."""
-    from magnetar.ops.slots import FAR
-
     B, Hq, S, D = q.shape
-    Hkv, (M, kk) = k.shape[1], idx.shape[1:]
+    Hkv, kk = k.shape[1], idx.shape[2]
     out = torch.zeros(B, Hq, S, D, dtype=q.dtype, device=q.device)
     lse = torch.full((B, Hq, S), float("-inf"), device=q.device)
     if kk == 0 or S == 0:
         return out, lse
-    low = -FAR  # a padding row's position: it sees no key
     step = max(1, GATHER_BYTES // (2 * kk * Hkv * D * k.element_size()))  # blocks per call
-    for m0 in range(0, M, step):
-        m1 = min(M, m0 + step)
-        nb, r0, r1 = m1 - m0, m0 * b_sel, min(S, m1 * b_sel)
-        sel = idx[:, m0:m1].to(q.device)  # (B, nb, kk)
-        safe = sel.clamp(min=0)
-        where = safe.reshape(B, 1, nb * kk, 1).expand(B, Hkv, nb * kk, D)
-        kg, vg = (t.gather(2, where).view(B, Hkv, nb, kk, D).transpose(1, 2).reshape(B * nb, Hkv, kk, D)
-                  for t in (k, v))
-        kpos = torch.where(sel >= 0, kp.gather(1, safe.reshape(B, nb * kk)).view(B, nb, kk), FAR)
-        qt = q.new_zeros(B, Hq, nb * b_sel, D)
-        qt[:, :, :r1 - r0] = q[:, :, r0:r1]
+    for r0, r1, nb, sel, kg, vg, kpos, qt, qp in _block_batches(q, k, v, idx, qp_all, kp, b_sel, step, q.dtype):
+        kg, vg = (t.transpose(1, 2).reshape(B * nb, Hkv, kk, D) for t in (kg, vg))
         qt = qt.view(B, Hq, nb, b_sel, D).transpose(1, 2).reshape(B * nb, Hq, b_sel, D)
-        qpos = torch.full((B, nb * b_sel), low, dtype=torch.long, device=q.device)
-        qpos[:, :r1 - r0] = qp_all[:, r0:r1]
-        o, l = attention_with_lse(qt, kg, vg, q_pos=qpos.view(B * nb, b_sel), k_pos=kpos.reshape(B * nb, kk),
-                                  scale=scale, window=window)
+        o, l = attention_with_lse(qt, kg, vg, q_pos=qp.view(B * nb, b_sel),
+                                  k_pos=torch.where(sel >= 0, kpos, FAR).reshape(B * nb, kk), scale=scale,
+                                  window=window)
         out[:, :, r0:r1] = o.view(B, nb, Hq, b_sel, D).transpose(1, 2).reshape(B, Hq, nb * b_sel, D)[:, :, :r1 - r0]
         lse[:, :, r0:r1] = l.view(B, nb, Hq, b_sel).transpose(1, 2).reshape(B, Hq, nb * b_sel)[:, :, :r1 - r0]
     return out, lse
@@ -314,7 +324,7 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qp_all = check_positions_arg(q_pos, S, B, q.device, "q_pos", N - S).expand(B, S)
     kp = check_positions_arg(k_pos, N, B, q.device, "k_pos", 0).expand(B, N)
-    M, kk = idx.shape[1], idx.shape[2]
+    kk = idx.shape[2]
     if backend == "registry" or (backend == "auto" and q.device.type == "cuda"):
         return _sparse_via_registry(q, k, v, idx, scale, qp_all, kp, b_sel, window)
     if use_sparse_op(backend, q.device):
@@ -327,19 +337,9 @@ def sparse_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     if kk == 0 or S == 0:
         return out.to(q.dtype), lse
     step = max(1, max_gather // kk)  # blocks per step
-    low = torch.iinfo(torch.long).min // 2  # position of a padding row: sees nothing
-    for m0 in range(0, M, step):
-        m1 = min(M, m0 + step)
-        nb, r0, r1 = m1 - m0, m0 * b_sel, min(S, m1 * b_sel)
-        sel = idx[:, m0:m1].to(q.device)  # (B, nb, kk)
-        safe = sel.clamp(min=0).reshape(B, 1, nb * kk, 1).expand(B, Hkv, nb * kk, D)
-        kg = k.gather(2, safe).float().view(B, Hkv, nb, kk, D)
-        vg = v.gather(2, safe).float().view(B, Hkv, nb, kk, D)
-        kpg = kp.gather(1, sel.clamp(min=0).reshape(B, nb * kk)).view(B, nb, 1, kk)
-        qp = torch.full((B, nb * b_sel), low, dtype=torch.long, device=q.device)
-        qp[:, : r1 - r0] = qp_all[:, r0:r1]
-        qt = torch.zeros(B, Hq, nb * b_sel, D, device=q.device)
-        qt[:, :, : r1 - r0] = q[:, :, r0:r1].float()
+    for r0, r1, nb, sel, kg, vg, kpos, qt, qp in _block_batches(q, k, v, idx, qp_all, kp, b_sel, step,
+                                                                torch.float32):
+        kpg = kpos.view(B, nb, 1, kk)
         qt = qt.view(B, Hkv, G, nb, b_sel, D)
         qp = qp.view(B, nb, b_sel, 1)
         vis = (sel >= 0).view(B, nb, 1, kk) & (kpg <= qp)  # (B, nb, b_sel, kk)
