@@ -301,7 +301,7 @@ def test_auto_tries_the_measured_or_named_backends_first(seeded, monkeypatch):
     monkeypatch.delenv(measured.ENV)
     monkeypatch.setattr(measured, "MEASURED", {"H200": ("sdpa_cudnn", "sdpa_flash")})
     monkeypatch.setattr(measured, "_card", lambda index: "NVIDIA H200")
-    assert measured.preferred(torch.device("cuda", 0)) == ("sdpa_cudnn", "sdpa_flash")
+    assert measured.preferred(torch.device("cuda", 0), list_backends) == ("sdpa_cudnn", "sdpa_flash")
     monkeypatch.setattr(measured, "_card", lambda index: "NVIDIA H100 80GB HBM3")
-    assert measured.preferred(torch.device("cuda", 0)) == ()
-    assert measured.preferred(torch.device("cpu")) == ()  # the table is per card
+    assert measured.preferred(torch.device("cuda", 0), list_backends) == ()
+    assert measured.preferred(torch.device("cpu"), list_backends) == ()  # the table is per card

@@ -103,10 +103,11 @@ def _attention_choice() -> str:
             picks.append(f"{what}: {select_backend(AttentionCall(q, kv, kv, pos, pos, 0.125, kind)).name}")
         except ValueError as e:
             picks.append(f"{what}: none ({e})")
+    from magnetar.ops.backends import list_backends
     from magnetar.ops.backends.measured import preferred
 
     try:
-        first = preferred(torch.device(dev))
+        first = preferred(torch.device(dev), list_backends)
     except ValueError as e:  # MAGNETAR_ATTENTION_ORDER names an unknown backend
         first, picks = (), [*picks, str(e)]
     order = [*first, *(n for n in AUTO_ORDER if n not in first)]

@@ -89,7 +89,7 @@ def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
         return backend
     refusals = []
     device_type = call.q.device.type
-    first = preferred(call.q.device)  # this card's measured order, or the user's (usually none)
+    first = preferred(call.q.device, list_backends)  # this card's measured order, or the user's (usually none)
     order = [*first, *(n for n in AUTO_ORDER if n not in first)] if first else AUTO_ORDER
     for candidate in order + [n for n in list_backends() if n not in order]:
         backend = get_backend(candidate)

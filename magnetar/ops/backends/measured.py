@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -26,13 +27,13 @@ def _card(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def preferred(device: torch.device) -> tuple[str, ...]:
-    """The backends ``auto`` tries first for calls on ``device``: ``MAGNETAR_ATTENTION_ORDER``'s (an unknown name in
-    it is a ValueError naming it), else the measured order of this card (:data:`MEASURED`), else none. Asked on
-    every ``auto`` call: nothing here sorts or parses twice."""
+def preferred(device: torch.device, registered: Callable[[], list[str]]) -> tuple[str, ...]:
+    """The backends ``auto`` tries first for calls on ``device``: ``MAGNETAR_ATTENTION_ORDER``'s (each checked
+    against ``registered()``, once per value: an unknown name is a ValueError naming it), else the measured order of
+    this card (:data:`MEASURED`), else none. Asked on every ``auto`` call: nothing here sorts or parses twice."""
     text = os.environ.get(ENV, "")
     if text.strip():
-        return _named(text)
+        return _named(text, registered)
     if device.type != "cuda" or not MEASURED:
         return ()
     card = _card(device.index if device.index is not None else torch.cuda.current_device())
@@ -40,12 +41,10 @@ def preferred(device: torch.device) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def _named(text: str) -> tuple[str, ...]:
+def _named(text: str, registered: Callable[[], list[str]]) -> tuple[str, ...]:
     """``MAGNETAR_ATTENTION_ORDER``'s backends, each a registered one."""
-    from magnetar.ops.backends import list_backends
-
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    known = list_backends()
+    known = registered()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"{ENV}={text.strip()!r}: unknown attention backend(s) {unknown}; choose from {known}")
