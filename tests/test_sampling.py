@@ -122,6 +122,87 @@ def test_filtering_equals_transformers_generate(temperature, top_k, top_p):
     assert_close(ours, theirs, what="logits", msg=f"T {temperature}, top_k {top_k}, top_p {top_p}")
 
 
+def _hf_scores(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """transformers' warpers for one row, as generate chains them (the reference of warp_rows)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.float()[None]
+    if p.temperature != 1.0:
+        scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(top_k=p.top_k, min_tokens_to_keep=1)(None, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=p.top_p, min_tokens_to_keep=1)(None, scores)
+    return scores[0]
+
+
+def test_warp_rows_equals_each_rows_transformers_warpers():
+    """A batch whose rows have their own temperature / top-k / top-p (or none) is filtered row by row exactly as
+    transformers' warpers filter each row alone: the same -inf entries, the same values elsewhere."""
+    from magnetar.engine.sampling import warp_rows
+
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.3, top_k=10, top_p=0.8),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.5, top_k=300, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=1)]
+    logits = torch.stack([step_logits(s) for s in range(len(params))])
+    ours = warp_rows(logits, params)
+    for i, p in enumerate(params):
+        theirs = _hf_scores(logits[i], p)
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(theirs)), f"row {i} ({p}): other tokens filtered"
+        assert_close(ours[i], theirs, what="logits", msg=f"row {i}")
+    kept = torch.isfinite(ours).sum(dim=-1).tolist()
+    assert kept[0] == V and kept[1] == 5 and kept[6] == 1 and all(k < V for k in kept[2:6]) and kept[2] > 1, kept
+
+
+def test_sampled_draws_follow_the_filtered_distribution():
+    """The exponential race draws from softmax of the warped scores: 6000 draws of one request over fixed logits
+    (temperature 0.8, top-k 5 of 8) against those probabilities (chi-square); the filtered tokens never."""
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.2, -0.5, -1.0, 0.1])
+    p = SamplingParams(temperature=0.8, top_k=5, seed=4, max_new_tokens=6000)
+    s = RequestSampler(p, vocab_size=8)
+    draws = torch.tensor([s.choose(logits) for _ in range(6000)])
+    counts = torch.bincount(draws, minlength=8).double()
+    probs = torch.softmax(_hf_scores(logits, p), dim=-1).double()
+    assert counts[probs == 0].sum() == 0, f"a filtered token was drawn: {counts.tolist()}"
+    keep = probs > 0
+
+    def expected(p):  # summing to the draws exactly, as chisquare asks
+        return (p[keep] / p[keep].sum() * counts.sum()).numpy()
+
+    stat = chisquare(counts[keep].numpy(), expected(probs))
+    assert stat.pvalue > 1e-3, f"draws {counts.tolist()} against {(probs * 6000).tolist()}: p = {stat.pvalue:.2g}"
+    untempered = torch.softmax(torch.where(keep, logits, float("-inf")), dim=-1).double()
+    assert chisquare(counts[keep].numpy(), expected(untempered)).pvalue < 1e-3, \
+        "the test must tell the temperature's distribution from the raw one"
+
+
+def test_a_batchs_draws_equal_each_request_alone():
+    """sample_rows over a batch (in any order) draws for each row what that request's choose draws alone: every row
+    takes its numbers from its own generator."""
+    from magnetar.engine.sampling import sample_rows
+
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=5), SamplingParams(temperature=1.2, top_k=40, seed=5),
+              SamplingParams(temperature=0.9, top_p=0.95, seed=6)]
+    alone = []
+    for p in params:
+        lone = RequestSampler(p, vocab_size=V)
+        alone.append([lone.choose(step_logits(s)) for s in range(10)])
+    for order in ([0, 1, 2], [2, 0, 1]):
+        samplers = {b: RequestSampler(params[b], vocab_size=V) for b in order}
+        got = {b: [] for b in order}
+        for step in range(10):
+            rows = torch.stack([step_logits(step)] * len(order))
+            tokens, ok = sample_rows(rows, [samplers[b] for b in order])
+            assert ok.all()
+            for b, t in zip(order, tokens.tolist()):
+                got[b].append(t)
+        assert [got[b] for b in range(3)] == alone, order
+    assert alone[0] != alone[2]
+
+
 def test_sampling_refuses_non_finite_logits():
     sampler = RequestSampler(SamplingParams(temperature=1.0), vocab_size=4)
     for bad in (torch.tensor([0.0, float("nan"), 1.0, 2.0]), torch.full((4,), float("-inf")),

@@ -44,15 +44,15 @@ def small_vocab_dir(tmp_path_factory):
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """A sampler that raises for the requests seeded :data:`POISON_SEED`, on the rank that chooses."""
-    choose = RequestSampler.choose
+    """A sampler that raises for the requests seeded :data:`POISON_SEED`, on the rank that chooses: in ``choose``
+    (a request that reads its own row) and in ``record`` (one chosen with its batch on the device)."""
+    for name in ("choose", "record"):
+        def fail(self, arg, _inner=getattr(RequestSampler, name)):
+            if self.params.seed == POISON_SEED:
+                raise IndexError("this request's own sampler failed (test)")
+            return _inner(self, arg)
 
-    def fail(self, logits):
-        if self.params.seed == POISON_SEED:
-            raise IndexError("this request's own sampler failed (test)")
-        return choose(self, logits)
-
-    monkeypatch.setattr(RequestSampler, "choose", fail)
+        monkeypatch.setattr(RequestSampler, name, fail)
 
 
 def test_logprobs_beyond_the_vocabulary_are_refused_by_name(small_vocab_dir):

@@ -345,8 +345,8 @@ def _no_sync_in_steps(monkeypatch):
 def test_a_static_step_never_waits_for_the_device_and_a_batch_step_reads_it_once(monkeypatch):
     # issue 47: nothing inside a step synchronizes with the host (.item(), .tolist(), .cpu(), bool(t), nonzero, a
     # boolean-mask index raise there; on CUDA the driver's sync debug mode too), for every layout, with requests
-    # joining and leaving, greedy and sampled; a step of greedy requests then reads the device ONCE (their tokens and
-    # finite flags together), where it read once per request and once more for the check
+    # joining and leaving, greedy and sampled; a step of greedy and sampled requests then reads the device ONCE (their
+    # tokens and finite flags together), where it read once per request and once more for the check
     from magnetar.utils.sync import HostSyncError, host_syncs
 
     with pytest.raises(HostSyncError, match=r"host synchronization \(item\)"):
@@ -366,6 +366,9 @@ def test_a_static_step_never_waits_for_the_device_and_a_batch_step_reads_it_once
     batch = eng.open_batch()
     for i in range(3):
         batch.add(_ids(i, 50 + 10 * i), _ids(10 + i, 4), eng.sampling_params(max_new_tokens=4))
+    for i, extra in enumerate((dict(top_p=0.9), dict(top_k=20))):  # sampled ones are drawn on the device too
+        batch.add(_ids(3 + i, 60), _ids(13 + i, 4), eng.sampling_params(max_new_tokens=4, temperature=0.8, seed=i,
+                                                                         **extra))
     for _ in range(2):
         with host_syncs("count") as seen:
             batch.step()

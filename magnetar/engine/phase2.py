@@ -25,6 +25,7 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
+from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
 from magnetar.engine.graphs import DecodeGraphs
 from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
@@ -32,6 +33,7 @@ from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
+from magnetar.utils.sync import to_device
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
                                  PHASE2_SAMPLE, PHASE2_SCORE, nvtx_range)
 
@@ -172,6 +174,15 @@ class TokenChooser(Protocol):
     @property
     def stop_reason(self) -> Optional[str]: ...
 
+    # whether the engine may choose its tokens with the batch's on the device (greedy: argmax, else sample_rows
+    # with params and generator_on), the token then given to record
+    @property
+    def device_choice(self) -> bool: ...
+
+    params: SamplingParams
+
+    def generator_on(self, device) -> torch.Generator: ...
+
 
 # what the token broadcast carries instead of a token id for a request that got none
 NONFINITE = -1  # its logits were not finite (isolate)
@@ -183,17 +194,26 @@ class RequestFailed(RuntimeError):
     raises the request's own exception)."""
 
 
-def _read_choices(logits: torch.Tensor, together: list[int], check: bool) -> tuple[list[bool], dict[int, int]]:
+def _read_choices(logits: torch.Tensor, together: list[tuple[int, TokenChooser]], check: bool
+                  ) -> tuple[list[bool], dict[int, int]]:
     """One read of the device for a step's ``logits (B, V)``: whether each row is finite (all True without
-    ``check``), and the greedy tokens (``argmax``, as :meth:`RequestSampler.choose`) of the rows ``together``."""
+    ``check``), and the tokens of the rows ``together`` -- ``(row, chooser)`` of requests chosen with their batch:
+    greedy ones by ``argmax``, sampled ones by :func:`~magnetar.engine.sampling.sample_rows` (exactly
+    :meth:`RequestSampler.choose`'s choices; -1 for a row with nothing to sample from)."""
     n, parts = logits.shape[0], []
     if check:
         parts.append(torch.isfinite(logits).all(dim=-1).long())
-    if together:
-        parts.append(logits[torch.tensor(together, device=logits.device)].argmax(dim=-1))
+    greedy = [i for i, c in together if c.params.greedy]
+    sampled = [(i, c) for i, c in together if not c.params.greedy]
+    if greedy:
+        parts.append(logits[to_device(torch.tensor(greedy), logits.device)].argmax(dim=-1))
+    if sampled:
+        rows = logits[to_device(torch.tensor([i for i, _ in sampled]), logits.device)]
+        tokens, ok = sample_rows(rows, [c for _, c in sampled])
+        parts.append(torch.where(ok, tokens, -1))
     values = torch.cat(parts).tolist() if parts else []
     finite = [bool(v) for v in values[:n]] if check else [True] * n
-    return finite, dict(zip(together, values[n if check else 0:]))
+    return finite, dict(zip(greedy + [i for i, _ in sampled], values[n if check else 0:]))
 
 
 def _broadcast_tokens(tokens: list[int], groups: ParallelGroups, device) -> list[int]:
@@ -335,11 +355,11 @@ class DecodeBatch:
                        full: Optional[torch.Tensor], lengths: Optional[list[int]]) -> list[int]:
         picked, errors = [NONFINITE] * len(live), {}
         if self.chooses:
-            # the greedy requests' tokens are chosen together on the device, read with every row's finite flag in
-            # ONE transfer (a step's only wait for the device when every request is greedy; the others' samplers
-            # read their own rows)
-            together = [i for i, r in enumerate(live) if r.req.chooser.device_choice and r.req.logprobs is None
-                        and not (full is not None and r.req.prompt_logprobs)]
+            # the tokens of the requests without a grammar or log-probabilities are chosen together on the device
+            # (greedy and sampled), read with every row's finite flag in ONE transfer: a step's only wait for the
+            # device unless a request reads its own row (a grammar's mask, log-probabilities)
+            together = [(i, r.req.chooser) for i, r in enumerate(live) if r.req.chooser.device_choice
+                        and r.req.logprobs is None and not (full is not None and r.req.prompt_logprobs)]
             finite, chosen = _read_choices(logits, together, self.isolate or self.config.runtime.check_finite)
             for i, r in enumerate(live):
                 if not finite[i]:
@@ -378,6 +398,8 @@ class DecodeBatch:
         """On the replica's first rank: request ``r``'s token chosen with the batch on the device, recorded as
         :meth:`_choose_one` records its own (or :data:`FAILED` and the exception)."""
         try:
+            if token < 0:  # sample_rows: the row's probabilities were not finite (as choose raises)
+                raise ValueError(NOTHING_TO_SAMPLE)
             r.req.chooser.record(token)
             return token, None
         except Exception as e:  # noqa: BLE001 -- as _choose_one: the request's own failure

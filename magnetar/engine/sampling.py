@@ -4,8 +4,11 @@
   ``top_k``, ``seed``, ``stop``), validated when built.
 * :class:`RequestSampler` -- one per request: its own ``torch.Generator`` seeded with ``params.seed`` (so the
   tokens a request samples never depend on its position in a batch or on the other requests), the token
-  history, the choice of the next token with transformers' logits warpers (temperature, top-k, top-p, in the
-  order ``generate`` applies them) and the stop decision with transformers' stopping criteria.
+  history, the choice of the next token (temperature, top-k, top-p as transformers' logits warpers apply them)
+  and the stop decision.
+* :func:`sample_rows` -- a batch's sampled tokens drawn together on the logits' device, each row with its own
+  request's parameters and generator, without reading the device (issue 47: sampling on the device); a request's
+  :meth:`RequestSampler.choose` draws through it too, so its tokens are the same alone or in a batch.
 * :class:`TextDeltas` -- the text of a request as it grows, in deltas (transformers' ``TextStreamer``), never
   showing text past a stop string.
 
@@ -22,14 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import TextStreamer
 
 from magnetar.config import DecodeConfig, FieldError, describe
 from magnetar.engine.grammar import TokenMask
 from magnetar.engine.inputs import check_max_new_tokens, check_stop, is_int
+from magnetar.utils.sync import to_device
 
 # The smallest temperature that samples: below it, logits of a few units divided by the temperature overflow
 # float32 and softmax turns them into NaN (vLLM treats temperatures under 1e-5 as greedy; here they are refused).
@@ -96,7 +98,7 @@ class SamplingParams:
                  f"must be None or an llguidance grammar string (magnetar.engine.grammar), got "
                  f"{describe(self.grammar)}")
         stop = () if self.stop is None else tuple(self.stop)
-        # plain Python numbers: transformers' warpers check isinstance(top_k, int) / isinstance(temperature, float)
+        # plain Python numbers (numpy ones become them): the params are compared, hashed and made into tensors
         for name, value in (("max_new_tokens", int(self.max_new_tokens)), ("temperature", float(self.temperature)),
                             ("top_p", float(self.top_p)), ("top_k", int(self.top_k)), ("seed", int(self.seed)),
                             ("stop", stop)):
@@ -182,6 +184,55 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[: min(ends)] if ends else text
 
 
+# -- sampling rows on their device --------------------------------------------------------------------------
+# transformers' warpers take one temperature / top-k / top-p for a whole batch, where the engine's batch mixes
+# requests with their own: the same three steps run here row-wise, batched on the logits' device (their scores
+# equal the warpers': tests/test_sampling.py), and the token is drawn by the exponential race -- the argmax of
+# p / E, E ~ Exp(1) drawn from the request's own generator, is a draw from p (vLLM's sampler draws so) -- so a
+# decode step samples every request without the host reading its logits.
+NOTHING_TO_SAMPLE = ("logits hold NaN or +inf, or no finite value: nothing to sample from (runtime.check_finite "
+                     "reports where non-finite logits come from)")
+
+
+def warp_rows(logits: torch.Tensor, params: Sequence["SamplingParams"]) -> torch.Tensor:
+    """``logits (N, V)`` in float32 after each row's temperature, then top-k, then top-p (``params[i]`` for row
+    i, sampled ones), on their device: the values transformers' ``TemperatureLogitsWarper``,
+    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (one token kept at least) give the row, ``-inf`` where they
+    filter. Never reads the device."""
+    scores = logits.float()
+    n, v = scores.shape
+    dev = scores.device
+    if any(p.temperature != 1.0 for p in params):
+        scores = scores / to_device(torch.tensor([[p.temperature] for p in params], dtype=torch.float32), dev)
+    ks = [min(max(p.top_k, 1), v) if p.top_k else 0 for p in params]
+    if any(ks):  # below the row's k-th largest value (ties at it kept)
+        kth = torch.topk(scores, max(ks), dim=-1).values.gather(1, to_device(torch.tensor([[max(k, 1) - 1]
+                                                                                            for k in ks]), dev))
+        off = to_device(torch.tensor([[k == 0] for k in ks]), dev)
+        scores = scores.masked_fill((scores < kth) & ~off, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):  # the least likely tokens whose mass is at most 1 - top_p
+        ascending, order = torch.sort(scores, descending=False)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= to_device(torch.tensor([[1 - p.top_p] for p in params], dtype=torch.float32), dev)
+        drop[..., -1:] = False
+        drop &= to_device(torch.tensor([[p.top_p < 1.0] for p in params]), dev)
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores
+
+
+def sample_rows(logits: torch.Tensor, samplers: Sequence["RequestSampler"]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits (N, V)`` drawn from ``softmax(warp_rows(...))`` with ``samplers[i]``'s
+    generator on the logits' device (each draws ``V`` numbers from its own generator: neither the other rows nor
+    their order change a row's token), and whether each row could be sampled (False: NaN or +inf logits, or no
+    finite one). Both stay on the device: nothing is read."""
+    probs = warp_rows(logits, [s.params for s in samplers]).softmax(dim=-1)
+    ok = torch.isfinite(probs).all(dim=-1)
+    race = torch.empty_like(probs)
+    for i, s in enumerate(samplers):
+        race[i].exponential_(generator=s.generator_on(probs.device))
+    return probs.div_(race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(dim=-1), ok
+
+
 # -- one request --------------------------------------------------------------------------------------------
 class RequestSampler:
     """One request's token choice and stop decision.
@@ -217,18 +268,9 @@ class RequestSampler:
         self.vocab_size = int(vocab_size)
         self.eos_ids = tuple(int(t) for t in eos_ids)
         self.tokenizer = tokenizer
-        self.generator = torch.Generator().manual_seed(params.seed)
+        self._generators: dict[torch.device, torch.Generator] = {}  # per device, seeded with params.seed
         self._ids: list[int] = []
         self._stop_reason: Optional[str] = None
-        warpers = []
-        if not params.greedy:  # as GenerationMixin._get_logits_processor: temperature, then top-k, then top-p
-            if params.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k != 0:
-                warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
-            if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
-        self.warpers = LogitsProcessorList(warpers)
         self._stop = StopStrings(tokenizer, params.stop) if params.stop else None
         # the grammar's state, on every rank (the stop decision depends on it); it masks logits where one chooses
         self._mask = TokenMask(params.grammar, tokenizer, self.vocab_size, self.eos_ids) \
@@ -249,24 +291,33 @@ class RequestSampler:
 
     @property
     def device_choice(self) -> bool:
-        """Whether the engine may choose this request's tokens with its batch's, on the device: greedy without a
-        grammar (``argmax`` of the logits, exactly :meth:`choose`'s), the token then given to :meth:`record`."""
-        return self.params.greedy and self._mask is None
+        """Whether the engine may choose this request's tokens with its batch's, on the device -- every request
+        without a grammar: greedy ones by ``argmax``, sampled ones by :func:`sample_rows` (exactly :meth:`choose`'s
+        choices), the token then given to :meth:`record`."""
+        return self._mask is None
+
+    def generator_on(self, device) -> torch.Generator:
+        """This request's generator on ``device`` (made on first use, seeded with ``params.seed``): a seed draws
+        the same tokens on every run on one kind of device, other ones on another (each has its own generator)."""
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self._generators[device]
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits (V,)`` (any float dtype, any device) after the warpers: float32 on the CPU, ``-inf`` for the
-        tokens top-k / top-p remove; unchanged values (as float32) for greedy requests."""
+        """``logits (V,)`` (any float dtype, any device) after the warpers, on their device: float32, ``-inf``
+        for the tokens top-k / top-p remove; unchanged values (as float32) for greedy requests."""
         self._check_logits(logits)
-        scores = logits.detach().reshape(1, -1).float().cpu()
-        history = torch.tensor([self._ids], dtype=torch.long).reshape(1, -1)
-        return self.warpers(history, scores)[0]
+        scores = logits.detach().reshape(1, -1)
+        return (scores.float() if self.params.greedy else warp_rows(scores, [self.params]))[0]
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token for ``logits (V,)`` of this request's last position, recorded in the history.
 
         Greedy: exactly ``int(torch.argmax(logits))`` (NaN logits are the engine's ``runtime.check_finite``
-        to catch). Sampling: ``torch.multinomial`` of the softmax of :meth:`process`'s scores, in float32 on the
-        CPU, with this request's generator; logits with NaN or +inf, or no finite entry, are a ValueError."""
+        to catch). Sampling: :func:`sample_rows` of this one row (the softmax of :meth:`process`'s scores, drawn
+        with this request's generator on the logits' device); logits with NaN or +inf, or no finite entry, are a
+        ValueError."""
         self._check_open()
         if self._mask is not None:  # the tokens the grammar does not allow next: -inf
             self._check_logits(logits)
@@ -275,11 +326,11 @@ class RequestSampler:
             self._check_logits(logits)
             token = int(torch.argmax(logits))
         else:
-            probs = torch.softmax(self.process(logits), dim=-1)
-            if not bool(torch.isfinite(probs).all()):
-                raise ValueError("logits hold NaN or +inf, or no finite value: nothing to sample from "
-                                 "(runtime.check_finite reports where non-finite logits come from)")
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            self._check_logits(logits)
+            tokens, ok = sample_rows(logits.detach().reshape(1, -1), [self])
+            token, ok = torch.stack((tokens[0], ok[0].long())).tolist()
+            if not ok:
+                raise ValueError(NOTHING_TO_SAMPLE)
         self._add(token)
         return token
 
