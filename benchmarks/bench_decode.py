@@ -297,8 +297,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if distributed and int(os.environ.get("RANK", "0")) != 0:
         return 0
+    from magnetar.utils.machine import cpu_description
+
     print(f"\n{args.model} {args.dtype}, {dev}, {torch.get_num_threads()} threads, copy bandwidth "
-          f"{args.bandwidth / 1e9:.0f} GB/s (measured)\n")
+          f"{args.bandwidth / 1e9:.0f} GB/s (measured); {cpu_description()}\n")
     print("| config | batch | context | decode step (ran) | ms/step | ms/token | tokens/s | floor ms | % floor | "
           "speed-up vs eager | first step s | host syncs / step | requests with eager's tokens |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -330,8 +332,10 @@ def _compare(rows: list[dict]) -> None:
 
 
 def _record(args, dev: str, load_s: float, rows: list[dict], skipped: list[dict]) -> dict:
+    from magnetar.utils.machine import cpu_description
+
     return dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
-                shapes=args.shapes, copy_bandwidth_gbps=args.bandwidth / 1e9,
+                cpu=cpu_description(), shapes=args.shapes, copy_bandwidth_gbps=args.bandwidth / 1e9,
                 device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
                 rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows], skipped=skipped)
 

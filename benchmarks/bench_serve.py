@@ -673,6 +673,8 @@ def part_peer(model, tokenizer, args) -> dict:
     import shlex
     import urllib.request
 
+    from magnetar.utils.machine import cpu_description
+
     def doc(tokens, seed):
         return documents(tokenizer, tokens, 1, seed)[0]
 
@@ -743,7 +745,7 @@ def part_peer(model, tokenizer, args) -> dict:
             ("questions_8k", "clients_8_alone", "clients_8_together")}
     print(f"\n## Peer: Magnetar ({args.method}, {args.ranks} rank(s), decode_step {args.decode_step or 'eager'}) "
           f"against {args.peer} ({o.get('model', 'peer')}), the same plain OpenAI requests, {args.new_tokens} new "
-          f"tokens, greedy\n")
+          f"tokens, greedy; {cpu_description()}\n")
     print("| workload | Magnetar | peer | Magnetar / peer | better |")
     print("|---|---:|---:|---:|---|")
     table = []
@@ -761,10 +763,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from magnetar.utils.machine import cpu_description
+
     model, tokenizer = load(args)
     out = dict(bench="serve", model="tiny" if args.tiny else args.model, method=args.method, ranks=args.ranks,
                dtype=args.dtype, device=str(next(model.parameters()).device),
-               machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+               machine=f"{platform.machine()} {platform.processor() or ''}".strip(), cpu=cpu_description(),
                torch_threads=torch.get_num_threads())
     if "cache" in args.parts:
         out["cache"] = part_cache(model, tokenizer, args)
