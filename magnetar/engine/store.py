@@ -57,10 +57,13 @@ def weights_fingerprint(model) -> str:
         h.update(json.dumps(d, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            flat = t.detach().reshape(-1)
-            step = max(1, flat.numel() // 4096)
+            step = max(1, t.numel() // 4096)
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            h.update(flat[::step][:4096].to("cpu", torch.float64).numpy().tobytes())
+            # every step-th value in the tensor's logical order, read where it lies (a weight stored transposed for
+            # the CPU's decode, magnetar.engine.gemv, is not copied whole to be sampled)
+            at = torch.arange(0, t.numel(), step, device=t.device)[:4096]
+            sample = t.detach()[torch.unravel_index(at, t.shape)] if t.dim() else t.detach().reshape(1)
+            h.update(sample.to("cpu", torch.float64).numpy().tobytes())
     return h.hexdigest()
 
 
