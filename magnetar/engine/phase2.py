@@ -25,17 +25,17 @@ import torch.distributed as dist
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
-from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
 from magnetar.engine.graphs import DecodeGraphs
+from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
 from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
-from magnetar.utils.sync import to_device
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
                                  PHASE2_SAMPLE, PHASE2_SCORE, nvtx_range)
+from magnetar.utils.sync import to_device
 
 log = logging.getLogger(__name__)
 
