@@ -143,9 +143,80 @@ def test_the_store_stays_within_its_bound_and_keeps_pinned_contexts(model_dir, t
     engine.unpin(one)
 
 
+def _folder_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_the_bound_covers_the_whole_folder(model_dir, tmp_path, caplog):
+    """runtime.context_store_mb bounds the folder, other layouts' files included (named in the log when they take
+    over half of it); a simulated layout's context counts every rank's KV (its one file holds them all)."""
+    other = tmp_path / "cp0of8-tp0of1"  # another layout's contexts, left by an earlier run
+    other.mkdir()
+    (other / "old.safetensors").write_bytes(bytes(600 * 1024))
+    with caplog.at_level(logging.WARNING, logger="magnetar.engine.store"):
+        engine = _engine(model_dir, tmp_path, method="star", cp_size=2, block_size=64, simulate=True,
+                         context_store_mb=1)
+    assert str(other) in caplog.text and "--context-store-mb" in caplog.text
+    assert engine.cache_stats()["store"]["budget_bytes"] == 2**20 - 600 * 1024
+    one = engine.encode(CTX)
+    assert one.nbytes == one.shard.nbytes() > max(s.kv_bytes for s in one.stats)  # both ranks', held by one process
+    for i in range(1, 8):
+        engine.encode(torch.arange(10 + i, 210 + i))
+        engine.flush_store()
+        # the KV within the bound at every step; the files' other tensors (positions, ids, logits) and manifests
+        # add a few percent on this tiny model (under 1 % on real ones)
+        assert _folder_bytes(tmp_path) <= 1.1 * 2**20
+    stats = engine.cache_stats()["store"]
+    assert stats["evictions"] >= 1 and stats["bytes"] + 600 * 1024 <= 2**20
+    assert (other / "old.safetensors").exists()  # never removed: another engine's
+
+
+def test_a_write_that_does_not_fit_is_skipped_and_leaves_nothing(model_dir, tmp_path, monkeypatch, caplog):
+    """Pinned contexts filling the budget, a disk near full, a write failing half-way: the context is not stored,
+    nothing is evicted for it, no partial file stays; a low disk is said once."""
+    import shutil
+
+    import safetensors.torch
+
+    engine = _engine(model_dir, tmp_path, context_store_mb=1)
+    pinned = [engine.encode(torch.arange(10 + i, 210 + i)) for i in range(10)]  # 100 KiB each: the whole budget
+    for h in pinned:
+        engine.pin(h)
+    engine.flush_store()
+    files = _files(tmp_path)
+    for i in range(10, 13):  # past the bound with every stored context pinned
+        engine.encode(torch.arange(10 + i, 210 + i))
+    engine.flush_store()
+    stats = engine.cache_stats()["store"]
+    assert stats["evictions"] == 0 and stats["bytes"] <= 2**20 and stats["skipped"] >= 1
+    assert all(engine.is_cached(h.key) for h in pinned) and set(files) <= set(_files(tmp_path))
+    for h in pinned:
+        engine.unpin(h)
+    engine.flush_store()
+    before = _files(tmp_path)
+    free = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("magnetar.engine.store.shutil.disk_usage", lambda p: free._replace(free=100 << 20))
+    with caplog.at_level(logging.WARNING, logger="magnetar.engine.store"):
+        for i in range(20, 23):
+            engine.encode(torch.arange(10 + i, 210 + i))
+        engine.flush_store()
+    assert caplog.text.count("MiB free") == 1 and _files(tmp_path) == before
+    monkeypatch.undo()
+
+    def failing(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    engine.encode(torch.arange(50, 250).flip(0))
+    engine.flush_store()
+    assert not [n for n in _files(tmp_path) if ".tmp-" in n] and set(_files(tmp_path)) <= set(before)
+
+
 def _two_ranks(rank, world, model_dir, store):
     flat = dict(method="star", cp_size=2, block_size=64, timeout_s=60, context_store=store)
     first = magnetar.init_inference(model_dir, **flat)
+    assert first.cache_stats()["store"]["budget_bytes"] == 10240 * 2**20 // 2  # each rank half the folder's bound
     want = first.generate(CTX, Q, max_new_tokens=5)
     first.flush_store()
     torch.distributed.barrier()

@@ -197,7 +197,8 @@ class RuntimeConfig:
     # a folder where every rank also writes the contexts it encodes (magnetar.engine.store), so that a restarted
     # engine -- or one whose cache evicted them -- loads them instead of running Phase 1 again; None: memory only
     context_store: Optional[str] = None
-    context_store_mb: int = 10240  # the store's bound per rank (least recently used out)
+    # the store folder's bound: every rank's files and other layouts' together (least recently used out)
+    context_store_mb: int = 10240
     # a context that starts with a cached one encodes only its new tokens, which attend to the cached KV exactly
     # (as a Phase-2 query) and are dealt to the CP ranks, least loaded first: "exact" for the methods whose Phase 1
     # is exact (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new

@@ -41,8 +41,9 @@ class ContextHandle:
 
     ``shard`` is frozen and never changed by a question: each question decodes over its own
     :meth:`~magnetar.engine.kv.KVShard.view`. ``stats`` are the Phase-1 figures this process measured (one per
-    CP rank when simulated, else this rank's); ``nbytes`` the largest KV shard over the ranks (what the cache
-    budget counts, the same on every rank).
+    CP rank when simulated, else this rank's); ``nbytes`` the most KV bytes a process of the replica holds for it --
+    the largest shard over the ranks; simulated, every rank's (one process holds them) -- what the cache and store
+    budgets count, the same on every rank.
     """
 
     key: str

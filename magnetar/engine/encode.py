@@ -71,13 +71,15 @@ def kv_options(config: EngineConfig) -> str:
 class Phase1Output:
     """One context's Phase 1 on this process: its KV ``shard`` (this rank's; simulated: every rank's joined), the
     RoPE position of the first query token, per-rank figures (``stats``: this rank's, or every simulated rank's),
-    the largest shard's bytes over the CP ranks (what the cache budget counts) and the sparse-prefill counts of
-    every rank summed (``prefill_stats``, a ``PrefillStats``; None without sparse prefill)."""
+    the most KV bytes a process of the replica holds for it (``held_bytes``: the largest shard over the CP ranks;
+    simulated: every rank's, which the one process holds -- what the cache and store budgets count, the same on every
+    rank) and the sparse-prefill counts of every rank summed (``prefill_stats``, a ``PrefillStats``; None without
+    sparse prefill)."""
 
     shard: KVShard
     query_position: int
     stats: list[RankStats]
-    largest_bytes: int
+    held_bytes: int
     prefill_stats: Optional[PrefillStats] = None
     last_logits: Optional[torch.Tensor] = None  # (V,): the context's last position (one CP rank only, else None)
 
@@ -153,13 +155,14 @@ class Encoder:
             out = self.phase1(context_ids)
             prefill = None if out.prefill_stats is None else out.prefill_stats.as_dict()
             handle = ContextHandle(key, context_ids, out.shard, out.query_position, out.stats, prefill,
-                                   out.largest_bytes, self.config.method, engine=self.identity,
+                                   out.held_bytes, self.config.method, engine=self.identity,
                                    options=self.options_digest, last_logits=out.last_logits)
         budget = self.cache.budget_bytes  # 0: the user keeps nothing on purpose
         if keep and not self.cache.put(handle) and handle.nbytes > budget > 0 and not self.cache.warned:
             self.cache.warned = True  # once per cache: every such context would say it again
-            log.warning("a context of %d tokens holds %.0f MiB of KV on its largest rank, more than the whole context "
-                        "cache (runtime.context_cache_mb = %d MiB, --context-cache-mb): it is not kept, and its next "
+            log.warning("a context of %d tokens holds %.0f MiB of KV in a process (its largest rank), more than the "
+                        "whole context cache (runtime.context_cache_mb = %d MiB, --context-cache-mb): it is not kept, "
+                        "and its next "
                         "question runs its Phase 1 again; raise the budget to keep such contexts",
                         handle.context_tokens, handle.nbytes / 2**20, budget // 2**20)
         if keep and self.store is not None:
@@ -282,8 +285,8 @@ class Encoder:
                                      exchange=(), context_kv_tokens=st.context_kv_tokens + int((owners == r).sum()),
                                      kv_bytes=st.kv_bytes + int((owners == r).sum()) * per_token)
                  for r, st in zip(ranks, base.stats)]
-        if self.simulated:
-            largest = max(st.kv_bytes for st in stats)
+        if self.simulated:  # one process holds every rank's KV
+            largest = shard.nbytes()
         else:  # every rank's shard size: the cache budget counts the largest, the same on every rank
             largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
@@ -399,7 +402,7 @@ class Encoder:
                 per_token = p1.shard.nbytes() / max(1, sum(sizes))
                 stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token))
                          for r, n in enumerate(sizes)]
-                return Phase1Output(p1.shard, plans[0].query_position, stats, max(s.kv_bytes for s in stats))
+                return Phase1Output(p1.shard, plans[0].query_position, stats, p1.shard.nbytes())
             union = p1.shard.split(sizes)  # each rank's part, as the ring would bring it
         parts, stats, prefill_stats = [], [], None
         mass = self._mass(variants)
@@ -422,8 +425,8 @@ class Encoder:
                                    exchange=tuple(ring.clock.steps())))
         if len({p.query_position for p in plans}) != 1:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
-        return Phase1Output(KVShard.join(parts), plans[0].query_position, stats, max(s.kv_bytes for s in stats),
-                            prefill_stats)
+        joined = KVShard.join(parts)
+        return Phase1Output(joined, plans[0].query_position, stats, joined.nbytes(), prefill_stats)
 
     def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
         """The recorder of the Phase-1 attention mass of every kept key when the decode policy or one of

@@ -39,7 +39,7 @@ from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
 from magnetar.engine.sampling import RequestSampler, SamplingParams
 from magnetar.engine.score import Scorer, ScoreParts
-from magnetar.engine.store import ContextStore, HostTier, weights_fingerprint
+from magnetar.engine.store import ContextStore, HostTier, layout_name, replica_layouts, weights_fingerprint
 from magnetar.engine.static import prepare_graphs
 from magnetar.engine.strategy import DecodePolicy, decode_policy, prefill_policy
 from magnetar.engine.tensor_parallel import weight_bytes
@@ -108,11 +108,11 @@ class Engine:
         if root is None:
             return None
         p, g = self.config.parallel, self.groups
-        layout = f"simulated-cp{p.cp_size}" if self.simulated else \
-            f"cp{g.cp_rank}of{p.cp_size}-tp{g.tp_rank}of{p.tp_size}"
+        layout = layout_name(self.simulated, g.cp_rank, p.cp_size, g.tp_rank, p.tp_size)
         try:
             return ContextStore(root, layout, weights_fingerprint(self.model),
-                                self.config.runtime.context_store_mb * 2**20)
+                                self.config.runtime.context_store_mb * 2**20,
+                                peers=replica_layouts(self.simulated, p.cp_size, p.tp_size))
         except ValueError as e:
             raise FieldError(str(e), "context_store") from None
 

@@ -13,11 +13,17 @@ earlier turn of a conversation) is loaded and extended, as a cached prefix is.
 What is never loaded, named in the log: a file without its manifest (the process died while writing: the data file
 goes to a temporary name first and is renamed, then the manifest), a file whose size or checksum differs from its
 manifest (truncated, corrupt) -- both deleted --, and a foreign one (other weights: another fingerprint; another
-layout or format) -- left for its owner, and replaced when this engine encodes the same context. The store is bounded
-(``runtime.context_store_mb``): the least recently used contexts go first, each counted at its largest shard over the
-ranks (the same on every rank, so the ranks evict alike); pinned contexts (``POST /v1/contexts``) are not evicted
-until released. Writes run on a background thread (a context's tensors are never changed once encoded), so a
-request does not wait for the disk; :meth:`ContextStore.flush` waits for them.
+layout or format) -- left for its owner, and replaced when this engine encodes the same context.
+
+The store is bounded (``runtime.context_store_mb``) as a whole folder: every rank's files and every other layout's
+together. Each of a replica's N ranks keeps 1/N of what the other layouts' and weights' files (measured when it
+opens) leave of the bound -- said in the log, by folder, when they take more than half of it --, each context
+counted at :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank,
+so the ranks evict alike), the least recently used out *before* a write, so the folder never grows past the bound.
+Pinned contexts (``POST /v1/contexts``) are not evicted until released. A write that would leave less than
+:data:`KEEP_FREE` free on the disk is skipped (said once). Writes run on a background thread (a context's tensors are
+never changed once encoded), so a request does not wait for the disk; :meth:`ContextStore.flush` waits for them; a
+failed write leaves no file behind.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -42,6 +49,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 _TMP = ".tmp-"  # a file being written: <name>.tmp-<uuid>, renamed when complete (stale ones removed at start)
 _CHUNK = 1 << 22  # bytes hashed per read
+KEEP_FREE = 1 << 30  # a write that would leave less free space on the store's disk is skipped
 
 
 def weights_fingerprint(model) -> str:
@@ -65,6 +73,19 @@ def weights_fingerprint(model) -> str:
             sample = t.detach()[torch.unravel_index(at, t.shape)] if t.dim() else t.detach().reshape(1)
             h.update(sample.to("cpu", torch.float64).numpy().tobytes())
     return h.hexdigest()
+
+
+def layout_name(simulated: bool, cp_rank: int, cp_size: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """The store folder of one rank's layout: ``simulated-cp4`` (one process holds every rank's KV) or
+    ``cp1of4-tp0of1``."""
+    return f"simulated-cp{cp_size}" if simulated else f"cp{cp_rank}of{cp_size}-tp{tp_rank}of{tp_size}"
+
+
+def replica_layouts(simulated: bool, cp_size: int, tp_size: int = 1) -> tuple[str, ...]:
+    """The store folders of every rank of a replica (they share the store's bound)."""
+    if simulated:
+        return (layout_name(True, 0, cp_size),)
+    return tuple(layout_name(False, c, cp_size, t, tp_size) for c in range(cp_size) for t in range(tp_size))
 
 
 def _longest(candidates, length: int, prefix_of) -> int:
@@ -94,17 +115,19 @@ class Entry:
     tokens: int
     prefix: str  # the prefix digest of its ids (magnetar.engine.context.prefix_digest, hex)
     options: str  # the encoding options' digest
-    nbytes: int  # its largest shard over the ranks (what the budget counts)
+    nbytes: int  # what a process holds for it (ContextHandle.nbytes: what the budget counts)
     used: float  # last written or loaded (seconds since the epoch)
 
 
 class ContextStore:
-    """One rank's disk tier under ``root/layout`` (module docstring), for the weights ``fingerprint``, within
-    ``budget_bytes``."""
+    """One rank's disk tier under ``root/layout`` (module docstring), for the weights ``fingerprint``. The folder
+    ``root`` holds at most ``bound_bytes``; ``peers``: the layout folders of this rank's replica (itself among them),
+    which share what the other files under ``root`` leave of it (this rank's part: :attr:`budget_bytes`)."""
 
-    def __init__(self, root, layout: str, fingerprint: str, budget_bytes: int):
-        self.dir = Path(root) / layout
-        self.layout, self.fingerprint, self.budget_bytes = layout, fingerprint, budget_bytes
+    def __init__(self, root, layout: str, fingerprint: str, bound_bytes: int, peers: tuple = ()):
+        self.root, self.dir = Path(root), Path(root) / layout
+        self.layout, self.fingerprint, self.bound_bytes = layout, fingerprint, bound_bytes
+        peers = set(peers) | {layout}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -113,8 +136,12 @@ class ContextStore:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
-        self.loads = self.writes = self.evictions = self.refused = 0
+        self.loads = self.writes = self.evictions = self.refused = self.skipped = 0
         self._scan()
+        self.budget_bytes = max(0, bound_bytes - self._others(peers)) // len(peers)
+        self._low_disk_said = False
+        for key in self._make_room(0) or ():  # a smaller share than what this layout left (a lower bound, others')
+            self._delete(key)
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="magnetar-context-store", daemon=True)
         self._writer.start()
@@ -148,6 +175,31 @@ class ContextStore:
         for entry in sorted(found, key=lambda e: e.used):
             self._entries[entry.key] = entry
 
+    def _others(self, peers: set) -> int:
+        """The bytes under the root that are not this replica's own contexts (other layouts' folders, other weights'
+        or formats' files in its own) -- counted against the bound; said by folder when over half of it."""
+        own = {f"{key}{suffix}" for key in self._entries for suffix in (".json", ".safetensors")}
+        by_folder: dict[str, int] = {}
+        for path in self.root.rglob("*"):
+            if not path.is_file() or (path.parent == self.dir and path.name in own):
+                continue
+            if path.parent != self.dir and path.parent.parent == self.root and path.parent.name in peers:
+                continue  # a peer rank's: within its own share
+            try:
+                size = path.stat().st_size
+            except OSError:  # removed meanwhile (another process evicting)
+                continue
+            where = path.parent.relative_to(self.root).as_posix() if path.parent != self.root else "."
+            by_folder[where] = by_folder.get(where, 0) + size
+        total = sum(by_folder.values())
+        if total > self.bound_bytes // 2:
+            listed = ", ".join(f"{self.root / name} ({n / 2**20:.0f} MiB)"
+                               for name, n in sorted(by_folder.items(), key=lambda kv: -kv[1]))
+            log.warning("context store: %.0f MiB of the %.0f MiB bound (runtime.context_store_mb, --context-store-mb) "
+                        "are other layouts' or weights' contexts: %s; this engine keeps what is left. Remove what is "
+                        "no longer served, or raise the bound", total / 2**20, self.bound_bytes / 2**20, listed)
+        return total
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._entries
@@ -175,8 +227,8 @@ class ContextStore:
     def stats(self) -> dict:
         with self._lock:
             return dict(contexts=len(self._entries), bytes=sum(e.nbytes for e in self._entries.values()),
-                        budget_bytes=self.budget_bytes, loads=self.loads, writes=self.writes,
-                        evictions=self.evictions, refused=self.refused)
+                        budget_bytes=self.budget_bytes, bound_bytes=self.bound_bytes, loads=self.loads,
+                        writes=self.writes, evictions=self.evictions, refused=self.refused, skipped=self.skipped)
 
     # -- writing ------------------------------------------------------------------------------------------------
     def save(self, handle, prefix: str) -> None:
@@ -215,6 +267,32 @@ class ContextStore:
                 log.warning("context store: writing %s failed (%s); the context is not stored", item[0].key, e)
 
     def _write(self, handle, prefix: str) -> None:
+        with self._lock:  # room first: the folder never holds more than its bound, even while writing
+            if handle.key in self._entries:  # asked twice before the first write
+                return
+            victims = self._make_room(handle.nbytes, self._free_on_disk())
+            if victims is None:  # pinned contexts fill the budget, or the disk is near full
+                self.skipped += 1
+                return
+        for key in victims:
+            self._delete(key)
+        data, manifest = self.dir / f"{handle.key}.safetensors", self.dir / f"{handle.key}.json"
+        tmp = [data.with_name(data.name + _TMP + uuid.uuid4().hex),
+               manifest.with_name(manifest.name + _TMP + uuid.uuid4().hex)]
+        try:
+            self._write_files(handle, prefix, data, manifest, *tmp)
+        except BaseException:
+            for path in tmp:  # a full disk, a removed folder: nothing half-written stays
+                path.unlink(missing_ok=True)
+            raise
+
+    def _free_on_disk(self) -> Optional[int]:
+        try:
+            return shutil.disk_usage(self.dir).free
+        except OSError:
+            return None  # the write says what is wrong
+
+    def _write_files(self, handle, prefix: str, data: Path, manifest: Path, tmp: Path, tmp_manifest: Path) -> None:
         from safetensors.torch import save_file
 
         tensors = {"context_ids": handle.context_ids.to(torch.int64).contiguous()}
@@ -228,8 +306,6 @@ class ContextStore:
                 tensors[f"mass.{i}"] = layer.mass.detach().cpu().contiguous()
         if handle.last_logits is not None:
             tensors["last_logits"] = handle.last_logits.contiguous()
-        data, manifest = self.dir / f"{handle.key}.safetensors", self.dir / f"{handle.key}.json"
-        tmp = data.with_name(data.name + _TMP + uuid.uuid4().hex)
         save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
         _fsync(tmp)
         os.replace(tmp, data)
@@ -239,30 +315,40 @@ class ContextStore:
              "nbytes": handle.nbytes, "bytes": data.stat().st_size, "checksum": _checksum(data), "used": now,
              "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
              "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats}
-        tmp = manifest.with_name(manifest.name + _TMP + uuid.uuid4().hex)
-        tmp.write_text(json.dumps(m, default=str))
-        _fsync(tmp)
-        os.replace(tmp, manifest)
+        tmp_manifest.write_text(json.dumps(m, default=str))
+        _fsync(tmp_manifest)
+        os.replace(tmp_manifest, manifest)
         with self._lock:
             self._entries[handle.key] = Entry(handle.key, handle.context_tokens, prefix, handle.options,
                                               handle.nbytes, now)
             self._entries.move_to_end(handle.key)
             self.writes += 1
-            victims = self._over_budget()
-        for key in victims:
-            self._delete(key)
 
-    def _over_budget(self) -> list[str]:
-        """The least recently used unpinned keys to drop until the budget holds (under the lock)."""
-        total, out = sum(e.nbytes for e in self._entries.values()), []
-        for key in list(self._entries):
+    def _make_room(self, adding: int, free: Optional[int] = None) -> Optional[list[str]]:
+        """The least recently used unpinned keys to drop so that the budget holds with ``adding`` more bytes --
+        taken out of the index, their files for the caller to delete --, or None (nothing dropped) when the pinned
+        ones leave too little, or when the disk's ``free`` bytes and those dropped would leave under
+        :data:`KEEP_FREE` (said once) (under the lock)."""
+        total, out, freed = sum(e.nbytes for e in self._entries.values()) + adding, [], 0
+        for key in self._entries:
             if total <= self.budget_bytes:
                 break
-            if key in self._pinned:
-                continue
-            total -= self._entries.pop(key).nbytes
-            self.evictions += 1
-            out.append(key)
+            if key not in self._pinned:
+                total -= self._entries[key].nbytes
+                freed += self._entries[key].nbytes
+                out.append(key)
+        if total > self.budget_bytes:
+            return None
+        if free is not None and free + freed - adding < KEEP_FREE:
+            if not self._low_disk_said:
+                self._low_disk_said = True
+                log.warning("context store: the disk holding %s has %.0f MiB free; contexts are not stored while a "
+                            "write would leave under %.0f MiB (free space there, or lower --context-store-mb)",
+                            self.dir, free / 2**20, KEEP_FREE / 2**20)
+            return None
+        for key in out:
+            del self._entries[key]
+        self.evictions += len(out)
         return out
 
     def _delete(self, key: str) -> None:
@@ -333,7 +419,7 @@ def _fsync(path: Path) -> None:
 
 class HostTier:
     """The context cache's host-memory tier (``runtime.host_cache_mb``): the contexts the device cache evicts, their
-    shards copied to host memory, least recently used out past ``budget_bytes`` (each counted at its largest shard,
+    shards copied to host memory, least recently used out past ``budget_bytes`` (each counted at what a process holds,
     as the cache counts it: the ranks keep and drop alike). A context asked for again is copied back to the device
     and leaves this tier (:meth:`load`) -- the same interface as :class:`ContextStore`, which the encoder asks next.
     On CPU ranks the copy is the tensors themselves: the tier then only widens the cache."""
@@ -343,6 +429,31 @@ class HostTier:
         self._items: OrderedDict[str, tuple] = OrderedDict()  # key -> (handle on the host, prefix digest)
         self._lock = threading.Lock()
         self.loads = self.writes = self.evictions = self.refused = 0
+
+    def _others(self, peers: set) -> int:
+        """The bytes under the root that are not this replica's own contexts (other layouts' folders, other weights'
+        or formats' files in its own) -- counted against the bound; said by folder when over half of it."""
+        own = {f"{key}{suffix}" for key in self._entries for suffix in (".json", ".safetensors")}
+        by_folder: dict[str, int] = {}
+        for path in self.root.rglob("*"):
+            if not path.is_file() or (path.parent == self.dir and path.name in own):
+                continue
+            if path.parent != self.dir and path.parent.parent == self.root and path.parent.name in peers:
+                continue  # a peer rank's: within its own share
+            try:
+                size = path.stat().st_size
+            except OSError:  # removed meanwhile (another process evicting)
+                continue
+            where = path.parent.relative_to(self.root).as_posix() if path.parent != self.root else "."
+            by_folder[where] = by_folder.get(where, 0) + size
+        total = sum(by_folder.values())
+        if total > self.bound_bytes // 2:
+            listed = ", ".join(f"{self.root / name} ({n / 2**20:.0f} MiB)"
+                               for name, n in sorted(by_folder.items(), key=lambda kv: -kv[1]))
+            log.warning("context store: %.0f MiB of the %.0f MiB bound (runtime.context_store_mb, --context-store-mb) "
+                        "are other layouts' or weights' contexts: %s; this engine keeps what is left. Remove what is "
+                        "no longer served, or raise the bound", total / 2**20, self.bound_bytes / 2**20, listed)
+        return total
 
     def __contains__(self, key: str) -> bool:
         with self._lock:

@@ -158,7 +158,8 @@ class EngineLoop:
             self.inbox.put(job)
 
     def pinned_bytes(self, cid: str) -> int:
-        """The KV bytes of pinned context ``cid`` (its largest shard over the ranks; 0 while it is encoded)."""
+        """The KV bytes of pinned context ``cid`` (held by a process: its largest shard over the ranks; 0 while it is
+        encoded)."""
         handle = self.handles.get(cid)
         return 0 if handle is None else int(handle.nbytes)
 
