@@ -90,9 +90,10 @@ class Phase2Context(LayerContext):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
         B, Hq, S, D = q.shape
+        shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
         local_o, local_l = [], []
         for b in range(B):  # requests hold KV of different lengths: attend each to its own
-            o, l = self._local(layer, b, q, k, v, scale, window)
+            o, l = self._local(layer, b, q, k, v, scale, window, shared.get(b))
             local_o.append(o)
             local_l.append(l)
         local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
@@ -106,8 +107,35 @@ class Phase2Context(LayerContext):
             self.policy.after_merge(layer, lse)
         return out
 
-    def _local(self, layer, b, q, k, v, scale, window) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request b's state over what this rank holds: its context shard and (query rank) its own tokens."""
+    def _shared_context(self, layer: int, q: torch.Tensor, scale: float, window: Optional[int]
+                        ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The context part of the requests of a decode step (one new token each) that read the same cached
+        context shard -- several questions about one document --, in ONE call per shard: their query rows laid
+        side by side over its KV (each row at its own position), so the shard is read once per step rather than once
+        per request (the rows are independent: the same states as a call each). Request b -> ``(o (1, Hq, 1, D),
+        lse (1, Hq, 1))``; requests alone on their shard, and those a decode policy serves, are not here."""
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for b, shard in enumerate(self.shards):
+            ctx = shard.layers[layer]
+            if len(ctx) and not (self.policy is not None and self.policy.applies(layer, window)):
+                groups.setdefault((id(ctx.k), id(ctx.v), id(ctx.pos)), []).append(b)
+        out = {}
+        for rows in groups.values():
+            if len(rows) < 2:
+                continue
+            ctx = self.shards[rows[0]].layers[layer]
+            idx = torch.tensor(rows, device=q.device)
+            qs = q.index_select(0, idx).transpose(0, 2)  # (n, Hq, 1, D) -> (1, Hq, n, D): a row per request
+            o, l = attention_with_lse(qs, ctx.k, ctx.v, q_pos=self.positions.index_select(0, idx)[:, 0],
+                                      k_pos=ctx.pos, scale=scale, window=window, backend=self.backend,
+                                      k_finite=ctx.keys_finite())
+            for i, b in enumerate(rows):
+                out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
+        return out
+
+    def _local(self, layer, b, q, k, v, scale, window, shared=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's state over what this rank holds: its context shard and (query rank) its own tokens;
+        ``shared``: its context part, attended already with the other requests on its shard."""
         S = q.shape[2]
         qb, pos = q[b : b + 1], self.positions[b]
         parts_o, parts_l = [], []
@@ -117,7 +145,10 @@ class Phase2Context(LayerContext):
             g = self.gens[b].layers[layer]
             n = self.valid[b]
             g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
-        if len(ctx) and self.policy is not None and self.policy.applies(layer, window):
+        if shared is not None:
+            parts_o.append(shared[0])
+            parts_l.append(shared[1])
+        elif len(ctx) and self.policy is not None and self.policy.applies(layer, window):
             # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of the query
             # rank's own tokens too when it pages them (pages_generated)
             mine = {"gen": g} if g is not None and self.policy.pages_generated else {}

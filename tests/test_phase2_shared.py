@@ -1,0 +1,54 @@
+"""An eager decode step's requests that read one cached context shard (several questions about one document) attend
+it in ONE call per layer (magnetar.engine.phase2.Phase2Context._shared_context): each request's state equals the fp64
+reference over its context and its own tokens, a NaN in one request's query makes that request's row NaN and no
+other's, and a sliding window still applies per request."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import magnetar.engine.phase2 as phase2
+from magnetar.engine.kv import KVShard
+from magnetar.engine.phase2 import Phase2Context
+from magnetar.parallel import local_groups
+from tests.conftest import assert_close
+from tests.reference import dense_attention_fp64
+
+HQ, HKV, D, L = 6, 2, 16, 40
+
+
+def _shard(gen: torch.Generator, n: int, start: int = 0) -> KVShard:
+    s = KVShard(1)
+    s.layers[0].append(torch.randn(1, HKV, n, D, generator=gen), torch.randn(1, HKV, n, D, generator=gen),
+                       torch.arange(start, start + n))
+    s.freeze()
+    return s
+
+
+@pytest.mark.parametrize("window", [None, 30])
+def test_requests_on_one_shard_share_one_call(window, monkeypatch, seeded):
+    doc, other = _shard(seeded, L), _shard(seeded, L + 9)
+    shards = [doc.view(), other.view(), doc.view()]  # requests 0 and 2 ask about one document
+    gens = [_shard(seeded, n, start) for n, start in ((3, L), (5, L + 9), (7, L))]
+    positions = torch.tensor([[L + 3], [L + 14], [L + 7]])  # each request's new token, after its own tokens
+    q = torch.randn(3, HQ, 1, D, generator=seeded)
+    k, v = torch.randn(3, HKV, 1, D, generator=seeded), torch.randn(3, HKV, 1, D, generator=seeded)
+    q[1, 2] = float("nan")  # request 1's query: its row alone turns NaN
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    ctx = Phase2Context(positions, shards, gens, [1, 1, 1], local_groups(), "auto")
+    out = ctx.attend(0, q, k, v, scale=D ** -0.5, window=window)
+    # one call for the shared document, one for the other context, one per request's own tokens
+    assert len(calls) == 5 and sum(s[2] == L for s in calls) == 1, calls
+    for b in range(3):
+        c, g = shards[b].layers[0], gens[b].layers[0]  # g holds the new token now (appended by attend)
+        keys, values, pos = (torch.cat((c.k, g.k), 2), torch.cat((c.v, g.v), 2), torch.cat((c.pos, g.pos)))
+        if window is not None:  # the reference takes no window: the keys in it
+            keep = pos > positions[b, 0] - window
+            keys, values, pos = keys[:, :, keep], values[:, :, keep], pos[keep]
+        want, _ = dense_attention_fp64(q[b:b + 1], keys, values, q_pos=positions[b], k_pos=pos, scale=D ** -0.5)
+        if b == 1:
+            assert torch.isnan(out[1, 2]).all() and torch.isfinite(out[1, :2]).all()
+            continue
+        assert_close(out[b:b + 1], want.float(), torch.float32, "out", f"request {b}")
