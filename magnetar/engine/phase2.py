@@ -99,10 +99,13 @@ class Phase2Context(LayerContext):
         local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
         if self.flags is not None:
             self.flags.record(layer, local_o)
-        with nvtx_range(PHASE2_GATHER, n=layer):  # one collective per layer for the whole batch
-            outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
-        with nvtx_range(PHASE2_MERGE, n=layer):
-            out, lse = merge_states(outs, lses)
+        if self.groups.cp_size == 1:  # one rank: its state is the result (a merge of one state is the identity on
+            out, lse = local_o, local_l  # what attention_with_lse and merge_states give: (0, -inf) or NaN rows)
+        else:
+            with nvtx_range(PHASE2_GATHER, n=layer):  # one collective per layer for the whole batch
+                outs, lses = all_gather_states(local_o, local_l, self.group, timeout=self.timeout)
+            with nvtx_range(PHASE2_MERGE, n=layer):
+                out, lse = merge_states(outs, lses)
         if self.policy is not None:  # e.g. LuKA accumulates the attention mass, normalised by the merged lse
             self.policy.after_merge(layer, lse)
         return out
