@@ -17,10 +17,11 @@ layout or format) -- left for its owner, and replaced when this engine encodes t
 
 The store is bounded (``runtime.context_store_mb``) as a whole folder: every rank's files and every other layout's
 together. Each of a replica's N ranks keeps 1/N of what the other layouts' and weights' files (measured when it
-opens) leave of the bound -- said in the log, by folder, when they take more than half of it --, each context
-counted at :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank,
-so the ranks evict alike), the least recently used out *before* a write, so the folder never grows past the bound.
-Pinned contexts (``POST /v1/contexts``) are not evicted until released. A write that would leave less than
+opens) leave of the bound (1/(N x D) with D data-parallel replicas, which write the same folders) -- said in the
+log, by folder, when they take more than half of it --, each context counted at
+:attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank, so the
+ranks evict alike), the least recently used out *before* a write, so the folder never grows past the bound. Pinned
+contexts (``POST /v1/contexts``) are not evicted until released. A write that would leave less than
 :data:`KEEP_FREE` free on the disk is skipped (said once). Writes run on a background thread (a context's tensors are
 never changed once encoded), so a request does not wait for the disk; :meth:`ContextStore.flush` waits for them; a
 failed write leaves no file behind.
@@ -122,9 +123,10 @@ class Entry:
 class ContextStore:
     """One rank's disk tier under ``root/layout`` (module docstring), for the weights ``fingerprint``. The folder
     ``root`` holds at most ``bound_bytes``; ``peers``: the layout folders of this rank's replica (itself among them),
-    which share what the other files under ``root`` leave of it (this rank's part: :attr:`budget_bytes`)."""
+    which share what the other files under ``root`` leave of it with the ``replicas`` data-parallel replicas writing
+    the same folders (this rank's part: :attr:`budget_bytes`)."""
 
-    def __init__(self, root, layout: str, fingerprint: str, bound_bytes: int, peers: tuple = ()):
+    def __init__(self, root, layout: str, fingerprint: str, bound_bytes: int, peers: tuple = (), replicas: int = 1):
         self.root, self.dir = Path(root), Path(root) / layout
         self.layout, self.fingerprint, self.bound_bytes = layout, fingerprint, bound_bytes
         peers = set(peers) | {layout}
@@ -138,7 +140,7 @@ class ContextStore:
         self._pinned: set[str] = set()
         self.loads = self.writes = self.evictions = self.refused = self.skipped = 0
         self._scan()
-        self.budget_bytes = max(0, bound_bytes - self._others(peers)) // len(peers)
+        self.budget_bytes = max(0, bound_bytes - self._others(peers)) // (len(peers) * max(1, replicas))
         self._low_disk_said = False
         for key in self._make_room(0) or ():  # a smaller share than what this layout left (a lower bound, others')
             self._delete(key)
