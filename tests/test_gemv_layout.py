@@ -1,6 +1,7 @@
 """The CPU decode step's weight layout (magnetar/engine/gemv.py): linear weights with more outputs than inputs
 stored (in, out) when a timed pass says so -- the same parameters, shapes and values, ties kept, decided once per
-model; nothing below the size where it matters, nothing on another device."""
+model; nothing below the size where it matters, nothing on another device. Sibling projections (q/k/v, gate/up)
+fused into one product each, the same values and tokens."""
 from __future__ import annotations
 
 import pytest
@@ -51,3 +52,56 @@ def test_small_models_and_other_devices_are_left_alone():
     model = Head()
     assert gemv.relayout_for_decode(model, torch.device("meta")) is None
     assert model.head.weight.is_contiguous()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # qwen2: q/k/v with biases; gemma3: q/k norms, windows
+def test_fused_sibling_projections_change_no_value(monkeypatch, arch):
+    """q/k/v and gate/up fused into one product each (magnetar.engine.gemv.fuse_siblings): the same parameter
+    names, shapes and values (views of one buffer), the same logits and greedy tokens as HF's own forward, eager and
+    static decode steps alike."""
+    import magnetar
+    from tests.tiny_models import reference, tiny_model
+
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "_GAIN", float("inf"))  # the fused pass always wins
+    model = tiny_model(arch, seed=4)
+    ctx, q = torch.arange(5, 125) % 256, torch.tensor([9, 8, 7])
+    first, want = reference(model, ctx, q, 6)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert "fused" in gemv.fuse_siblings(model, torch.device("cpu"))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert isinstance(attn.q_proj, gemv.FusedLinear) and isinstance(mlp.up_proj, nn.Linear)
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr() == storage
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert after[name].shape == value.shape and torch.equal(after[name], value), name
+    for step in ("eager", "static"):
+        got = magnetar.init_inference(model, method="dense", decode_step=step, timeout_s=60).generate(
+            ctx, q, max_new_tokens=6, return_logits=True)
+        assert got.token_ids == want, step
+        assert_close(got.first_token_logits, first, what="logits", msg=step)
+
+
+def test_a_fused_sibling_reads_its_own_input(monkeypatch):
+    """The group's product is reused only for the same input, unchanged: another input, or one changed in place
+    between two siblings' calls, gets its own product; kept apart when the fused pass is not faster."""
+    layers = nn.Module()
+    layers.gate_proj, layers.up_proj = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+    ref_gate, ref_up = layers.gate_proj.weight.detach().clone(), layers.up_proj.weight.detach().clone()
+    (group,) = gemv._sibling_groups(layers)
+    gemv._fuse(group)
+    x, other = torch.randn(2, 8), torch.randn(2, 8)
+    assert torch.allclose(layers.gate_proj(x), x @ ref_gate.t(), atol=1e-6)
+    assert torch.allclose(layers.up_proj(other), other @ ref_up.t(), atol=1e-6)  # not x's product
+    layers.gate_proj(x)
+    x.mul_(2)  # changed in place between the siblings' calls
+    assert torch.allclose(layers.up_proj(x), x @ ref_up.t(), atol=1e-6)
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "_GAIN", 0.0)  # the fused pass never wins
+    kept = nn.Module()
+    kept.q_proj, kept.k_proj, kept.v_proj = (nn.Linear(64, 64, bias=False) for _ in range(3))
+    assert "kept apart" in gemv.fuse_siblings(kept, torch.device("cpu"))
+    assert type(kept.q_proj) is nn.Linear and kept.q_proj.weight.is_contiguous()
+    assert gemv.fuse_siblings(kept, torch.device("meta")) is None
