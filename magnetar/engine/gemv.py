@@ -23,7 +23,8 @@ each pay a small product's overhead: SmolLM2, 30 layers, one thread, 6.4 -> 4.4 
 for gate/up on the AVX-512 EPYC VM); the others take their columns of it -- vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` for a model whose code calls the three layers apart. The product is kept for the
 siblings only while its input is the same tensor, unchanged (identity and version); a sibling called with another
-input computes the product anew (right, only slower), and under ``torch.compile`` each layer computes its own.
+input computes the product anew (right, only slower); under ``torch.compile``, and for more than
+:data:`_FUSED_ROWS` rows (a prefill: as fast apart), each layer computes its own.
 Kept, like the layout, only when a timed pass over the model's own groups says it is faster.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ _TIMED_BYTES = 256 * 2**20  # the timed pass reads at most this much of the cand
 _MIN_BYTES = 32 * 2**20  # smaller candidates stay in the caches: nothing to gain, and a timing's noise decides
 _GAIN = 0.9  # the transposed layout is kept when its pass takes at most this fraction of the row-major one's
 _PASSES = 3
+_FUSED_ROWS = 64  # the most input rows (a decode step's requests) fused layers compute as one product
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # child layers fed the same input
 
 
@@ -149,9 +151,12 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._magnetar_group
-        if torch.compiler.is_compiling() or self.weight.untyped_storage().data_ptr() != \
-                group.weight.untyped_storage().data_ptr():  # compiled: no state carried between the layers of a
-            return F.linear(x, self.weight, self.bias)  # graph; a model cast or moved since: its own weight
+        # a prefill's many rows: each layer its own product (as fast, and no strided slices for the model's
+        # elementwise ops: a fused 4K prefill measured 2-4 % slower); compiled: no state carried between a graph's
+        # layers; a model cast or moved since fusing: its own weight
+        if x.numel() > _FUSED_ROWS * x.shape[-1] or torch.compiler.is_compiling() or \
+                self.weight.untyped_storage().data_ptr() != group.weight.untyped_storage().data_ptr():
+            return F.linear(x, self.weight, self.bias)
         return group.product(x)[..., self._magnetar_cols]
 
 
