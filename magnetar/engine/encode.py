@@ -162,8 +162,7 @@ class Encoder:
             self.cache.warned = True  # once per cache: every such context would say it again
             log.warning("a context of %d tokens holds %.0f MiB of KV in a process (its largest rank), more than the "
                         "whole context cache (runtime.context_cache_mb = %d MiB, --context-cache-mb): it is not kept, "
-                        "and its next "
-                        "question runs its Phase 1 again; raise the budget to keep such contexts",
+                        "and its next question runs its Phase 1 again; raise the budget to keep such contexts",
                         handle.context_tokens, handle.nbytes / 2**20, budget // 2**20)
         if keep and self.store is not None:
             self.store.save(handle, prefix_digest(context_ids, handle.context_tokens))
