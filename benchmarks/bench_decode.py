@@ -9,18 +9,21 @@ capture), the graphs' capture time, and whether every mode chose eager's tokens.
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py --configs pulsar   # real gloo ranks (rank 0 reports)
 
 For each configuration (``dense``: one rank; ``star`` / ``pulsar``: ``--ranks`` CP ranks, simulated in one process
-unless launched with 2 ranks) one engine encodes each context length once (made with ``decode_step=graph`` and a plan
-fitted to ``--shapes`` when ``graph`` is among ``--modes``: its graphs are captured as it starts) and runs each mode in
-turn (``runtime.decode_step`` set before each batch); it is dropped before the next configuration. For each shape
-(``B@L``: B questions about an L-token context; or every ``--batches`` at ``--context-tokens``), that many questions
-join one decode batch (``Engine.open_batch``), ``--warmup`` steps run (the first one timed apart:
+unless launched with 2 ranks) one engine -- made with ``decode_step=graph`` and a plan fitted to ``--shapes`` when
+``graph`` is among ``--modes``: its graphs are captured as it starts -- encodes the documents of each length once and
+runs each mode in turn (``runtime.decode_step`` set before each batch); it is dropped before the next configuration.
+For each shape (``B@L``: B requests about L-token documents; or every ``--batches`` at ``--context-tokens``), B
+requests join one decode batch (``Engine.open_batch``): with ``--contexts own`` (the default) each about its own
+document, so a step reads B contexts' KV as the floor below counts; with ``shared``, B questions about one document
+(the eager step reads it once per step for all of them). ``--warmup`` steps run (the first one timed apart:
 compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose the same tokens as eager
 (fp32; in bf16 a near-tie may differ: the table says how many requests agree).
 
-**The floor**: a decode step must read the weights the step uses (all but the input embedding) and every request's
-KV once; the device's copy bandwidth is measured in the same run (a buffer copied on the device: bytes read +
-written over the time), so each row's floor is ``(weight bytes + B x L x KV bytes per token) / bandwidth``, and
-``% floor`` = floor / measured step. Prints a table, then one JSON line. Speed goals live here, not in tests.
+**The floor**: a decode step must read the weights the step uses (all but the input embedding) and every distinct
+context's KV once (with ``--contexts shared``, one context's); the device's copy bandwidth is measured in the same
+run (a buffer copied on the device: bytes read + written over the time), so each row's floor is ``(weight bytes + C x
+L x KV bytes per token) / bandwidth`` (C = B contexts, or 1 shared), and ``% floor`` = floor / measured step. Prints a
+table, then one JSON line. Speed goals live here, not in tests.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--shapes", default=None, metavar="B@L[,B@L...]",
                    help="batch@context pairs instead of --batches x --context-tokens, e.g. 1@32K,8@32K,64@4K")
+    p.add_argument("--contexts", default="own", choices=("own", "shared"),
+                   help="own: each request its own document (a batch reads B contexts' KV); shared: B questions "
+                        "about one document")
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
     p.add_argument("--steps", type=int, default=12, help="steps timed")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
@@ -94,18 +100,21 @@ def _parse_shapes(p, text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def _inputs(model, tokenizer, n: int, batch: int):
-    """The context and ``batch`` questions: a needle text and questions with a tokenizer, random ids without."""
+def _inputs(model, tokenizer, n: int, batch: int, own: bool) -> list[tuple]:
+    """``batch`` (document, question) pairs of ``n``-token documents: each its own document (``own``; seeded apart)
+    or one document and ``batch`` questions -- a needle text and questions with a tokenizer, random ids without."""
+    docs = batch if own else 1
     if tokenizer is not None:
         from magnetar.data.niah import needle_prompt
 
-        s = needle_prompt(tokenizer, n, 0.5, seed=0)
-        return s.context, [s.query] + [f"Question {i}: what does the text say about topic {i}?"
+        made = [needle_prompt(tokenizer, n, 0.5, seed=i) for i in range(docs)]
+        questions = [made[0].query] + [f"Question {i}: what does the text say about topic {i}?"
                                        for i in range(1, batch)]
+        return [(made[i % docs].context, made[i].query if own else questions[i]) for i in range(batch)]
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    return (torch.randint(0, vocab, (n,), generator=g),
-            [torch.randint(0, vocab, (8 + i,), generator=g) for i in range(batch)])
+    contexts = [torch.randint(0, vocab, (n,), generator=g) for _ in range(docs)]
+    return [(contexts[i % docs], torch.randint(0, vocab, (8 + i,), generator=g)) for i in range(batch)]
 
 
 def _sync(device) -> None:
@@ -140,9 +149,9 @@ def copy_bandwidth(device, nbytes: int) -> float:
     return 2 * src.nbytes / best
 
 
-def floor_bytes(model, batch: int, context: int) -> int:
+def floor_bytes(model, contexts: int, context: int) -> int:
     """What one decode step must read: every weight but the input embedding (a step reads B of its rows), and each
-    request's KV (every layer's keys and values of ``context`` tokens)."""
+    of the batch's ``contexts`` distinct contexts' KV (every layer's keys and values of ``context`` tokens)."""
     cfg = model.config
     emb = model.get_input_embeddings().weight
     tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
@@ -150,7 +159,7 @@ def floor_bytes(model, batch: int, context: int) -> int:
                                                                                emb.element_size())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * emb.element_size()
-    return weights + batch * context * kv
+    return weights + contexts * context * kv
 
 
 def launched(args) -> bool:
@@ -203,21 +212,26 @@ def engine_for(config: str, args, model, tokenizer, distributed: bool):
 
 
 def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, eng, handles: dict) -> dict:
-    """One row: ``bsz`` questions about a ``context``-token document in one batch of ``config``'s engine, its steps
-    run ``mode`` (each context length encoded once per configuration: ``handles``)."""
+    """One row: ``bsz`` requests about ``context``-token documents (``--contexts``) in one batch of ``config``'s
+    engine, its steps run ``mode`` (each length's documents encoded once per configuration: ``handles``)."""
     from magnetar.utils.sync import host_syncs
 
     eng.config = eng.config.replace(decode_step=mode)  # read by open_batch (the one field that differs per mode)
+    own = args.contexts == "own"
     if context not in handles:
-        doc, questions = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context))
+        pairs = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context), own)
         t0 = time.perf_counter()
-        handles[context] = (eng.encode(doc), questions)
-        _say(f"{config}: {context}-token context encoded in {time.perf_counter() - t0:.1f} s")
-    handle, questions = handles[context]
+        encoded: dict[int, object] = {}  # one handle per distinct document
+        for doc, _ in pairs:
+            if id(doc) not in encoded:
+                encoded[id(doc)] = eng.encode(doc)
+        handles[context] = [(encoded[id(doc)], q) for doc, q in pairs]
+        _say(f"{config}: {len(encoded)} {context}-token context(s) encoded in {time.perf_counter() - t0:.1f} s")
     b = eng.open_batch()
     n = args.warmup + args.steps + 3
     t0 = time.perf_counter()
-    rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0] for q in questions[:bsz]]
+    rids = [b.add(handle, q, eng.sampling_params(max_new_tokens=n, temperature=0.0))[0]
+            for handle, q in handles[context][:bsz]]
     _sync(eng.device)
     t1 = time.perf_counter()
     b.step()
@@ -245,12 +259,12 @@ def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, 
         b.cancel(rid)
     tokens = [b.pop(rid).token_ids for rid in rids]
     _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
-    floor_ms = 1000 * floor_bytes(model, bsz, context) / args.bandwidth
+    floor_ms = 1000 * floor_bytes(model, bsz if own else 1, context) / args.bandwidth
     return dict(config=config, mode=mode, ran=ran, why=why, captured=captured,
                 capture_s=g.warmup_s if ran == "graph" else None, batch=bsz, context_tokens=context, ms_per_step=ms,
                 ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first,
                 host_syncs_per_step=len(seen.calls), tokens=tokens, floor_ms=floor_ms,
-                pct_of_floor=100 * floor_ms / ms, ranks=1 if config == "dense" else args.ranks,
+                pct_of_floor=100 * floor_ms / ms, contexts=args.contexts, ranks=1 if config == "dense" else args.ranks,
                 simulated=eng.simulated)
 
 
@@ -290,7 +304,8 @@ def main(argv=None) -> int:
                 if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
                     args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows, skipped), indent=1))
             if n in handles and all(later != n for _, later in args.shapes[i + 1:]):
-                eng.release(handles.pop(n)[0])
+                for handle in {id(h): h for h, _ in handles.pop(n)}.values():
+                    eng.release(handle)
         del eng, handles
         gc.collect()
         if torch.cuda.is_available():

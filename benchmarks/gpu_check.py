@@ -394,7 +394,8 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
 
 def step_decode(kit: Kit, shape: dict):
     """``benchmarks/bench_decode.py``: decode steps graph (captured at start) / static / eager side by side, dense and
-    Star / Pulsar over simulated ranks."""
+    Star / Pulsar over simulated ranks; each request about its own document (the issue's floor: every request's
+    KV)."""
     name = f"decode_{_k(shape['decode_len'])}"
 
     def fn(timeout):
@@ -402,7 +403,7 @@ def step_decode(kit: Kit, shape: dict):
             json_out = Path(tmp) / "decode.json"
             cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--model", shape["model"],
                    "--dtype", shape["dtype"], "--configs", shape["decode_configs"], "--ranks", str(shape["ranks"]),
-                   "--shapes", shape["decode_shapes"], "--modes", shape["decode_modes"],
+                   "--shapes", shape["decode_shapes"], "--modes", shape["decode_modes"], "--contexts", "own",
                    "--warmup", str(shape["decode_steps"][0]), "--steps", str(shape["decode_steps"][1]),
                    "--json-out", str(json_out)]
             rc, out, err = kit.run(cmd, timeout)
@@ -412,7 +413,7 @@ def step_decode(kit: Kit, shape: dict):
             return False, None, _tail(err or out), cmd
         keep = ("config", "ranks", "mode", "ran", "why", "batch", "context_tokens", "ms_per_step", "ms_per_token",
                 "tokens_per_s", "floor_ms", "pct_of_floor", "first_step_s", "host_syncs_per_step", "vs_eager",
-                "same_tokens", "captured", "capture_s")
+                "same_tokens", "captured", "capture_s", "contexts")
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       context_tokens=record["context_tokens"], torch=record["torch"],
                       copy_bandwidth_gbps=round(record["copy_bandwidth_gbps"], 1),

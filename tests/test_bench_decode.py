@@ -23,7 +23,18 @@ def test_floor_is_the_weights_but_the_embedding_and_every_requests_kv():
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
     assert bench.floor_bytes(model, 1, 100) == weights + 100 * per_token
-    assert bench.floor_bytes(model, 8, 100) - bench.floor_bytes(model, 1, 100) == 7 * 100 * per_token
+    assert bench.floor_bytes(model, 8, 100) - bench.floor_bytes(model, 1, 100) == 7 * 100 * per_token  # 8 contexts
+
+
+def test_own_and_shared_contexts():
+    """--contexts own gives each request its own document (the floor counts B contexts); shared, one document."""
+    bench = _bench()
+    model = tiny_model("llama", seed=0)
+    own = bench._inputs(model, None, 64, 3, True)
+    shared = bench._inputs(model, None, 64, 3, False)
+    assert len({id(d) for d, _ in own}) == 3 and not torch.equal(own[0][0], own[1][0])
+    assert len({id(d) for d, _ in shared}) == 1 and len({id(q) for _, q in shared}) == 3
+    assert bench.parse_args([]).contexts == "own" and bench.parse_args(["--contexts", "shared"]).contexts == "shared"
     assert bench.copy_bandwidth(torch.device("cpu"), 1 << 20) > 0
 
 

@@ -163,7 +163,7 @@ def test_a_decode_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     row = dict(config="dense", ranks=1, mode="eager", ran="eager", why=None, batch=1, context_tokens=32768,
                ms_per_step=9.0, ms_per_token=9.0, tokens_per_s=111.1, floor_ms=4.5, pct_of_floor=50.0,
                first_step_s=0.1, host_syncs_per_step=25, vs_eager=1.0, same_tokens=1, simulated=False, captured=False,
-               capture_s=None)
+               capture_s=None, contexts="own")
 
     def killed(cmd, timeout):
         out = Path(cmd[cmd.index("--json-out") + 1])

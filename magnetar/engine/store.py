@@ -432,31 +432,6 @@ class HostTier:
         self._lock = threading.Lock()
         self.loads = self.writes = self.evictions = self.refused = 0
 
-    def _others(self, peers: set) -> int:
-        """The bytes under the root that are not this replica's own contexts (other layouts' folders, other weights'
-        or formats' files in its own) -- counted against the bound; said by folder when over half of it."""
-        own = {f"{key}{suffix}" for key in self._entries for suffix in (".json", ".safetensors")}
-        by_folder: dict[str, int] = {}
-        for path in self.root.rglob("*"):
-            if not path.is_file() or (path.parent == self.dir and path.name in own):
-                continue
-            if path.parent != self.dir and path.parent.parent == self.root and path.parent.name in peers:
-                continue  # a peer rank's: within its own share
-            try:
-                size = path.stat().st_size
-            except OSError:  # removed meanwhile (another process evicting)
-                continue
-            where = path.parent.relative_to(self.root).as_posix() if path.parent != self.root else "."
-            by_folder[where] = by_folder.get(where, 0) + size
-        total = sum(by_folder.values())
-        if total > self.bound_bytes // 2:
-            listed = ", ".join(f"{self.root / name} ({n / 2**20:.0f} MiB)"
-                               for name, n in sorted(by_folder.items(), key=lambda kv: -kv[1]))
-            log.warning("context store: %.0f MiB of the %.0f MiB bound (runtime.context_store_mb, --context-store-mb) "
-                        "are other layouts' or weights' contexts: %s; this engine keeps what is left. Remove what is "
-                        "no longer served, or raise the bound", total / 2**20, self.bound_bytes / 2**20, listed)
-        return total
-
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._items
