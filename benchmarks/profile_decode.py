@@ -13,7 +13,7 @@ Magnetar's ranges (docs/profiling.md) and, outside them, by the outermost ATen o
 * **attention, local KV** -- ``magnetar/attention/*`` inside ``magnetar/phase2/layer{n}`` (the query over its
   context shard and over its own generated KV);
 * **gather** / **merge** -- ``magnetar/phase2/gather`` (the packed all-gather of (out, lse), the wait for the
-  other ranks included; one rank: a copy) and ``magnetar/phase2/merge``;
+  other ranks included; none on one rank) and ``magnetar/phase2/merge``;
 * **attention hook, rest** -- the rest of ``magnetar/phase2/layer{n}``: appending the new token's KV to the
   generated store (a concatenation every step), the per-request loop, slicing and stacking (its Python too);
 * **model matmuls** -- ``aten::linear`` / ``mm`` / ``addmm`` / ``matmul`` / ``bmm`` outside the attention hook
