@@ -36,6 +36,21 @@ def test_config_flat_nested_file_and_cli(tmp_path):
         c.method = "dense"
 
 
+def test_every_config_flag_says_what_its_field_is():
+    """Each config flag's --help is the comment that documents its field in magnetar/config/sections.py, with the
+    default: a field added without one fails here."""
+    from magnetar.config.cli import field_help
+    from magnetar.config.tree import FLAT_FIELDS, SECTIONS
+
+    assert not [n for n, sec in FLAT_FIELDS.items() if not field_help(SECTIONS[sec]).get(n)]
+    parser = add_cli_args(argparse.ArgumentParser())
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["context_store_mb"].startswith("the store folder's bound") and "(default: 10240)" in \
+        helps["context_store_mb"]
+    assert "(default" not in helps["block_size"]  # None: the comment says what it defaults to
+    assert "ranks sharing one context" in parser.format_help()
+
+
 def dataclasses_frozen_error():
     import dataclasses
 

@@ -124,7 +124,7 @@ class PulsarConfig(EncodingSection):
     sink_size: int = 64  # first tokens of block 0 prefixed to every later block
     chunk_size: int = 32  # summary granularity
     summary_budget: float = 0.125  # fraction of each earlier block kept as its summary
-    scorer: str = "max_idf"
+    scorer: str = "max_idf"  # how a summary picks its chunks (magnetar.config.registry.SCORERS)
     positions: str = "sparse"  # sparse: original position ids; contiguous: renumbered (Pulsar App. E)
     discard_summary_kv: bool = True  # drop sink and summary KV after Phase 1
 
@@ -152,7 +152,7 @@ class StreamingConfig(EncodingSection):
 class DecodeConfig:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability; 1: off
     seed: int = 0  # sampling seed (the token is drawn on one rank and broadcast)
 
     def __post_init__(self):
@@ -214,8 +214,8 @@ class RuntimeConfig:
     # entries per layer of the slot pool every planned shape shares (0: half the device's free memory on CUDA, no
     # bound on the CPU), and the seconds the start's capture may take (shapes left out then run uncaptured)
     decode_graph_batches: str = DEFAULT_GRAPH_BATCHES
-    decode_graph_tokens: int = 0
-    decode_graph_warmup_s: float = 300.0
+    decode_graph_tokens: int = 0  # decode_step graph: the slot pool's KV entries per layer (0: half a card's memory)
+    decode_graph_warmup_s: float = 300.0  # decode_step graph: the most seconds the start's capture may take
 
     def __post_init__(self):
         check_types(self)
