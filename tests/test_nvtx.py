@@ -215,8 +215,7 @@ def _check_generate_trace(events, *, layers: int, blocks: int, phase1_runs: int,
 ])
 def test_torch_profiler_trace_of_generate_has_the_phase_ranges(nvtx_env, record_calls, flat, blocks, phase1_runs):
     model = tiny_model("llama")
-    eng = magnetar.init_inference(model, deepspeed_inference=False, context_cache_mb=0, decode_step="eager",
-                                  **flat)  # Phase 1 twice; eager decode steps open a range per layer
+    eng = magnetar.init_inference(model, deepspeed_inference=False, context_cache_mb=0, **flat)  # Phase 1 twice
     ctx, q = _ids()
     plain = eng.generate(ctx, q, max_new_tokens=NEW)
     assert record_calls == [], "record_function entered with no profiler running"
@@ -229,7 +228,7 @@ def test_torch_profiler_trace_of_generate_has_the_phase_ranges(nvtx_env, record_
 
 def _ring_worker(rank, world):
     model = tiny_model("llama")
-    eng = magnetar.init_inference(model, deepspeed_inference=False, method="ring", cp_size=world, decode_step="eager")
+    eng = magnetar.init_inference(model, deepspeed_inference=False, method="ring", cp_size=world)
     ctx, q = _ids()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         eng.generate(ctx, q, max_new_tokens=NEW)

@@ -25,7 +25,6 @@ CUDA = torch.cuda.is_available()
 
 
 def _engine(model, **flat):
-    flat.setdefault("decode_step", "eager")  # the reference: eager (the default, auto, runs static on a CPU)
     return magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
 
 
@@ -135,41 +134,6 @@ def test_static_steps_choose_eager_tokens(arch, label, flat):
     assert got == want, f"{arch} {label}"
 
 
-def test_auto_runs_static_on_a_cpu_within_its_slot_bound(caplog):
-    """decode_step auto (the default): static steps on a CPU (eager's tokens); a batch whose slots would pass
-    runtime.decode_slots_mb -- when a request joins, or when the slots grow mid-decode -- runs eager from then on
-    (said at info level, the tokens unchanged); decode_slots_mb 0 and a decode policy run eager from the start."""
-    import logging
-
-    model = tiny_model("llama", seed=2)
-    want, _ = _batch_tokens(_engine(model))
-    auto = magnetar.init_inference(copy.deepcopy(model), timeout_s=60)
-    assert auto.config.runtime.decode_step == "auto"
-    got, inner = _batch_tokens(auto)
-    assert (inner.decode_step, inner.why_not) == ("static", None) and got == want
-    long = [(i + 1, 600, 10 + i, 4, dict(max_new_tokens=6)) for i in range(3)]  # 768-entry slots: ~0.4 MiB each
-    want, _ = _batch_tokens(_engine(model), long)
-    with caplog.at_level(logging.INFO, logger="magnetar.engine.phase2"):  # the third join needs 4 slots: 1.6 MiB
-        got, inner = _batch_tokens(_engine(model, decode_step="auto", decode_slots_mb=1), long)
-    assert inner.decode_step == "eager" and "over runtime.decode_slots_mb" in inner.why_not and got == want
-    assert "decode_slots_mb" in caplog.text and not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    # one request: its slot fits at join, its growth past 256 entries does not
-    eng = _engine(model, decode_step="auto")
-    ctx, q = _ids(1, 96), _ids(10, 4)
-    alone = _engine(model).generate(ctx, q, max_new_tokens=170).token_ids
-    batch = eng.open_batch()
-    rid, _ = batch.add(ctx, q, eng.sampling_params(max_new_tokens=170))
-    inner = batch._batch
-    inner.static.budget_bytes = inner.static.slots.nbytes()  # exactly what it holds
-    while batch.active:
-        batch.step()
-    assert inner.decode_step == "eager" and "1 slots of 768 entries" in inner.why_not  # grown mid-decode
-    assert batch.pop(rid).token_ids == alone
-    for flat in (dict(decode_slots_mb=0), dict(sparse_policy="quest", sparse_budget=32, page_size=8)):
-        _, inner = _batch_tokens(_engine(model, decode_step="auto", **flat))
-        assert (inner.decode_step, inner.why_not) == ("eager", None), flat
-
-
 def test_static_batch_equals_each_request_alone():
     # requests join and leave between steps (interleaved), sampled and greedy, one context asked twice (a cache hit)
     model = tiny_model("llama", seed=2)
@@ -271,7 +235,7 @@ def test_tensor_parallel_compiled_runs_static():
                                                                 "uncompiled)")
     assert static_problem("static", None, TP()) == ("static", None)
     assert static_problem("compiled", None, local_groups()) == ("compiled", None)
-    with pytest.raises(ValueError, match="decode_step.*choose one of auto, eager, static, compiled"):
+    with pytest.raises(ValueError, match="decode_step.*choose one of eager, static, compiled"):
         magnetar.init_inference(tiny_model("llama"), decode_step="fast")
 
 

@@ -19,7 +19,7 @@
                       (sparse prefill of global attention layers: dense, star, pulsar)
       runtime         dtype, attention_backend, deepspeed_inference, check_finite, context_cache_mb,
                       host_cache_mb, context_store, context_store_mb, prefix_reuse, decode_step,
-                      decode_slots_mb, decode_graph_batches, decode_graph_tokens, decode_graph_warmup_s
+                      decode_graph_batches, decode_graph_tokens, decode_graph_warmup_s
 
 Build it nested (``EngineConfig(method="pulsar", pulsar=PulsarConfig(scorer="bm25"))``), flat
 (``EngineConfig.create(method="pulsar", cp_size=4, scorer="bm25")``), from a JSON/YAML file

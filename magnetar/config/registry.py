@@ -71,7 +71,7 @@ PREFILL_D_IDX = (64, 128, 256)  # magnetar.prefill.indexer.D_IDX_CHOICES (kept h
 # string fields with a fixed set of values: their flags' choices, and the names magnetar.engine.agree prints
 # (the policy fields' values come from POLICIES: field_choices)
 PREFIX_REUSE = ("exact", "all", "off")  # runtime.prefix_reuse (docs/engine.md, "Prefix reuse")
-DECODE_STEPS = ("auto", "eager", "static", "compiled", "graph")  # runtime.decode_step (magnetar.engine.static)
+DECODE_STEPS = ("eager", "static", "compiled", "graph")  # runtime.decode_step (magnetar.engine.static)
 FIELD_CHOICES = {"scorer": SCORERS, "positions": POSITION_MODES, "dtype": DTYPES, "luka_compressor": LUKA_COMPRESSORS,
                  "luka_refine": LUKA_REFINE, "luka_refine_mass": LUKA_REFINE_MASS,
                  "luka_refine_scope": LUKA_REFINE_SCOPE, "luka_regime": LUKA_REGIMES, "prefix_reuse": PREFIX_REUSE,

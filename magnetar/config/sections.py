@@ -204,16 +204,12 @@ class RuntimeConfig:
     # is exact (dense, ring: the same KV as a fresh Phase 1, up to float order), "all" also for star and pulsar (the new
     # tokens then see the whole cached context, not the method's anchor or summaries), "off"
     prefix_reuse: str = "exact"
-    # how decode steps run (magnetar.engine.static): "auto" (static on a CPU while a batch's slots fit
-    # decode_slots_mb, else eager), "eager" (one attention call per context and per request's own tokens, per layer),
-    # "static" (each request's KV copied into preallocated slots, one call per layer for the batch), "compiled"
-    # (static under torch.compile; CUDA graphs on CUDA), "graph" (static over shapes planned up front, each captured as
-    # a CUDA graph when the engine starts; uncaptured on the CPU); a decode policy runs eager, tensor parallelism
-    # static (said why)
-    decode_step: str = "auto"
-    # decode_step auto: the most MiB a batch's static slots may take on this rank (they hold a copy of each request's
-    # context KV); a batch that would need more runs eager from then on
-    decode_slots_mb: int = 4096
+    # how decode steps run (magnetar.engine.static): "eager" (one attention call per request and layer), "static"
+    # (each request's KV copied into preallocated slots, one call per layer for the batch), "compiled" (static under
+    # torch.compile; CUDA graphs on CUDA), "graph" (static over shapes planned up front, each captured as a CUDA
+    # graph when the engine starts; uncaptured on the CPU); a decode policy runs eager, tensor parallelism static
+    # (said why)
+    decode_step: str = "eager"
     # decode_step graph (magnetar.engine.graphs): the batch sizes planned (a batch pads to the next one), the KV
     # entries per layer of the slot pool every planned shape shares (0: half the device's free memory on CUDA, no
     # bound on the CPU), and the seconds the start's capture may take (shapes left out then run uncaptured)
@@ -231,8 +227,6 @@ class RuntimeConfig:
             require(False, "decode_graph_batches", str(e))
         require(self.decode_graph_tokens >= 0, "decode_graph_tokens", f"must be >= 0 KV entries (0: half the free "
                 f"device memory on CUDA, no bound on the CPU), got {self.decode_graph_tokens}")
-        require(self.decode_slots_mb >= 0, "decode_slots_mb", f"must be >= 0 MiB (0: decode_step auto runs eager), "
-                f"got {self.decode_slots_mb}")
         require(self.decode_graph_warmup_s > 0, "decode_graph_warmup_s", f"must be > 0 seconds, got "
                 f"{self.decode_graph_warmup_s}")
         require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "

@@ -62,8 +62,7 @@ def kv_options(config: EngineConfig) -> str:
     for name in ("timeout_s", "rank_by_rank"):
         d["parallel"].pop(name, None)
     for name in ("context_cache_mb", "host_cache_mb", "context_store", "context_store_mb", "check_finite",
-                 "prefix_reuse", "decode_step", "decode_slots_mb", "decode_graph_batches", "decode_graph_tokens",
-                 "decode_graph_warmup_s"):
+                 "prefix_reuse", "decode_step", "decode_graph_batches", "decode_graph_tokens", "decode_graph_warmup_s"):
         d["runtime"].pop(name, None)
     return json.dumps(d, sort_keys=True, default=str)
 

@@ -27,7 +27,7 @@ from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
 from magnetar.engine.graphs import DecodeGraphs
 from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
-from magnetar.engine.static import SlotBudget, StaticDecode, static_problem
+from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
@@ -326,17 +326,12 @@ class DecodeBatch:
         self._ids = itertools.count()
         self._steps = 0
         # runtime.decode_step: how the steps run (magnetar.engine.static), and why not as configured (None: as asked)
-        rt = config.runtime
-        self.decode_step, self.why_not = static_problem(rt.decode_step, policy, groups, device)
-        if rt.decode_step == "auto" and rt.decode_slots_mb == 0:
-            self.decode_step = "eager"
+        self.decode_step, self.why_not = static_problem(config.runtime.decode_step, policy, groups)
         if self.why_not is not None:
-            log.info("decode_step %s: %s", rt.decode_step, self.why_not)
-        # graph steps: the engine's plan, slot pool and captured graphs (magnetar.engine.graphs); auto: its slots
-        # bounded by runtime.decode_slots_mb
-        budget = rt.decode_slots_mb * 2**20 if rt.decode_step == "auto" else None
-        self.static = (StaticDecode(model, groups, device, self.decode_step, rt.attention_backend, graphs=graphs,
-                                    budget_bytes=budget) if self.decode_step != "eager" else None)
+            log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
+        # graph steps: the engine's plan, slot pool and captured graphs (magnetar.engine.graphs)
+        self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.attention_backend,
+                                    graphs=graphs) if self.decode_step != "eager" else None)
 
     @property
     def active(self) -> list[int]:
@@ -516,15 +511,11 @@ class DecodeBatch:
             self._to_eager(f"a context's KV is not finite (request {mine}): decode steps run eager, whose attention "
                            f"keeps the exact rules for non-finite values")
             return
-        try:
-            for rid in rids:
-                self.static.place(rid, self._live[rid].req.shard, self._live[rid].gen)
-        except SlotBudget as e:  # every rank sizes the same slots alike: they all go eager here
-            self._to_eager(str(e), quiet=True)
+        for rid in rids:
+            self.static.place(rid, self._live[rid].req.shard, self._live[rid].gen)
 
-    def _to_eager(self, why: str, quiet: bool = False) -> None:
-        """Leave static steps for good: each placed request's query and generated KV goes back to its eager store
-        (``quiet``: said at info level -- decode_step auto's own choice)."""
+    def _to_eager(self, why: str) -> None:
+        """Leave static steps for good: each placed request's query and generated KV goes back to its eager store."""
         for rid in list(self.static.owner):
             live = self._live[rid]
             if live.gen is not None:
@@ -535,7 +526,7 @@ class DecodeBatch:
                 live.gen = gen
         self.static.close()
         self.static, self.decode_step, self.why_not = None, "eager", why
-        (log.info if quiet else log.warning)("decode steps: %s", why)
+        log.warning("decode steps: %s", why)
 
     @torch.inference_mode()
     def step(self) -> list[int]:
@@ -548,15 +539,10 @@ class DecodeBatch:
         t1 = time.perf_counter()
         with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
             what = f"decode step {self._steps}"
-            logits = None
             if self.static is not None:  # every request in one slot-batched (maybe compiled) forward
-                try:
-                    logits = self.static.step(rids, [r.result.token_ids[-1] for r in live],
-                                              [r.next_pos for r in live])
-                    ctx = self.static
-                except SlotBudget as e:  # the slots would outgrow decode_step auto's bound: this step on, eager
-                    self._to_eager(str(e), quiet=True)
-            if logits is None:
+                logits = self.static.step(rids, [r.result.token_ids[-1] for r in live], [r.next_pos for r in live])
+                ctx = self.static
+            else:
                 ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
                 logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
             self._choose(live, logits, ctx, what)

@@ -59,18 +59,8 @@ log = logging.getLogger(__name__)
 MIN_CAPACITY = 256  # a slot's first capacity is a multiple of this (tokens)
 
 
-class SlotBudget(RuntimeError):
-    """``decode_step`` auto: the slots a batch needs would take more than ``runtime.decode_slots_mb``."""
-
-
-def static_problem(mode: str, policy, groups: ParallelGroups, device=None) -> tuple[str, Optional[str]]:
-    """The decode step a batch runs for ``runtime.decode_step`` = ``mode``, and why it is not ``mode`` (None: it is,
-    or ``auto`` chose it: static on a CPU without a decode policy -- one call per layer for the batch, measured
-    5-15 % faster than eager there --, eager otherwise: on a card ``graph`` is the step to ask for, planned at
-    start)."""
-    if mode == "auto":
-        cpu = device is None or torch.device(device).type == "cpu"
-        return ("static" if cpu and policy is None else "eager"), None
+def static_problem(mode: str, policy, groups: ParallelGroups) -> tuple[str, Optional[str]]:
+    """The decode step a batch runs for ``runtime.decode_step`` = ``mode``, and why it is not ``mode`` (None: it is)."""
     if mode == "eager":
         return "eager", None
     if policy is not None:
@@ -197,9 +187,8 @@ class StaticDecode:
     graphs)."""
 
     def __init__(self, model, groups: ParallelGroups, device, mode: str, attention_backend: str = "auto",
-                 graphs: Optional[DecodeGraphs] = None, budget_bytes: Optional[int] = None):
+                 graphs: Optional[DecodeGraphs] = None):
         self.model, self.groups, self.device, self.mode = model, groups, device, mode
-        self.budget_bytes = budget_bytes  # decode_step auto: the most bytes the slots may take (SlotBudget past it)
         self.graphs = graphs if mode == "graph" else None
         self.slots: Optional[StaticSlots] = None
         self.owner: dict[int, int] = {}  # rid -> slot
@@ -264,11 +253,6 @@ class StaticDecode:
         """Empty slots of that shape: the pool's views for a ``graph`` batch whose shape the pool holds (and no other
         batch holds the pool; their entries marked empty unless not ``mark``), else buffers of their own."""
         g = self.graphs
-        need = num_layers * slots * capacity * (2 * hkv * d * torch.finfo(self._dtype()).bits // 8 + 8)
-        if self.budget_bytes is not None and need > self.budget_bytes:
-            raise SlotBudget(f"decode_step auto: {slots} slots of {capacity} entries would take {need / 2**20:.1f} "
-                             f"MiB, over runtime.decode_slots_mb ({self.budget_bytes / 2**20:.1f} MiB; "
-                             f"--decode-slots-mb): this batch's decode steps run eager")
         pooled = g is not None and g.pool is not None and slots * capacity <= g.pool.tokens and g.take(self)
         if g is not None and not pooled:
             g.give_back(self)

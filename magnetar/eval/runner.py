@@ -166,11 +166,11 @@ def config_key(config: EngineConfig) -> str:
     d["runtime"].pop("context_store", None)  # where encoded contexts are kept between runs: the same answers
     d["runtime"].pop("context_store_mb", None)
     d["runtime"].pop("host_cache_mb", None)
-    for field in ("decode_slots_mb", "decode_graph_batches", "decode_graph_tokens", "decode_graph_warmup_s"):
+    for field in ("decode_graph_batches", "decode_graph_tokens", "decode_graph_warmup_s"):
         d["runtime"].pop(field, None)  # which decode shapes are planned and captured: the same answers
     if d["runtime"].get("prefix_reuse") == "exact":
         d["runtime"].pop("prefix_reuse", None)  # keys as before the field existed (exact reuse changes no answer)
-    if d["runtime"].get("decode_step") in ("eager", "auto"):  # auto: eager or static, eager's tokens (tested)
+    if d["runtime"].get("decode_step") == "eager":
         d["runtime"].pop("decode_step", None)  # keys as before the field existed
     for field in ("halo_size", "halo_blocks", "exact_layers"):
         if not d["blocks"].get(field, 0):
