@@ -172,7 +172,6 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = time.monotonic()
         headers = {}
         for name, value in scope.get("headers") or ():
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
@@ -188,7 +187,7 @@ class Gate:
         held = {"bytes": int(length) if length is not None else 0}
         self.inflight_bytes += held["bytes"]
         try:
-            await self.app(scope, self._bounded(receive, started, held), send)
+            await self.app(scope, self._bounded(receive, held), send)
         finally:
             self.inflight_bytes -= held["bytes"]
 
@@ -239,17 +238,19 @@ class Gate:
         return (f"the request body ({size}) is larger than this server accepts ({self.max_request_bytes} bytes, "
                 f"--max-request-bytes); a context that long does not fit the model anyway -- shorten it")
 
-    def _bounded(self, receive, started: float, held: dict):
+    def _bounded(self, receive, held: dict):
         """``receive`` that refuses a body past the byte limit (413), past the in-flight budget (503; ``held``
         counts this request's bytes in it) or still incomplete at the deadline (408); once the body is whole it
         passes every message through (the disconnect a streaming response waits for)."""
-        state = {"bytes": 0, "done": False}
-        deadline = started + self.request_timeout_s
+        state = {"bytes": 0, "done": False, "deadline": None}
 
         async def bounded():
             if state["done"]:
                 return await receive()
-            left = deadline - time.monotonic()
+            if state["deadline"] is None:  # from the app's first read: the server's own work before it (routing,
+                # a first request's imports on a loaded machine) is not the client's time to send
+                state["deadline"] = time.monotonic() + self.request_timeout_s
+            left = state["deadline"] - time.monotonic()
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
             except asyncio.TimeoutError:
