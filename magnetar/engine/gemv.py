@@ -59,18 +59,42 @@ def _candidates(model) -> list[nn.Parameter]:
     return out
 
 
-def _pass_seconds(weights: list[torch.Tensor]) -> float:
-    """The fastest of :data:`_PASSES` single-row products over ``weights`` (after one unmeasured pass)."""
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _timed_prefix(items: list, nbytes) -> list:
+    """The first of ``items`` (the model's own matrices, or groups of them) whose ``nbytes`` reach
+    :data:`_TIMED_BYTES`: enough to leave the caches, as the decode step reads them."""
+    out, total = [], 0
+    for item in items:
+        out.append(item)
+        total += nbytes(item)
+        if total >= _TIMED_BYTES:
+            break
+    return out
+
+
+def _best_seconds(run) -> float:
+    """The fastest of :data:`_PASSES` calls of ``run()`` (after one unmeasured call), without autograd."""
     best = float("inf")
     with torch.no_grad():
         for i in range(_PASSES + 1):
             t0 = time.perf_counter()
-            for w in weights:
-                F.linear(rows[w.shape[1]], w)
+            run()
             if i:
                 best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _pass_seconds(weights: list[torch.Tensor]) -> float:
+    """The fastest of :data:`_PASSES` single-row products over ``weights``."""
+    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+
+    def run():
+        for w in weights:
+            F.linear(rows[w.shape[1]], w)
+    return _best_seconds(run)
 
 
 def _set_layout(weights: list[torch.Tensor], transposed: bool) -> None:
@@ -90,14 +114,9 @@ def relayout_for_decode(model, device: torch.device) -> Optional[str]:
     if done is not None:
         return done
     weights = _candidates(model)
-    if sum(w.numel() * w.element_size() for w in weights) < _MIN_BYTES:
+    if sum(_nbytes(w) for w in weights) < _MIN_BYTES:
         return None
-    timed, total = [], 0
-    for w in weights:  # a prefix of the model's own matrices, enough to leave the caches
-        timed.append(w)
-        total += w.numel() * w.element_size()
-        if total >= _TIMED_BYTES:
-            break
+    timed = _timed_prefix(weights, _nbytes)
     before = _pass_seconds(timed)
     _set_layout(timed, True)
     after = _pass_seconds(timed)
@@ -196,27 +215,27 @@ def _fuse(layers: list[nn.Linear]) -> None:
             start += n
 
 
+def _group_bytes(group: list[nn.Linear]) -> int:
+    return sum(_nbytes(c.weight) for c in group)
+
+
 def _group_seconds(groups: list[list[nn.Linear]], fused: bool) -> float:
     """The fastest of :data:`_PASSES` single-row passes over ``groups``: each layer apart, or one product per group
     (made here from the layers' weights, as :func:`_fuse` would)."""
     dtype = groups[0][0].weight.dtype
-    if fused:
-        mats = [torch.cat([c.weight.t() for c in g], dim=1).contiguous() for g in groups]
-    best = float("inf")
+    rows = {g[0].in_features: torch.randn(1, g[0].in_features, dtype=dtype) for g in groups}
     with torch.no_grad():
-        rows = torch.randn(1, groups[0][0].in_features, dtype=dtype)
-        for i in range(_PASSES + 1):
-            t0 = time.perf_counter()
-            for j, g in enumerate(groups):
-                x = rows if g[0].in_features == rows.shape[1] else torch.randn(1, g[0].in_features, dtype=dtype)
-                if fused:
-                    torch.matmul(x, mats[j])
-                else:
-                    for c in g:
-                        F.linear(x, c.weight, c.bias)
-            if i:
-                best = min(best, time.perf_counter() - t0)
-    return best
+        mats = [torch.cat([c.weight.t() for c in g], dim=1).contiguous() for g in groups] if fused else None
+
+    def run():
+        for j, g in enumerate(groups):
+            x = rows[g[0].in_features]
+            if fused:
+                torch.matmul(x, mats[j])
+            else:
+                for c in g:
+                    F.linear(x, c.weight, c.bias)
+    return _best_seconds(run)
 
 
 def fuse_siblings(model, device: torch.device) -> Optional[str]:
@@ -229,14 +248,9 @@ def fuse_siblings(model, device: torch.device) -> Optional[str]:
     if done is not None:
         return done
     groups = _sibling_groups(model)
-    if sum(c.weight.numel() * c.weight.element_size() for g in groups for c in g) < _MIN_BYTES:
+    if sum(_group_bytes(g) for g in groups) < _MIN_BYTES:
         return None
-    timed, total = [], 0
-    for g in groups:  # enough of the model's own groups to leave the caches
-        timed.append(g)
-        total += sum(c.weight.numel() * c.weight.element_size() for c in g)
-        if total >= _TIMED_BYTES:
-            break
+    timed = _timed_prefix(groups, _group_bytes)
     apart, together = _group_seconds(timed, False), _group_seconds(timed, True)
     keep = together <= _GAIN * apart
     if keep:
