@@ -305,3 +305,29 @@ def test_auto_tries_the_measured_or_named_backends_first(seeded, monkeypatch):
     monkeypatch.setattr(measured, "_card", lambda index: "NVIDIA H100 80GB HBM3")
     assert measured.preferred(torch.device("cuda", 0), list_backends) == ()
     assert measured.preferred(torch.device("cpu"), list_backends) == ()  # the table is per card
+
+
+def test_auto_names_every_backend_when_none_accepts(seeded, monkeypatch):
+    # the order auto tries is kept per registry (select_backend's _auto_order): a backend registered or removed
+    # later is seen, and when none accepts, the error gives each one's reasons
+    from magnetar.ops import backends
+    from magnetar.ops.backends import select_backend
+    from magnetar.ops.call import FULL, AttentionCall
+
+    class Refuser:
+        name, device_types = "refuser", None
+
+        def validate(self, call):
+            return ["refuses everything"]
+
+    q, k, v = random_qkv(1, 2, 2, 1, 8, 16, torch.float32, seeded)
+    call = AttentionCall(q, k, v, None, None, 0.25, FULL)
+    assert select_backend(call).name == "cpu_flash"
+    monkeypatch.setattr(backends, "_REGISTRY", {"refuser": Refuser, "flash_attn": backends._REGISTRY["flash_attn"]})
+    monkeypatch.setattr(backends, "_INSTANCES", {})
+    with pytest.raises(ValueError, match=r"no attention backend accepts this call:\n  flash_attn: needs a cuda "
+                                         r"device, got cpu\n  refuser: refuses everything"):
+        select_backend(call)
+    monkeypatch.setattr(backends, "AUTO_ORDER", ["refuser", "flash_attn"])
+    with pytest.raises(ValueError, match=r"accepts this call:\n  refuser: refuses everything\n  flash_attn"):
+        select_backend(call)

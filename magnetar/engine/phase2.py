@@ -91,12 +91,9 @@ class Phase2Context(LayerContext):
                window: Optional[int] = None) -> torch.Tensor:
         B, Hq, S, D = q.shape
         shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
-        local_o, local_l = [], []
-        for b in range(B):  # requests hold KV of different lengths: attend each to its own
-            o, l = self._local(layer, b, q, k, v, scale, window, shared.get(b))
-            local_o.append(o)
-            local_l.append(l)
-        local_o, local_l = (torch.cat(local_o), torch.cat(local_l)) if B > 1 else (local_o[0], local_l[0])
+        # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
+        parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
+        local_o, local_l = self._combine(parts, q)
         if self.flags is not None:
             self.flags.record(layer, local_o)
         if self.groups.cp_size == 1:  # one rank: its state is the result (a merge of one state is the identity on
@@ -136,10 +133,37 @@ class Phase2Context(LayerContext):
                 out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
         return out
 
-    def _local(self, layer, b, q, k, v, scale, window, shared=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request b's state over what this rank holds: its context shard and (query rank) its own tokens;
-        ``shared``: its context part, attended already with the other requests on its shard."""
-        S = q.shape[2]
+    @staticmethod
+    def _combine(parts: list[list[tuple[torch.Tensor, torch.Tensor]]], q: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's local state ``(B, Hq, S, D)``, ``(B, Hq, S)`` from each request's parts (``parts[b]``:
+        request b's ``(o, lse)`` per part, each ``(1, ...)``): where every request has the same number of parts
+        (the query rank of a decode step: context and own tokens), ONE merge for the whole batch -- the parts
+        stacked request by request -- rather than a merge per request (a merge's per-call cost is most of what a
+        decode step's merges cost)."""
+        B, Hq, S, _ = q.shape
+        counts = {len(p) for p in parts}
+        if B > 1 and len(counts) == 1 and counts != {0}:
+            n = counts.pop()
+            if n == 1:
+                return torch.cat([p[0][0] for p in parts]), torch.cat([p[0][1] for p in parts])
+            return merge_states([torch.cat([p[i][0] for p in parts]) for i in range(n)],
+                                [torch.cat([p[i][1] for p in parts]) for i in range(n)])
+        states = []
+        for p in parts:
+            if not p:  # this rank holds nothing for the request: the empty state
+                states.append((torch.zeros(1, Hq, S, q.shape[3], dtype=q.dtype, device=q.device),
+                               torch.full((1, Hq, S), float("-inf"), device=q.device)))
+            else:
+                states.append(p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p]))
+        if B == 1:
+            return states[0]
+        return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])
+
+    def _local(self, layer, b, q, k, v, scale, window, shared=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Request b's parts ``(o, lse)`` over what this rank holds: its context shard and (query rank) its own
+        tokens (none: this rank holds nothing for it); ``shared``: its context part, attended already with the other
+        requests on its shard. :meth:`_combine` merges them."""
         qb, pos = q[b : b + 1], self.positions[b]
         parts_o, parts_l = [], []
         ctx = self.shards[b].layers[layer]
@@ -170,11 +194,7 @@ class Phase2Context(LayerContext):
                                       backend=self.backend)
             parts_o.append(o)
             parts_l.append(l)
-        if not parts_o:  # this rank holds nothing for request b: the empty state
-            return torch.zeros_like(qb), torch.full((1, q.shape[1], S), float("-inf"), device=q.device)
-        if len(parts_o) == 1:
-            return parts_o[0], parts_l[0]
-        return merge_states(parts_o, parts_l)
+        return list(zip(parts_o, parts_l))
 
 
 @dataclass

@@ -20,6 +20,7 @@ Built-in backends:
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable, Optional, Protocol
 
@@ -87,21 +88,31 @@ def select_backend(call: AttentionCall, name: str = "auto") -> AttentionBackend:
         if reasons:
             raise ValueError(f"attention backend {name!r} cannot run this call: " + "; ".join(reasons))
         return backend
-    refusals = []
     device_type = call.q.device.type
     first = preferred(call.q.device, list_backends)  # this card's measured order, or the user's (usually none)
-    order = [*first, *(n for n in AUTO_ORDER if n not in first)] if first else AUTO_ORDER
-    for candidate in order + [n for n in list_backends() if n not in order]:
+    order = _auto_order(first, tuple(_REGISTRY), tuple(AUTO_ORDER))
+    for candidate in order:
+        backend = get_backend(candidate)
+        devices = getattr(backend, "device_types", None)
+        if (devices is None or device_type in devices) and not backend.validate(call):
+            return backend
+    refusals = []  # none accepts: each one's reasons (worked out only now: auto runs on every attention call)
+    for candidate in order:
         backend = get_backend(candidate)
         devices = getattr(backend, "device_types", None)
         if devices is not None and device_type not in devices:
             refusals.append(f"{candidate}: needs a {'/'.join(devices)} device, got {device_type}")
-            continue
-        reasons = backend.validate(call)
-        if not reasons:
-            return backend
-        refusals.append(f"{candidate}: {'; '.join(reasons)}")
+        else:
+            refusals.append(f"{candidate}: {'; '.join(backend.validate(call))}")
     raise ValueError("no attention backend accepts this call:\n  " + "\n  ".join(refusals))
+
+
+@functools.lru_cache(maxsize=64)
+def _auto_order(first: tuple[str, ...], registered: tuple[str, ...], auto: tuple[str, ...]) -> tuple[str, ...]:
+    """The registered backends in the order ``auto`` tries them: ``first`` (measured or named), then ``AUTO_ORDER``,
+    then the others by name -- kept per (first, registry, AUTO_ORDER), so an ``auto`` call builds no list."""
+    order = [n for n in dict.fromkeys([*first, *auto]) if n in registered]
+    return tuple(order + sorted(n for n in registered if n not in order))
 
 
 def explain(call: AttentionCall) -> dict[str, list[str]]:
