@@ -52,3 +52,37 @@ def test_requests_on_one_shard_share_one_call(window, monkeypatch, seeded):
             assert torch.isnan(out[1, 2]).all() and torch.isfinite(out[1, :2]).all()
             continue
         assert_close(out[b:b + 1], want.float(), torch.float32, "out", f"request {b}")
+
+
+def test_a_batch_parts_merge_in_one_call_as_each_request_alone(seeded, monkeypatch):
+    # Phase2Context._combine: where every request has the same number of parts, one merge for the batch -- each row
+    # the merge of its own request's parts; otherwise a merge per request (a request with none: the empty state); a
+    # NaN part poisons only its request
+    from magnetar.ops import merge_states
+
+    def part(nan=False, empty=False):
+        o, lse = torch.randn(1, HQ, 1, D, generator=seeded), torch.randn(1, HQ, 1, generator=seeded)
+        if nan:
+            lse[0, 1, 0] = float("nan")
+        if empty:
+            o, lse = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+        return o, lse
+
+    q = torch.zeros(3, HQ, 1, D)
+    calls = []
+    real = phase2.merge_states
+    monkeypatch.setattr(phase2, "merge_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for parts in ([[part(), part()], [part(nan=True), part()], [part(), part(empty=True)]],
+                  [[part(), part()], [part()], []]):
+        calls.clear()
+        out, lse = Phase2Context._combine(parts, q)
+        if len(parts[1]) == 2:  # the first batch: its NaN part poisons its own request's row only
+            assert torch.isnan(out[1, 1]).all() and torch.isfinite(out[[0, 2]]).all()
+        assert len(calls) == (1 if len({len(p) for p in parts}) == 1 else sum(len(p) > 1 for p in parts))
+        for b, p in enumerate(parts):
+            if not p:
+                want = (torch.zeros(1, HQ, 1, D), torch.full((1, HQ, 1), float("-inf")))
+            else:
+                want = p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p])
+            torch.testing.assert_close(out[b : b + 1], want[0], equal_nan=True, rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse[b : b + 1], want[1], equal_nan=True, rtol=0, atol=1e-6)

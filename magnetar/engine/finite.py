@@ -29,7 +29,7 @@ class LayerFlags:
     """Per-layer "non-finite attention output seen" flags of one rank, kept on the device: each layer's outputs
     summed in float64. Exact for float32 / bfloat16 / float16 outputs (a sum of their finite values cannot reach
     float64's range, so the sum is non-finite exactly when an element is: a flag that raises may not false-alarm);
-    two ops a layer where a min/max test took eight (a sixtieth of a CPU decode step). A float64 output is tested
+    two ops a layer where a min/max test took eight (about 2 % of a CPU decode step). A float64 output is tested
     with :func:`~magnetar.ops.nonfinite.finite_flag` (its finite values could overflow a sum)."""
 
     def __init__(self, num_layers: int, device):

@@ -143,7 +143,7 @@ class Phase2Context(LayerContext):
         decode step's merges cost)."""
         B, Hq, S, _ = q.shape
         counts = {len(p) for p in parts}
-        if B > 1 and len(counts) == 1 and counts != {0}:
+        if B > 1 and len(counts) == 1 and counts != {0} and len({o.dtype for p in parts for o, _ in p}) == 1:
             n = counts.pop()
             if n == 1:
                 return torch.cat([p[0][0] for p in parts]), torch.cat([p[0][1] for p in parts])
