@@ -165,7 +165,7 @@ class Phase2Context(LayerContext):
         tokens (none: this rank holds nothing for it); ``shared``: its context part, attended already with the other
         requests on its shard. :meth:`_combine` merges them."""
         qb, pos = q[b : b + 1], self.positions[b]
-        parts_o, parts_l = [], []
+        parts = []
         ctx = self.shards[b].layers[layer]
         g = None
         if self.gens is not None:  # the query rank stores its own query/generated tokens (the real ones)
@@ -173,28 +173,21 @@ class Phase2Context(LayerContext):
             n = self.valid[b]
             g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
         if shared is not None:
-            parts_o.append(shared[0])
-            parts_l.append(shared[1])
+            parts.append(shared)
         elif len(ctx) and self.policy is not None and self.policy.applies(layer, window):
             # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of the query
             # rank's own tokens too when it pages them (pages_generated)
             mine = {"gen": g} if g is not None and self.policy.pages_generated else {}
-            o, l = self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
-                                              backend=self.backend, valid=self.valid[b], **mine)
-            parts_o.append(o)
-            parts_l.append(l)
+            parts.append(self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
+                                                    backend=self.backend, valid=self.valid[b], **mine))
             g = None if mine else g
         elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
-            o, l = attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
-                                      backend=self.backend, k_finite=ctx.keys_finite())
-            parts_o.append(o)
-            parts_l.append(l)
+            parts.append(attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
+                                            backend=self.backend, k_finite=ctx.keys_finite()))
         if g is not None:  # the query rank: its own query/generated tokens, causally
-            o, l = attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=window,
-                                      backend=self.backend)
-            parts_o.append(o)
-            parts_l.append(l)
-        return list(zip(parts_o, parts_l))
+            parts.append(attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=window,
+                                            backend=self.backend))
+        return parts
 
 
 @dataclass
