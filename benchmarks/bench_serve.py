@@ -47,6 +47,12 @@ Part ``stall`` (issue 33, item 3) -- one request streams ``--stall-tokens`` toke
 another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (its whole Phase 1 between two decode
 steps) and each of ``--stall-chunks``: the decoding request's longest gap between two tokens and the newcomer's TTFT.
 
+Part ``join`` -- eight concurrent streaming clients, each with its own new ~``--client-context-tokens`` document in a
+message under ``--paste-threshold`` (so all of it is query: their queries join the batch together), against ``magnetar
+serve`` in its own process with each ``--max-join-tokens`` of ``--join-tokens``, alternated ``--rounds`` times (the
+same documents for every value in a round; a fresh server each time): every client's TTFT, their p50 and max, the
+wall seconds and tokens/s.
+
 Part ``served`` (issue 47, item 3; the GPU kit's ``serve`` step) -- the server in this process, plain chat requests:
 one streamed request over a new ``--context-tokens`` document (TTFT, decode ms/token), then each ``--clients`` count of
 concurrent streaming clients, each with a new ``--client-context-tokens`` document (tokens/s, TTFT p50/p99). With
@@ -112,6 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(a thread beside the clients, sharing their interpreter) instead of `magnetar serve` in its own "
                    "process (the default: how a user runs it, and how the peer runs)")
     p.add_argument("--stall-chunks", default="1024,2048", help="part stall: the --prefill-chunk sizes tried after 0")
+    p.add_argument("--join-tokens", default="0,2048,1024", help="part join: the --max-join-tokens values, alternated")
     p.add_argument("--stall-tokens", type=int, default=96, help="part stall: the decoding request's max_tokens")
     p.add_argument("--decode-step", default=None, choices=("eager", "static", "compiled", "graph"),
                    help="Magnetar's runtime.decode_step (default: the engine's, eager); graph: the batch sizes planned "
@@ -132,14 +139,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if args.peer is not None and args.parts == p.get_default("parts"):
         parts = ["peer"]
-    bad = [x for x in parts if x not in ("cache", "clients", "pasted", "turns", "peer", "stall", "served")]
+    known = ("cache", "clients", "pasted", "turns", "peer", "stall", "join", "served")
+    bad = [x for x in parts if x not in known]
     if bad or not parts:
-        p.error(f"--parts: unknown part(s) {bad}; choose from cache, clients, pasted, turns, peer, stall, served "
-                f"(comma separated)")
-    try:
-        args.stall_chunks = [int(x) for x in args.stall_chunks.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--stall-chunks: comma-separated ints, got {args.stall_chunks!r}")
+        p.error(f"--parts: unknown part(s) {bad}; choose from {', '.join(known)} (comma separated)")
+    for name in ("stall_chunks", "join_tokens"):
+        try:
+            setattr(args, name, [int(x) for x in getattr(args, name).split(",") if x.strip()])
+        except ValueError:
+            p.error(f"--{name.replace('_', '-')}: comma-separated ints, got {getattr(args, name)!r}")
+        if not getattr(args, name) or min(getattr(args, name)) < 0:
+            p.error(f"--{name.replace('_', '-')}: ints >= 0, at least one")
     if "peer" in parts and not args.peer:
         p.error("--parts peer needs --peer URL (the other server)")
     if args.peer_cmd and not args.peer:
@@ -588,6 +598,7 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
         tokens = sum(r["tokens"] for r in results)
         out[f"clients_8_{label}"] = dict(seconds=wall, tokens=tokens, tokens_per_s=tokens / wall,
                                          ttft_p50=statistics.median(r["ttft"] for r in results),
+                                         ttfts=sorted(r["ttft"] for r in results),
                                          texts=[r["text"] for r in results])
     t0 = time.perf_counter()
     _stream(api, model, docs["prefill"] + "\n\n" + QUESTIONS[2], 1)
@@ -666,6 +677,62 @@ def _process(cmd: list, name: str, stop_s: float):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def _serve_process(args, extra: tuple = ()):
+    """The URL of ``magnetar serve`` started in its own process with the bench's flags (and ``extra``), as a user
+    starts it (its own thread choice); stopped (SIGTERM: it drains) when the block ends."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "magnetar.serve", "--model", args.model_path, "--served-model-name", "bench",
+           "--port", str(port), "--method", args.method, "--max-batch-size", str(args.max_batch),
+           "--max-tokens", str(args.new_tokens), "--deepspeed-inference", "false", *extra]
+    if args.ranks > 1:
+        cmd += ["--cp-size", str(args.ranks), "--simulate", "true"]
+    if args.decode_step is not None:
+        cmd += ["--decode-step", args.decode_step]
+    if args.decode_step == "graph":
+        cmd += ["--decode-graph-batches", graph_batches(args.max_batch)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    with _process(cmd, "serve", 120) as (proc, log):
+        print(f"magnetar serve's log: {log}", flush=True)
+        wait_ready(url, proc, log, args.peer_ready_s, path="/v1/models")
+        yield url
+
+
+def part_join(model, tokenizer, args) -> dict:
+    """Eight concurrent clients with ~1K-token messages (all query) against ``magnetar serve`` at each
+    ``--join-tokens`` value, alternated ``--rounds`` times: each client's TTFT, p50 / max, wall, tokens/s."""
+    from openai import OpenAI
+
+    rows = []
+    for r in range(args.rounds):
+        docs = [documents(tokenizer, args.client_context_tokens, 1, args.seed + 40 + 8 * r + i)[0][0]
+                for i in range(8)]
+        contents = [d + "\n\n" + QUESTIONS[i % len(QUESTIONS)] for i, d in enumerate(docs)]
+        for bound in args.join_tokens:
+            with _serve_process(args, ("--max-join-tokens", str(bound))) as url:
+                api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+                _stream(api, "bench", "Warm-up. " * 20 + "\n\nSay hello.", 4)
+                results, wall = _clients(api, "bench", contents, args.new_tokens, True, f"round {r}")
+            ttfts = sorted(x["ttft"] for x in results)
+            tokens = sum(x["tokens"] for x in results)
+            rows.append(dict(round=r, max_join_tokens=bound, ttfts=ttfts, ttft_p50=statistics.median(ttfts),
+                             ttft_max=ttfts[-1], wall_s=wall, tokens=tokens, tokens_per_s=tokens / wall))
+            print(f"[bench_serve] join round {r}, --max-join-tokens {bound}: TTFT p50 {rows[-1]['ttft_p50']:.2f} s, "
+                  f"{rows[-1]['tokens_per_s']:.2f} tokens/s", file=sys.stderr, flush=True)
+    print(f"\n## 8 concurrent clients, own ~{args.client_context_tokens}-token messages (query only), "
+          f"--max-join-tokens alternated ({args.method}, {args.ranks} rank(s), {args.new_tokens} new tokens)\n")
+    print("| round | --max-join-tokens | TTFT p50 (s) | TTFT max (s) | every client's TTFT (s) | wall (s) | tokens/s |")
+    print("|---:|---:|---:|---:|---|---:|---:|")
+    for x in rows:
+        every = " ".join(f"{t:.1f}" for t in x["ttfts"])
+        label = "0 (no bound)" if x["max_join_tokens"] == 0 else str(x["max_join_tokens"])
+        print(f"| {x['round']} | {label} | {x['ttft_p50']:.2f} | {x['ttft_max']:.2f} | {every} | {x['wall_s']:.1f} | "
+              f"{x['tokens_per_s']:.2f} |")
+    return dict(rows=rows)
+
+
 def part_peer(model, tokenizer, args) -> dict:
     """The peer workloads against the peer (``--peer``; started and stopped by ``--peer-cmd`` if given), then against
     ``magnetar serve`` in its own process (``--serve-in-process``: in this one) with ``--method``, ``--ranks``,
@@ -707,22 +774,7 @@ def part_peer(model, tokenizer, args) -> dict:
             server.drain()
             thread.join(timeout=120)
     else:  # `magnetar serve` in its own process, as a user starts it (its thread choice), like the peer
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "magnetar.serve", "--model", args.model_path, "--served-model-name", "bench",
-               "--port", str(port), "--method", args.method, "--max-batch-size", str(args.max_batch),
-               "--max-tokens", str(args.new_tokens), "--deepspeed-inference", "false"]
-        if args.ranks > 1:
-            cmd += ["--cp-size", str(args.ranks), "--simulate", "true"]
-        if args.decode_step is not None:
-            cmd += ["--decode-step", args.decode_step]
-        if args.decode_step == "graph":
-            cmd += ["--decode-graph-batches", graph_batches(args.max_batch)]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        with _process(cmd, "serve", 120) as (proc, mag_log):  # SIGTERM drains: nothing is in flight by then
-            print(f"magnetar serve's log: {mag_log}", flush=True)
-            wait_ready(url, proc, mag_log, args.peer_ready_s, path="/v1/models")
+        with _serve_process(args) as url:
             t0 = time.perf_counter()
             results["magnetar"] = peer_workloads(url, "bench", docs, args)
             results["magnetar"]["wall_s"] = time.perf_counter() - t0
@@ -782,6 +834,8 @@ def main(argv=None) -> int:
         out["peer"] = part_peer(model, tokenizer, args)
     if "stall" in args.parts:
         out["stall"] = part_stall(model, tokenizer, args)
+    if "join" in args.parts:
+        out["join"] = part_join(model, tokenizer, args)
     if "served" in args.parts:
         out["served"] = part_served(model, tokenizer, args)
     print(json.dumps(out))

@@ -762,8 +762,9 @@ def test_the_serve_flags_are_made_from_serve_config():
     assert ServeConfig.from_args(args, model_name="m") == ServeConfig(model_name="m")
     flagged = [f.name for f in fields(ServeConfig) if f.metadata["flag"]]
     assert {"port", "max_batch_size", "api_key", "allowed_origins", "prefill_chunk"} <= set(flagged)
-    args = build_parser().parse_args(["--model", "m", "--max-batch-size", "3", "--allowed-hosts", "A.example,b"])
+    args = build_parser().parse_args(["--model", "m", "--max-batch-size", "3", "--allowed-hosts", "A.example,b",
+                                      "--max-join-tokens", "64"])
     got = ServeConfig.from_args(args, model_name="m")
-    assert (got.max_batch_size, got.allowed_hosts) == (3, ("a.example", "b"))
+    assert (got.max_batch_size, got.allowed_hosts, got.max_join_tokens) == (3, ("a.example", "b"), 64)
     with pytest.raises(ValueError, match="max_stop_strings"):
         ServeConfig(model_name="m", max_stop_strings=10**6)

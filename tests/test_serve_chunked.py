@@ -122,6 +122,13 @@ def test_chunks_are_held_by_their_request_whatever_the_cache_keeps(model_dir, mo
         assert len(engine.cache) == 0 and not server.loop._partial  # nothing kept, nothing held after the request
 
 
+def test_the_serve_config_bounds_reach_the_scheduler(served):
+    from magnetar.serve.config import MAX_JOIN_TOKENS
+
+    scheduler = served.loop.scheduler
+    assert (scheduler.prefill_chunk, scheduler.max_join_tokens) == (CHUNK, MAX_JOIN_TOKENS)
+
+
 def test_where_chunks_apply():
     eng = magnetar.init_inference(tiny_model("llama"), method="dense")
     assert eng.chunk_problem() is None

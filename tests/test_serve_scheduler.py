@@ -1,6 +1,7 @@
 """The serving leader's scheduler (magnetar/serve/scheduler.py) with plain values: no ranks, no model, no HTTP --
-one Phase 1 per tick beside any cache hits, the batch's room, chunked Phase 1 after a cached prefix, cancels of
-waiting, chunking and decoding requests, a release after its readers, a deleted pinned context refused."""
+one Phase 1 per tick beside any cache hits, the batch's room, the joining queries' token bound, chunked Phase 1 after
+a cached prefix, cancels of waiting, chunking and decoding requests, a release after its readers, a deleted pinned
+context refused."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,8 @@ from magnetar.serve.prompts import Prepared
 from magnetar.serve.scheduler import Job, Scheduler
 
 
-def _generate(sid: int, key: str, length: int = 8, *, cid=None, options=None) -> Job:
-    request = CheckedRequest(torch.arange(length), torch.tensor([1, 2]), SamplingParams(max_new_tokens=2), key,
+def _generate(sid: int, key: str, length: int = 8, *, cid=None, options=None, query: int = 2) -> Job:
+    request = CheckedRequest(torch.arange(length), torch.arange(query) % 7 + 1, SamplingParams(max_new_tokens=2), key,
                              dict(options or {}))
     return Job("generate", sid, prepared=Prepared(request, cid))
 
@@ -53,6 +54,31 @@ def test_a_long_context_runs_in_chunks_after_its_cached_prefix_then_joins():
     # after the 50 cached tokens: 150, 250 in chunks (one Phase 1 per tick: request 2 waits), then the last 80 whole
     assert [_sids(t)["chunks"] for t in ticks] == [[(1, 150)], [(1, 250)], [], []]
     assert [_sids(t)["adds"] for t in ticks] == [[], [], [1], [2]]
+
+
+def test_the_joining_queries_fit_max_join_tokens_in_arrival_order():
+    s = Scheduler(max_batch_size=8, max_join_tokens=1000, is_cached=lambda key: True)
+    for sid, query in enumerate((600, 300, 200, 900, 100, 5000, 10), start=1):
+        s.add(_generate(sid, f"k{sid}", query=query))
+    ticks = [_sids(s.decide(active=0, pinned=set()).tick)["adds"] for _ in range(5)]
+    # 600 + 300; then 200 alone (200 + 900 is over: 5 waits behind 4, though it would fit); 900 + 100; a query
+    # longer than the bound joins alone; then the last
+    assert ticks == [[1, 2], [3], [4, 5], [6], [7]] and s.idle
+    unbounded = Scheduler(max_batch_size=8, is_cached=lambda key: True)
+    for sid in range(1, 4):
+        unbounded.add(_generate(sid, f"k{sid}", query=5000))
+    assert _sids(unbounded.decide(active=0, pinned=set()).tick)["adds"] == [1, 2, 3]
+
+
+def test_max_join_tokens_counts_queries_not_phase1():
+    # a new context's Phase 1 (whole or a chunk) is bounded by the one-per-tick rule: the queries beside it still join
+    s = Scheduler(max_batch_size=8, prefill_chunk=100, max_join_tokens=50, is_cached=lambda key: key != "long")
+    s.add(_generate(1, "long", 330, query=20))
+    s.add(_generate(2, "hit", 5000, query=30))
+    s.add(_generate(3, "hit2", query=30))
+    first = _sids(s.decide(active=0, pinned=set()).tick)
+    assert first["chunks"] == [(1, 100)] and first["adds"] == [2]  # 30 + 30 is over the bound: 3 waits
+    assert _sids(s.decide(active=1, pinned=set()).tick)["adds"] == [3]
 
 
 def test_options_and_pinned_contexts_never_chunk():

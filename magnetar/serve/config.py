@@ -14,6 +14,9 @@ from magnetar.serve.split import PASTE_TOKENS
 from magnetar.utils.cli import int_at_least
 
 PREFILL_CHUNK = 2048  # --prefill-chunk's default (tokens)
+# --max-join-tokens' default (tokens): a message just under --paste-threshold (all of it query) joins alone, so
+# several arriving together get their first tokens one after another (measured: docs/results.md, "Queries joined")
+MAX_JOIN_TOKENS = PASTE_TOKENS
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 LIMITS = "what clients may send (docs/serving.md, \"Limits and access\")"  # the flags' second group
 
@@ -90,6 +93,11 @@ class ServeConfig:
         PREFILL_CHUNK, f"a new context of more tokens runs its Phase 1 in chunks of this many, one between two decode "
                        f"steps, so decoding requests are not held for a whole Phase 1 (dense or ring on one CP rank; "
                        f"0: whole; default {PREFILL_CHUNK})", type=int_at_least(0))
+    max_join_tokens: int = _opt(
+        MAX_JOIN_TOKENS, f"the query tokens the requests joining the decode batch between two decode steps forward "
+                         f"together (like vLLM's --max-num-batched-tokens): the first always joins, the next wait a "
+                         f"step -- requests arriving together get their first tokens one after another, not all "
+                         f"after one long forward (0: no bound; default {MAX_JOIN_TOKENS})", type=int_at_least(0))
     prefill_threads: Optional[int] = _opt(None, "intra-op threads while Phase 1s and query forwards run (None: the "
                                                 "process's count throughout)", flag=False)
     heartbeat_s: Optional[float] = _opt(None, "the idle tick period (default: a quarter of the collective timeout, at "

@@ -96,7 +96,7 @@ class EngineLoop:
     the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
 
     def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None,
-                 prefill_threads: Optional[int] = None, prefill_chunk: int = 0):
+                 prefill_threads: Optional[int] = None, prefill_chunk: int = 0, max_join_tokens: int = 0):
         self.engine, self.groups = engine, engine.groups
         # a new context longer than this many tokens runs its Phase 1 in chunks of it, one between two decode steps
         # (0: whole); only where a chunk's extension is the exact Phase 1 (Engine.chunk_problem)
@@ -126,8 +126,10 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # sid -> job, from submission to its last event
         # what waits (taken from the inbox, not yet in a tick) and the rules of the next tick
+        # max_join_tokens: the query tokens of the requests joining in one tick (one forward; 0: no bound)
         self.scheduler = Scheduler(max_batch_size=max_batch_size, prefill_chunk=self.prefill_chunk,
-                                   is_cached=engine.is_cached, prefix_tokens=engine.cached_prefix_tokens)
+                                   max_join_tokens=max_join_tokens, is_cached=engine.is_cached,
+                                   prefix_tokens=engine.cached_prefix_tokens)
         self._sid = itertools.count(1)
         self._gate = threading.Lock()
         self.closed = False  # no more submissions (stopping)

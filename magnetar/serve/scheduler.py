@@ -10,6 +10,11 @@ The rules of one tick:
   number whose context is cached or pinned -- up to ``max_batch_size`` decoding requests;
 * a long context (``prefill_chunk`` > 0) runs its Phase 1 one chunk per tick, after the longest cached prefix, and
   joins the batch with its last chunk;
+* the joining requests' queries (one forward) hold ``max_join_tokens`` tokens at most (0: no bound): the first
+  always joins, and once one does not fit, the later ones wait for the next tick (arrival order kept), one decode
+  step later -- so requests arriving together get their first tokens one tick after another instead of all after one
+  long forward (vLLM's ``max_num_batched_tokens``; a Phase 1 is bounded apart, by the one-per-tick rule and
+  ``prefill_chunk``);
 * a release of a pinned context waits for the requests that read it and for an encode of it still queued;
 * a request about a pinned context deleted after it was checked is refused (:attr:`Decision.refused`).
 """
@@ -57,10 +62,11 @@ class Scheduler:
     ``is_cached(key)``: whether the context cache holds a context; ``prefix_tokens(ids)``: how many first tokens of
     ``ids`` a cached prefix holds (``Engine.is_cached``, ``Engine.cached_prefix_tokens``)."""
 
-    def __init__(self, *, max_batch_size: int, prefill_chunk: int = 0,
+    def __init__(self, *, max_batch_size: int, prefill_chunk: int = 0, max_join_tokens: int = 0,
                  is_cached: Callable[[str], bool] = lambda key: False,
                  prefix_tokens: Callable[[torch.Tensor], int] = lambda ids: 0):
         self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
+        self.max_join_tokens = max_join_tokens
         self.is_cached, self.prefix_tokens = is_cached, prefix_tokens
         self.pending: list[Job] = []
         self.cancels: list[int] = []
@@ -96,6 +102,7 @@ class Scheduler:
         self.cancels = []
         room = self.max_batch_size - (active - len(tick.cancels))
         phase1, keys = False, set()
+        joined, full = None, False  # the joining queries' tokens (None: none yet); full: later requests wait
         for job in list(self.pending):
             if job.kind == "release":
                 # after the requests that read it, and after an encode of it still queued (a POST whose client left)
@@ -112,7 +119,7 @@ class Scheduler:
                 decision.refused.append(job)
                 continue
             needs = cid is None and not self.is_cached(key) and key not in keys
-            if (job.kind == "generate" and room <= 0) or (needs and phase1):
+            if (job.kind == "generate" and (room <= 0 or full)) or (needs and phase1):
                 continue
             if needs and job.kind == "generate" and self._chunks(job):  # a chunk now; the request joins after
                 ids = job.prepared.context_ids
@@ -120,6 +127,12 @@ class Scheduler:
                 tick.chunks.append(Chunk(job.sid, ids[: job.chunked].tolist()))
                 phase1 = True
                 continue
+            if job.kind == "generate":
+                query = job.prepared.request.query_tokens
+                if joined is not None and self.max_join_tokens and joined + query > self.max_join_tokens:
+                    full = True  # it and every later request wait for the next tick
+                    continue
+                joined = (joined or 0) + query
             phase1, room = phase1 or needs, room - (job.kind == "generate")
             keys.add(key)
             self.pending.remove(job)

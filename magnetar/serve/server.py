@@ -78,7 +78,8 @@ class Server:
         self.responses = ResponseStore()  # the Responses API's stored responses (previous_response_id)
         self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=config.max_batch_size, heartbeat_s=config.heartbeat_s,
-                               prefill_threads=config.prefill_threads, prefill_chunk=config.prefill_chunk)
+                               prefill_threads=config.prefill_threads, prefill_chunk=config.prefill_chunk,
+                               max_join_tokens=config.max_join_tokens)
         self.metrics = None
         self.app = None
         self._http = None
