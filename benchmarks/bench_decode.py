@@ -13,9 +13,12 @@ unless launched with 2 ranks) one engine -- made with ``decode_step=graph`` and 
 ``graph`` is among ``--modes``: its graphs are captured as it starts -- encodes the documents of each length once and
 runs each mode in turn (``runtime.decode_step`` set before each batch); it is dropped before the next configuration.
 For each shape (``B@L``: B requests about L-token documents; or every ``--batches`` at ``--context-tokens``), B
-requests join one decode batch (``Engine.open_batch``): with ``--contexts own`` (the default) each about its own
-document, so a step reads B contexts' KV as the floor below counts; with ``shared``, B questions about one document
-(the eager step reads it once per step for all of them). ``--warmup`` steps run (the first one timed apart:
+requests join one decode batch (``Engine.open_batch``): with ``--contexts copies`` (the default) each about a context
+of its own -- one document encoded per length and copied B-1 times on the device (``KVShard.clone``: the same KV
+values in tensors of their own, read apart as another document's would be, without B Phase 1s: on a GPU 8 x 32K and
+64 x 4K documents per configuration took minutes of the kit's budget) --, so a step reads B contexts' KV as the floor
+below counts; ``own``: B documents each encoded (different texts); ``shared``: B questions about one document (the
+eager step reads it once per step for all of them). ``--warmup`` steps run (the first one timed apart:
 compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose the same tokens as eager
 (fp32; in bf16 a near-tie may differ: the table says how many requests agree).
 
@@ -54,9 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--shapes", default=None, metavar="B@L[,B@L...]",
                    help="batch@context pairs instead of --batches x --context-tokens, e.g. 1@32K,8@32K,64@4K")
-    p.add_argument("--contexts", default="own", choices=("own", "shared"),
-                   help="own: each request its own document (a batch reads B contexts' KV); shared: B questions "
-                        "about one document")
+    p.add_argument("--contexts", default="copies", choices=("copies", "own", "shared"),
+                   help="copies: each request its own copy of one encoded document's KV (a batch reads B contexts' "
+                        "KV; one Phase 1 per length); own: B documents, each encoded; shared: B questions about one "
+                        "document")
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
     p.add_argument("--steps", type=int, default=12, help="steps timed")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
@@ -211,22 +215,35 @@ def engine_for(config: str, args, model, tokenizer, distributed: bool):
     return eng
 
 
+def copy_handle(handle, i: int):
+    """``handle`` with a copy of its KV (``KVShard.clone``: the values in tensors of their own, on its device) under
+    a key of its own: a request about it reads another context's KV, as about another document of that length."""
+    import dataclasses
+
+    return dataclasses.replace(handle, shard=handle.shard.clone(), key=f"{handle.key}:copy{i}")
+
+
 def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, eng, handles: dict) -> dict:
     """One row: ``bsz`` requests about ``context``-token documents (``--contexts``) in one batch of ``config``'s
     engine, its steps run ``mode`` (each length's documents encoded once per configuration: ``handles``)."""
     from magnetar.utils.sync import host_syncs
 
     eng.config = eng.config.replace(decode_step=mode)  # read by open_batch (the one field that differs per mode)
-    own = args.contexts == "own"
+    own = args.contexts != "shared"  # each request reads a context of its own
     if context not in handles:
-        pairs = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context), own)
+        pairs = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context),
+                        args.contexts == "own")
         t0 = time.perf_counter()
         encoded: dict[int, object] = {}  # one handle per distinct document
         for doc, _ in pairs:
             if id(doc) not in encoded:
                 encoded[id(doc)] = eng.encode(doc)
         handles[context] = [(encoded[id(doc)], q) for doc, q in pairs]
-        _say(f"{config}: {len(encoded)} {context}-token context(s) encoded in {time.perf_counter() - t0:.1f} s")
+        if args.contexts == "copies":  # the first request's handle, then a copy of its KV for each other one
+            handles[context] = [(h if i == 0 else copy_handle(h, i), q) for i, (h, q) in enumerate(handles[context])]
+        _say(f"{config}: {len(encoded)} {context}-token context(s) encoded" +
+             (f", {len(pairs) - 1} copied" if args.contexts == "copies" else "") +
+             f" in {time.perf_counter() - t0:.1f} s")
     b = eng.open_batch()
     n = args.warmup + args.steps + 3
     t0 = time.perf_counter()

@@ -403,7 +403,7 @@ def step_decode(kit: Kit, shape: dict):
             json_out = Path(tmp) / "decode.json"
             cmd = [sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--model", shape["model"],
                    "--dtype", shape["dtype"], "--configs", shape["decode_configs"], "--ranks", str(shape["ranks"]),
-                   "--shapes", shape["decode_shapes"], "--modes", shape["decode_modes"], "--contexts", "own",
+                   "--shapes", shape["decode_shapes"], "--modes", shape["decode_modes"], "--contexts", "copies",
                    "--warmup", str(shape["decode_steps"][0]), "--steps", str(shape["decode_steps"][1]),
                    "--json-out", str(json_out)]
             rc, out, err = kit.run(cmd, timeout)

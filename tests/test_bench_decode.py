@@ -27,14 +27,15 @@ def test_floor_is_the_weights_but_the_embedding_and_every_requests_kv():
 
 
 def test_own_and_shared_contexts():
-    """--contexts own gives each request its own document (the floor counts B contexts); shared, one document."""
+    """--contexts own gives each request its own document (the floor counts B contexts); shared, one document;
+    copies (the default), one document per length whose KV each other request reads from a copy of its own."""
     bench = _bench()
     model = tiny_model("llama", seed=0)
     own = bench._inputs(model, None, 64, 3, True)
     shared = bench._inputs(model, None, 64, 3, False)
     assert len({id(d) for d, _ in own}) == 3 and not torch.equal(own[0][0], own[1][0])
     assert len({id(d) for d, _ in shared}) == 1 and len({id(q) for _, q in shared}) == 3
-    assert bench.parse_args([]).contexts == "own" and bench.parse_args(["--contexts", "shared"]).contexts == "shared"
+    assert bench.parse_args([]).contexts == "copies" and bench.parse_args(["--contexts", "shared"]).contexts == "shared"
     assert bench.copy_bandwidth(torch.device("cpu"), 1 << 20) > 0
 
 
@@ -81,3 +82,17 @@ def test_graph_plan_fits_the_largest_shape_and_a_row_out_of_memory_is_skipped(tm
     assert record["skipped"] == [dict(config="dense", mode="static", batch=2, context_tokens=512,
                                       error="out of memory: CUDA out of memory. Tried to allocate 34.00 GiB")]
     assert "not run (out of memory" in capsys.readouterr().out
+
+
+def test_copies_read_their_own_kv_and_answer_as_the_original():
+    import magnetar
+
+    bench = _bench()
+    eng = magnetar.init_inference(tiny_model("llama", seed=0), method="dense")
+    h = eng.encode(torch.arange(40) % 50 + 3)
+    c = bench.copy_handle(h, 1)
+    assert c.key != h.key and torch.equal(c.context_ids, h.context_ids)
+    assert c.shard.layers[0].k.data_ptr() != h.shard.layers[0].k.data_ptr()
+    q = torch.tensor([5, 6, 7])
+    alone = eng.ask(h, q, max_new_tokens=4, temperature=0.0).token_ids
+    assert [r.token_ids for r in eng.ask_batch([h, c], [q, q], max_new_tokens=4, temperature=0.0)] == [alone, alone]

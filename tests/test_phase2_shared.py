@@ -86,3 +86,28 @@ def test_a_batch_parts_merge_in_one_call_as_each_request_alone(seeded, monkeypat
                 want = p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p])
             torch.testing.assert_close(out[b : b + 1], want[0], equal_nan=True, rtol=0, atol=1e-6)
             torch.testing.assert_close(lse[b : b + 1], want[1], equal_nan=True, rtol=0, atol=1e-6)
+
+
+def test_a_cloned_shard_is_another_context(seeded, monkeypatch):
+    # KVShard.clone: the same values in tensors of its own (a benchmark's B contexts from one Phase 1): requests over
+    # a shard and its clone attend apart, each as over the shard itself
+    doc = _shard(seeded, L)
+    copy = doc.clone()
+    c, d = doc.layers[0], copy.layers[0]
+    pairs = ((c.k, d.k), (c.v, d.v), (c.pos, d.pos))
+    assert copy.tokens() == L and d.frozen and all(torch.equal(x, y) and x.data_ptr() != y.data_ptr() for x, y in pairs)
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    own = _shard(seeded, 2, L)  # each request's own tokens so far: the same two
+    positions = torch.tensor([[L + 2], [L + 2]])
+    q = torch.randn(1, HQ, 1, D, generator=seeded).expand(2, -1, -1, -1).contiguous()
+    k, v = torch.randn(1, HKV, 1, D, generator=seeded), torch.randn(1, HKV, 1, D, generator=seeded)
+    ctx = Phase2Context(positions, [doc.view(), copy.view()], [own, own.clone()], [1, 1], local_groups(), "auto")
+    out = ctx.attend(0, q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), scale=D ** -0.5)
+    assert sum(s[2] == L for s in calls) == 2, calls  # a context call each: not one shared read
+    assert torch.equal(out[0], out[1])
+    with pytest.raises(RuntimeError, match="frozen"):
+        unfrozen = KVShard(1)
+        unfrozen.layers[0].append(c.k, c.v, c.pos)
+        unfrozen.clone()

@@ -170,6 +170,20 @@ class KVShard:
         out.layers = [layer.view() for layer in self.layers]
         return out
 
+    def clone(self) -> "KVShard":
+        """A frozen copy of this frozen shard whose tensors are its own (the same values, on the same device): what
+        a request reads over it is another context's KV to every per-shard test (the shared-context read keys on the
+        tensors) -- a benchmark's B contexts of one length from one Phase 1."""
+        out = KVShard(len(self.layers))
+        out.freeze()
+        for src, dst in zip(self.layers, out.layers):
+            if not src.frozen:
+                raise RuntimeError("KVShard.clone() needs a frozen shard (after Phase 1)")
+            if src.k is not None:
+                mass = None if src.mass is None else src.mass.clone()
+                dst.append(src.k.clone(), src.v.clone(), src.pos.clone(), mass)
+        return out
+
     def split(self, sizes: "list[int]") -> "list[KVShard]":
         """This frozen shard cut along the sequence into consecutive frozen parts of ``sizes`` tokens (views of its
         tensors, no copy): the inverse of :meth:`join`."""
