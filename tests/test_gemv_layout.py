@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from magnetar.engine import gemv
@@ -105,3 +106,63 @@ def test_a_fused_sibling_reads_its_own_input(monkeypatch):
     assert "kept apart" in gemv.fuse_siblings(kept, torch.device("cpu"))
     assert type(kept.q_proj) is nn.Linear and kept.q_proj.weight.is_contiguous()
     assert gemv.fuse_siblings(kept, torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_batched_products_by_onednn_copies_change_no_value(monkeypatch, arch):
+    """pack_for_batches: oneDNN copies of the fp32 weights serve the products of 2-64 rows (a batch's decode step,
+    a short query); a batch's greedy tokens and first logits are each request's alone (HF's own forward), eager and
+    static; one row, a prefill's many rows, or a weight cast since packing take the layer's own path."""
+    import magnetar
+    from tests.tiny_models import reference, tiny_model
+
+    if not gemv._packable():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "_GAIN", float("inf"))  # the packed pass always wins
+    model = tiny_model(arch, seed=5)
+    asks = [(torch.arange(5, 125) % 256, torch.tensor([9, 8, 7])), (torch.arange(40, 100) % 256, torch.tensor([4, 2]))]
+    want = [reference(model, c, q, 5) for c, q in asks]
+    for step in ("eager", "static"):
+        eng = magnetar.init_inference(model, method="dense", decode_step=step, timeout_s=60)
+        got = eng.ask_batch([eng.encode(c) for c, _ in asks], [q for _, q in asks], max_new_tokens=5,
+                            return_logits=True)
+        for (first, tokens), r in zip(want, got):
+            assert r.token_ids == tokens, step
+            assert_close(r.first_token_logits, first, what="logits", msg=step)
+    what = model._magnetar_gemv_packed
+    assert "oneDNN copies" in what and "MiB more" in what, what
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.o_proj, gemv.PackedLinear) and attn.q_proj._magnetar_group.packed is not None
+    layer, g = attn.o_proj, torch.Generator().manual_seed(0)
+    for rows, exact in ((1, True), (2, False), (65, True)):  # one row and a prefill's rows: the layer's own product
+        x = torch.randn(rows, layer.in_features, generator=g)
+        with torch.inference_mode():
+            got, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+        assert torch.equal(got, ref) if exact else torch.allclose(got, ref, atol=1e-5), rows
+    model.double()  # cast since packing: the copies no longer serve it
+    x = torch.randn(3, layer.in_features, dtype=torch.float64, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch):
+    from tests.tiny_models import tiny_model
+
+    if not gemv._packable():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "_available_bytes", lambda: 1024)
+    model = tiny_model("llama", seed=5)
+    what = gemv.pack_for_batches(model, torch.device("cpu"))
+    assert "available memory" in what and not any(isinstance(m, gemv.PackedLinear) for m in model.modules())
+    assert gemv.pack_for_batches(tiny_model("llama", seed=5), torch.device("meta")) is None
+    assert gemv.pack_for_batches(model, torch.device("cpu")) == what  # decided once per model
+    monkeypatch.setattr(gemv, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(gemv, "_GAIN", float("inf"))
+    biased = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False))  # a bias goes with the packed product
+    assert "oneDNN copies" in gemv.pack_for_batches(biased, torch.device("cpu"))
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        assert isinstance(biased[0], gemv.PackedLinear)
+        assert torch.allclose(biased[0](x), F.linear(x, biased[0].weight, biased[0].bias), atol=1e-5)

@@ -33,7 +33,7 @@ from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, kv_options
-from magnetar.engine.gemv import fuse_siblings, relayout_for_decode
+from magnetar.engine.gemv import fuse_siblings, pack_for_batches, relayout_for_decode
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -61,6 +61,7 @@ class Engine:
         self.device = next(model.parameters()).device
         fuse_siblings(model, self.device)  # on a CPU: q/k/v and gate/up as one matrix-vector product each
         relayout_for_decode(model, self.device)  # on a CPU: the decode step's matrix-vector products' layout
+        pack_for_batches(model, self.device)  # on a CPU: oneDNN copies for a batch's few-row products
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # what a ContextHandle is tied to: this engine and its variants (same model object, weights, groups); a
         # handle from another engine -- another model, or the same shapes with other weights -- is refused by ask

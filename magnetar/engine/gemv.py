@@ -26,10 +26,21 @@ siblings only while its input is the same tensor, unchanged (identity and versio
 input computes the product anew (right, only slower); under ``torch.compile``, and for more than
 :data:`_FUSED_ROWS` rows (a prefill: as fast apart), each layer computes its own.
 Kept, like the layout, only when a timed pass over the model's own groups says it is faster.
+
+:func:`pack_for_batches` serves the products of a decode step of several requests (2 to :data:`_FUSED_ROWS` rows):
+MKL's sgemm runs a few rows far below the core's rate on the AMD EPYC VM (25-30 GFLOP/s: eight rows cost 2.9x one),
+where oneDNN's matmul over a weight prepacked in its blocked layout reads the weights at near the single-row rate
+(1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
+The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
+row's faster layout), so it is made only for fp32 weights, while the copies take at most :data:`_PACKED_SHARE` of the
+host's available memory, and kept only when a timed pass at 8 rows says it is faster; a product of one row, of
+more than :data:`_FUSED_ROWS` rows (a prefill), with autograd on, under ``torch.compile``, or after the weight was
+cast or moved (its storage is no longer the packed one's source) takes the layer's own path.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Optional
 
@@ -45,6 +56,8 @@ _GAIN = 0.9  # the transposed layout is kept when its pass takes at most this fr
 _PASSES = 3
 _FUSED_ROWS = 64  # the most input rows (a decode step's requests) fused layers compute as one product
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # child layers fed the same input
+_PACKED_SHARE = 0.25  # oneDNN's packed copies take at most this share of the host's available memory
+_PACKED_HINT = 8  # the row count the packed layout is made for (any count runs; measured at 4-16)
 
 
 def _candidates(model) -> list[nn.Parameter]:
@@ -141,11 +154,13 @@ class _Group:
         self.version = -1
         self.y: Optional[torch.Tensor] = None
         self.unread = 0
+        self.packed: Optional[_Packed] = None  # a oneDNN copy for few-row products (pack_for_batches)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(x)
         if self.x is not x or self.version != version or self.unread == 0:
-            y = torch.matmul(x, self.weight)
+            packed = self.packed
+            y = packed(x) if packed is not None and packed.applies(x, self.weight) else torch.matmul(x, self.weight)
             self.x, self.version, self.y = x, version, y if self.bias is None else y + self.bias
             self.unread = self.size
         y = self.y
@@ -262,3 +277,129 @@ def fuse_siblings(model, device: torch.device) -> Optional[str]:
     model._magnetar_gemv_fused = what
     log.info("decode on the CPU: %s", what)
     return what
+
+
+class _Packed:
+    """A weight's copy in oneDNN's blocked layout (:func:`pack_for_batches`) and the storage it was made from."""
+
+    def __init__(self, weight_out_in: torch.Tensor, source: torch.Tensor):
+        with torch.no_grad():
+            self.w = torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous(), _PACKED_HINT)
+        self.out_features, self.in_features = weight_out_in.shape
+        self.source = source.untyped_storage().data_ptr()
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``x`` is a few-row product this copy serves: 2 to :data:`_FUSED_ROWS` fp32 rows, no autograd, not
+        compiling, and ``weight`` still the storage it was packed from."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return (2 <= rows <= _FUSED_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and weight.untyped_storage().data_ptr() == self.source)
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.w, bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` with a oneDNN copy of its weight for the products of a few rows (:func:`pack_for_batches`);
+    any other product is its own."""
+
+    _magnetar_packed: _Packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._magnetar_packed
+        if packed.applies(x, self.weight):
+            return packed(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _packable() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _available_bytes() -> int:
+    """The host's available memory (``MemAvailable`` of /proc/meminfo; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _pack_targets(model) -> list[tuple[object, torch.Tensor, Optional[torch.Tensor]]]:
+    """``(owner, weight (out, in) view, bias)`` of each product a decode step makes: each fused group once (its
+    ``(in, out)`` buffer seen transposed) and each plain fp32 ``nn.Linear`` (distinct weights; a tied head too)."""
+    out, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, FusedLinear):
+            g = m._magnetar_group
+            if id(g) not in seen and g.weight.dtype == torch.float32:
+                seen.add(id(g))
+                out.append((g, g.weight.t(), g.bias))
+        elif type(m) is nn.Linear and m.weight.dtype == torch.float32 and id(m) not in seen:
+            seen.add(id(m))
+            out.append((m, m.weight, m.bias))
+    return out
+
+
+def _batch_seconds(targets: list, packed: Optional[list]) -> float:
+    """The fastest of :data:`_PASSES` passes of :data:`_PACKED_HINT`-row products over ``targets``: each its own
+    way (a group's buffer, a layer's ``F.linear``), or by the ``packed`` copies."""
+    rows = {t[1].shape[1]: torch.randn(_PACKED_HINT, t[1].shape[1]) for t in targets}
+
+    def run():
+        for j, (owner, w, b) in enumerate(targets):
+            x = rows[w.shape[1]]
+            if packed is not None:
+                packed[j](x, b)
+            elif isinstance(owner, _Group):
+                torch.matmul(x, owner.weight)
+            else:
+                F.linear(x, owner.weight, b)
+    return _best_seconds(run)
+
+
+def pack_for_batches(model, device: torch.device) -> Optional[str]:
+    """On a CPU, oneDNN copies of ``model``'s fp32 linear weights for the products of a decode step of several
+    requests, when they fit :data:`_PACKED_SHARE` of the available memory and a timed pass says they are faster
+    (each model once; after :func:`fuse_siblings` and :func:`relayout_for_decode`); what was decided, for the log
+    (None: nothing to decide -- another device, no oneDNN, or the weights under :data:`_MIN_BYTES`)."""
+    if device.type != "cpu" or not _packable():
+        return None
+    done = getattr(model, "_magnetar_gemv_packed", None)
+    if done is not None:
+        return done
+    targets = _pack_targets(model)
+    total = sum(_nbytes(w) for _, w, _ in targets)
+    if total < _MIN_BYTES:
+        return None
+    room = int(_PACKED_SHARE * _available_bytes())
+    if total > room:
+        what = (f"no oneDNN copies for batched products: they would take {total / 2**20:.0f} MiB, over "
+                f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
+    else:
+        timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
+        trial = [_Packed(w, w) for _, w, _ in timed]
+        before, after = _batch_seconds(timed, None), _batch_seconds(timed, trial)
+        keep = after <= _GAIN * before
+        if keep:  # the timed ones' copies are kept (made from the owners' own storage), the others made now
+            for j, (owner, w, _) in enumerate(targets):
+                packed = trial[j] if j < len(trial) else _Packed(w, owner.weight)
+                if isinstance(owner, _Group):
+                    owner.packed = packed
+                else:
+                    owner.__class__ = PackedLinear
+                    owner._magnetar_packed = packed
+        what = (f"{len(targets)} linear products of 2-{_FUSED_ROWS} rows by oneDNN copies of their weights "
+                f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at {_PACKED_HINT} rows "
+                f"over {len(timed)} of them" if keep else
+                f"no oneDNN copies for batched products: measured {1e3 * after:.1f} ms against {1e3 * before:.1f} at "
+                f"{_PACKED_HINT} rows")
+    model._magnetar_gemv_packed = what
+    log.info("decode on the CPU: %s", what)
+    return what
+
