@@ -130,7 +130,7 @@ def test_batched_products_by_onednn_copies_change_no_value(monkeypatch, arch):
         for (first, tokens), r in zip(want, got):
             assert r.token_ids == tokens, step
             assert_close(r.first_token_logits, first, what="logits", msg=step)
-    what = model._magnetar_gemv_packed
+    what = model._magnetar_gemv_packed.what  # decided at the first few-row product (the first query forward)
     assert "oneDNN copies" in what and "MiB more" in what, what
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.o_proj, gemv.PackedLinear) and attn.q_proj._magnetar_group.packed is not None
@@ -154,15 +154,18 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
     monkeypatch.setattr(gemv, "_available_bytes", lambda: 1024)
     model = tiny_model("llama", seed=5)
-    what = gemv.pack_for_batches(model, torch.device("cpu"))
-    assert "available memory" in what and not any(isinstance(m, gemv.PackedLinear) for m in model.modules())
+    waits = gemv.pack_for_batches(model, torch.device("cpu"))
+    assert "decided at the first such product" in waits  # nothing made until a batch comes
+    what = gemv.pack_for_batches(model, torch.device("cpu"), now=True)
+    assert "available memory" in what and all(getattr(m, "_magnetar_packed", None) is None for m in model.modules())
     assert gemv.pack_for_batches(tiny_model("llama", seed=5), torch.device("meta")) is None
     assert gemv.pack_for_batches(model, torch.device("cpu")) == what  # decided once per model
     monkeypatch.setattr(gemv, "_available_bytes", lambda: 1 << 40)
     monkeypatch.setattr(gemv, "_GAIN", float("inf"))
     biased = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False))  # a bias goes with the packed product
-    assert "oneDNN copies" in gemv.pack_for_batches(biased, torch.device("cpu"))
+    gemv.pack_for_batches(biased, torch.device("cpu"))
+    assert biased[0]._magnetar_packed is None  # deferred: made by the first few-row product below
     x = torch.randn(4, 64)
     with torch.inference_mode():
-        assert isinstance(biased[0], gemv.PackedLinear)
         assert torch.allclose(biased[0](x), F.linear(x, biased[0].weight, biased[0].bias), atol=1e-5)
+    assert isinstance(biased[0]._magnetar_packed, gemv._Packed)

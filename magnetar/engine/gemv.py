@@ -32,8 +32,9 @@ MKL's sgemm runs a few rows far below the core's rate on the AMD EPYC VM (25-30 
 where oneDNN's matmul over a weight prepacked in its blocked layout reads the weights at near the single-row rate
 (1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
 The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
-row's faster layout), so it is made only for fp32 weights, while the copies take at most :data:`_PACKED_SHARE` of the
-host's available memory, and kept only when a timed pass at 8 rows says it is faster; a product of one row, of
+row's faster layout), so it is made only for fp32 weights, only once a product of a few rows comes (a model that
+never decodes a batch pays nothing), while the copies take at most :data:`_PACKED_SHARE` of the host's available
+memory, and kept only when a timed pass at 8 rows then says it is faster; a product of one row, of
 more than :data:`_FUSED_ROWS` rows (a prefill), with autograd on, under ``torch.compile``, or after the weight was
 cast or moved (its storage is no longer the packed one's source) takes the layer's own path.
 """
@@ -155,10 +156,13 @@ class _Group:
         self.y: Optional[torch.Tensor] = None
         self.unread = 0
         self.packed: Optional[_Packed] = None  # a oneDNN copy for few-row products (pack_for_batches)
+        self.batches: Optional[_Batches] = None  # the model's decision on those copies, made at the first such product
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(x)
         if self.x is not x or self.version != version or self.unread == 0:
+            if self.packed is None and self.batches is not None and self.batches.pending and _few_rows(x):
+                self.batches.decide()
             packed = self.packed
             y = packed(x) if packed is not None and packed.applies(x, self.weight) else torch.matmul(x, self.weight)
             self.x, self.version, self.y = x, version, y if self.bias is None else y + self.bias
@@ -289,26 +293,35 @@ class _Packed:
         self.source = source.untyped_storage().data_ptr()
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``x`` is a few-row product this copy serves: 2 to :data:`_FUSED_ROWS` fp32 rows, no autograd, not
-        compiling, and ``weight`` still the storage it was packed from."""
-        rows = x.numel() // max(1, x.shape[-1])
-        return (2 <= rows <= _FUSED_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and weight.untyped_storage().data_ptr() == self.source)
+        """Whether ``x`` is a few-row product (:func:`_few_rows`) this copy serves: ``weight`` is still the storage
+        it was packed from."""
+        return _few_rows(x) and weight.untyped_storage().data_ptr() == self.source
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.w, bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` with a oneDNN copy of its weight for the products of a few rows (:func:`pack_for_batches`);
-    any other product is its own."""
+def _few_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a product the oneDNN copies serve: 2 to :data:`_FUSED_ROWS` fp32 rows, no autograd, not
+    compiling."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (2 <= rows <= _FUSED_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
-    _magnetar_packed: _Packed
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose products of a few rows may go to a oneDNN copy of its weight (:func:`pack_for_batches`:
+    made, or not, at the model's first such product); any other product is its own."""
+
+    _magnetar_packed: Optional[_Packed]
+    _magnetar_batches: "_Batches"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._magnetar_packed is None and self._magnetar_batches.pending and _few_rows(x):
+            self._magnetar_batches.decide()
         packed = self._magnetar_packed
-        if packed.applies(x, self.weight):
+        if packed is not None and packed.applies(x, self.weight):
             return packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -363,43 +376,65 @@ def _batch_seconds(targets: list, packed: Optional[list]) -> float:
     return _best_seconds(run)
 
 
-def pack_for_batches(model, device: torch.device) -> Optional[str]:
-    """On a CPU, oneDNN copies of ``model``'s fp32 linear weights for the products of a decode step of several
-    requests, when they fit :data:`_PACKED_SHARE` of the available memory and a timed pass says they are faster
-    (each model once; after :func:`fuse_siblings` and :func:`relayout_for_decode`); what was decided, for the log
-    (None: nothing to decide -- another device, no oneDNN, or the weights under :data:`_MIN_BYTES`)."""
+class _Batches:
+    """One model's decision on oneDNN copies for its few-row products (:func:`pack_for_batches`): made once, at the
+    first such product (or when asked), over ``targets`` (:func:`_pack_targets`)."""
+
+    def __init__(self, targets: list, total: int):
+        self.targets, self.total, self.pending = targets, total, True
+        self.what = (f"oneDNN copies for the products of 2-{_FUSED_ROWS} rows ({total / 2**20:.0f} MiB): decided at "
+                     f"the first such product")
+
+    def decide(self) -> str:
+        if not self.pending:
+            return self.what
+        self.pending = False
+        targets, total = self.targets, self.total
+        room = int(_PACKED_SHARE * _available_bytes())
+        if total > room:
+            self.what = (f"no oneDNN copies for batched products: they would take {total / 2**20:.0f} MiB, over "
+                         f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
+        else:
+            timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
+            trial = [_Packed(w, w) for _, w, _ in timed]  # each from its owner's own storage: kept if chosen
+            before, after = _batch_seconds(timed, None), _batch_seconds(timed, trial)
+            keep = after <= _GAIN * before
+            if keep:
+                for j, (owner, w, _) in enumerate(targets):
+                    packed = trial[j] if j < len(trial) else _Packed(w, owner.weight)
+                    if isinstance(owner, _Group):
+                        owner.packed = packed
+                    else:
+                        owner._magnetar_packed = packed
+            self.what = (f"{len(targets)} linear products of 2-{_FUSED_ROWS} rows by oneDNN copies of their weights "
+                         f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at "
+                         f"{_PACKED_HINT} rows over {len(timed)} of them" if keep else
+                         f"no oneDNN copies for batched products: measured {1e3 * after:.1f} ms against "
+                         f"{1e3 * before:.1f} at {_PACKED_HINT} rows")
+        self.targets = []  # nothing held once decided
+        log.info("decode on the CPU: %s", self.what)
+        return self.what
+
+
+def pack_for_batches(model, device: torch.device, *, now: bool = False) -> Optional[str]:
+    """On a CPU, ``model``'s fp32 linear products (after :func:`fuse_siblings` and :func:`relayout_for_decode`) made
+    ready for oneDNN copies of their weights, which serve the products of a decode step of several requests: the
+    copies are made -- or not: :data:`_PACKED_SHARE` of the available memory, a timed pass -- at the model's first
+    product of a few rows (``now``: at once). Each model once; what was decided (or that it waits), for the log;
+    None: nothing to decide (another device, no oneDNN, or the weights under :data:`_MIN_BYTES`)."""
     if device.type != "cpu" or not _packable():
         return None
-    done = getattr(model, "_magnetar_gemv_packed", None)
-    if done is not None:
-        return done
-    targets = _pack_targets(model)
-    total = sum(_nbytes(w) for _, w, _ in targets)
-    if total < _MIN_BYTES:
-        return None
-    room = int(_PACKED_SHARE * _available_bytes())
-    if total > room:
-        what = (f"no oneDNN copies for batched products: they would take {total / 2**20:.0f} MiB, over "
-                f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
-    else:
-        timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
-        trial = [_Packed(w, w) for _, w, _ in timed]
-        before, after = _batch_seconds(timed, None), _batch_seconds(timed, trial)
-        keep = after <= _GAIN * before
-        if keep:  # the timed ones' copies are kept (made from the owners' own storage), the others made now
-            for j, (owner, w, _) in enumerate(targets):
-                packed = trial[j] if j < len(trial) else _Packed(w, owner.weight)
-                if isinstance(owner, _Group):
-                    owner.packed = packed
-                else:
-                    owner.__class__ = PackedLinear
-                    owner._magnetar_packed = packed
-        what = (f"{len(targets)} linear products of 2-{_FUSED_ROWS} rows by oneDNN copies of their weights "
-                f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at {_PACKED_HINT} rows "
-                f"over {len(timed)} of them" if keep else
-                f"no oneDNN copies for batched products: measured {1e3 * after:.1f} ms against {1e3 * before:.1f} at "
-                f"{_PACKED_HINT} rows")
-    model._magnetar_gemv_packed = what
-    log.info("decode on the CPU: %s", what)
-    return what
-
+    batches = getattr(model, "_magnetar_gemv_packed", None)
+    if batches is None:
+        targets = _pack_targets(model)
+        total = sum(_nbytes(w) for _, w, _ in targets)
+        if total < _MIN_BYTES:
+            return None
+        batches = model._magnetar_gemv_packed = _Batches(targets, total)
+        for owner, _, _ in targets:
+            if isinstance(owner, _Group):
+                owner.batches = batches
+            else:
+                owner.__class__ = PackedLinear
+                owner._magnetar_packed, owner._magnetar_batches = None, batches
+    return batches.decide() if now else batches.what
