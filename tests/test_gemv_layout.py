@@ -155,7 +155,7 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     monkeypatch.setattr(gemv, "_available_bytes", lambda: 1024)
     model = tiny_model("llama", seed=5)
     waits = gemv.pack_for_batches(model, torch.device("cpu"))
-    assert "decided at the first such product" in waits  # nothing made until a batch comes
+    assert "decided at the first such product of several requests" in waits  # nothing made until a batch
     what = gemv.pack_for_batches(model, torch.device("cpu"), now=True)
     assert "available memory" in what and all(getattr(m, "_magnetar_packed", None) is None for m in model.modules())
     assert gemv.pack_for_batches(tiny_model("llama", seed=5), torch.device("meta")) is None
@@ -164,8 +164,11 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     monkeypatch.setattr(gemv, "_GAIN", float("inf"))
     biased = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False))  # a bias goes with the packed product
     gemv.pack_for_batches(biased, torch.device("cpu"))
-    assert biased[0]._magnetar_packed is None  # deferred: made by the first few-row product below
-    x = torch.randn(4, 64)
+    assert biased[0]._magnetar_packed is None  # deferred: made by the first few-row product of a batch
+    with torch.inference_mode():
+        biased(torch.randn(1, 5, 64))  # one request's short query: no decision yet
+        assert biased[0]._magnetar_batches.pending
+    x = torch.randn(4, 1, 64)  # a decode step of four requests
     with torch.inference_mode():
         assert torch.allclose(biased[0](x), F.linear(x, biased[0].weight, biased[0].bias), atol=1e-5)
     assert isinstance(biased[0]._magnetar_packed, gemv._Packed)

@@ -32,11 +32,11 @@ MKL's sgemm runs a few rows far below the core's rate on the AMD EPYC VM (25-30 
 where oneDNN's matmul over a weight prepacked in its blocked layout reads the weights at near the single-row rate
 (1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
 The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
-row's faster layout), so it is made only for fp32 weights, only once a product of a few rows comes (a model that
-never decodes a batch pays nothing), while the copies take at most :data:`_PACKED_SHARE` of the host's available
-memory, and kept only when a timed pass at 8 rows then says it is faster; a product of one row, of
-more than :data:`_FUSED_ROWS` rows (a prefill), with autograd on, under ``torch.compile``, or after the weight was
-cast or moved (its storage is no longer the packed one's source) takes the layer's own path.
+row's faster layout), so it is made only for fp32 weights, only once a few-row product of several requests comes
+(a model that never decodes a batch pays nothing), while the copies take at most :data:`_PACKED_SHARE` of the host's
+available memory, and kept only when a timed pass at 8 rows then says it is faster; a product of one row, of more
+than :data:`_FUSED_ROWS` rows (a prefill), with autograd on, under ``torch.compile``, or after the weight was cast or
+moved (its storage is no longer the packed one's source) takes the layer's own path.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class _Group:
     def product(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(x)
         if self.x is not x or self.version != version or self.unread == 0:
-            if self.packed is None and self.batches is not None and self.batches.pending and _few_rows(x):
+            if self.packed is None and self.batches is not None and self.batches.pending and _batch_rows(x):
                 self.batches.decide()
             packed = self.packed
             y = packed(x) if packed is not None and packed.applies(x, self.weight) else torch.matmul(x, self.weight)
@@ -310,15 +310,21 @@ def _few_rows(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _batch_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a few-row product of several requests ``(B >= 2, S, in)`` -- a decode step of a batch, or
+    their query forward --: what makes a model's copies (one request's short query alone does not)."""
+    return x.dim() >= 3 and x.shape[0] >= 2 and _few_rows(x)
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose products of a few rows may go to a oneDNN copy of its weight (:func:`pack_for_batches`:
-    made, or not, at the model's first such product); any other product is its own."""
+    made, or not, at the model's first such product of several requests); any other product is its own."""
 
     _magnetar_packed: Optional[_Packed]
     _magnetar_batches: "_Batches"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._magnetar_packed is None and self._magnetar_batches.pending and _few_rows(x):
+        if self._magnetar_packed is None and self._magnetar_batches.pending and _batch_rows(x):
             self._magnetar_batches.decide()
         packed = self._magnetar_packed
         if packed is not None and packed.applies(x, self.weight):
@@ -378,12 +384,13 @@ def _batch_seconds(targets: list, packed: Optional[list]) -> float:
 
 class _Batches:
     """One model's decision on oneDNN copies for its few-row products (:func:`pack_for_batches`): made once, at the
-    first such product (or when asked), over ``targets`` (:func:`_pack_targets`)."""
+    first such product of several requests (:func:`_batch_rows`; or when asked), over ``targets``
+    (:func:`_pack_targets`)."""
 
     def __init__(self, targets: list, total: int):
         self.targets, self.total, self.pending = targets, total, True
         self.what = (f"oneDNN copies for the products of 2-{_FUSED_ROWS} rows ({total / 2**20:.0f} MiB): decided at "
-                     f"the first such product")
+                     f"the first such product of several requests")
 
     def decide(self) -> str:
         if not self.pending:
@@ -420,8 +427,9 @@ def pack_for_batches(model, device: torch.device, *, now: bool = False) -> Optio
     """On a CPU, ``model``'s fp32 linear products (after :func:`fuse_siblings` and :func:`relayout_for_decode`) made
     ready for oneDNN copies of their weights, which serve the products of a decode step of several requests: the
     copies are made -- or not: :data:`_PACKED_SHARE` of the available memory, a timed pass -- at the model's first
-    product of a few rows (``now``: at once). Each model once; what was decided (or that it waits), for the log;
-    None: nothing to decide (another device, no oneDNN, or the weights under :data:`_MIN_BYTES`)."""
+    few-row product of several requests (a batch's decode step or query forward; ``now``: at once). Each model
+    once; what was decided (or that it waits), for the log; None: nothing to decide (another device, no oneDNN, or
+    the weights under :data:`_MIN_BYTES`)."""
     if device.type != "cpu" or not _packable():
         return None
     batches = getattr(model, "_magnetar_gemv_packed", None)
