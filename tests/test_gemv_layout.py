@@ -133,7 +133,7 @@ def test_batched_products_by_onednn_copies_change_no_value(monkeypatch, arch):
     what = model._magnetar_gemv_packed.what  # decided at the first few-row product (the first query forward)
     assert "oneDNN copies" in what and "MiB more" in what, what
     attn = model.model.layers[0].self_attn
-    assert isinstance(attn.o_proj, gemv.PackedLinear) and attn.q_proj._magnetar_group.packed is not None
+    assert isinstance(attn.o_proj, gemv.PackedLinear) and attn.q_proj._magnetar_group._magnetar_packed is not None
     layer, g = attn.o_proj, torch.Generator().manual_seed(0)
     for rows, exact in ((1, True), (2, False), (65, True)):  # one row and a prefill's rows: the layer's own product
         x = torch.randn(rows, layer.in_features, generator=g)
@@ -152,7 +152,7 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     if not gemv._packable():
         pytest.skip("this torch build has no oneDNN linear ops")
     monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
-    monkeypatch.setattr(gemv, "_available_bytes", lambda: 1024)
+    monkeypatch.setattr(gemv, "free_memory", lambda device: 1024)
     model = tiny_model("llama", seed=5)
     waits = gemv.pack_for_batches(model, torch.device("cpu"))
     assert "decided at the first such product of several requests" in waits  # nothing made until a batch
@@ -160,7 +160,7 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     assert "available memory" in what and all(getattr(m, "_magnetar_packed", None) is None for m in model.modules())
     assert gemv.pack_for_batches(tiny_model("llama", seed=5), torch.device("meta")) is None
     assert gemv.pack_for_batches(model, torch.device("cpu")) == what  # decided once per model
-    monkeypatch.setattr(gemv, "_available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(gemv, "free_memory", lambda device: 1 << 40)
     monkeypatch.setattr(gemv, "_GAIN", float("inf"))
     biased = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False))  # a bias goes with the packed product
     gemv.pack_for_batches(biased, torch.device("cpu"))

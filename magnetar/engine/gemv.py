@@ -41,13 +41,14 @@ moved (its storage is no longer the packed one's source) takes the layer's own p
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from magnetar.models.dummy import free_memory
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +156,16 @@ class _Group:
         self.version = -1
         self.y: Optional[torch.Tensor] = None
         self.unread = 0
-        self.packed: Optional[_Packed] = None  # a oneDNN copy for few-row products (pack_for_batches)
-        self.batches: Optional[_Batches] = None  # the model's decision on those copies, made at the first such product
+        # a oneDNN copy for few-row products, and the model's decision on those copies (pack_for_batches): the names
+        # a PackedLinear holds them under (_packed_for reads either)
+        self._magnetar_packed: Optional[_Packed] = None
+        self._magnetar_batches: Optional[_Batches] = None
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         version = _version(x)
         if self.x is not x or self.version != version or self.unread == 0:
-            if self.packed is None and self.batches is not None and self.batches.pending and _batch_rows(x):
-                self.batches.decide()
-            packed = self.packed
-            y = packed(x) if packed is not None and packed.applies(x, self.weight) else torch.matmul(x, self.weight)
+            packed = _packed_for(self, x, self.weight)
+            y = packed(x) if packed is not None else torch.matmul(x, self.weight)
             self.x, self.version, self.y = x, version, y if self.bias is None else y + self.bias
             self.unread = self.size
         y = self.y
@@ -286,11 +287,11 @@ def fuse_siblings(model, device: torch.device) -> Optional[str]:
 class _Packed:
     """A weight's copy in oneDNN's blocked layout (:func:`pack_for_batches`) and the storage it was made from."""
 
-    def __init__(self, weight_out_in: torch.Tensor, source: torch.Tensor):
+    def __init__(self, weight_out_in: torch.Tensor):
         with torch.no_grad():
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous(), _PACKED_HINT)
         self.out_features, self.in_features = weight_out_in.shape
-        self.source = source.untyped_storage().data_ptr()
+        self.source = weight_out_in.untyped_storage().data_ptr()  # (a view of) the owner's weight
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``x`` is a few-row product (:func:`_few_rows`) this copy serves: ``weight`` is still the storage
@@ -316,6 +317,17 @@ def _batch_rows(x: torch.Tensor) -> bool:
     return x.dim() >= 3 and x.shape[0] >= 2 and _few_rows(x)
 
 
+def _packed_for(owner, x: torch.Tensor, weight: torch.Tensor) -> Optional[_Packed]:
+    """The oneDNN copy that serves ``owner``'s product of ``x`` (a :class:`PackedLinear` or a fused :class:`_Group`;
+    ``weight`` its weight now), or None; the model's first few-row product of several requests makes the model's
+    decision first."""
+    batches = owner._magnetar_batches
+    if owner._magnetar_packed is None and batches is not None and batches.pending and _batch_rows(x):
+        batches.decide()
+    packed = owner._magnetar_packed
+    return packed if packed is not None and packed.applies(x, weight) else None
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose products of a few rows may go to a oneDNN copy of its weight (:func:`pack_for_batches`:
     made, or not, at the model's first such product of several requests); any other product is its own."""
@@ -324,29 +336,13 @@ class PackedLinear(nn.Linear):
     _magnetar_batches: "_Batches"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._magnetar_packed is None and self._magnetar_batches.pending and _batch_rows(x):
-            self._magnetar_batches.decide()
-        packed = self._magnetar_packed
-        if packed is not None and packed.applies(x, self.weight):
-            return packed(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        packed = _packed_for(self, x, self.weight)
+        return packed(x, self.bias) if packed is not None else F.linear(x, self.weight, self.bias)
 
 
 def _packable() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def _available_bytes() -> int:
-    """The host's available memory (``MemAvailable`` of /proc/meminfo; elsewhere the free pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _pack_targets(model) -> list[tuple[object, torch.Tensor, Optional[torch.Tensor]]]:
@@ -397,22 +393,18 @@ class _Batches:
             return self.what
         self.pending = False
         targets, total = self.targets, self.total
-        room = int(_PACKED_SHARE * _available_bytes())
+        room = int(_PACKED_SHARE * free_memory(torch.device("cpu")))
         if total > room:
             self.what = (f"no oneDNN copies for batched products: they would take {total / 2**20:.0f} MiB, over "
                          f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
         else:
             timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
-            trial = [_Packed(w, w) for _, w, _ in timed]  # each from its owner's own storage: kept if chosen
+            trial = [_Packed(w) for _, w, _ in timed]  # kept if chosen
             before, after = _batch_seconds(timed, None), _batch_seconds(timed, trial)
             keep = after <= _GAIN * before
             if keep:
                 for j, (owner, w, _) in enumerate(targets):
-                    packed = trial[j] if j < len(trial) else _Packed(w, owner.weight)
-                    if isinstance(owner, _Group):
-                        owner.packed = packed
-                    else:
-                        owner._magnetar_packed = packed
+                    owner._magnetar_packed = trial[j] if j < len(trial) else _Packed(w)
             self.what = (f"{len(targets)} linear products of 2-{_FUSED_ROWS} rows by oneDNN copies of their weights "
                          f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at "
                          f"{_PACKED_HINT} rows over {len(timed)} of them" if keep else
@@ -440,9 +432,8 @@ def pack_for_batches(model, device: torch.device, *, now: bool = False) -> Optio
             return None
         batches = model._magnetar_gemv_packed = _Batches(targets, total)
         for owner, _, _ in targets:
-            if isinstance(owner, _Group):
-                owner.batches = batches
-            else:
+            if not isinstance(owner, _Group):
                 owner.__class__ = PackedLinear
-                owner._magnetar_packed, owner._magnetar_batches = None, batches
+                owner._magnetar_packed = None
+            owner._magnetar_batches = batches
     return batches.decide() if now else batches.what
