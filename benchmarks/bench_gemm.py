@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNELS = ("linear", "transposed", "mkl_packed", "onednn_packed")
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_shapes(model) -> list[tuple[str, int, int]]:
     """``(name, out, in)`` of each distinct linear shape of ``model``, the fused siblings' as one (out summed), and
     the LM head's."""
+    from magnetar.engine.gemv import SIBLINGS  # the layers a decode step fuses
+
     shapes: dict[tuple[int, int], str] = {}
     for name, m in model.named_modules():
         for group in SIBLINGS:

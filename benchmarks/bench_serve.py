@@ -707,8 +707,7 @@ def part_join(model, tokenizer, args) -> dict:
 
     rows = []
     for r in range(args.rounds):
-        docs = [documents(tokenizer, args.client_context_tokens, 1, args.seed + 40 + 8 * r + i)[0][0]
-                for i in range(8)]
+        docs = [d for d, _, _ in documents(tokenizer, args.client_context_tokens, 8, args.seed + 40 + 8 * r)]
         contents = [d + "\n\n" + QUESTIONS[i % len(QUESTIONS)] for i, d in enumerate(docs)]
         for bound in args.join_tokens:
             with _serve_process(args, ("--max-join-tokens", str(bound))) as url:
