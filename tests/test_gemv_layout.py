@@ -172,3 +172,31 @@ def test_no_onednn_copies_past_the_memory_share_or_on_other_devices(monkeypatch)
     with torch.inference_mode():
         assert torch.allclose(biased[0](x), F.linear(x, biased[0].weight, biased[0].bias), atol=1e-5)
     assert isinstance(biased[0]._magnetar_packed, gemv._Packed)
+
+
+def test_bf16_copies_serve_one_request_and_are_made_at_its_first_step(monkeypatch):
+    """bf16 weights: the copies serve one row too (torch's own bf16 product of a few rows is slow on the CPU), are
+    made at the first few-row product -- one request's decode step -- and give F.linear's values to bf16's rounding;
+    a prefill's rows stay the layer's own."""
+    if not gemv._packable():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "free_memory", lambda device: 1 << 40)
+    monkeypatch.setattr(gemv, "_GAIN", float("inf"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).to(torch.bfloat16)
+    waits = gemv.pack_for_batches(model, torch.device("cpu"))
+    assert "products of 1-64 rows" in waits and "several requests" not in waits, waits
+    layer = model[0]
+    with torch.inference_mode():
+        prefill = torch.randn(1, 80, 64, dtype=torch.bfloat16)  # 80 rows: not a few-row product, decides nothing
+        assert torch.equal(layer(prefill), F.linear(prefill, layer.weight, layer.bias))
+        assert layer._magnetar_batches.pending
+        x = torch.randn(1, 1, 64, dtype=torch.bfloat16)  # one request's decode step
+        got = layer(x)
+    assert isinstance(layer._magnetar_packed, gemv._Packed) and "at 1 and 8 rows" in model._magnetar_gemv_packed.what
+    assert got.dtype == torch.bfloat16
+    assert_close(got, F.linear(x.double(), layer.weight.double(), layer.bias.double()), torch.bfloat16)
+    with torch.inference_mode():
+        x32 = torch.randn(1, 1, 64)  # another dtype than the copy's: the layer's own product
+        assert layer._magnetar_packed.applies(x, layer.weight) and not layer._magnetar_packed.applies(x32, layer.weight)

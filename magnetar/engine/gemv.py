@@ -31,12 +31,16 @@ Kept, like the layout, only when a timed pass over the model's own groups says i
 MKL's sgemm runs a few rows far below the core's rate on the AMD EPYC VM (25-30 GFLOP/s: eight rows cost 2.9x one),
 where oneDNN's matmul over a weight prepacked in its blocked layout reads the weights at near the single-row rate
 (1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
+For bf16 weights it serves one request's step too (1 to :data:`_FUSED_ROWS` rows): torch's own bf16 products of a
+few rows read the weights at ~10 GB/s there, no faster than fp32's, so a bf16 model decoded slower than fp32
+(docs/results.md "bf16 on the CPU").
 The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
-row's faster layout), so it is made only for fp32 weights, only once a few-row product of several requests comes
-(a model that never decodes a batch pays nothing), while the copies take at most :data:`_PACKED_SHARE` of the host's
-available memory, and kept only when a timed pass at 8 rows then says it is faster; a product of one row, of more
-than :data:`_FUSED_ROWS` rows (a prefill), with autograd on, under ``torch.compile``, or after the weight was cast or
-moved (its storage is no longer the packed one's source) takes the layer's own path.
+row's faster layout), so it is made only for fp32 and bf16 weights, only once a product that uses it comes (fp32: a
+few-row product of several requests -- a model that never decodes a batch pays nothing; bf16: any decode step),
+while the copies take at most :data:`_PACKED_SHARE` of the host's available memory, and kept only when a timed pass
+(8 rows; bf16: 1 and 8) then says it is faster; fp32's product of one row, a product of more than
+:data:`_FUSED_ROWS` rows (a prefill: oneDNN's own), with autograd on, under ``torch.compile``, or after the weight
+was cast or moved (its storage is no longer the packed one's source) takes the layer's own path.
 """
 from __future__ import annotations
 
@@ -59,7 +63,11 @@ _PASSES = 3
 _FUSED_ROWS = 64  # the most input rows (a decode step's requests) fused layers compute as one product
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # child layers fed the same input
 _PACKED_SHARE = 0.25  # oneDNN's packed copies take at most this share of the host's available memory
-_PACKED_HINT = 8  # the row count the packed layout is made for (any count runs; measured at 4-16)
+_PACKED_HINT = 8  # the row count the packed layout is made for (any count runs; measured at 1-16)
+# the weight dtypes oneDNN's copies serve -> the fewest rows they serve: fp32's single row stays on the layout above
+# (faster there), bf16's goes to the copy too (1.5-2.3x torch's bf16 product at one row and 1.4-1.8x at eight on the
+# AVX-512 EPYC VM, where torch's own bf16 decode products were no faster than fp32's; docs/results.md "bf16 on the CPU")
+_PACKED_DTYPES = {torch.float32: 2, torch.bfloat16: 1}
 
 
 def _candidates(model) -> list[nn.Parameter]:
@@ -291,12 +299,13 @@ class _Packed:
         with torch.no_grad():
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous(), _PACKED_HINT)
         self.out_features, self.in_features = weight_out_in.shape
+        self.dtype = weight_out_in.dtype
         self.source = weight_out_in.untyped_storage().data_ptr()  # (a view of) the owner's weight
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``x`` is a few-row product (:func:`_few_rows`) this copy serves: ``weight`` is still the storage
         it was packed from."""
-        return _few_rows(x) and weight.untyped_storage().data_ptr() == self.source
+        return _few_rows(x) and x.dtype == self.dtype and weight.untyped_storage().data_ptr() == self.source
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.w, bias, "none", [], "")
@@ -304,25 +313,27 @@ class _Packed:
 
 
 def _few_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a product the oneDNN copies serve: 2 to :data:`_FUSED_ROWS` fp32 rows, no autograd, not
-    compiling."""
+    """Whether ``x`` is a product the oneDNN copies serve: fp32 with 2 to :data:`_FUSED_ROWS` rows, bf16 with 1 to
+    :data:`_FUSED_ROWS` (:data:`_PACKED_DTYPES`), no autograd, not compiling."""
+    least = _PACKED_DTYPES.get(x.dtype)
     rows = x.numel() // max(1, x.shape[-1])
-    return (2 <= rows <= _FUSED_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
+    return (least is not None and least <= rows <= _FUSED_ROWS and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling())
 
 
-def _batch_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a few-row product of several requests ``(B >= 2, S, in)`` -- a decode step of a batch, or
-    their query forward --: what makes a model's copies (one request's short query alone does not)."""
-    return x.dim() >= 3 and x.shape[0] >= 2 and _few_rows(x)
+def _decides(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a product that makes a model's copies: fp32, a few-row product of several requests ``(B >=
+    2, S, in)`` -- a decode step of a batch, or their query forward -- (one request's short query alone does not:
+    its one-row decode steps do not use them); bf16, any few-row product (one request's decode step uses them)."""
+    return _few_rows(x) and (_PACKED_DTYPES[x.dtype] == 1 or (x.dim() >= 3 and x.shape[0] >= 2))
 
 
 def _packed_for(owner, x: torch.Tensor, weight: torch.Tensor) -> Optional[_Packed]:
     """The oneDNN copy that serves ``owner``'s product of ``x`` (a :class:`PackedLinear` or a fused :class:`_Group`;
-    ``weight`` its weight now), or None; the model's first few-row product of several requests makes the model's
-    decision first."""
+    ``weight`` its weight now), or None; the model's first product that decides (:func:`_decides`) makes the
+    model's decision first."""
     batches = owner._magnetar_batches
-    if owner._magnetar_packed is None and batches is not None and batches.pending and _batch_rows(x):
+    if owner._magnetar_packed is None and batches is not None and batches.pending and _decides(x):
         batches.decide()
     packed = owner._magnetar_packed
     return packed if packed is not None and packed.applies(x, weight) else None
@@ -347,46 +358,57 @@ def _packable() -> bool:
 
 def _pack_targets(model) -> list[tuple[object, torch.Tensor, Optional[torch.Tensor]]]:
     """``(owner, weight (out, in) view, bias)`` of each product a decode step makes: each fused group once (its
-    ``(in, out)`` buffer seen transposed) and each plain fp32 ``nn.Linear`` (distinct weights; a tied head too)."""
+    ``(in, out)`` buffer seen transposed) and each plain fp32 / bf16 ``nn.Linear`` (distinct weights; a tied head
+    too)."""
     out, seen = [], set()
     for m in model.modules():
         if isinstance(m, FusedLinear):
             g = m._magnetar_group
-            if id(g) not in seen and g.weight.dtype == torch.float32:
+            if id(g) not in seen and g.weight.dtype in _PACKED_DTYPES:
                 seen.add(id(g))
                 out.append((g, g.weight.t(), g.bias))
-        elif type(m) is nn.Linear and m.weight.dtype == torch.float32 and id(m) not in seen:
+        elif type(m) is nn.Linear and m.weight.dtype in _PACKED_DTYPES and id(m) not in seen:
             seen.add(id(m))
             out.append((m, m.weight, m.bias))
     return out
 
 
+def _timed_rows(targets: list) -> tuple[int, ...]:
+    """The row counts a decision times: :data:`_PACKED_HINT` (a batch's step), and one (a single request's step)
+    where the copies serve it (bf16)."""
+    least = min(_PACKED_DTYPES[w.dtype] for _, w, _ in targets)
+    return (_PACKED_HINT,) if least > 1 else (1, _PACKED_HINT)
+
+
 def _batch_seconds(targets: list, packed: Optional[list]) -> float:
-    """The fastest of :data:`_PASSES` passes of :data:`_PACKED_HINT`-row products over ``targets``: each its own
+    """The fastest of :data:`_PASSES` passes of products of :func:`_timed_rows` rows over ``targets``: each its own
     way (a group's buffer, a layer's ``F.linear``), or by the ``packed`` copies."""
-    rows = {t[1].shape[1]: torch.randn(_PACKED_HINT, t[1].shape[1]) for t in targets}
+    inputs = [{t[1].shape[1]: torch.randn(n, t[1].shape[1], dtype=t[1].dtype) for t in targets}
+              for n in _timed_rows(targets)]
 
     def run():
-        for j, (owner, w, b) in enumerate(targets):
-            x = rows[w.shape[1]]
-            if packed is not None:
-                packed[j](x, b)
-            elif isinstance(owner, _Group):
-                torch.matmul(x, owner.weight)
-            else:
-                F.linear(x, owner.weight, b)
+        for rows in inputs:
+            for j, (owner, w, b) in enumerate(targets):
+                x = rows[w.shape[1]]
+                if packed is not None:
+                    packed[j](x, b)
+                elif isinstance(owner, _Group):
+                    torch.matmul(x, owner.weight)
+                else:
+                    F.linear(x, owner.weight, b)
     return _best_seconds(run)
 
 
 class _Batches:
     """One model's decision on oneDNN copies for its few-row products (:func:`pack_for_batches`): made once, at the
-    first such product of several requests (:func:`_batch_rows`; or when asked), over ``targets``
-    (:func:`_pack_targets`)."""
+    first product that decides (:func:`_decides`; or when asked), over ``targets`` (:func:`_pack_targets`)."""
 
     def __init__(self, targets: list, total: int):
         self.targets, self.total, self.pending = targets, total, True
-        self.what = (f"oneDNN copies for the products of 2-{_FUSED_ROWS} rows ({total / 2**20:.0f} MiB): decided at "
-                     f"the first such product of several requests")
+        self.rows = _timed_rows(targets)
+        self.span = f"{self.rows[0] if self.rows[0] == 1 else 2}-{_FUSED_ROWS}"  # the rows the copies serve
+        self.what = (f"oneDNN copies for the products of {self.span} rows ({total / 2**20:.0f} MiB): decided at "
+                     f"the first such product" + (" of several requests" if self.rows[0] > 1 else ""))
 
     def decide(self) -> str:
         if not self.pending:
@@ -395,7 +417,7 @@ class _Batches:
         targets, total = self.targets, self.total
         room = int(_PACKED_SHARE * free_memory(torch.device("cpu")))
         if total > room:
-            self.what = (f"no oneDNN copies for batched products: they would take {total / 2**20:.0f} MiB, over "
+            self.what = (f"no oneDNN copies for few-row products: they would take {total / 2**20:.0f} MiB, over "
                          f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
         else:
             timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
@@ -405,23 +427,25 @@ class _Batches:
             if keep:
                 for j, (owner, w, _) in enumerate(targets):
                     owner._magnetar_packed = trial[j] if j < len(trial) else _Packed(w)
-            self.what = (f"{len(targets)} linear products of 2-{_FUSED_ROWS} rows by oneDNN copies of their weights "
+            rows = " and ".join(str(n) for n in self.rows)
+            self.what = (f"{len(targets)} linear products of {self.span} rows by oneDNN copies of their weights "
                          f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at "
-                         f"{_PACKED_HINT} rows over {len(timed)} of them" if keep else
-                         f"no oneDNN copies for batched products: measured {1e3 * after:.1f} ms against "
-                         f"{1e3 * before:.1f} at {_PACKED_HINT} rows")
+                         f"{rows} rows over {len(timed)} of them" if keep else
+                         f"no oneDNN copies for few-row products: measured {1e3 * after:.1f} ms against "
+                         f"{1e3 * before:.1f} at {rows} rows")
         self.targets = []  # nothing held once decided
         log.info("decode on the CPU: %s", self.what)
         return self.what
 
 
 def pack_for_batches(model, device: torch.device, *, now: bool = False) -> Optional[str]:
-    """On a CPU, ``model``'s fp32 linear products (after :func:`fuse_siblings` and :func:`relayout_for_decode`) made
-    ready for oneDNN copies of their weights, which serve the products of a decode step of several requests: the
-    copies are made -- or not: :data:`_PACKED_SHARE` of the available memory, a timed pass -- at the model's first
-    few-row product of several requests (a batch's decode step or query forward; ``now``: at once). Each model
-    once; what was decided (or that it waits), for the log; None: nothing to decide (another device, no oneDNN, or
-    the weights under :data:`_MIN_BYTES`)."""
+    """On a CPU, ``model``'s fp32 and bf16 linear products (after :func:`fuse_siblings` and
+    :func:`relayout_for_decode`) made ready for oneDNN copies of their weights, which serve the products of a decode
+    step -- of several requests in fp32, of one or more in bf16 (:data:`_PACKED_DTYPES`): the copies are made -- or
+    not: :data:`_PACKED_SHARE` of the available memory, a timed pass -- at the model's first product that decides
+    (:func:`_decides`: fp32, a batch's decode step or query forward; bf16, any decode step; ``now``: at once). Each
+    model once; what was decided (or that it waits), for the log; None: nothing to decide (another device, no
+    oneDNN, or the weights under :data:`_MIN_BYTES`)."""
     if device.type != "cpu" or not _packable():
         return None
     batches = getattr(model, "_magnetar_gemv_packed", None)
