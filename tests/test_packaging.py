@@ -223,7 +223,8 @@ def test_op_report_rows_and_table(tmp_path, monkeypatch, capsys):
     (tmp_path / hamming / f"{hamming}{LIB_EXT}").write_bytes(b"")
     rows = {r.op: r for r in op_rows()}
     assert list(rows) == list(ALL_OPS) == ["magnetar_merge_states", "magnetar_merge_states_cuda", "magnetar_hamming",
-                                           "magnetar_hamming_cuda", "magnetar_sparse_attention"]
+                                           "magnetar_hamming_cuda", "magnetar_sparse_attention",
+                                           "magnetar_decode_attention"]
     for name, row in rows.items():
         assert row.device == ("cuda" if name.endswith("_cuda") else "cpu")
         assert row.jit_cached == (name == "magnetar_hamming"), row

@@ -1,5 +1,5 @@
-"""DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states``, the Hamming top-k and the
-sparse prefill op).
+"""DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states``, the Hamming top-k, the sparse
+prefill op and the CPU decode attention).
 
 The builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
 :class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through
@@ -394,9 +394,20 @@ class SparseAttentionBuilder(MergeStatesBuilder):
         return [str(_src() / "sparse_attention.cpp")]
 
 
+class DecodeAttentionBuilder(MergeStatesBuilder):
+    """CPU build of the decode attention kernel (``csrc/decode_attention.cpp``): a few query rows per KV head over
+    every key in one pass (the ``cpu_decode`` attention backend); AVX2/FMA code chosen at run time."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_DECODE_ATTENTION"
+    NAME = "magnetar_decode_attention"
+
+    def sources(self):
+        return [str(_src() / "decode_attention.cpp")]
+
+
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
 ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
-                                     SparseAttentionBuilder)}
+                                     SparseAttentionBuilder, DecodeAttentionBuilder)}
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:

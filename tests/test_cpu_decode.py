@@ -1,0 +1,115 @@
+"""The cpu_decode attention backend (magnetar/ops/csrc/decode_attention.cpp): a decode step's few query rows per KV
+head over every key, against the fp64 reference of tests/reference.py; what it refuses (and auto then sends to
+cpu_flash); NaN never made finite."""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from magnetar.ops import attention_with_lse
+from magnetar.ops.backends import explain, get_backend, select_backend
+from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
+from magnetar.ops.call import FULL, AttentionCall
+from tests.conftest import assert_close
+from tests.reference import dense_attention_fp64, random_qkv
+
+
+def _has_avx2_fma() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return " avx2" in flags and " fma" in flags
+
+
+# Whether this machine must run the kernel (x86-64 with AVX2 and FMA: every CI machine so far); elsewhere the tests
+# below check that the backend refuses with the reason instead -- never a skip on an error.
+RUNS = _has_avx2_fma()
+
+
+def _check(q, k, v, msg="", **kw):
+    out, lse = attention_with_lse(q, k, v, backend="cpu_decode", **kw)
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32, msg
+    assert_close(out, ref_out, q.dtype, "out", msg)
+    assert_close(lse, ref_lse, q.dtype, "lse", msg)
+
+
+def test_the_op_builds_and_runs_where_the_cpu_has_avx2():
+    assert DECODE_ATTENTION_OP.available("cpu"), DECODE_ATTENTION_OP.unavailable_reason("cpu")
+    assert DECODE_ATTENTION_OP.load("cpu").supported() == RUNS
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,sq", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 1), (1, 8), (7, 1)])
+def test_decode_calls_equal_the_fp64_reference(dtype, group, sq, seeded):
+    # key counts across the kernel's 128-key blocks and its 8-wide exp tail; head dims 8 to 256
+    for Sk, D in [(1, 8), (7, 64), (128, 64), (129, 128), (300, 256), (1000, 64)]:
+        q, k, v = random_qkv(2, 2 * group, 2, sq, Sk, D, dtype, seeded)
+        _check(q, k, v, f"G={group} Sq={sq} Sk={Sk} D={D}", causal=False)
+        if sq == 1:
+            _check(q, k, v, f"decode G={group} Sk={Sk} D={D}")  # a query at the end: every key visible
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_inputs_and_large_logits(dtype, seeded):
+    # q a transposed view, K / V the first entries of larger cache buffers (a KV cache's capacity), logits large
+    # enough that the running max moves between blocks (the online rescaling)
+    B, Hq, Hkv, Sk, D = 2, 6, 2, 700, 64
+    q = torch.randn(B, 2, Hq, D, generator=seeded).mul(4).to(dtype).transpose(1, 2)  # two query tokens
+    k = torch.randn(B, Hkv, 1024, D, generator=seeded).mul(4).to(dtype)[:, :, :Sk]
+    v = torch.randn(B, Hkv, 1024, D, generator=seeded).to(dtype)[:, :, :Sk]
+    k[:, :, 650] *= 3  # a late key far above the rest: the max moves in the sixth block
+    assert not q.is_contiguous() and not k.is_contiguous()
+    _check(q, k, v, "strided, large logits", causal=False)
+
+
+def test_refusals_name_their_reason(seeded):
+    backend = get_backend("cpu_decode")
+
+    def reasons(q, k, v, kind=FULL):
+        return " ".join(backend.validate(AttentionCall(q, k, v, None, None, 0.125, kind)))
+
+    q, k, v = random_qkv(1, 9, 1, 1, 16, 64, torch.float32, seeded)
+    assert "9 query rows per KV head" in reasons(q, k, v)  # Gemma-like MQA with 9 heads: cpu_flash's
+    q, k, v = random_qkv(1, 4, 2, 12, 12, 64, torch.float32, seeded)
+    assert "every key visible" in reasons(q, k, v, "causal_bottom_right")  # a prefill's causal square
+    for dtype in (torch.float16, torch.float64):
+        q, k, v = random_qkv(1, 4, 2, 1, 16, 64, dtype, seeded)
+        assert "float32 or all bfloat16" in reasons(q, k, v)
+    q, k, v = random_qkv(1, 4, 2, 1, 16, 12, torch.float32, seeded)
+    assert "head dimension 12" in reasons(q, k, v)
+    q, k, v = random_qkv(1, 4, 2, 1, 16, 64, torch.float32, seeded)
+    assert "contiguous along the head dimension" in reasons(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
+    assert ("this CPU lacks AVX2/FMA" in reasons(q, k, v)) == (not RUNS)
+
+
+def test_auto_sends_decode_calls_here_and_the_rest_to_cpu_flash(seeded):
+    q, k, v = random_qkv(1, 9, 3, 1, 64, 64, torch.float32, seeded)
+    decode = AttentionCall(q, k, v, None, None, 0.125, FULL)
+    assert select_backend(decode).name == ("cpu_decode" if RUNS else "cpu_flash"), explain(decode)["cpu_decode"]
+    q, k, v = random_qkv(1, 9, 3, 3, 64, 64, torch.float32, seeded)  # 9 rows per KV head: a short query
+    assert select_backend(AttentionCall(q, k, v, None, None, 0.125, FULL)).name == "cpu_flash"
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_itself_never_makes_nan_finite(dtype, seeded):
+    # the op alone (the front end's non-finite rule aside): a NaN query row, or a NaN key, makes exactly the rows
+    # that read it (NaN, NaN); the other rows stay as the reference's
+    op = DECODE_ATTENTION_OP.load("cpu")
+    q, k, v = random_qkv(2, 4, 2, 1, 200, 64, dtype, seeded)
+    q[0, 1, 0, 5] = float("nan")  # batch 0, query head 1 (KV head 0)
+    k[1, 1, 170, 3] = float("nan")  # batch 1, KV head 1: query heads 2 and 3, in the second block
+    out, lse = op.decode_attention(q, k, v, 0.125)
+    bad = torch.zeros(2, 4, dtype=torch.bool)
+    bad[0, 1] = bad[1, 2] = bad[1, 3] = True
+    assert torch.isnan(lse[..., 0][bad]).all() and torch.isnan(out[bad]).all()
+    assert torch.isfinite(lse[..., 0][~bad]).all() and torch.isfinite(out[~bad]).all()
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, causal=False, scale=0.125)
+    assert_close(out[~bad], ref_out[~bad], dtype, "out")
+    assert_close(lse[..., 0][~bad], ref_lse[..., 0][~bad], dtype, "lse")
