@@ -113,3 +113,17 @@ def test_the_kernel_itself_never_makes_nan_finite(dtype, seeded):
     ref_out, ref_lse = dense_attention_fp64(q, k, v, causal=False, scale=0.125)
     assert_close(out[~bad], ref_out[~bad], dtype, "out")
     assert_close(lse[..., 0][~bad], ref_lse[..., 0][~bad], dtype, "lse")
+
+
+def test_an_op_that_cannot_build_sends_decode_calls_to_cpu_flash(seeded, monkeypatch):
+    from magnetar.ops import backends
+    from magnetar.ops.backends import cpu_decode
+
+    monkeypatch.setattr(cpu_decode.DECODE_ATTENTION_OP, "unavailable_reason", lambda device: "no C++ compiler")
+    monkeypatch.setattr(backends, "_INSTANCES", {})  # a fresh backend asks the op again
+    q, k, v = random_qkv(1, 9, 3, 1, 64, 64, torch.float32, seeded)
+    call = AttentionCall(q, k, v, None, None, 0.125, FULL)
+    assert get_backend("cpu_decode").validate(call) == ["the decode attention op is unavailable: no C++ compiler"]
+    assert select_backend(call).name == "cpu_flash"
+    with pytest.raises(RuntimeError, match=r"unavailable: no C\+\+ compiler"):
+        get_backend("cpu_decode").forward(call)

@@ -12,6 +12,8 @@ one core of the AVX-512 EPYC VM (docs/results.md "A decode attention kernel for 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from magnetar.ops.call import FULL
@@ -52,6 +54,21 @@ class CpuDecodeBackend:
     name = "cpu_decode"
     device_types = ("cpu",)
 
+    def __init__(self):
+        self._op = None  # the loaded op, once it is known to run here
+        self._missing: Optional[str] = None  # why it does not (asked once: a decode step validates ~60 calls)
+
+    def _ready(self) -> Optional[str]:
+        if self._op is None and self._missing is None:
+            reason = DECODE_ATTENTION_OP.unavailable_reason("cpu")
+            if reason is not None:
+                self._missing = f"the decode attention op is unavailable: {reason}"
+            elif not DECODE_ATTENTION_OP.load("cpu").supported():
+                self._missing = "this CPU lacks AVX2/FMA"
+            else:
+                self._op = DECODE_ATTENTION_OP.load("cpu")
+        return self._missing
+
     def validate(self, call) -> list[str]:
         q = call.q
         if q.device.type != "cpu":
@@ -59,14 +76,11 @@ class CpuDecodeBackend:
         if call.mask_kind != FULL:
             return [f"decode kernel: every key visible to every query only (mask kind {call.mask_kind})"]
         reasons = shape_reasons(q, call.k, call.v)
-        if not reasons:
-            op_reason = DECODE_ATTENTION_OP.unavailable_reason("cpu")
-            if op_reason is not None:
-                reasons.append(f"the decode attention op is unavailable: {op_reason}")
-            elif not DECODE_ATTENTION_OP.load("cpu").supported():
-                reasons.append("this CPU lacks AVX2/FMA")
+        if not reasons and self._ready() is not None:
+            reasons.append(self._missing)
         return reasons
 
     def forward(self, call):
-        out, lse = DECODE_ATTENTION_OP.load("cpu").decode_attention(call.q, call.k, call.v, float(call.scale))
-        return out, lse
+        if self._ready() is not None:
+            raise RuntimeError(f"cpu_decode: {self._missing}")
+        return self._op.decode_attention(call.q, call.k, call.v, float(call.scale))
