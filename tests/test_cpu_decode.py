@@ -127,3 +127,16 @@ def test_an_op_that_cannot_build_sends_decode_calls_to_cpu_flash(seeded, monkeyp
     assert select_backend(call).name == "cpu_flash"
     with pytest.raises(RuntimeError, match=r"unavailable: no C\+\+ compiler"):
         get_backend("cpu_decode").forward(call)
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+def test_an_overflowing_score_makes_its_rows_nan_in_the_op(seeded):
+    # finite inputs whose product overflows float32: +inf - +inf has no softmax, so those rows are NaN, never finite
+    op = DECODE_ATTENTION_OP.load("cpu")
+    q, k, v = random_qkv(1, 2, 1, 1, 40, 8, torch.float32, seeded)
+    q[..., 0], k[..., 0] = 0.0, 0.0
+    q[0, 0, 0, :] = 0.0
+    q[0, 0, 0, 0], k[0, 0, 7, 0] = 3e38, 3e38  # head 0: key 7's score +inf, every other 0; head 1's all finite
+    out, lse = op.decode_attention(q, k, v, 1.0)
+    assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]).all()
+    assert torch.isfinite(out[0, 1]).all() and torch.isfinite(lse[0, 1]).all()

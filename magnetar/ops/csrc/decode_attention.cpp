@@ -10,7 +10,7 @@
 //   float32 or bfloat16 (all three alike), every key visible to every query (no mask), query head h reads KV head
 //   h / (Hq / Hkv); G x Sq <= 8 query rows per KV head (G = Hq / Hkv), D a multiple of 8 up to 256, K and V
 //   contiguous along D (any other strides). Scores and the softmax in float32; a bf16 key or value is widened to
-//   float32 as it is read. A NaN score makes its row (NaN, NaN); nothing here turns NaN into a finite number.
+//   float32 as it is read. A NaN or +inf score makes its row (NaN, NaN); nothing here turns NaN into a finite number.
 //   supported() says whether this CPU runs it (x86-64 with AVX2 and FMA); elsewhere the backend refuses.
 //
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
@@ -98,7 +98,7 @@ AVX2_FN float hsum(__m256 v) {
 
 // One (batch, KV head): R query rows qf (R x D, already scaled) over Sk keys and values of row strides ks / vs.
 // Leaves each row's unnormalised sum in acc (R x D), its running max in m, its sum of exponentials in l and
-// whether a score was NaN in nan. s: R x kBlock scratch.
+// whether a score was NaN or +inf in nan. s: R x kBlock scratch.
 template <typename T, int R>
 __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, int64_t ks, const T* vb, int64_t vs,
                                                 int64_t Sk, int64_t D, float* acc, float* m, float* l, bool* nan,
@@ -128,7 +128,7 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
       bool bad = false;
       for (int64_t j = 0; j < n; ++j) {
         bm = sr[j] > bm ? sr[j] : bm;
-        bad |= sr[j] != sr[j];
+        bad |= sr[j] != sr[j] || sr[j] == -neg_inf;  // NaN, or +inf (inf - inf has no softmax): the row is NaN
       }
       nan[r] = nan[r] || bad;
       const float nm = std::max(m[r], bm);
