@@ -140,3 +140,19 @@ def test_an_overflowing_score_makes_its_rows_nan_in_the_op(seeded):
     out, lse = op.decode_attention(q, k, v, 1.0)
     assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]).all()
     assert torch.isfinite(out[0, 1]).all() and torch.isfinite(lse[0, 1]).all()
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+def test_two_threads_give_one_threads_result(seeded):
+    # at::parallel_for deals the (batch, KV head) items to the threads, each with its own scratch: the same bits
+    op = DECODE_ATTENTION_OP.load("cpu")
+    q, k, v = random_qkv(3, 8, 4, 1, 333, 64, torch.bfloat16, seeded)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op.decode_attention(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        two = op.decode_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
