@@ -33,7 +33,7 @@ where oneDNN's matmul over a weight prepacked in its blocked layout reads the we
 (1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
 For bf16 weights it serves one request's step too (1 to :data:`_FUSED_ROWS` rows): torch's own bf16 products of a
 few rows read the weights at ~10 GB/s there, no faster than fp32's, so a bf16 model decoded slower than fp32
-(docs/results.md "bf16 on the CPU").
+(docs/results.md "bf16 on the CPU beside vLLM's bf16").
 The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
 row's faster layout), so it is made only for fp32 and bf16 weights, only once a product that uses it comes (fp32: a
 few-row product of several requests -- a model that never decodes a batch pays nothing; bf16: any decode step),
@@ -66,7 +66,8 @@ _PACKED_SHARE = 0.25  # oneDNN's packed copies take at most this share of the ho
 _PACKED_HINT = 8  # the row count the packed layout is made for (any count runs; measured at 1-16)
 # the weight dtypes oneDNN's copies serve -> the fewest rows they serve: fp32's single row stays on the layout above
 # (faster there), bf16's goes to the copy too (1.5-2.3x torch's bf16 product at one row and 1.4-1.8x at eight on the
-# AVX-512 EPYC VM, where torch's own bf16 decode products were no faster than fp32's; docs/results.md "bf16 on the CPU")
+# AVX-512 EPYC VM, where torch's own bf16 decode products were no faster than fp32's; docs/results.md "bf16 on the
+# CPU beside vLLM's bf16")
 _PACKED_DTYPES = {torch.float32: 2, torch.bfloat16: 1}
 
 

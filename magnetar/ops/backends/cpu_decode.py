@@ -8,7 +8,8 @@ dimension that is not a multiple of 8 or over 256, K / V not contiguous along D,
 failing to build (the reason is logged once). Torch's CPU flash kernel reads a decode call's cold cache at a
 fraction of a core's rate (packing per block, scalar work); this kernel reads each key and value row once for the
 G x Sq rows sharing it: 0.69 -> 0.38 ms (fp32) and 0.78 -> 0.23 ms (bf16) for a 4K-token call of SmolLM2-135M on
-one core of the AVX-512 EPYC VM (docs/results.md "A decode attention kernel for the CPU").
+one core of the AVX-512 EPYC VM (docs/results.md "bf16 on the CPU beside vLLM's bf16, and a decode attention
+kernel").
 """
 from __future__ import annotations
 
