@@ -33,9 +33,10 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu_features.h"
+
+#ifdef MAGNETAR_X86_DISPATCH
 #include <immintrin.h>
-#define MAGNETAR_DECODE_X86 1
 #endif
 
 namespace {
@@ -45,18 +46,14 @@ constexpr int64_t kMaxRows = 8;  // query rows per KV head
 constexpr int64_t kMaxDim = 256;
 
 bool cpu_supported() {
-#ifdef MAGNETAR_DECODE_X86
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
+#ifdef MAGNETAR_X86_DISPATCH
+  return cpu_has_avx2_fma();
 #else
   return false;
 #endif
 }
 
-#ifdef MAGNETAR_DECODE_X86
+#ifdef MAGNETAR_X86_DISPATCH
 #define AVX2_FN inline __attribute__((target("avx2,fma"), always_inline))
 
 // exp(x) for x <= 0 (logits minus their running max; -inf -> 0): x log2(e) = n + f, |f| <= 1/2, 2^f by a
@@ -225,7 +222,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     }
   });
 }
-#endif  // MAGNETAR_DECODE_X86
+#endif  // MAGNETAR_X86_DISPATCH
 
 }  // namespace
 
@@ -249,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along D");
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
-#ifdef MAGNETAR_DECODE_X86
+#ifdef MAGNETAR_X86_DISPATCH
   if (q.scalar_type() == at::kFloat) {
     run<float>(q, k, v, out, lse, scale);
   } else {

@@ -45,23 +45,13 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 // x86-64 with GCC/Clang: each kernel body is compiled twice, for AVX2+FMA and for the baseline, and
-// cpu_has_avx2_fma() picks one at run time, so one cached build serves every machine without -march=native.
-// (target_clones("arch=haswell") dispatches on the CPU model, not its features, and fell back to the baseline
-// on AMD EPYC.)
+// cpu_has_avx2_fma() (cpu_features.h) picks one at run time.
 #define MAGNETAR_BODY static inline __attribute__((always_inline))
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MAGNETAR_X86_DISPATCH 1
-inline bool cpu_has_avx2_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return has;
-}
-#endif
 
 // exp(x) for x <= 0 (logits minus their max), vectorisable: x log2(e) = n + f with |f| <= 1/2, 2^f by its
 // degree-7 Taylor polynomial (relative error < 1e-8, below float rounding), 2^n from the exponent bits.
