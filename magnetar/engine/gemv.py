@@ -65,7 +65,7 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # child l
 _PACKED_SHARE = 0.25  # oneDNN's packed copies take at most this share of the host's available memory
 _PACKED_HINT = 8  # the row count the packed layout is made for (any count runs; measured at 1-16)
 # the weight dtypes oneDNN's copies serve -> the fewest rows they serve: fp32's single row stays on the layout above
-# (faster there), bf16's goes to the copy too (1.5-2.3x torch's bf16 product at one row and 1.4-1.8x at eight on the
+# (faster there), bf16's goes to the copy too (1.3-2.7x torch's bf16 product at one row and 1.4-2.0x at eight on the
 # AVX-512 EPYC VM, where torch's own bf16 decode products were no faster than fp32's; docs/results.md "bf16 on the
 # CPU beside vLLM's bf16")
 _PACKED_DTYPES = {torch.float32: 2, torch.bfloat16: 1}
@@ -374,18 +374,11 @@ def _pack_targets(model) -> list[tuple[object, torch.Tensor, Optional[torch.Tens
     return out
 
 
-def _timed_rows(targets: list) -> tuple[int, ...]:
-    """The row counts a decision times: :data:`_PACKED_HINT` (a batch's step), and one (a single request's step)
-    where the copies serve it (bf16)."""
-    least = min(_PACKED_DTYPES[w.dtype] for _, w, _ in targets)
-    return (_PACKED_HINT,) if least > 1 else (1, _PACKED_HINT)
-
-
-def _batch_seconds(targets: list, packed: Optional[list]) -> float:
-    """The fastest of :data:`_PASSES` passes of products of :func:`_timed_rows` rows over ``targets``: each its own
-    way (a group's buffer, a layer's ``F.linear``), or by the ``packed`` copies."""
+def _batch_seconds(targets: list, packed: Optional[list], timed_rows: tuple[int, ...]) -> float:
+    """The fastest of :data:`_PASSES` passes of products of each of ``timed_rows`` rows over ``targets``: each its
+    own way (a group's buffer, a layer's ``F.linear``), or by the ``packed`` copies."""
     inputs = [{t[1].shape[1]: torch.randn(n, t[1].shape[1], dtype=t[1].dtype) for t in targets}
-              for n in _timed_rows(targets)]
+              for n in timed_rows]
 
     def run():
         for rows in inputs:
@@ -406,10 +399,12 @@ class _Batches:
 
     def __init__(self, targets: list, total: int):
         self.targets, self.total, self.pending = targets, total, True
-        self.rows = _timed_rows(targets)
-        self.span = f"{self.rows[0] if self.rows[0] == 1 else 2}-{_FUSED_ROWS}"  # the rows the copies serve
+        least = min(_PACKED_DTYPES[w.dtype] for _, w, _ in targets)  # the fewest rows the copies serve
+        # what the decision times: a batch's step, and a single request's where the copies serve it (bf16)
+        self.rows = (_PACKED_HINT,) if least > 1 else (1, _PACKED_HINT)
+        self.span = f"{least}-{_FUSED_ROWS}"
         self.what = (f"oneDNN copies for the products of {self.span} rows ({total / 2**20:.0f} MiB): decided at "
-                     f"the first such product" + (" of several requests" if self.rows[0] > 1 else ""))
+                     f"the first such product" + (" of several requests" if least > 1 else ""))
 
     def decide(self) -> str:
         if not self.pending:
@@ -423,7 +418,7 @@ class _Batches:
         else:
             timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
             trial = [_Packed(w) for _, w, _ in timed]  # kept if chosen
-            before, after = _batch_seconds(timed, None), _batch_seconds(timed, trial)
+            before, after = _batch_seconds(timed, None, self.rows), _batch_seconds(timed, trial, self.rows)
             keep = after <= _GAIN * before
             if keep:
                 for j, (owner, w, _) in enumerate(targets):
