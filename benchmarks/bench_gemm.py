@@ -3,6 +3,7 @@ request) and a prefill (many rows) should reach.
 
     python benchmarks/bench_gemm.py                                  # SmolLM2-135M's shapes, 1 / 4 / 8 / 16 / 1024 rows
     python benchmarks/bench_gemm.py --rows 1,8,64 --threads 2
+    python benchmarks/bench_gemm.py --dtype bfloat16                # bf16 weights (MKL's packed GEMM is fp32-only)
 
 For each distinct ``(out, in)`` shape of the model's ``nn.Linear`` layers, the siblings a decode step fuses
 (q/k/v, gate/up: ``magnetar.engine.gemv``) as one shape, and each row count of ``--rows``, the seconds of one product
@@ -11,14 +12,14 @@ For each distinct ``(out, in)`` shape of the model's ``nn.Linear`` layers, the s
 * ``linear``: ``F.linear(x, W)`` with ``W (out, in)`` row-major, as ``nn.Linear`` keeps it (MKL's sgemm);
 * ``transposed``: ``x @ W.T`` with ``W.T`` stored ``(in, out)`` row-major (the layout ``relayout_for_decode`` keeps
   where a timed pass says so);
-* ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight``);
+* ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight``; fp32 only);
 * ``onednn_packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``, the
   path torch.compile's CPU backend takes) -- a second copy of the weights in oneDNN's blocked layout.
 
 Each product reads ``--copies`` distinct weight matrices in turn (so the weights come from memory, as in a decode
 step, not from the caches), best of ``--passes``. Prints a table (microseconds per product and the rate: GB/s of
 weights read for few rows, GFLOP/s for many), then one JSON line. Every kernel's result is checked against
-``linear``'s (fp32 tolerance) first.
+``linear``'s (the dtype's tolerance) first.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="an installed model name or a folder")
     p.add_argument("--rows", default="1,4,8,16,1024", help="comma list of row counts (requests of a decode step)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the weights' and rows' dtype")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a decode step runs on one here)")
     p.add_argument("--copies", type=int, default=24, help="distinct weight matrices cycled through (cold reads)")
     p.add_argument("--passes", type=int, default=3)
@@ -74,7 +76,7 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict:
     out = {"linear": lambda x, k: F.linear(x, weights[k])}
     wt = [w.t().contiguous() for w in weights]
     out["transposed"] = lambda x, k: x @ wt[k]
-    if hasattr(torch.ops.mkl, "_mkl_linear"):
+    if hasattr(torch.ops.mkl, "_mkl_linear") and weights[0].dtype == torch.float32:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
         out["mkl_packed"] = lambda x, k: torch.ops.mkl._mkl_linear(x, mkl[k], weights[k], None, rows)
     if torch.backends.mkldnn.is_available():
@@ -103,25 +105,29 @@ def main(argv=None) -> int:
     from magnetar.utils.machine import cpu_description
 
     model, _ = load_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # two kernels' roundings of one product (bf16: 8 mantissa bits)
     g = torch.Generator().manual_seed(0)
     rows_out = []
     for name, o, i in model_shapes(model):
-        copies = max(1, min(args.copies, (256 << 20) // (4 * o * i)))  # at most ~256 MiB of copies
-        weights = [torch.randn(o, i, generator=g) * i ** -0.5 for _ in range(copies)]
+        copies = max(1, min(args.copies, (256 << 20) // (size * o * i)))  # at most ~256 MiB of copies
+        weights = [(torch.randn(o, i, generator=g) * i ** -0.5).to(dtype) for _ in range(copies)]
         for m in args.rows:
-            x = torch.randn(m, i, generator=g)
+            x = torch.randn(m, i, generator=g).to(dtype)
             ks = kernels(weights, m)
             want = F.linear(x, weights[0])
             for k, f in ks.items():
-                torch.testing.assert_close(f(x, 0), want, rtol=1e-4, atol=1e-4, msg=f"{k} at {name} {m} rows")
+                torch.testing.assert_close(f(x, 0), want, rtol=tol, atol=tol, msg=f"{k} at {name} {m} rows")
             for k, f in ks.items():
                 s = time_kernel(f, x, copies, args.passes)
                 rows_out.append(dict(shape=name, out=o, inp=i, rows=m, kernel=k, us=1e6 * s,
-                                     gbps=4 * o * i / s / 1e9, gflops=2 * m * o * i / s / 1e9))
+                                     gbps=size * o * i / s / 1e9, gflops=2 * m * o * i / s / 1e9))
             done = [r for r in rows_out if r["shape"] == name and r["rows"] == m]
             print(f"[bench_gemm] {name} ({o} x {i}), {m} rows: " +
                   ", ".join(f"{r['kernel']} {r['us']:.0f} us" for r in done), file=sys.stderr, flush=True)
-    print(f"\n{args.model} shapes, fp32, {args.threads} thread(s), {cpu_description()}, torch {torch.__version__}\n")
+    print(f"\n{args.model} shapes, {args.dtype}, {args.threads} thread(s), {cpu_description()}, torch "
+          f"{torch.__version__}\n")
     print("| shape (out x in) | rows | " + " | ".join(f"{k} us" for k in KERNELS) + " | fastest | vs linear |")
     print("|---|---:|" + "---:|" * len(KERNELS) + "---|---:|")
     for name, o, i in model_shapes(model):
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
             cells = " | ".join("-" if k not in got else f"{got[k]['us']:.0f}" for k in KERNELS)
             print(f"| {name} ({o} x {i}) | {m} | {cells} | {best['kernel']} | "
                   f"{got['linear']['us'] / best['us']:.2f}x |")
-    record = dict(bench="gemm", model=args.model, threads=args.threads, cpu=cpu_description(),
+    record = dict(bench="gemm", model=args.model, dtype=args.dtype, threads=args.threads, cpu=cpu_description(),
                   torch=torch.__version__, rows=rows_out)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -24,15 +24,18 @@ def test_shapes_are_the_models_with_the_siblings_fused():
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_every_kernel_is_the_linear_product(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_is_the_linear_product(rows, dtype):
     bench = load_benchmark("bench_gemm")
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(48, 32, generator=g) for _ in range(2)]
-    x = torch.randn(rows, 32, generator=g)
+    weights = [torch.randn(48, 32, generator=g).to(dtype) for _ in range(2)]
+    x = torch.randn(rows, 32, generator=g).to(dtype)
     kernels = bench.kernels(weights, rows)
     assert {"linear", "transposed"} <= set(kernels)
+    assert ("mkl_packed" in kernels) <= (dtype == torch.float32)  # MKL's packed GEMM takes fp32 only
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, f in kernels.items():
-        torch.testing.assert_close(f(x, 1), F.linear(x, weights[1]), rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(f(x, 1), F.linear(x, weights[1]), rtol=tol, atol=tol, msg=name)
     assert bench.time_kernel(kernels["linear"], x, 2, 1) > 0
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "0"])
