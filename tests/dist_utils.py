@@ -81,10 +81,13 @@ def _entry(rank: int, world_size: int, port: int, fn, args, environ=None):
         dist.destroy_process_group()
 
 
-# The ranks start from a fork server that imported torch, transformers and magnetar once for the whole session
-# (a spawned rank imported them anew: seconds per rank, every multi-rank test). Only imports happen there -- no
-# tensor op, so no OpenMP pool exists to be forked; each rank then sets its own threads.
-_PRELOAD = ["torch", "torch.distributed", "transformers", "magnetar", "magnetar.engine", "tests.dist_utils"]
+# The ranks start from a fork server that imported torch, transformers' model code and magnetar once for the whole
+# session (a spawned rank imported them anew: seconds per rank, every multi-rank test). Only imports happen there --
+# no tensor op, so no OpenMP pool exists to be forked; each rank then sets its own threads.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "magnetar", "magnetar.engine", "tests.dist_utils",
+            # transformers is a lazy module: its model code (modeling_utils pulls scipy.optimize, DTensor, dynamo)
+            # came in only when a rank built a model -- ~4 s a rank, every multi-rank test
+            "transformers.modeling_utils", "transformers.models.llama.modeling_llama"]
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

@@ -20,9 +20,7 @@
 // registers), the scores of a block of keys go through one exp pass with the running max (online softmax), and
 // each value row is read once into the rows' accumulators. Parallelised with at::parallel_for over the work items.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "torch_op.h"
 
 #include <algorithm>
 #include <cmath>

@@ -18,9 +18,7 @@
 // Parallelised with at::parallel_for over rows, or over key chunks when there are few rows (one query over
 // 512K keys).
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "torch_op.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -32,7 +30,7 @@ namespace {
 
 inline int popcount32(uint32_t x) { return __builtin_popcount(x); }
 
-void check_codes(const torch::Tensor& q, const torch::Tensor& k) {
+void check_codes(const at::Tensor& q, const at::Tensor& k) {
   TORCH_CHECK(q.dim() == 4, "magnetar hamming: query codes must be (H, M, G, W), got shape ", q.sizes());
   TORCH_CHECK(k.dim() == 3, "magnetar hamming: key codes must be (H, N, W), got shape ", k.sizes());
   TORCH_CHECK(q.scalar_type() == at::kInt && k.scalar_type() == at::kInt,
@@ -82,7 +80,7 @@ inline void row_scores(const uint32_t* qrow, int64_t G, int64_t W, const uint32_
   }
 }
 
-void all_scores(const torch::Tensor& q, const torch::Tensor& k, torch::Tensor& scores) {
+void all_scores(const at::Tensor& q, const at::Tensor& k, at::Tensor& scores) {
   const int64_t H = q.size(0), M = q.size(1), G = q.size(2), W = q.size(3), N = k.size(1);
   const auto* qp = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
   const auto* kp = reinterpret_cast<const uint32_t*>(k.data_ptr<int32_t>());
@@ -137,7 +135,7 @@ void select_row(const int32_t* s, int64_t N, int32_t maxv, int64_t kk, int32_t* 
 
 }  // namespace
 
-torch::Tensor pack_bits(torch::Tensor bits) {
+at::Tensor pack_bits(at::Tensor bits) {
   TORCH_CHECK(bits.dim() == 2, "magnetar pack_bits: bits must be (R, nbits), got shape ", bits.sizes());
   TORCH_CHECK(bits.scalar_type() == at::kBool || bits.scalar_type() == at::kByte,
               "magnetar pack_bits: bits must be bool or uint8, got ", bits.scalar_type());
@@ -146,7 +144,7 @@ torch::Tensor pack_bits(torch::Tensor bits) {
   TORCH_CHECK(bits.device().is_cpu(), "magnetar pack_bits (CPU op): bits must be on the CPU");
   bits = bits.contiguous();
   const int64_t R = bits.size(0), W = bits.size(1) / 32;
-  auto out = torch::empty({R, W}, bits.options().dtype(at::kInt));
+  auto out = at::empty({R, W}, bits.options().dtype(at::kInt));
   const auto* bp = reinterpret_cast<const uint8_t*>(bits.data_ptr());
   auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, R, 256, [&](int64_t r0, int64_t r1) {
@@ -162,25 +160,25 @@ torch::Tensor pack_bits(torch::Tensor bits) {
   return out;
 }
 
-torch::Tensor hamming_scores(torch::Tensor q, torch::Tensor k) {
+at::Tensor hamming_scores(at::Tensor q, at::Tensor k) {
   check_codes(q, k);
   q = q.contiguous();
   k = k.contiguous();
-  auto scores = torch::empty({q.size(0), q.size(1), k.size(1)}, q.options());
+  auto scores = at::empty({q.size(0), q.size(1), k.size(1)}, q.options());
   all_scores(q, k, scores);
   return scores;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> hamming_topk(torch::Tensor q, torch::Tensor k, int64_t kk) {
+std::tuple<at::Tensor, at::Tensor> hamming_topk(at::Tensor q, at::Tensor k, int64_t kk) {
   check_codes(q, k);
   const int64_t H = q.size(0), M = q.size(1), G = q.size(2), W = q.size(3), N = k.size(1);
   TORCH_CHECK(kk >= 1 && kk <= N, "magnetar hamming_topk: k must be in [1, ", N, "] (the number of keys), got ", kk);
   q = q.contiguous();
   k = k.contiguous();
-  auto scores = torch::empty({H, M, N}, q.options());
+  auto scores = at::empty({H, M, N}, q.options());
   all_scores(q, k, scores);
-  auto top_s = torch::empty({H, M, kk}, q.options());
-  auto top_i = torch::empty({H, M, kk}, q.options().dtype(at::kLong));
+  auto top_s = at::empty({H, M, kk}, q.options());
+  auto top_i = at::empty({H, M, kk}, q.options().dtype(at::kLong));
   const int32_t maxv = static_cast<int32_t>(32 * W * G);
   const int32_t* sp = scores.data_ptr<int32_t>();
   int32_t* ts = top_s.data_ptr<int32_t>();

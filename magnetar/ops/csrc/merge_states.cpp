@@ -22,10 +22,10 @@
 //
 // Parallelised over rows with at::parallel_for (OpenMP in the CPU wheels; the builder passes -fopenmp).
 
-#include <torch/extension.h>
+#include "torch_op.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cmath>
@@ -127,7 +127,7 @@ void merge_rows(const scalar_t* __restrict__ outs,  // (N, R, D)
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> merge_states_cpu(torch::Tensor outs, torch::Tensor lses) {
+std::tuple<at::Tensor, at::Tensor> merge_states_cpu(at::Tensor outs, at::Tensor lses) {
   TORCH_CHECK(outs.dim() == 5, "magnetar merge_states: outs must be (N, B, H, S, D), got ", outs.dim(),
               " dims with shape ", outs.sizes());
   TORCH_CHECK(lses.dim() == 4, "magnetar merge_states: lses must be (N, B, H, S), got ", lses.dim(),

@@ -32,9 +32,7 @@
 // softmax over the support (max, then sum of exponentials) and accumulates the selected V rows. Nothing of size
 // S x N is ever built. Parallelised with at::parallel_for over the work items.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
+#include "torch_op.h"
 
 #include <algorithm>
 #include <functional>
@@ -154,7 +152,7 @@ MAGNETAR_BODY void accumulate_rows(float* o, const float* vh, const int64_t* key
   }
 }
 
-void check(const torch::Tensor& t, at::ScalarType type, int64_t dim, const char* name) {
+void check(const at::Tensor& t, at::ScalarType type, int64_t dim, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "magnetar sparse attention (CPU op): ", name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == type, "magnetar sparse attention: ", name, " must be ", type, ", got ",
               t.scalar_type());
@@ -364,10 +362,10 @@ void oracle_blocks(const Problem& P, int64_t kk, int64_t begin, int64_t end, flo
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> sparse_gqa_attention(const torch::Tensor& q, const torch::Tensor& k,
-                                                               const torch::Tensor& v, const torch::Tensor& idx,
-                                                               const torch::Tensor& q_pos,
-                                                               const torch::Tensor& k_pos, int64_t b_sel,
+std::tuple<at::Tensor, at::Tensor> sparse_gqa_attention(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& idx,
+                                                               const at::Tensor& q_pos,
+                                                               const at::Tensor& k_pos, int64_t b_sel,
                                                                double scale, int64_t window) {
   check(q, at::kFloat, 4, "q");
   check(k, at::kFloat, 4, "k");
@@ -387,8 +385,8 @@ std::tuple<torch::Tensor, torch::Tensor> sparse_gqa_attention(const torch::Tenso
               "magnetar sparse attention: positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ",
               k_pos.sizes());
   const int64_t G = Hq / Hkv;
-  auto out = torch::zeros_like(q);
-  auto lse = torch::full({B, Hq, S}, -std::numeric_limits<float>::infinity(), q.options());
+  auto out = at::zeros_like(q);
+  auto lse = at::full({B, Hq, S}, -std::numeric_limits<float>::infinity(), q.options());
   if (B == 0 || S == 0 || kk == 0) return {out, lse};
 
   Problem P{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), idx.data_ptr<int64_t>(),
@@ -404,8 +402,8 @@ std::tuple<torch::Tensor, torch::Tensor> sparse_gqa_attention(const torch::Tenso
 
 // oracle_topk (Hq heads, softmax mass) and indexer_topk (one head, ReLU scores; q, k as (B, 1, S|N, d)) share
 // the checks, the output and the parallel loop over (b, block)
-torch::Tensor block_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
-                         const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window,
+at::Tensor block_topk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_pos,
+                         const at::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window,
                          bool indexer) {
   const char* what = indexer ? "magnetar indexer top-k: " : "magnetar oracle top-k: ";
   check(q, at::kFloat, 4, "q");
@@ -419,7 +417,7 @@ torch::Tensor block_topk(const torch::Tensor& q, const torch::Tensor& k, const t
   TORCH_CHECK(q_pos.size(0) == B && q_pos.size(1) == S && k_pos.size(0) == B && k_pos.size(1) == N, what,
               "positions must be (B, S) and (B, N), got ", q_pos.sizes(), " and ", k_pos.sizes());
   const int64_t M = (S + b_sel - 1) / b_sel, kk = topk < N ? topk : N;
-  auto idx = torch::full({B, M, kk}, -1, q_pos.options());
+  auto idx = at::full({B, M, kk}, -1, q_pos.options());
   if (B == 0 || S == 0 || kk == 0) return idx;
   Problem P{q.data_ptr<float>(), k.data_ptr<float>(), nullptr, nullptr, q_pos.data_ptr<int64_t>(),
             k_pos.data_ptr<int64_t>(), nullptr, nullptr, B, Hq, Hkv, Hq / Hkv, S, N, D, M, kk, b_sel, window,
@@ -436,13 +434,13 @@ torch::Tensor block_topk(const torch::Tensor& q, const torch::Tensor& k, const t
   return idx;
 }
 
-torch::Tensor oracle_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
-                          const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
+at::Tensor oracle_topk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_pos,
+                          const at::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
   return block_topk(q, k, q_pos, k_pos, topk, b_sel, scale, window, false);
 }
 
-torch::Tensor indexer_topk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_pos,
-                           const torch::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
+at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_pos,
+                           const at::Tensor& k_pos, int64_t topk, int64_t b_sel, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "magnetar indexer top-k: q and k must be (B, S, d) and (B, N, d), got ",
               q.sizes(), " and ", k.sizes());
   return block_topk(q.unsqueeze(1), k.unsqueeze(1), q_pos, k_pos, topk, b_sel, scale, window, true);
