@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from magnetar.engine import gemv
+from magnetar.ops.small_gemm import small_gemm_unavailable
 from tests.conftest import assert_close
 
 
@@ -200,3 +201,35 @@ def test_bf16_copies_serve_one_request_and_are_made_at_its_first_step(monkeypatc
     with torch.inference_mode():
         x32 = torch.randn(1, 1, 64)  # another dtype than the copy's: the layer's own product
         assert layer._magnetar_packed.applies(x, layer.weight) and not layer._magnetar_packed.applies(x32, layer.weight)
+
+
+@pytest.mark.parametrize("faster", ["_Packed", "_SmallPacked"])
+def test_bf16_copies_of_the_kind_the_timed_pass_finds_faster(monkeypatch, faster):
+    """bf16 weights on an AVX-512 BF16 CPU: oneDNN's copies and the small GEMM op's are both timed over the same
+    products, the faster kind is made for every layer and named in the log's line, and its products are F.linear's
+    to bf16's rounding. Elsewhere only oneDNN's are timed."""
+    if not gemv._packable():
+        pytest.skip("this torch build has no oneDNN linear ops")
+    monkeypatch.setattr(gemv, "_MIN_BYTES", 0)
+    monkeypatch.setattr(gemv, "free_memory", lambda device: 1 << 40)
+    timed = []
+
+    def seconds(targets, packed, rows):  # the kind named by `faster` takes 1 s, the other 2, no copy 3
+        kind = None if packed is None else type(packed[0]).__name__
+        timed.append(kind)
+        return 3.0 if kind is None else (1.0 if kind == faster else 2.0)
+
+    monkeypatch.setattr(gemv, "_batch_seconds", seconds)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40, bias=False)).to(torch.bfloat16)
+    gemv.pack_for_batches(model, torch.device("cpu"))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = model(x)
+    runs = small_gemm_unavailable() is None
+    assert timed == ([None, "_Packed", "_SmallPacked"] if runs else [None, "_Packed"])
+    kind = getattr(gemv, faster) if runs else gemv._Packed
+    assert all(type(m._magnetar_packed) is kind for m in model), [type(m._magnetar_packed) for m in model]
+    assert f"by {kind.KIND} copies" in model._magnetar_gemv_packed.what
+    h = F.linear(x.double(), model[0].weight.double(), model[0].bias.double()).to(torch.bfloat16)
+    assert_close(got, F.linear(h.double(), model[1].weight.double()), torch.bfloat16)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from magnetar.models.dummy import free_memory
+from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -296,12 +297,18 @@ def fuse_siblings(model, device: torch.device) -> Optional[str]:
 class _Packed:
     """A weight's copy in oneDNN's blocked layout (:func:`pack_for_batches`) and the storage it was made from."""
 
+    KIND = "oneDNN"
+
     def __init__(self, weight_out_in: torch.Tensor):
         with torch.no_grad():
-            self.w = torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous(), _PACKED_HINT)
+            self.w = self._copy(weight_out_in)
         self.out_features, self.in_features = weight_out_in.shape
         self.dtype = weight_out_in.dtype
         self.source = weight_out_in.untyped_storage().data_ptr()  # (a view of) the owner's weight
+
+    @staticmethod
+    def _copy(weight_out_in: torch.Tensor):
+        return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous(), _PACKED_HINT)
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``x`` is a few-row product (:func:`_few_rows`) this copy serves: ``weight`` is still the storage
@@ -311,6 +318,32 @@ class _Packed:
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.w, bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class _SmallPacked(_Packed):
+    """A bf16 weight's copy in the small GEMM op's blocked layout (:mod:`magnetar.ops.small_gemm`, AVX-512 BF16)."""
+
+    KIND = "Magnetar's small GEMM"
+
+    @staticmethod
+    def _copy(weight_out_in: torch.Tensor):
+        return SmallGemm(weight_out_in)
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.w(x, bias)
+
+
+def _copy_kinds(targets: list) -> list[type]:
+    """The kinds of copy :class:`_Batches` times for ``targets``: oneDNN's, and for bf16 weights with an even input
+    size the small GEMM op's where it runs (an AVX-512 BF16 CPU; asked only then: it builds the op)."""
+    kinds: list[type] = [_Packed]
+    if all(w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 for _, w, _ in targets):
+        reason = small_gemm_unavailable()
+        if reason is None:
+            kinds.append(_SmallPacked)
+        else:
+            log.info("decode on the CPU: bf16 products without the small GEMM op (%s)", reason)
+    return kinds
 
 
 def _few_rows(x: torch.Tensor) -> bool:
@@ -417,17 +450,25 @@ class _Batches:
                          f"{100 * _PACKED_SHARE:.0f} % of the available memory ({room / 2**20:.0f} MiB)")
         else:
             timed = _timed_prefix(targets, lambda t: _nbytes(t[1]))
-            trial = [_Packed(w) for _, w, _ in timed]  # kept if chosen
-            before, after = _batch_seconds(timed, None, self.rows), _batch_seconds(timed, trial, self.rows)
+            before = _batch_seconds(timed, None, self.rows)
+            # each kind of copy timed over the same products; the fastest one's trial copies are kept if chosen
+            best = None
+            for kind in _copy_kinds(targets):
+                trial = [kind(w) for _, w, _ in timed]
+                seconds = _batch_seconds(timed, trial, self.rows)
+                if best is None or seconds < best[1]:
+                    best = (kind, seconds, trial)
+                del trial
+            kind, after, trial = best
             keep = after <= _GAIN * before
             if keep:
                 for j, (owner, w, _) in enumerate(targets):
-                    owner._magnetar_packed = trial[j] if j < len(trial) else _Packed(w)
+                    owner._magnetar_packed = trial[j] if j < len(trial) else kind(w)
             rows = " and ".join(str(n) for n in self.rows)
-            self.what = (f"{len(targets)} linear products of {self.span} rows by oneDNN copies of their weights "
-                         f"({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at "
+            self.what = (f"{len(targets)} linear products of {self.span} rows by {kind.KIND} copies of their "
+                         f"weights ({total / 2**20:.0f} MiB more): {1e3 * before:.1f} -> {1e3 * after:.1f} ms at "
                          f"{rows} rows over {len(timed)} of them" if keep else
-                         f"no oneDNN copies for few-row products: measured {1e3 * after:.1f} ms against "
+                         f"no copies for few-row products: {kind.KIND}'s measured {1e3 * after:.1f} ms against "
                          f"{1e3 * before:.1f} at {rows} rows")
         self.targets = []  # nothing held once decided
         log.info("decode on the CPU: %s", self.what)

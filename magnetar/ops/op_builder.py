@@ -405,9 +405,20 @@ class DecodeAttentionBuilder(MergeStatesBuilder):
         return [str(_src() / "decode_attention.cpp")]
 
 
+class SmallGemmBuilder(MergeStatesBuilder):
+    """CPU build of the few-row bf16 products (``csrc/small_gemm.cpp``): a decode step's linear layers over a blocked
+    copy of their weights (:mod:`magnetar.engine.gemv`); AVX-512 BF16 code chosen at run time."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_SMALL_GEMM"
+    NAME = "magnetar_small_gemm"
+
+    def sources(self):
+        return [str(_src() / "small_gemm.cpp")]
+
+
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
 ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
-                                     SparseAttentionBuilder, DecodeAttentionBuilder)}
+                                     SparseAttentionBuilder, DecodeAttentionBuilder, SmallGemmBuilder)}
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
