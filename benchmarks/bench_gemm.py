@@ -14,7 +14,9 @@ For each distinct ``(out, in)`` shape of the model's ``nn.Linear`` layers, the s
   where a timed pass says so);
 * ``mkl_packed``: MKL's packed GEMM (``torch.ops.mkl._mkl_linear`` over ``_mkl_reorder_linear_weight``; fp32 only);
 * ``onednn_packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise`` over ``_reorder_linear_weight``, the
-  path torch.compile's CPU backend takes) -- a second copy of the weights in oneDNN's blocked layout.
+  path torch.compile's CPU backend takes) -- a second copy of the weights in oneDNN's blocked layout;
+* ``small_gemm``: Magnetar's few-row bf16 op (``magnetar.ops.small_gemm``, AVX-512 BF16 CPUs; bf16 only) over its own
+  blocked copy -- the other kind of copy ``magnetar.engine.gemv`` times for a bf16 decode step.
 
 Each product reads ``--copies`` distinct weight matrices in turn (so the weights come from memory, as in a decode
 step, not from the caches), best of ``--passes``. Prints a table (microseconds per product and the rate: GB/s of
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("linear", "transposed", "mkl_packed", "onednn_packed")
+KERNELS = ("linear", "transposed", "mkl_packed", "onednn_packed", "small_gemm")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +84,12 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict:
     if torch.backends.mkldnn.is_available():
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         out["onednn_packed"] = lambda x, k: torch.ops.mkldnn._linear_pointwise(x, dnn[k], None, "none", [], "")
+    if weights[0].dtype == torch.bfloat16 and weights[0].shape[1] % 2 == 0:
+        from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable
+
+        if small_gemm_unavailable() is None:
+            small = [SmallGemm(w) for w in weights]
+            out["small_gemm"] = lambda x, k: small[k](x)
     return out
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from magnetar.ops.small_gemm import small_gemm_unavailable
 from tests.conftest import load_benchmark
 from tests.tiny_models import tiny_model
 
@@ -33,6 +34,8 @@ def test_every_kernel_is_the_linear_product(rows, dtype):
     kernels = bench.kernels(weights, rows)
     assert {"linear", "transposed"} <= set(kernels)
     assert ("mkl_packed" in kernels) <= (dtype == torch.float32)  # MKL's packed GEMM takes fp32 only
+    # Magnetar's small GEMM: bf16, where this CPU runs it
+    assert ("small_gemm" in kernels) == (dtype == torch.bfloat16 and small_gemm_unavailable() is None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, f in kernels.items():
         torch.testing.assert_close(f(x, 1), F.linear(x, weights[1]), rtol=tol, atol=tol, msg=name)

@@ -33,7 +33,10 @@ where oneDNN's matmul over a weight prepacked in its blocked layout reads the we
 (1.5-3.3x MKL's at 4-16 rows; ``benchmarks/bench_gemm.py``, docs/results.md "The CPU's matrix products by kernel").
 For bf16 weights it serves one request's step too (1 to :data:`_FUSED_ROWS` rows): torch's own bf16 products of a
 few rows read the weights at ~10 GB/s there, no faster than fp32's, so a bf16 model decoded slower than fp32
-(docs/results.md "bf16 on the CPU beside vLLM's bf16").
+(docs/results.md "bf16 on the CPU beside vLLM's bf16"). Where the CPU has AVX-512 BF16, bf16 weights are offered a
+second kind of copy, the small GEMM op's (:mod:`magnetar.ops.small_gemm`: 32 outputs side by side per pair of inputs,
+read in order at 18-22 GB/s on one core where oneDNN's read 10-13): the decision times both kinds over the same
+products and keeps the faster one (docs/results.md "bf16 products at the core's read rate").
 The packed weight is a second copy (the model's parameters stay as they are: names, ties, the embedding lookup, one
 row's faster layout), so it is made only for fp32 and bf16 weights, only once a product that uses it comes (fp32: a
 few-row product of several requests -- a model that never decodes a batch pays nothing; bf16: any decode step),
