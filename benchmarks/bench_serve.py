@@ -677,14 +677,12 @@ def _process(cmd: list, name: str, stop_s: float):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def _serve_process(args, extra: tuple = ()):
-    """The URL of ``magnetar serve`` started in its own process with the bench's flags (and ``extra``), as a user
-    starts it (its own thread choice); stopped (SIGTERM: it drains) when the block ends."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+def serve_command(args, port: int, extra: tuple = ()) -> list[str]:
+    """``magnetar serve`` with the bench's flags (and ``extra``): the bench's model in the bench's ``--dtype`` (without
+    it the server loads the checkpoint's own dtype -- SmolLM2's folder is float32 --, so a bf16 comparison against a
+    peer served fp32 against bf16)."""
     cmd = [sys.executable, "-m", "magnetar.serve", "--model", args.model_path, "--served-model-name", "bench",
-           "--port", str(port), "--method", args.method, "--max-batch-size", str(args.max_batch),
+           "--port", str(port), "--method", args.method, "--dtype", args.dtype, "--max-batch-size", str(args.max_batch),
            "--max-tokens", str(args.new_tokens), "--deepspeed-inference", "false", *extra]
     if args.ranks > 1:
         cmd += ["--cp-size", str(args.ranks), "--simulate", "true"]
@@ -694,6 +692,16 @@ def _serve_process(args, extra: tuple = ()):
         cmd += ["--decode-graph-batches", graph_batches(args.max_batch)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    return cmd
+
+
+@contextlib.contextmanager
+def _serve_process(args, extra: tuple = ()):
+    """The URL of ``magnetar serve`` (:func:`serve_command`) started in its own process, as a user starts it (its own
+    thread choice); stopped (SIGTERM: it drains) when the block ends."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = serve_command(args, port, extra)
     with _process(cmd, "serve", 120) as (proc, log):
         print(f"magnetar serve's log: {log}", flush=True)
         wait_ready(url, proc, log, args.peer_ready_s, path="/v1/models")

@@ -121,11 +121,16 @@ def _report(err, bound, fa, fe, tol: Tol, label: str) -> str:
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (the folder is not a package): its functions and ``main``."""
+    """The script ``benchmarks/<name>.py`` as a module (the folder is not a package): its functions and ``main``. The
+    folder goes on ``sys.path`` as it does for the script run (scripts import their siblings: ``bench_threads``)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
