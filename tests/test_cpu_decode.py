@@ -156,3 +156,49 @@ def test_two_threads_give_one_threads_result(seeded):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+@pytest.mark.parametrize("where", ["none", "q nan", "q inf", "k +inf", "k -inf", "k nan", "v nan", "v inf", "overflow"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_checked_op_is_clean_exactly_when_q_k_and_out_are_finite(where, dtype, seeded):
+    """decode_attention_checked's flag spares the front end its finite pass, so it may be True only when q, k and out
+    are all finite; and it is True on finite inputs (else it would spare nothing). The same out and lse as the op."""
+    op = DECODE_ATTENTION_OP.load("cpu")
+    q, k, v = random_qkv(2, 6, 3, 1, 300, 64, dtype, seeded)
+    if where == "overflow":  # finite inputs whose score overflows
+        q, k = q.float(), k.float()
+        v = v.float()
+        q[1, 4, 0, 0], k[1, 2, 250, 0] = 3e38, -3e38
+    elif where != "none":
+        tensor, value = where.split()
+        t = {"q": q, "k": k, "v": v}[tensor]
+        t[1, 2 if tensor != "q" else 4, 0 if tensor == "q" else 250, 9] = {"nan": float("nan"), "inf": float("inf"),
+                                                                           "+inf": float("inf"),
+                                                                           "-inf": float("-inf")}[value]
+    out, lse, clean = op.decode_attention_checked(q, k, v, 0.125)
+    finite = all(bool(torch.isfinite(t).all()) for t in (q, k, out))
+    assert clean == (where == "none"), (where, clean)
+    assert clean <= finite
+    plain = op.decode_attention(q, k, v, 0.125)
+    assert torch.equal(out.nan_to_num(7.0), plain[0].nan_to_num(7.0)) and torch.equal(lse.nan_to_num(7.0),
+                                                                                       plain[1].nan_to_num(7.0))
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+def test_the_front_end_makes_no_finite_pass_over_a_clean_call(seeded, monkeypatch):
+    """attention_with_lse through cpu_decode: a clean call returns the kernel's result without the front end's pass
+    over q, k and out; a non-clean one (a NaN value) still takes it and the non-finite rule's result."""
+    from magnetar.ops import attention as front
+
+    passes = []
+    real = front.fast_path_finite
+    monkeypatch.setattr(front, "fast_path_finite", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    q, k, v = random_qkv(1, 9, 3, 1, 100, 64, torch.float32, seeded)
+    out, lse = attention_with_lse(q, k, v, q_pos=torch.tensor([500]), k_pos=torch.arange(100), scale=0.125)
+    assert passes == []
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, causal=False, scale=0.125)
+    assert_close(out, ref_out, torch.float32, "out")
+    v[0, 1, 40, 3] = float("nan")
+    out, lse = attention_with_lse(q, k, v, q_pos=torch.tensor([500]), k_pos=torch.arange(100), scale=0.125)
+    assert passes == [1] and torch.isnan(out[0, 3:6]).all() and torch.isfinite(out[0, :3]).all()

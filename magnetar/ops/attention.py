@@ -229,22 +229,32 @@ def attention_with_lse(
     if kind == CAUSAL_BOTTOM_RIGHT:  # the call's contract: the default positions (the same mask, by index)
         q_pos_t = k_pos_t = None
     call = AttentionCall(q, k, v, q_pos_t, k_pos_t, scale, kind, window if kind == POSITIONS else None)
-    out, lse = _attend(call, backend)
-    if fast_path_finite(call, out, check_k=not k_finite):  # the common case: one sum over q, k and out
+    out, lse, clean = _attend_checked(call, backend)
+    # the common case: the kernel saw q, k and out finite, or one sum over them says so
+    if clean or fast_path_finite(call, out, check_k=not k_finite):
         return out, lse
     return attend_nonfinite(call, lambda c: _attend(c, backend), fast=(out, lse))
 
 
 def _attend(call: AttentionCall, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The finite path: mask-free pieces or one backend call, then rows with no visible key set to ``(0, -inf)``."""
+    return _attend_checked(call, backend)[:2]
+
+
+def _attend_checked(call: AttentionCall, backend: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The finite path: mask-free pieces or one backend call, then rows with no visible key set to ``(0, -inf)``;
+    and whether the backend saw q, k and out all finite (``forward_checked``; False: not known)."""
     if call.mask_kind == POSITIONS and call.window is None:
         pieces = plan_pieces(call.q_pos, call.k_pos)
         if pieces is not None:  # a few contiguous runs: mask-free pieces, merged
-            return _attend_pieces(call, pieces, backend)
+            return (*_attend_pieces(call, pieces, backend), False)
 
     impl = select_backend(call, backend)
+    checked = getattr(impl, "forward_checked", None)
     with nvtx_range(ATTENTION, backend=impl.name):
-        out, lse = impl.forward(call)
+        if checked is not None:
+            out, lse, clean = checked(call)
+        else:
+            (out, lse), clean = impl.forward(call), False
     if call.mask_kind == POSITIONS:
         # Rows that see no key: kernels disagree (CPU flash gives lse 0, FA gives +inf); normalise here.
         Sq = call.q.shape[2]
@@ -256,4 +266,5 @@ def _attend(call: AttentionCall, backend: str) -> tuple[torch.Tensor, torch.Tens
             empty = ~call.visible().any(dim=-1)  # (1|B, 1, Sq)
         lse = torch.where(empty, torch.full_like(lse, float("-inf")), lse)
         out = out.masked_fill(empty.unsqueeze(-1), 0)
-    return out, lse
+        clean = False  # a backend's own flag is for the call it saw, not for these rows
+    return out, lse, clean

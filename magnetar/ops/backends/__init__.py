@@ -7,7 +7,9 @@ by module path and imported lazily, so importing Magnetar never imports flash_at
 in ``AUTO_ORDER`` that accepts the call -- after the backends measured fastest on this card, or named by
 ``MAGNETAR_ATTENTION_ORDER`` (:mod:`magnetar.ops.backends.measured`); forcing a backend that refuses raises
 ``ValueError`` with its reasons.
-A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`).
+A backend need not handle NaN/inf: the front end applies the non-finite rule (:mod:`magnetar.ops.nonfinite`). A
+backend whose kernel knows whether q, k and its output were all finite may also offer ``forward_checked(call) ->
+(out, lse, clean)``; ``clean`` True spares the front end its pass over them (False or absent: it makes the pass).
 
 Built-in backends:
     flash_attn  FlashAttention 2/3 on CUDA (fp16/bf16, full or bottom-right causal masks only; the flash-attn package)

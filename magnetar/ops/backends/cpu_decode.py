@@ -31,7 +31,8 @@ def _make_builder(device_type: str):
     return op_builder.DecodeAttentionBuilder() if device_type == "cpu" else None
 
 
-DECODE_ATTENTION_OP = LazyOp("CPU decode attention", _make_builder, ("decode_attention", "supported"),
+DECODE_ATTENTION_OP = LazyOp("CPU decode attention", _make_builder,
+                             ("decode_attention", "decode_attention_checked", "supported"),
                              logger_name=__name__, devices=("cpu",))
 
 
@@ -82,6 +83,12 @@ class CpuDecodeBackend:
         return reasons
 
     def forward(self, call):
+        return self.forward_checked(call)[:2]
+
+    def forward_checked(self, call):
+        """``(out, lse, clean)``: clean -- every score and output element was finite -- means q, k and out are
+        finite (every key is visible to every query: a non-finite q or k element makes a score non-finite), the
+        front end's fast-path condition, without its pass over them."""
         if self._ready() is not None:
             raise RuntimeError(f"cpu_decode: {self._missing}")
-        return self._op.decode_attention(call.q, call.k, call.v, float(call.scale))
+        return self._op.decode_attention_checked(call.q, call.k, call.v, float(call.scale))

@@ -13,6 +13,11 @@
 //   float32 as it is read. A NaN or +inf score makes its row (NaN, NaN); nothing here turns NaN into a finite number.
 //   supported() says whether this CPU runs it (x86-64 with AVX2 and FMA); elsewhere the backend refuses.
 //
+//   decode_attention_checked(q, k, v, scale) -> (out, lse, clean): the same, and whether every score and every
+//   output element was finite. Every key is visible to every query here, so a non-finite element of q or k makes
+//   a score non-finite (inf * x is +-inf or NaN, and a sum with one stays non-finite): clean means q, k and out
+//   are finite -- the front end's fast-path condition (magnetar.ops.nonfinite), read without a pass over them.
+//
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
 // cache: a 4K-token call of SmolLM2-135M (3 query rows per KV head, D 64) took ~0.7 ms in fp32 and ~0.8 ms in bf16
 // with the KV cold, where reading it takes ~0.35 / ~0.2 ms on one core of the AVX-512 EPYC VM. Here one work item
@@ -93,11 +98,12 @@ AVX2_FN float hsum(__m256 v) {
 
 // One (batch, KV head): R query rows qf (R x D, already scaled) over Sk keys and values of row strides ks / vs.
 // Leaves each row's unnormalised sum in acc (R x D), its running max in m, its sum of exponentials in l and
-// whether a score was NaN or +inf in nan. s: R x kBlock scratch.
+// whether a score was NaN or +inf in nan; clears *finite when a score was not finite (NaN or +-inf). s: R x kBlock
+// scratch.
 template <typename T, int R>
 __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, int64_t ks, const T* vb, int64_t vs,
                                                 int64_t Sk, int64_t D, float* acc, float* m, float* l, bool* nan,
-                                                float* s) {
+                                                bool* finite, float* s) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int r = 0; r < R; ++r) {
     m[r] = neg_inf;
@@ -120,12 +126,14 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
     for (int r = 0; r < R; ++r) {  // online softmax: the block's max, its exponentials, the rescaled sums
       float* sr = s + r * kBlock;
       float bm = neg_inf;
-      bool bad = false;
+      bool bad = false, odd = false;
       for (int64_t j = 0; j < n; ++j) {
         bm = sr[j] > bm ? sr[j] : bm;
         bad |= sr[j] != sr[j] || sr[j] == -neg_inf;  // NaN, or +inf (inf - inf has no softmax): the row is NaN
+        odd |= sr[j] - sr[j] != 0.f;                 // NaN or +-inf
       }
       nan[r] = nan[r] || bad;
+      *finite = *finite && !odd;
       const float nm = std::max(m[r], bm);
       const float corr = m[r] == nm ? 1.f : std::exp(m[r] - nm);
       const __m256 nm8 = _mm256_set1_ps(nm == neg_inf ? 0.f : nm);  // every score -inf so far: p = 0
@@ -165,7 +173,7 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
 
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, int64_t, const T*, int64_t, int64_t, int64_t, float*, float*,
-                          float*, bool*, float*);
+                          float*, bool*, bool*, float*);
 
 template <typename T>
 AttendFn<T> attend_for(int64_t rows) {
@@ -181,8 +189,9 @@ AttendFn<T> attend_for(int64_t rows) {
   }
 }
 
+// Returns whether every score and output element was finite (decode_attention_checked's clean).
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
          double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Sk = k.size(2), G = Hq / Hkv, R = G * Sq;
@@ -194,6 +203,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides(), ls = lse.strides();
   const AttendFn<T> fn = attend_for<T>(R);
   const float nan_f = std::numeric_limits<float>::quiet_NaN();
+  std::vector<char> clean(B * Hkv, 1);  // per work item (each written by one thread)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R);
     std::unique_ptr<bool[]> nan(new bool[R]);
@@ -206,19 +216,29 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qs[3]]) * static_cast<float>(scale);
         }
       }
+      bool finite = true;
       fn(qf.data(), kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk, D, acc.data(),
-         m.data(), l.data(), nan.get(), s.data());
+         m.data(), l.data(), nan.get(), &finite, s.data());
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t t = 0; t < Sq; ++t) {
           const int64_t r = g * Sq + t, h = hk * G + g;
           T* dst = op + b * os[0] + h * os[1] + t * os[2];
           const float inv = 1.f / l[r];
-          for (int64_t d = 0; d < D; ++d) dst[d * os[3]] = static_cast<T>(nan[r] ? nan_f : acc[r * D + d] * inv);
-          lp[b * ls[0] + h * ls[1] + t * ls[2]] = nan[r] ? nan_f : m[r] + std::log(l[r]);
+          float odd = 0.f;  // stays 0 while every element written is finite (x - x is NaN for inf and NaN)
+          for (int64_t d = 0; d < D; ++d) {
+            const T y = static_cast<T>(nan[r] ? nan_f : acc[r * D + d] * inv);
+            dst[d * os[3]] = y;
+            odd += static_cast<float>(y) - static_cast<float>(y);
+          }
+          const float lse_r = nan[r] ? nan_f : m[r] + std::log(l[r]);
+          lp[b * ls[0] + h * ls[1] + t * ls[2]] = lse_r;
+          finite = finite && odd == 0.f && lse_r - lse_r == 0.f;
         }
       }
+      clean[w] = finite;
     }
   });
+  return std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; });
 }
 #endif  // MAGNETAR_X86_DISPATCH
 
@@ -226,8 +246,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
 bool supported() { return cpu_supported(); }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    double scale) {
+std::tuple<at::Tensor, at::Tensor, bool> decode_attention_checked(const at::Tensor& q, const at::Tensor& k,
+                                                                  const at::Tensor& v, double scale) {
   TORCH_CHECK(cpu_supported(), "decode_attention: this CPU lacks AVX2/FMA (use the cpu_flash backend)");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
@@ -244,18 +264,27 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along D");
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
+  bool clean = false;
 #ifdef MAGNETAR_X86_DISPATCH
   if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k, v, out, lse, scale);
+    clean = run<float>(q, k, v, out, lse, scale);
   } else {
-    run<at::BFloat16>(q, k, v, out, lse, scale);
+    clean = run<at::BFloat16>(q, k, v, out, lse, scale);
   }
 #endif
-  return {out, lse};
+  return {out, lse, clean};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    double scale) {
+  auto checked = decode_attention_checked(q, k, v, scale);
+  return {std::get<0>(checked), std::get<1>(checked)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "attention of a few query rows per KV head over every key (decode), one pass over K and V: (out, lse)");
+  m.def("decode_attention_checked", &decode_attention_checked,
+        "decode_attention and whether every score and output element was finite: (out, lse, clean)");
   m.def("supported", &supported, "whether this CPU runs decode_attention (x86-64 with AVX2 and FMA)");
 }
