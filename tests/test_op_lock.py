@@ -128,21 +128,28 @@ def test_the_engine_loads_its_ops_at_start_not_inside_a_request(monkeypatch):
     fresh build cache); the engine now builds or loads every op it will use in init_inference."""
     import magnetar
     from magnetar.ops import fused_merge
+    from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
+    from magnetar.ops.small_gemm import SMALL_GEMM_OP
     from magnetar.sparse.codes import HAMMING_OP
     from tests.tiny_models import tiny_model
 
     asked = []
-    monkeypatch.setattr(fused_merge._op, "_get", lambda device: asked.append(("merge", str(device))))
-    monkeypatch.setattr(HAMMING_OP, "_get", lambda device: asked.append(("hamming", str(device))))
+    for name, op in (("merge", fused_merge._op), ("hamming", HAMMING_OP), ("decode", DECODE_ATTENTION_OP),
+                     ("small_gemm", SMALL_GEMM_OP)):
+        monkeypatch.setattr(op, "_get", lambda device, name=name: asked.append((name, str(device))))
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
-    assert asked == [("merge", "cpu")], asked
+    assert asked == [("merge", "cpu"), ("decode", "cpu")], asked
     asked.clear()
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense", sparse_policy="lsh",
                             sparse_budget=8)
-    assert asked == [("merge", "cpu"), ("hamming", "cpu")], asked
+    assert asked == [("merge", "cpu"), ("decode", "cpu"), ("hamming", "cpu")], asked
+    asked.clear()
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense", dtype="bfloat16")
+    assert asked == [("merge", "cpu"), ("decode", "cpu"), ("small_gemm", "cpu")], asked  # bf16: its products' op
     asked.clear()
     monkeypatch.setenv("MAGNETAR_FUSED_MERGE", "0")  # the torch merge: nothing to build
-    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense",
+                            attention_backend="cpu_flash")  # another backend than cpu_decode: not its op either
     assert asked == [], asked
 
 

@@ -33,7 +33,7 @@ from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, kv_options
-from magnetar.engine.gemv import fuse_siblings, pack_for_batches, relayout_for_decode
+from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -83,6 +83,7 @@ class Engine:
         # until its timeout (op builds wait for each other under a file lock, so the ranks leave here within
         # about one build of each other)
         prepare_merge(self.device)
+        prepare_cpu_decode_ops(model, self.device, config.runtime.attention_backend)
         self.policy: Optional[DecodePolicy] = self._prepare(decode_policy(self._policy_config, model.config))
         # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
         self.prefill = self._prepare(prefill_policy(config.prefill, model.config))
