@@ -802,7 +802,8 @@ def part_peer(model, tokenizer, args) -> dict:
             ("one 8K prefill, 1 token (s)", m["prefill_8k"]["seconds"], o["prefill_8k"]["seconds"], "lower")]
     same = {k: sum(a == b for a, b in zip(m[k]["texts"], o[k]["texts"])) if "texts" in o[k] else None for k in
             ("questions_8k", "clients_8_alone", "clients_8_together")}
-    print(f"\n## Peer: Magnetar ({args.method}, {args.ranks} rank(s), decode_step {args.decode_step or 'eager'}) "
+    print(f"\n## Peer: Magnetar ({args.dtype}, {args.method}, {args.ranks} rank(s), decode_step "
+          f"{args.decode_step or 'eager'}) "
           f"against {args.peer} ({o.get('model', 'peer')}), the same plain OpenAI requests, {args.new_tokens} new "
           f"tokens, greedy; {cpu_description()}\n")
     print("| workload | Magnetar | peer | Magnetar / peer | better |")
