@@ -84,3 +84,5 @@ def test_what_it_refuses_is_named():
         g._op.gemm(torch.randn(1, 6).to(BF16), g.w, 8, None)  # another input size than the packed weight's
     with pytest.raises(RuntimeError, match="does not match the packed blocks"):
         g._op.gemm(torch.randn(1, 8).to(BF16), g.w, 40, None)
+    with pytest.raises(RuntimeError, match=r"bias must be \(N,\) bfloat16"):
+        g._op.gemm(torch.randn(1, 8).to(BF16), g.w, 8, torch.randn(8))  # a float32 bias

@@ -45,11 +45,25 @@ MAGNETAR_BF16 inline void store_bf16(uint16_t* dst, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// One block of 32 outputs for MT rows of x: acc[m] over every pair of inputs, then bias, rounding and the store
-// (all 32: the output rows are padded to whole blocks).
+// 16 bfloat16 values widened to float32 (bf16 is float32's top half).
+MAGNETAR_BF16 inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The first n (<= 32) of the 32 bfloat16 values at p as two float32 vectors, zeros past n (masked loads: nothing
+// past n is read).
+MAGNETAR_BF16 inline void load_bias(const uint16_t* p, int64_t n, __m512& b0, __m512& b1) {
+  const auto mask = [](int64_t k) { return (__mmask16)(k >= 16 ? 0xFFFFu : k <= 0 ? 0u : (1u << k) - 1u); };
+  b0 = widen_bf16(_mm256_maskz_loadu_epi16(mask(n), p));
+  b1 = widen_bf16(_mm256_maskz_loadu_epi16(mask(n - 16), p + 16));
+}
+
+// One block of 32 outputs for MT rows of x: acc[m] over every pair of inputs, then the block's bias (its first
+// `outputs` values; none when bias is null), rounding and the store (all 32: the output rows are padded to whole
+// blocks).
 template <int MT>
 MAGNETAR_BF16 void block_rows(const uint32_t* const* xrows, const uint16_t* wblock, int64_t pairs,
-                              const float* bias32, uint16_t* const* yrows) {
+                              const uint16_t* bias, int64_t outputs, uint16_t* const* yrows) {
   __m512 lo[MT], hi[MT];
   for (int m = 0; m < MT; ++m) {
     lo[m] = _mm512_setzero_ps();
@@ -68,9 +82,8 @@ MAGNETAR_BF16 void block_rows(const uint32_t* const* xrows, const uint16_t* wblo
     }
   }
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias32 != nullptr) {
-    b0 = _mm512_loadu_ps(bias32);
-    b1 = _mm512_loadu_ps(bias32 + 16);
+  if (bias != nullptr) {
+    load_bias(bias, outputs, b0, b1);
   }
   for (int m = 0; m < MT; ++m) {
     store_bf16(yrows[m], _mm512_add_ps(lo[m], b0));
@@ -78,7 +91,8 @@ MAGNETAR_BF16 void block_rows(const uint32_t* const* xrows, const uint16_t* wblo
   }
 }
 
-using BlockFn = void (*)(const uint32_t* const*, const uint16_t*, int64_t, const float*, uint16_t* const*);
+using BlockFn = void (*)(const uint32_t* const*, const uint16_t*, int64_t, const uint16_t*, int64_t,
+                        uint16_t* const*);
 const BlockFn kBlockFns[kMaxTile + 1] = {nullptr,           block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
                                          block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};
 #endif
@@ -135,11 +149,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
   check_packed(packed, N);
   const int64_t M = x.size(0), K = x.size(1), pairs = packed.size(1), blocks = packed.size(0);
   TORCH_CHECK(K == 2 * pairs, "small_gemm: x has K = ", K, ", the packed weight ", 2 * pairs);
-  at::Tensor bias32;
+  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "small_gemm: bias must be (N,), got ", bias->sizes());
-    bias32 = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));  // padded: whole blocks read it
-    bias32.narrow(0, 0, N).copy_(*bias);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kBFloat16,
+                "small_gemm: bias must be (N,) bfloat16, got ", bias->sizes(), " ", bias->scalar_type());
+    b = bias->contiguous();  // read in place, each block its own 32 (fewer in the last)
   }
   // every block writes its 32 outputs: rows of blocks * 32, trimmed by a view when N is not a multiple of 32
   auto y = at::empty({M, blocks * kBlock}, x.options());
@@ -151,7 +165,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
   const int64_t xs = x.stride(0) * 2;  // bytes between rows
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const auto* bp = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t ys = blocks * kBlock;
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     const uint32_t* xrows[kMaxTile];
@@ -164,7 +178,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
           xrows[i] = reinterpret_cast<const uint32_t*>(xp + (m0 + i) * xs);
           yrows[i] = yp + (m0 + i) * ys + j * kBlock;
         }
-        kBlockFns[mt](xrows, wblock, pairs, bp == nullptr ? nullptr : bp + j * kBlock, yrows);
+        kBlockFns[mt](xrows, wblock, pairs, bp == nullptr ? nullptr : bp + j * kBlock, N - j * kBlock, yrows);
       }
     }
   });
