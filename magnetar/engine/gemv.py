@@ -478,23 +478,19 @@ class _Batches:
         return self.what
 
 
-def prepare_cpu_decode_ops(model, device: torch.device, attention_backend: str) -> list[str]:
+def prepare_cpu_decode_ops(model, device: torch.device, attention_backend: str) -> None:
     """On a CPU, build or load now -- at engine start, not inside a decode step, where a first build (~10-15 s) kept
     the other ranks waiting in a collective -- the JIT ops a decode step may reach: ``cpu_decode``'s kernel (when
     ``attention_backend`` is ``auto`` or it) and, for a bf16 model, the small GEMM op the copies' decision times.
-    Returns the names of the ops asked for; never raises (an op that cannot build is logged, and not used)."""
+    Never raises (an op that cannot build is logged, and not used)."""
     if device.type != "cpu":
-        return []
+        return
     from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
 
-    asked = []
     if attention_backend in ("auto", "cpu_decode"):
         DECODE_ATTENTION_OP.available("cpu")
-        asked.append("decode_attention")
     if any(p.dtype == torch.bfloat16 for p in model.parameters()):
         small_gemm_unavailable()
-        asked.append("small_gemm")
-    return asked
 
 
 def pack_for_batches(model, device: torch.device, *, now: bool = False) -> Optional[str]:

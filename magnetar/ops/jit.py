@@ -344,6 +344,15 @@ class LazyOp:
         except Exception as err:  # noqa: BLE001 -- an unparsable device string
             return f"invalid device {device!r}: {err}"
 
+    def runs_here_reason(self, name: str, lacks: str) -> Optional[str]:
+        """For a CPU op whose module says with ``supported()`` whether this CPU runs it: why it cannot run here --
+        ``"the <name> op is unavailable: <why>"`` when it did not build or load, ``lacks`` when the CPU lacks what it
+        needs -- or None. Builds or loads it on the first call; never raises."""
+        reason = self.unavailable_reason("cpu")
+        if reason is not None:
+            return f"the {name} op is unavailable: {reason}"
+        return None if self.load("cpu").supported() else lacks
+
     def load(self, device: DeviceLike) -> ModuleType:
         module = self._get(device)
         if module is None:

@@ -1,5 +1,5 @@
 """DeepSpeed op builders for Magnetar's C++/CUDA ops (the fused ``merge_states``, the Hamming top-k, the sparse
-prefill op and the CPU decode attention).
+prefill op, the CPU decode attention and the CPU small bf16 GEMM).
 
 The builders subclass DeepSpeed's :class:`~deepspeed.ops.op_builder.builder.OpBuilder` /
 :class:`~deepspeed.ops.op_builder.builder.CUDAOpBuilder` and are JIT-compiled on first use through

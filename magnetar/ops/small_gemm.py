@@ -24,16 +24,12 @@ def _make_builder(device_type: str):
 
 SMALL_GEMM_OP = LazyOp("CPU small bf16 GEMM", _make_builder, ("pack", "gemm", "supported"), logger_name=__name__,
                        devices=("cpu",))
-_UNSUPPORTED = "this CPU lacks AVX-512 BF16"
 
 
 def small_gemm_unavailable() -> Optional[str]:
     """Why :class:`SmallGemm` cannot run in this process (the op did not build, or the CPU lacks AVX-512 BF16), or
     None. Builds or loads the op on the first call; never raises."""
-    reason = SMALL_GEMM_OP.unavailable_reason("cpu")
-    if reason is not None:
-        return f"the small GEMM op is unavailable: {reason}"
-    return None if SMALL_GEMM_OP.load("cpu").supported() else _UNSUPPORTED
+    return SMALL_GEMM_OP.runs_here_reason("small GEMM", "this CPU lacks AVX-512 BF16")
 
 
 class SmallGemm:

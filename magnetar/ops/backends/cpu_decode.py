@@ -62,12 +62,8 @@ class CpuDecodeBackend:
 
     def _ready(self) -> Optional[str]:
         if self._op is None and self._missing is None:
-            reason = DECODE_ATTENTION_OP.unavailable_reason("cpu")
-            if reason is not None:
-                self._missing = f"the decode attention op is unavailable: {reason}"
-            elif not DECODE_ATTENTION_OP.load("cpu").supported():
-                self._missing = "this CPU lacks AVX2/FMA"
-            else:
+            self._missing = DECODE_ATTENTION_OP.runs_here_reason("decode attention", "this CPU lacks AVX2/FMA")
+            if self._missing is None:
                 self._op = DECODE_ATTENTION_OP.load("cpu")
         return self._missing
 
