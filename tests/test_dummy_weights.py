@@ -18,6 +18,7 @@ import torch
 import magnetar
 from magnetar.models import check_model, load_model, model_kind
 from magnetar.models.dummy import PRESETS, dummy_config, has_tokenizer
+from tests.conftest import repo_pythonpath
 from tests.tiny_models import save_tiny_chat
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,7 +162,7 @@ def test_magnetar_serve_with_dummy_weights_answers_the_openai_client(chat_folder
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1")
     log = chat_folder / "serve.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "magnetar.serve", "--model",

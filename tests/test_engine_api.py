@@ -13,7 +13,7 @@ from magnetar.config import EngineConfig, add_cli_args
 from magnetar.engine.engine import weight_bytes
 from magnetar.engine.plan import assign_blocks, block_bounds, kept_token_count
 from magnetar.engine.strategy import plan_rank
-from tests.conftest import assert_close, assert_differs
+from tests.conftest import assert_close, assert_differs, repo_pythonpath
 from tests.tiny_models import reference, tiny_model
 
 
@@ -371,7 +371,7 @@ def test_design_doc_method_with_an_option_of_its_own(tmp_path):
     assert registry.count(end) == 1
     (copy / "config" / "registry.py").write_text(registry.replace(end, "\n" + registry_line + end))
     (copy / "methods" / "prefix.py").write_text(module)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{root}")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{repo_pythonpath()}")  # the copy shadows this checkout
     res = subprocess.run([sys.executable, "-c", _OPTION_CHECK], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]

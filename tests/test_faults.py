@@ -23,6 +23,7 @@ import pytest
 
 from magnetar.parallel import lifetime
 from magnetar.parallel.launcher import init_distributed
+from tests.conftest import repo_pythonpath
 from tests.dist_utils import free_port
 from tests.tiny_models import save_tiny
 
@@ -61,7 +62,7 @@ def _start(launcher: str, fault: str, model: Path, tmp: Path, timeout_s: int) ->
             "--context", CONTEXT, "--query", "Who jumps?", "--max-new-tokens", "4", "--timeout-s", str(timeout_s),
             "--json-out", str(tmp / "result.json")]
     env = {k: v for k, v in os.environ.items() if k not in (lifetime.WATCHDOG_ENV, "RANK", "WORLD_SIZE")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0",  # no JIT op build
+    env.update(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0",  # no JIT op build
                MAGNETAR_TEST_FAULT=fault, MAGNETAR_TEST_FAULT_DIR=str(tmp))
     with open(tmp / "job.log", "wb") as log:  # the job holds its own copy of the descriptor
         # its own session: whatever the test leaves, the finally clause of the test can find and end

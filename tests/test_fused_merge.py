@@ -23,7 +23,7 @@ import torch
 
 from magnetar.ops import fused_merge
 from magnetar.ops.merge import merge_states, merge_states_torch
-from tests.conftest import assert_close
+from tests.conftest import assert_close, repo_pythonpath
 from tests.reference import dense_attention_fp64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -497,7 +497,7 @@ def test_cpu_builder_reports_missing_compiler(monkeypatch):
 
 
 def _run_py(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath())
     return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import assert_close, tolerance
+from tests.conftest import assert_close, repo_pythonpath, tolerance
 from tests.reference import dense_attention_fp64, random_qkv
 from tests.test_fused_merge import attention_parts, check_against, merge_fp64, synthetic_states
 
@@ -495,7 +495,7 @@ def test_nccl_groups_on_one_gpu(tmp_path):
     if not torch.distributed.is_nccl_available():
         pytest.skip("needs NCCL (this torch build has none)")
     code = "import sys\nfrom tests.test_gpu import nccl_worker\nnccl_worker(sys.argv[1])\n"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=repo_pythonpath())
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "NCCL-OK" in res.stdout, res.stdout[-4000:] + res.stderr[-4000:]

@@ -273,3 +273,23 @@ def test_a_call_can_narrow_the_runs_shapes():
                       (dict(cp_len="big"), "--cp-len"), (dict(cp_ranks="1,4"), "--cp-ranks")):
         with pytest.raises(ValueError, match=flag):
             kit.override_shape(args(**bad))
+
+
+def test_every_package_the_wheels_step_needs_is_a_gpu_wheel():
+    # the kit's wheels step checks these modules on the card and installs `.whl/` when one is missing; `make
+    # gpu-wheels` must put each there (the H200 run's list lacked the served step's openai, FastAPI, uvicorn and the
+    # essays: its serve step would have failed on the card -- found by `make gpu-check-image`)
+    import re
+
+    text = (REPO / "Makefile").read_text()
+    block = re.search(r"^GPU_WHEELS = (.*?)(?<!\\)\n", text, re.S | re.M)
+    assert block is not None, "the Makefile has no GPU_WHEELS"
+    pins = {w.split("==")[0].lower() for w in block.group(1).replace("\\\n", " ").split()}
+    built = set(re.findall(r"pip wheel .*? ([\w-]+)==[\d.]+ -w \.whl", text))
+    assert built == {"deepspeed"}
+    missing = [m for m in _kit().NEEDED_MODULES if m not in pins | built]
+    assert not missing, f"gpu_check.NEEDED_MODULES not in the Makefile's GPU_WHEELS: {missing}"
+    # their own needs come along (--no-deps installs): what the image lacks beside them (KINDS.md's package list)
+    for dist, needs in (("fastapi", {"starlette", "opentelemetry-api", "pydantic"}),
+                        ("openai", {"jiter", "distro", "sniffio", "httpx2", "httpcore2", "truststore"})):
+        assert needs <= pins, f"{dist} needs {sorted(needs - pins)} in GPU_WHEELS"

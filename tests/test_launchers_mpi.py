@@ -22,6 +22,7 @@ import pytest
 
 from magnetar.parallel import launcher
 from magnetar.parallel.launcher import LaunchInfo, discover_launch, find_master_addr, launched_world_size
+from tests.conftest import repo_pythonpath
 from tests.dist_utils import free_port
 from tests.test_faults import model_dir  # noqa: F401  (the fixture: a tiny llama + byte-level tokenizer folder)
 
@@ -180,7 +181,7 @@ def _job_env(mpirun: str) -> dict[str, str]:
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items()
            if k not in names and not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "MV2_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+    env.update(PYTHONPATH=repo_pythonpath(),
                OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0",  # no JIT op build
                MASTER_PORT=str(free_port()), PATH=os.pathsep.join([str(Path(mpirun).parent), env.get("PATH", "")]))
     return env

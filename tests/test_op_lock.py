@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from magnetar.ops.jit import LOCK_TIMEOUT_ENV, LazyOp, build_directory
+from tests.conftest import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,7 @@ class FakeBuilder:
 
 
 def _env(tmp_path: Path, **extra) -> dict:
-    return dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=str(REPO), **extra)
+    return dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=repo_pythonpath(), **extra)
 
 
 def test_a_stale_torch_lock_is_removed_and_the_load_completes(tmp_path):
@@ -117,7 +118,7 @@ def test_the_fused_merge_loads_past_a_stale_lock_in_its_real_build_directory():
               "o, l = merge_states(torch.zeros(2, 1, 1, 3, 4), torch.zeros(2, 1, 1, 3)); "
               "from magnetar.ops.fused_merge import fused_merge_available; "
               "print('fused', fused_merge_available('cpu'))")
-    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)),
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=repo_pythonpath()),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert not lock.exists() and "fused True" in proc.stdout

@@ -28,6 +28,7 @@ from magnetar.engine.sampling import SamplingParams  # noqa: E402
 from magnetar.engine.template import split_messages, split_plain, split_prompt  # noqa: E402
 from magnetar.serve.protocol import ChatCompletionRequest, RequestError, parse_body  # noqa: E402
 from magnetar.serve.split import split_completion, split_pasted  # noqa: E402
+from tests.conftest import repo_pythonpath  # noqa: E402
 from magnetar.serve.server import Server  # noqa: E402
 from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
 from tests.dist_utils import free_port, serve_in_thread, wait_serving  # noqa: E402
@@ -681,7 +682,7 @@ def _serve_cmd(model_dir, port, *extra):
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
+    env.update(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
     return env
 
 

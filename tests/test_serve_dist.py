@@ -30,7 +30,7 @@ from magnetar.parallel import lifetime  # noqa: E402
 from magnetar.parallel.groups import init_groups  # noqa: E402
 from magnetar.parallel.launcher import device_for_rank  # noqa: E402
 from magnetar.serve.ticks import Add, Tick, broadcast_tick  # noqa: E402
-from tests.conftest import assert_close  # noqa: E402
+from tests.conftest import assert_close, repo_pythonpath  # noqa: E402
 from tests.dist_utils import free_port, run_distributed, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
@@ -59,7 +59,7 @@ def _start(model_dir: Path, tmp: Path, port: int, flags=FLAGS) -> subprocess.Pop
            "-m", "magnetar.serve", "--model", str(model_dir), *flags, "--port", str(port), "--served-model-name", NAME,
            "--timeout-s", str(TIMEOUT_S)]
     env = {k: v for k, v in os.environ.items() if k not in (lifetime.WATCHDOG_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
+    env.update(PYTHONPATH=repo_pythonpath(), OMP_NUM_THREADS="1", MAGNETAR_FUSED_MERGE="0")
     with open(tmp / "job.log", "wb") as log:
         return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
