@@ -247,14 +247,14 @@ print(json.dumps(info))
 """
 
 
-def step_environment(kit: Kit):
+def step_environment(kit: Kit, shape: dict):
     def fn(timeout):
         cmd = [sys.executable, "-c", _ENV_CODE]
         rc, out, err = kit.run(cmd, timeout)
         if rc != 0:
             return False, None, _tail(err), cmd
         return True, json.loads(out.strip().splitlines()[-1]), None, ["python", "-c", "<environment + magnetar.ops>"]
-    return kit.step("environment", (DRY if kit.dry_run else FULL)["limits"]["environment"], fn)
+    return kit.step("environment", shape["limits"]["environment"], fn)
 
 
 _OPS_CODE = r"""
@@ -271,7 +271,7 @@ print(json.dumps(res))
 """
 
 
-def step_ops(kit: Kit):
+def step_ops(kit: Kit, shape: dict):
     """Build (or load) the fused CUDA ops with nvcc, the build output in the log: the reason when one fails."""
     def fn(timeout):
         dev = "cpu" if kit.dry_run else "cuda"
@@ -288,7 +288,7 @@ def step_ops(kit: Kit):
         res = json.loads(out.strip().splitlines()[-1])
         bad = [f"{k}: {(v['reason'] or '')[:600]}" for k, v in res.items() if not v["ok"]]
         return not bad, res, "; ".join(bad) or None, cmd
-    return kit.step("ops_build", (DRY if kit.dry_run else FULL)["limits"]["ops"], fn)
+    return kit.step("ops_build", shape["limits"]["ops"], fn)
 
 
 def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s: Optional[int] = None):
@@ -310,7 +310,7 @@ def step_pytest(kit: Kit, shape: dict, select: Optional[str] = None, per_test_s:
         ok = rc == 0 and res["failed"] == 0 and res["errors"] == 0
         error = None if ok else f"{res['failed']} failed, {res['errors']} errors (exit {rc})"
         return ok, res, error, cmd
-    return kit.step("pytest_gpu", (DRY if kit.dry_run else FULL)["limits"]["pytest_gpu"], fn)
+    return kit.step("pytest_gpu", shape["limits"]["pytest_gpu"], fn)
 
 
 def _verbose_counts(out: str) -> dict:
@@ -822,9 +822,10 @@ def _tokens(text: str) -> int:
     return int(t[:-1] if scale > 1 else t) * scale
 
 
-def override_shape(args) -> dict:
+def override_shape(args, base_limits: Optional[dict] = None) -> dict:
     """The run's shape fields given on the command line (``--decode-shapes``, ``--decode-modes``, ``--cp-len``,
-    ``--cp-ranks``), checked; ValueError naming the flag."""
+    ``--cp-ranks``, ``--limits`` over ``base_limits``, the run's), checked; ValueError naming the flag."""
+    base_limits = FULL["limits"] if base_limits is None else base_limits
     out = {}
     if args.decode_shapes:
         for part in args.decode_shapes.split(","):
@@ -852,6 +853,20 @@ def override_shape(args) -> dict:
         if not ranks or any(not r.isdigit() or int(r) < 2 for r in ranks):
             raise ValueError(f"--cp-ranks: comma-separated rank counts >= 2 (e.g. 8,16,32); got {args.cp_ranks!r}")
         out["cp_ranks"] = ",".join(ranks)
+    if getattr(args, "limits", None):
+        limits = dict(base_limits)
+        for part in args.limits.split(","):
+            key, _, value = part.strip().partition("=")
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = 0.0
+            if key not in limits or seconds <= 0:
+                raise ValueError(f"--limits: {part.strip()!r} is not STEP=SECONDS with STEP one of "
+                                 f"{', '.join(sorted(limits))} (e.g. decode=240,cp_table=120)")
+            # phase1 holds one limit per length: one value sets them all
+            limits[key] = tuple(seconds for _ in limits[key]) if isinstance(limits[key], tuple) else seconds
+        out["limits"] = limits
     return out
 
 
@@ -874,6 +889,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--decode-modes", default=None, help="the decode step's modes (e.g. graph,static)")
     p.add_argument("--cp-len", default=None, help="the cp_table step's context (e.g. 256K on an H200)")
     p.add_argument("--cp-ranks", default=None, help="the cp_table step's rank counts (e.g. 8,16,32)")
+    p.add_argument("--limits", default=None, metavar="STEP=S,...", help="steps' own time limits instead of the run's "
+                   "(e.g. decode=240,cp_table=120; phase1=S sets every length's): a lease's one call shares its "
+                   "budget out")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
                    "environment,pytest,phase1_32K); wheels always runs")
     args = p.parse_args(argv)
@@ -884,7 +902,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     shape = dict(DRY if args.dry_run else FULL)
     try:
-        shape.update(override_shape(args))
+        shape.update(override_shape(args, shape["limits"]))
     except ValueError as e:
         p.error(str(e))
     budget = args.budget_s if args.budget_s is not None else shape["budget_s"]
@@ -907,8 +925,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     n = shape["sparse_len"]
     plan: list[tuple[str, Callable[[], Any]]] = [
-        ("environment", lambda: step_environment(kit)),
-        ("ops_build", lambda: step_ops(kit)),
+        ("environment", lambda: step_environment(kit, shape)),
+        ("ops_build", lambda: step_ops(kit, shape)),
         (f"decode_{_k(shape['decode_len'])}", lambda: step_decode(kit, shape)),
         (f"serve_{_k(shape['serve_len'])}", lambda: step_serve(kit, shape)),
         (f"kernels_{_k(max(shape['kernels']['sk']))}", lambda: step_kernels(kit, shape))]

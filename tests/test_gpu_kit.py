@@ -269,8 +269,15 @@ def test_a_call_can_narrow_the_runs_shapes():
                                    cp_ranks="8,16,32")) == dict(decode_shapes="1@32K,8@32K",
                                                                 decode_modes="graph,static", cp_len=262144,
                                                                 cp_ranks="8,16,32")
+    # a lease's one call shares its budget out: each named step's limit replaced, phase1's for every length
+    limits = kit.override_shape(args(limits="decode=240, phase1=90,cp_table=120.5"))["limits"]
+    assert limits == {**kit.FULL["limits"], "decode": 240.0, "cp_table": 120.5,
+                      "phase1": (90.0,) * len(kit.FULL["limits"]["phase1"])}
+    assert kit.FULL["limits"]["decode"] == 480  # the run's own table is not changed
     for bad, flag in ((dict(decode_shapes="8@x"), "--decode-shapes"), (dict(decode_modes="fast"), "--decode-modes"),
-                      (dict(cp_len="big"), "--cp-len"), (dict(cp_ranks="1,4"), "--cp-ranks")):
+                      (dict(cp_len="big"), "--cp-len"), (dict(cp_ranks="1,4"), "--cp-ranks"),
+                      (dict(limits="decode=0"), "--limits"), (dict(limits="warp=10"), "--limits"),
+                      (dict(limits="decode"), "--limits")):
         with pytest.raises(ValueError, match=flag):
             kit.override_shape(args(**bad))
 
