@@ -83,8 +83,9 @@ WHEEL_PLATFORMS = --python-version 3.12 --implementation cp --platform manylinux
 # `make gpu-check-image`: the dry run under the GPU image's Python, torch, transformers and packages (KINDS.md's
 # pip list, 2026-11) with the image's gaps filled from .whl/ as on the card -- a CPU build of nothing: torch's
 # CUDA wheel runs on CPU. It catches what the CPU venv hides (a package the image lacks, an API newer than its
-# torch) before a device session spends minutes on it. ~5 GB in $(IMAGE_VENV); Python 3.12 from IMAGE_PYTHON
-# (or pyenv's). Not part of `make test` (the download).
+# torch) before a device session spends minutes on it; then compiles the CUDA ops with this machine's nvcc against
+# the image's torch headers for sm_90 (benchmarks/cuda_compile_check.py; nothing runs). ~5 GB in $(IMAGE_VENV);
+# Python 3.12 from IMAGE_PYTHON (or pyenv's). Not part of `make test` (the download).
 IMAGE_VENV ?= .img-venv
 IMAGE_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo $$p && break; done)
@@ -100,6 +101,10 @@ gpu-check-image: gpu-wheels
 		$(IMAGE_VENV)/bin/pip uninstall -q -y pydantic pydantic-core annotated-types typing-inspection; }
 	rm -rf .gpu-site
 	$(IMAGE_VENV)/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu_check_image.json
+	$(IMAGE_VENV)/bin/python -m pip install -q --no-index --no-deps --target .gpu-site .whl/*.whl
+	PYTHONPATH=.gpu-site:. TORCH_EXTENSIONS_DIR=runs/cuda_ext CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} \
+		CPATH=$$(echo $(IMAGE_VENV)/lib/python3.12/site-packages/nvidia/cu*/include | tr ' ' ':') \
+		$(IMAGE_VENV)/bin/python benchmarks/cuda_compile_check.py
 	rm -rf .gpu-site
 gpu-wheels: install
 	rm -rf .whl && mkdir -p .whl

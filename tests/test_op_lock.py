@@ -236,3 +236,17 @@ def test_library_problem_reads_headers_only():
     here = Path(sys.executable).resolve()
     assert library_problem(here) is None  # the python binary: a whole ELF file
     assert "not an ELF" in library_problem(Path(__file__))
+
+
+def test_staged_sources_are_absolute_under_a_relative_extensions_dir(tmp_path, monkeypatch):
+    # DeepSpeed's builders read a relative source path against DeepSpeed's own folder: a relative TORCH_EXTENSIONS_DIR
+    # (`TORCH_EXTENSIONS_DIR=runs/ext`) made every JIT build fail with "no such file .../deepspeed/ops/runs/ext/..."
+    from magnetar.ops import op_builder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "rel_ext")
+    staged = op_builder.staged_sources()
+    assert staged.is_absolute() and staged.parent == (tmp_path / "rel_ext").resolve()
+    assert sorted(p.name for p in staged.iterdir()) == sorted(p.name for p in op_builder.CSRC_DIR.iterdir()
+                                                              if p.is_file())
+    assert all(Path(s).is_absolute() for s in op_builder.DecodeAttentionBuilder().sources())

@@ -89,7 +89,9 @@ def staged_sources() -> Path:
     from torch.utils.cpp_extension import _get_build_directory  # torch's own rule (TORCH_EXTENSIONS_DIR, ...)
 
     digest = csrc_digest()
-    root = Path(_get_build_directory("", verbose=False))
+    # absolute: DeepSpeed's builders read a relative source path as relative to DeepSpeed's own folder (a relative
+    # TORCH_EXTENSIONS_DIR failed every build that way)
+    root = Path(_get_build_directory("", verbose=False)).resolve()
     staged = root / f"magnetar_csrc_{digest}"
     if staged.is_dir() and csrc_digest(staged) == digest:
         return staged
