@@ -32,7 +32,8 @@ A failing step records its error and the kit goes on.
    ``cp_table_128K``: exact vs approximate context parallelism at 128K over 4, 8 and 16 simulated ranks -- dense,
    ring (each rank alone against the others' KV, in ring order), Star, Pulsar, Star with a halo and hybrid layers
    (``--variant``) -- each critical path with its KV exchange priced at 450 and 50 GB/s (a step costs max(its
-   attention, its transfer)), ring's over it, and the cost model calibrated at dense's measured FLOP/s.
+   attention, its transfer)), ring's over it, and the cost model calibrated at dense's measured FLOP/s. Like every
+   ``magnetar-bench`` step, cut short it keeps the rows measured (the bench rewrites its JSON after every row).
 6. ``sparse_prefill_64K`` / ``quest_64K``: dense with the indexer sparse prefill (untrained indexer: a timing of
    the path) and with Quest decoding, at 64K.
    ``nsight_4K``: ``benchmarks/profile_ranges.py`` (a Phase 1 and eager decode steps, Magnetar's NVTX ranges on)
@@ -391,14 +392,24 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
             json_out = Path(tmp) / "bench.json"
             cmd = _bench_cmd(shape, lengths, methods, json_out, extra)
             rc, out, err = kit.run(cmd, timeout)
-            if rc != 0 or not json_out.is_file():
-                return False, None, _tail(err or out), cmd
-            record = json.loads(json_out.read_text())
+            # the bench rewrites its JSON after every row: a run cut short (or failing later) keeps what it measured
+            record = json.loads(json_out.read_text()) if json_out.is_file() else None
+        if record is None or not record["rows"]:
+            return False, None, _tail(err or out), cmd
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       simulate_ranks=record["simulate_ranks"], load_s=round(record["load_seconds"], 2),
-                      options=extra, rows=_rows(record))
-        return True, result, None, cmd
+                      options=extra, complete=record.get("complete", True), rows=_rows(record))
+        return rc == 0, result, None if rc == 0 else _tail(err or out), cmd
     return kit.step(name, limit, fn)
+
+
+def _has_rows(step: dict) -> bool:
+    """A bench step that measured rows -- all of them (ok), or some before its limit or a failure cut it."""
+    return isinstance(step["result"], dict) and "rows" in step["result"]
+
+
+def _cut(step: dict) -> str:
+    return "" if step["ok"] else " (cut short: the rows it measured)"
 
 
 def step_decode(kit: Kit, shape: dict):
@@ -587,12 +598,12 @@ def check_report(report: dict, complete: bool = True) -> list[str]:
             continue
         if not s["ok"] and not s["error"]:
             problems.append(f"step {s['name']!r} failed without an error")
-        if s["ok"] and s["name"].startswith(("phase1", "cp_table", "sparse_prefill", "quest")):
+        if _has_rows(s) and s["name"].startswith(("phase1", "cp_table", "sparse_prefill", "quest")):
             for r in s["result"]["rows"]:
                 need = ("skipped",) if "skipped" in r else ("phase1_critical_path_s", "ttft_s", "decode_ms_per_token",
                                                            "peak_memory_gb", "speedup_measured")
                 problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for k in need if k not in r]
-        if s["ok"] and s["name"].startswith("cp_table"):
+        if _has_rows(s) and s["name"].startswith("cp_table"):
             problems += [f"step {s['name']!r} row {r.get('method')} lacks {k!r}" for r in s["result"]["rows"]
                          for k in ("phase1_critical_path_at", "vs_ring_at", "predicted_at") if k not in r]
         if s["ok"] and s["name"].startswith("decode"):
@@ -612,7 +623,7 @@ def phase1_goals(report: dict) -> list[str]:
     """Issue 48's goals read off the Phase-1 steps: Pulsar >= 0.9x its cost model's speed-up at 64K-128K; sparse
     prefill at 64K >= 1.5x faster than dense (the phase1 step's dense row at that length); at 16 ranks, an
     approximate configuration >= 2x faster than simulated ring at 50 GB/s (and its KL is the Gemma-3 table's)."""
-    ok = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]]
+    ok = [s for s in report["steps"] if _has_rows(s)]
     lines = []
     for s in ok:
         if not s["name"].startswith("phase1"):
@@ -704,8 +715,7 @@ def tables(report: dict) -> str:
         lines += ["", "environment: " + ", ".join(
             f"{k} {env.get(k)}" for k in ("device", "memory_gb", "python", "torch", "torch_cuda", "cudnn",
                                           "transformers", "deepspeed", "flash_attn", "nvcc") if k in env)]
-    benched = [s for s in report["steps"] if s["ok"] and isinstance(s["result"], dict) and "rows" in s["result"]
-               and not s["name"].startswith("kernels")]
+    benched = [s for s in report["steps"] if _has_rows(s) and not s["name"].startswith("kernels")]
     if benched:
         lines += ["", "| step | method | L | P1 crit (s) | P1 per rank (s) | vs dense (meas. / model) | TTFT (s) | "
                       "decode ms/tok | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -719,17 +729,17 @@ def tables(report: dict) -> str:
             dec = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
             # a cp_table step's rows span several rank counts: each says its own
             name = r["method"] + (f" x{r['ranks']}" if s["name"].startswith("cp_table") and r["ranks"] > 1 else "")
-            lines.append(f"| {s['name']} | {name} | {_k(r['context_len'])} | "
+            lines.append(f"| {s['name']}{_cut(s)} | {name} | {_k(r['context_len'])} | "
                          f"{r['phase1_critical_path_s']:.3f} | {per} | {r['speedup_measured']:.2f}x / "
                          f"{r['speedup_predicted']:.2f}x | {r['ttft_s']:.3f} | {dec} | {r['peak_memory_gb']:.1f} |")
     for s in report["steps"]:
-        if not (s["name"].startswith("cp_table") and s["ok"]):
+        if not (s["name"].startswith("cp_table") and _has_rows(s)):
             continue
         rows = s["result"]["rows"]
         links = list(rows[0].get("phase1_critical_path_at", {})) if rows else []
-        lines += ["", f"{s['name']}: exact vs approximate CP, simulated ranks, each rank's KV exchange priced at the "
-                      f"link (a step costs max(its attention, its transfer)); model = the cost model at dense's "
-                      f"measured FLOP/s", "",
+        lines += ["", f"{s['name']}{_cut(s)}: exact vs approximate CP, simulated ranks, each rank's KV exchange "
+                      f"priced at the link (a step costs max(its attention, its transfer)); model = the cost model at "
+                      f"dense's measured FLOP/s", "",
                   "| method | ranks | " + " | ".join(f"P1 crit s @ {g} GB/s (x ring) | model" for g in links) + " |",
                   "|---|---|" + "---|---|" * len(links)]
         for r in rows:

@@ -118,3 +118,30 @@ def test_allow_positions_past_the_trained_length():
     assert model.config.max_position_embeddings == 100
     assert allow_positions(model, 101, "m", "--lengths", True) == "m (positions raised 100 -> 101 for timing)"
     assert model.config.max_position_embeddings == 101
+
+
+def test_the_json_is_rewritten_after_every_row(tmp_path, monkeypatch, capsys):
+    # the GPU kit kills a bench step at its limit: the rows measured by then must be in --json-out (the cp_table
+    # step's table at 16 ranks comes last, after minutes of 4 and 8)
+    bench = _bench()
+    out, seen = tmp_path / "b.json", []
+    write = bench._write_json
+
+    def spy(path, record):
+        write(path, record)
+        seen.append(json.loads(out.read_text()))
+
+    monkeypatch.setattr(bench, "_write_json", spy)
+    rc = bench.main(["--tiny", "--methods", "dense,ring,star", "--lengths", "64", "--simulate-ranks", "2,4",
+                     "--max-new-tokens", "1", "--query-len", "2", "--warmup", "0", "--json-out", str(out)])
+    assert rc == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [len(r["rows"]) for r in seen] == [1, 2, 3, 4, 5, 5]
+    assert [r["complete"] for r in seen] == [False] * 5 + [True]
+    assert seen[-1] == final
+    # a partial record is already normalised as the final one is (speed-ups, the links, ring's ratio)
+    part = {(r["method"], r["ranks"]): r for r in seen[2]["rows"]}
+    assert set(part) == {("dense", 1), ("ring", 2), ("star", 2)}
+    assert part[("star", 2)]["vs_ring_at"]["450"] > 0 and part[("dense", 1)]["speedup_measured"] == pytest.approx(1)
+    assert all("_estimate" not in r for rec in seen for r in rec["rows"])
+    assert not (tmp_path / "b.json.tmp").exists()

@@ -300,3 +300,38 @@ def test_every_package_the_wheels_step_needs_is_a_gpu_wheel():
     for dist, needs in (("fastapi", {"starlette", "opentelemetry-api", "pydantic"}),
                         ("openai", {"jiter", "distro", "sniffio", "httpx2", "httpcore2", "truststore"})):
         assert needs <= pins, f"{dist} needs {sorted(needs - pins)} in GPU_WHEELS"
+
+
+def test_a_bench_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
+    # magnetar-bench rewrites --json-out after every row: the cp_table step killed at its limit (or a later row
+    # failing) still reports -- and tabulates -- the rank counts it measured
+    import magnetar.eval.bench as bench
+
+    partial = tmp_path / "partial.json"
+    seen = []
+    monkeypatch.setattr(bench, "_write_json", lambda path, record: seen.append(record))
+    assert bench.main(["--tiny", "--methods", "dense,ring,star", "--lengths", "64", "--simulate-ranks", "2,4",
+                       "--max-new-tokens", "1", "--query-len", "2", "--warmup", "0", "--json-out",
+                       str(partial)]) == 0
+    cut = next(r for r in seen if len(r["rows"]) == 3)  # dense, ring x2, star x2: killed during the 4 ranks
+    assert cut["complete"] is False
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
+
+    def killed(cmd, timeout):
+        Path(cmd[cmd.index("--json-out") + 1]).write_text(json.dumps(cut) + "\n")
+        return 124, "", "(killed at its time limit, 5 s)"
+
+    monkeypatch.setattr(k, "run", killed)
+    rec = kit.step_bench(k, kit.DRY, "cp_table_64", 60, [64], "dense,ring,star", ["--simulate-ranks", "2,4"])
+    assert not rec["ok"] and "killed at its time limit" in rec["error"]
+    assert rec["result"]["complete"] is False
+    assert [(r["method"], r["ranks"]) for r in rec["result"]["rows"]] == [("dense", 1), ("ring", 2), ("star", 2)]
+    table = kit.tables(k.report)
+    assert "cp_table_64 (cut short: the rows it measured): exact vs approximate CP" in table
+    assert "| cp_table_64 (cut short: the rows it measured) | star x2 | 64 |" in table
+    assert kit.check_report(k.report, complete=False) == []
+    # killed before its first row: nothing to keep, the step failed with the output's tail
+    monkeypatch.setattr(k, "run", lambda cmd, timeout: (124, "", "(killed at its time limit, 5 s)"))
+    rec = kit.step_bench(k, kit.DRY, "cp_table_64", 60, [64], "dense", [])
+    assert not rec["ok"] and rec["result"] is None and "killed" in rec["error"]

@@ -37,12 +37,14 @@ Prints a table, then one JSON line with every measurement.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import platform
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -125,7 +127,8 @@ def parse_args(argv):
                    help="tensor-parallel ranks sharing each CP rank's weights (DeepSpeed AutoTP; under a launcher: "
                         "world size = tp x cp)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
-    p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    p.add_argument("--json-out", default=None, help="also write the JSON line to this file (rewritten after every "
+                   "row with \"complete\": false until the last: a run cut short keeps what it measured)")
     args = p.parse_args(argv)
     with user_errors(PROG):
         args.methods = parse_names(args.methods, tuple(METHODS), "--methods")
@@ -161,7 +164,6 @@ def parse_args(argv):
 def _parse_variant(args, text: str):
     """``"LABEL=METHOD [FLAGS]"`` -> ``(label, method, the command's arguments with FLAGS applied)``; ValueError
     naming ``--variant``."""
-    import copy
     import shlex
 
     label, eq, rest = text.partition("=")
@@ -294,7 +296,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else None
     cps = args.simulate_ranks or [args.cp or (world // args.tp_size if world else 1)]
     lead = world is None or dist.get_rank() == 0
-    rows = _measure(args, model, tokenizer, cps, lead)
+    def partial(rows: list[dict]) -> None:  # the JSON after every row: a run cut short keeps what it measured
+        if lead and args.json_out:
+            done = copy.deepcopy(rows)
+            _normalise(done)
+            _write_json(args.json_out, _record(args, model, name, done, cps, world, load_s, complete=False))
+
+    rows = _measure(args, model, tokenizer, cps, lead, on_row=partial)
     _normalise(rows)
     if lead:
         _report(args, model, name, rows, cps, world, load_s)
@@ -336,10 +344,12 @@ def _jobs(args, cps: list[int]) -> list[tuple[int, str, str, object]]:
     return jobs
 
 
-def _measure(args, model, tokenizer, cps: list[int], lead: bool) -> list[dict]:
+def _measure(args, model, tokenizer, cps: list[int], lead: bool,
+             on_row: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
     """One row per (length, CP size, method or variant): the median of ``--repeats`` timed generate calls after
     ``--warmup``, with the cost model's prediction of the same configuration (a progress bar on rank 0's
-    stderr). Simulated ranks of ring run rank by rank (``parallel.rank_by_rank``): every rank has its own time."""
+    stderr); ``on_row(rows)`` after each. Simulated ranks of ring run rank by rank (``parallel.rank_by_rank``):
+    every rank has its own time."""
     import magnetar
     from magnetar.eval.cost import estimate
     from tqdm import tqdm
@@ -385,6 +395,8 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool) -> list[dict]:
                 decode_kv_read_bytes=pred.critical_decode_kv_read_bytes)
             row["seconds_per_pflop"] = row["phase1_critical_path_seconds"] / pred.critical_phase1_flops * 1e15
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
     bar.close()
     return rows
 
@@ -464,14 +476,29 @@ def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
               "max(its attention, its transfer)), x ring = ring's over this row's; the cost model priced at dense's "
               "measured FLOP/s:")
         print(_fmt_links(rows))
-    record = dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cps, tp=tp, simulate_ranks=sim,
-                  links_gbps=args.links, world_size=world or 1, load_seconds=load_s, platform=platform.platform(),
-                  torch=torch.__version__, threads=torch.get_num_threads(), rows=rows)
-    line = json.dumps(record)
-    print(line)
+    record = _record(args, model, name, rows, cps, world, load_s, complete=True)
+    print(json.dumps(record))
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
+        _write_json(args.json_out, record)
+
+
+def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float,
+            complete: bool) -> dict:
+    """The run's JSON record; ``complete`` False while rows are still being measured (``--json-out`` is rewritten
+    after each)."""
+    dev = next(model.parameters()).device
+    return dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cps, tp=args.tp_size,
+                simulate_ranks=args.simulate_ranks, links_gbps=args.links, world_size=world or 1,
+                load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
+                threads=torch.get_num_threads(), complete=complete, rows=rows)
+
+
+def _write_json(path, record: dict) -> None:
+    """``record`` as one JSON line in ``path``, replaced atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
