@@ -73,9 +73,15 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from bench_threads import stream_chat, wait_ready  # benchmarks/: the script's own folder is first on sys.path
+
+# the checkout too: --tiny and --tokenizer byte take the tests' tiny model and byte tokenizer (tests/tiny_models.py)
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 
 QUESTIONS = [  # after the needle question
     "What is the first essay about? Answer in one sentence.",
@@ -135,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=16, help="the server's decode batch limit")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON record here -- the served "
+                   "part's rewritten after each workload (\"complete\": false until the last), so a run cut short "
+                   "keeps what it measured (the GPU kit's serve step)")
     args = p.parse_args(argv)
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if args.peer is not None and args.parts == p.get_default("parts"):
@@ -606,24 +615,33 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
     return out
 
 
-def part_served(model, tokenizer, args) -> dict:
+def part_served(model, tokenizer, args, on_progress=None) -> dict:
     """The served workloads of issue 47 (item 3), what the GPU kit's ``serve`` step runs: the server in this process,
     plain chat requests (each document pasted before its question) with the ``openai`` client. ``one``: one streamed
     request over a new ``--context-tokens`` document -- its TTFT (Phase 1 of the whole document) and decode ms/token
     (after the first token); then for each ``--clients`` count that many concurrent streaming clients, each with a new
-    ``--client-context-tokens`` document of its own: completion tokens/s over the wall time and TTFT p50/p99."""
+    ``--client-context-tokens`` document of its own: completion tokens/s over the wall time and TTFT p50/p99.
+    ``on_progress(record)`` after each workload, the record so far (``complete`` False)."""
 
     from openai import OpenAI
 
     server, thread, status = _start_server(model, tokenizer, args)
     api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=3600)
     new, rows = args.new_tokens, []
+
+    def record(one: dict, complete: bool) -> dict:
+        return dict(context_tokens=args.context_tokens, one=dict(ttft=one["ttft"], ms_per_token=one["ms_per_token"],
+                                                                 tokens=one["tokens"]),
+                    clients=list(rows), client_context_tokens=args.client_context_tokens,
+                    server_status=status[0] if status else None, complete=complete)
     try:
         _stream(api, "bench", "Warm-up. " * 20 + "\n\nSay hello.", 4)
         [(doc, question, _)] = documents(tokenizer, args.context_tokens, 1, args.seed)
         one = _stream(api, "bench", doc + "\n\n" + question, new)
         print(f"served: one request, {args.context_tokens}-token document: TTFT {one['ttft']:.2f} s, "
               f"{one['ms_per_token'] or float('nan'):.1f} ms/token over {one['tokens']} tokens", flush=True)
+        if on_progress is not None:
+            on_progress(record(one, False))
         for clients in args.clients:
             docs = documents(tokenizer, args.client_context_tokens, clients, args.seed + 1000 * clients)
             results, wall = _clients(api, "bench", [d[0] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
@@ -635,6 +653,8 @@ def part_served(model, tokenizer, args) -> dict:
                              ttft_p50=statistics.median(ttfts), ttft_p99=ttfts[min(len(ttfts) - 1,
                                                                                    int(0.99 * len(ttfts)))]))
             print(f"served: {clients} concurrent clients: {tokens / wall:.1f} tokens/s", flush=True)
+            if on_progress is not None:
+                on_progress(record(one, False))
     finally:
         server.drain()
         thread.join(timeout=120)
@@ -648,10 +668,7 @@ def part_served(model, tokenizer, args) -> dict:
     for r in rows:
         print(f"| {r['clients']} clients, {args.client_context_tokens}-token documents | {r['ttft_p50']:.2f} / "
               f"{r['ttft_p99']:.2f} | - | {r['tokens_per_s']:.1f} |")
-    return dict(context_tokens=args.context_tokens, one=dict(ttft=one["ttft"], ms_per_token=one["ms_per_token"],
-                                                             tokens=one["tokens"]),
-                clients=rows, client_context_tokens=args.client_context_tokens,
-                server_status=status[0] if status else None)
+    return record(one, True)
 
 
 @contextlib.contextmanager
@@ -661,7 +678,6 @@ def _process(cmd: list, name: str, stop_s: float):
     import signal
     import subprocess
     import tempfile
-    from pathlib import Path
 
     log = Path(tempfile.mkdtemp(prefix=f"magnetar-bench-{name}-")) / f"{name}.log"
     with open(log, "wb") as out:
@@ -845,9 +861,21 @@ def main(argv=None) -> int:
     if "join" in args.parts:
         out["join"] = part_join(model, tokenizer, args)
     if "served" in args.parts:
-        out["served"] = part_served(model, tokenizer, args)
+        out["served"] = part_served(model, tokenizer, args, on_progress=lambda served: _write_json(
+            args.json_out, {**out, "served": served}))
     print(json.dumps(out))
+    _write_json(args.json_out, out)
     return 0
+
+
+def _write_json(path, record: dict) -> None:
+    """``record`` as one JSON line in ``path`` (nothing without one), replaced atomically."""
+    if path is None:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

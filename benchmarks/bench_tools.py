@@ -22,6 +22,11 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the tests' helpers (a free port, a server in a thread): tests/dist_utils.py
+    sys.path.append(str(REPO))
 
 TOOL = {"type": "function", "function": {
     "name": "lookup", "description": "Look up an archive record by its number and return what it holds.",

@@ -24,3 +24,28 @@ def test_the_served_process_gets_the_benchs_dtype_and_flags(dtype):
     assert flag("--cp-size") == "2" and flag("--simulate") == "true" and flag("--decode-step") == "graph"
     assert flag("--max-batch-size") == "8" and flag("--max-tokens") == "32" and flag("--threads") == "1"
     assert flag("--max-join-tokens") == "512" and flag("--decode-graph-batches") == bench.graph_batches(8)
+
+
+def test_the_served_part_writes_its_record_after_each_workload(tmp_path, monkeypatch, capsys):
+    # the GPU kit's serve step kills the bench at its limit: the single stream and the client counts measured by then
+    # must be in --json-out (rewritten after each workload, "complete" false until the last)
+    import json
+
+    bench = load_benchmark("bench_serve")
+    out, seen = tmp_path / "serve.json", []
+    write = bench._write_json
+
+    def spy(path, record):
+        write(path, record)
+        seen.append(json.loads(out.read_text()))
+
+    monkeypatch.setattr(bench, "_write_json", spy)
+    assert bench.main(["--model", "dummy:tiny-llama", "--tokenizer", "byte", "--parts", "served", "--method", "dense",
+                       "--ranks", "1", "--context-tokens", "256", "--clients", "1,2", "--client-context-tokens", "64",
+                       "--new-tokens", "3", "--max-batch", "4", "--json-out", str(out)]) == 0
+    served = [r["served"] for r in seen]
+    assert [len(s["clients"]) for s in served] == [0, 1, 2, 2]
+    assert [s["complete"] for s in served] == [False, False, False, True]
+    assert served[0]["one"]["tokens"] == 3 and served[0]["one"]["ttft"] > 0
+    assert seen[-1] == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not (tmp_path / "serve.json.tmp").exists()

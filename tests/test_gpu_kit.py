@@ -335,3 +335,26 @@ def test_a_bench_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(k, "run", lambda cmd, timeout: (124, "", "(killed at its time limit, 5 s)"))
     rec = kit.step_bench(k, kit.DRY, "cp_table_64", 60, [64], "dense", [])
     assert not rec["ok"] and rec["result"] is None and "killed" in rec["error"]
+
+
+def test_a_serve_step_cut_short_keeps_the_single_stream(tmp_path, monkeypatch):
+    # killed during the 32-client round: the single stream's TTFT and ms/token and the 8-client round stay
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
+    served = dict(context_tokens=32768, one=dict(ttft=2.5, ms_per_token=9.0, tokens=64), client_context_tokens=2048,
+                  clients=[dict(clients=8, tokens=512, seconds=4.0, tokens_per_s=128.0, ttft_p50=1.0, ttft_p99=2.0)],
+                  server_status=None, complete=False)
+
+    def killed(cmd, timeout):
+        Path(cmd[cmd.index("--json-out") + 1]).write_text(json.dumps(dict(device="cuda:0", dtype="bfloat16",
+                                                                          served=served)) + "\n")
+        return 124, "", "(killed at its time limit, 5 s)"
+
+    monkeypatch.setattr(k, "run", killed)
+    rec = kit.step_serve(k, kit.FULL)
+    assert not rec["ok"] and "killed at its time limit" in rec["error"]
+    assert rec["result"]["one"]["ms_per_token"] == 9.0 and rec["result"]["complete"] is False
+    table = kit.tables(k.report)
+    assert "serve_32K (cut short: the rows it measured): served" in table
+    assert "| one request, 32K document | 2.50 | 9.0 | - |" in table and "| 8 clients, 2K documents each |" in table
+    assert kit.check_report(k.report, complete=False) == []
