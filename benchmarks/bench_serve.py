@@ -83,6 +83,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
+from magnetar.utils.cli import write_json_line  # noqa: E402
+
 QUESTIONS = [  # after the needle question
     "What is the first essay about? Answer in one sentence.",
     "Name one person mentioned in the text.",
@@ -861,21 +863,13 @@ def main(argv=None) -> int:
     if "join" in args.parts:
         out["join"] = part_join(model, tokenizer, args)
     if "served" in args.parts:
-        out["served"] = part_served(model, tokenizer, args, on_progress=lambda served: _write_json(
-            args.json_out, {**out, "served": served}))
+        out["served"] = part_served(model, tokenizer, args, on_progress=None if args.json_out is None else (
+            lambda served: write_json_line(args.json_out, {**out, "served": served})))
     print(json.dumps(out))
-    _write_json(args.json_out, out)
+    if args.json_out is not None:
+        write_json_line(args.json_out, out)
     return 0
 
-
-def _write_json(path, record: dict) -> None:
-    """``record`` as one JSON line in ``path`` (nothing without one), replaced atomically."""
-    if path is None:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,17 +124,27 @@ def _report(err, bound, fa, fe, tol: Tol, label: str) -> str:
 def repo_pythonpath() -> str:
     """``PYTHONPATH`` for a test's subprocess: this checkout first, then whatever the caller's had (the GPU kit puts
     the packages the image lacks on it, ``.gpu-site``; a user may install that way too) -- never replaced."""
-    from pathlib import Path
-
     return os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def spy_json_writes(monkeypatch, module, path, seen: list) -> None:
+    """Each ``write_json_line`` ``module`` makes (a benchmark's ``--json-out``, rewritten as rows come) still written,
+    and the file's content read back right after into ``seen`` -- what a caller killing the run would find."""
+    import json
+
+    write = module.write_json_line
+
+    def spy(target, record):
+        write(target, record)
+        seen.append(json.loads(Path(path).read_text()))
+
+    monkeypatch.setattr(module, "write_json_line", spy)
 
 
 def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module (the folder is not a package): its functions and ``main``. The
     folder goes on ``sys.path`` as it does for the script run (scripts import their siblings: ``bench_threads``)."""
     import importlib.util
-    import sys
-    from pathlib import Path
 
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
     if str(folder) not in sys.path:

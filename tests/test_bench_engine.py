@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from tests.conftest import spy_json_writes
+
 def _bench():
     import magnetar.eval.bench as bench  # benchmarks/bench_engine.py is a shim over it
 
@@ -125,13 +127,7 @@ def test_the_json_is_rewritten_after_every_row(tmp_path, monkeypatch, capsys):
     # step's table at 16 ranks comes last, after minutes of 4 and 8)
     bench = _bench()
     out, seen = tmp_path / "b.json", []
-    write = bench._write_json
-
-    def spy(path, record):
-        write(path, record)
-        seen.append(json.loads(out.read_text()))
-
-    monkeypatch.setattr(bench, "_write_json", spy)
+    spy_json_writes(monkeypatch, bench, out, seen)
     rc = bench.main(["--tiny", "--methods", "dense,ring,star", "--lengths", "64", "--simulate-ranks", "2,4",
                      "--max-new-tokens", "1", "--query-len", "2", "--warmup", "0", "--json-out", str(out)])
     assert rc == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import load_benchmark
+from tests.conftest import load_benchmark, spy_json_writes
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -33,13 +33,7 @@ def test_the_served_part_writes_its_record_after_each_workload(tmp_path, monkeyp
 
     bench = load_benchmark("bench_serve")
     out, seen = tmp_path / "serve.json", []
-    write = bench._write_json
-
-    def spy(path, record):
-        write(path, record)
-        seen.append(json.loads(out.read_text()))
-
-    monkeypatch.setattr(bench, "_write_json", spy)
+    spy_json_writes(monkeypatch, bench, out, seen)
     assert bench.main(["--model", "dummy:tiny-llama", "--tokenizer", "byte", "--parts", "served", "--method", "dense",
                        "--ranks", "1", "--context-tokens", "256", "--clients", "1,2", "--client-context-tokens", "64",
                        "--new-tokens", "3", "--max-batch", "4", "--json-out", str(out)]) == 0

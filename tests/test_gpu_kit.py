@@ -309,7 +309,7 @@ def test_a_bench_step_cut_short_keeps_its_rows(tmp_path, monkeypatch):
 
     partial = tmp_path / "partial.json"
     seen = []
-    monkeypatch.setattr(bench, "_write_json", lambda path, record: seen.append(record))
+    monkeypatch.setattr(bench, "write_json_line", lambda path, record: seen.append(record))
     assert bench.main(["--tiny", "--methods", "dense,ring,star", "--lengths", "64", "--simulate-ranks", "2,4",
                        "--max-new-tokens", "1", "--query-len", "2", "--warmup", "0", "--json-out",
                        str(partial)]) == 0

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
 import sys
@@ -53,7 +52,8 @@ from magnetar.config import DTYPES, METHODS
 from magnetar.config.cli import add_field_args
 from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_links, parse_names
-from magnetar.utils.cli import ArgumentParser, check_output_file, fail, int_at_least, user_errors
+from magnetar.utils.cli import (ArgumentParser, check_output_file, fail, int_at_least, user_errors,
+                                write_json_line)
 
 PROG = "magnetar-bench"
 
@@ -300,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if lead and args.json_out:
             done = copy.deepcopy(rows)
             _normalise(done)
-            _write_json(args.json_out, _record(args, model, name, done, cps, world, load_s, complete=False))
+            write_json_line(args.json_out, _record(args, model, name, done, cps, world, load_s, complete=False))
 
     rows = _measure(args, model, tokenizer, cps, lead, on_row=partial)
     _normalise(rows)
@@ -479,7 +479,7 @@ def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
     record = _record(args, model, name, rows, cps, world, load_s, complete=True)
     print(json.dumps(record))
     if args.json_out:
-        _write_json(args.json_out, record)
+        write_json_line(args.json_out, record)
 
 
 def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float,
@@ -492,13 +492,6 @@ def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
                 load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
                 threads=torch.get_num_threads(), complete=complete, rows=rows)
 
-
-def _write_json(path, record: dict) -> None:
-    """``record`` as one JSON line in ``path``, replaced atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

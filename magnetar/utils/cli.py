@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator, NoReturn, Sequence
 
 __all__ = ["ArgumentParser", "UsageError", "fail", "user_errors", "USER_ERRORS", "read_text_file", "read_bounded",
-           "check_output_file", "check_input_file", "int_at_least"]
+           "check_output_file", "check_input_file", "int_at_least", "write_json_line"]
 
 # What a CLI reports as the user's error (the message already names the field, flag or file): bad values,
 # files that are missing, directories or unreadable. Anything else is an internal failure with its traceback.
@@ -145,6 +145,17 @@ def check_output_file(path: str, *, flag: str, make_parents: bool = False) -> No
         raise ValueError(f"{flag} {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise ValueError(f"{flag} {path} is not writable (permissions); choose another path")
+
+
+def write_json_line(path, record: dict) -> None:
+    """``record`` as one JSON line in ``path`` (a ``--json-out``), replaced atomically: a reader -- a benchmark's caller
+    reading the rows so far of a run it killed -- sees the old file or the new one, never half of one."""
+    import json
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
 
 
 def int_at_least(low: int):
