@@ -65,7 +65,7 @@ bench: install
 # in bf16, each step time-boxed, into one JSON file ($$OUT/gpu_check.json, else runs/gpu_check.json), in < 9 min.
 # It runs with the machine's own python3 and torch (GPU_PYTHON); the packages it lacks come from .whl/ offline
 # (make gpu-wheels, run where the registries are reachable) or, with network, `pip install deepspeed`.
-# `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (~25 s; `make test` runs it, tests/test_gpu_kit.py).
+# `make gpu-check DRY=1`: the same kit on CPU with tiny shapes (~80 s on 2 cores; `make test` runs it, tests/test_gpu_kit.py).
 GPU_PYTHON ?= python3
 # What the GPU image (Python 3.12, torch, transformers, no registry) lacks for Magnetar: DeepSpeed and what it
 # needs there, the NVTX bindings, the served step's server and client (FastAPI, uvicorn, openai and theirs) and its
