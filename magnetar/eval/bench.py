@@ -296,6 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else None
     cps = args.simulate_ranks or [args.cp or (world // args.tp_size if world else 1)]
     lead = world is None or dist.get_rank() == 0
+
     def partial(rows: list[dict]) -> None:  # the JSON after every row: a run cut short keeps what it measured
         if lead and args.json_out:
             done = copy.deepcopy(rows)
@@ -491,7 +492,6 @@ def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
                 simulate_ranks=args.simulate_ranks, links_gbps=args.links, world_size=world or 1,
                 load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
                 threads=torch.get_num_threads(), complete=complete, rows=rows)
-
 
 
 if __name__ == "__main__":

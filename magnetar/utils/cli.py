@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import json
 import os
 import stat
 import sys
@@ -150,8 +151,6 @@ def check_output_file(path: str, *, flag: str, make_parents: bool = False) -> No
 def write_json_line(path, record: dict) -> None:
     """``record`` as one JSON line in ``path`` (a ``--json-out``), replaced atomically: a reader -- a benchmark's caller
     reading the rows so far of a run it killed -- sees the old file or the new one, never half of one."""
-    import json
-
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write(json.dumps(record) + "\n")
