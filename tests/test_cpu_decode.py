@@ -202,3 +202,86 @@ def test_the_front_end_makes_no_finite_pass_over_a_clean_call(seeded, monkeypatc
     v[0, 1, 40, 3] = float("nan")
     out, lse = attention_with_lse(q, k, v, q_pos=torch.tensor([500]), k_pos=torch.arange(100), scale=0.125)
     assert passes == [1] and torch.isnan(out[0, 3:6]).all() and torch.isfinite(out[0, :3]).all()
+
+
+def _slots(B, Hq, Hkv, S, C, D, dtype, g, fill):
+    """Slot buffers as a decode step holds them: each slot's first fill[b] entries at gapped, unsorted positions (Star's
+    anchor, Pulsar's summaries), the rest empty (FAR), the buffers a view of a larger capacity (the step's `used`)."""
+    from magnetar.ops.slots import FAR
+
+    q = torch.randn(B, Hq, S, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, C + 24, D, generator=g).to(dtype)[:, :, :C] for _ in range(2))
+    k_pos = torch.full((B, C + 24), FAR, dtype=torch.long)[:, :C]
+    for b, n in enumerate(fill):
+        k_pos[b, :n] = torch.randperm(3 * C, generator=g)[:n]
+    return q, k, v, k_pos
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,S,window", [(3, 1, None), (1, 1, 50), (8, 1, None), (2, 3, None), (4, 2, 40)])
+def test_slot_calls_equal_the_fp64_reference(dtype, group, S, window):
+    # the static / graph step's call on a CPU (slot_backend's auto choice): each row sees the entries at positions
+    # <= its own (within the window), across the kernel's 128-entry blocks; rows of one slot at different positions
+    # (S > 1) see different entries; a slot with nothing visible gives (0, -inf)
+    from magnetar.ops.slots import slot_backend
+
+    g = torch.Generator().manual_seed(group * 10 + S)
+    B, Hkv, C, D = 4, 2, 300, 64
+    q, k, v, k_pos = _slots(B, group * Hkv, Hkv, S, C, D, dtype, g, fill=[300, 129, 0, 7])
+    q_pos = torch.tensor([[3 * C - t for t in range(S)], [2 * C + t for t in range(S)], [C] * S,
+                          [C // 2 + 5 * t for t in range(S)]])
+    backend = slot_backend("auto", "cpu", compiled=False)
+    assert backend.name == "cpu_decode"
+    out, lse = backend.slot_forward(q, k, v, q_pos, k_pos, 0.125, window)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+    for b in range(B):
+        for t in range(S):
+            seen = (k_pos[b] <= q_pos[b, t]) & ((k_pos[b] > q_pos[b, t] - window) if window else True)
+            idx = seen.nonzero().view(-1)
+            if not len(idx):
+                assert (out[b, :, t] == 0).all() and (lse[b, :, t] == float("-inf")).all(), f"slot {b} row {t}"
+                continue
+            ref_o, ref_l = dense_attention_fp64(q[b:b + 1, :, t:t + 1], k[b:b + 1, :, idx], v[b:b + 1, :, idx],
+                                                causal=False, scale=0.125)
+            assert_close(out[b:b + 1, :, t:t + 1], ref_o, dtype, "out", f"slot {b} row {t}")
+            assert_close(lse[b:b + 1, :, t:t + 1], ref_l, dtype, "lse", f"slot {b} row {t}")
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
+def test_slot_entries_no_row_sees_are_not_read():
+    # an empty entry, or another request's old one, holds anything: NaN there never reaches a row (the kernel skips
+    # the entry), where NaN in an entry the row sees makes it NaN
+    g = torch.Generator().manual_seed(5)
+    q, k, v, k_pos = _slots(2, 4, 2, 1, 200, 32, torch.float32, g, fill=[150, 150])
+    q_pos = torch.tensor([[10_000], [10_000]])
+    cpu = get_backend("cpu_decode")
+    clean_o, clean_l = cpu.slot_forward(q, k, v, q_pos, k_pos, 0.2)
+    k[:, :, 150:] = float("nan")  # the empty tail (FAR)
+    v[:, :, 150:] = float("nan")
+    out, lse = cpu.slot_forward(q, k, v, q_pos, k_pos, 0.2)
+    assert torch.equal(out, clean_o) and torch.equal(lse, clean_l)
+    v[1, 0, 3] = float("nan")  # seen by slot 1's rows of KV head 0
+    out, lse = cpu.slot_forward(q, k, v, q_pos, k_pos, 0.2)
+    assert out[1, :2].isnan().all() and torch.equal(out[1, 2:], clean_o[1, 2:]) and torch.equal(out[0], clean_o[0])
+
+
+def test_slot_calls_the_kernel_cannot_take_go_to_torchs_math(seeded, monkeypatch):
+    # more than 8 rows per KV head, a head dim the kernel refuses, float64: the same contract through slot_attention;
+    # a compiled step on a CPU keeps torch's math (the compiler fuses it); an op that cannot run here: torch's too
+    from magnetar.ops import slots
+    from magnetar.ops.slots import slot_attention, slot_backend
+
+    g = torch.Generator().manual_seed(6)
+    cpu = get_backend("cpu_decode")
+    for Hq, S, D, dtype in [(18, 1, 32, torch.float32), (4, 1, 12, torch.float32), (4, 1, 16, torch.float64)]:
+        q, k, v, k_pos = _slots(2, Hq, 2, S, 40, D, dtype, g, fill=[40, 3])
+        q_pos = torch.tensor([[500], [500]])
+        out, lse = cpu.slot_forward(q, k, v, q_pos, k_pos, 0.3)
+        want = slot_attention(q, k, v, q_pos, k_pos, 0.3)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (Hq, S, D, dtype)
+    assert slot_backend("auto", "cpu", compiled=True).name == "torch"
+    assert slot_backend("auto", "cpu", compiled=False).name == ("cpu_decode" if RUNS else "torch")
+    monkeypatch.setattr(cpu, "runs_here", lambda: False)
+    assert slot_backend("auto", "cpu", compiled=False).name == "torch"
+    assert slots.slot_backend("cpu_decode", "cpu", compiled=False) is cpu  # asked for by name: its own fallback

@@ -13,7 +13,7 @@ import torch
 import magnetar
 from magnetar.engine.static import static_problem
 from magnetar.ops.backends import get_backend
-from magnetar.ops.slots import FAR, slot_attention, slot_backend, slot_backends
+from magnetar.ops.slots import FAR, slot_backend, slot_backends
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.dist_utils import run_distributed
@@ -57,7 +57,9 @@ def test_slot_attention_equals_the_reference(case):
         k_pos[b, :n] = torch.randperm(3 * C, generator=g)[:n]
     q_pos = torch.tensor([[3 * C], [2 * C], [C]])
     window = 30 if case == "window" else None
-    assert slot_backends() == ["flex", "torch"]  # every backend that owns a decode kernel, each against fp64
+    # every backend that owns a decode kernel, each against fp64 (cpu_decode: its op's masked pass where the CPU runs
+    # it, torch's math where not -- tests/test_cpu_decode.py says which)
+    assert slot_backends() == ["cpu_decode", "flex", "torch"]
     for impl in (get_backend(name).slot_forward for name in slot_backends()):
         out, lse = impl(q.float(), k.float(), v.float(), q_pos, k_pos, 0.25, window)
         for b in range(B):
@@ -111,12 +113,14 @@ def test_slot_attention_keeps_nan():
     B, H, C, D = 1, 2, 8, 16
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, H, C, D), torch.randn(B, H, C, D)
     k_pos, q_pos = torch.arange(C)[None], torch.tensor([[5]])
-    clean, _ = slot_attention(q, k, v, q_pos, k_pos, 0.25)
-    k[0, 0, 3, 0] = float("nan")  # seen by the query (position 3 <= 5)
-    k[0, 1, 7, 0] = float("nan")  # position 7: not seen
-    out, lse = slot_attention(q, k, v, q_pos, k_pos, 0.25)
-    assert out[0, 0].isnan().all() and lse[0, 0].isnan().all()
-    assert torch.equal(out[0, 1], clean[0, 1])
+    for impl in (get_backend(name).slot_forward for name in ("torch", "cpu_decode")):
+        kk = k.clone()
+        clean, _ = impl(q, kk, v, q_pos, k_pos, 0.25)
+        kk[0, 0, 3, 0] = float("nan")  # seen by the query (position 3 <= 5)
+        kk[0, 1, 7, 0] = float("nan")  # position 7: not seen
+        out, lse = impl(q, kk, v, q_pos, k_pos, 0.25)
+        assert out[0, 0].isnan().all() and lse[0, 0].isnan().all()
+        assert torch.equal(out[0, 1], clean[0, 1])
 
 
 LAYOUTS = [("dense", dict(method="dense")),
@@ -402,7 +406,8 @@ def test_design_doc_attention_backend_runs_the_decode_step(tmp_path, monkeypatch
             return _inner(*a, **kw)
         monkeypatch.setattr(plugin, name, counted)
     assert "exact64" in slot_backends() and slot_backend("exact64", "cpu", compiled=False) is plugin
-    assert slot_backend("cpu_flash", "cpu", compiled=False).name == "torch"  # no slot kernel: auto's choice
+    # no slot kernel: auto's choice (on a CPU, cpu_decode's masked pass where its op runs)
+    assert slot_backend("cpu_flash", "cpu", compiled=False) is slot_backend("auto", "cpu", compiled=False)
     model = tiny_model("llama", seed=2)
     want, _ = _batch_tokens(_engine(model))
     got, static = _batch_tokens(_engine(model, decode_step="static", attention_backend="exact64"))

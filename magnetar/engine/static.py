@@ -440,7 +440,9 @@ class StaticDecode:
 
 def decode_attention(attention_backend: str, device, mode: str) -> str:
     """The backend whose slot kernel a ``mode`` step runs (:func:`magnetar.ops.slots.slot_backend`)."""
-    return slot_backend(attention_backend, device, compiled=mode in ("compiled", "graph")).name
+    # a graph step is compiled and captured on CUDA; on a CPU nothing is captured: it runs as a static step does
+    compiled = mode == "compiled" or (mode == "graph" and torch.device(device).type == "cuda")
+    return slot_backend(attention_backend, device, compiled=compiled).name
 
 
 def decode_forward(model, slots: StaticSlots, groups: ParallelGroups, attention: str, ids: torch.Tensor,

@@ -10,8 +10,9 @@ seeing no key is ``(0, -inf)``, a NaN in q or in a key the row sees makes the ro
 A backend of :mod:`magnetar.ops.backends` owns its decode kernel (as vLLM's do): one with a ``slot_forward(q, k, v,
 q_pos, k_pos, scale, window)`` method can run the step. :func:`slot_backend` picks it: ``runtime.attention_backend``
 when that backend has one, else -- ``auto`` -- ``flex`` for a compiled step on CUDA (a fused kernel that reads the
-bf16 KV once; the math path would copy it to float32 every step) and ``torch`` (:func:`slot_attention`: exact
-float32 math that CPU compilers fuse) otherwise.
+bf16 KV once; the math path would copy it to float32 every step), ``cpu_decode`` for a static or graph step on a CPU
+(its kernel's masked pass, the eager step's kernel) and ``torch`` (:func:`slot_attention`: exact float32 math that
+CPU compilers fuse) otherwise.
 """
 from __future__ import annotations
 
@@ -61,9 +62,18 @@ def slot_backends() -> list[str]:
 def slot_backend(name: str, device, compiled: bool) -> AttentionBackend:
     """The backend whose ``slot_forward`` a decode step runs: ``name`` (``runtime.attention_backend``) when it owns a
     slot kernel; otherwise (``auto``, or an eager-only backend such as ``cpu_flash``) ``flex`` for a ``compiled``
-    step on CUDA and ``torch`` elsewhere."""
+    step on CUDA, ``cpu_decode`` for an uncompiled step on a CPU that runs its op (static, and graph there: one pass
+    over the filled entries, bf16 read as bf16), and ``torch`` elsewhere (a torch.compile'd step on a CPU: the
+    compiler fuses its float32 math)."""
     if name != "auto":
         backend = get_backend(name)
         if has_slot_kernel(backend):
             return backend
-    return get_backend("flex" if compiled and torch.device(device).type == "cuda" else "torch")
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return get_backend("flex" if compiled else "torch")
+    if kind == "cpu" and not compiled:
+        cpu = get_backend("cpu_decode")
+        if cpu.runs_here():
+            return cpu
+    return get_backend("torch")

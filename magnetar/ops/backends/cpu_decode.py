@@ -2,7 +2,9 @@
 (``csrc/decode_attention.cpp``, JIT-built like Magnetar's other CPU ops).
 
 It serves the eager decode step's calls -- a new token's query heads over a cached context or over the request's
-own tokens, every key visible (the FULL mask kind) -- and refuses everything else, which ``auto`` then sends to
+own tokens, every key visible (the FULL mask kind) -- and, as ``slot_forward``, the static and graph steps' calls
+over slot buffers on a CPU (the kernel's masked pass: positions decide what each row sees; entries no row sees are
+not read); it refuses everything else, which ``auto`` then sends to
 ``cpu_flash``: a mask, more than :data:`MAX_ROWS` query rows per KV head (a prefill), float16 / float64, a head
 dimension that is not a multiple of 8 or over 256, K / V not contiguous along D, a CPU without AVX2/FMA, or the op
 failing to build (the reason is logged once). Torch's CPU flash kernel reads a decode call's cold cache at a
@@ -32,7 +34,7 @@ def _make_builder(device_type: str):
 
 
 DECODE_ATTENTION_OP = LazyOp("CPU decode attention", _make_builder,
-                             ("decode_attention", "decode_attention_checked", "supported"),
+                             ("decode_attention", "decode_attention_checked", "slot_attention", "supported"),
                              logger_name=__name__, devices=("cpu",))
 
 
@@ -88,3 +90,19 @@ class CpuDecodeBackend:
         if self._ready() is not None:
             raise RuntimeError(f"cpu_decode: {self._missing}")
         return self._op.decode_attention_checked(call.q, call.k, call.v, float(call.scale))
+
+    def runs_here(self) -> bool:
+        """Whether the op is built and this CPU runs it (asked once)."""
+        return self._ready() is None
+
+    def slot_forward(self, q, k, v, q_pos, k_pos, scale, window=None):
+        """The static / graph decode step's call over slot buffers (:mod:`magnetar.ops.slots`' contract): the
+        kernel's masked pass -- an entry no row sees is not read, a row seeing none is ``(0, -inf)``. What the
+        kernel cannot take (a shape of :func:`shape_reasons`, another device, positions not int64, the op not
+        running here) goes to :func:`magnetar.ops.slots.slot_attention`, the same contract in float32 torch."""
+        if (q.device.type != "cpu" or shape_reasons(q, k, v) or q_pos.dtype != torch.long or k_pos.dtype != torch.long
+                or self._ready() is not None):
+            from magnetar.ops.slots import slot_attention
+
+            return slot_attention(q, k, v, q_pos, k_pos, scale, window)
+        return self._op.slot_attention(q, k, v, q_pos, k_pos, float(scale), int(window or 0))

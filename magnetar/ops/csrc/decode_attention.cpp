@@ -18,6 +18,12 @@
 //   a score non-finite (inf * x is +-inf or NaN, and a sum with one stays non-finite): clean means q, k and out
 //   are finite -- the front end's fast-path condition (magnetar.ops.nonfinite), read without a pass over them.
 //
+//   slot_attention(q (B, Hq, S, D), k (B, Hkv, C, D), v (B, Hkv, C, D), q_pos (B, S), k_pos (B, C), scale, window)
+//       -> (out, lse): the static / graph decode step's call over slot buffers (magnetar.ops.slots' contract): key j
+//   is visible to query row t iff k_pos[j] <= q_pos[t] (and k_pos[j] > q_pos[t] - window when window > 0); a key no
+//   row sees is not read at all (an empty entry at FAR, or another request's old entry); a row that sees no key is
+//   (0, -inf); a NaN in q or in a key or value the row sees makes the row NaN. int64 positions, any strides.
+//
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
 // cache: a 4K-token call of SmolLM2-135M (3 query rows per KV head, D 64) took ~0.7 ms in fp32 and ~0.8 ms in bf16
 // with the KV cold, where reading it takes ~0.35 / ~0.2 ms on one core of the AVX-512 EPYC VM. Here one work item
@@ -96,24 +102,50 @@ AVX2_FN float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
+// Which keys which rows see (the slot call; nullptr: every key, every row): key j's position kpos[j * kstride]
+// against each row's query position rq[r], and the window (<= 0: none).
+struct Visibility {
+  const int64_t* kpos;
+  int64_t kstride;
+  const int64_t* rq;
+  int64_t window;
+};
+
 // One (batch, KV head): R query rows qf (R x D, already scaled) over Sk keys and values of row strides ks / vs.
-// Leaves each row's unnormalised sum in acc (R x D), its running max in m, its sum of exponentials in l and
-// whether a score was NaN or +inf in nan; clears *finite when a score was not finite (NaN or +-inf). s: R x kBlock
-// scratch.
-template <typename T, int R>
+// Leaves each row's unnormalised sum in acc (R x D), its running max in m, its sum of exponentials in l, whether a
+// score was NaN or +inf in nan and whether it saw a key in seen; clears *finite when a score was not finite (NaN
+// or +-inf). s: R x kBlock scratch, live: kBlock flags. With a Visibility, a key no row sees is skipped (neither
+// row read) and a key a row does not see scores -inf in that row.
+template <typename T, int R, bool Masked>
 __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, int64_t ks, const T* vb, int64_t vs,
                                                 int64_t Sk, int64_t D, float* acc, float* m, float* l, bool* nan,
-                                                bool* finite, float* s) {
+                                                bool* seen, bool* finite, float* s, char* live,
+                                                const Visibility& vis) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int r = 0; r < R; ++r) {
     m[r] = neg_inf;
     l[r] = 0.f;
     nan[r] = false;
+    seen[r] = !Masked;
   }
   std::fill(acc, acc + R * D, 0.f);
   for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
     const int64_t n = std::min(kBlock, Sk - j0);
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the R rows
+      bool sees[R];
+      if (Masked) {
+        const int64_t kp = vis.kpos[(j0 + j) * vis.kstride];
+        bool any = false;
+        for (int r = 0; r < R; ++r) {
+          sees[r] = kp <= vis.rq[r] && (vis.window <= 0 || kp > vis.rq[r] - vis.window);
+          any = any || sees[r];
+        }
+        live[j] = any;
+        if (!any) {
+          for (int r = 0; r < R; ++r) s[r * kBlock + j] = neg_inf;
+          continue;
+        }
+      }
       const T* kj = kb + (j0 + j) * ks;
       __m256 a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
@@ -121,7 +153,10 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
         const __m256 k8 = load8<T>(kj + d);
         for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), k8, a[r]);
       }
-      for (int r = 0; r < R; ++r) s[r * kBlock + j] = hsum(a[r]);
+      for (int r = 0; r < R; ++r) {
+        s[r * kBlock + j] = Masked && !sees[r] ? neg_inf : hsum(a[r]);
+        if (Masked) seen[r] = seen[r] || sees[r];
+      }
     }
     for (int r = 0; r < R; ++r) {  // online softmax: the block's max, its exponentials, the rescaled sums
       float* sr = s + r * kBlock;
@@ -140,7 +175,11 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
       __m256 sum8 = _mm256_setzero_ps();
       int64_t j = 0;
       for (; j + 8 <= n; j += 8) {
-        const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + j), nm8));
+        const __m256 x = _mm256_loadu_ps(sr + j);
+        __m256 p = exp_nonpositive(_mm256_sub_ps(x, nm8));
+        // a key the row does not see weighs exactly 0 (the polynomial's floor is ~1e-38, which times a NaN value
+        // would still be NaN)
+        if (Masked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_GT_OQ));
         _mm256_storeu_ps(sr + j, p);
         sum8 = _mm256_add_ps(sum8, p);
       }
@@ -157,6 +196,7 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
       }
     }
     for (int64_t j = 0; j < n; ++j) {  // values: each row read once into the R accumulators
+      if (Masked && !live[j]) continue;  // no row sees it: its value is not read (a NaN there stays out)
       const T* vj = vb + (j0 + j) * vs;
       __m256 p[R];
       for (int r = 0; r < R; ++r) p[r] = _mm256_set1_ps(s[r * kBlock + j]);
@@ -173,40 +213,48 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
 
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, int64_t, const T*, int64_t, int64_t, int64_t, float*, float*,
-                          float*, bool*, bool*, float*);
+                          float*, bool*, bool*, bool*, float*, char*, const Visibility&);
 
-template <typename T>
+template <typename T, bool Masked>
 AttendFn<T> attend_for(int64_t rows) {
   switch (rows) {
-    case 1: return attend<T, 1>;
-    case 2: return attend<T, 2>;
-    case 3: return attend<T, 3>;
-    case 4: return attend<T, 4>;
-    case 5: return attend<T, 5>;
-    case 6: return attend<T, 6>;
-    case 7: return attend<T, 7>;
-    default: return attend<T, 8>;
+    case 1: return attend<T, 1, Masked>;
+    case 2: return attend<T, 2, Masked>;
+    case 3: return attend<T, 3, Masked>;
+    case 4: return attend<T, 4, Masked>;
+    case 5: return attend<T, 5, Masked>;
+    case 6: return attend<T, 6, Masked>;
+    case 7: return attend<T, 7, Masked>;
+    default: return attend<T, 8, Masked>;
   }
 }
 
-// Returns whether every score and output element was finite (decode_attention_checked's clean).
+// Returns whether every score and output element was finite (decode_attention_checked's clean). q_pos / k_pos
+// (int64, (B, Sq) / (B, Sk)) undefined: every key visible to every row; else the slot call's visibility.
 template <typename T>
 bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         double scale) {
+         double scale, const at::Tensor& q_pos = at::Tensor(), const at::Tensor& k_pos = at::Tensor(),
+         int64_t window = 0) {
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Sk = k.size(2), G = Hq / Hkv, R = G * Sq;
+  const bool masked = k_pos.defined();
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
+  const int64_t* qpos = masked ? q_pos.data_ptr<int64_t>() : nullptr;
+  const int64_t* kpos = masked ? k_pos.data_ptr<int64_t>() : nullptr;
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides(), ls = lse.strides();
-  const AttendFn<T> fn = attend_for<T>(R);
+  const AttendFn<T> fn = masked ? attend_for<T, true>(R) : attend_for<T, false>(R);
   const float nan_f = std::numeric_limits<float>::quiet_NaN();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<char> clean(B * Hkv, 1);  // per work item (each written by one thread)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R);
-    std::unique_ptr<bool[]> nan(new bool[R]);
+    std::vector<int64_t> rq(R);
+    std::vector<char> live(kBlock);
+    std::unique_ptr<bool[]> nan(new bool[R]), seen(new bool[R]);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, hk = w % Hkv;
       for (int64_t g = 0; g < G; ++g) {
@@ -214,23 +262,27 @@ bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
           const T* src = qp + b * qs[0] + (hk * G + g) * qs[1] + t * qs[2];
           float* dst = qf.data() + (g * Sq + t) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qs[3]]) * static_cast<float>(scale);
+          if (masked) rq[g * Sq + t] = qpos[b * q_pos.stride(0) + t * q_pos.stride(1)];
         }
       }
+      const Visibility vis{masked ? kpos + b * k_pos.stride(0) : nullptr, masked ? k_pos.stride(1) : 0, rq.data(),
+                           window};
       bool finite = true;
       fn(qf.data(), kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk, D, acc.data(),
-         m.data(), l.data(), nan.get(), &finite, s.data());
+         m.data(), l.data(), nan.get(), seen.get(), &finite, s.data(), live.data(), vis);
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t t = 0; t < Sq; ++t) {
           const int64_t r = g * Sq + t, h = hk * G + g;
           T* dst = op + b * os[0] + h * os[1] + t * os[2];
-          const float inv = 1.f / l[r];
+          const bool empty = !seen[r] && !nan[r];  // a row that sees no key: (0, -inf)
+          const float inv = empty ? 0.f : 1.f / l[r];
           float odd = 0.f;  // stays 0 while every element written is finite (x - x is NaN for inf and NaN)
           for (int64_t d = 0; d < D; ++d) {
             const T y = static_cast<T>(nan[r] ? nan_f : acc[r * D + d] * inv);
             dst[d * os[3]] = y;
             odd += static_cast<float>(y) - static_cast<float>(y);
           }
-          const float lse_r = nan[r] ? nan_f : m[r] + std::log(l[r]);
+          const float lse_r = nan[r] ? nan_f : empty ? neg_inf : m[r] + std::log(l[r]);
           lp[b * ls[0] + h * ls[1] + t * ls[2]] = lse_r;
           finite = finite && odd == 0.f && lse_r - lse_r == 0.f;
         }
@@ -281,10 +333,46 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   return {std::get<0>(checked), std::get<1>(checked)};
 }
 
+std::tuple<at::Tensor, at::Tensor> slot_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
+                                                  int64_t window) {
+  TORCH_CHECK(cpu_supported(), "slot_attention: this CPU lacks AVX2/FMA (use the torch backend)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && q_pos.device().is_cpu() &&
+                  k_pos.device().is_cpu(), "slot_attention: CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "slot_attention: q, k, v must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "slot_attention: q, k, v all float32 or all bfloat16");
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), C = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == C && k.size(3) == D &&
+                  v.size(3) == D, "slot_attention: k and v must be (B, Hkv, C, D) alike, q (B, Hq, S, D)");
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && k_pos.scalar_type() == at::kLong && q_pos.dim() == 2 &&
+                  k_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == Sq && k_pos.size(0) == B &&
+                  k_pos.size(1) == C, "slot_attention: int64 q_pos (B, S) and k_pos (B, C)");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "slot_attention: Hq must be a multiple of Hkv");
+  TORCH_CHECK(C > 0 && Sq > 0, "slot_attention: at least one query and one entry");
+  TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, "slot_attention: at most 8 query rows per KV head");
+  TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, "slot_attention: D a multiple of 8, at most 256");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "slot_attention: k and v contiguous along D");
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
+#ifdef MAGNETAR_X86_DISPATCH
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, k, v, out, lse, scale, q_pos, k_pos, window);
+  } else {
+    run<at::BFloat16>(q, k, v, out, lse, scale, q_pos, k_pos, window);
+  }
+#endif
+  return {out, lse};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "attention of a few query rows per KV head over every key (decode), one pass over K and V: (out, lse)");
   m.def("decode_attention_checked", &decode_attention_checked,
         "decode_attention and whether every score and output element was finite: (out, lse, clean)");
+  m.def("slot_attention", &slot_attention,
+        "a decode step over slot buffers: key j visible to query t iff k_pos[j] <= q_pos[t] (and within window "
+        "> 0); keys no row sees are not read: (out, lse)");
   m.def("supported", &supported, "whether this CPU runs decode_attention (x86-64 with AVX2 and FMA)");
 }
