@@ -298,33 +298,49 @@ bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 
 bool supported() { return cpu_supported(); }
 
-std::tuple<at::Tensor, at::Tensor, bool> decode_attention_checked(const at::Tensor& q, const at::Tensor& k,
-                                                                  const at::Tensor& v, double scale) {
-  TORCH_CHECK(cpu_supported(), "decode_attention: this CPU lacks AVX2/FMA (use the cpu_flash backend)");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
+namespace {
+
+// The checks both entry points make (name: the function, in each message); q, k, v as the kernel takes them.
+void check_qkv(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(cpu_supported(), name, ": this CPU lacks AVX2/FMA (use the cpu_flash / torch backend)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, name, ": q, k, v must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "decode_attention: q, k, v all float32 or all bfloat16");
+              name, ": q, k, v all float32 or all bfloat16");
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), Sk = k.size(2);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk && k.size(3) == D &&
-                  v.size(3) == D, "decode_attention: k and v must be (B, Hkv, Sk, D) alike, q (B, Hq, Sq, D)");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "decode_attention: Hq must be a multiple of Hkv");
-  TORCH_CHECK(Sk > 0 && Sq > 0, "decode_attention: at least one query and one key");
-  TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, "decode_attention: at most 8 query rows per KV head");
-  TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, "decode_attention: D a multiple of 8, at most 256");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v contiguous along D");
+                  v.size(3) == D, name, ": k and v must be (B, Hkv, Sk, D) alike, q (B, Hq, Sq, D)");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, name, ": Hq must be a multiple of Hkv");
+  TORCH_CHECK(Sk > 0 && Sq > 0, name, ": at least one query and one key");
+  TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, name, ": at most 8 query rows per KV head");
+  TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, name, ": D a multiple of 8, at most 256");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, name, ": k and v contiguous along D");
+}
+
+// (out, lse, clean) of the kernel; q_pos / k_pos undefined: every key visible.
+std::tuple<at::Tensor, at::Tensor, bool> launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double scale, const at::Tensor& q_pos = at::Tensor(),
+                                                const at::Tensor& k_pos = at::Tensor(), int64_t window = 0) {
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   bool clean = false;
 #ifdef MAGNETAR_X86_DISPATCH
   if (q.scalar_type() == at::kFloat) {
-    clean = run<float>(q, k, v, out, lse, scale);
+    clean = run<float>(q, k, v, out, lse, scale, q_pos, k_pos, window);
   } else {
-    clean = run<at::BFloat16>(q, k, v, out, lse, scale);
+    clean = run<at::BFloat16>(q, k, v, out, lse, scale, q_pos, k_pos, window);
   }
 #endif
   return {out, lse, clean};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, bool> decode_attention_checked(const at::Tensor& q, const at::Tensor& k,
+                                                                  const at::Tensor& v, double scale) {
+  check_qkv("decode_attention", q, k, v);
+  return launch(q, k, v, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -336,34 +352,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
 std::tuple<at::Tensor, at::Tensor> slot_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& q_pos, const at::Tensor& k_pos, double scale,
                                                   int64_t window) {
-  TORCH_CHECK(cpu_supported(), "slot_attention: this CPU lacks AVX2/FMA (use the torch backend)");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && q_pos.device().is_cpu() &&
-                  k_pos.device().is_cpu(), "slot_attention: CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "slot_attention: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "slot_attention: q, k, v all float32 or all bfloat16");
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), C = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == C && k.size(3) == D &&
-                  v.size(3) == D, "slot_attention: k and v must be (B, Hkv, C, D) alike, q (B, Hq, S, D)");
-  TORCH_CHECK(q_pos.scalar_type() == at::kLong && k_pos.scalar_type() == at::kLong && q_pos.dim() == 2 &&
-                  k_pos.dim() == 2 && q_pos.size(0) == B && q_pos.size(1) == Sq && k_pos.size(0) == B &&
-                  k_pos.size(1) == C, "slot_attention: int64 q_pos (B, S) and k_pos (B, C)");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "slot_attention: Hq must be a multiple of Hkv");
-  TORCH_CHECK(C > 0 && Sq > 0, "slot_attention: at least one query and one entry");
-  TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, "slot_attention: at most 8 query rows per KV head");
-  TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, "slot_attention: D a multiple of 8, at most 256");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "slot_attention: k and v contiguous along D");
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto lse = at::empty({B, Hq, Sq}, q.options().dtype(at::kFloat));
-#ifdef MAGNETAR_X86_DISPATCH
-  if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k, v, out, lse, scale, q_pos, k_pos, window);
-  } else {
-    run<at::BFloat16>(q, k, v, out, lse, scale, q_pos, k_pos, window);
-  }
-#endif
-  return {out, lse};
+  check_qkv("slot_attention", q, k, v);
+  TORCH_CHECK(q_pos.device().is_cpu() && k_pos.device().is_cpu() && q_pos.scalar_type() == at::kLong &&
+                  k_pos.scalar_type() == at::kLong && q_pos.dim() == 2 && k_pos.dim() == 2 &&
+                  q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(2) && k_pos.size(0) == q.size(0) &&
+                  k_pos.size(1) == k.size(2),
+              "slot_attention: int64 CPU q_pos (B, S) and k_pos (B, C)");
+  auto res = launch(q, k, v, scale, q_pos, k_pos, window);
+  return {std::get<0>(res), std::get<1>(res)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
