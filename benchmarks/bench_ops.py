@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.attention import AttentionCall, _classify
 from magnetar.ops.backends import explain
+from magnetar.utils.cli import write_json_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +61,8 @@ def timed(fns: dict, device, warmup: int, repeats: int, min_seconds: float = 0.5
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def bench_attention(args, device, dtype):
+def bench_attention(args, device, dtype, on_rows=None):
+    """Rows of every backend against SDPA per (Sq, Sk); ``on_rows(rows)`` after each shape (the rows so far)."""
     rows = []
     for sk in args.sk:
         for sq in args.sq:
@@ -93,6 +95,8 @@ def bench_attention(args, device, dtype):
             for name, ms in times.items():
                 rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms,
                              "x_sdpa": ms / times["sdpa"], "tflops": flops / (ms * 1e-3) / 1e12})
+            if on_rows is not None:
+                on_rows(rows)
     return rows
 
 
@@ -129,15 +133,23 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON record here, rewritten "
+                   "after each attention shape (\"complete\": false until the end: a run cut short keeps its rows)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
 
-    attn = bench_attention(args, device, dtype)
-    merge = bench_merge(args, device, dtype)
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    head = {"bench": "ops", "device": str(device), "machine": machine, "dtype": args.dtype, "torch": torch.__version__}
+
+    def partial(rows):
+        if args.json_out is not None:
+            write_json_line(args.json_out, {**head, "complete": False, "attention": rows, "merge": []})
+
+    attn = bench_attention(args, device, dtype, on_rows=partial)
+    merge = bench_merge(args, device, dtype)
     print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
           f"{args.dtype}, {machine})")
     print(f"{'impl':<11}{'Sq':>7}{'Sk':>8}{'ms':>11}{'TFLOP/s':>9}{'x SDPA':>9}")
@@ -151,12 +163,13 @@ def main(argv=None):
         else:
             print(f"{r['impl']:<8}{r['n']:>4}{r['s']:>7}{r['ms']:>11.4f}{r['x_torch']:>9.2f}")
     summary = {
-        "bench": "ops", "device": str(device), "machine": machine, "dtype": args.dtype, "torch": torch.__version__,
-        "attention": attn, "merge": merge,
+        **head, "complete": True, "attention": attn, "merge": merge,
         "fast_backend_worst_x_sdpa": max((r["x_sdpa"] for r in attn if r["impl"] in ("cpu_flash", "flash_attn")),
                                          default=None),
     }
     print(json.dumps(summary))
+    if args.json_out is not None:
+        write_json_line(args.json_out, summary)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_benchmark
+from tests.conftest import load_benchmark, spy_json_writes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -358,3 +358,32 @@ def test_a_serve_step_cut_short_keeps_the_single_stream(tmp_path, monkeypatch):
     assert "serve_32K (cut short: the rows it measured): served" in table
     assert "| one request, 32K document | 2.50 | 9.0 | - |" in table and "| 8 clients, 2K documents each |" in table
     assert kit.check_report(k.report, complete=False) == []
+
+
+def test_a_kernels_step_cut_short_keeps_the_shapes_timed(tmp_path, monkeypatch, capsys):
+    # bench_ops rewrites --json-out after each attention shape: killed during the largest square (last), the kit keeps
+    # the smaller shapes' rows and reads the measured order off the largest square it has
+    ops = load_benchmark("bench_ops")
+    out, seen = tmp_path / "ops.json", []
+    spy_json_writes(monkeypatch, ops, out, seen)
+    ops.main(["--device", "cpu", "--sq", "1", "64", "--sk", "64", "128", "--heads", "4", "--kv-heads", "2",
+              "--head-dim", "16", "--warmup", "0", "--repeats", "1", "--merge-n", "2", "--merge-s", "1",
+              "--json-out", str(out)])
+    shapes = [sorted({(r["sq"], r["sk"]) for r in rec["attention"]}) for rec in seen]
+    assert shapes == [[(1, 64)], [(1, 64), (64, 64)], [(1, 64), (1, 128), (64, 64)],
+                      [(1, 64), (1, 128), (64, 64), (64, 128)], [(1, 64), (1, 128), (64, 64), (64, 128)]]
+    assert [r["complete"] for r in seen] == [False] * 4 + [True] and seen[-1]["merge"]
+    assert seen[-1] == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=dict(__import__("os").environ))
+
+    def killed(cmd, timeout):
+        Path(cmd[cmd.index("--json-out") + 1]).write_text(json.dumps(seen[1]) + "\n")
+        return 124, "", "(killed at its time limit, 5 s)"
+
+    monkeypatch.setattr(k, "run", killed)
+    rec = kit.step_kernels(k, kit.DRY)
+    assert not rec["ok"] and rec["result"]["complete"] is False
+    assert {(r["sq"], r["sk"]) for r in rec["result"]["rows"]} == {(1, 64), (64, 64)}
+    assert rec["result"]["measured_order"]  # off the 64 square
+    assert "kernels_256 (cut short: the rows it measured): attention kernels" in kit.tables(k.report)
