@@ -21,8 +21,6 @@ from magnetar.models.dummy import PRESETS, dummy_config, has_tokenizer
 from tests.conftest import repo_pythonpath
 from tests.tiny_models import save_tiny_chat
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory) -> Path:

@@ -26,7 +26,6 @@ from tests.conftest import repo_pythonpath
 from tests.dist_utils import free_port
 from tests.test_faults import model_dir  # noqa: F401  (the fixture: a tiny llama + byte-level tokenizer folder)
 
-REPO = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300  # two ranks import torch, transformers and deepspeed on a busy 2-core machine
 CONTEXT = "The quick brown fox jumps over the lazy dog. " * 4
 QUERY, NEW_TOKENS = "Who jumps?", 6

@@ -17,7 +17,6 @@ import pytest
 from magnetar.ops.jit import LOCK_TIMEOUT_ENV, LazyOp, build_directory
 from tests.conftest import repo_pythonpath
 
-REPO = Path(__file__).resolve().parents[1]
 
 # A builder whose jit_load does what torch's cpp_extension.load does with its lock file, and nothing else.
 FAKE_BUILDER = '''

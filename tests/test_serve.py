@@ -34,7 +34,6 @@ from magnetar.serve.ticks import Add, Encode, Tick  # noqa: E402
 from tests.dist_utils import free_port, serve_in_thread, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny_chat  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 6, "Magnetar serves long contexts on many ranks. " * 5,
         "A needle: the special magic number is 7351. Remember it well. " * 4]

@@ -34,7 +34,6 @@ from tests.conftest import assert_close, repo_pythonpath  # noqa: E402
 from tests.dist_utils import free_port, run_distributed, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny"
 TIMEOUT_S = 20  # the job's collective timeout (--timeout-s): where a dead rank must be noticed
 STARTUP_S = 240  # two ranks import torch, transformers and deepspeed on a busy machine
