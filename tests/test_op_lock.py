@@ -151,6 +151,10 @@ def test_the_engine_loads_its_ops_at_start_not_inside_a_request(monkeypatch):
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense",
                             attention_backend="cpu_flash")  # another backend than cpu_decode: not its op either
     assert asked == [], asked
+    # but a static step's slots on a CPU are read by cpu_decode's kernel whatever backend serves the eager calls
+    magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense",
+                            attention_backend="cpu_flash", decode_step="static")
+    assert asked == [("decode", "cpu")], asked
 
 
 # -- a build that was not completed (issue 28, item 3) ---------------------------------------------------------

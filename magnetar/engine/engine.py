@@ -83,7 +83,7 @@ class Engine:
         # until its timeout (op builds wait for each other under a file lock, so the ranks leave here within
         # about one build of each other)
         prepare_merge(self.device)
-        prepare_cpu_decode_ops(model, self.device, config.runtime.attention_backend)
+        prepare_cpu_decode_ops(model, self.device, config.runtime.attention_backend, config.runtime.decode_step)
         self.policy: Optional[DecodePolicy] = self._prepare(decode_policy(self._policy_config, model.config))
         # sparse prefill (config.prefill): the Phase-1 attention of the patched layers; decoding stays dense
         self.prefill = self._prepare(prefill_policy(config.prefill, model.config))

@@ -478,16 +478,17 @@ class _Batches:
         return self.what
 
 
-def prepare_cpu_decode_ops(model, device: torch.device, attention_backend: str) -> None:
+def prepare_cpu_decode_ops(model, device: torch.device, attention_backend: str, decode_step: str = "eager") -> None:
     """On a CPU, build or load now -- at engine start, not inside a decode step, where a first build (~10-15 s) kept
     the other ranks waiting in a collective -- the JIT ops a decode step may reach: ``cpu_decode``'s kernel (when
-    ``attention_backend`` is ``auto`` or it) and, for a bf16 model, the small GEMM op the copies' decision times.
-    Never raises (an op that cannot build is logged, and not used)."""
+    ``attention_backend`` is ``auto`` or it, and for a static or graph step, whose slots it reads whatever backend
+    serves the eager calls: :func:`magnetar.ops.slots.slot_backend`) and, for a bf16 model, the small GEMM op the
+    copies' decision times. Never raises (an op that cannot build is logged, and not used)."""
     if device.type != "cpu":
         return
     from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
 
-    if attention_backend in ("auto", "cpu_decode"):
+    if attention_backend in ("auto", "cpu_decode") or decode_step in ("static", "graph"):
         DECODE_ATTENTION_OP.available("cpu")
     if any(p.dtype == torch.bfloat16 for p in model.parameters()):
         small_gemm_unavailable()
