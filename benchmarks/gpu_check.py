@@ -189,7 +189,7 @@ def _tail(text: str, n: int = 1500) -> str:
 NEEDED_MODULES = ("deepspeed", "pydantic", "hjson", "nvtx", "fastapi", "uvicorn", "openai", "needlehaystack")
 
 
-def step_wheels(kit: Kit, site: Path, wheels: Path):
+def step_wheels(kit: Kit, shape: dict, site: Path, wheels: Path):
     def fn(timeout):
         code = (f"import importlib.util as u; missing = [m for m in {NEEDED_MODULES!r} "
                 "if u.find_spec(m) is None]; print(','.join(missing))")
@@ -207,7 +207,7 @@ def step_wheels(kit: Kit, site: Path, wheels: Path):
         rc, out, err = kit.run(cmd, timeout)
         names = [Path(f).name for f in found]
         return rc == 0, dict(installed=names, missing_before=missing), (None if rc == 0 else _tail(err)), cmd
-    return kit.step("wheels", FULL["limits"]["wheels"], fn)
+    return kit.step("wheels", shape["limits"]["wheels"], fn)
 
 
 _ENV_CODE = r"""
@@ -968,7 +968,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         first = [w.strip() for w in args.order.split(",") if w.strip()]
         rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}
         plan.sort(key=lambda item: rank[item[0]])  # stable: the rest keep the default order
-    step_wheels(kit, site, args.wheels)
+    step_wheels(kit, shape, site, args.wheels)
     for name, run in plan:
         if wanted(name):
             run()

@@ -253,7 +253,7 @@ def test_the_phase1_goals_are_read_off_the_steps():
         "Gemma-3 32K table)"]
 
 
-def test_a_call_can_narrow_the_runs_shapes():
+def test_a_call_can_narrow_the_runs_shapes(tmp_path):
     # a device session with little time left: fewer decode shapes or modes, or the exact-vs-approximate table at
     # another length or rank counts, without editing the kit; bad values name their flag
     import argparse
@@ -274,6 +274,11 @@ def test_a_call_can_narrow_the_runs_shapes():
     assert limits == {**kit.FULL["limits"], "decode": 240.0, "cp_table": 120.5,
                       "phase1": (90.0,) * len(kit.FULL["limits"]["phase1"])}
     assert kit.FULL["limits"]["decode"] == 480  # the run's own table is not changed
+    # every step takes its limit from the run's shape -- the wheels step, run before the others, too
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env={})
+    k.run = lambda cmd, timeout: (0, "", "")  # every module imports: nothing to install
+    shape = {**kit.DRY, "limits": {**kit.DRY["limits"], "wheels": 7.0}}
+    assert kit.step_wheels(k, shape, REPO / ".gpu-site", REPO / ".whl")["timeout_s"] == 7.0
     for bad, flag in ((dict(decode_shapes="8@x"), "--decode-shapes"), (dict(decode_modes="fast"), "--decode-modes"),
                       (dict(cp_len="big"), "--cp-len"), (dict(cp_ranks="1,4"), "--cp-ranks"),
                       (dict(limits="decode=0"), "--limits"), (dict(limits="warp=10"), "--limits"),
