@@ -78,12 +78,14 @@ from pathlib import Path
 import torch
 from bench_threads import stream_chat, wait_ready  # benchmarks/: the script's own folder is first on sys.path
 
-# the checkout too: --tiny and --tokenizer byte take the tests' tiny model and byte tokenizer (tests/tiny_models.py)
+# the checkout too: --tiny and --tokenizer byte take the tests' tiny model and byte tokenizer (tests/tiny_models.py),
+# and a free port comes from the tests' helper
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
 from magnetar.utils.cli import write_json_line  # noqa: E402
+from tests.dist_utils import free_port  # noqa: E402  (the tests' helper: a free loopback port)
 
 QUESTIONS = [  # after the needle question
     "What is the first essay about? Answer in one sentence.",
@@ -285,14 +287,6 @@ def part_cache(model, tokenizer, args) -> dict:
                 phase1_seconds=sum(uncached[0].phase1_seconds))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _client_round(url: str, jobs: list[tuple[str, str]], clients: int, new: int) -> dict:
     """``jobs`` (context, question) shared out to ``clients`` threads, each streaming its requests in a row with the
     ``openai`` client; returns wall seconds, completion tokens, TTFTs and the answers by job index."""
@@ -350,7 +344,7 @@ def _start_server(model, tokenizer, args, prefill_chunk=None, **flat):
 
     eng = engine(model, tokenizer, args, **flat)
     chunk = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
-    server = Server(eng, model_name="bench", port=_free_port(), max_batch_size=args.max_batch,
+    server = Server(eng, model_name="bench", port=free_port(), max_batch_size=args.max_batch,
                     max_tokens=args.new_tokens, **chunk)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.run()), daemon=True)
@@ -717,7 +711,7 @@ def serve_command(args, port: int, extra: tuple = ()) -> list[str]:
 def _serve_process(args, extra: tuple = ()):
     """The URL of ``magnetar serve`` (:func:`serve_command`) started in its own process, as a user starts it (its own
     thread choice); stopped (SIGTERM: it drains) when the block ends."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = serve_command(args, port, extra)
     with _process(cmd, "serve", 120) as (proc, log):
