@@ -101,7 +101,7 @@ gpu-check-image: gpu-wheels
 		$(IMAGE_VENV)/bin/pip uninstall -q -y pydantic pydantic-core annotated-types typing-inspection; }
 	rm -rf .gpu-site
 	$(IMAGE_VENV)/bin/python benchmarks/gpu_check.py --dry-run --out runs/gpu_check_image.json
-	$(IMAGE_VENV)/bin/python -m pip install -q --no-index --no-deps --target .gpu-site .whl/*.whl
+	# .gpu-site: the dry run's wheels step installed .whl/ there (the image venv lacks DeepSpeed), as on the card
 	PYTHONPATH=.gpu-site:. TORCH_EXTENSIONS_DIR=runs/cuda_ext CUDA_HOME=$${CUDA_HOME:-/usr/local/cuda} \
 		CPATH=$$(echo $(IMAGE_VENV)/lib/python3.12/site-packages/nvidia/cu*/include | tr ' ' ':') \
 		$(IMAGE_VENV)/bin/python benchmarks/cuda_compile_check.py
