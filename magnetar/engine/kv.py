@@ -48,7 +48,7 @@ class PolicyState:
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
 
-    __slots__ = ("_k", "_v", "_pos", "_mass", "frozen", "k", "v", "pos", "mass", "state", "_buf", "_finite")
+    __slots__ = ("_k", "_v", "_pos", "_mass", "frozen", "k", "v", "pos", "mass", "state", "_buf", "_facts")
 
     def __init__(self):
         self._k, self._v, self._pos, self._mass = [], [], [], []
@@ -61,13 +61,13 @@ class LayerKV:
         self.mass: Optional[torch.Tensor] = None
         self.state = PolicyState()  # what decode policies derive from this KV; cleared on append
         self._buf: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the decode store's (k, v, pos)
-        # [keys_finite(), values_finite()] once per content, shared with this layer's views (every request over one
-        # cached context reads the same answer); a new list when the content changes
-        self._finite: list[Optional[bool]] = [None, None]
+        # [keys_finite(), values_finite(), last_position()] once per content, shared with this layer's views (every
+        # request over one cached context reads the same answers); a new list when the content changes
+        self._facts: list = [None, None, None]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mass: Optional[torch.Tensor] = None) -> None:
         self.state.clear()
-        self._finite = [None, None]
+        self._facts = [None, None, None]
         if not self.frozen:
             self._k.append(k)
             self._v.append(v)
@@ -118,7 +118,7 @@ class LayerKV:
         out = LayerKV()
         out.frozen = True
         out.k, out.v, out.pos, out.mass = self.k, self.v, self.pos, self.mass
-        out._finite = self._finite
+        out._facts = self._facts
         return out
 
     def keys_finite(self) -> bool:
@@ -132,10 +132,18 @@ class LayerKV:
         layer changes; a static decode step places a context's KV only when both are)."""
         return self._checked(1, self.v)
 
+    def last_position(self) -> Optional[int]:
+        """The largest position of this frozen layer's entries (None: it holds none): one read the first time,
+        remembered until the layer changes -- whether a decode step's query follows every key of a cached context
+        (:meth:`magnetar.engine.phase2.Phase2Context.attend` reads a request's KV pages in one call then)."""
+        if self._facts[2] is None and self.pos is not None and len(self.pos):
+            self._facts[2] = int(self.pos.max())
+        return self._facts[2]
+
     def _checked(self, i: int, t: Optional[torch.Tensor]) -> bool:
-        if self._finite[i] is None:
-            self._finite[i] = t is None or all_finite(t)
-        return self._finite[i]
+        if self._facts[i] is None:
+            self._facts[i] = t is None or all_finite(t)
+        return self._facts[i]
 
     def __len__(self) -> int:
         if self.frozen:

@@ -24,13 +24,14 @@ import torch.distributed as dist
 
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
-from magnetar.engine.kv import KVShard
+from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.graphs import DecodeGraphs
 from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
 from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
+from magnetar.ops.pages import attend_pages, page_backend
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
@@ -54,14 +55,22 @@ class Phase2Context(LayerContext):
     the query/generated KV, causally; a policy with ``pages_generated`` attends that KV too, in the same call)
     -> one packed all-gather of ``(out, lse)`` for the batch -> the merge.
     Every rank ends with the same output, so every rank runs the same model forward.
+
+    ``starts[b]``: request b's first position on the host (``positions[b, 0]``), when the caller knows it. In a
+    decode step (one token each, no window, no decode policy applying) whose every context shard precedes its
+    token, each request's parts are then pages of one attention (:func:`magnetar.ops.pages.attend_pages`): the
+    whole batch in ONE kernel launch a layer where the backend has one, rather than two calls and a merge each.
     """
 
     layer_range = PHASE2_LAYER
 
     def __init__(self, positions: torch.Tensor, shards: list[KVShard], gens: Optional[list[KVShard]],
                  valid: list[int], groups: ParallelGroups, backend: str, policy: Optional[DecodePolicy] = None,
-                 context_tokens: Optional[list[int]] = None, check_finite: bool = False):
+                 context_tokens: Optional[list[int]] = None, check_finite: bool = False,
+                 starts: Optional[list[int]] = None):
         self.positions, self.shards, self.gens, self.valid = positions, shards, gens, valid
+        self.starts = starts
+        self._stored = -1  # the layer whose own-token KV _paged stored already (its fallback must not again)
         self.groups, self.group, self.timeout, self.backend = groups, groups.cp_group, groups.timeout, backend
         self.policy, self.context_tokens = policy, context_tokens
         # runtime.check_finite: which layers' local states (before the merge) were not finite on this rank
@@ -91,9 +100,12 @@ class Phase2Context(LayerContext):
                window: Optional[int] = None) -> torch.Tensor:
         B, Hq, S, D = q.shape
         shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
-        # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
-        parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
-        local_o, local_l = self._combine(parts, q)
+        paged = None if shared else self._paged(layer, q, k, v, scale, window)
+        if paged is not None:
+            local_o, local_l = paged
+        else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
+            parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
+            local_o, local_l = self._combine(parts, q)
         if self.flags is not None:
             self.flags.record(layer, local_o)
         if self.groups.cp_size == 1:  # one rank: its state is the result (a merge of one state is the identity on
@@ -133,6 +145,42 @@ class Phase2Context(LayerContext):
                 out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
         return out
 
+    def _paged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: Optional[int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The batch's local state in one paged call (class docstring), or None -- the per-part path: not a decode
+        step, a window or a decode policy here, a context shard not wholly before its request's token, no backend
+        with paged calls, or a value that was not finite (that path applies the exact rules). The query rank's
+        tokens' KV is stored here (as :meth:`_local` does) before the pages are read; only then can the call still
+        say None, and :meth:`_local` then finds it stored."""
+        if (q.shape[2] != 1 or window is not None or self.starts is None
+                or (self.policy is not None and self.policy.applies(layer, window))
+                or page_backend(self.backend, q.device) is None):
+            return None
+        pages = []
+        for b, shard in enumerate(self.shards):
+            ctx = shard.layers[layer]
+            if len(ctx):
+                last = ctx.last_position()
+                if last is None or last >= self.starts[b]:  # a key at or after the token: positions decide
+                    return None
+                pages.append([(ctx.k, ctx.v)])
+            else:
+                pages.append([])
+        if self.gens is not None:  # the query rank: its own tokens, the new one last (every one visible to it)
+            for b in range(len(self.gens)):
+                g = self._own(layer, b, k, v)
+                pages[b].append((g.k, g.v))
+            self._stored = layer
+        return attend_pages(q, pages, scale, backend=self.backend)
+
+    def _own(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+        """The query rank's store of request b's own tokens at ``layer``, this forward's real tokens appended once."""
+        g = self.gens[b].layers[layer]
+        if self._stored != layer:
+            n = self.valid[b]
+            g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], self.positions[b, :n])
+        return g
+
     @staticmethod
     def _combine(parts: list[list[tuple[torch.Tensor, torch.Tensor]]], q: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,11 +215,8 @@ class Phase2Context(LayerContext):
         qb, pos = q[b : b + 1], self.positions[b]
         parts = []
         ctx = self.shards[b].layers[layer]
-        g = None
-        if self.gens is not None:  # the query rank stores its own query/generated tokens (the real ones)
-            g = self.gens[b].layers[layer]
-            n = self.valid[b]
-            g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], pos[:n])
+        # the query rank stores its own query/generated tokens (the real ones)
+        g = self._own(layer, b, k, v) if self.gens is not None else None
         if shared is not None:
             parts.append(shared)
         elif len(ctx) and self.policy is not None and self.policy.applies(layer, window):
@@ -374,7 +419,8 @@ class DecodeBatch:
         ctx = Phase2Context(pos, [r.req.shard for r in live],
                             [r.gen for r in live] if self.groups.is_cp_leader else None, valid, self.groups,
                             self.config.runtime.attention_backend, self.policy,
-                            [r.req.context_tokens for r in live], check_finite=self.config.runtime.check_finite)
+                            [r.req.context_tokens for r in live], check_finite=self.config.runtime.check_finite,
+                            starts=starts)
         # the LM head over each request's last real token only (a 1-D index keeps those positions of every row:
         # (B, distinct lengths, V), not (B, S, V) -- 8 right-padded 1K queries made 1.6 GB of logits otherwise)
         ends = sorted(set(valid))

@@ -4,7 +4,8 @@
 It serves the eager decode step's calls -- a new token's query heads over a cached context or over the request's
 own tokens, every key visible (the FULL mask kind) -- and, as ``slot_forward``, the static and graph steps' calls
 over slot buffers on a CPU (the kernel's masked pass: positions decide what each row sees; entries no row sees are
-not read); it refuses everything else, which ``auto`` then sends to
+not read), and, as ``pages_forward``, an eager step's whole batch over each request's KV pages in one launch
+(:mod:`magnetar.ops.pages`); it refuses everything else, which ``auto`` then sends to
 ``cpu_flash``: a mask, more than :data:`MAX_ROWS` query rows per KV head (a prefill), float16 / float64, a head
 dimension that is not a multiple of 8 or over 256, K / V not contiguous along D, a CPU without AVX2/FMA, or the op
 failing to build (the reason is logged once). Torch's CPU flash kernel reads a decode call's cold cache at a
@@ -34,7 +35,8 @@ def _make_builder(device_type: str):
 
 
 DECODE_ATTENTION_OP = LazyOp("CPU decode attention", _make_builder,
-                             ("decode_attention", "decode_attention_checked", "slot_attention", "supported"),
+                             ("decode_attention", "decode_attention_checked", "slot_attention",
+                              "decode_attention_pages", "supported"),
                              logger_name=__name__, devices=("cpu",))
 
 
@@ -106,3 +108,28 @@ class CpuDecodeBackend:
 
             return slot_attention(q, k, v, q_pos, k_pos, scale, window)
         return self._op.slot_attention(q, k, v, q_pos, k_pos, float(scale), int(window or 0))
+
+    def pages_forward(self, q, pages, scale):
+        """An eager decode step's batch in one launch (:mod:`magnetar.ops.pages`' contract): request b's rows over
+        its ``pages[b]``, one softmax over all of them. None -- the caller's per-part path -- for what the kernel
+        cannot take (a page of another dtype, layout or head count, a shape of :func:`shape_reasons`, empty pages
+        only count as none) or when a score or an output element was not finite (that path applies the exact
+        non-finite rules)."""
+        ks, vs, first = [], [], [0]
+        for request in pages:
+            for k, v in request:
+                if k.shape[2]:
+                    ks.append(k)
+                    vs.append(v)
+            first.append(len(ks))
+        if not ks or q.device.type != "cpu" or self._ready() is not None:
+            return None
+        hkv = ks[0].shape[1]
+        for k, v in zip(ks, vs):
+            if (k.dtype != q.dtype or v.dtype != q.dtype or k.shape[0] != 1 or k.shape[1] != hkv or k.shape != v.shape
+                    or k.device != q.device or v.device != q.device or k.stride(-1) != 1 or v.stride(-1) != 1):
+                return None
+        if shape_reasons(q, ks[0], vs[0]):
+            return None
+        out, lse, clean = self._op.decode_attention_pages(q, ks, vs, first, hkv, float(scale))
+        return (out, lse) if clean else None

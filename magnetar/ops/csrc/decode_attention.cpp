@@ -24,6 +24,12 @@
 //   row sees is not read at all (an empty entry at FAR, or another request's old entry); a row that sees no key is
 //   (0, -inf); a NaN in q or in a key or value the row sees makes the row NaN. int64 positions, any strides.
 //
+//   decode_attention_pages(q (B, Hq, Sq, D), ks, vs, first (B + 1 offsets), kv_heads, scale) -> (out, lse, clean):
+//   the eager decode step's batch in one launch -- request b's rows over its KV pages ks[first[b]:first[b + 1]] /
+//   vs[...] (each (1, kv_heads, n >= 1, D): its cached context, its own tokens), every key of them visible, one
+//   online softmax over all of its pages (the output rounded once; merging per-page states would round each). A
+//   request without pages gets (0, -inf) rows. clean as decode_attention_checked's (an empty row counts as clean).
+//
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
 // cache: a 4K-token call of SmolLM2-135M (3 query rows per KV head, D 64) took ~0.7 ms in fp32 and ~0.8 ms in bf16
 // with the KV cold, where reading it takes ~0.35 / ~0.2 ms on one core of the AVX-512 EPYC VM. Here one work item
@@ -111,7 +117,19 @@ struct Visibility {
   int64_t window;
 };
 
-// One (batch, KV head): R query rows qf (R x D, already scaled) over Sk keys and values of row strides ks / vs.
+// The state of R query rows before their first key: running max -inf, sums 0, no NaN, no key seen.
+inline void start_rows(int64_t R, int64_t D, float* acc, float* m, float* l, bool* nan, bool* seen) {
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    nan[r] = false;
+    seen[r] = false;
+  }
+  std::fill(acc, acc + R * D, 0.f);
+}
+
+// One (batch, KV head): R query rows qf (R x D, already scaled) over Sk keys and values of row strides ks / vs,
+// continuing the rows' state (start_rows before the first call; a request's KV pages are attended one call each).
 // Leaves each row's unnormalised sum in acc (R x D), its running max in m, its sum of exponentials in l, whether a
 // score was NaN or +inf in nan and whether it saw a key in seen; clears *finite when a score was not finite (NaN
 // or +-inf). s: R x kBlock scratch, live: kBlock flags. With a Visibility, a key no row sees is skipped (neither
@@ -122,13 +140,9 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
                                                 bool* seen, bool* finite, float* s, char* live,
                                                 const Visibility& vis) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int r = 0; r < R; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-    nan[r] = false;
-    seen[r] = !Masked;
+  if (!Masked && Sk > 0) {
+    for (int r = 0; r < R; ++r) seen[r] = true;
   }
-  std::fill(acc, acc + R * D, 0.f);
   for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
     const int64_t n = std::min(kBlock, Sk - j0);
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the R rows
@@ -229,6 +243,64 @@ AttendFn<T> attend_for(int64_t rows) {
   }
 }
 
+// One work item's rows, widened to float32 and scaled: the G query heads of KV head hk (each Sq tokens) of
+// request b, row g * Sq + t.
+template <typename T>
+void load_rows(const at::Tensor& q, int64_t b, int64_t hk, int64_t G, double scale, float* qf) {
+  const int64_t Sq = q.size(2), D = q.size(3);
+  const T* qp = q.data_ptr<T>();
+  const auto qs = q.strides();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < Sq; ++t) {
+      const T* src = qp + b * qs[0] + (hk * G + g) * qs[1] + t * qs[2];
+      float* dst = qf + (g * Sq + t) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qs[3]]) * static_cast<float>(scale);
+    }
+  }
+}
+
+// Writes one work item's rows (their state after attend) to out / lse: a NaN row is (NaN, NaN), a row that saw no
+// key (0, -inf), else acc / l and m + log(l). Returns whether every element written was finite.
+template <typename T>
+bool write_rows(at::Tensor& out, at::Tensor& lse, int64_t b, int64_t hk, int64_t G, const float* acc,
+                const float* m, const float* l, const bool* nan, const bool* seen) {
+  const int64_t Sq = out.size(2), D = out.size(3);
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const auto os = out.strides(), ls = lse.strides();
+  const float nan_f = std::numeric_limits<float>::quiet_NaN();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  bool finite = true;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < Sq; ++t) {
+      const int64_t r = g * Sq + t, h = hk * G + g;
+      T* dst = op + b * os[0] + h * os[1] + t * os[2];
+      const bool empty = !seen[r] && !nan[r];  // a row that sees no key: (0, -inf)
+      const float inv = empty ? 0.f : 1.f / l[r];
+      float odd = 0.f;  // stays 0 while every element written is finite (x - x is NaN for inf and NaN)
+      for (int64_t d = 0; d < D; ++d) {
+        const T y = static_cast<T>(nan[r] ? nan_f : acc[r * D + d] * inv);
+        dst[d * os[3]] = y;
+        odd += static_cast<float>(y) - static_cast<float>(y);
+      }
+      const float lse_r = nan[r] ? nan_f : empty ? neg_inf : m[r] + std::log(l[r]);
+      lp[b * ls[0] + h * ls[1] + t * ls[2]] = lse_r;
+      finite = finite && odd == 0.f && (empty || lse_r - lse_r == 0.f);  // an empty row's -inf is its rule
+    }
+  }
+  return finite;
+}
+
+// A work item's buffers (one per thread of at::parallel_for).
+struct Rows {
+  std::vector<float> qf, acc, s, m, l;
+  std::vector<int64_t> rq;
+  std::vector<char> live;
+  std::unique_ptr<bool[]> nan, seen;
+  Rows(int64_t R, int64_t D)
+      : qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R), rq(R), live(kBlock), nan(new bool[R]), seen(new bool[R]) {}
+};
+
 // Returns whether every score and output element was finite (decode_attention_checked's clean). q_pos / k_pos
 // (int64, (B, Sq) / (B, Sk)) undefined: every key visible to every row; else the slot call's visibility.
 template <typename T>
@@ -238,56 +310,59 @@ bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Sk = k.size(2), G = Hq / Hkv, R = G * Sq;
   const bool masked = k_pos.defined();
-  const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  float* lp = lse.data_ptr<float>();
   const int64_t* qpos = masked ? q_pos.data_ptr<int64_t>() : nullptr;
   const int64_t* kpos = masked ? k_pos.data_ptr<int64_t>() : nullptr;
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides(), ls = lse.strides();
+  const auto ks = k.strides(), vs = v.strides();
   const AttendFn<T> fn = masked ? attend_for<T, true>(R) : attend_for<T, false>(R);
-  const float nan_f = std::numeric_limits<float>::quiet_NaN();
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<char> clean(B * Hkv, 1);  // per work item (each written by one thread)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R);
-    std::vector<int64_t> rq(R);
-    std::vector<char> live(kBlock);
-    std::unique_ptr<bool[]> nan(new bool[R]), seen(new bool[R]);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, hk = w % Hkv;
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t t = 0; t < Sq; ++t) {
-          const T* src = qp + b * qs[0] + (hk * G + g) * qs[1] + t * qs[2];
-          float* dst = qf.data() + (g * Sq + t) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qs[3]]) * static_cast<float>(scale);
-          if (masked) rq[g * Sq + t] = qpos[b * q_pos.stride(0) + t * q_pos.stride(1)];
-        }
+    Rows w(R, D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, hk = item % Hkv;
+      load_rows<T>(q, b, hk, G, scale, w.qf.data());
+      if (masked) {
+        for (int64_t r = 0; r < R; ++r) w.rq[r] = qpos[b * q_pos.stride(0) + (r % Sq) * q_pos.stride(1)];
       }
-      const Visibility vis{masked ? kpos + b * k_pos.stride(0) : nullptr, masked ? k_pos.stride(1) : 0, rq.data(),
+      const Visibility vis{masked ? kpos + b * k_pos.stride(0) : nullptr, masked ? k_pos.stride(1) : 0, w.rq.data(),
                            window};
       bool finite = true;
-      fn(qf.data(), kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk, D, acc.data(),
-         m.data(), l.data(), nan.get(), seen.get(), &finite, s.data(), live.data(), vis);
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t t = 0; t < Sq; ++t) {
-          const int64_t r = g * Sq + t, h = hk * G + g;
-          T* dst = op + b * os[0] + h * os[1] + t * os[2];
-          const bool empty = !seen[r] && !nan[r];  // a row that sees no key: (0, -inf)
-          const float inv = empty ? 0.f : 1.f / l[r];
-          float odd = 0.f;  // stays 0 while every element written is finite (x - x is NaN for inf and NaN)
-          for (int64_t d = 0; d < D; ++d) {
-            const T y = static_cast<T>(nan[r] ? nan_f : acc[r * D + d] * inv);
-            dst[d * os[3]] = y;
-            odd += static_cast<float>(y) - static_cast<float>(y);
-          }
-          const float lse_r = nan[r] ? nan_f : empty ? neg_inf : m[r] + std::log(l[r]);
-          lp[b * ls[0] + h * ls[1] + t * ls[2]] = lse_r;
-          finite = finite && odd == 0.f && lse_r - lse_r == 0.f;
-        }
+      start_rows(R, D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get());
+      fn(w.qf.data(), kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk, D, w.acc.data(),
+         w.m.data(), w.l.data(), w.nan.get(), w.seen.get(), &finite, w.s.data(), w.live.data(), vis);
+      clean[item] = write_rows<T>(out, lse, b, hk, G, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(),
+                                  w.seen.get()) && finite;
+    }
+  });
+  return std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; });
+}
+
+// decode_attention_pages: request b's rows over its pages ks[first[b]:first[b + 1]] (each (1, Hkv, n_i, D)), every
+// key of them visible -- one online softmax over all of a request's pages, so its output is rounded once.
+template <typename T>
+bool run_pages(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std::vector<at::Tensor>& vs,
+               const std::vector<int64_t>& first, int64_t Hkv, at::Tensor& out, at::Tensor& lse, double scale) {
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), G = Hq / Hkv, R = G * Sq;
+  const AttendFn<T> fn = attend_for<T, false>(R);
+  const Visibility every{nullptr, 0, nullptr, 0};
+  std::vector<char> clean(B * Hkv, 1);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    Rows w(R, D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, hk = item % Hkv;
+      load_rows<T>(q, b, hk, G, scale, w.qf.data());
+      bool finite = true;
+      start_rows(R, D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get());
+      for (int64_t i = first[b]; i < first[b + 1]; ++i) {
+        const at::Tensor& k = ks[i];
+        const at::Tensor& v = vs[i];
+        fn(w.qf.data(), k.data_ptr<T>() + hk * k.stride(1), k.stride(2), v.data_ptr<T>() + hk * v.stride(1),
+           v.stride(2), k.size(2), D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get(), &finite,
+           w.s.data(), w.live.data(), every);
       }
-      clean[w] = finite;
+      clean[item] = write_rows<T>(out, lse, b, hk, G, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(),
+                                  w.seen.get()) && finite;
     }
   });
   return std::all_of(clean.begin(), clean.end(), [](char c) { return c != 0; });
@@ -362,6 +437,38 @@ std::tuple<at::Tensor, at::Tensor> slot_attention(const at::Tensor& q, const at:
   return {std::get<0>(res), std::get<1>(res)};
 }
 
+std::tuple<at::Tensor, at::Tensor, bool> decode_attention_pages(const at::Tensor& q, const std::vector<at::Tensor>& ks,
+                                                                const std::vector<at::Tensor>& vs,
+                                                                const std::vector<int64_t>& first, int64_t kv_heads,
+                                                                double scale) {
+  const char* name = "decode_attention_pages";
+  TORCH_CHECK(ks.size() == vs.size(), name, ": as many value pages as key pages");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) > 0 && q.size(2) > 0, name, ": q (B, Hq, Sq, D) with B, Sq >= 1");
+  TORCH_CHECK(first.size() == static_cast<size_t>(q.size(0)) + 1 && first.front() == 0 &&
+                  first.back() == static_cast<int64_t>(ks.size()),
+              name, ": first must hold B + 1 offsets into the pages, from 0 to their count");
+  for (size_t b = 0; b + 1 < first.size(); ++b) TORCH_CHECK(first[b] <= first[b + 1], name, ": first not sorted");
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, name, ": Hq must be a multiple of kv_heads");
+  for (size_t i = 0; i < ks.size(); ++i) {
+    TORCH_CHECK(ks[i].dim() == 4 && ks[i].size(0) == 1 && ks[i].size(1) == kv_heads, name,
+                ": every page (1, kv_heads, n, D)");
+    check_qkv(name, q.narrow(0, 0, 1), ks[i], vs[i]);
+  }
+  TORCH_CHECK(cpu_supported(), name, ": this CPU lacks AVX2/FMA (use the cpu_flash / torch backend)");
+  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), name,
+              ": float32 or bfloat16 CPU tensors");
+  TORCH_CHECK((q.size(1) / kv_heads) * q.size(2) <= kMaxRows && q.size(3) % 8 == 0 && q.size(3) <= kMaxDim, name,
+              ": at most 8 query rows per KV head, D a multiple of 8 up to 256");
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  bool clean = false;
+#ifdef MAGNETAR_X86_DISPATCH
+  clean = q.scalar_type() == at::kFloat ? run_pages<float>(q, ks, vs, first, kv_heads, out, lse, scale)
+                                        : run_pages<at::BFloat16>(q, ks, vs, first, kv_heads, out, lse, scale);
+#endif
+  return {out, lse, clean};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "attention of a few query rows per KV head over every key (decode), one pass over K and V: (out, lse)");
@@ -370,5 +477,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slot_attention", &slot_attention,
         "a decode step over slot buffers: key j visible to query t iff k_pos[j] <= q_pos[t] (and within window "
         "> 0); keys no row sees are not read: (out, lse)");
+  m.def("decode_attention_pages", &decode_attention_pages,
+        "each request's query rows over its KV pages (ks[first[b]:first[b + 1]], each (1, kv_heads, n, D)), every key "
+        "visible, one softmax over all of them: (out, lse, clean)");
   m.def("supported", &supported, "whether this CPU runs decode_attention (x86-64 with AVX2 and FMA)");
 }

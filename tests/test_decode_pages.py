@@ -1,0 +1,189 @@
+"""Paged decode attention (magnetar.ops.pages, cpu_decode's ``decode_attention_pages``): an eager decode step's batch in
+one launch a layer -- each request's rows over its KV pages (its context, its own tokens) -- against the fp64
+reference over the pages joined; None (the caller's per-part path, which keeps the exact non-finite rules) for what the
+kernel cannot take and for any value that is not finite; and Phase 2 taking it exactly where every key precedes the
+token, with the per-part path's states."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import magnetar.engine.phase2 as phase2
+from magnetar.engine.kv import KVShard
+from magnetar.engine.phase2 import Phase2Context
+from magnetar.ops.pages import attend_pages, page_backend
+from magnetar.parallel import local_groups
+from tests.conftest import assert_close
+from tests.reference import dense_attention_fp64
+from tests.test_cpu_decode import RUNS
+from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine
+from tests.tiny_models import ARCHS, tiny_model
+
+needs_kernel = pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (page_backend's "
+                                                   "refusal elsewhere is tested below)")
+
+
+def _pages(g, Hkv, D, dtype, lengths, capacity=0):
+    """A request's pages of ``lengths`` keys, each a view of a buffer ``capacity`` entries longer (a KV store's)."""
+    out = []
+    for n in lengths:
+        k, v = (torch.randn(1, Hkv, n + capacity, D, generator=g).to(dtype)[:, :, :n] for _ in range(2))
+        out.append((k, v))
+    return out
+
+
+def _reference(q, pages, scale):
+    """fp64 (out, lse) of each request's rows over its pages joined (every key visible); no page: (0, -inf)."""
+    outs, lses = [], []
+    for b, request in enumerate(pages):
+        if not request:
+            outs.append(torch.zeros_like(q[b:b + 1], dtype=torch.float64))
+            lses.append(torch.full(q[b:b + 1].shape[:3], float("-inf"), dtype=torch.float64))
+            continue
+        k, v = torch.cat([p[0] for p in request], 2), torch.cat([p[1] for p in request], 2)
+        o, lse = dense_attention_fp64(q[b:b + 1], k, v, causal=False, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,S", [(1, 1), (3, 1), (8, 1), (2, 4)])
+def test_paged_calls_equal_the_fp64_reference(dtype, group, S, seeded):
+    # pages across the kernel's 128-key blocks, views of longer buffers, an empty page (skipped), a request without
+    # pages ((0, -inf)), and one whose later page holds the largest logits (the running max moves between pages)
+    Hkv, D = 2, 64
+    lengths = [[300, 5], [1], [], [128, 0, 129], [40, 700]]
+    pages = [_pages(seeded, Hkv, D, dtype, n, capacity=17) for n in lengths]
+    pages[4][1][0].mul_(3)
+    q = torch.randn(len(pages), group * Hkv, S, D, generator=seeded).to(dtype)
+    out, lse = attend_pages(q, pages, 0.125)
+    want_out, want_lse = _reference(q, pages, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+    assert_close(out, want_out, dtype, "out")
+    assert_close(lse, want_lse, dtype, "lse")
+    assert torch.equal(lse[2], torch.full_like(lse[2], float("-inf"))) and not out[2].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("where", ["q", "k", "v", "k inf"])
+def test_a_value_that_is_not_finite_gives_the_per_part_path(where, seeded):
+    # the kernel's clean flag: any non-finite score or output element -> None, so the caller applies the exact rules
+    pages = [_pages(seeded, 2, 64, torch.float32, [50, 3]) for _ in range(3)]
+    q = torch.randn(3, 6, 1, 64, generator=seeded)
+    assert attend_pages(q, pages, 0.125) is not None
+    t = {"q": q, "k": pages[1][1][0], "v": pages[1][0][1], "k inf": pages[2][0][0]}[where]
+    t[0, 1, 0, 7] = float("inf") if where == "k inf" else float("nan")
+    assert attend_pages(q, pages, 0.125) is None
+
+
+@needs_kernel
+def test_what_the_kernel_cannot_take_gives_the_per_part_path(seeded):
+    pages = [_pages(seeded, 2, 64, torch.float32, [50, 3]) for _ in range(2)]
+    q = torch.randn(2, 6, 1, 64, generator=seeded)
+    assert attend_pages(q, pages, 0.125) is not None
+    assert attend_pages(torch.randn(2, 6, 3, 64, generator=seeded), pages, 0.125) is None  # 9 rows per KV head
+    assert attend_pages(q.double(), [[(k.double(), v.double()) for k, v in p] for p in pages], 0.125) is None
+    mixed = [pages[0], [(pages[1][0][0].bfloat16(), pages[1][0][1].bfloat16())]]
+    assert attend_pages(q, mixed, 0.125) is None  # a page of another dtype
+    strided = [pages[0], [(k.transpose(2, 3).contiguous().transpose(2, 3), v) for k, v in pages[1]]]
+    assert attend_pages(q, strided, 0.125) is None  # not contiguous along D
+    assert attend_pages(q, [[], []], 0.125) is None  # nothing to read
+    assert attend_pages(q, pages, 0.125, backend="cpu_flash") is None  # a named backend without paged calls
+    with pytest.raises(ValueError, match="one list of"):
+        attend_pages(q, pages[:1], 0.125)
+
+
+def test_page_backend_is_cpu_decode_where_its_op_runs_and_none_otherwise():
+    backend = page_backend("auto", torch.device("cpu"))
+    assert (backend.name if backend is not None else None) == ("cpu_decode" if RUNS else None)
+    assert page_backend("cpu_decode", torch.device("cpu")) is not None
+    assert page_backend("cpu_flash", torch.device("cpu")) is None and page_backend("torch", torch.device("cpu")) is None
+    assert page_backend("auto", torch.device("meta")) is None  # no device's backend but the CPU's has paged calls
+
+
+HQ, HKV, D, L = 6, 2, 16, 40
+
+
+def _shard(g: torch.Generator, n: int, start: int = 0) -> KVShard:
+    s = KVShard(1)
+    s.layers[0].append(torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g),
+                       torch.arange(start, start + n))
+    s.freeze()
+    return s
+
+
+def _step(seeded, monkeypatch, *, starts=True, context_start=0, window=None, nan=False):
+    """One layer of a decode step of three requests over distinct contexts through Phase2Context.attend; returns
+    (out, the attention_with_lse calls it made, the positions, the shards, the stores of own tokens, q)."""
+    shards = [_shard(seeded, L + 9 * b, context_start).view() for b in range(3)]
+    gens = [_shard(seeded, 2 + b, L + 9 * b) for b in range(3)]
+    positions = torch.tensor([[L + 9 * b + 2 + b] for b in range(3)])  # each request's new token, after its own
+    q = torch.randn(3, HQ, 1, D, generator=seeded)
+    k, v = torch.randn(3, HKV, 1, D, generator=seeded), torch.randn(3, HKV, 1, D, generator=seeded)
+    if nan:
+        v[1, 0, 0, 3] = float("nan")  # request 1's new token's value: its rows of KV head 0 turn NaN
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    ctx = Phase2Context(positions, shards, gens, [1, 1, 1], local_groups(), "auto",
+                        starts=positions[:, 0].tolist() if starts else None)
+    out = ctx.attend(0, q, k, v, scale=D ** -0.5, window=window)
+    return out, calls, positions, shards, gens, q
+
+
+def _want(b, positions, shards, gens, q, window=None):
+    c, g = shards[b].layers[0], gens[b].layers[0]  # g holds the new token now (appended by attend)
+    keys, values, pos = torch.cat((c.k, g.k), 2), torch.cat((c.v, g.v), 2), torch.cat((c.pos, g.pos))
+    if window is not None:
+        keep = pos > positions[b, 0] - window
+        keys, values, pos = keys[:, :, keep], values[:, :, keep], pos[keep]
+    return dense_attention_fp64(q[b:b + 1], keys, values, q_pos=positions[b], k_pos=pos, scale=D ** -0.5)[0]
+
+
+@needs_kernel
+def test_a_decode_step_reads_each_requests_pages_in_one_call(seeded, monkeypatch):
+    out, calls, positions, shards, gens, q = _step(seeded, monkeypatch)
+    assert calls == []  # no per-part call: the batch went to the paged kernel
+    assert all(gens[b].tokens() == 3 + b for b in range(3))  # the new token stored once
+    for b in range(3):
+        assert_close(out[b:b + 1], _want(b, positions, shards, gens, q).float(), torch.float32, "out", f"request {b}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("why", ["no starts", "a window", "a key after the token", "a NaN"])
+def test_phase2_takes_the_per_part_path_where_pages_would_not_hold(why, seeded, monkeypatch):
+    kw = {"no starts": {"starts": False}, "a window": {"window": 30},
+          "a key after the token": {"context_start": L + 30}, "a NaN": {"nan": True}}[why]
+    out, calls, positions, shards, gens, q = _step(seeded, monkeypatch, **kw)
+    assert len(calls) == 6, calls  # a context call and an own-token call per request
+    assert all(gens[b].tokens() == 3 + b for b in range(3))  # stored once, also after the paged call said None
+    for b in range(3):
+        want = _want(b, positions, shards, gens, q, kw.get("window"))
+        if why == "a NaN" and b == 1:  # the exact rule: the rows reading the NaN value are NaN, the others not
+            assert torch.isnan(out[1, :3]).all() and torch.isfinite(out[1, 3:]).all()
+            continue
+        rows = out[b:b + 1]
+        if why == "a key after the token":  # the context's keys follow the token: only its own tokens are visible
+            assert torch.isfinite(rows).all()
+        assert_close(rows, want.float(), torch.float32, "out", f"{why}: request {b}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("label,flat", LAYOUTS[:2], ids=[x[0] for x in LAYOUTS[:2]])
+def test_eager_steps_over_pages_choose_the_per_part_paths_tokens(arch, label, flat, monkeypatch):
+    # the engine's eager decode steps (a batch joining and leaving) take the paged call and choose the tokens the
+    # per-part path (two calls and a merge per request) chooses; windowed layers (Gemma-3's local ones, every one of
+    # Mistral's) keep the per-part path
+    model = tiny_model(arch, seed=2)
+    paged = []
+    real = phase2.attend_pages
+    monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: paged.append(real(*a, **kw)) or paged[-1])
+    got, batch = _batch_tokens(_engine(model, **flat))
+    assert batch.decode_step == "eager" and all(r is not None for r in paged), f"{arch} {label}"
+    assert bool(paged) == (arch != "mistral"), f"{arch} {label}: {len(paged)} paged calls"
+    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    want, _ = _batch_tokens(_engine(model, **flat))
+    assert got == want, f"{arch} {label}"
