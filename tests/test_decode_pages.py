@@ -152,6 +152,27 @@ def test_a_decode_step_reads_each_requests_pages_in_one_call(seeded, monkeypatch
 
 
 @needs_kernel
+def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(seeded, monkeypatch):
+    # requests 0 and 2 ask about one document (Phase2Context._shared_context: one call over it for both); the paged
+    # call then holds their own tokens only -- and request 1's context and own tokens --, each merged with its part
+    doc, other = _shard(seeded, L), _shard(seeded, L + 9)
+    shards = [doc.view(), other.view(), doc.view()]
+    gens = [_shard(seeded, n, start) for n, start in ((3, L), (5, L + 9), (7, L))]
+    positions = torch.tensor([[L + 3], [L + 14], [L + 7]])
+    q = torch.randn(3, HQ, 1, D, generator=seeded)
+    k, v = torch.randn(3, HKV, 1, D, generator=seeded), torch.randn(3, HKV, 1, D, generator=seeded)
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    ctx = Phase2Context(positions, shards, gens, [1, 1, 1], local_groups(), "auto", starts=positions[:, 0].tolist())
+    out = ctx.attend(0, q, k, v, scale=D ** -0.5)
+    assert calls == [torch.Size([1, HKV, L, D])], calls  # the shared document's one call; the rest paged
+    for b in range(3):
+        assert gens[b].tokens() == (4, 6, 8)[b]
+        assert_close(out[b:b + 1], _want(b, positions, shards, gens, q).float(), torch.float32, "out", f"request {b}")
+
+
+@needs_kernel
 @pytest.mark.parametrize("why", ["no starts", "a window", "a key after the token", "a NaN"])
 def test_phase2_takes_the_per_part_path_where_pages_would_not_hold(why, seeded, monkeypatch):
     kw = {"no starts": {"starts": False}, "a window": {"window": 30},

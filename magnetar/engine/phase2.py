@@ -100,9 +100,12 @@ class Phase2Context(LayerContext):
                window: Optional[int] = None) -> torch.Tensor:
         B, Hq, S, D = q.shape
         shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
-        paged = None if shared else self._paged(layer, q, k, v, scale, window)
-        if paged is not None:
+        paged = self._paged(layer, q, k, v, scale, window, shared)
+        if paged is not None and not shared:
             local_o, local_l = paged
+        elif paged is not None:  # a request on a shared context: that call's state merged with its own tokens' page
+            mine = [[(paged[0][b : b + 1], paged[1][b : b + 1])] for b in range(B)]
+            local_o, local_l = self._combine([[shared[b], *p] if b in shared else p for b, p in enumerate(mine)], q)
         else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
             parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
             local_o, local_l = self._combine(parts, q)
@@ -146,12 +149,13 @@ class Phase2Context(LayerContext):
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: Optional[int]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The batch's local state in one paged call (class docstring), or None -- the per-part path: not a decode
-        step, a window or a decode policy here, a context shard not wholly before its request's token, no backend
-        with paged calls, or a value that was not finite (that path applies the exact rules). The query rank's
-        tokens' KV is stored here (as :meth:`_local` does) before the pages are read; only then can the call still
-        say None, and :meth:`_local` then finds it stored."""
+               window: Optional[int], shared: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` (its context
+        attended already, with the others on its shard) the state of its own tokens alone --, or None: the
+        per-part path (not a decode step, a window or a decode policy here, a context shard not wholly before its
+        request's token, no backend with paged calls, or a value that was not finite: that path applies the exact
+        rules). The query rank's tokens' KV is stored here (as :meth:`_local` does) before the pages are read; only
+        then can the call still say None, and :meth:`_local` then finds it stored."""
         if (q.shape[2] != 1 or window is not None or self.starts is None
                 or (self.policy is not None and self.policy.applies(layer, window))
                 or page_backend(self.backend, q.device) is None):
@@ -159,7 +163,7 @@ class Phase2Context(LayerContext):
         pages = []
         for b, shard in enumerate(self.shards):
             ctx = shard.layers[layer]
-            if len(ctx):
+            if len(ctx) and b not in shared:
                 last = ctx.last_position()
                 if last is None or last >= self.starts[b]:  # a key at or after the token: positions decide
                     return None
