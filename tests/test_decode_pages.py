@@ -208,3 +208,22 @@ def test_eager_steps_over_pages_choose_the_per_part_paths_tokens(arch, label, fl
     monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
     want, _ = _batch_tokens(_engine(model, **flat))
     assert got == want, f"{arch} {label}"
+
+
+@needs_kernel
+def test_an_eager_step_over_pages_reads_the_device_once(monkeypatch):
+    # the per-part path read the device twice a call (the mask's classification, the finite check) and once more for
+    # the tokens; a paged step reads it once: the batch's tokens and finite flags (each context's last position is
+    # read at its first step and remembered)
+    from magnetar.utils.sync import host_syncs
+    from tests.test_continuous_batch import _ids
+
+    eng = _engine(tiny_model("llama", seed=2), method="dense")
+    batch = eng.open_batch()
+    for i in range(3):
+        batch.add(_ids(i, 50 + 10 * i), _ids(10 + i, 4), eng.sampling_params(max_new_tokens=5))
+    batch.step()
+    for _ in range(2):
+        with host_syncs("count") as seen:
+            batch.step()
+        assert seen.calls == ["tolist"], seen.calls
