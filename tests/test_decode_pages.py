@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import magnetar.engine.phase2 as phase2
-from magnetar.engine.kv import KVShard
 from magnetar.engine.phase2 import Phase2Context
 from magnetar.ops.pages import attend_pages, page_backend
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.reference import dense_attention_fp64
 from tests.test_cpu_decode import RUNS
+from tests.test_phase2_shared import HKV, HQ, D, L, _shard
 from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine
 from tests.tiny_models import ARCHS, tiny_model
 
@@ -101,17 +101,6 @@ def test_page_backend_is_cpu_decode_where_its_op_runs_and_none_otherwise():
     assert page_backend("cpu_decode", torch.device("cpu")) is not None
     assert page_backend("cpu_flash", torch.device("cpu")) is None and page_backend("torch", torch.device("cpu")) is None
     assert page_backend("auto", torch.device("meta")) is None  # no device's backend but the CPU's has paged calls
-
-
-HQ, HKV, D, L = 6, 2, 16, 40
-
-
-def _shard(g: torch.Generator, n: int, start: int = 0) -> KVShard:
-    s = KVShard(1)
-    s.layers[0].append(torch.randn(1, HKV, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g),
-                       torch.arange(start, start + n))
-    s.freeze()
-    return s
 
 
 def _step(seeded, monkeypatch, *, starts=True, context_start=0, window=None, nan=False):
