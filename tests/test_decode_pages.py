@@ -103,10 +103,13 @@ def test_page_backend_is_cpu_decode_where_its_op_runs_and_none_otherwise():
     assert page_backend("auto", torch.device("meta")) is None  # no device's backend but the CPU's has paged calls
 
 
-def _step(seeded, monkeypatch, *, starts=True, context_start=0, window=None, nan=False):
+def _step(seeded, monkeypatch, *, starts=True, context_start=0, window=None, nan=False, gapped=False):
     """One layer of a decode step of three requests over distinct contexts through Phase2Context.attend; returns
-    (out, the attention_with_lse calls it made, the positions, the shards, the stores of own tokens, q)."""
+    (out, the attention_with_lse calls it made, the positions, the shards, the stores of own tokens, q). ``gapped``:
+    request 1's context at every other position (Star's anchor and block, Pulsar's summaries keep theirs)."""
     shards = [_shard(seeded, L + 9 * b, context_start).view() for b in range(3)]
+    if gapped:
+        shards[1].layers[0].pos = torch.arange(L + 9) * 2 - L - 9
     gens = [_shard(seeded, 2 + b, L + 9 * b) for b in range(3)]
     positions = torch.tensor([[L + 9 * b + 2 + b] for b in range(3)])  # each request's new token, after its own
     q = torch.randn(3, HQ, 1, D, generator=seeded)
@@ -132,12 +135,16 @@ def _want(b, positions, shards, gens, q, window=None):
 
 
 @needs_kernel
-def test_a_decode_step_reads_each_requests_pages_in_one_call(seeded, monkeypatch):
-    out, calls, positions, shards, gens, q = _step(seeded, monkeypatch)
+@pytest.mark.parametrize("window", [None, 30, 4, 1])
+def test_a_decode_step_reads_each_requests_pages_in_one_call(window, seeded, monkeypatch):
+    # under a sliding window, the part of each store the window keeps: a context's last keys (30), only own tokens (4:
+    # request 2's five own tokens cut too), the token alone (1)
+    out, calls, positions, shards, gens, q = _step(seeded, monkeypatch, window=window)
     assert calls == []  # no per-part call: the batch went to the paged kernel
     assert all(gens[b].tokens() == 3 + b for b in range(3))  # the new token stored once
     for b in range(3):
-        assert_close(out[b:b + 1], _want(b, positions, shards, gens, q).float(), torch.float32, "out", f"request {b}")
+        assert_close(out[b:b + 1], _want(b, positions, shards, gens, q, window).float(), torch.float32, "out",
+                     f"window {window}: request {b}")
 
 
 @needs_kernel
@@ -162,9 +169,9 @@ def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(seeded
 
 
 @needs_kernel
-@pytest.mark.parametrize("why", ["no starts", "a window", "a key after the token", "a NaN"])
+@pytest.mark.parametrize("why", ["no starts", "gapped positions under a window", "a key after the token", "a NaN"])
 def test_phase2_takes_the_per_part_path_where_pages_would_not_hold(why, seeded, monkeypatch):
-    kw = {"no starts": {"starts": False}, "a window": {"window": 30},
+    kw = {"no starts": {"starts": False}, "gapped positions under a window": {"window": 30, "gapped": True},
           "a key after the token": {"context_start": L + 30}, "a NaN": {"nan": True}}[why]
     out, calls, positions, shards, gens, q = _step(seeded, monkeypatch, **kw)
     assert len(calls) == 6, calls  # a context call and an own-token call per request
@@ -185,15 +192,14 @@ def test_phase2_takes_the_per_part_path_where_pages_would_not_hold(why, seeded, 
 @pytest.mark.parametrize("label,flat", LAYOUTS[:2], ids=[x[0] for x in LAYOUTS[:2]])
 def test_eager_steps_over_pages_choose_the_per_part_paths_tokens(arch, label, flat, monkeypatch):
     # the engine's eager decode steps (a batch joining and leaving) take the paged call and choose the tokens the
-    # per-part path (two calls and a merge per request) chooses; windowed layers (Gemma-3's local ones, every one of
-    # Mistral's) keep the per-part path
+    # per-part path (two calls and a merge per request) chooses -- windowed layers too (Gemma-3's local ones, every one
+    # of Mistral's): their pages are what the window keeps
     model = tiny_model(arch, seed=2)
     paged = []
     real = phase2.attend_pages
     monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: paged.append(real(*a, **kw)) or paged[-1])
     got, batch = _batch_tokens(_engine(model, **flat))
-    assert batch.decode_step == "eager" and all(r is not None for r in paged), f"{arch} {label}"
-    assert bool(paged) == (arch != "mistral"), f"{arch} {label}: {len(paged)} paged calls"
+    assert batch.decode_step == "eager" and paged and all(r is not None for r in paged), f"{arch} {label}"
     monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
     want, _ = _batch_tokens(_engine(model, **flat))
     assert got == want, f"{arch} {label}"

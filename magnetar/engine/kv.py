@@ -61,7 +61,7 @@ class LayerKV:
         self.mass: Optional[torch.Tensor] = None
         self.state = PolicyState()  # what decode policies derive from this KV; cleared on append
         self._buf: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the decode store's (k, v, pos)
-        # [keys_finite(), values_finite(), last_position()] once per content, shared with this layer's views (every
+        # [keys_finite(), values_finite(), span()] once per content, shared with this layer's views (every
         # request over one cached context reads the same answers); a new list when the content changes
         self._facts: list = [None, None, None]
 
@@ -132,12 +132,17 @@ class LayerKV:
         layer changes; a static decode step places a context's KV only when both are)."""
         return self._checked(1, self.v)
 
-    def last_position(self) -> Optional[int]:
-        """The largest position of this frozen layer's entries (None: it holds none): one read the first time,
-        remembered until the layer changes -- whether a decode step's query follows every key of a cached context
-        (:meth:`magnetar.engine.phase2.Phase2Context.attend` reads a request's KV pages in one call then)."""
+    def span(self) -> Optional[tuple[int, int, bool]]:
+        """``(first, last, consecutive)`` of this frozen layer's positions -- its first entry's, the largest, and
+        whether entry i sits at ``first + i`` -- or None when it holds none: one read the first time, remembered until
+        the layer changes. Whether a decode step's token follows every key of a cached context, and which of them a
+        sliding window keeps (:meth:`magnetar.engine.phase2.Phase2Context._paged` reads a request's KV as pages
+        then)."""
         if self._facts[2] is None and self.pos is not None and len(self.pos):
-            self._facts[2] = int(self.pos.max())
+            pos = self.pos
+            steps = pos[1:] - pos[:-1]
+            first, last, consecutive = torch.stack((pos[0], pos.max(), (steps == 1).all().long())).tolist()
+            self._facts[2] = (first, last, bool(consecutive))
         return self._facts[2]
 
     def _checked(self, i: int, t: Optional[torch.Tensor]) -> bool:

@@ -57,9 +57,10 @@ class Phase2Context(LayerContext):
     Every rank ends with the same output, so every rank runs the same model forward.
 
     ``starts[b]``: request b's first position on the host (``positions[b, 0]``), when the caller knows it. In a
-    decode step (one token each, no window, no decode policy applying) whose every context shard precedes its
-    token, each request's parts are then pages of one attention (:func:`magnetar.ops.pages.attend_pages`): the
-    whole batch in ONE kernel launch a layer where the backend has one, rather than two calls and a merge each.
+    decode step (one token each, no decode policy applying) whose every context shard precedes its token, each
+    request's parts are then pages of one attention (:func:`magnetar.ops.pages.attend_pages`) -- under a sliding
+    window the keys in it, where positions are consecutive --: the whole batch in ONE kernel launch a layer where the
+    backend has one, rather than two calls and a merge each.
     """
 
     layer_range = PHASE2_LAYER
@@ -152,11 +153,13 @@ class Phase2Context(LayerContext):
                window: Optional[int], shared: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` (its context
         attended already, with the others on its shard) the state of its own tokens alone --, or None: the
-        per-part path (not a decode step, a window or a decode policy here, a context shard not wholly before its
-        request's token, no backend with paged calls, or a value that was not finite: that path applies the exact
-        rules). The query rank's tokens' KV is stored here (as :meth:`_local` does) before the pages are read; only
-        then can the call still say None, and :meth:`_local` then finds it stored."""
-        if (q.shape[2] != 1 or window is not None or self.starts is None
+        per-part path (not a decode step, a decode policy here, a context shard not wholly before its request's token
+        -- or, under a window, not at consecutive positions --, no backend with paged calls, or a value that was not
+        finite: that path applies the exact rules). Under a window a page is the part of a store the window keeps
+        (the own tokens sit at consecutive positions ending at the token by construction). The query rank's tokens'
+        KV is stored here (as :meth:`_local` does) before the pages are read; only then can the call still say None,
+        and :meth:`_local` then finds it stored."""
+        if (q.shape[2] != 1 or self.starts is None
                 or (self.policy is not None and self.policy.applies(layer, window))
                 or page_backend(self.backend, q.device) is None):
             return None
@@ -164,16 +167,19 @@ class Phase2Context(LayerContext):
         for b, shard in enumerate(self.shards):
             ctx = shard.layers[layer]
             if len(ctx) and b not in shared:
-                last = ctx.last_position()
-                if last is None or last >= self.starts[b]:  # a key at or after the token: positions decide
-                    return None
-                pages.append([(ctx.k, ctx.v)])
+                span = ctx.span()
+                if span is None or span[1] >= self.starts[b] or (window is not None and not span[2]):
+                    return None  # a key at or after the token, or gapped positions under a window: positions decide
+                # the window keeps the keys at positions > token - window (consecutive: from that index on)
+                cut = 0 if window is None else min(max(self.starts[b] - window + 1 - span[0], 0), len(ctx))
+                pages.append([(ctx.k[:, :, cut:], ctx.v[:, :, cut:])] if cut < len(ctx) else [])
             else:
                 pages.append([])
         if self.gens is not None:  # the query rank: its own tokens, the new one last (every one visible to it)
             for b in range(len(self.gens)):
                 g = self._own(layer, b, k, v)
-                pages[b].append((g.k, g.v))
+                cut = 0 if window is None else max(len(g) - window, 0)
+                pages[b].append((g.k[:, :, cut:], g.v[:, :, cut:]))
             self._stored = layer
         return attend_pages(q, pages, scale, backend=self.backend)
 
