@@ -222,3 +222,23 @@ def test_an_eager_step_over_pages_reads_the_device_once(monkeypatch):
         with host_syncs("count") as seen:
             batch.step()
         assert seen.calls == ["tolist"], seen.calls
+
+
+@needs_kernel
+def test_the_paged_call_is_an_attention_range_inside_the_layers(monkeypatch):
+    # docs/profiling.md: every attention kernel call is a magnetar/attention/{backend} range (Nsight, the kit's ncu
+    # step, benchmarks/profile_decode.py's split) -- the paged one too, inside its layer's range
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.test_continuous_batch import _ids
+
+    eng = _engine(tiny_model("llama", seed=2), method="dense")
+    batch = eng.open_batch()
+    for i in range(2):
+        batch.add(_ids(i, 50), _ids(10 + i, 4), eng.sampling_params(max_new_tokens=4))
+    batch.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batch.step()
+    ranges = [e for e in prof.events() if e.name == "magnetar/attention/cpu_decode"]
+    assert len(ranges) == 2, [e.name for e in prof.events() if e.name.startswith("magnetar/")]  # one a layer
+    assert all(e.cpu_parent is not None and e.cpu_parent.name.startswith("magnetar/phase2/layer") for e in ranges)

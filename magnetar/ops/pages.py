@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from magnetar.ops.backends import AttentionBackend, get_backend
+from magnetar.utils.nvtx import ATTENTION, nvtx_range
 
 Page = tuple[torch.Tensor, torch.Tensor]  # (k, v), each (1, Hkv, n, D)
 
@@ -52,4 +53,5 @@ def attend_pages(q: torch.Tensor, pages: Sequence[Sequence[Page]], scale: float,
     impl = page_backend(backend, q.device)
     if impl is None:
         return None
-    return impl.pages_forward(q, pages, float(scale))
+    with nvtx_range(ATTENTION, backend=impl.name):  # one kernel call, as attention_with_lse's are (docs/profiling.md)
+        return impl.pages_forward(q, pages, float(scale))
