@@ -111,10 +111,10 @@ class CpuDecodeBackend:
 
     def pages_forward(self, q, pages, scale):
         """An eager decode step's batch in one launch (:mod:`magnetar.ops.pages`' contract): request b's rows over
-        its ``pages[b]``, one softmax over all of them. None -- the caller's per-part path -- for what the kernel
-        cannot take (a page of another dtype, layout or head count, a shape of :func:`shape_reasons`, empty pages
-        only count as none) or when a score or an output element was not finite (that path applies the exact
-        non-finite rules)."""
+        its ``pages[b]``, one softmax over all of them (empty pages are skipped). None -- the caller's per-part path --
+        for what the kernel cannot take (a page of another dtype, layout or head count, a shape of
+        :func:`shape_reasons`, no page at all) or when a score or an output element was not finite (that path applies
+        the exact non-finite rules)."""
         ks, vs, first = [], [], [0]
         for request in pages:
             for k, v in request:
