@@ -84,8 +84,9 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict:
     if torch.backends.mkldnn.is_available():
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         out["onednn_packed"] = lambda x, k: torch.ops.mkldnn._linear_pointwise(x, dnn[k], None, "none", [], "")
-    if weights[0].dtype == torch.bfloat16 and weights[0].shape[1] % 2 == 0:
-        from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable
+    from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable, weight_reason
+
+    if weight_reason(weights[0]) is None:
 
         if small_gemm_unavailable() is None:
             small = [SmallGemm(w) for w in weights]

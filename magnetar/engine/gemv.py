@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from magnetar.models.dummy import free_memory
-from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable
+from magnetar.ops.small_gemm import SmallGemm, small_gemm_unavailable, weight_reason
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ def _copy_kinds(targets: list) -> list[type]:
     """The kinds of copy :class:`_Batches` times for ``targets``: oneDNN's, and for bf16 weights with an even input
     size the small GEMM op's where it runs (an AVX-512 BF16 CPU; asked only then: it builds the op)."""
     kinds: list[type] = [_Packed]
-    if all(w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 for _, w, _ in targets):
+    if all(weight_reason(w) is None for _, w, _ in targets):
         reason = small_gemm_unavailable()
         if reason is None:
             kinds.append(_SmallPacked)

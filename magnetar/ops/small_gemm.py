@@ -26,6 +26,17 @@ SMALL_GEMM_OP = LazyOp("CPU small bf16 GEMM", _make_builder, ("pack", "gemm", "s
                        devices=("cpu",))
 
 
+def weight_reason(weight_out_in: torch.Tensor) -> Optional[str]:
+    """Why the op cannot take this weight (None: it can, where it runs): it needs a 2-D bfloat16 CPU tensor whose
+    input size is even (the layout pairs inputs)."""
+    if weight_out_in.dtype != torch.bfloat16 or weight_out_in.device.type != "cpu" or weight_out_in.dim() != 2:
+        return (f"the weight must be a 2-D bfloat16 CPU tensor, got {weight_out_in.dtype} "
+                f"{tuple(weight_out_in.shape)} on {weight_out_in.device}")
+    if weight_out_in.shape[1] % 2:
+        return f"the weight's input size must be even, got {weight_out_in.shape[1]}"
+    return None
+
+
 def small_gemm_unavailable() -> Optional[str]:
     """Why :class:`SmallGemm` cannot run in this process (the op did not build, or the CPU lacks AVX-512 BF16), or
     None. Builds or loads the op on the first call; never raises."""
@@ -38,12 +49,7 @@ class SmallGemm:
     does not fit: another dtype, an odd ``in``, or the op unavailable here."""
 
     def __init__(self, weight_out_in: torch.Tensor):
-        if weight_out_in.dtype != torch.bfloat16 or weight_out_in.device.type != "cpu" or weight_out_in.dim() != 2:
-            raise ValueError(f"SmallGemm: the weight must be a 2-D bfloat16 CPU tensor, got {weight_out_in.dtype} "
-                             f"{tuple(weight_out_in.shape)} on {weight_out_in.device}")
-        if weight_out_in.shape[1] % 2:
-            raise ValueError(f"SmallGemm: the weight's input size must be even, got {weight_out_in.shape[1]}")
-        reason = small_gemm_unavailable()
+        reason = weight_reason(weight_out_in) or small_gemm_unavailable()
         if reason is not None:
             raise ValueError(f"SmallGemm: {reason}")
         self._op = SMALL_GEMM_OP.load("cpu")
