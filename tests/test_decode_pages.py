@@ -147,6 +147,27 @@ def test_a_decode_step_reads_each_requests_pages_in_one_call(window, seeded, mon
                      f"window {window}: request {b}")
 
 
+@pytest.mark.parametrize("window", [None, 30, 4, 1])
+def test_without_paged_calls_a_decode_step_makes_full_calls_over_the_keys_it_sees(window, seeded, monkeypatch):
+    # a backend without pages (every CUDA one today): each request's two calls are over the keys its token sees, of
+    # the FULL kind without positions -- the front end reads none of them to classify a call (a host synchronization
+    # each on a GPU) -- with the same states
+    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    seen = []
+    real = phase2.attention_with_lse
+
+    def spy(q, k, v, **kw):
+        seen.append((kw.get("causal", True), kw.get("q_pos"), kw.get("window")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(phase2, "attention_with_lse", spy)
+    out, _, positions, shards, gens, q = _step(seeded, monkeypatch, window=window)
+    assert len(seen) == 6 and all(c == (False, None, None) for c in seen), seen
+    for b in range(3):
+        assert_close(out[b:b + 1], _want(b, positions, shards, gens, q, window).float(), torch.float32, "out",
+                     f"window {window}: request {b}")
+
+
 @needs_kernel
 def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(seeded, monkeypatch):
     # requests 0 and 2 ask about one document (Phase2Context._shared_context: one call over it for both); the paged

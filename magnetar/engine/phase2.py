@@ -167,21 +167,33 @@ class Phase2Context(LayerContext):
         for b, shard in enumerate(self.shards):
             ctx = shard.layers[layer]
             if len(ctx) and b not in shared:
-                span = ctx.span()
-                if span is None or span[1] >= self.starts[b] or (window is not None and not span[2]):
-                    return None  # a key at or after the token, or gapped positions under a window: positions decide
-                # the window keeps the keys at positions > token - window (consecutive: from that index on)
-                cut = 0 if window is None else min(max(self.starts[b] - window + 1 - span[0], 0), len(ctx))
+                cut = self._seen_from(b, ctx, window, own=False)
+                if cut is None:  # a key at or after the token, or gapped positions under a window: positions decide
+                    return None
                 pages.append([(ctx.k[:, :, cut:], ctx.v[:, :, cut:])] if cut < len(ctx) else [])
             else:
                 pages.append([])
-        if self.gens is not None:  # the query rank: its own tokens, the new one last (every one visible to it)
+        if self.gens is not None:  # the query rank: its own tokens, the new one last
             for b in range(len(self.gens)):
                 g = self._own(layer, b, k, v)
-                cut = 0 if window is None else max(len(g) - window, 0)
+                cut = self._seen_from(b, g, window, own=True)
                 pages[b].append((g.k[:, :, cut:], g.v[:, :, cut:]))
             self._stored = layer
         return attend_pages(q, pages, scale, backend=self.backend)
+
+    def _seen_from(self, b: int, kv: LayerKV, window: Optional[int], *, own: bool) -> Optional[int]:
+        """In a decode step, the index from which request b's token sees every key of ``kv`` and none before (all of
+        them: 0; none: ``len(kv)``), known on the host -- or None: positions must decide. A context shard's facts
+        are its :meth:`~LayerKV.span` (read once per context): every key before the token, and under a window at
+        consecutive positions, the window keeping those at positions > token - window; the own tokens (``own``) sit
+        at consecutive positions ending at the token by construction."""
+        n = len(kv)
+        if own:
+            return 0 if window is None else max(n - window, 0)
+        span = kv.span()
+        if span is None or span[1] >= self.starts[b] or (window is not None and not span[2]):
+            return None
+        return 0 if window is None else min(max(self.starts[b] - window + 1 - span[0], 0), n)
 
     def _own(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
         """The query rank's store of request b's own tokens at ``layer``, this forward's real tokens appended once."""
@@ -237,12 +249,23 @@ class Phase2Context(LayerContext):
                                                     backend=self.backend, valid=self.valid[b], **mine))
             g = None if mine else g
         elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
-            parts.append(attention_with_lse(qb, ctx.k, ctx.v, q_pos=pos, k_pos=ctx.pos, scale=scale, window=window,
-                                            backend=self.backend, k_finite=ctx.keys_finite()))
+            parts.append(self._attend_part(b, qb, ctx, scale, window, own=False, k_finite=ctx.keys_finite()))
         if g is not None:  # the query rank: its own query/generated tokens, causally
-            parts.append(attention_with_lse(qb, g.k, g.v, q_pos=pos, k_pos=g.pos, scale=scale, window=window,
-                                            backend=self.backend))
+            parts.append(self._attend_part(b, qb, g, scale, window, own=True))
         return parts
+
+    def _attend_part(self, b: int, qb: torch.Tensor, kv: LayerKV, scale: float, window: Optional[int], *,
+                     own: bool, k_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's rows ``qb`` over one store (its context shard, or with ``own`` its own tokens'). In a decode
+        step where the host knows which keys the token sees (:meth:`_seen_from`), the call is over those, of the
+        FULL kind without positions: the front end reads none to classify it (a host synchronization a call on a
+        GPU, and a mask under a window); else positions decide."""
+        cut = self._seen_from(b, kv, window, own=own) if qb.shape[2] == 1 and self.starts is not None else None
+        if cut is not None:  # the keys from cut on, every one seen (none: the (0, -inf) state)
+            return attention_with_lse(qb, kv.k[:, :, cut:], kv.v[:, :, cut:], causal=False, scale=scale,
+                                      backend=self.backend, k_finite=k_finite)
+        return attention_with_lse(qb, kv.k, kv.v, q_pos=self.positions[b], k_pos=kv.pos, scale=scale, window=window,
+                                  backend=self.backend, k_finite=k_finite)
 
 
 @dataclass
