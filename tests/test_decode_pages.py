@@ -169,9 +169,13 @@ def test_without_paged_calls_a_decode_step_makes_full_calls_over_the_keys_it_see
 
 
 @needs_kernel
-def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(seeded, monkeypatch):
+@pytest.mark.parametrize("paged", [True, False])
+def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(paged, seeded, monkeypatch):
     # requests 0 and 2 ask about one document (Phase2Context._shared_context: one call over it for both); the paged
-    # call then holds their own tokens only -- and request 1's context and own tokens --, each merged with its part
+    # call then holds their own tokens only -- and request 1's context and own tokens --, each merged with its part.
+    # Without paged calls, every call -- the shared one too -- is of the FULL kind, without positions
+    if not paged:
+        monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
     doc, other = _shard(seeded, L), _shard(seeded, L + 9)
     shards = [doc.view(), other.view(), doc.view()]
     gens = [_shard(seeded, n, start) for n, start in ((3, L), (5, L + 9), (7, L))]
@@ -180,10 +184,14 @@ def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(seeded
     k, v = torch.randn(3, HKV, 1, D, generator=seeded), torch.randn(3, HKV, 1, D, generator=seeded)
     calls = []
     real = phase2.attention_with_lse
-    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(phase2, "attention_with_lse",
+                        lambda *a, **kw: calls.append((a[1].shape, kw.get("causal", True))) or real(*a, **kw))
     ctx = Phase2Context(positions, shards, gens, [1, 1, 1], local_groups(), "auto", starts=positions[:, 0].tolist())
     out = ctx.attend(0, q, k, v, scale=D ** -0.5)
-    assert calls == [torch.Size([1, HKV, L, D])], calls  # the shared document's one call; the rest paged
+    if paged:  # the shared document's one call; the rest paged
+        assert calls == [(torch.Size([1, HKV, L, D]), False)], calls
+    else:  # that call, request 1's context, each request's own tokens
+        assert len(calls) == 5 and not any(causal for _, causal in calls), calls
     for b in range(3):
         assert gens[b].tokens() == (4, 6, 8)[b]
         assert_close(out[b:b + 1], _want(b, positions, shards, gens, q).float(), torch.float32, "out", f"request {b}")

@@ -142,9 +142,14 @@ class Phase2Context(LayerContext):
             ctx = self.shards[rows[0]].layers[layer]
             idx = torch.tensor(rows, device=q.device)
             qs = q.index_select(0, idx).transpose(0, 2)  # (n, Hq, 1, D) -> (1, Hq, n, D): a row per request
-            o, l = attention_with_lse(qs, ctx.k, ctx.v, q_pos=self.positions.index_select(0, idx)[:, 0],
-                                      k_pos=ctx.pos, scale=scale, window=window, backend=self.backend,
-                                      k_finite=ctx.keys_finite())
+            if window is None and all(self._seen_from(b, ctx, None, own=False) == 0 for b in rows):
+                # every key before every row's token (host facts): the FULL kind, no positions to read
+                o, l = attention_with_lse(qs, ctx.k, ctx.v, causal=False, scale=scale, backend=self.backend,
+                                          k_finite=ctx.keys_finite())
+            else:
+                o, l = attention_with_lse(qs, ctx.k, ctx.v, q_pos=self.positions.index_select(0, idx)[:, 0],
+                                          k_pos=ctx.pos, scale=scale, window=window, backend=self.backend,
+                                          k_finite=ctx.keys_finite())
             for i, b in enumerate(rows):
                 out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
         return out
@@ -186,7 +191,9 @@ class Phase2Context(LayerContext):
         them: 0; none: ``len(kv)``), known on the host -- or None: positions must decide. A context shard's facts
         are its :meth:`~LayerKV.span` (read once per context): every key before the token, and under a window at
         consecutive positions, the window keeping those at positions > token - window; the own tokens (``own``) sit
-        at consecutive positions ending at the token by construction."""
+        at consecutive positions ending at the token by construction. Without ``starts``: None."""
+        if self.starts is None:
+            return None
         n = len(kv)
         if own:
             return 0 if window is None else max(n - window, 0)
@@ -260,7 +267,7 @@ class Phase2Context(LayerContext):
         step where the host knows which keys the token sees (:meth:`_seen_from`), the call is over those, of the
         FULL kind without positions: the front end reads none to classify it (a host synchronization a call on a
         GPU, and a mask under a window); else positions decide."""
-        cut = self._seen_from(b, kv, window, own=own) if qb.shape[2] == 1 and self.starts is not None else None
+        cut = self._seen_from(b, kv, window, own=own) if qb.shape[2] == 1 else None
         if cut is not None:  # the keys from cut on, every one seen (none: the (0, -inf) state)
             return attention_with_lse(qb, kv.k[:, :, cut:], kv.v[:, :, cut:], causal=False, scale=scale,
                                       backend=self.backend, k_finite=k_finite)
