@@ -10,7 +10,7 @@ import torch
 
 import magnetar.engine.phase2 as phase2
 from magnetar.engine.phase2 import Phase2Context
-from magnetar.ops.pages import attend_pages, page_backend
+from magnetar.ops.pages import Page, PageByPage, attend_pages, page_backend
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.reference import dense_attention_fp64
@@ -90,17 +90,51 @@ def test_what_the_kernel_cannot_take_gives_the_per_part_path(seeded):
     strided = [pages[0], [(k.transpose(2, 3).contiguous().transpose(2, 3), v) for k, v in pages[1]]]
     assert attend_pages(q, strided, 0.125) is None  # not contiguous along D
     assert attend_pages(q, [[], []], 0.125) is None  # nothing to read
-    assert attend_pages(q, pages, 0.125, backend="cpu_flash") is None  # a named backend without paged calls
     with pytest.raises(ValueError, match="one list of"):
         attend_pages(q, pages[:1], 0.125)
 
 
-def test_page_backend_is_cpu_decode_where_its_op_runs_and_none_otherwise():
+def test_page_backend_is_cpu_decode_where_its_op_runs_else_page_by_page():
     backend = page_backend("auto", torch.device("cpu"))
-    assert (backend.name if backend is not None else None) == ("cpu_decode" if RUNS else None)
-    assert page_backend("cpu_decode", torch.device("cpu")) is not None
-    assert page_backend("cpu_flash", torch.device("cpu")) is None and page_backend("torch", torch.device("cpu")) is None
-    assert page_backend("auto", torch.device("meta")) is None  # no device's backend but the CPU's has paged calls
+    assert isinstance(backend, PageByPage) != RUNS and (backend.name == "cpu_decode") == RUNS
+    assert page_backend("cpu_decode", torch.device("cpu")).name == "cpu_decode"
+    for name in ("cpu_flash", "torch"):  # a named backend without paged calls: its kernel page by page
+        assert isinstance(page_backend(name, torch.device("cpu")), PageByPage)
+        assert page_backend(name, torch.device("cpu")).backend == name
+    cuda = page_backend("auto", torch.device("cuda"))  # no CUDA backend has paged calls yet: auto's kernels
+    assert isinstance(cuda, PageByPage) and cuda.backend == "auto"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["cpu_flash", "torch", "tiled"])
+def test_page_by_page_equals_the_fp64_reference(dtype, backend, seeded):
+    # each page one FULL call of the backend, a request's pages merged (every request two: ONE merge for the batch;
+    # counts that differ: a merge each), a request without pages the empty state; pages whose keys are known finite
+    Hkv, D = 2, 64
+    for lengths in ([[300, 5], [40, 7], [1, 128]], [[300, 5], [1], [], [128, 0, 129]]):
+        pages = [[Page(k, v, k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, Hkv, D, dtype, n, 17))]
+                 for n in lengths]
+        q = torch.randn(len(pages), 3 * Hkv, 1, D, generator=seeded).to(dtype)
+        out, lse = attend_pages(q, pages, 0.125, backend=backend)
+        want_out, want_lse = _reference(q, pages, 0.125)
+        assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32
+        assert_close(out, want_out, dtype, "out", f"{backend} {lengths}")
+        assert_close(lse, want_lse, dtype, "lse", f"{backend} {lengths}")
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "k inf", "k -inf", "known-finite page's v"])
+def test_page_by_page_gives_the_per_part_path_for_a_value_that_is_not_finite(where, seeded):
+    # "k -inf": every row reading it has q > 0 there, so its score is -inf and the kernel's output stays finite -- the
+    # rule (a non-finite key makes the rows that see it NaN) needs the keys read
+    pages = [[Page(k, v, k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, 2, 64, torch.float32, [50, 3]))]
+             for _ in range(3)]
+    q = torch.randn(3, 6, 1, 64, generator=seeded)
+    q[..., 7] = q[..., 7].abs() + 0.1
+    assert attend_pages(q, pages, 0.125, backend="cpu_flash") is not None
+    t = {"q": q, "k": pages[1][1].k, "v": pages[1][1].v, "k inf": pages[2][1].k, "k -inf": pages[2][1].k,
+         "known-finite page's v": pages[0][0].v}[where]
+    t[0, 1, 0, 7] = {"k inf": float("inf"), "k -inf": float("-inf")}.get(where, float("nan"))
+    assert attend_pages(q, pages, 0.125, backend="cpu_flash") is None
 
 
 def _step(seeded, monkeypatch, *, starts=True, context_start=0, window=None, nan=False, gapped=False):
@@ -271,3 +305,18 @@ def test_the_paged_call_is_an_attention_range_inside_the_layers(monkeypatch):
     ranges = [e for e in prof.events() if e.name == "magnetar/attention/cpu_decode"]
     assert len(ranges) == 2, [e.name for e in prof.events() if e.name.startswith("magnetar/")]  # one a layer
     assert all(e.cpu_parent is not None and e.cpu_parent.name.startswith("magnetar/phase2/layer") for e in ranges)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_backend_without_paged_calls_serves_eager_steps_page_by_page(arch, monkeypatch):
+    # attention_backend "cpu_flash" (as every CUDA backend today): the decode steps make no attention_with_lse call --
+    # PageByPage calls the kernel per page and checks the batch once -- and choose the per-part path's tokens
+    model = tiny_model(arch, seed=2)
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    got, batch = _batch_tokens(_engine(model, method="dense", attention_backend="cpu_flash"))
+    assert calls and all(shape[2] > 1 for shape in calls), calls  # only the queries' forwards (S > 1)
+    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    want, _ = _batch_tokens(_engine(model, method="dense", attention_backend="cpu_flash"))
+    assert got == want, arch

@@ -31,7 +31,7 @@ from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.nonfinite import all_finite
-from magnetar.ops.pages import attend_pages, page_backend
+from magnetar.ops.pages import Page, attend_pages, page_backend
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
@@ -175,14 +175,14 @@ class Phase2Context(LayerContext):
                 cut = self._seen_from(b, ctx, window, own=False)
                 if cut is None:  # a key at or after the token, or gapped positions under a window: positions decide
                     return None
-                pages.append([(ctx.k[:, :, cut:], ctx.v[:, :, cut:])] if cut < len(ctx) else [])
+                pages.append([Page(ctx.k[:, :, cut:], ctx.v[:, :, cut:], ctx.keys_finite())] if cut < len(ctx) else [])
             else:
                 pages.append([])
         if self.gens is not None:  # the query rank: its own tokens, the new one last
             for b in range(len(self.gens)):
                 g = self._own(layer, b, k, v)
                 cut = self._seen_from(b, g, window, own=True)
-                pages[b].append((g.k[:, :, cut:], g.v[:, :, cut:]))
+                pages[b].append(Page(g.k[:, :, cut:], g.v[:, :, cut:]))
             self._stored = layer
         return attend_pages(q, pages, scale, backend=self.backend)
 

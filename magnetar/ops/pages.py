@@ -14,44 +14,95 @@ with a ``pages_forward(q, pages, scale)`` method, which returns ``(out, lse)`` o
 (a shape, a dtype) or met a value that is not finite. :func:`attend_pages` returns None in both cases, and the caller
 takes its per-part path: there :func:`~magnetar.ops.attention_with_lse` and :func:`~magnetar.ops.merge_states`
 apply the exact non-finite rules, so a NaN is never turned into a finite result here. ``auto`` picks ``cpu_decode``
-on a CPU whose op runs (``csrc/decode_attention.cpp``'s ``decode_attention_pages``); a backend named in
-``runtime.attention_backend`` without such a method -- and every CUDA backend today -- keeps the per-part path.
+on a CPU whose op runs (``csrc/decode_attention.cpp``'s ``decode_attention_pages``). Elsewhere -- every CUDA backend
+today, or a backend named in ``runtime.attention_backend`` without such a method -- :class:`PageByPage` serves the
+contract with the registry's ordinary kernels: each page one FULL call of the backend ``auto`` (or the named one)
+picks, the pages of a request merged, and ONE finite check for the whole batch (a page's ``k_finite`` spares it the
+read of keys its owner checked once) where the front end makes two host reads a call.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from magnetar.ops.backends import AttentionBackend, get_backend
+from magnetar.ops.backends import get_backend, select_backend
+from magnetar.ops.call import FULL, AttentionCall
+from magnetar.ops.merge import merge_states
+from magnetar.ops.nonfinite import all_finite
 from magnetar.utils.nvtx import ATTENTION, nvtx_range
 
-Page = tuple[torch.Tensor, torch.Tensor]  # (k, v), each (1, Hkv, n, D)
+
+class Page(NamedTuple):
+    """One piece of a request's KV: ``k, v (1, Hkv, n, D)``; ``k_finite``: its owner knows every key is finite
+    (checked once for a frozen context: :meth:`magnetar.engine.kv.LayerKV.keys_finite`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_finite: bool = False
 
 
-def page_backend(name: str, device: torch.device) -> Optional[AttentionBackend]:
-    """The backend whose ``pages_forward`` serves paged calls on ``device`` for ``runtime.attention_backend =
-    name``: the named one if it has the method, else none; ``auto``: ``cpu_decode`` on a CPU whose op runs here."""
+class PageByPage:
+    """Paged calls on the registry's ordinary kernels (module docstring): request b's pages each one FULL call of
+    ``backend`` (``auto``: the kernel ``auto`` picks for it), merged; None when q, a key (a page not ``k_finite``)
+    or an output was not finite -- one read of the device for the batch."""
+
+    def __init__(self, backend: str):
+        self.name, self.backend = backend, backend
+
+    def pages_forward(self, q, pages, scale):
+        B, Hq, S, D = q.shape
+        states, check = [], [q]
+        for b, request in enumerate(pages):
+            parts = []
+            for page in request:
+                if not page.k.shape[2]:
+                    continue
+                call = AttentionCall(q[b : b + 1], page.k, page.v, None, None, scale, FULL)
+                impl = select_backend(call, self.backend)
+                with nvtx_range(ATTENTION, backend=impl.name):
+                    parts.append(impl.forward(call))
+                check += [parts[-1][0]] if page.k_finite else [page.k, parts[-1][0]]
+            if not parts:  # nothing to read: the empty state
+                parts = [(q.new_zeros(1, Hq, S, D), torch.full((1, Hq, S), float("-inf"), device=q.device))]
+            states.append(parts)
+        if not all_finite(*check):  # the per-part path applies the exact rules
+            return None
+        counts = {len(p) for p in states}
+        if len(counts) == 1:  # every request's pages merged in ONE call (a decode step: context and own tokens each)
+            n = counts.pop()
+            outs = [torch.cat([p[i][0].to(q.dtype) for p in states]) for i in range(n)]
+            lses = [torch.cat([p[i][1] for p in states]) for i in range(n)]
+            return (outs[0], lses[0]) if n == 1 else merge_states(outs, lses)
+        merged = [p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p]) for p in states]
+        return torch.cat([o.to(q.dtype) for o, _ in merged]), torch.cat([lse for _, lse in merged])
+
+
+def page_backend(name: str, device: torch.device):
+    """What serves paged calls on ``device`` for ``runtime.attention_backend = name``: the named backend if it has
+    ``pages_forward``, else :class:`PageByPage` over it; ``auto``: ``cpu_decode`` on a CPU whose op runs here, else
+    :class:`PageByPage` over ``auto``'s choices."""
     if name != "auto":
         backend = get_backend(name)
-        return backend if hasattr(backend, "pages_forward") else None
+        return backend if hasattr(backend, "pages_forward") else PageByPage(name)
     if device.type == "cpu":
         backend = get_backend("cpu_decode")
         if backend.runs_here():
             return backend
-    return None
+    return PageByPage("auto")
 
 
 def attend_pages(q: torch.Tensor, pages: Sequence[Sequence[Page]], scale: float,
                  backend: str = "auto") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(out (B, Hq, S, D) in q's dtype, lse (B, Hq, S) float32)`` of each request's rows ``q[b]`` over the keys of
-    its ``pages[b]`` (every one visible to every row; see the module docstring), or None: no backend took the call,
-    or a value was not finite (the caller's per-part path then applies the exact rules)."""
+    its ``pages[b]`` (:class:`Page`; every key visible to every row: see the module docstring), or None: the backend
+    could not take the call, or a value was not finite (the caller's per-part path then applies the exact rules)."""
     if len(pages) != q.shape[0]:
         raise ValueError(f"attend_pages: {len(pages)} requests' pages for a batch of {q.shape[0]} queries; pass one "
-                         f"list of (k, v) pages per row of q")
+                         f"list of Page(k, v) per row of q")
+    pages = [[p if isinstance(p, Page) else Page(*p) for p in request] for request in pages]  # (k, v) pairs too
     impl = page_backend(backend, q.device)
-    if impl is None:
-        return None
+    if isinstance(impl, PageByPage):  # each page's kernel call is a range of its own
+        return impl.pages_forward(q, pages, float(scale))
     with nvtx_range(ATTENTION, backend=impl.name):  # one kernel call, as attention_with_lse's are (docs/profiling.md)
         return impl.pages_forward(q, pages, float(scale))

@@ -117,10 +117,10 @@ class CpuDecodeBackend:
         the exact non-finite rules)."""
         ks, vs, first = [], [], [0]
         for request in pages:
-            for k, v in request:
-                if k.shape[2]:
-                    ks.append(k)
-                    vs.append(v)
+            for page in request:  # magnetar.ops.pages.Page: (k, v, k_finite) -- the kernel's own flag decides here
+                if page[0].shape[2]:
+                    ks.append(page[0])
+                    vs.append(page[1])
             first.append(len(ks))
         if not ks or q.device.type != "cpu" or self._ready() is not None:
             return None
