@@ -320,3 +320,36 @@ def test_a_backend_without_paged_calls_serves_eager_steps_page_by_page(arch, mon
     monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
     want, _ = _batch_tokens(_engine(model, method="dense", attention_backend="cpu_flash"))
     assert got == want, arch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_by_page_on_cuda(dtype, seeded, monkeypatch):
+    # auto on CUDA: PageByPage over the card's kernels (flash / cuDNN for bf16, flex / tiled for fp32) against the fp64
+    # reference; then the engine's eager steps on the card choose the per-part path's tokens with one host read a layer
+    from magnetar.utils.sync import host_syncs
+
+    pages = [[Page(k.cuda(), v.cuda(), k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, 2, 64, dtype, n, 9))]
+             for n in ([700, 5], [129, 1], [])]
+    q = torch.randn(3, 6, 1, 64, generator=seeded).to(dtype).cuda()
+    assert isinstance(page_backend("auto", q.device), PageByPage)
+    out, lse = attend_pages(q, pages, 0.125)
+    want_out, want_lse = _reference(q.cpu(), [[Page(p.k.cpu(), p.v.cpu()) for p in r] for r in pages], 0.125)
+    assert_close(out.cpu(), want_out, dtype, "out", "cuda")
+    assert_close(lse.cpu(), want_lse, dtype, "lse", "cuda")
+    model = tiny_model("llama", seed=2)
+    got, batch = _batch_tokens(_engine(model, method="dense", deepspeed_inference=False))
+    assert torch.device(batch.device).type == "cuda"
+    eng = _engine(model, method="dense", deepspeed_inference=False)
+    b = eng.open_batch()
+    for i in range(2):
+        b.add(torch.randint(0, 256, (60,), generator=seeded), torch.randint(0, 256, (4,), generator=seeded),
+              eng.sampling_params(max_new_tokens=4))
+    b.step()
+    with host_syncs("count") as seen:
+        b.step()
+    assert len(seen.calls) <= model.config.num_hidden_layers + 1, seen.calls  # one a layer, one for the tokens
+    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    want, _ = _batch_tokens(_engine(model, method="dense", deepspeed_inference=False))
+    assert got == want
