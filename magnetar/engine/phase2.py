@@ -60,7 +60,8 @@ class Phase2Context(LayerContext):
     decode step (one token each, no decode policy applying) whose every context shard precedes its token, each
     request's parts are then pages of one attention (:func:`magnetar.ops.pages.attend_pages`) -- under a sliding
     window the keys in it, where positions are consecutive --: the whole batch in ONE kernel launch a layer where the
-    backend has one, rather than two calls and a merge each.
+    backend has a paged kernel (``cpu_decode``), else its kernel page by page with ONE finite check a layer, rather
+    than two front-end calls (two host reads each) and a merge a request.
     """
 
     layer_range = PHASE2_LAYER
@@ -159,7 +160,7 @@ class Phase2Context(LayerContext):
         """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` (its context
         attended already, with the others on its shard) the state of its own tokens alone --, or None: the
         per-part path (not a decode step, a decode policy here, a context shard not wholly before its request's token
-        -- or, under a window, not at consecutive positions --, no backend with paged calls, or a value that was not
+        -- or, under a window, not at consecutive positions --, the paged call refused, or a value that was not
         finite: that path applies the exact rules). Under a window a page is the part of a store the window keeps
         (the own tokens sit at consecutive positions ending at the token by construction). The query rank's tokens'
         KV is stored here (as :meth:`_local` does) before the pages are read; only then can the call still say None,
