@@ -46,10 +46,15 @@ CONFIGS = ("dense", "star", "pulsar")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from magnetar.ops.backends import list_backends
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="an installed model name, a folder, or dummy:<preset> (random weights made on the device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", *list_backends()),
+                   help="runtime.attention_backend: the kernel of every attention call (a named one without paged "
+                        "calls serves an eager step's batch page by page: magnetar.ops.pages)")
     p.add_argument("--configs", default="dense,pulsar", help="comma list of: dense, star, pulsar (--ranks CP ranks)")
     p.add_argument("--ranks", type=int, default=2, help="CP ranks of star and pulsar (simulated unless launched)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}")
@@ -204,6 +209,7 @@ def engine_for(config: str, args, model, tokenizer, distributed: bool):
     t0 = time.perf_counter()
     eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, context_cache_mb=1 << 20,
                                   dtype=args.dtype, shm_gather=args.shm_gather == "true",
+                                  attention_backend=args.attention_backend,
                                   **engine_flat(config, distributed, args.ranks), **plan)
     got = next(eng.model.parameters()).dtype
     if got != getattr(torch, args.dtype):
@@ -367,6 +373,7 @@ def _record(args, dev: str, load_s: float, rows: list[dict], skipped: list[dict]
     from magnetar.utils.machine import cpu_description
 
     return dict(bench="bench_decode", model=args.model, dtype=args.dtype, context_tokens=args.context_tokens,
+                attention_backend=args.attention_backend,
                 cpu=cpu_description(), shapes=args.shapes, copy_bandwidth_gbps=args.bandwidth / 1e9,
                 device=dev, threads=torch.get_num_threads(), load_seconds=load_s, torch=torch.__version__,
                 rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows], skipped=skipped)
