@@ -353,3 +353,14 @@ def test_page_by_page_on_cuda(dtype, seeded, monkeypatch):
     monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
     want, _ = _batch_tokens(_engine(model, method="dense", deepspeed_inference=False))
     assert got == want
+
+
+@pytest.mark.parametrize("order,paged", [("cpu_flash", False), ("cpu_decode,cpu_flash", True),
+                                         ("flash_attn,cpu_flash", False), ("flash_attn,sdpa_flash", True)])
+def test_auto_pages_follow_the_users_attention_order(order, paged, monkeypatch):
+    # MAGNETAR_ATTENTION_ORDER puts its backends first for auto: where its first one serving the CPU is not
+    # cpu_decode, an eager step's batch goes page by page over auto's choices (which follow the order), not to
+    # cpu_decode's paged kernel; CUDA-only names do not count on a CPU
+    monkeypatch.setenv("MAGNETAR_ATTENTION_ORDER", order)
+    backend = page_backend("auto", torch.device("cpu"))
+    assert isinstance(backend, PageByPage) == (not (paged and RUNS)), (order, backend.name)

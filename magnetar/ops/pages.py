@@ -26,7 +26,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from magnetar.ops.backends import get_backend, select_backend
+from magnetar.ops.backends import get_backend, list_backends, select_backend
+from magnetar.ops.backends.measured import preferred
 from magnetar.ops.call import FULL, AttentionCall
 from magnetar.ops.merge import merge_states
 from magnetar.ops.nonfinite import all_finite
@@ -80,16 +81,27 @@ class PageByPage:
 
 def page_backend(name: str, device: torch.device):
     """What serves paged calls on ``device`` for ``runtime.attention_backend = name``: the named backend if it has
-    ``pages_forward``, else :class:`PageByPage` over it; ``auto``: ``cpu_decode`` on a CPU whose op runs here, else
+    ``pages_forward``, else :class:`PageByPage` over it; ``auto``: ``cpu_decode`` on a CPU whose op runs here --
+    unless ``MAGNETAR_ATTENTION_ORDER`` puts another backend serving this device first (auto's own order) --, else
     :class:`PageByPage` over ``auto``'s choices."""
     if name != "auto":
         backend = get_backend(name)
         return backend if hasattr(backend, "pages_forward") else PageByPage(name)
-    if device.type == "cpu":
+    if device.type == "cpu" and _first_named(device) in (None, "cpu_decode"):
         backend = get_backend("cpu_decode")
         if backend.runs_here():
             return backend
     return PageByPage("auto")
+
+
+def _first_named(device: torch.device):
+    """The first backend of ``auto``'s preferred order (:func:`magnetar.ops.backends.measured.preferred`) that serves
+    ``device``, or None."""
+    for candidate in preferred(device, list_backends):
+        devices = getattr(get_backend(candidate), "device_types", None)
+        if devices is None or device.type in devices:
+            return candidate
+    return None
 
 
 def attend_pages(q: torch.Tensor, pages: Sequence[Sequence[Page]], scale: float,
