@@ -1,8 +1,9 @@
 """Paged decode attention (magnetar.ops.pages, cpu_decode's ``decode_attention_pages``): an eager decode step's batch in
 one launch a layer -- each request's rows over its KV pages (its context, its own tokens) -- against the fp64
 reference over the pages joined; None (the caller's per-part path, which keeps the exact non-finite rules) for what the
-kernel cannot take and for any value that is not finite; and Phase 2 taking it exactly where every key precedes the
-token, with the per-part path's states."""
+kernel cannot take and for any value that is not finite; PageByPage (a backend without paged calls: its kernel a page,
+one finite check) against the same reference and rules; and Phase 2 taking a paged call exactly where the host knows
+which keys the token sees, with the per-part path's states and tokens."""
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,8 @@ from tests.test_phase2_shared import HKV, HQ, D, L, _shard
 from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine
 from tests.tiny_models import ARCHS, tiny_model
 
-needs_kernel = pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (page_backend's "
-                                                   "refusal elsewhere is tested below)")
+needs_kernel = pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (elsewhere auto goes "
+                                                   "page by page: tested below)")
 
 
 def _pages(g, Hkv, D, dtype, lengths, capacity=0):
