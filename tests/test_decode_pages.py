@@ -29,7 +29,7 @@ def _pages(g, Hkv, D, dtype, lengths, capacity=0):
     out = []
     for n in lengths:
         k, v = (torch.randn(1, Hkv, n + capacity, D, generator=g).to(dtype)[:, :, :n] for _ in range(2))
-        out.append((k, v))
+        out.append(Page(k, v))
     return out
 
 
@@ -85,10 +85,10 @@ def test_what_the_kernel_cannot_take_gives_the_per_part_path(seeded):
     q = torch.randn(2, 6, 1, 64, generator=seeded)
     assert attend_pages(q, pages, 0.125) is not None
     assert attend_pages(torch.randn(2, 6, 3, 64, generator=seeded), pages, 0.125) is None  # 9 rows per KV head
-    assert attend_pages(q.double(), [[(k.double(), v.double()) for k, v in p] for p in pages], 0.125) is None
-    mixed = [pages[0], [(pages[1][0][0].bfloat16(), pages[1][0][1].bfloat16())]]
+    assert attend_pages(q.double(), [[Page(k.double(), v.double()) for k, v, _ in p] for p in pages], 0.125) is None
+    mixed = [pages[0], [Page(pages[1][0].k.bfloat16(), pages[1][0].v.bfloat16())]]
     assert attend_pages(q, mixed, 0.125) is None  # a page of another dtype
-    strided = [pages[0], [(k.transpose(2, 3).contiguous().transpose(2, 3), v) for k, v in pages[1]]]
+    strided = [pages[0], [Page(k.transpose(2, 3).contiguous().transpose(2, 3), v) for k, v, _ in pages[1]]]
     assert attend_pages(q, strided, 0.125) is None  # not contiguous along D
     assert attend_pages(q, [[], []], 0.125) is None  # nothing to read
     with pytest.raises(ValueError, match="one list of"):
@@ -113,7 +113,7 @@ def test_page_by_page_equals_the_fp64_reference(dtype, backend, seeded):
     # counts that differ: a merge each), a request without pages the empty state; pages whose keys are known finite
     Hkv, D = 2, 64
     for lengths in ([[300, 5], [40, 7], [1, 128]], [[300, 5], [1], [], [128, 0, 129]]):
-        pages = [[Page(k, v, k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, Hkv, D, dtype, n, 17))]
+        pages = [[Page(k, v, k_finite=i == 0) for i, (k, v, _) in enumerate(_pages(seeded, Hkv, D, dtype, n, 17))]
                  for n in lengths]
         q = torch.randn(len(pages), 3 * Hkv, 1, D, generator=seeded).to(dtype)
         out, lse = attend_pages(q, pages, 0.125, backend=backend)
@@ -127,7 +127,7 @@ def test_page_by_page_equals_the_fp64_reference(dtype, backend, seeded):
 def test_page_by_page_gives_the_per_part_path_for_a_value_that_is_not_finite(where, seeded):
     # "k -inf": every row reading it has q > 0 there, so its score is -inf and the kernel's output stays finite -- the
     # rule (a non-finite key makes the rows that see it NaN) needs the keys read
-    pages = [[Page(k, v, k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, 2, 64, torch.float32, [50, 3]))]
+    pages = [[Page(k, v, k_finite=i == 0) for i, (k, v, _) in enumerate(_pages(seeded, 2, 64, torch.float32, [50, 3]))]
              for _ in range(3)]
     q = torch.randn(3, 6, 1, 64, generator=seeded)
     q[..., 7] = q[..., 7].abs() + 0.1
@@ -187,7 +187,7 @@ def test_without_paged_calls_a_decode_step_makes_full_calls_over_the_keys_it_see
     # a backend without pages (every CUDA one today): each request's two calls are over the keys its token sees, of
     # the FULL kind without positions -- the front end reads none of them to classify a call (a host synchronization
     # each on a GPU) -- with the same states
-    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     seen = []
     real = phase2.attention_with_lse
 
@@ -210,7 +210,7 @@ def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(paged,
     # call then holds their own tokens only -- and request 1's context and own tokens --, each merged with its part.
     # Without paged calls, every call -- the shared one too -- is of the FULL kind, without positions
     if not paged:
-        monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+        monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     doc, other = _shard(seeded, L), _shard(seeded, L + 9)
     shards = [doc.view(), other.view(), doc.view()]
     gens = [_shard(seeded, n, start) for n, start in ((3, L), (5, L + 9), (7, L))]
@@ -264,7 +264,7 @@ def test_eager_steps_over_pages_choose_the_per_part_paths_tokens(arch, label, fl
     monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: paged.append(real(*a, **kw)) or paged[-1])
     got, batch = _batch_tokens(_engine(model, **flat))
     assert batch.decode_step == "eager" and paged and all(r is not None for r in paged), f"{arch} {label}"
-    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     want, _ = _batch_tokens(_engine(model, **flat))
     assert got == want, f"{arch} {label}"
 
@@ -318,7 +318,7 @@ def test_a_backend_without_paged_calls_serves_eager_steps_page_by_page(arch, mon
     monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     got, batch = _batch_tokens(_engine(model, method="dense", attention_backend="cpu_flash"))
     assert calls and all(shape[2] > 1 for shape in calls), calls  # only the queries' forwards (S > 1)
-    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     want, _ = _batch_tokens(_engine(model, method="dense", attention_backend="cpu_flash"))
     assert got == want, arch
 
@@ -331,8 +331,8 @@ def test_page_by_page_on_cuda(dtype, seeded, monkeypatch):
     # reference; then the engine's eager steps on the card choose the per-part path's tokens with one host read a layer
     from magnetar.utils.sync import host_syncs
 
-    pages = [[Page(k.cuda(), v.cuda(), k_finite=i == 0) for i, (k, v) in enumerate(_pages(seeded, 2, 64, dtype, n, 9))]
-             for n in ([700, 5], [129, 1], [])]
+    pages = [[Page(k.cuda(), v.cuda(), k_finite=i == 0)
+              for i, (k, v, _) in enumerate(_pages(seeded, 2, 64, dtype, n, 9))] for n in ([700, 5], [129, 1], [])]
     q = torch.randn(3, 6, 1, 64, generator=seeded).to(dtype).cuda()
     assert isinstance(page_backend("auto", q.device), PageByPage)
     out, lse = attend_pages(q, pages, 0.125)
@@ -351,7 +351,7 @@ def test_page_by_page_on_cuda(dtype, seeded, monkeypatch):
     with host_syncs("count") as seen:
         b.step()
     assert len(seen.calls) <= model.config.num_hidden_layers + 1, seen.calls  # one a layer, one for the tokens
-    monkeypatch.setattr(phase2, "page_backend", lambda *a: None)
+    monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     want, _ = _batch_tokens(_engine(model, method="dense", deepspeed_inference=False))
     assert got == want
 

@@ -55,9 +55,10 @@ def test_requests_on_one_shard_share_one_call(window, monkeypatch, seeded):
 
 
 def test_a_batch_parts_merge_in_one_call_as_each_request_alone(seeded, monkeypatch):
-    # Phase2Context._combine: where every request has the same number of parts, one merge for the batch -- each row
-    # the merge of its own request's parts; otherwise a merge per request (a request with none: the empty state); a
-    # NaN part poisons only its request
+    # merge_requests (Phase 2's local states): where every request has the same number of parts, one merge for the
+    # batch -- each row the merge of its own request's parts; otherwise a merge per request (a request with none: the
+    # empty state); a NaN part poisons only its request
+    import magnetar.ops.merge as merge
     from magnetar.ops import merge_states
 
     def part(nan=False, empty=False):
@@ -70,12 +71,12 @@ def test_a_batch_parts_merge_in_one_call_as_each_request_alone(seeded, monkeypat
 
     q = torch.zeros(3, HQ, 1, D)
     calls = []
-    real = phase2.merge_states
-    monkeypatch.setattr(phase2, "merge_states", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = merge.merge_states
+    monkeypatch.setattr(merge, "merge_states", lambda *a, **k: calls.append(1) or real(*a, **k))
     for parts in ([[part(), part()], [part(nan=True), part()], [part(), part(empty=True)]],
                   [[part(), part()], [part()], []]):
         calls.clear()
-        out, lse = Phase2Context._combine(parts, q)
+        out, lse = merge.merge_requests(parts, q)
         if len(parts[1]) == 2:  # the first batch: its NaN part poisons its own request's row only
             assert torch.isnan(out[1, 1]).all() and torch.isfinite(out[[0, 2]]).all()
         assert len(calls) == (1 if len({len(p) for p in parts}) == 1 else sum(len(p) > 1 for p in parts))

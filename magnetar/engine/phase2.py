@@ -30,8 +30,9 @@ from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_r
 from magnetar.engine.static import StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
+from magnetar.ops.merge import merge_requests
 from magnetar.ops.nonfinite import all_finite
-from magnetar.ops.pages import Page, attend_pages, page_backend
+from magnetar.ops.pages import Page, attend_pages
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.parallel.collectives import all_gather_ints, wait_all
 from magnetar.utils.nvtx import (PHASE2_DECODE_STEP, PHASE2_GATHER, PHASE2_LAYER, PHASE2_MERGE, PHASE2_QUERY,
@@ -107,10 +108,10 @@ class Phase2Context(LayerContext):
             local_o, local_l = paged
         elif paged is not None:  # a request on a shared context: that call's state merged with its own tokens' page
             mine = [[(paged[0][b : b + 1], paged[1][b : b + 1])] for b in range(B)]
-            local_o, local_l = self._combine([[shared[b], *p] if b in shared else p for b, p in enumerate(mine)], q)
+            local_o, local_l = merge_requests([[shared[b], *p] if b in shared else p for b, p in enumerate(mine)], q)
         else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
             parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
-            local_o, local_l = self._combine(parts, q)
+            local_o, local_l = merge_requests(parts, q)
         if self.flags is not None:
             self.flags.record(layer, local_o)
         if self.groups.cp_size == 1:  # one rank: its state is the result (a merge of one state is the identity on
@@ -143,14 +144,11 @@ class Phase2Context(LayerContext):
             ctx = self.shards[rows[0]].layers[layer]
             idx = torch.tensor(rows, device=q.device)
             qs = q.index_select(0, idx).transpose(0, 2)  # (n, Hq, 1, D) -> (1, Hq, n, D): a row per request
-            if window is None and all(self._seen_from(b, ctx, None, own=False) == 0 for b in rows):
-                # every key before every row's token (host facts): the FULL kind, no positions to read
-                o, l = attention_with_lse(qs, ctx.k, ctx.v, causal=False, scale=scale, backend=self.backend,
-                                          k_finite=ctx.keys_finite())
-            else:
-                o, l = attention_with_lse(qs, ctx.k, ctx.v, q_pos=self.positions.index_select(0, idx)[:, 0],
-                                          k_pos=ctx.pos, scale=scale, window=window, backend=self.backend,
-                                          k_finite=ctx.keys_finite())
+            # every key before every row's token (host facts): the FULL kind, no positions to read; else they decide
+            full = window is None and all(self._seen_from(b, ctx, None, own=False) == 0 for b in rows)
+            where = {} if full else dict(q_pos=self.positions.index_select(0, idx)[:, 0], k_pos=ctx.pos, window=window)
+            o, l = attention_with_lse(qs, ctx.k, ctx.v, causal=not full, scale=scale, backend=self.backend,
+                                      k_finite=ctx.keys_finite(), **where)
             for i, b in enumerate(rows):
                 out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
         return out
@@ -165,9 +163,7 @@ class Phase2Context(LayerContext):
         (the own tokens sit at consecutive positions ending at the token by construction). The query rank's tokens'
         KV is stored here (as :meth:`_local` does) before the pages are read; only then can the call still say None,
         and :meth:`_local` then finds it stored."""
-        if (q.shape[2] != 1 or self.starts is None
-                or (self.policy is not None and self.policy.applies(layer, window))
-                or page_backend(self.backend, q.device) is None):
+        if q.shape[2] != 1 or self.starts is None or (self.policy is not None and self.policy.applies(layer, window)):
             return None
         pages = []
         for b, shard in enumerate(self.shards):
@@ -211,37 +207,10 @@ class Phase2Context(LayerContext):
             g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], self.positions[b, :n])
         return g
 
-    @staticmethod
-    def _combine(parts: list[list[tuple[torch.Tensor, torch.Tensor]]], q: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's local state ``(B, Hq, S, D)``, ``(B, Hq, S)`` from each request's parts (``parts[b]``:
-        request b's ``(o, lse)`` per part, each ``(1, ...)``): where every request has the same number of parts
-        (the query rank of a decode step: context and own tokens), ONE merge for the whole batch -- the parts
-        stacked request by request -- rather than a merge per request (a merge's per-call cost is most of what a
-        decode step's merges cost)."""
-        B, Hq, S, _ = q.shape
-        counts = {len(p) for p in parts}
-        if B > 1 and len(counts) == 1 and counts != {0} and len({o.dtype for p in parts for o, _ in p}) == 1:
-            n = counts.pop()
-            if n == 1:
-                return torch.cat([p[0][0] for p in parts]), torch.cat([p[0][1] for p in parts])
-            return merge_states([torch.cat([p[i][0] for p in parts]) for i in range(n)],
-                                [torch.cat([p[i][1] for p in parts]) for i in range(n)])
-        states = []
-        for p in parts:
-            if not p:  # this rank holds nothing for the request: the empty state
-                states.append((torch.zeros(1, Hq, S, q.shape[3], dtype=q.dtype, device=q.device),
-                               torch.full((1, Hq, S), float("-inf"), device=q.device)))
-            else:
-                states.append(p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p]))
-        if B == 1:
-            return states[0]
-        return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])
-
     def _local(self, layer, b, q, k, v, scale, window, shared=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Request b's parts ``(o, lse)`` over what this rank holds: its context shard and (query rank) its own
         tokens (none: this rank holds nothing for it); ``shared``: its context part, attended already with the other
-        requests on its shard. :meth:`_combine` merges them."""
+        requests on its shard. :func:`~magnetar.ops.merge.merge_requests` merges them."""
         qb, pos = q[b : b + 1], self.positions[b]
         parts = []
         ctx = self.shards[b].layers[layer]

@@ -125,3 +125,31 @@ def merge_states(outs: Tensors, lses: Tensors, *, backend: str = "auto") -> tupl
     if not (outs_t.requires_grad or lses_t.requires_grad) and prepare_merge(outs_t.device):  # no backward
         return fused_merge.fused_merge_states(outs_t, lses_t)
     return merge_states_torch(outs_t, lses_t)
+
+
+def merge_requests(parts: list[list[tuple[torch.Tensor, torch.Tensor]]], like: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's states ``(B, H, S, D)``, ``(B, H, S)`` from each request's partial states (``parts[b]``: request b's
+    ``(o, lse)`` per part, each ``(1, H, S, D)`` / ``(1, H, S)``; ``like``: the batch's queries, for the shape,
+    dtype and device of a request with none -- the empty state ``(0, -inf)``): where every request has the same
+    number of parts (a decode step: a context and its own tokens each), ONE merge for the whole batch -- the parts
+    stacked request by request -- rather than a merge per request (a merge's per-call cost is most of what a decode
+    step's merges cost)."""
+    B, H, S, D = like.shape
+    counts = {len(p) for p in parts}
+    if B > 1 and len(counts) == 1 and counts != {0} and len({o.dtype for p in parts for o, _ in p}) == 1:
+        n = counts.pop()
+        if n == 1:
+            return torch.cat([p[0][0] for p in parts]), torch.cat([p[0][1] for p in parts])
+        return merge_states([torch.cat([p[i][0] for p in parts]) for i in range(n)],
+                            [torch.cat([p[i][1] for p in parts]) for i in range(n)])
+    states = []
+    for p in parts:
+        if not p:  # nothing held for the request: the empty state
+            states.append((torch.zeros(1, H, S, D, dtype=like.dtype, device=like.device),
+                           torch.full((1, H, S), float("-inf"), device=like.device)))
+        else:
+            states.append(p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p]))
+    if B == 1:
+        return states[0]
+    return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])

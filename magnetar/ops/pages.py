@@ -3,7 +3,7 @@
 In an eager decode step each request reads its own KV -- a cached context's shard and, on the query rank, its own
 query and generated tokens -- so through :func:`magnetar.ops.attention_with_lse` a batch of B requests makes 2B calls
 a layer, each validated, classified and dispatched on its own, and B merges. :func:`attend_pages` takes the batch at
-once: ``q (B, Hq, S, D)`` and, for each request, its KV as a list of pages ``(k, v)`` of shape ``(1, Hkv, n, D)``,
+once: ``q (B, Hq, S, D)`` and, for each request, its KV as :class:`Page` ``(k, v)``s of shape ``(1, Hkv, n, D)``,
 **every key of which the caller knows is visible to every query row of that request** (a decode step's context
 precedes its token; its own tokens end at it). The result is the ``(out, lse)`` contract of one attention over the
 concatenation of a request's pages -- one softmax, so the output is rounded once, where merging per-page states
@@ -29,7 +29,7 @@ import torch
 from magnetar.ops.backends import get_backend, list_backends, select_backend
 from magnetar.ops.backends.measured import preferred
 from magnetar.ops.call import FULL, AttentionCall
-from magnetar.ops.merge import merge_states
+from magnetar.ops.merge import merge_requests
 from magnetar.ops.nonfinite import all_finite
 from magnetar.utils.nvtx import ATTENTION, nvtx_range
 
@@ -52,7 +52,6 @@ class PageByPage:
         self.name, self.backend = backend, backend
 
     def pages_forward(self, q, pages, scale):
-        B, Hq, S, D = q.shape
         states, check = [], [q]
         for b, request in enumerate(pages):
             parts = []
@@ -64,19 +63,10 @@ class PageByPage:
                 with nvtx_range(ATTENTION, backend=impl.name):
                     parts.append(impl.forward(call))
                 check += [parts[-1][0]] if page.k_finite else [page.k, parts[-1][0]]
-            if not parts:  # nothing to read: the empty state
-                parts = [(q.new_zeros(1, Hq, S, D), torch.full((1, Hq, S), float("-inf"), device=q.device))]
             states.append(parts)
         if not all_finite(*check):  # the per-part path applies the exact rules
             return None
-        counts = {len(p) for p in states}
-        if len(counts) == 1:  # every request's pages merged in ONE call (a decode step: context and own tokens each)
-            n = counts.pop()
-            outs = [torch.cat([p[i][0].to(q.dtype) for p in states]) for i in range(n)]
-            lses = [torch.cat([p[i][1] for p in states]) for i in range(n)]
-            return (outs[0], lses[0]) if n == 1 else merge_states(outs, lses)
-        merged = [p[0] if len(p) == 1 else merge_states([o for o, _ in p], [lse for _, lse in p]) for p in states]
-        return torch.cat([o.to(q.dtype) for o, _ in merged]), torch.cat([lse for _, lse in merged])
+        return merge_requests(states, q)  # one merge for the batch where every request has as many pages
 
 
 def page_backend(name: str, device: torch.device):
@@ -112,7 +102,6 @@ def attend_pages(q: torch.Tensor, pages: Sequence[Sequence[Page]], scale: float,
     if len(pages) != q.shape[0]:
         raise ValueError(f"attend_pages: {len(pages)} requests' pages for a batch of {q.shape[0]} queries; pass one "
                          f"list of Page(k, v) per row of q")
-    pages = [[p if isinstance(p, Page) else Page(*p) for p in request] for request in pages]  # (k, v) pairs too
     impl = page_backend(backend, q.device)
     if isinstance(impl, PageByPage):  # each page's kernel call is a range of its own
         return impl.pages_forward(q, pages, float(scale))

@@ -117,10 +117,10 @@ class CpuDecodeBackend:
         the exact non-finite rules)."""
         ks, vs, first = [], [], [0]
         for request in pages:
-            for page in request:  # magnetar.ops.pages.Page: (k, v, k_finite) -- the kernel's own flag decides here
-                if page[0].shape[2]:
-                    ks.append(page[0])
-                    vs.append(page[1])
+            for page in request:  # magnetar.ops.pages.Page: its k_finite unused -- the kernel's own flag decides
+                if page.k.shape[2]:
+                    ks.append(page.k)
+                    vs.append(page.v)
             first.append(len(ks))
         if not ks or q.device.type != "cpu" or self._ready() is not None:
             return None
