@@ -297,6 +297,7 @@ def main(argv=None) -> int:
     from magnetar.models import load_model
     from magnetar.models.dummy import is_dummy
     from magnetar.parallel.launcher import device_for_rank, init_distributed
+    from magnetar.utils.cli import write_json_line
 
     init_distributed()
     device = device_for_rank() if is_dummy(args.model) else "cpu"
@@ -325,7 +326,8 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
                 _compare(rows)
                 if args.json_out is not None and int(os.environ.get("RANK", "0")) == 0:
-                    args.json_out.write_text(json.dumps(_record(args, dev, load_s, rows, skipped), indent=1))
+                    write_json_line(args.json_out, _record(args, dev, load_s, rows, skipped))  # atomic: the kit may
+                    # read the rows so far of a run it cut short
             if n in handles and all(later != n for _, later in args.shapes[i + 1:]):
                 for handle in {id(h): h for h, _ in handles.pop(n)}.values():
                     eng.release(handle)

@@ -12,6 +12,7 @@ import torch
 import magnetar.engine.phase2 as phase2
 from magnetar.engine.phase2 import Phase2Context
 from magnetar.ops.pages import Page, PageByPage, attend_pages, page_backend
+from magnetar.ops.slots import slot_backend
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.reference import dense_attention_fp64
@@ -365,3 +366,15 @@ def test_auto_pages_follow_the_users_attention_order(order, paged, monkeypatch):
     monkeypatch.setenv("MAGNETAR_ATTENTION_ORDER", order)
     backend = page_backend("auto", torch.device("cpu"))
     assert isinstance(backend, PageByPage) == (not (paged and RUNS)), (order, backend.name)
+
+
+@pytest.mark.parametrize("order,slot", [("cpu_flash", "torch"), ("cpu_decode,cpu_flash", "cpu_decode"),
+                                        ("flash_attn,tiled", "torch"), ("flash_attn,sdpa_flash", "cpu_decode"),
+                                        ("flex,cpu_decode", "flex"), ("torch", "torch")])
+def test_auto_slots_follow_the_users_attention_order(order, slot, monkeypatch):
+    # the static step's kernel follows the order as the eager step's paged calls do: its first backend serving the
+    # CPU, if not cpu_decode, runs the slots -- through its own slot kernel, else torch's float32 math
+    monkeypatch.setenv("MAGNETAR_ATTENTION_ORDER", order)
+    want = slot if slot != "cpu_decode" or RUNS else "torch"
+    assert slot_backend("auto", "cpu", compiled=False).name == want, order
+    assert slot_backend("auto", "cpu", compiled=True).name == "torch"  # compiled on a CPU: the compiler's math

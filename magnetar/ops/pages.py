@@ -26,8 +26,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from magnetar.ops.backends import get_backend, list_backends, select_backend
-from magnetar.ops.backends.measured import preferred
+from magnetar.ops.backends import first_preferred, get_backend, select_backend
 from magnetar.ops.call import FULL, AttentionCall
 from magnetar.ops.merge import merge_requests
 from magnetar.ops.nonfinite import all_finite
@@ -77,21 +76,11 @@ def page_backend(name: str, device: torch.device):
     if name != "auto":
         backend = get_backend(name)
         return backend if hasattr(backend, "pages_forward") else PageByPage(name)
-    if device.type == "cpu" and _first_named(device) in (None, "cpu_decode"):
+    if device.type == "cpu" and first_preferred(device) in (None, "cpu_decode"):
         backend = get_backend("cpu_decode")
         if backend.runs_here():
             return backend
     return PageByPage("auto")
-
-
-def _first_named(device: torch.device):
-    """The first backend of ``auto``'s preferred order (:func:`magnetar.ops.backends.measured.preferred`) that serves
-    ``device``, or None."""
-    for candidate in preferred(device, list_backends):
-        devices = getattr(get_backend(candidate), "device_types", None)
-        if devices is None or device.type in devices:
-            return candidate
-    return None
 
 
 def attend_pages(q: torch.Tensor, pages: Sequence[Sequence[Page]], scale: float,

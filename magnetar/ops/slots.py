@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from magnetar.ops.backends import AttentionBackend, get_backend, list_backends
+from magnetar.ops.backends import AttentionBackend, first_preferred, get_backend, list_backends
 
 FAR = 2 ** 62  # the key position of an empty slot entry: no query's position reaches it
 
@@ -63,8 +63,10 @@ def slot_backend(name: str, device, compiled: bool) -> AttentionBackend:
     """The backend whose ``slot_forward`` a decode step runs: ``name`` (``runtime.attention_backend``) when it owns a
     slot kernel; otherwise (``auto``, or an eager-only backend such as ``cpu_flash``) ``flex`` for a ``compiled``
     step on CUDA, ``cpu_decode`` for an uncompiled step on a CPU that runs its op (static, and graph there: one pass
-    over the filled entries, bf16 read as bf16), and ``torch`` elsewhere (a torch.compile'd step on a CPU: the
-    compiler fuses its float32 math)."""
+    over the filled entries, bf16 read as bf16) -- unless ``MAGNETAR_ATTENTION_ORDER`` puts another backend serving
+    the CPU first: that one's slot kernel, or ``torch``'s if it has none (as :func:`magnetar.ops.pages.page_backend`
+    follows the order) --, and ``torch`` elsewhere (a torch.compile'd step on a CPU: the compiler fuses its float32
+    math)."""
     if name != "auto":
         backend = get_backend(name)
         if has_slot_kernel(backend):
@@ -73,6 +75,10 @@ def slot_backend(name: str, device, compiled: bool) -> AttentionBackend:
     if kind == "cuda":
         return get_backend("flex" if compiled else "torch")
     if kind == "cpu" and not compiled:
+        first = first_preferred(torch.device(device))
+        if first not in (None, "cpu_decode"):  # the user's order names another CPU kernel first
+            named = get_backend(first)
+            return named if has_slot_kernel(named) else get_backend("torch")
         cpu = get_backend("cpu_decode")
         if cpu.runs_here():
             return cpu

@@ -119,6 +119,18 @@ def _auto_order(first: tuple[str, ...], registered: tuple[str, ...], auto: tuple
     return tuple(order + sorted(n for n in registered if n not in order))
 
 
+def first_preferred(device: torch.device) -> Optional[str]:
+    """The first backend of ``auto``'s preferred order for ``device`` (:func:`.measured.preferred`:
+    ``MAGNETAR_ATTENTION_ORDER``'s, else the card's measured one) that serves ``device``, or None (no order:
+    ``auto``'s own). The step kernels' choices (:func:`magnetar.ops.slots.slot_backend`,
+    :func:`magnetar.ops.pages.page_backend`) read it, so a user's order reaches them as it reaches every other call."""
+    for candidate in preferred(device, list_backends):
+        devices = getattr(get_backend(candidate), "device_types", None)
+        if devices is None or device.type in devices:
+            return candidate
+    return None
+
+
 def explain(call: AttentionCall) -> dict[str, list[str]]:
     """For every registered backend, the reasons it refuses ``call`` (empty list: it accepts)."""
     if not isinstance(call, AttentionCall):
