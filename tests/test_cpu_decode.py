@@ -285,3 +285,34 @@ def test_slot_calls_the_kernel_cannot_take_go_to_torchs_math(seeded, monkeypatch
     monkeypatch.setattr(cpu, "runs_here", lambda: False)
     assert slot_backend("auto", "cpu", compiled=False).name == "torch"
     assert slots.slot_backend("cpu_decode", "cpu", compiled=False) is cpu  # asked for by name: its own fallback
+
+
+@pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
+def test_the_ops_own_checks_name_the_entry_point_and_the_argument():
+    # the backend refuses these before the op sees them; a caller of the op itself gets its own checks' errors
+    op = DECODE_ATTENTION_OP.load("cpu")
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 5, 16)
+    page = torch.randn(1, 2, 5, 16)
+    bad = [
+        (lambda: op.decode_attention(q, k, k[:, :, :3], 1.0), "decode_attention: k and v must be"),
+        (lambda: op.decode_attention(q[..., :12], k[..., :12], k[..., :12], 1.0), "D a multiple of 8"),
+        (lambda: op.decode_attention(q, k[:, :, :0], k[:, :, :0], 1.0), "at least one key"),
+        (lambda: op.decode_attention(q.expand(2, 4, 5, 16), k, k, 1.0), "at most 8 query rows"),
+        (lambda: op.decode_attention(q.double(), k.double(), k.double(), 1.0), "float32 or all bfloat16"),
+        (lambda: op.slot_attention(q, k, k, torch.zeros(2, 1), torch.zeros(2, 5, dtype=torch.long), 1.0, 0),
+         "slot_attention: int64 CPU q_pos"),
+        (lambda: op.decode_attention_pages(q, [page], [page], [0, 1], 2, 1.0), "first must hold B \\+ 1"),
+        (lambda: op.decode_attention_pages(q, [page], [page, page], [0, 1, 1], 2, 1.0), "as many value pages"),
+        (lambda: op.decode_attention_pages(q, [k], [k], [0, 1, 1], 2, 1.0), "decode_attention_pages: k and v must"),
+        (lambda: op.decode_attention_pages(q, [page], [page], [0, 1, 1], 4, 1.0), "every page \\(1, kv_heads"),
+        (lambda: op.decode_attention_pages(q, [page.bfloat16()], [page.bfloat16()], [0, 1, 1], 2, 1.0),
+         "float32 or all bfloat16"),
+        (lambda: op.decode_attention_pages(q, [page], [page], [0, 1, 0], 2, 1.0), "first must hold"),
+        (lambda: op.decode_attention_pages(q, [page, page], [page, page], [0, 3, 2], 2, 1.0), "first not sorted"),
+        (lambda: op.decode_attention_pages(q, [page], [page], [0, 1, 1], 3, 1.0), "Hq must be a multiple"),
+    ]
+    for call, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    out, lse, clean = op.decode_attention_pages(q, [page], [page], [0, 1, 1], 2, 1.0)  # request 1: no page
+    assert clean and torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()

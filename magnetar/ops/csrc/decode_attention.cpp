@@ -179,8 +179,8 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
       for (int64_t j = 0; j < n; ++j) {
         bm = sr[j] > bm ? sr[j] : bm;
         bad |= sr[j] != sr[j] || sr[j] == -neg_inf;  // NaN, or +inf (inf - inf has no softmax): the row is NaN
-        odd |= sr[j] - sr[j] != 0.f;                 // NaN or +-inf
-      }
+        if (!Masked) odd |= sr[j] - sr[j] != 0.f;    // NaN or +-inf (a slot call's flag is not read: unseen
+      }                                              // keys score -inf there)
       nan[r] = nan[r] || bad;
       *finite = *finite && !odd;
       const float nm = std::max(m[r], bm);
@@ -375,30 +375,52 @@ bool supported() { return cpu_supported(); }
 
 namespace {
 
-// The checks both entry points make (name: the function, in each message); q, k, v as the kernel takes them.
-void check_qkv(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// What every entry point checks of q (name: the function, in each message) for Hkv KV heads.
+void check_q(const char* name, const at::Tensor& q, int64_t Hkv) {
   TORCH_CHECK(cpu_supported(), name, ": this CPU lacks AVX2/FMA (use the cpu_flash / torch backend)");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, name, ": q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              name, ": q, k, v all float32 or all bfloat16");
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), Hkv = k.size(1), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk && k.size(3) == D &&
-                  v.size(3) == D, name, ": k and v must be (B, Hkv, Sk, D) alike, q (B, Hq, Sq, D)");
+  TORCH_CHECK(q.device().is_cpu(), name, ": CPU tensors");
+  TORCH_CHECK(q.dim() == 4, name, ": q must be 4-D (B, Hq, Sq, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, name,
+              ": q, k, v all float32 or all bfloat16");
+  const int64_t Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, name, ": Hq must be a multiple of Hkv");
-  TORCH_CHECK(Sk > 0 && Sq > 0, name, ": at least one query and one key");
+  TORCH_CHECK(q.size(0) > 0 && Sq > 0, name, ": at least one request and one query");
   TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, name, ": at most 8 query rows per KV head");
   TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, name, ": D a multiple of 8, at most 256");
+}
+
+// What every entry point checks of a k, v pair against q (already check_q'd): batch B, q's dtype and D, at least
+// one key, contiguous along D.
+void check_kv(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t B) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), name, ": CPU tensors");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, name, ": k, v must be 4-D");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), name,
+              ": q, k, v all float32 or all bfloat16");
+  const int64_t D = q.size(3), Hkv = k.size(1), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk && k.size(3) == D &&
+                  v.size(3) == D, name, ": k and v must be (B, Hkv, Sk, D) alike, q (B, Hq, Sq, D)");
+  TORCH_CHECK(Sk > 0, name, ": at least one key");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, name, ": k and v contiguous along D");
+}
+
+// The checks of a call over one (k, v).
+void check_qkv(const char* name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 4, name, ": k must be 4-D (B, Hkv, Sk, D)");
+  check_q(name, q, k.size(1));
+  check_kv(name, q, k, v, q.size(0));
+}
+
+// The results every entry point fills: out (q's shape and dtype, contiguous) and lse (B, Hq, Sq) float32.
+std::tuple<at::Tensor, at::Tensor> outputs(const at::Tensor& q) {
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
 }
 
 // (out, lse, clean) of the kernel; q_pos / k_pos undefined: every key visible.
 std::tuple<at::Tensor, at::Tensor, bool> launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, const at::Tensor& q_pos = at::Tensor(),
                                                 const at::Tensor& k_pos = at::Tensor(), int64_t window = 0) {
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto [out, lse] = outputs(q);
   bool clean = false;
 #ifdef MAGNETAR_X86_DISPATCH
   if (q.scalar_type() == at::kFloat) {
@@ -442,25 +464,17 @@ std::tuple<at::Tensor, at::Tensor, bool> decode_attention_pages(const at::Tensor
                                                                 const std::vector<int64_t>& first, int64_t kv_heads,
                                                                 double scale) {
   const char* name = "decode_attention_pages";
+  check_q(name, q, kv_heads);
   TORCH_CHECK(ks.size() == vs.size(), name, ": as many value pages as key pages");
-  TORCH_CHECK(q.dim() == 4 && q.size(0) > 0 && q.size(2) > 0, name, ": q (B, Hq, Sq, D) with B, Sq >= 1");
   TORCH_CHECK(first.size() == static_cast<size_t>(q.size(0)) + 1 && first.front() == 0 &&
                   first.back() == static_cast<int64_t>(ks.size()),
               name, ": first must hold B + 1 offsets into the pages, from 0 to their count");
   for (size_t b = 0; b + 1 < first.size(); ++b) TORCH_CHECK(first[b] <= first[b + 1], name, ": first not sorted");
-  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, name, ": Hq must be a multiple of kv_heads");
   for (size_t i = 0; i < ks.size(); ++i) {
-    TORCH_CHECK(ks[i].dim() == 4 && ks[i].size(0) == 1 && ks[i].size(1) == kv_heads, name,
-                ": every page (1, kv_heads, n, D)");
-    check_qkv(name, q.narrow(0, 0, 1), ks[i], vs[i]);
+    TORCH_CHECK(ks[i].dim() == 4 && ks[i].size(1) == kv_heads, name, ": every page (1, kv_heads, n, D)");
+    check_kv(name, q, ks[i], vs[i], 1);
   }
-  TORCH_CHECK(cpu_supported(), name, ": this CPU lacks AVX2/FMA (use the cpu_flash / torch backend)");
-  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16), name,
-              ": float32 or bfloat16 CPU tensors");
-  TORCH_CHECK((q.size(1) / kv_heads) * q.size(2) <= kMaxRows && q.size(3) % 8 == 0 && q.size(3) <= kMaxDim, name,
-              ": at most 8 query rows per KV head, D a multiple of 8 up to 256");
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto [out, lse] = outputs(q);
   bool clean = false;
 #ifdef MAGNETAR_X86_DISPATCH
   clean = q.scalar_type() == at::kFloat ? run_pages<float>(q, ks, vs, first, kv_heads, out, lse, scale)
