@@ -203,8 +203,8 @@ def engine_for(config: str, args, model, tokenizer, distributed: bool):
     :func:`graph_plan` captured when it starts (logged, and in each graph row)."""
     import magnetar
 
-    # dtype: the engine's runtime.dtype defaults to float32 and would cast a bf16 model (an 8B model at 32K in
-    # fp32 spent a GPU run's whole step in its first Phase 1, 2026-11-27)
+    # dtype: named, so the engine runs the bench's --dtype whatever runtime.dtype's default (an 8B model cast to fp32
+    # by the old float32 default spent a GPU run's whole step in its first Phase 1, 2026-11-27)
     plan = dict(decode_step="graph", **graph_plan(args)) if "graph" in args.modes else {}
     t0 = time.perf_counter()
     eng = magnetar.init_inference(model, tokenizer=tokenizer, deepspeed_inference=False, context_cache_mb=1 << 20,

@@ -299,13 +299,14 @@ def test_eval_knows_a_new_method_only_through_the_registry(tmp_path, monkeypatch
 def test_a_half_precision_model_cast_to_float32_is_said(caplog):
     model = tiny_model("llama").to(torch.bfloat16)
     with caplog.at_level("WARNING", logger="magnetar.engine.load"):
-        eng = magnetar.init_inference(copy.deepcopy(model), method="dense")
+        eng = magnetar.init_inference(copy.deepcopy(model), method="dense", dtype="float32")
     assert next(eng.model.parameters()).dtype == torch.float32
     assert "the given model is bfloat16; runtime.dtype 'float32' casts it to float32" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="magnetar.engine.load"):
-        eng = magnetar.init_inference(copy.deepcopy(model), method="dense", dtype="auto")
-    assert next(eng.model.parameters()).dtype == torch.bfloat16 and "casts it" not in caplog.text
+    for kw in ({"dtype": "auto"}, {}):  # auto, the default: the model's own dtype, nothing said
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="magnetar.engine.load"):
+            eng = magnetar.init_inference(copy.deepcopy(model), method="dense", **kw)
+        assert next(eng.model.parameters()).dtype == torch.bfloat16 and "casts it" not in caplog.text, kw
 
 
 _OPTION_CHECK = r"""

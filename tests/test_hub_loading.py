@@ -195,8 +195,13 @@ def test_dtype_auto_cli_choice_and_cost_model():
 
     args = build_parser().parse_args(["--model", "m", "--context", "c", "--query", "q", "--dtype", "auto"])
     assert EngineConfig.from_cli(args).runtime.dtype == "auto"
-    with pytest.raises(ValueError, match="dtype_bytes"):
-        estimate(tiny_model("llama").config, EngineConfig.create(dtype="auto"), 64)
+    # auto (the default): the cost model counts the bytes of the dtype the model config names, as the engine loads
+    model_config = tiny_model("llama").config
+    for named, fixed in (("bfloat16", "bfloat16"), ("float16", "float16"), (None, "float32")):
+        model_config.dtype = named
+        auto, want = (estimate(model_config, EngineConfig.create(dtype=d), 64) for d in ("auto", fixed))
+        assert auto == want, named
+    assert EngineConfig().runtime.dtype == "auto"
 
 
 # -- what a model argument is, and bad arguments ------------------------------------------------------------

@@ -355,7 +355,10 @@ def test_sparse_ppl_report_and_runner_label(tmp_path):
     cfg = EngineConfig.create(sparse_policy="spotlight", sparse_pruning=0.9, hash_path="h.pt")
     assert method_label(cfg) == "dense+spotlight(90% pruned)"
     assert config_key(cfg) != config_key(EngineConfig())
-    assert config_key(EngineConfig()) == "de97319849"  # dense decoding keys did not change with the sparse section
+    # dense decoding keys did not change with the sparse section (float32's key: the default dtype before it became
+    # "auto"; the default's key now)
+    assert config_key(EngineConfig.create(dtype="float32")) == "de97319849"
+    assert config_key(EngineConfig()) == "0570034af0"
 
 
 class _WordTokenizer:

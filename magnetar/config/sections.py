@@ -181,7 +181,10 @@ def parse_batches(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    dtype: str = "float32"  # the model's dtype; "auto": the checkpoint's (a given model's own), nothing is cast
+    # the model's dtype; "auto" (default, as transformers' and vLLM's): the checkpoint's (its config's dtype; the
+    # magnetar.models names are prepared in float32; dummy models: bf16 on a GPU, float32 on a CPU) or a given
+    # model's own, nothing cast; float32 / bfloat16 / float16 cast to it
+    dtype: str = "auto"
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
     deepspeed_inference: bool = True  # shard with DeepSpeed AutoTP when tp_size > 1 (nothing is called at tp_size 1)
     # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's

@@ -139,7 +139,8 @@ def estimate(model_config, engine_config: EngineConfig, context_len: int, query_
 
     ``model_config``: an HF config (or dict with its field names, or :class:`ModelDims`). ``context_ids``
     (optional) makes Pulsar's summary selection exact; ``flash=False`` adds the score matrices to the
-    activation memory; ``dtype_bytes`` overrides the config's ``runtime.dtype``.
+    activation memory; ``dtype_bytes`` overrides the config's ``runtime.dtype`` (``auto``: the dtype the model
+    config names, float32 if none -- what the engine loads).
 
     The stages: the units (:class:`_Units`: bytes and FLOPs per token, pair and weight under the dtype and the
     TP split), the method's plan of every rank, each rank's Phase 1 (:func:`_phase1`) and Phase 2
@@ -223,10 +224,8 @@ class _Units:
 
     @classmethod
     def of(cls, dims: ModelDims, cfg: EngineConfig, dtype_bytes: Optional[int]) -> "_Units":
-        b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES.get(cfg.runtime.dtype)
-        if b is None:  # runtime.dtype "auto": only the loaded checkpoint knows its dtype
-            raise ValueError("engine_config.runtime.dtype is 'auto' (the checkpoint's dtype); pass dtype_bytes (e.g. "
-                             "2 for bfloat16) or a fixed dtype")
+        # runtime.dtype "auto" (the default): the checkpoint's, as its config names it (ModelDims.dtype)
+        b = dtype_bytes if dtype_bytes is not None else _DTYPE_BYTES.get(cfg.runtime.dtype, _DTYPE_BYTES[dims.dtype])
         tp = cfg.parallel.tp_size
         emb = dims.vocab * dims.hidden
         weight_bytes = ((dims.params - emb) // tp + emb) * b if tp > 1 else dims.params * b

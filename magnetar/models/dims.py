@@ -28,6 +28,7 @@ class ModelDims:
     vocab: int
     windows: tuple  # per layer: sliding window (int) or None (global)
     tied_embeddings: bool = False
+    dtype: str = "float32"  # the checkpoint's: what runtime.dtype "auto" loads (its config's dtype, else float32)
 
     @property
     def q_dim(self) -> int:
@@ -86,4 +87,11 @@ class ModelDims:
         if len(windows) != layers:
             raise ValueError(f"layer_types has {len(windows)} entries for {layers} layers")
         return cls(layers, hidden, heads, kv_heads, head_dim, inter, vocab, windows,
-                   bool(get("tie_word_embeddings", False)))
+                   bool(get("tie_word_embeddings", False)), _dtype_name(get("dtype") or get("torch_dtype")))
+
+
+def _dtype_name(named) -> str:
+    """A config's ``dtype`` / ``torch_dtype`` (a name or a ``torch.dtype``) as one of float32 / bfloat16 / float16;
+    float32 for none or another (what ``runtime.dtype="auto"`` loads: ``magnetar.engine.load``)."""
+    name = str(named).removeprefix("torch.") if named is not None else "float32"
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
