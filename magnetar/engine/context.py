@@ -174,11 +174,7 @@ class ContextCache:
         if handle.nbytes > self.budget_bytes:
             return False
         while self._handles and self._nbytes + handle.nbytes > self.budget_bytes:
-            victim = self._handles[next(iter(self._handles))]
-            self._remove(victim.key)
-            self.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim)
+            self._evict_oldest()
         self._handles[handle.key] = handle
         self._nbytes += handle.nbytes
         n, kind = handle.context_tokens, (handle.engine, handle.options)
@@ -192,6 +188,22 @@ class ContextCache:
         """Drop a handle (or key) from the cache; returns whether it was there."""
         key = handle_or_key.key if isinstance(handle_or_key, ContextHandle) else handle_or_key
         return self._remove(key)
+
+    def shed(self) -> int:
+        """Evict every handle, least recently used first, as the budget would (``on_evict`` -- the host-memory tier
+        -- gets each): what a rank that ran out of device memory drops (:func:`magnetar.engine.memory.relieve`).
+        Returns the bytes dropped."""
+        dropped = self._nbytes
+        while self._handles:
+            self._evict_oldest()
+        return dropped
+
+    def _evict_oldest(self) -> None:
+        victim = self._handles[next(iter(self._handles))]
+        self._remove(victim.key)
+        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(victim)
 
     def clear(self) -> None:
         self._handles.clear()

@@ -34,6 +34,7 @@ from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
+from magnetar.engine.memory import relieve
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -426,6 +427,13 @@ class Engine:
             except ValueError:
                 continue
         return candidates[-1]  # refused later by the request's check, with its message
+
+    def relieve_memory(self) -> int:
+        """Free what this rank's device holds for later -- a request ran out of device memory
+        (:func:`magnetar.engine.memory.relieve`): every cached context (a host-memory tier keeps its copy; one a
+        request still reads lives until it ends), then the allocators' unused blocks. Returns the bytes of contexts
+        dropped. Every rank of a replica calls it alike (their caches stay alike)."""
+        return relieve(self.cache, self.device)
 
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""

@@ -18,8 +18,12 @@ collective timeout -- so the other ranks, blocked in the broadcast, never time o
 request the engine refuses with ValueError (on every rank alike) fails alone with a 400, and one whose own tokens
 turn the model's values non-finite (Phase 1's NonFiniteError, or its logits in the decode batch), or whose Phase 1,
 query forward or token choice raises anything else, fails alone with a 500 (a joint query forward that raises is
-run again one request at a time, to find which); only the replica's own failures (a dead rank's TimeoutError, a
-gloo error: :meth:`EngineLoop._own`) end the loop: the leader answers every request in flight with a 500 and every
+run again one request at a time, to find which). A request that runs out of device memory
+(:mod:`magnetar.engine.memory`) is tried once more after the cached contexts are dropped, then fails alone with a 503
+(busy) or 400 (it cannot fit);
+a decode step that runs out fails the requests decoding (:meth:`EngineLoop._fits`, :meth:`EngineLoop._step`). Only
+the replica's own failures (a dead rank's TimeoutError, a gloo error, running out of memory on a replica of several
+processes: :meth:`EngineLoop._own`) end the loop: the leader answers every request in flight with a 500 and every
 rank returns a non-zero status.
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
+from magnetar.engine.memory import OutOfDeviceMemory, out_of_memory
 from magnetar.engine.phase2 import RequestFailed
 from magnetar.engine.requests import CheckedRequest
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
@@ -185,7 +190,7 @@ class EngineLoop:
                     return 0 if tick.error is None else 1
                 self._apply(tick)
                 if self.batch.active:
-                    self._route(self.batch.step())
+                    self._step()
                 if self.leader:
                     self._gauges()
         except Exception as e:  # a dead peer, a collective timeout, an engine failure: never a hang
@@ -292,8 +297,10 @@ class EngineLoop:
         for ch in tick.chunks:  # a prefix of a checked context, the same on every rank (the tick): no agreement
             ids = torch.tensor(ch.context_ids, dtype=torch.long)
             held = self._partial.pop(ch.sid, None)
+            base = None if held is None else held[0]
             try:  # extends the request's own chunks (the first: a cached prefix, if any)
-                handle = self.engine.encode_chunk(ids, base=None if held is None else held[0])
+                handle = self._fits(f"the Phase 1 of a {ids.numel()}-token context's chunk",
+                                    lambda: self.engine.encode_chunk(ids, base=base), others=bool(self._partial))
             except Exception as e:  # its own tokens: the request fails alone
                 self._own(e)
                 if self.leader:
@@ -303,7 +310,9 @@ class EngineLoop:
             self._partial[ch.sid] = (handle, handle.reused_tokens if held is None else held[1])
         for enc in tick.encodes:
             try:
-                self.handles[enc.cid] = handle = self.engine.encode(torch.tensor(enc.context_ids, dtype=torch.long))
+                ids = torch.tensor(enc.context_ids, dtype=torch.long)
+                self.handles[enc.cid] = handle = self._fits(f"the Phase 1 of a {ids.numel()}-token context",
+                                                            lambda: self.engine.encode(ids))
                 self.engine.pin(handle)  # the disk tier keeps it until it is released
             except Exception as e:  # every rank refuses alike
                 self._own(e)
@@ -319,7 +328,9 @@ class EngineLoop:
                 request = CheckedRequest.from_dict(add.request, handle=handle,
                                                    context_ids=None if handle is None else handle.context_ids)
                 with nvtx_range(GENERATE):
-                    ready.append(self.batch.encode(request, base=None if held is None else held[0]))
+                    ready.append(self._fits(f"the Phase 1 of a {request.context_tokens}-token context",
+                                            lambda: self.batch.encode(request, base=None if held is None else held[0]),
+                                            others=bool(ready)))
                 sids.append(add.sid)
                 if held is not None and not ready[-1].cached:  # its own chunks are not what it found cached: report
                     r = ready[-1]  # the prefix reused before its first chunk
@@ -334,7 +345,8 @@ class EngineLoop:
         exception of the requests' own (not the replica's: :meth:`_own`), each joins alone, so that only the
         request that raised fails (every rank raises alike on the same request: the ranks run the same forward)."""
         try:
-            joined = self.batch.join(ready)
+            joined = self._fits(f"the query forward of {len(ready)} request(s)", lambda: self.batch.join(ready),
+                                others=len(ready) > 1)
         except Exception as e:
             self._own(e)
             if len(ready) > 1:
@@ -344,20 +356,78 @@ class EngineLoop:
                     self._join([sid], [r])
                 return
             log.error("request %d failed in its query forward", sids[0], exc_info=True)
-            self._reject(sids[0], RequestFailed(f"{type(e).__name__}: {e}"), None)
+            self._reject(sids[0], e if isinstance(e, OutOfDeviceMemory) else RequestFailed(f"{type(e).__name__}: {e}"),
+                         None)
             return
         for sid, (rid, first) in zip(sids, joined):
             self.rids[sid], self.sids[rid] = rid, sid
             self._route([first])
 
-    @staticmethod
-    def _own(error: Exception) -> None:
+    def _own(self, error: Exception) -> None:
         """Re-raise ``error`` unless it belongs to one request: a collective that timed out or a peer that is gone
-        (TimeoutError, ConnectionError, torch.distributed's errors) is the replica's failure and ends the loop;
-        anything else raised while one request's Phase 1, query or token choice ran is that request's (its
-        options, its tokens, its values) and fails it alone."""
+        (TimeoutError, ConnectionError, torch.distributed's errors) is the replica's failure and ends the loop, as
+        is running out of device memory on a replica of several processes (one rank's allocation failed while the
+        others wait in the request's collectives); anything else raised while one request's Phase 1, query or token
+        choice ran is that request's (its options, its tokens, its values, its memory on a one-process replica) and
+        fails it alone."""
         if isinstance(error, (TimeoutError, ConnectionError, dist.DistError)):
             raise error
+        if (out_of_memory(error) or isinstance(error, OutOfDeviceMemory)) and self.groups.replica_size > 1:
+            log.error("rank %d ran out of device memory: a replica of %d processes cannot fail one request alone "
+                      "(the other ranks wait in its collectives); the replica stops", self.groups.rank,
+                      self.groups.replica_size)
+            raise error
+
+    def _fits(self, what: str, run, *, others: bool = False):
+        """``run()``. If it runs out of device memory on a one-process replica: free what the device holds for later
+        (:meth:`~magnetar.engine.engine.Engine.relieve_memory`) and run it once more; if it still does not fit,
+        :class:`~magnetar.engine.memory.OutOfDeviceMemory` -- ``alone`` when nothing else held the device (no request
+        decoding, no pinned context, no other request's Phase 1 in progress: ``others`` says whether this tick holds
+        one). Anything else (and memory on several processes: :meth:`_own`) propagates as it is."""
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - a failed allocation is recognised by out_of_memory, the rest re-raised
+            if not out_of_memory(e):
+                raise
+            self._own(e)
+            dropped = self.engine.relieve_memory()
+            log.warning("out of device memory in %s (%s); dropped %.0f MiB of cached contexts and the allocator's "
+                        "unused blocks: trying once more", what, str(e).splitlines()[0][:200] if str(e) else "",
+                        dropped / 2**20)
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - as above
+            if not out_of_memory(e):
+                raise
+            self.engine.relieve_memory()
+            alone = not (others or self.batch.active or self.handles or self._partial)
+            raise OutOfDeviceMemory(what, self.engine.device, e, alone=alone) from e
+
+    def _step(self) -> None:
+        """One decode step of the batch, its events routed. A step that runs out of device memory on a one-process
+        replica cannot be taken again (its layers before the failed one have written the new tokens' KV): every
+        request decoding fails with :class:`~magnetar.engine.memory.OutOfDeviceMemory` (503; 400 when it was the
+        only one), its KV freed, and the server goes on."""
+        try:
+            events = self.batch.step()
+        except Exception as e:  # noqa: BLE001 - a failed allocation is recognised by out_of_memory, the rest re-raised
+            if not out_of_memory(e):
+                raise
+            self._own(e)
+            rids = list(self.batch.active)
+            alone = len(rids) == 1 and not self.handles and not self._partial
+            for rid in rids:
+                self.batch.cancel(rid)
+                self.batch.pop(rid)  # its KV goes
+            self.engine.relieve_memory()
+            error = OutOfDeviceMemory(f"a decode step of {len(rids)} request(s)", self.engine.device, e, alone=alone)
+            log.error("%s", error)
+            for rid in rids:
+                sid = self.sids[rid]
+                self._forget(sid)
+                self._reject(sid, error, None)
+            return
+        self._route(events)
 
     def _apply_releases(self, tick: Tick) -> None:
         for cid in tick.releases:  # after the adds: a request of this tick may still read the context
@@ -404,6 +474,12 @@ class EngineLoop:
             job.sink.put(Token(ev.text, ev.token_id, ev.logprob, ev.prompt_logprobs))
 
     def _reject(self, sid: int, error: Exception, param: Optional[str]) -> None:
+        if isinstance(error, OutOfDeviceMemory):  # 400: it cannot fit this server; 503: busy, retry
+            log.warning("request %d: %s", sid, error)
+            self._send(sid, Failed(RequestError(str(error), param, status=error.status,
+                                                type="invalid_request_error" if error.alone else "server_error")))
+            self._finish_job(sid, "out_of_memory")
+            return
         if not isinstance(error, ValueError):  # not the client's fault: a 500 for this request alone
             log.error("request %d failed: %s: %s", sid, type(error).__name__, error)
             what = ("the model produced non-finite values for this request" if isinstance(error, NonFiniteError)

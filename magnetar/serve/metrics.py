@@ -3,7 +3,8 @@
 Every name starts with ``magnetar_``:
 
 * ``requests_total{endpoint, outcome}`` -- finished requests; outcome ``stop`` / ``length`` (OpenAI's finish
-  reasons), ``cancelled`` (the client left), ``error`` (5xx), ``rejected`` (4xx, 503);
+  reasons), ``cancelled`` (the client left), ``error`` (5xx), ``rejected`` (4xx, 503), ``out_of_memory`` (it did not
+  fit the device's memory: :mod:`magnetar.engine.memory`);
 * ``http_refused_total{status}`` -- requests the gate refused before any route (:mod:`magnetar.serve.gate`:
   400 Host, 401 key, 408 slow body, 413 too large, 415 not JSON);
 * ``prompt_tokens_total``, ``completion_tokens_total``, ``cached_prompt_tokens_total`` (context tokens whose

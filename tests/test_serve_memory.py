@@ -1,0 +1,237 @@
+"""Running out of device memory fails a request, never the server (magnetar.engine.memory, EngineLoop._fits / _step).
+
+On a GPU a context that does not fit raises ``torch.OutOfMemoryError`` in its Phase 1, its query forward or a decode
+step. The loop frees what the device holds for later (the cached contexts, the allocator's unused blocks) and tries
+once more; a request that still does not fit fails alone -- 503 (busy: other requests held the device) or 400 (it
+cannot fit this server) -- and the requests around it get their answers. A step that runs out cannot be taken again:
+its requests fail, their KV freed. On a replica of several processes the failure is the replica's. CI has no GPU: the
+allocations fail by monkeypatch, raising the exception CUDA's allocator raises."""
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install 'magnetar[serve]'")
+
+import magnetar  # noqa: E402
+from magnetar.engine.batch import ContinuousBatch  # noqa: E402
+from magnetar.engine.context import ContextCache  # noqa: E402
+from magnetar.engine.memory import OutOfDeviceMemory, out_of_memory  # noqa: E402
+from magnetar.engine.phase2 import DecodeBatch  # noqa: E402
+from magnetar.serve.loop import EngineLoop, Failed, Token  # noqa: E402
+from magnetar.serve.metrics import Metrics  # noqa: E402
+from magnetar.serve.scheduler import Job  # noqa: E402
+from magnetar.serve.server import Server  # noqa: E402
+from magnetar.serve.ticks import Add, Tick  # noqa: E402
+from tests.dist_utils import free_port, serve_in_thread  # noqa: E402
+from tests.test_serve_isolation import _Sink  # noqa: E402
+from tests.tiny_models import save_tiny_chat  # noqa: E402
+
+CONTEXT, QUERY = torch.arange(10, 40), torch.tensor([50, 51, 52])
+HUGE = torch.arange(100, 160)  # the context whose Phase 1 "does not fit" (the patched allocation fails)
+OOM = "CUDA out of memory. Tried to allocate 20.00 GiB (test)"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), 1024)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+
+
+def _loop(engine):
+    loop = EngineLoop(engine, metrics=Metrics())
+    loop.batch = engine.open_batch(agree=False)
+    return loop
+
+
+def _add(loop, engine, sid, context, query=QUERY, n=5):
+    loop.jobs[sid] = job = Job("generate", sid, sink=_Sink())
+    loop._apply(Tick(adds=[Add(sid, engine.check(context, query, max_new_tokens=n).to_dict())]))
+    return job
+
+
+def _tokens(sink):
+    return [x.token_id for x in sink.items if isinstance(x, Token)]
+
+
+def _drain(loop):
+    while loop.batch.active:
+        loop._step()
+
+
+def _phase1_fails(monkeypatch, times=None):
+    """ContinuousBatch.encode raises CUDA's out-of-memory error for HUGE (``times`` times, or always)."""
+    encode, left = ContinuousBatch.encode, [times]
+
+    def failing(self, request, **kw):
+        if torch.equal(request.context_ids, HUGE) and (left[0] is None or left[0] > 0):
+            if left[0] is not None:
+                left[0] -= 1
+            raise torch.OutOfMemoryError(OOM)
+        return encode(self, request, **kw)
+
+    monkeypatch.setattr(ContinuousBatch, "encode", failing)
+
+
+def test_what_counts_as_running_out_of_memory():
+    assert out_of_memory(torch.OutOfMemoryError(OOM))
+    try:
+        torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator's own failure
+    except RuntimeError as e:
+        assert out_of_memory(e), e
+    assert not out_of_memory(RuntimeError("shapes cannot be multiplied")) and not out_of_memory(ValueError("no"))
+
+
+def test_the_cache_sheds_every_context_to_its_lower_tier():
+    cache, evicted = ContextCache(1 << 30), []
+    cache.on_evict = evicted.append
+
+    class H:
+        def __init__(self, key, n):
+            self.key, self.nbytes, self.context_tokens = key, n, 4
+            self.engine, self.options, self.context_ids = "e", "o", torch.arange(4) + n
+
+    for key, n in (("a", 10), ("b", 20)):
+        assert cache.put(H(key, n))
+    assert cache.shed() == 30 and len(cache) == 0 and cache.nbytes == 0
+    assert [h.key for h in evicted] == ["a", "b"] and cache.stats()["evictions"] == 2  # oldest first
+    assert cache.prefix_tokens(torch.arange(4) + 10, "e", "o") == 0  # its index went too
+
+
+def test_a_phase1_that_runs_out_once_frees_the_cache_and_runs_again(engine, monkeypatch, caplog):
+    want = engine.generate(HUGE, QUERY, max_new_tokens=5).token_ids
+    engine.relieve_memory()
+    kept = engine.encode(CONTEXT)  # a cached context: what relieving memory drops
+    assert kept.key in engine.cache
+    _phase1_fails(monkeypatch, times=1)
+    loop = _loop(engine)
+    with caplog.at_level("WARNING", logger="magnetar.serve.loop"):
+        job = _add(loop, engine, 1, HUGE)
+    assert "out of device memory in the Phase 1 of a 60-token context" in caplog.text
+    assert "trying once more" in caplog.text
+    assert kept.key not in engine.cache
+    _drain(loop)
+    assert _tokens(job.sink) == want
+
+
+def test_a_phase1_that_does_not_fit_fails_alone_and_the_server_goes_on(engine, monkeypatch):
+    want = engine.generate(CONTEXT, QUERY, max_new_tokens=6).token_ids
+    _phase1_fails(monkeypatch)
+    loop = _loop(engine)
+    good = _add(loop, engine, 1, CONTEXT, n=6)  # decoding while the other one runs out
+    loop._step()
+    huge = _add(loop, engine, 2, HUGE)
+    [failed] = huge.sink.items
+    assert isinstance(failed, Failed) and failed.error.status == 503 and failed.error.type == "server_error"
+    message = str(failed.error)
+    assert message.startswith("out of device memory in the Phase 1 of a 60-token context on cpu (CUDA out of memory.")
+    assert "retry when fewer requests run" in message
+    _drain(loop)
+    assert _tokens(good.sink) == want  # the other request's answer is whole
+    alone = _add(loop, engine, 3, HUGE)  # nothing else on the device: it cannot fit this server
+    [failed] = alone.sink.items
+    assert failed.error.status == 400 and failed.error.type == "invalid_request_error"
+    assert "nothing else held the device: this request cannot fit this server" in str(failed.error)
+    monkeypatch.undo()
+    again = _add(loop, engine, 4, CONTEXT, n=6)
+    _drain(loop)
+    assert _tokens(again.sink) == want and loop.failed is None
+
+
+def test_a_query_forward_that_does_not_fit_fails_alone(engine, monkeypatch):
+    cb_join = ContinuousBatch.join
+
+    def failing(self, prepared):
+        if any(torch.equal(p.query_ids, torch.tensor([7, 7, 7])) for p in prepared):
+            raise torch.OutOfMemoryError(OOM)
+        return cb_join(self, prepared)
+
+    monkeypatch.setattr(ContinuousBatch, "join", failing)
+    want = engine.generate(CONTEXT, QUERY, max_new_tokens=4).token_ids
+    loop = _loop(engine)
+    sinks = {sid: _Sink() for sid in (1, 2)}
+    for sid, sink in sinks.items():
+        loop.jobs[sid] = Job("generate", sid, sink=sink)
+    loop._apply(Tick(adds=[Add(1, engine.check(CONTEXT, torch.tensor([7, 7, 7]), max_new_tokens=4).to_dict()),
+                           Add(2, engine.check(CONTEXT, QUERY, max_new_tokens=4).to_dict())]))
+    [failed] = sinks[1].items  # the joint forward failed twice, then each joined alone: only its own failed
+    assert isinstance(failed, Failed) and failed.error.status in (400, 503)
+    assert "out of device memory in the query forward of 1 request(s)" in str(failed.error)
+    _drain(loop)
+    assert _tokens(sinks[2]) == want
+
+
+def test_a_decode_step_that_runs_out_fails_its_requests_and_frees_them(engine, monkeypatch):
+    want = engine.generate(CONTEXT, QUERY, max_new_tokens=6).token_ids
+    step, calls = DecodeBatch.step, [0]
+
+    def failing(self):
+        calls[0] += 1
+        if calls[0] == 2:  # the second step runs out halfway (its first layers wrote their KV)
+            raise torch.OutOfMemoryError(OOM)
+        return step(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", failing)
+    loop = _loop(engine)
+    a, b = _add(loop, engine, 1, CONTEXT, n=6), _add(loop, engine, 2, CONTEXT, torch.tensor([60, 61]), n=6)
+    loop._step()
+    loop._step()  # runs out
+    assert not loop.batch.active and not loop.rids and not loop.sids
+    for job in (a, b):
+        failed = job.sink.items[-1]
+        assert isinstance(failed, Failed) and failed.error.status == 503
+        assert "out of device memory in a decode step of 2 request(s)" in str(failed.error)
+        assert len(_tokens(job.sink)) == 2  # the first token (the query forward) and the first step's
+    after = _add(loop, engine, 3, CONTEXT, n=6)
+    _drain(loop)
+    assert _tokens(after.sink) == want and loop.failed is None
+    calls[0] = 0
+    one = _add(loop, engine, 4, CONTEXT, n=6)
+    _drain(loop)
+    assert one.sink.items[-1].error.status == 400  # it was alone on the device
+
+
+def test_on_a_replica_of_several_processes_running_out_is_the_replicas_failure(engine):
+    loop = _loop(engine)
+    loop.groups = dataclasses.replace(loop.groups, cp_size=2)  # as if a CP peer waited in the request's collectives
+
+    def runs_out():
+        raise torch.OutOfMemoryError(OOM)
+
+    with pytest.raises(torch.OutOfMemoryError):  # not one request's: the loop ends the replica
+        loop._fits("the Phase 1 of a 60-token context", runs_out)
+    with pytest.raises(OutOfDeviceMemory):  # on one process: the request's own
+        _loop(engine)._fits("the Phase 1 of a 60-token context", runs_out)
+
+
+def test_the_client_is_told_what_ran_out_and_what_to_change(model_dir, monkeypatch):
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    encode = ContinuousBatch.encode
+
+    def failing(self, request, **kw):
+        if request.context_tokens > 200:
+            raise torch.OutOfMemoryError(OOM)
+        return encode(self, request, **kw)
+
+    monkeypatch.setattr(ContinuousBatch, "encode", failing)
+    with serve_in_thread(Server(engine, model_name="tiny", port=free_port(), max_tokens=8)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Sum it up."}],
+                                           max_tokens=4, extra_body={"magnetar": {"context": "A long report. " * 60}})
+        assert "out of device memory in the Phase 1 of a" in e.value.body["message"]
+        assert "shorten its context, or serve with more context-parallel ranks" in e.value.body["message"]
+        ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on."}],
+                                            max_tokens=4, extra_body={"magnetar": {"context": "A short note."}})
+        assert ok.choices[0].message.content is not None
+        assert server.loop.failed is None
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'outcome="out_of_memory"' in metrics
