@@ -235,3 +235,28 @@ def test_the_client_is_told_what_ran_out_and_what_to_change(model_dir, monkeypat
         assert server.loop.failed is None
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         assert 'outcome="out_of_memory"' in metrics
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+def test_a_real_cuda_allocation_failure_fails_the_request_alone(model_dir, monkeypatch):
+    # CUDA's own allocator raises (a petabyte asked for inside the Phase 1): recognised, the device relieved (its
+    # empty_cache), the free memory read into the message; the next request's answer is whole
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    assert engine.device.type == "cuda"
+    want = engine.generate(CONTEXT, QUERY, max_new_tokens=5).token_ids
+    encode = ContinuousBatch.encode
+
+    def asks_too_much(self, request, **kw):
+        if torch.equal(request.context_ids, HUGE):
+            torch.empty(1 << 50, dtype=torch.uint8, device=engine.device)
+        return encode(self, request, **kw)
+
+    monkeypatch.setattr(ContinuousBatch, "encode", asks_too_much)
+    loop = _loop(engine)
+    [failed] = _add(loop, engine, 1, HUGE).sink.items
+    assert isinstance(failed, Failed) and failed.error.status == 400, failed
+    assert f"on {engine.device}" in str(failed.error) and "GiB free after it" in str(failed.error)
+    job = _add(loop, engine, 2, CONTEXT)
+    _drain(loop)
+    assert _tokens(job.sink) == want and loop.failed is None
