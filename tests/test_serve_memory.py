@@ -139,7 +139,7 @@ def test_a_phase1_that_does_not_fit_fails_alone_and_the_server_goes_on(engine, m
     alone = _add(loop, engine, 3, HUGE)  # nothing else on the device: it cannot fit this server
     [failed] = alone.sink.items
     assert failed.error.status == 400 and failed.error.type == "invalid_request_error"
-    assert "nothing else held the device: this request cannot fit this server" in str(failed.error)
+    assert "nothing else held the device: this request cannot fit here" in str(failed.error)
     monkeypatch.undo()
     again = _add(loop, engine, 4, CONTEXT, n=6)
     _drain(loop)
@@ -228,13 +228,29 @@ def test_the_client_is_told_what_ran_out_and_what_to_change(model_dir, monkeypat
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Sum it up."}],
                                            max_tokens=4, extra_body={"magnetar": {"context": "A long report. " * 60}})
         assert "out of device memory in the Phase 1 of a" in e.value.body["message"]
-        assert "shorten its context, or serve with more context-parallel ranks" in e.value.body["message"]
+        assert "shorten its context, or run it with more context-parallel ranks" in e.value.body["message"]
         ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on."}],
                                             max_tokens=4, extra_body={"magnetar": {"context": "A short note."}})
         assert ok.choices[0].message.content is not None
         assert server.loop.failed is None
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         assert 'outcome="out_of_memory"' in metrics
+
+
+def test_magnetar_run_says_in_one_line_what_ran_out(model_dir, monkeypatch, capsys):
+    from magnetar.engine.engine import Engine
+    from magnetar.launch.run import main
+
+    def runs_out(self, *a, **kw):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr(Engine, "generate", runs_out)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model_dir), "--context", "Some text.", "--query", "What?"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "magnetar-run" in line]  # not the
+    assert e.value.code == 2 and len(err) == 1, err  # weights' loading bar
+    assert err[0].startswith("magnetar-run: error: out of device memory in this request (its Phase 1 or its decoding) "
+                             "on cpu (CUDA out of memory.") and "--cp-size" in err[0], err
 
 
 @pytest.mark.gpu

@@ -63,8 +63,8 @@ class OutOfDeviceMemory(RuntimeError):
         room = "" if free is None else f", {free[0] / 2**30:.1f} GiB of {free[1] / 2**30:.1f} GiB free after it"
         first = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
         if alone:
-            advice = ("nothing else held the device: this request cannot fit this server -- shorten its context, or "
-                      "serve with more context-parallel ranks (--cp-size) or a larger device")
+            advice = ("nothing else held the device: this request cannot fit here -- shorten its context, or run it "
+                      "with more context-parallel ranks (--cp-size), a half-precision --dtype or a larger device")
         else:
             advice = ("other requests or cached contexts held the device: retry when fewer requests run, or shorten "
                       "the context")

@@ -29,6 +29,7 @@ from magnetar.parallel.launcher import add_launcher_args, finish_distributed
 from magnetar.utils.cli import (
     ArgumentParser,
     check_output_file,
+    fail,
     int_at_least,
     read_text_file,
     user_errors,
@@ -97,7 +98,15 @@ def main(argv=None) -> int:
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
         engine = magnetar.init_inference(args.model, config, tokenizer=load_tokenizer_arg(args),
                                          revision=args.revision, trust_remote_code=args.trust_remote_code)
-        res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
+        try:
+            res = engine.generate(context, args.query, max_new_tokens=args.max_new_tokens, stop=args.stop)
+        except Exception as e:  # noqa: BLE001 - a failed allocation becomes one line saying what to change
+            from magnetar.engine.memory import OutOfDeviceMemory, out_of_memory
+
+            if not out_of_memory(e):
+                raise
+            fail(PROG, str(OutOfDeviceMemory("this request (its Phase 1 or its decoding)", engine.device, e,
+                                             alone=True)))
     if engine.groups.rank == 0:
         print(f"\n[{config.method}, cp_size {config.parallel.cp_size}] {res.context_tokens} context + "
               f"{res.query_tokens} query tokens")
