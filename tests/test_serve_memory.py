@@ -276,3 +276,28 @@ def test_a_real_cuda_allocation_failure_fails_the_request_alone(model_dir, monke
     job = _add(loop, engine, 2, CONTEXT)
     _drain(loop)
     assert _tokens(job.sink) == want and loop.failed is None
+    metrics = Metrics()
+    metrics.watch_device(engine.device)  # the card's own figures, read at the scrape
+    assert b'magnetar_device_memory_bytes{kind="free"}' in metrics.render()
+
+
+def test_metrics_report_the_devices_memory_when_scraped(monkeypatch):
+    from magnetar.serve.metrics import Metrics
+
+    cpu = Metrics()
+    cpu.watch_device(torch.device("cpu"))  # a CPU's memory is the host's: nothing reported
+    assert b"magnetar_device_memory_bytes" not in cpu.render()
+    reads = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: reads.append(d) or (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 70 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 76 * 2**30)
+    gpu = Metrics()
+    gpu.watch_device(torch.device("cuda", 1))
+    assert not reads  # read when scraped, not on the engine loop
+    text = gpu.render().decode()
+    assert reads == [torch.device("cuda", 1)]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "magnetar_device_memory_bytes"]
+    assert {s.labels["kind"]: s.value for s in family.samples} == {"free": 3 * 2**30, "total": 80 * 2**30,
+                                                                    "allocated": 70 * 2**30, "reserved": 76 * 2**30}

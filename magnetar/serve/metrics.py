@@ -18,7 +18,10 @@ Every name starts with ``magnetar_``:
   ``pinned_contexts`` -- the engine's context cache, as of the last tick;
 * with ``--context-store``: ``context_store_{loads,writes,evictions,refused}_total``, ``context_store_bytes``,
   ``context_store_contexts`` -- the disk tier of the serving rank; with ``--host-cache-mb`` the same as
-  ``context_host_*`` for the host-memory tier.
+  ``context_host_*`` for the host-memory tier;
+* on a GPU, ``device_memory_bytes{kind}`` -- the serving rank's device: ``free`` and ``total`` (the driver's),
+  ``allocated`` and ``reserved`` (torch's allocator), read when scraped (a request that runs out of it:
+  :mod:`magnetar.engine.memory`).
 
 The engine loop writes; the HTTP thread reads (prometheus_client is thread-safe; the cache figures are a
 snapshot the loop replaces whole).
@@ -58,6 +61,31 @@ class _CacheCollector:
             yield GaugeMetricFamily(f"magnetar_{name}_contexts", f"Contexts in the {what}", value=t["contexts"])
 
 
+class _DeviceCollector:
+    """The serving rank's CUDA memory, read at each scrape (from the HTTP thread: nothing on the engine loop)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @staticmethod
+    def _family():
+        return GaugeMetricFamily("magnetar_device_memory_bytes", "The serving rank's device memory (free, total: the "
+                                 "driver's; allocated, reserved: torch's allocator)", labels=["kind"])
+
+    def describe(self):  # what registering asks (auto_describe): the name, without reading the device
+        return [self._family()]
+
+    def collect(self):
+        import torch
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        g = self._family()
+        for kind, value in (("free", free), ("total", total), ("allocated", torch.cuda.memory_allocated(self.device)),
+                            ("reserved", torch.cuda.memory_reserved(self.device))):
+            g.add_metric([kind], value)
+        yield g
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -85,6 +113,11 @@ class Metrics:
                                 "prefix_hits": stats["prefix_hits"], "bytes": stats["bytes"],
                                 "handles": stats["handles"], "pinned": pinned, "store": stats.get("store"),
                                 "host": stats.get("host")}
+
+    def watch_device(self, device) -> None:
+        """Report ``device``'s memory at each scrape (a CUDA device; nothing for a CPU, whose memory is the host's)."""
+        if device.type == "cuda":
+            self.registry.register(_DeviceCollector(device))
 
     def refused(self, status: int) -> None:
         self.http_refused.labels(status=str(status)).inc()

@@ -93,6 +93,7 @@ class Server:
             self.preparer = Preparer(engine, config.model_name, config.max_tokens, self.contexts,
                                      max_stop_strings=config.max_stop_strings, paste_tokens=config.paste_threshold)
             self.metrics = self.loop.metrics = Metrics()
+            self.metrics.watch_device(engine.device)
             self.app = build_app(self)
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=config.request_timeout_s,
                              bound_host=config.host, allowed_hosts=config.allowed_hosts, api_key=self.api_key,
