@@ -22,6 +22,9 @@ def test_bench_engine_tiny(capsys):
     assert any(line.startswith("| method |") for line in out)
     record = json.loads(out[-1])
     assert record["bench"] == "engine" and record["simulate_ranks"] == [2] and record["cp"] == [2]
+    # --dtype auto (the default): the dtype the model was loaded in, named in the header and the record
+    assert record["dtype"] == "float32" and any(line.startswith("model tiny-llama-random (float32, --dtype auto)")
+                                                for line in out), out[:3]
     rows = {r["method"]: r for r in record["rows"]}
     assert set(rows) == {"dense", "ring", "star", "pulsar"}
     # ring's simulated ranks run one by one against the others' KV: each its own time, its exchange priced

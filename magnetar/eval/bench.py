@@ -120,7 +120,9 @@ def parse_args(argv):
     p.add_argument("--beyond-trained-length", action="store_true",
                    help="allow contexts past the model's max_position_embeddings (timing only: the weights and "
                         "shapes are real, the outputs past the trained length are meaningless)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the model's dtype (default auto, as the engine's: the checkpoint's -- the magnetar.models "
+                        "names are prepared in float32 --; a dummy: bf16 on a GPU, float32 on a CPU)")
     # the engine fields it times: flags made from the config (types, choices; default: the config's)
     add_field_args(p.add_argument_group("engine config (defaults in magnetar/config/sections.py)"), ENGINE_FLAGS)
     p.add_argument("--tp-size", type=int_at_least(1), default=1,
@@ -455,13 +457,20 @@ def _label(r: dict) -> str:
     return f"{r.get('label', r['method'])}{' (sim)' if r['simulated'] else ''}"
 
 
+def _dtype_name(model) -> str:
+    """The dtype the model runs in (``--dtype auto``: the one it was loaded in)."""
+    from magnetar.models.prepare import model_dtype
+
+    return str(model_dtype(model)).removeprefix("torch.")
+
+
 def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float) -> None:
     """The run's header, the table, the comparison with the cost model, the critical paths at each link (simulated
     ranks), then one JSON line (and ``--json-out``)."""
     sim, tp = args.simulate_ranks, args.tp_size
     dev = next(model.parameters()).device
     ranks = ",".join(map(str, cps))
-    print(f"model {name} ({args.dtype}), device {dev.type}"
+    print(f"model {name} ({_dtype_name(model)}{', --dtype auto' if args.dtype == 'auto' else ''}), device {dev.type}"
           f"{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, "
           f"torch threads {torch.get_num_threads()}, cp {ranks}, tp {tp}"
           f"{f' simulated on one device ({ranks} ranks)' if sim else ''}, query {args.query_len}, "
@@ -488,7 +497,7 @@ def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
     """The run's JSON record; ``complete`` False while rows are still being measured (``--json-out`` is rewritten
     after each)."""
     dev = next(model.parameters()).device
-    return dict(bench="engine", model=name, dtype=args.dtype, device=str(dev), cp=cps, tp=args.tp_size,
+    return dict(bench="engine", model=name, dtype=_dtype_name(model), device=str(dev), cp=cps, tp=args.tp_size,
                 simulate_ranks=args.simulate_ranks, links_gbps=args.links, world_size=world or 1,
                 load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
                 threads=torch.get_num_threads(), complete=complete, rows=rows)
