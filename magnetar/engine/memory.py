@@ -10,8 +10,9 @@ a request's own failure instead of the server's end:
   its copy, as on any eviction), then the collector's and the CUDA allocator's unused blocks; the loop then tries the
   request once more;
 * :class:`OutOfDeviceMemory` -- the error that request fails with if it still does not fit: what ran out, on which
-  device, how much was free, and what to change. ``alone`` (nothing else held the device: no other request, no cached
-  context) means it cannot fit this server at all -- a client error (400) -- else the server is busy (503, retry).
+  device, how much was free, and what to change. ``alone`` (nothing else held the device: no other request, no pinned
+  context, no other Phase 1 in progress -- the cache was dropped) means it cannot fit here at all -- a client error
+  (400) -- else the server is busy (503, retry).
 
 Only a replica of ONE process can fail a request alone this way: on several processes one rank's allocation fails
 while the others wait in the request's collectives, so the loop ends the replica there, as for a dead rank.
@@ -53,8 +54,8 @@ def relieve(cache, device: torch.device) -> int:
 
 class OutOfDeviceMemory(RuntimeError):
     """A request did not fit the device's memory, even after :func:`relieve`. ``alone``: nothing else held the device
-    when it ran out (no other request, no cached context) -- it cannot fit this server: status 400; otherwise the
-    server is busy: 503, retry later."""
+    when it ran out (the caller knows: no other request, pinned context or Phase 1) -- it cannot fit here: status 400;
+    otherwise the server is busy: 503, retry later."""
 
     def __init__(self, what: str, device: torch.device, cause: BaseException, *, alone: bool):
         self.alone = alone

@@ -20,11 +20,10 @@ turn the model's values non-finite (Phase 1's NonFiniteError, or its logits in t
 query forward or token choice raises anything else, fails alone with a 500 (a joint query forward that raises is
 run again one request at a time, to find which). A request that runs out of device memory
 (:mod:`magnetar.engine.memory`) is tried once more after the cached contexts are dropped, then fails alone with a 503
-(busy) or 400 (it cannot fit);
-a decode step that runs out fails the requests decoding (:meth:`EngineLoop._fits`, :meth:`EngineLoop._step`). Only
-the replica's own failures (a dead rank's TimeoutError, a gloo error, running out of memory on a replica of several
-processes: :meth:`EngineLoop._own`) end the loop: the leader answers every request in flight with a 500 and every
-rank returns a non-zero status.
+(busy) or 400 (it cannot fit); a decode step that runs out fails the requests decoding (:meth:`EngineLoop._fits`,
+:meth:`EngineLoop._step`). Only the replica's own failures (a dead rank's TimeoutError, a gloo error, running out
+of memory on a replica of several processes: :meth:`EngineLoop._own`) end the loop: the leader answers every request
+in flight with a 500 and every rank returns a non-zero status.
 """
 from __future__ import annotations
 
