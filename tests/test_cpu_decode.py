@@ -310,9 +310,12 @@ def test_the_ops_own_checks_name_the_entry_point_and_the_argument():
         (lambda: op.decode_attention_pages(q, [page], [page], [0, 1, 0], 2, 1.0), "first must hold"),
         (lambda: op.decode_attention_pages(q, [page, page], [page, page], [0, 3, 2], 2, 1.0), "first not sorted"),
         (lambda: op.decode_attention_pages(q, [page], [page], [0, 1, 1], 3, 1.0), "Hq must be a multiple"),
+        (lambda: op.decode_attention_pages(q[:0], [], [], [0], 2, 1.0), "at least one request"),
+        (lambda: op.decode_attention(q[:, :, :0], k, k, 1.0), "at least one query"),
     ]
     for call, message in bad:
         with pytest.raises(RuntimeError, match=message):
             call()
+    assert op.decode_attention(q[:0], k[:0], k[:0], 1.0)[0].shape == (0, 4, 1, 16)  # an empty batch, as before
     out, lse, clean = op.decode_attention_pages(q, [page], [page], [0, 1, 1], 2, 1.0)  # request 1: no page
     assert clean and torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()

@@ -384,7 +384,7 @@ void check_q(const char* name, const at::Tensor& q, int64_t Hkv) {
               ": q, k, v all float32 or all bfloat16");
   const int64_t Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, name, ": Hq must be a multiple of Hkv");
-  TORCH_CHECK(q.size(0) > 0 && Sq > 0, name, ": at least one request and one query");
+  TORCH_CHECK(Sq > 0, name, ": at least one query");
   TORCH_CHECK((Hq / Hkv) * Sq <= kMaxRows, name, ": at most 8 query rows per KV head");
   TORCH_CHECK(D % 8 == 0 && D <= kMaxDim, name, ": D a multiple of 8, at most 256");
 }
@@ -465,6 +465,7 @@ std::tuple<at::Tensor, at::Tensor, bool> decode_attention_pages(const at::Tensor
                                                                 double scale) {
   const char* name = "decode_attention_pages";
   check_q(name, q, kv_heads);
+  TORCH_CHECK(q.size(0) > 0, name, ": at least one request");
   TORCH_CHECK(ks.size() == vs.size(), name, ": as many value pages as key pages");
   TORCH_CHECK(first.size() == static_cast<size_t>(q.size(0)) + 1 && first.front() == 0 &&
                   first.back() == static_cast<int64_t>(ks.size()),
