@@ -301,3 +301,26 @@ def test_metrics_report_the_devices_memory_when_scraped(monkeypatch):
     [family] = [f for f in text_string_to_metric_families(text) if f.name == "magnetar_device_memory_bytes"]
     assert {s.labels["kind"]: s.value for s in family.samples} == {"free": 3 * 2**30, "total": 80 * 2**30,
                                                                     "allocated": 70 * 2**30, "reserved": 76 * 2**30}
+
+
+def test_a_context_or_chunk_that_does_not_fit_fails_alone(engine, monkeypatch):
+    # POST /v1/contexts' encode and a --prefill-chunk request's chunks take the same path: tried once more after the
+    # cache is dropped, then the request's own 400 / 503 (the context API's names its field)
+    from magnetar.engine.engine import Engine
+    from magnetar.serve.ticks import Chunk, Encode
+
+    def runs_out(self, *a, **kw):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr(Engine, "encode", runs_out)
+    monkeypatch.setattr(Engine, "encode_chunk", runs_out)
+    loop = _loop(engine)
+    for sid in (1, 2):
+        loop.jobs[sid] = Job("generate", sid, sink=_Sink())
+    sinks = {sid: loop.jobs[sid].sink for sid in (1, 2)}
+    loop._apply(Tick(encodes=[Encode(1, "ctx-1", HUGE.tolist())], chunks=[Chunk(2, HUGE[:32].tolist())]))
+    [ctx], [chunk] = sinks[1].items, sinks[2].items
+    assert ctx.error.status == chunk.error.status == 400 and ctx.error.param == "context"
+    assert "out of device memory in the Phase 1 of a 60-token context on cpu" in str(ctx.error)
+    assert "out of device memory in the Phase 1 of a 32-token context's chunk" in str(chunk.error)
+    assert "ctx-1" not in loop.handles and 2 not in loop._partial
