@@ -186,6 +186,10 @@ class RuntimeConfig:
     # model's own, nothing cast; float32 / bfloat16 / float16 cast to it
     dtype: str = "auto"
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
+    # the most positions one request may use -- context + query + new tokens -- below the model's own
+    # (max_position_embeddings; vLLM's --max-model-len): a longer request is refused up front, by name, where it would
+    # otherwise run until the device's memory ran out; None: the model's
+    max_model_len: Optional[int] = None
     deepspeed_inference: bool = True  # shard with DeepSpeed AutoTP when tp_size > 1 (nothing is called at tp_size 1)
     # raise magnetar.engine.finite.NonFiniteError (phase, layer, rank) when Phase 1's attention or a step's
     # logits are not finite, instead of decoding from NaN; one reduction per layer, no extra device sync
@@ -240,6 +244,8 @@ class RuntimeConfig:
         require(self.context_store is None or bool(self.context_store.strip()), "context_store",
                 "must be a folder, or None (memory only), got ''")
         check_choice("dtype", self.dtype, DTYPES, "dtype")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                f"must be >= 1 positions, or None (the model's), got {self.max_model_len}")
         require(bool(self.attention_backend.strip()), "attention_backend",
                  "must name a backend ('auto' or one of magnetar.ops.backends.list_backends()), got ''")
 

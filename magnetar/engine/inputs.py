@@ -144,6 +144,38 @@ def check_max_new_tokens(value) -> None:
         raise FieldError(f"max_new_tokens must be >= 1, got {value}", "max_new_tokens")
 
 
+class PositionLimit(int):
+    """The most positions a request may use: the model's ``max_position_embeddings``, or ``runtime.max_model_len``
+    below it (``capped``) -- an int that says which in the messages (:func:`positions_phrase`)."""
+
+    capped: bool
+
+    def __new__(cls, value: int, capped: bool = False):
+        limit = super().__new__(cls, value)
+        limit.capped = capped
+        return limit
+
+
+def position_limit(model_positions: Optional[int], max_model_len: Optional[int]) -> Optional[int]:
+    """The engine's :class:`PositionLimit`: ``max_model_len`` (``runtime.max_model_len``) when given -- at most
+    ``model_positions``, the model's ``max_position_embeddings`` (ValueError naming the field otherwise) --, else the
+    model's (None: the model names none)."""
+    if max_model_len is None:
+        return None if model_positions is None else PositionLimit(model_positions)
+    if model_positions is not None and max_model_len > model_positions:
+        raise FieldError(f"runtime.max_model_len ({max_model_len}) exceeds the model's {model_positions} positions "
+                         f"(max_position_embeddings): give at most {model_positions} (--max-model-len)",
+                         "max_model_len")
+    return PositionLimit(max_model_len, capped=max_model_len != model_positions)
+
+
+def positions_phrase(limit: int) -> str:
+    """How a message names ``limit``: the model's positions, or this engine's cap (``--max-model-len``)."""
+    if getattr(limit, "capped", False):
+        return f"the {limit} positions of runtime.max_model_len (--max-model-len)"
+    return f"the model's {limit} positions"
+
+
 def check_positions(context: int, query: int, max_new_tokens: int, max_positions: Optional[int]) -> None:
     """``context + query + max_new_tokens`` tokens must fit the model's positions; the error says by how much to
     lower ``max_new_tokens`` or shorten the context."""
@@ -156,7 +188,8 @@ def check_positions(context: int, query: int, max_new_tokens: int, max_positions
         fixes.append(f"shorten the context by at least {excess} tokens")
     fix = " or ".join(fixes) or f"shorten the query ({query} tokens) and the context"
     raise FieldError(f"context ({context}) + query ({query}) + max_new_tokens ({max_new_tokens}) = {total} tokens "
-                     f"exceeds the model's {max_positions} positions (max_position_embeddings); {fix}",
+                     f"exceeds {positions_phrase(max_positions)}"
+                     f"{'' if getattr(max_positions, 'capped', False) else ' (max_position_embeddings)'}; {fix}",
                      "max_new_tokens" if room >= 1 else "context")  # room for one new token: fewer new tokens
 
 

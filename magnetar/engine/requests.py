@@ -42,9 +42,9 @@ def check_fit(context_tokens: int, query_tokens: int, max_new_tokens: Optional[i
     if max_new_tokens is not None:
         inputs.check_positions(L, Q, max_new_tokens, max_positions)
     elif max_positions is not None and L + Q + 1 > max_positions:
-        raise FieldError(f"the context ({L} tokens) + query ({Q}) + one new token exceeds the model's "
-                         f"{max_positions} positions; shorten the context by at least {L + Q + 1 - max_positions} "
-                         f"tokens", "context")
+        raise FieldError(f"the context ({L} tokens) + query ({Q}) + one new token exceeds "
+                         f"{inputs.positions_phrase(max_positions)}; shorten the context by at least "
+                         f"{L + Q + 1 - max_positions} tokens", "context")
     try:
         if config is not None:
             for rank in sorted({0, config.parallel.cp_size - 1}):
@@ -121,7 +121,8 @@ class Requests:
                  policy: Optional[DecodePolicy] = None):
         self.tokenizer, self.model, self.config, self.groups, self.device = tokenizer, model, config, groups, device
         self.policy = policy
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = inputs.position_limit(getattr(model.config, "max_position_embeddings", None),
+                                                   config.runtime.max_model_len)
 
     @property
     def vocab_size(self) -> Optional[int]:

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from magnetar.config import FieldError, describe
+from magnetar.engine.inputs import positions_phrase
 
 # Noncharacters, which Unicode keeps for a program's internal use: they wrap the special tokens of user text
 # through the template's rendering.
@@ -89,7 +90,7 @@ def check_fits(tokenizer, texts, limit: Optional[int], name: str) -> None:
             break
     n = len(tokenizer("".join(prefix), add_special_tokens=False, split_special_tokens=True)["input_ids"])
     if n > limit + len(texts):
-        raise FieldError(f"{name}: too long for the model's {limit} positions: its first {cut} characters alone "
+        raise FieldError(f"{name}: too long for {positions_phrase(limit)}: its first {cut} characters alone "
                          f"are {n} tokens (of {total} characters in all); shorten it to about {cut * limit // n} "
                          f"characters", name)
 

@@ -155,7 +155,8 @@ def config_key(config: EngineConfig) -> str:
     """A short stable hash of the engine options that change answers (not the timeout, nor whether the CP ranks
     were real or simulated, or how simulated ones were timed: they give the same answers, nor how their states
     travel (parallel.shm_gather), nor runtime.check_finite, which only stops a run, nor the context cache's budget
-    and disk tier, which only decide what is kept between requests, nor the graph decode step's plan)."""
+    and disk tier, which only decide what is kept between requests, nor the graph decode step's plan, nor
+    runtime.max_model_len, which only refuses)."""
     d = config.to_dict()
     d["parallel"].pop("timeout_s", None)
     d["parallel"].pop("simulate", None)
@@ -163,6 +164,7 @@ def config_key(config: EngineConfig) -> str:
     d["parallel"].pop("shm_gather", None)  # how the ranks' states travel: the same bytes either way
     d["runtime"].pop("check_finite", None)
     d["runtime"].pop("context_cache_mb", None)
+    d["runtime"].pop("max_model_len", None)  # it only refuses longer requests: the same answers
     d["runtime"].pop("context_store", None)  # where encoded contexts are kept between runs: the same answers
     d["runtime"].pop("context_store_mb", None)
     d["runtime"].pop("host_cache_mb", None)
