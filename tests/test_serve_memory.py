@@ -9,6 +9,7 @@ allocations fail by monkeypatch, raising the exception CUDA's allocator raises."
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import httpx
 import pytest
@@ -324,3 +325,62 @@ def test_a_context_or_chunk_that_does_not_fit_fails_alone(engine, monkeypatch):
     assert "out of device memory in the Phase 1 of a 60-token context on cpu" in str(ctx.error)
     assert "out of device memory in the Phase 1 of a 32-token context's chunk" in str(chunk.error)
     assert "ctx-1" not in loop.handles and 2 not in loop._partial
+
+
+# -- the certain refusal before a Phase 1: a context whose KV alone cannot fit ----------------------------------------
+def test_a_tokens_kv_counts_the_global_layers_of_its_shard():
+    from magnetar.engine.memory import device_room, kv_bytes_per_token
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    c = model.config
+    heads, dim = c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    assert kv_bytes_per_token(model) == c.num_hidden_layers * 2 * heads * dim * 4
+    assert kv_bytes_per_token(model.to(torch.bfloat16)) == c.num_hidden_layers * 2 * heads * dim * 2
+    gemma = tiny_model("gemma3")  # sliding-window layers may keep only their window: only the global ones count
+    g = gemma.config
+    n_global = sum(t == "full_attention" for t in g.layer_types)
+    assert 0 < n_global < g.num_hidden_layers
+    assert kv_bytes_per_token(gemma) == n_global * 2 * g.num_key_value_heads * g.head_dim * 4
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert device_room(torch.device("cpu"), 2**20) == physical - 2**20 and device_room(torch.device("cpu"), 2**62) == 0
+
+
+def test_a_context_whose_kv_alone_cannot_fit_is_refused_before_its_phase1(engine, monkeypatch):
+    from magnetar.engine.encode import KVRoom, Encoder
+
+    per_token = engine.encoder.room.per_token
+    assert per_token > 0 and engine.encoder.room.room > 0  # the real figures of this machine
+    phase1 = []
+    monkeypatch.setattr(Encoder, "_distributed", lambda self, *a: phase1.append(a) or pytest.fail("Phase 1 ran"))
+    monkeypatch.setattr(engine.encoder, "room", KVRoom(per_token, 50 * per_token))  # room for 50 tokens' KV
+    with pytest.raises(ValueError, match=r"^context: its KV alone needs .* GiB on one process \(it holds the whole "
+                                         r"context\) \(60 tokens x .* KiB\), more than cpu holds beside the model's "
+                                         r"weights .*: a 60-token context cannot fit; shorten it to at most about 50 "
+                                         r"tokens, or spread it over at least 2 context-parallel ranks"):
+        engine.generate(HUGE, QUERY, max_new_tokens=2)
+    assert not phase1
+    loop = _loop(engine)  # served: the request's own 400 on every rank alike (a ValueError), the server goes on
+    [failed] = _add(loop, engine, 1, HUGE).sink.items
+    assert failed.error.status == 400 and "a 60-token context cannot fit" in str(failed.error)
+    monkeypatch.undo()
+    assert engine.generate(HUGE, QUERY, max_new_tokens=2).token_ids  # it fits the real device
+
+
+def test_the_room_is_per_rank_for_real_ranks_and_skipped_where_kv_may_be_less(engine):
+    from magnetar.engine.encode import KVRoom
+
+    per_token = engine.encoder.room.per_token
+    room = KVRoom(per_token, 50 * per_token)
+    four = engine.encoder.with_config(engine.config.replace(method="star", cp_size=4))  # real ranks: a quarter each
+    four.room = room
+    four.check_room(180)  # 45 tokens a rank fit
+    with pytest.raises(ValueError, match=r"on its largest context-parallel rank \(60 tokens"):
+        four.check_room(240)
+    sim = engine.encoder.with_config(engine.config.replace(method="star", cp_size=4, simulate=True))
+    sim.room = room
+    with pytest.raises(ValueError, match="on one process"):  # simulated ranks: every shard in this process
+        sim.check_room(180)
+    streaming = engine.encoder.with_config(engine.config.replace(method="streaming"))
+    streaming.room = room
+    streaming.check_room(10_000)  # its KV keeps a window, not every token: nothing certain to refuse

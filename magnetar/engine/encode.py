@@ -23,13 +23,14 @@ from magnetar.config import METHODS, EngineConfig, FieldError
 from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, context_key, prefix_digest
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
+from magnetar.engine.memory import kv_room_problem
 from magnetar.engine.phase1 import run_extension, run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.store import ContextStore, HostTier
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, SimulatedRing, check_model,
-                                      context_method, plan_rank)
+                                      context_method, plan_for_length, plan_rank)
 from magnetar.parallel import ParallelGroups, contiguous_indices, zigzag_indices
 from magnetar.parallel.collectives import all_gather_ints, all_gather_numbers, broadcast_tensor
 from magnetar.parallel.ring import ExchangeClock
@@ -84,6 +85,16 @@ class Phase1Output:
     last_logits: Optional[torch.Tensor] = None  # (V,): the context's last position (one CP rank only, else None)
 
 
+@dataclass(frozen=True)
+class KVRoom:
+    """What a fresh Phase 1 checks first (:func:`magnetar.engine.memory.kv_room_problem`): at least ``per_token`` KV
+    bytes a context token keeps, and the ``room`` bytes the smallest device of the replica holds beside the weights
+    (the same on every rank: one gather when the engine starts). ``per_token`` 0: nothing is checked."""
+
+    per_token: int = 0
+    room: int = 0
+
+
 class Encoder:
     """Phase 1 and the context cache for one engine configuration (an engine's variants each have their own
     encoder over the same model, groups, policies and cache). ``identity`` is stamped on every handle it makes."""
@@ -91,9 +102,10 @@ class Encoder:
     def __init__(self, model, config: EngineConfig, groups: ParallelGroups, device: torch.device,
                  cache: ContextCache, identity: str, *, policy: Optional[DecodePolicy] = None,
                  prefill: Optional[PrefillPolicy] = None, store: Optional[ContextStore] = None,
-                 host: Optional[HostTier] = None):
+                 host: Optional[HostTier] = None, room: KVRoom = KVRoom()):
         self.model, self.config, self.groups, self.device = model, config, groups, device
         self.cache, self.identity, self.policy, self.prefill = cache, identity, policy, prefill
+        self.room = room
         # the cache's lower tiers, shared with the variants: host memory (what the cache evicts), then disk
         self.store, self.host = store, host
         self.tiers = tuple(t for t in (host, store) if t is not None)
@@ -104,7 +116,7 @@ class Encoder:
     def with_config(self, config: EngineConfig) -> "Encoder":
         """This encoder with another configuration (a per-request variant): the same cache, policies, identity."""
         return Encoder(self.model, config, self.groups, self.device, self.cache, self.identity, policy=self.policy,
-                       prefill=self.prefill, store=self.store, host=self.host)
+                       prefill=self.prefill, store=self.store, host=self.host, room=self.room)
 
     @property
     def simulated(self) -> bool:
@@ -344,10 +356,29 @@ class Encoder:
 
     def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
         """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's
-        need the Phase-1 attention mass)."""
+        need the Phase-1 attention mass). A context whose KV alone cannot fit the device is refused first
+        (:meth:`check_room`)."""
+        self.check_room(int(context_ids.numel()))
         if self.simulated:
             return self._simulated(context_ids, variants)
         return self._distributed(context_ids, variants)
+
+    def check_room(self, context_tokens: int) -> None:
+        """FieldError naming ``context`` when a context of ``context_tokens`` certainly cannot fit: a method whose KV
+        keeps every context token once (the registry's ``partitions``) and no decode policy (which may keep less),
+        its largest share -- the whole context in one process (simulated ranks, one rank), else the largest CP
+        rank's plan -- times the KV bytes a token keeps at least, over what the smallest device of the replica holds
+        beside the weights (:class:`KVRoom`). Every rank decides alike on the same figures: no collective."""
+        if not self.room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
+            return
+        W = self.config.parallel.cp_size
+        one = self.simulated or W == 1
+        kept = context_tokens if one else max(kept_token_count(plan_for_length(self.config, context_tokens, r))
+                                              for r in range(W))
+        problem = kv_room_problem(context_tokens, kept, self.room.per_token, self.room.room, self.device,
+                                  one_process=one)
+        if problem is not None:
+            raise FieldError(f"context: {problem}", "context")
 
     def seconds_per_rank(self, stats: list[RankStats]) -> list[float]:
         """Every CP rank's Phase-1 seconds of one context from its ``stats`` (a Phase1Output's or a handle's: a

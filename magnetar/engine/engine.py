@@ -32,9 +32,9 @@ from magnetar.config import METHODS, REQUEST_OPTIONS, EngineConfig, FieldError, 
 from magnetar.engine import hf, inputs
 from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
-from magnetar.engine.encode import Encoder, kv_options
+from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
-from magnetar.engine.memory import relieve
+from magnetar.engine.memory import device_room, kv_bytes_per_token, relieve
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -93,14 +93,18 @@ class Engine:
         if self.prefill is not None and self.prefill.needs_hidden:
             hf.capture_attention_inputs(model)
         self.requests = Requests(tokenizer, model, config, groups, self.device, self.policy)
-        self.encoder = Encoder(model, config, groups, self.device, self.cache, self.identity, policy=self.policy,
-                               prefill=self.prefill, store=self.store, host=self.host)
-        # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP)
+        # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP),
+        # and what each rank's device holds beside them (a context whose KV alone exceeds it is refused by name)
         mine = weight_bytes(model)
+        room = device_room(self.device, mine)
         if self.simulated:
             per_rank = [mine] * config.parallel.cp_size  # each stand-in rank holds the model
         else:
-            per_rank = all_gather_ints([mine], groups.replica_group, self.device, timeout=groups.timeout)[:, 0].tolist()
+            rows = all_gather_ints([mine, room], groups.replica_group, self.device, timeout=groups.timeout)
+            per_rank, room = rows[:, 0].tolist(), int(rows[:, 1].min())
+        self.encoder = Encoder(model, config, groups, self.device, self.cache, self.identity, policy=self.policy,
+                               prefill=self.prefill, store=self.store, host=self.host,
+                               room=KVRoom(kv_bytes_per_token(model, config.parallel.tp_size), room))
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
                                method=config.method, stats_keys=self.policy.stats_keys if self.policy else ())
         self.scorer = self._scorer()

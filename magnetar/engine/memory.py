@@ -9,6 +9,10 @@ a request's own failure instead of the server's end:
 * :func:`relieve` -- free what the device holds for later: every context the cache keeps (a host-memory tier keeps
   its copy, as on any eviction), then the collector's and the CUDA allocator's unused blocks; the loop then tries the
   request once more;
+* :func:`kv_bytes_per_token`, :func:`device_room`, :func:`kv_room_problem` -- before a context's Phase 1, the
+  certain refusal: a context whose KV ALONE exceeds what the device holds beside the weights cannot fit however the
+  server is loaded, and is refused up front by name (a lower bound of the need, so nothing that could fit is
+  refused; the activations and the other requests are what the out-of-memory path above meets);
 * :class:`OutOfDeviceMemory` -- the error that request fails with if it still does not fit: what ran out, on which
   device, how much was free, and what to change. ``alone`` (nothing else held the device: no other request, no pinned
   context, no other Phase 1 in progress -- the cache was dropped) means it cannot fit here at all -- a client error
@@ -20,6 +24,7 @@ while the others wait in the request's collectives, so the loop ends the replica
 from __future__ import annotations
 
 import gc
+import os
 from typing import Optional
 
 import torch
@@ -50,6 +55,49 @@ def relieve(cache, device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dropped
+
+
+def kv_bytes_per_token(model, tp_size: int = 1) -> int:
+    """At least the KV bytes one context token keeps on a rank: K and V of its KV heads (split over ``tp_size``) x
+    head dim x the model's element size, over the global layers (a sliding-window layer's KV may be cut to its
+    window: not counted). 0 when the model's config does not say (nothing is then refused)."""
+    from magnetar.models.dims import ModelDims
+
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (ValueError, TypeError, AttributeError):
+        return 0
+    itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    heads = max(1, dims.kv_heads // max(1, tp_size))
+    return sum(2 * heads * dims.head_dim * itemsize for w in dims.windows if w is None)
+
+
+def device_room(device: torch.device, weights: int) -> int:
+    """The bytes ``device`` can hold beside ``weights`` bytes of model: a CUDA device's total memory, a CPU's physical
+    memory (the host's: other processes' share is not known here), less the weights."""
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, int(total) - int(weights))
+
+
+def kv_room_problem(context_tokens: int, kept_tokens: int, per_token: int, room: int, device: torch.device,
+                    *, one_process: bool) -> Optional[str]:
+    """Why a context of ``context_tokens`` cannot fit, or None: its largest KV share -- ``kept_tokens`` tokens of
+    ``per_token`` bytes on one process (``one_process``: simulated ranks, or one rank, hold the whole context) --
+    exceeds ``room`` (:func:`device_room`, the smallest over the replica's ranks). The message says by how much, how
+    long a context fits, and how many context-parallel ranks its KV would need."""
+    need = kept_tokens * per_token
+    if not per_token or need <= room:
+        return None
+    fits = room // per_token * context_tokens // max(1, kept_tokens)  # the same share of a shorter context
+    ranks = -(-context_tokens * per_token // max(1, room))
+    where = "one process (it holds the whole context)" if one_process else "its largest context-parallel rank"
+    return (f"its KV alone needs {need / 2**30:.1f} GiB on {where} ({kept_tokens} tokens x {per_token // 1024} KiB), "
+            f"more than {device} holds beside the model's weights ({room / 2**30:.1f} GiB): a {context_tokens}-token "
+            f"context cannot fit; shorten it to at most about {fits} tokens, or spread it over at least {ranks} "
+            f"context-parallel ranks of one device each (--cp-size, a method that splits the context)")
 
 
 class OutOfDeviceMemory(RuntimeError):
