@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from magnetar.config import EngineConfig
 from magnetar.engine.template import encode_text, special_tokens, split_prompt
 
 pytestmark = pytest.mark.model
@@ -106,7 +107,7 @@ def test_no_template_and_score_strings(smollm2_tokenizer):
     assert p.query_ids.tolist() == tok(" Why?", add_special_tokens=False)["input_ids"]
     # Engine.score's strings go through the same rule
     ids = Requests(tok, SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192, vocab_size=None)),
-                   None, None, None).plain_ids(context, "context").tolist()
+                   EngineConfig(), None, None).plain_ids(context, "context").tolist()
     assert ids == encode_text(tok, context).tolist() and not special & set(ids)
 
 
