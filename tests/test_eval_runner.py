@@ -250,6 +250,51 @@ def test_paired_average_delta():
 
 
 @pytest.mark.model
+def test_items_that_do_not_fit_memory_are_results_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    # a long-context sweep meets lengths a method cannot hold: refused before its Phase 1 (its KV alone exceeds the
+    # device) or out of memory while it ran -- each item recorded as out of memory (no score), the run goes on, the
+    # report shows OOM cells and the reasons, and a resumed run does not retry them
+    import magnetar
+    from magnetar.engine.memory import ContextTooLarge
+    from magnetar.eval import runner
+
+    _fake_runner(monkeypatch)
+    relieved, replica = [], {"size": 1}
+    monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(
+        model=model, simulated=False, groups=SimpleNamespace(replica_size=replica["size"]),
+        relieve_memory=lambda: relieved.append(1)))
+    answer, errors = runner._run_group, {1024: ContextTooLarge("context: its KV alone needs 9.0 GiB ... cannot fit"),
+                                         2048: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4 GiB")}
+
+    def runs_out(args, engine, tokenizer, group, fid=None):
+        if group[0][1] in errors:
+            raise errors[group[0][1]]
+        return answer(args, engine, tokenizer, group, fid)
+
+    monkeypatch.setattr(runner, "_run_group", runs_out)
+    run = ["--suite", "ruler", "--tasks", "niah_single_1", "--methods", "dense", "--lengths", "512,1024,2048",
+           "--samples", "2", "--out", str(tmp_path)]
+    assert main(run) == 0
+    rec = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    oom = [r for r in rec if r.get("out_of_memory")]
+    assert sorted(r["length"] for r in oom) == [1024, 1024, 2048, 2048] and all("score" not in r for r in oom)
+    assert {r["error"].split(":")[0] for r in oom} == {"ContextTooLarge", "OutOfMemoryError"} and len(relieved) == 4
+    report = (tmp_path / "report.md").read_text()
+    assert "| niah_single_1 | 100.0 ± 0.0 (n=2) | OOM | OOM |" in report
+    assert "### Did not fit memory" in report and "| ruler | dense | 2K | 2 | OutOfMemoryError: CUDA out of" in report
+    capsys.readouterr()
+    assert main(run) == 0 and "0 items to run (6 already in" in capsys.readouterr().out  # not retried
+    errors[4096] = RuntimeError("shapes cannot be multiplied")  # anything else stops the run, as before
+    with pytest.raises(RuntimeError, match="shapes cannot"):
+        main(run[:7] + ["4096"] + run[8:])
+    replica["size"] = 2  # on several processes a failed allocation is the replica's (its peers wait in a collective)
+    errors[8192] = torch.OutOfMemoryError("CUDA out of memory.")
+    with pytest.raises(torch.OutOfMemoryError):
+        main(run[:7] + ["8192"] + run[8:])
+    errors[16384] = ContextTooLarge("context: its KV alone ... cannot fit")  # refused alike on every rank: a result
+    assert main(run[:7] + ["16384"] + run[8:]) == 0
+
+
 def test_runner_end_to_end_and_resume(tmp_path, capsys, smollm2_path):
     args = ["--suite", "ruler", "--tasks", "niah_single_2", "--methods", "dense", "--lengths", "512", "--samples",
             "1", "--out", str(tmp_path), "--deepspeed-inference", "false"]

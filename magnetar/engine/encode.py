@@ -23,7 +23,7 @@ from magnetar.config import METHODS, EngineConfig, FieldError
 from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, context_key, prefix_digest
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
-from magnetar.engine.memory import kv_room_problem
+from magnetar.engine.memory import ContextTooLarge, kv_room_problem
 from magnetar.engine.phase1 import run_extension, run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
 from magnetar.engine.plan import kept_token_count
@@ -364,7 +364,8 @@ class Encoder:
         return self._distributed(context_ids, variants)
 
     def check_room(self, context_tokens: int) -> None:
-        """FieldError naming ``context`` when a context of ``context_tokens`` certainly cannot fit: a method whose KV
+        """:class:`~magnetar.engine.memory.ContextTooLarge` (a ValueError naming ``context``) when a context of
+        ``context_tokens`` certainly cannot fit: a method whose KV
         keeps every context token once (the registry's ``partitions``) and no decode policy (which may keep less),
         its largest share -- the whole context in one process (simulated ranks, one rank), else the largest CP
         rank's plan -- times the KV bytes a token keeps at least, over what the smallest device of the replica holds
@@ -378,7 +379,7 @@ class Encoder:
         problem = kv_room_problem(context_tokens, kept, self.room.per_token, self.room.room, self.device,
                                   one_process=one)
         if problem is not None:
-            raise FieldError(f"context: {problem}", "context")
+            raise ContextTooLarge(f"context: {problem}")
 
     def seconds_per_rank(self, stats: list[RankStats]) -> list[float]:
         """Every CP rank's Phase-1 seconds of one context from its ``stats`` (a Phase1Output's or a handle's: a

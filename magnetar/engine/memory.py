@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from magnetar.config import FieldError
+
 _CPU_ALLOCATOR = "can't allocate memory"  # torch's CPU allocator's RuntimeError (alloc_cpu.cpp)
 
 
@@ -98,6 +100,21 @@ def kv_room_problem(context_tokens: int, kept_tokens: int, per_token: int, room:
             f"more than {device} holds beside the model's weights ({room / 2**30:.1f} GiB): a {context_tokens}-token "
             f"context cannot fit; shorten it to at most about {fits} tokens, or spread it over at least {ranks} "
             f"context-parallel ranks of one device each (--cp-size, a method that splits the context)")
+
+
+def did_not_fit(error: BaseException) -> bool:
+    """Whether ``error`` says a request did not fit memory: a failed allocation (:func:`out_of_memory`), the certain
+    refusal before Phase 1 (:class:`ContextTooLarge`) or the serving loop's :class:`OutOfDeviceMemory`."""
+    return out_of_memory(error) or isinstance(error, (ContextTooLarge, OutOfDeviceMemory))
+
+
+class ContextTooLarge(FieldError):
+    """A context whose KV alone cannot fit the device (:func:`kv_room_problem`), refused before its Phase 1 on every
+    rank alike: a :class:`~magnetar.config.FieldError` naming ``context``, as the engine's other refusals of bad
+    input."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "context")
 
 
 class OutOfDeviceMemory(RuntimeError):

@@ -72,13 +72,19 @@ def _task_label(t: str) -> str:
 WIDE_LABELS = 4
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown tables of the scored suites: task x (method, length) with the average over tasks."""
-    by, items = defaultdict(list), defaultdict(dict)
+def table(rows: list[dict], oom: Sequence[dict] = ()) -> str:
+    """Markdown tables of the scored suites: task x (method, length) with the average over tasks. ``oom``: the
+    records of items that did not fit memory (``out_of_memory``): a cell of those alone reads "OOM", one with some
+    of them says how many ("(2 OOM)": its mean is over the others)."""
+    by, items, ooms = defaultdict(list), defaultdict(dict), defaultdict(int)
     for r in rows:
         if r.get("suite") != "ppl" and r.get("score") is not None:
             by[(r["suite"], r["task"], label(r), r["length"])].append(float(r["score"]))
             items[(r["suite"], r["task"], label(r), r["length"])][(r.get("index"), r.get("depth"))] = float(r["score"])
+    for r in oom:
+        if r.get("suite") != "ppl":
+            ooms[(r["suite"], r["task"], label(r), r["length"])] += 1
+            by.setdefault((r["suite"], r["task"], label(r), r["length"]), [])  # its column and task are shown
     out = []
     for suite in sorted({k[0] for k in by}):
         keys = [k for k in by if k[0] == suite]
@@ -86,10 +92,15 @@ def table(rows: list[dict]) -> str:
         cols = sorted({(k[3], k[2]) for k in keys})  # (length, label)
 
         def cell(t, lab, length):
-            return _fmt(mean_ci(by[(suite, t, lab, length)])) if by.get((suite, t, lab, length)) else "-"
+            k, n_oom = (suite, t, lab, length), ooms.get((suite, t, lab, length), 0)
+            if not by.get(k):
+                return "OOM" if n_oom else "-"
+            return _fmt(mean_ci(by[k])) + (f" ({n_oom} OOM)" if n_oom else "")
 
         def average(lab, length):  # Pulsar Table 1: the average over tasks of per-task means
             means = [mean_ci(by[(suite, t, lab, length)])[0] for t in tasks if by.get((suite, t, lab, length))]
+            if not means:
+                return "OOM" if any(ooms.get((suite, t, lab, length)) for t in tasks) else "-"
             missing = len(tasks) - len(means)
             return f"**{sum(means) / len(means):.1f}**" + (f" ({missing} task(s) missing)" if missing else "")
 
@@ -116,6 +127,23 @@ def table(rows: list[dict]) -> str:
                                                 [items[(suite, t, "dense", length)] for t in tasks]))
                 if lab != "dense" else "" for length, lab in cols) + " |")
         out.append("")
+    return "\n".join(out)
+
+
+def oom_table(oom: Sequence[dict]) -> str:
+    """The items that did not fit memory (records with ``out_of_memory``, written by the runner instead of a
+    result): per suite, method and length, how many and the first reason."""
+    by = defaultdict(list)
+    for r in oom:
+        by[(r.get("suite"), label(r), r["length"])].append(r)
+    out = ["### Did not fit memory\n",
+           "Items refused before their Phase 1 (their KV alone exceeds the device) or out of memory while they ran, "
+           "on this run's machine: no score, shown as OOM above.\n",
+           "| suite | method | length | items | reason (the first) |", "|---|---|---:|---:|---|"]
+    for (suite, lab, length), rs in sorted(by.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
+        why = str(rs[0].get("error", "")).replace("|", "/")[:200]
+        out.append(f"| {suite} | {lab} | {_len(length)} | {len(rs)} | {why} |")
+    out.append("")
     return "\n".join(out)
 
 
@@ -412,7 +440,10 @@ def write_report(out_dir: Path, also: Sequence[Path] = (), tasks: Optional[Seque
     if not rows:
         raise SystemExit(f"no records of the tasks {list(tasks or [])} in {[str(d) for d in (out_dir, *also)]}")
     rows = tag_cp_sizes(rows)
-    md = table(rows) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
+    oom = [r for r in rows if r.get("out_of_memory")]  # items that did not fit memory: no score (oom_table)
+    rows = [r for r in rows if not r.get("out_of_memory")]
+    md = table(rows, oom) + ("\n" + ppl_table(rows) if any(r.get("suite") == "ppl" for r in rows) else "")
+    md += ("\n" + oom_table(oom)) if oom else ""
     compressed = compression_table(rows)
     md += ("\n" + compressed) if compressed else ""
     ablation = scorer_ablation_table(rows)

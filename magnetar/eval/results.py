@@ -5,7 +5,8 @@ Files are read line by line (bytes up to ``\\n``), so a line cut by an interrupt
 the next one. A line that is not a record -- not UTF-8, not JSON, not a JSON object -- is skipped by
 :func:`load` (the report) with a warning naming the file and line. The runner's resume
 (:func:`set_aside_bad_lines`) is stricter: a line must hold a complete runner record (:data:`RECORD_FIELDS`
-with their types, and a ``score``, an ``nll_sum`` with its ``tokens``, or a fidelity record's ``kl``); any
+with their types, and a ``score``, an ``nll_sum`` with its ``tokens``, a fidelity record's ``kl``, or
+``out_of_memory`` with its ``error``: an item that did not fit memory); any
 other line is moved, as it was,
 to ``<file>.rejected`` (appended) with a warning naming the file and line, and the file is rewritten without
 it (a temporary file renamed over it), so its item runs again and the file parses line by line afterwards.
@@ -63,6 +64,8 @@ def record_problem(row: dict) -> Optional[str]:
             return f"no {name!r} field"
         if isinstance(row[name], bool) or not isinstance(row[name], kind):
             return f"{name!r} is a {type(row[name]).__name__}, not a {kind.__name__}"
+    if row.get("out_of_memory") is True:  # an item that did not fit memory: a result without a score
+        return None if isinstance(row.get("error"), str) else "an out_of_memory record without its 'error'"
     if "score" in row:
         return None if _is_number(row["score"]) else f"'score' is a {type(row['score']).__name__}, not a number"
     if "nll_sum" in row and "tokens" in row:

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import sys
 import time
 from datetime import timedelta
@@ -53,6 +54,7 @@ from magnetar.parallel.collectives import barrier, store_barrier
 from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
 from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors
 
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -341,6 +343,25 @@ def _cost_vs_dense(engine, cfg: EngineConfig, ids: tuple) -> float:
     return mine.critical_phase1_flops / dense.critical_phase1_flops
 
 
+def _did_not_fit(args, engine, group: list, error: Exception) -> list[dict]:
+    """The records of a group of items that did not fit memory -- refused before its Phase 1 (its KV alone exceeds
+    the device: every rank alike) or out of memory where one process holds the replica (on several, one rank's failed
+    allocation leaves the others in a collective: re-raised, as anything else) -- each with ``error`` and no score:
+    a result of this machine (the report's "OOM" cells; the run goes on, and a resumed run does not retry it --
+    drop its lines, or use another ``--out``, to try again). The device's cached contexts are dropped."""
+    from magnetar.engine.memory import ContextTooLarge, did_not_fit
+
+    if not did_not_fit(error) or (engine.groups.replica_size > 1 and not isinstance(error, ContextTooLarge)):
+        raise error
+    engine.relieve_memory()
+    why = str(error).splitlines()[0][:400] if str(error) else type(error).__name__
+    log.warning("%d item(s) did not fit memory (%s); recorded as out of memory, the run goes on", len(group), why)
+    return [{"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
+             "length": length, "index": index, "cp_size": cfg.parallel.cp_size, "out_of_memory": True,
+             "error": f"{type(error).__name__}: {why}"}
+            for method, length, task, index, cfg, key in group]
+
+
 def _run_group(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
     """Answer (or score) one group of items with ``engine``; one result record per item. A group of several
     generation items runs as one :meth:`Engine.generate_batch` (the same answers as one by one up to float rounding;
@@ -520,7 +541,10 @@ def _run_items(args, suite, todo: list, model, tokenizer, fid, place: _Place, ba
         engine = engines[ck]
         runs_here = place.dealt or engine.simulated or cfg.parallel.cp_size > 1 or place.rank == 0
         if runs_here:
-            records = _run_group(args, engine, tokenizer, group, fid)
+            try:
+                records = _run_group(args, engine, tokenizer, group, fid)
+            except Exception as e:  # noqa: BLE001 - what did not fit memory is a result; the rest is re-raised
+                records = _did_not_fit(args, engine, group, e)
             if place.rank == 0 or place.dealt:
                 append_records(place.results_path, records)
         if not place.dealt and cfg.parallel.cp_size == 1 and place.world > 1:
