@@ -293,6 +293,19 @@ def test_items_that_do_not_fit_memory_are_results_and_the_run_goes_on(tmp_path, 
         main(run[:7] + ["8192"] + run[8:])
     errors[16384] = ContextTooLarge("context: its KV alone ... cannot fit")  # refused alike on every rank: a result
     assert main(run[:7] + ["16384"] + run[8:]) == 0
+    # a batch (--batch) that does not fit runs one item at a time: only the items that do not fit alone are OOM
+    replica["size"] = 1
+
+    def batch_runs_out(args, engine, tokenizer, group, fid=None):
+        if len(group) > 1 or group[0][3] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return answer(args, engine, tokenizer, group, fid)
+
+    monkeypatch.setattr(runner, "_run_group", batch_runs_out)
+    out = tmp_path / "batched"
+    assert main(run[:7] + ["512", "--samples", "3", "--batch", "3", "--out", str(out)]) == 0
+    rec = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["index"], bool(r.get("out_of_memory"))) for r in rec) == [(0, False), (1, True), (2, False)]
 
 
 def test_runner_end_to_end_and_resume(tmp_path, capsys, smollm2_path):

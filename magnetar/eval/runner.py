@@ -343,6 +343,18 @@ def _cost_vs_dense(engine, cfg: EngineConfig, ids: tuple) -> float:
     return mine.critical_phase1_flops / dense.critical_phase1_flops
 
 
+def _run_fitting(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
+    """:func:`_run_group`, where what does not fit memory is a result (:func:`_did_not_fit`): a batch that does not
+    runs again one item at a time, so only the items that do not fit alone are recorded so."""
+    try:
+        return _run_group(args, engine, tokenizer, group, fid)
+    except Exception as e:  # noqa: BLE001 - what did not fit memory is a result; the rest is re-raised
+        records = _did_not_fit(args, engine, group, e)
+    if len(group) == 1:
+        return records
+    return [r for item in group for r in _run_fitting(args, engine, tokenizer, [item], fid)]
+
+
 def _did_not_fit(args, engine, group: list, error: Exception) -> list[dict]:
     """The records of a group of items that did not fit memory -- refused before its Phase 1 (its KV alone exceeds
     the device: every rank alike) or out of memory where one process holds the replica (on several, one rank's failed
@@ -541,10 +553,7 @@ def _run_items(args, suite, todo: list, model, tokenizer, fid, place: _Place, ba
         engine = engines[ck]
         runs_here = place.dealt or engine.simulated or cfg.parallel.cp_size > 1 or place.rank == 0
         if runs_here:
-            try:
-                records = _run_group(args, engine, tokenizer, group, fid)
-            except Exception as e:  # noqa: BLE001 - what did not fit memory is a result; the rest is re-raised
-                records = _did_not_fit(args, engine, group, e)
+            records = _run_fitting(args, engine, tokenizer, group, fid)
             if place.rank == 0 or place.dealt:
                 append_records(place.results_path, records)
         if not place.dealt and cfg.parallel.cp_size == 1 and place.world > 1:
