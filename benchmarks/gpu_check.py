@@ -394,11 +394,12 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
             rc, out, err = kit.run(cmd, timeout)
             # the bench rewrites its JSON after every row: a run cut short (or failing later) keeps what it measured
             record = json.loads(json_out.read_text()) if json_out.is_file() else None
-        if record is None or not record["rows"]:
+        if record is None or not (record["rows"] or record.get("did_not_fit")):
             return False, None, _tail(err or out), cmd
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       simulate_ranks=record["simulate_ranks"], load_s=round(record["load_seconds"], 2),
-                      options=extra, complete=record.get("complete", True), rows=_rows(record))
+                      options=extra, complete=record.get("complete", True), rows=_rows(record),
+                      did_not_fit=record.get("did_not_fit", []))
         return rc == 0, result, None if rc == 0 else _tail(err or out), cmd
     return kit.step(name, limit, fn)
 

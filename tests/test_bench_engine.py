@@ -144,3 +144,41 @@ def test_the_json_is_rewritten_after_every_row(tmp_path, monkeypatch, capsys):
     assert part[("star", 2)]["vs_ring_at"]["450"] > 0 and part[("dense", 1)]["speedup_measured"] == pytest.approx(1)
     assert all("_estimate" not in r for rec in seen for r in rec["rows"])
     assert not (tmp_path / "b.json.tmp").exists()
+
+
+def test_a_configuration_that_does_not_fit_memory_is_said_and_the_run_goes_on(capsys, monkeypatch):
+    # the kit's exact-vs-approximate table at 512K meets a dense Phase 1 the card cannot hold: that configuration is
+    # said (table, JSON's did_not_fit), the others are measured; anything else still stops the run
+    import torch
+
+    from magnetar.engine.memory import ContextTooLarge
+
+    bench = _bench()
+    run, relieved = bench._engine_run, []
+
+    def dense_runs_out(engine, ctx, *a, **kw):
+        if engine.config.method == "dense" and ctx.numel() > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+        if engine.config.method == "pulsar" and ctx.numel() > 64:
+            raise ContextTooLarge("context: its KV alone needs 70.0 GiB ... cannot fit")
+        return run(engine, ctx, *a, **kw)
+
+    monkeypatch.setattr(bench, "_engine_run", dense_runs_out)
+    from magnetar.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "relieve_memory", lambda self: relieved.append(self.config.method) or 0)
+    assert bench.main(["--tiny", "--methods", "dense,star,pulsar", "--lengths", "96", "--simulate-ranks", "2",
+                       "--max-new-tokens", "1", "--query-len", "2", "--warmup", "1", "--repeats", "1",
+                       "--sink-size", "4", "--chunk-size", "4"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(out[-1])
+    assert [r["method"] for r in record["rows"]] == ["star"]
+    assert [(r["method"], r["context_len"], r["error"].split(":")[0]) for r in record["did_not_fit"]] == \
+        [("dense", 96, "OutOfMemoryError"), ("pulsar", 96, "ContextTooLarge")]
+    said = "did not fit memory: dense x1 at 96 tokens (OutOfMemoryError: CUDA out of"
+    assert any(line.startswith(said) for line in out), out
+    assert relieved == ["dense", "pulsar"]
+    monkeypatch.setattr(bench, "_engine_run", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        bench.main(["--tiny", "--methods", "dense", "--lengths", "96", "--max-new-tokens", "1", "--query-len", "2",
+                    "--warmup", "0", "--repeats", "1"])

@@ -43,7 +43,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -299,16 +299,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     cps = args.simulate_ranks or [args.cp or (world // args.tp_size if world else 1)]
     lead = world is None or dist.get_rank() == 0
 
+    did_not_fit: list[dict] = []  # configurations that did not fit memory: said, not rows
+
     def partial(rows: list[dict]) -> None:  # the JSON after every row: a run cut short keeps what it measured
         if lead and args.json_out:
             done = copy.deepcopy(rows)
             _normalise(done)
-            write_json_line(args.json_out, _record(args, model, name, done, cps, world, load_s, complete=False))
+            write_json_line(args.json_out, _record(args, model, name, done, cps, world, load_s, complete=False,
+                                                   did_not_fit=did_not_fit))
 
-    rows = _measure(args, model, tokenizer, cps, lead, on_row=partial)
+    rows = _measure(args, model, tokenizer, cps, lead, on_row=partial, did_not_fit=did_not_fit)
     _normalise(rows)
     if lead:
-        _report(args, model, name, rows, cps, world, load_s)
+        _report(args, model, name, rows, cps, world, load_s, did_not_fit)
     finish_distributed()
     return 0
 
@@ -348,11 +351,12 @@ def _jobs(args, cps: list[int]) -> list[tuple[int, str, str, object]]:
 
 
 def _measure(args, model, tokenizer, cps: list[int], lead: bool,
-             on_row: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+             on_row: Optional[Callable[[list[dict]], None]] = None, did_not_fit: Optional[list] = None) -> list[dict]:
     """One row per (length, CP size, method or variant): the median of ``--repeats`` timed generate calls after
     ``--warmup``, with the cost model's prediction of the same configuration (a progress bar on rank 0's
     stderr); ``on_row(rows)`` after each. Simulated ranks of ring run rank by rank (``parallel.rank_by_rank``):
-    every rank has its own time."""
+    every rank has its own time. A configuration that does not fit memory (:func:`_does_not_fit`) is no row: it goes
+    to ``did_not_fit`` and the run goes on (a 512K dense beside the methods that hold it)."""
     import magnetar
     from magnetar.eval.cost import estimate
     from tqdm import tqdm
@@ -380,13 +384,22 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
                        simulated=bool(sim) and ranks > 1, options=context_method(method).label_options(cfg))
             engine = engine_for(label, cfg)
             runs = []
-            for i in range(args.warmup + args.repeats):
-                bar.set_postfix_str(f"{label} x{ranks} L={L} {'warm-up' if i < args.warmup else 'run'}")
-                out = _engine_run(engine, warm_ctx if i < args.warmup else ctx, query, args.max_new_tokens,
-                                  args.links)
-                bar.update(1)
-                if i >= args.warmup:
-                    runs.append(out)
+            try:
+                for i in range(args.warmup + args.repeats):
+                    bar.set_postfix_str(f"{label} x{ranks} L={L} {'warm-up' if i < args.warmup else 'run'}")
+                    out = _engine_run(engine, warm_ctx if i < args.warmup else ctx, query, args.max_new_tokens,
+                                      args.links)
+                    bar.update(1)
+                    if i >= args.warmup:
+                        runs.append(out)
+            except Exception as e:  # noqa: BLE001 - what does not fit memory is said; the rest is re-raised
+                why = _does_not_fit(engine, e)
+                (did_not_fit if did_not_fit is not None else []).append(dict(row, error=why))
+                bar.write(f"{label} x{ranks} at {L} tokens did not fit memory: {why}")
+                bar.update(args.warmup + args.repeats - i)  # the calls it will not make
+                if on_row is not None:
+                    on_row(rows)
+                continue
             row.update(_median_runs(runs))
             pred = estimate(model.config, cfg, L, int(query.numel()), context_ids=ctx)
             row["_estimate"] = pred  # priced at the links once dense's FLOP/s is known (_normalise); not in the JSON
@@ -402,6 +415,19 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
                 on_row(rows)
     bar.close()
     return rows
+
+
+def _does_not_fit(engine, error: Exception) -> str:
+    """The reason a configuration did not fit memory -- refused before its Phase 1 (its KV alone exceeds the device:
+    every rank alike) or out of memory where one process holds the replica (simulated ranks, one rank) -- with the
+    device's cached contexts dropped; anything else (and out of memory on several processes, whose peers wait in a
+    collective) is re-raised."""
+    from magnetar.engine.memory import ContextTooLarge, did_not_fit
+
+    if not did_not_fit(error) or (engine.groups.replica_size > 1 and not isinstance(error, ContextTooLarge)):
+        raise error
+    engine.relieve_memory()
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
 
 
 def _normalise(rows: list[dict]) -> None:
@@ -464,7 +490,8 @@ def _dtype_name(model) -> str:
     return str(model_dtype(model)).removeprefix("torch.")
 
 
-def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float) -> None:
+def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float,
+            did_not_fit: Sequence[dict] = ()) -> None:
     """The run's header, the table, the comparison with the cost model, the critical paths at each link (simulated
     ranks), then one JSON line (and ``--json-out``)."""
     sim, tp = args.simulate_ranks, args.tp_size
@@ -477,6 +504,8 @@ def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
           f"new tokens {args.max_new_tokens}, warmup {args.warmup}"
           f"{f' (at {args.warmup_length} tokens)' if args.warmup_length else ''}, repeats {args.repeats}")
     print(_fmt_table(rows))
+    for r in did_not_fit:
+        print(f"did not fit memory: {_label(r)} x{r['ranks']} at {r['context_len']} tokens ({r['error']})")
     print()
     print("Phase-1 critical path vs the cost model:")
     print(_fmt_vs_model(rows))
@@ -486,21 +515,21 @@ def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
               "max(its attention, its transfer)), x ring = ring's over this row's; the cost model priced at dense's "
               "measured FLOP/s:")
         print(_fmt_links(rows))
-    record = _record(args, model, name, rows, cps, world, load_s, complete=True)
+    record = _record(args, model, name, rows, cps, world, load_s, complete=True, did_not_fit=did_not_fit)
     print(json.dumps(record))
     if args.json_out:
         write_json_line(args.json_out, record)
 
 
 def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Optional[int], load_s: float,
-            complete: bool) -> dict:
+            complete: bool, did_not_fit: Sequence[dict] = ()) -> dict:
     """The run's JSON record; ``complete`` False while rows are still being measured (``--json-out`` is rewritten
-    after each)."""
+    after each); ``did_not_fit``: the configurations that did not fit memory (method, length, ranks, error)."""
     dev = next(model.parameters()).device
     return dict(bench="engine", model=name, dtype=_dtype_name(model), device=str(dev), cp=cps, tp=args.tp_size,
                 simulate_ranks=args.simulate_ranks, links_gbps=args.links, world_size=world or 1,
                 load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
-                threads=torch.get_num_threads(), complete=complete, rows=rows)
+                threads=torch.get_num_threads(), complete=complete, rows=rows, did_not_fit=list(did_not_fit))
 
 
 if __name__ == "__main__":
