@@ -108,6 +108,16 @@ def did_not_fit(error: BaseException) -> bool:
     return out_of_memory(error) or isinstance(error, (ContextTooLarge, OutOfDeviceMemory))
 
 
+def fails_alone(error: BaseException, replica_size: int) -> bool:
+    """Whether ``error`` is a request's own failure to fit memory (:func:`did_not_fit`) that the request can fail
+    alone on a replica of ``replica_size`` processes: the certain refusal before Phase 1 always (every rank raises it
+    alike), an allocation that failed only where one process holds the replica (on several, its peers wait in the
+    request's collectives: the replica's failure)."""
+    if isinstance(error, ContextTooLarge):
+        return True
+    return did_not_fit(error) and replica_size == 1
+
+
 class ContextTooLarge(FieldError):
     """A context whose KV alone cannot fit the device (:func:`kv_room_problem`), refused before its Phase 1 on every
     rank alike: a :class:`~magnetar.config.FieldError` naming ``context``, as the engine's other refusals of bad

@@ -422,9 +422,9 @@ def _does_not_fit(engine, error: Exception) -> str:
     every rank alike) or out of memory where one process holds the replica (simulated ranks, one rank) -- with the
     device's cached contexts dropped; anything else (and out of memory on several processes, whose peers wait in a
     collective) is re-raised."""
-    from magnetar.engine.memory import ContextTooLarge, did_not_fit
+    from magnetar.engine.memory import fails_alone
 
-    if not did_not_fit(error) or (engine.groups.replica_size > 1 and not isinstance(error, ContextTooLarge)):
+    if not fails_alone(error, engine.groups.replica_size):
         raise error
     engine.relieve_memory()
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"

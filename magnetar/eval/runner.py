@@ -361,9 +361,9 @@ def _did_not_fit(args, engine, group: list, error: Exception) -> list[dict]:
     allocation leaves the others in a collective: re-raised, as anything else) -- each with ``error`` and no score:
     a result of this machine (the report's "OOM" cells; the run goes on, and a resumed run does not retry it --
     drop its lines, or use another ``--out``, to try again). The device's cached contexts are dropped."""
-    from magnetar.engine.memory import ContextTooLarge, did_not_fit
+    from magnetar.engine.memory import fails_alone
 
-    if not did_not_fit(error) or (engine.groups.replica_size > 1 and not isinstance(error, ContextTooLarge)):
+    if not fails_alone(error, engine.groups.replica_size):
         raise error
     engine.relieve_memory()
     why = str(error).splitlines()[0][:400] if str(error) else type(error).__name__

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from magnetar.engine.batch import FAILED_ALONE
 from magnetar.engine.finite import NonFiniteError
-from magnetar.engine.memory import OutOfDeviceMemory, out_of_memory
+from magnetar.engine.memory import OutOfDeviceMemory, did_not_fit, fails_alone, out_of_memory
 from magnetar.engine.phase2 import RequestFailed
 from magnetar.engine.requests import CheckedRequest
 from magnetar.serve.protocol import FINISH_REASONS, RequestError
@@ -371,7 +371,7 @@ class EngineLoop:
         fails it alone."""
         if isinstance(error, (TimeoutError, ConnectionError, dist.DistError)):
             raise error
-        if (out_of_memory(error) or isinstance(error, OutOfDeviceMemory)) and self.groups.replica_size > 1:
+        if did_not_fit(error) and not fails_alone(error, self.groups.replica_size):
             log.error("rank %d ran out of device memory: a replica of %d processes cannot fail one request alone "
                       "(the other ranks wait in its collectives); the replica stops", self.groups.rank,
                       self.groups.replica_size)
