@@ -366,9 +366,10 @@ class Encoder:
     def check_room(self, context_tokens: int) -> None:
         """:class:`~magnetar.engine.memory.ContextTooLarge` (a ValueError naming ``context``) when a context of
         ``context_tokens`` certainly cannot fit: a method whose KV keeps every context token once (the registry's
-        ``partitions``) and no decode policy (which may keep less), its largest share -- the whole context in one process (simulated ranks, one rank), else the largest CP
-        rank's plan -- times the KV bytes a token keeps at least, over what the smallest device of the replica holds
-        beside the weights (:class:`KVRoom`). Every rank decides alike on the same figures: no collective."""
+        ``partitions``) and no decode policy (which may keep less), its largest share -- the whole context in one
+        process (simulated ranks, one rank), else the largest CP rank's plan -- times the KV bytes a token keeps at
+        least, over what the smallest device of the replica holds beside the weights (:class:`KVRoom`). Every rank
+        decides alike on the same figures: no collective."""
         if not self.room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
         W = self.config.parallel.cp_size
