@@ -346,12 +346,17 @@ def _cost_vs_dense(engine, cfg: EngineConfig, ids: tuple) -> float:
 def _run_fitting(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
     """:func:`_run_group`, where what does not fit memory is a result (:func:`_did_not_fit`): a batch that does not
     runs again one item at a time, so only the items that do not fit alone are recorded so."""
+    from magnetar.engine.memory import fails_alone
+
     try:
         return _run_group(args, engine, tokenizer, group, fid)
     except Exception as e:  # noqa: BLE001 - what did not fit memory is a result; the rest is re-raised
-        records = _did_not_fit(args, engine, group, e)
-    if len(group) == 1:
-        return records
+        if len(group) == 1:
+            return _did_not_fit(args, engine, group, e)
+        if not fails_alone(e, engine.groups.replica_size):
+            raise
+        engine.relieve_memory()
+        log.warning("a batch of %d items did not fit memory; they run one at a time", len(group))
     return [r for item in group for r in _run_fitting(args, engine, tokenizer, [item], fid)]
 
 
