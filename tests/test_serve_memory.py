@@ -236,6 +236,14 @@ def test_the_client_is_told_what_ran_out_and_what_to_change(model_dir, monkeypat
         assert server.loop.failed is None
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         assert 'outcome="out_of_memory"' in metrics
+        from magnetar.engine.encode import KVRoom
+
+        room = engine.encoder.room  # a context whose KV alone cannot fit: refused at admission, naming its field
+        monkeypatch.setattr(engine.encoder, "room", KVRoom(room.per_token, 20 * room.per_token))
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Sum it up."}],
+                                           max_tokens=4, extra_body={"magnetar": {"context": "A short report. " * 4}})
+        assert e.value.body["param"] == "magnetar.context" and "context cannot fit" in e.value.body["message"]
 
 
 def test_magnetar_run_says_in_one_line_what_ran_out(model_dir, monkeypatch, capsys):
@@ -352,6 +360,7 @@ def test_a_context_whose_kv_alone_cannot_fit_is_refused_before_its_phase1(engine
     per_token = engine.encoder.room.per_token
     assert per_token > 0 and engine.encoder.room.room > 0  # the real figures of this machine
     phase1 = []
+    checked = engine.check(HUGE, QUERY, max_new_tokens=5).to_dict()  # admitted while the room was the machine's
     monkeypatch.setattr(Encoder, "_distributed", lambda self, *a: phase1.append(a) or pytest.fail("Phase 1 ran"))
     monkeypatch.setattr(engine.encoder, "room", KVRoom(per_token, 50 * per_token))  # room for 50 tokens' KV
     with pytest.raises(ValueError, match=r"^context: its KV alone needs .* GiB on one process \(it holds the whole "
@@ -360,8 +369,10 @@ def test_a_context_whose_kv_alone_cannot_fit_is_refused_before_its_phase1(engine
                                          r"tokens, or spread it over at least 2 context-parallel ranks"):
         engine.generate(HUGE, QUERY, max_new_tokens=2)
     assert not phase1
-    loop = _loop(engine)  # served: the request's own 400 on every rank alike (a ValueError), the server goes on
-    [failed] = _add(loop, engine, 1, HUGE).sink.items
+    loop = _loop(engine)  # served, at its Phase 1: the request's own 400 on every rank alike, the server goes on
+    loop.jobs[1] = job = Job("generate", 1, sink=_Sink())
+    loop._apply(Tick(adds=[Add(1, checked)]))
+    [failed] = job.sink.items
     assert failed.error.status == 400 and "a 60-token context cannot fit" in str(failed.error)
     monkeypatch.undo()
     assert engine.generate(HUGE, QUERY, max_new_tokens=2).token_ids  # it fits the real device
@@ -384,3 +395,15 @@ def test_the_room_is_per_rank_for_real_ranks_and_skipped_where_kv_may_be_less(en
     streaming = engine.encoder.with_config(engine.config.replace(method="streaming"))
     streaming.room = room
     streaming.check_room(10_000)  # its KV keeps a window, not every token: nothing certain to refuse
+
+
+def test_the_leaders_check_refuses_what_cannot_fit_before_the_request_is_queued(engine, monkeypatch):
+    from magnetar.engine.encode import KVRoom
+    from magnetar.engine.memory import ContextTooLarge
+
+    per_token = engine.encoder.room.per_token
+    monkeypatch.setattr(engine.encoder, "room", KVRoom(per_token, 50 * per_token))
+    with pytest.raises(ContextTooLarge) as e:  # Engine.check: no collective, no compute -- the server's admission
+        engine.check(HUGE, QUERY, max_new_tokens=2)
+    assert e.value.field == "context" and "a 60-token context cannot fit" in str(e.value)
+    assert engine.check(CONTEXT, QUERY, max_new_tokens=2).context_tokens == 30
