@@ -399,7 +399,7 @@ def step_bench(kit: Kit, shape: dict, name: str, limit: float, lengths, methods:
         result = dict(model=record["model"], dtype=record["dtype"], device=record["device"],
                       simulate_ranks=record["simulate_ranks"], load_s=round(record["load_seconds"], 2),
                       options=extra, complete=record.get("complete", True), rows=_rows(record),
-                      did_not_fit=record.get("did_not_fit", []))
+                      did_not_fit=record.get("did_not_fit", []), memory=record.get("memory"))
         return rc == 0, result, None if rc == 0 else _tail(err or out), cmd
     return kit.step(name, limit, fn)
 

@@ -483,6 +483,20 @@ def _label(r: dict) -> str:
     return f"{r.get('label', r['method'])}{' (sim)' if r['simulated'] else ''}"
 
 
+def _memory(model, args) -> dict:
+    """What the engine's room check (:func:`magnetar.engine.memory.kv_room_problem`) works from on this device: the
+    KV bytes a context token keeps at least, the bytes the device holds beside this process's weights, and so the
+    longest context one process can hold (simulated ranks: all of them)."""
+    from magnetar.engine.memory import device_room, kv_bytes_per_token
+    from magnetar.engine.tensor_parallel import weight_bytes
+
+    per_token = kv_bytes_per_token(model, args.tp_size)
+    weights = weight_bytes(model)
+    room = device_room(next(model.parameters()).device, weights)
+    return dict(kv_bytes_per_token=per_token, weight_bytes=weights, room_bytes=room,
+                max_context_tokens_one_process=room // per_token if per_token else None)
+
+
 def _dtype_name(model) -> str:
     """The dtype the model runs in (``--dtype auto``: the one it was loaded in)."""
     from magnetar.models.prepare import model_dtype
@@ -526,7 +540,8 @@ def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
     """The run's JSON record; ``complete`` False while rows are still being measured (``--json-out`` is rewritten
     after each); ``did_not_fit``: the configurations that did not fit memory (method, length, ranks, error)."""
     dev = next(model.parameters()).device
-    return dict(bench="engine", model=name, dtype=_dtype_name(model), device=str(dev), cp=cps, tp=args.tp_size,
+    return dict(bench="engine", model=name, dtype=_dtype_name(model), device=str(dev), memory=_memory(model, args),
+                cp=cps, tp=args.tp_size,
                 simulate_ranks=args.simulate_ranks, links_gbps=args.links, world_size=world or 1,
                 load_seconds=load_s, platform=platform.platform(), torch=torch.__version__,
                 threads=torch.get_num_threads(), complete=complete, rows=rows, did_not_fit=list(did_not_fit))
