@@ -260,9 +260,15 @@ def test_items_that_do_not_fit_memory_are_results_and_the_run_goes_on(tmp_path, 
 
     _fake_runner(monkeypatch)
     relieved, replica = [], {"size": 1}
-    monkeypatch.setattr(magnetar, "init_inference", lambda model, cfg, **kw: SimpleNamespace(
-        model=model, simulated=False, groups=SimpleNamespace(replica_size=replica["size"]),
-        relieve_memory=lambda: relieved.append(1)))
+    from magnetar.engine.engine import Engine
+
+    def stand_in(model, cfg, **kw):  # the engine's own rule (Engine.fit_failure) over a stand-in's groups and cache
+        engine = SimpleNamespace(model=model, simulated=False, groups=SimpleNamespace(replica_size=replica["size"]),
+                                 relieve_memory=lambda: relieved.append(1))
+        engine.fit_failure = lambda error: Engine.fit_failure(engine, error)
+        return engine
+
+    monkeypatch.setattr(magnetar, "init_inference", stand_in)
     answer, errors = runner._run_group, {1024: ContextTooLarge("context: its KV alone needs 9.0 GiB ... cannot fit"),
                                          2048: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4 GiB")}
 

@@ -372,6 +372,8 @@ class Encoder:
         decides alike on the same figures: no collective."""
         if not self.room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
+        if context_tokens * self.room.per_token <= self.room.room:  # the whole context fits one device: no share
+            return                                                 # can be larger (the common case: no plans)
         W = self.config.parallel.cp_size
         one = self.simulated or W == 1
         kept = context_tokens if one else max(kept_token_count(plan_for_length(self.config, context_tokens, r))

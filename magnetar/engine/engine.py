@@ -34,7 +34,7 @@ from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
-from magnetar.engine.memory import device_room, kv_bytes_per_token, relieve
+from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, relieve
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -443,6 +443,18 @@ class Engine:
         request still reads lives until it ends), then the allocators' unused blocks. Returns the bytes of contexts
         dropped. Every rank of a replica calls it alike (their caches stay alike)."""
         return relieve(self.cache, self.device)
+
+    def fit_failure(self, error: BaseException) -> str:
+        """``"<Type>: <first line>"`` of ``error`` when it says a request did not fit memory and the request may fail
+        alone on this replica (:func:`magnetar.engine.memory.fails_alone`: the refusal before Phase 1 always, a failed
+        allocation where one process holds the replica), the device's cached contexts dropped
+        (:meth:`relieve_memory`); anything else is re-raised. A sweep (``magnetar eval``, ``magnetar bench``)
+        records such an item and goes on."""
+        if not fails_alone(error, self.groups.replica_size):
+            raise error
+        self.relieve_memory()
+        first = str(error).splitlines()[0][:400] if str(error) else ""
+        return f"{type(error).__name__}: {first}"
 
     def release(self, handle: ContextHandle) -> bool:
         """Drop ``handle`` from the context cache (every rank calls it); returns whether it was cached."""

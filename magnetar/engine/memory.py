@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from magnetar.config import FieldError
+from magnetar.models.dims import ModelDims
 
 _CPU_ALLOCATOR = "can't allocate memory"  # torch's CPU allocator's RuntimeError (alloc_cpu.cpp)
 
@@ -63,8 +64,6 @@ def kv_bytes_per_token(model, tp_size: int = 1) -> int:
     """At least the KV bytes one context token keeps on a rank: K and V of its KV heads (split over ``tp_size``) x
     head dim x the model's element size, over the global layers (a sliding-window layer's KV may be cut to its
     window: not counted). 0 when the model's config does not say (nothing is then refused)."""
-    from magnetar.models.dims import ModelDims
-
     try:
         dims = ModelDims.from_config(model.config)
     except (ValueError, TypeError, AttributeError):

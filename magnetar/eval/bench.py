@@ -355,8 +355,9 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
     """One row per (length, CP size, method or variant): the median of ``--repeats`` timed generate calls after
     ``--warmup``, with the cost model's prediction of the same configuration (a progress bar on rank 0's
     stderr); ``on_row(rows)`` after each. Simulated ranks of ring run rank by rank (``parallel.rank_by_rank``):
-    every rank has its own time. A configuration that does not fit memory (:func:`_does_not_fit`) is no row: it goes
-    to ``did_not_fit`` and the run goes on (a 512K dense beside the methods that hold it)."""
+    every rank has its own time. A configuration that does not fit memory
+    (:meth:`~magnetar.engine.engine.Engine.fit_failure`) is no row: it goes to ``did_not_fit`` and the run goes on
+    (a 512K dense beside the methods that hold it)."""
     import magnetar
     from magnetar.eval.cost import estimate
     from tqdm import tqdm
@@ -393,7 +394,7 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
                     if i >= args.warmup:
                         runs.append(out)
             except Exception as e:  # noqa: BLE001 - what does not fit memory is said; the rest is re-raised
-                why = _does_not_fit(engine, e)
+                why = engine.fit_failure(e)
                 (did_not_fit if did_not_fit is not None else []).append(dict(row, error=why))
                 bar.write(f"{label} x{ranks} at {L} tokens did not fit memory: {why}")
                 bar.update(args.warmup + args.repeats - i)  # the calls it will not make
@@ -415,19 +416,6 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
                 on_row(rows)
     bar.close()
     return rows
-
-
-def _does_not_fit(engine, error: Exception) -> str:
-    """The reason a configuration did not fit memory -- refused before its Phase 1 (its KV alone exceeds the device:
-    every rank alike) or out of memory where one process holds the replica (simulated ranks, one rank) -- with the
-    device's cached contexts dropped; anything else (and out of memory on several processes, whose peers wait in a
-    collective) is re-raised."""
-    from magnetar.engine.memory import fails_alone
-
-    if not fails_alone(error, engine.groups.replica_size):
-        raise error
-    engine.relieve_memory()
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
 
 
 def _normalise(rows: list[dict]) -> None:

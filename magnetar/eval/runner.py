@@ -346,17 +346,13 @@ def _cost_vs_dense(engine, cfg: EngineConfig, ids: tuple) -> float:
 def _run_fitting(args, engine, tokenizer, group: list, fid: Optional[Fidelity] = None) -> list[dict]:
     """:func:`_run_group`, where what does not fit memory is a result (:func:`_did_not_fit`): a batch that does not
     runs again one item at a time, so only the items that do not fit alone are recorded so."""
-    from magnetar.engine.memory import fails_alone
-
     try:
         return _run_group(args, engine, tokenizer, group, fid)
     except Exception as e:  # noqa: BLE001 - what did not fit memory is a result; the rest is re-raised
         if len(group) == 1:
             return _did_not_fit(args, engine, group, e)
-        if not fails_alone(e, engine.groups.replica_size):
-            raise
-        engine.relieve_memory()
-        log.warning("a batch of %d items did not fit memory; they run one at a time", len(group))
+        why = engine.fit_failure(e)
+        log.warning("a batch of %d items did not fit memory (%s); they run one at a time", len(group), why)
     return [r for item in group for r in _run_fitting(args, engine, tokenizer, [item], fid)]
 
 
@@ -365,17 +361,13 @@ def _did_not_fit(args, engine, group: list, error: Exception) -> list[dict]:
     the device: every rank alike) or out of memory where one process holds the replica (on several, one rank's failed
     allocation leaves the others in a collective: re-raised, as anything else) -- each with ``error`` and no score:
     a result of this machine (the report's "OOM" cells; the run goes on, and a resumed run does not retry it --
-    drop its lines, or use another ``--out``, to try again). The device's cached contexts are dropped."""
-    from magnetar.engine.memory import fails_alone
-
-    if not fails_alone(error, engine.groups.replica_size):
-        raise error
-    engine.relieve_memory()
-    why = str(error).splitlines()[0][:400] if str(error) else type(error).__name__
+    drop its lines, or use another ``--out``, to try again). The device's cached contexts are dropped
+    (:meth:`~magnetar.engine.engine.Engine.fit_failure`)."""
+    why = engine.fit_failure(error)
     log.warning("%d item(s) did not fit memory (%s); recorded as out of memory, the run goes on", len(group), why)
     return [{"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
              "length": length, "index": index, "cp_size": cfg.parallel.cp_size, "out_of_memory": True,
-             "error": f"{type(error).__name__}: {why}"}
+             "error": why}
             for method, length, task, index, cfg, key in group]
 
 

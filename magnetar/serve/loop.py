@@ -399,8 +399,12 @@ class EngineLoop:
             if not out_of_memory(e):
                 raise
             self.engine.relieve_memory()
-            alone = not (others or self.batch.active or self.handles or self._partial)
-            raise OutOfDeviceMemory(what, self.engine.device, e, alone=alone) from e
+            raise OutOfDeviceMemory(what, self.engine.device, e, alone=self._alone(others or self.batch.active)) from e
+
+    def _alone(self, others) -> bool:
+        """Whether nothing but the request that ran out held the device: no ``others`` (other requests decoding or
+        in this tick), no pinned context, no other request's Phase 1 in progress (the cache was just dropped)."""
+        return not (others or self.handles or self._partial)
 
     def _step(self) -> None:
         """One decode step of the batch, its events routed. A step that runs out of device memory on a one-process
@@ -414,7 +418,7 @@ class EngineLoop:
                 raise
             self._own(e)
             rids = list(self.batch.active)
-            alone = len(rids) == 1 and not self.handles and not self._partial
+            alone = self._alone(len(rids) > 1)
             for rid in rids:
                 self.batch.cancel(rid)
                 self.batch.pop(rid)  # its KV goes
