@@ -189,6 +189,23 @@ def test_dtype_auto_keeps_the_checkpoints_dtype(hub, offline):
     assert {p.dtype for p in engine.model.parameters()} == {torch.float16}
 
 
+def test_dtype_auto_runs_a_float16_checkpoint_as_bfloat16_on_a_cpu(tmp_path, caplog):
+    """torch's CPU float16 products are ~10x slower than bfloat16's: auto runs such a checkpoint as bfloat16 there
+    (as vLLM's CPU build), saying so; a named dtype is kept; on a GPU auto keeps float16."""
+    from magnetar.engine.load import cpu_half
+
+    saved = _save_model(tmp_path / "fp16", 4, torch.float16)
+    with caplog.at_level("WARNING", logger="magnetar.engine.load"):
+        engine = magnetar.init_inference(tmp_path / "fp16", method="dense", dtype="auto", deepspeed_inference=False)
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert "is a float16 checkpoint: on a CPU it runs as bfloat16" in caplog.text and "--dtype float16" in caplog.text
+    assert _same_weights(engine.model, saved)  # float16 -> bfloat16 of the same weights
+    kept = magnetar.init_inference(tmp_path / "fp16", method="dense", dtype="float16", deepspeed_inference=False)
+    assert {p.dtype for p in kept.model.parameters()} == {torch.float16}
+    assert cpu_half(torch.float16, torch.device("cuda", 0), "m") == torch.float16
+    assert cpu_half(torch.bfloat16, torch.device("cpu"), "m") == torch.bfloat16
+
+
 def test_dtype_auto_cli_choice_and_cost_model():
     from magnetar.eval.cost import estimate
     from magnetar.launch.run import build_parser

@@ -182,8 +182,8 @@ def parse_batches(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
     # the model's dtype; "auto" (default, as transformers' and vLLM's): the checkpoint's (its config's dtype; the
-    # magnetar.models names are prepared in float32; dummy models: bf16 on a GPU, float32 on a CPU) or a given
-    # model's own, nothing cast; float32 / bfloat16 / float16 cast to it
+    # magnetar.models names are prepared in float32; dummy models: bf16 on a GPU, float32 on a CPU; a float16
+    # checkpoint on a CPU runs as bfloat16) or a given model's own, nothing cast; float32 / bfloat16 / float16: cast
     dtype: str = "auto"
     attention_backend: str = "auto"  # see magnetar.ops.backends.list_backends()
     # the most positions one request may use -- context + query + new tokens -- below the model's own
