@@ -24,7 +24,9 @@ def test_bench_engine_tiny(capsys):
     assert record["bench"] == "engine" and record["simulate_ranks"] == [2] and record["cp"] == [2]
     mem = record["memory"]  # the room check's figures on this device (the next GPU session's log reads them)
     assert mem["kv_bytes_per_token"] > 0 and 0 < mem["weight_bytes"] < mem["weight_bytes"] + mem["room_bytes"]
-    assert mem["max_context_tokens_one_process"] == mem["room_bytes"] // mem["kv_bytes_per_token"]
+    assert mem["mlp_activation_bytes_per_token"] > 0
+    assert mem["max_context_tokens_one_process"] == \
+        mem["room_bytes"] // (mem["kv_bytes_per_token"] + mem["mlp_activation_bytes_per_token"])
     # --dtype auto (the default): the dtype the model was loaded in, named in the header and the record
     assert record["dtype"] == "float32" and any(line.startswith("model tiny-llama-random (float32, --dtype auto)")
                                                 for line in out), out[:3]

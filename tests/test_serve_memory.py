@@ -397,6 +397,76 @@ def test_the_room_is_per_rank_for_real_ranks_and_skipped_where_kv_may_be_less(en
     streaming.check_room(10_000)  # its KV keeps a window, not every token: nothing certain to refuse
 
 
+def test_a_phase1_forward_holds_its_mlp_activations_beside_the_kv_kept_so_far():
+    from magnetar.engine.memory import mlp_bytes_per_token, phase1_need
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    c = model.config
+    assert mlp_bytes_per_token(model) == (2 * c.hidden_size + 2 * c.intermediate_size) * 4
+    assert mlp_bytes_per_token(model, tp_size=2) == (2 * c.hidden_size + c.intermediate_size) * 4  # gate/up split
+    assert mlp_bytes_per_token(model.to(torch.bfloat16)) == (2 * c.hidden_size + 2 * c.intermediate_size) * 2
+    # the KV kept so far accumulates over the forwards a process runs; the activations are the running one's
+    assert phase1_need([(10, 20), (10, 20)], 3, 1) == (80, 60, 20)
+    assert phase1_need([(1, 100), (10, 10)], 1, 1) == (101, 1, 100)  # a long first forward (a prefix) is the peak
+    assert phase1_need([], 1, 1) == (0, 0, 0)
+
+
+def test_a_context_whose_kv_fits_but_not_beside_its_phase1_activations_is_refused(engine):
+    from magnetar.engine.encode import KVRoom
+
+    p = engine.encoder.room.per_token
+    assert engine.encoder.room.act_per_token > 0  # the real model's figure
+    one = engine.encoder.with_config(engine.config)
+    one.room = KVRoom(p, 100 * p, p)  # the KV of 100 tokens fits; a token's activations weigh one token's KV
+    one.check_room(50)  # 50 kept + 50 processed
+    with pytest.raises(ValueError, match=r"^context: its KV \(0.0 GiB: 60 tokens x .* KiB\) and the activations of "
+                                         r"its largest Phase-1 forward's MLP \(0.0 GiB: 60 tokens x .* KiB\) need at "
+                                         r"least .* GiB on one process .*: a 60-token context cannot fit; shorten it "
+                                         r"to at most about 50 tokens, or spread it over at least 2 context-parallel"):
+        one.check_room(60)
+    # Star over 4 ranks at 180 tokens: a block of 45 a rank; ranks 1-3 run anchor + block (90 tokens)
+    star = dict(method="star", cp_size=4)
+    real = engine.encoder.with_config(engine.config.replace(**star))
+    real.room = KVRoom(p, 45 * p + 90 * p, p)  # the largest rank: its 45 tokens' KV beside 90 tokens' activations
+    real.check_room(180)
+    real.room = KVRoom(p, 45 * p + 90 * p - 1, p)
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 45 tokens .* MLP \(0.0 GiB: 90 tokens .* on its largest"):
+        real.check_room(180)
+    sim = engine.encoder.with_config(engine.config.replace(**star, simulate=True))
+    sim.room = KVRoom(p, 180 * p + 90 * p, p)  # one process: every rank's KV by the last rank's forward
+    sim.check_room(180)
+    sim.room = KVRoom(p, 180 * p + 90 * p - 1, p)
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 180 tokens .* MLP \(0.0 GiB: 90 tokens .* on one process"):
+        sim.check_room(180)
+
+
+def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monkeypatch):
+    from magnetar.engine.kv import KVShard
+
+    def shard(n: int, start: int) -> KVShard:
+        out = KVShard(3)
+        for layer in out.layers:
+            layer.append(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4), torch.arange(start, start + n))
+        out.freeze()
+        return out
+
+    parts = [shard(5, 0), shard(7, 5)]
+    kept = KVShard.join(parts)  # a join that keeps its parts (an extension over a cached context)
+    assert all(layer.k is not None for s in parts for layer in s.layers)
+    joined = KVShard.join(parts, consume=True)
+    assert all(layer.k is None and layer.frozen for s in parts for layer in s.layers)  # emptied layer by layer
+    for a, b in zip(kept.layers, joined.layers):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos) and b.k.shape[2] == 12
+    # the engine's simulated ranks give their parts up (measured: Star x4 at 8K, 722 -> 561 MiB above the model)
+    consumed, join = [], KVShard.join.__func__
+    monkeypatch.setattr(KVShard, "join", classmethod(lambda cls, shards, **kw: consumed.append(kw) or
+                                                     join(cls, shards, **kw)))
+    sim = magnetar.init_inference(str(model_dir), method="star", cp_size=4, simulate=True, timeout_s=60)
+    assert len(sim.generate(CONTEXT, QUERY, max_new_tokens=3).token_ids) == 3  # (its answers: tests/test_engine.py)
+    assert consumed and all(kw == {"consume": True} for kw in consumed)
+
+
 def test_the_leaders_check_refuses_what_cannot_fit_before_the_request_is_queued(engine, monkeypatch):
     from magnetar.engine.encode import KVRoom
     from magnetar.engine.memory import ContextTooLarge

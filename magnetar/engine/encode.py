@@ -23,10 +23,10 @@ from magnetar.config import METHODS, EngineConfig, FieldError
 from magnetar.engine.context import ContextCache, ContextHandle, Prefixes, context_key, prefix_digest
 from magnetar.engine.finite import HINT, NonFiniteError, describe
 from magnetar.engine.kv import KVShard
-from magnetar.engine.memory import ContextTooLarge, kv_room_problem
+from magnetar.engine.memory import ContextTooLarge, phase1_need, room_problem
 from magnetar.engine.phase1 import run_extension, run_phase1
 from magnetar.engine.phase2 import run_teacher_forced
-from magnetar.engine.plan import kept_token_count
+from magnetar.engine.plan import kept_in, kept_token_count
 from magnetar.engine.results import RankStats, peak_memory
 from magnetar.engine.store import ContextStore, HostTier
 from magnetar.engine.strategy import (DecodePolicy, PrefillPolicy, PrefillStats, SimulatedRing, check_model,
@@ -87,12 +87,15 @@ class Phase1Output:
 
 @dataclass(frozen=True)
 class KVRoom:
-    """What a fresh Phase 1 checks first (:func:`magnetar.engine.memory.kv_room_problem`): at least ``per_token`` KV
-    bytes a context token keeps, and the ``room`` bytes the smallest device of the replica holds beside the weights
-    (the same on every rank: one gather when the engine starts). ``per_token`` 0: nothing is checked."""
+    """What a fresh Phase 1 checks first (:func:`magnetar.engine.memory.room_problem`): at least ``per_token`` KV
+    bytes a context token keeps, the ``room`` bytes the smallest device of the replica holds beside the weights
+    (the same on every rank: one gather when the engine starts) and at least ``act_per_token`` activation bytes a
+    token of a Phase-1 forward holds at a layer's MLP (:func:`~magnetar.engine.memory.mlp_bytes_per_token`).
+    ``per_token`` 0: nothing is checked."""
 
     per_token: int = 0
     room: int = 0
+    act_per_token: int = 0
 
 
 class Encoder:
@@ -366,20 +369,28 @@ class Encoder:
     def check_room(self, context_tokens: int) -> None:
         """:class:`~magnetar.engine.memory.ContextTooLarge` (a ValueError naming ``context``) when a context of
         ``context_tokens`` certainly cannot fit: a method whose KV keeps every context token once (the registry's
-        ``partitions``) and no decode policy (which may keep less), its largest share -- the whole context in one
-        process (simulated ranks, one rank), else the largest CP rank's plan -- times the KV bytes a token keeps at
-        least, over what the smallest device of the replica holds beside the weights (:class:`KVRoom`). Every rank
-        decides alike on the same figures: no collective."""
-        if not self.room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
+        ``partitions``) and no decode policy (which may keep less). The least a process holds at once
+        (:func:`~magnetar.engine.memory.phase1_need`): the KV kept so far and the running forward's MLP activations,
+        over the forwards of every rank's plan in turn where one process runs them all (simulated ranks, one rank),
+        else over the largest CP rank's -- against what the smallest device of the replica holds beside the weights
+        (:class:`KVRoom`). Every rank decides alike on the same figures: no collective."""
+        room = self.room
+        if not room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
-        if context_tokens * self.room.per_token <= self.room.room:  # the whole context fits one device: no share
-            return                                                 # can be larger (the common case: no plans)
+        # a forward processes at most twice the context (its block and a prefix of other context tokens -- an
+        # anchor, a halo, a sink, summaries of fewer tokens than they sum up): when even that fits, no share can
+        # be larger (the common case: no plans built)
+        if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
+            return
         W = self.config.parallel.cp_size
         one = self.simulated or W == 1
-        kept = context_tokens if one else max(kept_token_count(plan_for_length(self.config, context_tokens, r))
-                                              for r in range(W))
-        problem = kv_room_problem(context_tokens, kept, self.room.per_token, self.room.room, self.device,
-                                  one_process=one)
+        plans = [plan_for_length(self.config, context_tokens, r) for r in range(W)]
+        forwards = [[(kept_in(seg), int(seg.indices.numel())) for seg in plan.segments] for plan in plans]
+        need = phase1_need([f for rank in forwards for f in rank], room.per_token, room.act_per_token) if one else \
+            max(phase1_need(rank, room.per_token, room.act_per_token) for rank in forwards)
+        whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
+        problem = room_problem(context_tokens, need, whole, room.room, self.device, one_process=one,
+                               per_token=room.per_token, act_per_token=room.act_per_token)
         if problem is not None:
             raise ContextTooLarge(f"context: {problem}")
 
@@ -458,7 +469,7 @@ class Encoder:
                                    exchange=tuple(ring.clock.steps())))
         if len({p.query_position for p in plans}) != 1:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
-        joined = KVShard.join(parts)
+        joined = KVShard.join(parts, consume=True)
         return Phase1Output(joined, plans[0].query_position, stats, joined.nbytes(), prefill_stats)
 
     def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):

@@ -34,7 +34,7 @@ from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
-from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, relieve
+from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, mlp_bytes_per_token, relieve
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -94,8 +94,9 @@ class Engine:
             hf.capture_attention_inputs(model)
         self.requests = Requests(tokenizer, model, config, groups, self.device, self.policy)
         # the weight bytes of every rank of the replica (index cp_rank * tp_size + tp_rank; a shard each under TP),
-        # and what each rank's device holds beside them (a context whose KV alone exceeds it is refused by name)
-        mine = weight_bytes(model)
+        # and what each rank's device holds beside them (a context whose KV and Phase-1 activations certainly exceed
+        # it is refused by name)
+        mine, tp = weight_bytes(model), config.parallel.tp_size
         room = device_room(self.device, mine)
         if self.simulated:
             per_rank = [mine] * config.parallel.cp_size  # each stand-in rank holds the model
@@ -104,7 +105,7 @@ class Engine:
             per_rank, room = rows[:, 0].tolist(), int(rows[:, 1].min())
         self.encoder = Encoder(model, config, groups, self.device, self.cache, self.identity, policy=self.policy,
                                prefill=self.prefill, store=self.store, host=self.host,
-                               room=KVRoom(kv_bytes_per_token(model, config.parallel.tp_size), room))
+                               room=KVRoom(kv_bytes_per_token(model, tp), room, mlp_bytes_per_token(model, tp)))
         self.results = Results(groups, self.device, simulated=self.simulated, weight_bytes_per_rank=per_rank,
                                method=config.method, stats_keys=self.policy.stats_keys if self.policy else ())
         self.scorer = self._scorer()

@@ -215,11 +215,14 @@ class KVShard:
         return parts
 
     @classmethod
-    def join(cls, shards: "list[KVShard]") -> "KVShard":
+    def join(cls, shards: "list[KVShard]", *, consume: bool = False) -> "KVShard":
         """One frozen shard holding the KV of all ``shards`` (each frozen), in order, per layer.
 
         Attention over the joined KV equals the merge of the attentions over the parts (positions, not order,
-        decide causality), so simulated ranks are joined this way for Phase 2.
+        decide causality), so simulated ranks are joined this way for Phase 2. ``consume``: the parts are not read
+        again -- each layer of theirs is emptied once copied, so the join holds the joined KV and one layer of the
+        parts at once, not the KV twice (simulated ranks' Phase 1 near the device's memory: 2 x 64 GiB at 512K on
+        an 8B model).
         """
         out = cls(len(shards[0].layers))
         for i, layer in enumerate(out.layers):
@@ -227,4 +230,9 @@ class KVShard:
             for p in parts:
                 layer.append(p.k, p.v, p.pos, p.mass)
             layer.freeze()
+            if consume:
+                del parts
+                for s in shards:
+                    s.layers[i] = LayerKV()
+                    s.layers[i].freeze()
         return out

@@ -9,10 +9,12 @@ a request's own failure instead of the server's end:
 * :func:`relieve` -- free what the device holds for later: every context the cache keeps (a host-memory tier keeps
   its copy, as on any eviction), then the collector's and the CUDA allocator's unused blocks; the loop then tries the
   request once more;
-* :func:`kv_bytes_per_token`, :func:`device_room`, :func:`kv_room_problem` -- before a context's Phase 1, the
-  certain refusal: a context whose KV ALONE exceeds what the device holds beside the weights cannot fit however the
-  server is loaded, and is refused up front by name (a lower bound of the need, so nothing that could fit is
-  refused; the activations and the other requests are what the out-of-memory path above meets);
+* :func:`kv_bytes_per_token`, :func:`mlp_bytes_per_token`, :func:`phase1_need`, :func:`device_room`,
+  :func:`room_problem` -- before a context's Phase 1, the certain refusal: a context whose KV and the activations
+  its Phase-1 forwards must hold at once (the gated MLP's two products beside the hidden states) exceed what the
+  device holds beside the weights cannot fit however the server is loaded, and is refused up front by name (a lower
+  bound of the need, so nothing that could fit is refused; the rest of the activations and the other requests are
+  what the out-of-memory path above meets -- and what ends a replica of several processes);
 * :class:`OutOfDeviceMemory` -- the error that request fails with if it still does not fit: what ran out, on which
   device, how much was free, and what to change. ``alone`` (nothing else held the device: no other request, no pinned
   context, no other Phase 1 in progress -- the cache was dropped) means it cannot fit here at all -- a client error
@@ -73,6 +75,34 @@ def kv_bytes_per_token(model, tp_size: int = 1) -> int:
     return sum(2 * heads * dims.head_dim * itemsize for w in dims.windows if w is None)
 
 
+def mlp_bytes_per_token(model, tp_size: int = 1) -> int:
+    """At least the activation bytes one token of a Phase-1 forward holds at a layer's MLP: the residual stream and
+    the MLP's normed input (2 x hidden) beside the gate's and the up projection's outputs, which the gated MLP of
+    every supported architecture multiplies (2 x intermediate, split over ``tp_size``), in the model's element size.
+    (Eager holds a third intermediate-wide tensor, the product, and attention's own: not counted -- a lower bound.)
+    0 when the model's config does not say."""
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (ValueError, TypeError, AttributeError):
+        return 0
+    itemsize = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    return (2 * dims.hidden + 2 * -(-dims.intermediate // max(1, tp_size))) * itemsize
+
+
+def phase1_need(forwards, per_token: int, act_per_token: int) -> tuple[int, int, int]:
+    """The least bytes a process holds at once beside the weights during a Phase 1 whose model ``forwards`` it runs
+    in this order, each ``(kept, processed)`` tokens: the KV kept so far accumulates (a forward's own included: its
+    last layer's MLP runs after every layer wrote its KV), the activations are the running forward's. Returns
+    ``(need, kv, activations)`` at the largest point."""
+    best, kept_so_far = (0, 0, 0), 0
+    for kept, processed in forwards:
+        kept_so_far += kept
+        kv, act = kept_so_far * per_token, processed * act_per_token
+        if kv + act > best[0]:
+            best = (kv + act, kv, act)
+    return best
+
+
 def device_room(device: torch.device, weights: int) -> int:
     """The bytes ``device`` can hold beside ``weights`` bytes of model: a CUDA device's total memory, a CPU's physical
     memory (the host's: other processes' share is not known here), less the weights."""
@@ -83,22 +113,32 @@ def device_room(device: torch.device, weights: int) -> int:
     return max(0, int(total) - int(weights))
 
 
-def kv_room_problem(context_tokens: int, kept_tokens: int, per_token: int, room: int, device: torch.device,
-                    *, one_process: bool) -> Optional[str]:
-    """Why a context of ``context_tokens`` cannot fit, or None: its largest KV share -- ``kept_tokens`` tokens of
-    ``per_token`` bytes on one process (``one_process``: simulated ranks, or one rank, hold the whole context) --
-    exceeds ``room`` (:func:`device_room`, the smallest over the replica's ranks). The message says by how much, how
-    long a context fits, and how many context-parallel ranks its KV would need."""
-    need = kept_tokens * per_token
-    if not per_token or need <= room:
+def room_problem(context_tokens: int, need: tuple[int, int, int], one_process_need: int, room: int,
+                 device: torch.device, *, one_process: bool, per_token: int, act_per_token: int) -> Optional[str]:
+    """Why a context of ``context_tokens`` cannot fit, or None: its Phase 1's least ``need`` on a process
+    (:func:`phase1_need`: total, KV, activations) -- on one process (``one_process``: simulated ranks, or one rank,
+    hold the whole context), else on its largest context-parallel rank -- exceeds ``room`` (:func:`device_room`, the
+    smallest over the replica's ranks). ``one_process_need``: what the whole context needs on one process, for the
+    advice; ``per_token`` / ``act_per_token``: the bytes a kept / processed token needs, for the detail. The message
+    says by how much, about how long a context fits, and how many context-parallel ranks it would need."""
+    total, kv, act = need
+    if not total or total <= room:
         return None
-    fits = room // per_token * context_tokens // max(1, kept_tokens)  # the same share of a shorter context
-    ranks = -(-context_tokens * per_token // max(1, room))
+    fits = room * context_tokens // max(1, one_process_need) if one_process else \
+        room * context_tokens // max(1, total)  # a shorter context's shares shrink alike: about
+    ranks = -(-one_process_need // max(1, room))
     where = "one process (it holds the whole context)" if one_process else "its largest context-parallel rank"
-    return (f"its KV alone needs {need / 2**30:.1f} GiB on {where} ({kept_tokens} tokens x {per_token // 1024} KiB), "
-            f"more than {device} holds beside the model's weights ({room / 2**30:.1f} GiB): a {context_tokens}-token "
-            f"context cannot fit; shorten it to at most about {fits} tokens, or spread it over at least {ranks} "
-            f"context-parallel ranks of one device each (--cp-size, a method that splits the context)")
+    kv_part = f"{kv // max(1, per_token)} tokens x {per_token // 1024} KiB"
+    if act:
+        what = (f"its KV ({kv / 2**30:.1f} GiB: {kv_part}) and the activations of its largest Phase-1 forward's MLP "
+                f"({act / 2**30:.1f} GiB: {act // max(1, act_per_token)} tokens x {act_per_token // 1024} KiB) need "
+                f"at least {total / 2**30:.1f} GiB on {where}")
+    else:
+        what = f"its KV alone needs {kv / 2**30:.1f} GiB on {where} ({kv_part})"
+    return (f"{what}, more than {device} holds beside the model's weights ({room / 2**30:.1f} GiB): a "
+            f"{context_tokens}-token context cannot fit; shorten it to at most about {fits} tokens, or spread it over "
+            f"at least {ranks} context-parallel ranks of one device each (--cp-size, a method that splits the "
+            f"context)")
 
 
 def did_not_fit(error: BaseException) -> bool:
@@ -118,9 +158,9 @@ def fails_alone(error: BaseException, replica_size: int) -> bool:
 
 
 class ContextTooLarge(FieldError):
-    """A context whose KV alone cannot fit the device (:func:`kv_room_problem`), refused before its Phase 1 on every
-    rank alike: a :class:`~magnetar.config.FieldError` naming ``context``, as the engine's other refusals of bad
-    input."""
+    """A context whose KV and Phase-1 activations certainly cannot fit the device (:func:`room_problem`), refused
+    before its Phase 1 on every rank alike: a :class:`~magnetar.config.FieldError` naming ``context``, as the
+    engine's other refusals of bad input."""
 
     def __init__(self, message: str):
         super().__init__(message, "context")

@@ -93,8 +93,12 @@ def covers_ranks(config: EngineConfig, context_len: int) -> list[str]:
     return []
 
 
+def kept_in(seg: Segment) -> int:
+    """Block (own) context tokens of one segment whose KV its rank keeps, its prefix not counted."""
+    return seg.indices.numel() - max(seg.block_offset, seg.keep.indices(seg.indices.numel())[0])
+
+
 def kept_token_count(plan: RankPlan) -> int:
     """Block (own) context tokens whose KV this rank keeps after Phase 1, prefixes not counted; summed over the
     ranks this must equal the context length (before any streaming eviction)."""
-    return sum(seg.indices.numel() - max(seg.block_offset, seg.keep.indices(seg.indices.numel())[0])
-               for seg in plan.segments)
+    return sum(kept_in(seg) for seg in plan.segments)

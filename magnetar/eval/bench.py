@@ -472,17 +472,18 @@ def _label(r: dict) -> str:
 
 
 def _memory(model, args) -> dict:
-    """What the engine's room check (:func:`magnetar.engine.memory.kv_room_problem`) works from on this device: the
-    KV bytes a context token keeps at least, the bytes the device holds beside this process's weights, and so the
-    longest context one process can hold (simulated ranks: all of them)."""
-    from magnetar.engine.memory import device_room, kv_bytes_per_token
+    """What the engine's room check (:func:`magnetar.engine.memory.room_problem`) works from on this device: the
+    KV bytes a context token keeps at least, the MLP activation bytes a token of a Phase-1 forward holds at least,
+    the bytes the device holds beside this process's weights, and so the longest context one process can hold in
+    one forward (dense; simulated ranks hold every rank's KV and their longest forward's activations)."""
+    from magnetar.engine.memory import device_room, kv_bytes_per_token, mlp_bytes_per_token
     from magnetar.engine.tensor_parallel import weight_bytes
 
-    per_token = kv_bytes_per_token(model, args.tp_size)
+    per_token, act = kv_bytes_per_token(model, args.tp_size), mlp_bytes_per_token(model, args.tp_size)
     weights = weight_bytes(model)
     room = device_room(next(model.parameters()).device, weights)
-    return dict(kv_bytes_per_token=per_token, weight_bytes=weights, room_bytes=room,
-                max_context_tokens_one_process=room // per_token if per_token else None)
+    return dict(kv_bytes_per_token=per_token, mlp_activation_bytes_per_token=act, weight_bytes=weights,
+                room_bytes=room, max_context_tokens_one_process=room // (per_token + act) if per_token else None)
 
 
 def _dtype_name(model) -> str:
