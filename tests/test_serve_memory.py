@@ -467,6 +467,26 @@ def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monke
     assert consumed and all(kw == {"consume": True} for kw in consumed)
 
 
+def test_a_phase1_piece_keeps_only_its_own_kv_and_one_piece_is_not_copied():
+    from magnetar.engine.kv import LayerKV
+
+    k, v = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)  # a forward's KV: an anchor (4) and a block (6)
+    layer = LayerKV()
+    layer.append(k[:, :, 4:], v[:, :, 4:], torch.arange(4, 10))  # Star keeps the block: not a view of the anchor's KV
+    layer.freeze()
+    assert torch.equal(layer.k, k[:, :, 4:]) and torch.equal(layer.v, v[:, :, 4:])
+    assert layer.k.untyped_storage().nbytes() == layer.k.numel() * 4 and layer.k.data_ptr() != k.data_ptr()
+    whole = LayerKV()
+    whole.append(k, v, torch.arange(10))  # a rank's one whole segment (dense, ring): taken as it is at the freeze
+    whole.freeze()
+    assert whole.k is k and whole.v is v
+    two = LayerKV()  # several segments: concatenated
+    two.append(k[:, :, :4], v[:, :, :4], torch.arange(4))
+    two.append(k[:, :, 4:], v[:, :, 4:], torch.arange(4, 10))
+    two.freeze()
+    assert torch.equal(two.k, k) and torch.equal(two.pos, torch.arange(10))
+
+
 def test_the_leaders_check_refuses_what_cannot_fit_before_the_request_is_queued(engine, monkeypatch):
     from magnetar.engine.encode import KVRoom
     from magnetar.engine.memory import ContextTooLarge

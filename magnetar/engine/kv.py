@@ -2,11 +2,13 @@
 generated tokens' KV (from Phase 2).
 
 Per layer: ``k, v (B, Hkv, n, D)`` post-RoPE, exactly what the model's attention received, and the position
-of every entry ``pos (n,)`` (the RoPE position, used for causality). Phase 1 appends pieces and
-:meth:`KVShard.freeze` concatenates them once; Phase 2 appends one step at a time to a separate store so the
-context tensors are never copied during decoding. That store grows into buffers of doubling capacity (``k``,
-``v``, ``pos`` are views of their first ``n`` entries): a step writes its token's KV in place instead of copying
-the whole store (issue 33's profile: the per-token concatenation was a sixth of a batch-8 decode step).
+of every entry ``pos (n,)`` (the RoPE position, used for causality). Phase 1 appends pieces (a piece that is part
+of a larger tensor -- Star's block after its anchor -- copied as it comes, so the rest is freed with its layer) and
+:meth:`KVShard.freeze` concatenates them once (one piece is taken as it is); Phase 2 appends one step at a time to
+a separate store so the context tensors are never copied during decoding. That store grows into buffers of doubling
+capacity (``k``, ``v``, ``pos`` are views of their first ``n`` entries): a step writes its token's KV in place
+instead of copying the whole store (issue 33's profile: the per-token concatenation was a sixth of a batch-8 decode
+step).
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ class PolicyState:
         self._items.clear()
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is contiguous and the whole of its storage, else a contiguous copy of it (a view of part of a
+    larger tensor would keep all of that tensor alive)."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class LayerKV:
     """KV of one layer. Collecting (Phase 1): pieces kept in lists; frozen: single tensors, appended to."""
 
@@ -68,9 +78,9 @@ class LayerKV:
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, mass: Optional[torch.Tensor] = None) -> None:
         self.state.clear()
         self._facts = [None, None, None]
-        if not self.frozen:
-            self._k.append(k)
-            self._v.append(v)
+        if not self.frozen:  # Phase 1's pieces: a part of a larger tensor (Star's block after its anchor) is copied
+            self._k.append(_owned(k))  # now, so the rest (the anchor's KV) is freed with its layer, not at the end
+            self._v.append(_owned(v))
             self._pos.append(pos)
             self._mass.append(mass)
         elif self.k is None:
@@ -102,10 +112,11 @@ class LayerKV:
         self.k, self.v, self.pos = buf[0][:, :, :n + add], buf[1][:, :, :n + add], buf[2][:n + add]
 
     def freeze(self) -> None:
-        if not self.frozen and self._k:
-            self.k, self.v, self.pos = torch.cat(self._k, 2), torch.cat(self._v, 2), torch.cat(self._pos)
+        if not self.frozen and self._k:  # one piece (a rank's one segment) is its own tensor already: not copied
+            join = (lambda parts, dim: parts[0]) if len(self._k) == 1 else torch.cat
+            self.k, self.v, self.pos = join(self._k, 2), join(self._v, 2), join(self._pos, 0)
             if all(m is not None for m in self._mass):
-                self.mass = torch.cat(self._mass, 2)
+                self.mass = join(self._mass, 2)
         self._k, self._v, self._pos, self._mass = [], [], [], []
         self.frozen = True
 
@@ -227,8 +238,9 @@ class KVShard:
         out = cls(len(shards[0].layers))
         for i, layer in enumerate(out.layers):
             parts = [s.layers[i] for s in shards if s.layers[i].k is not None]
-            for p in parts:
-                layer.append(p.k, p.v, p.pos, p.mass)
+            # the parts' tensors as the pieces (no _owned copy: they are concatenated, or one is taken as it is)
+            layer._k, layer._v = [p.k for p in parts], [p.v for p in parts]
+            layer._pos, layer._mass = [p.pos for p in parts], [p.mass for p in parts]
             layer.freeze()
             if consume:
                 del parts
