@@ -114,7 +114,9 @@ class LayerKV:
     def freeze(self) -> None:
         if not self.frozen and self._k:  # one piece (a rank's one segment) is its own tensor already: not copied
             join = (lambda parts, dim: parts[0]) if len(self._k) == 1 else torch.cat
-            self.k, self.v, self.pos = join(self._k, 2), join(self._v, 2), join(self._pos, 0)
+            # the positions always copied: every layer's piece is the same segment's tensor (a file's tensors may
+            # not share memory), and they are small
+            self.k, self.v, self.pos = join(self._k, 2), join(self._v, 2), torch.cat(self._pos)
             if all(m is not None for m in self._mass):
                 self.mass = join(self._mass, 2)
         self._k, self._v, self._pos, self._mass = [], [], [], []
