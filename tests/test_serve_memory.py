@@ -467,6 +467,29 @@ def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monke
     assert consumed and all(kw == {"consume": True} for kw in consumed)
 
 
+def test_simulated_ring_rank_by_rank_keeps_the_lock_step_kv_not_a_second_copy(model_dir, monkeypatch):
+    from magnetar.engine.encode import KVRoom
+    from magnetar.engine.kv import KVShard
+
+    joins, join = [], KVShard.join.__func__
+    monkeypatch.setattr(KVShard, "join", classmethod(lambda cls, shards, **kw: joins.append(kw) or
+                                                     join(cls, shards, **kw)))
+    ring = dict(method="ring", cp_size=4, simulate=True, timeout_s=60)
+    timed = magnetar.init_inference(str(model_dir), rank_by_rank=True, **ring)
+    got = timed.generate(CONTEXT, QUERY, max_new_tokens=4)
+    assert not joins  # the ranks' own KV was not kept beside the lock-step forward's
+    assert len(got.phase1_seconds) == 4 and all(t > 0 for t in got.phase1_seconds)  # every rank still timed
+    assert got.token_ids == magnetar.init_inference(str(model_dir), **ring).generate(CONTEXT, QUERY,
+                                                                                     max_new_tokens=4).token_ids
+    # the room check counts that lock-step forward: the whole context's activations at once
+    p, n = timed.encoder.room.per_token, 180
+    timed.encoder.room = KVRoom(p, n * p + n * p, p)
+    timed.encoder.check_room(n)
+    timed.encoder.room = KVRoom(p, n * p + n * p - 1, p)
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 180 tokens .* MLP \(0.0 GiB: 180 tokens .* on one process"):
+        timed.encoder.check_room(n)
+
+
 def test_a_phase1_piece_keeps_only_its_own_kv_and_one_piece_is_not_copied():
     from magnetar.engine.kv import LayerKV
 

@@ -385,6 +385,9 @@ class Encoder:
         W = self.config.parallel.cp_size
         one = self.simulated or W == 1
         plans = [plan_for_length(self.config, context_tokens, r) for r in range(W)]
+        lockstep = context_method(self.config.method).lockstep(plans) if self.simulated else None
+        if lockstep is not None:  # simulated ring: one forward over the whole context first (Encoder._simulated)
+            plans = [lockstep]
         forwards = [[(kept_in(seg), int(seg.indices.numel())) for seg in plan.segments] for plan in plans]
         need = phase1_need([f for rank in forwards for f in rank], room.per_token, room.act_per_token) if one else \
             max(phase1_need(rank, room.per_token, room.act_per_token) for rank in forwards)
@@ -447,9 +450,12 @@ class Encoder:
                 stats = [RankStats(p1.seconds if r == 0 else 0.0, n, int(n * per_token))
                          for r, n in enumerate(sizes)]
                 return Phase1Output(p1.shard, plans[0].query_position, stats, p1.shard.nbytes())
-            union = p1.shard.split(sizes)  # each rank's part, as the ring would bring it
+            lock, union = p1.shard, p1.shard.split(sizes)  # each rank's part, as the ring would bring it
         parts, stats, prefill_stats = [], [], None
         mass = self._mass(variants)
+        # the ranks' own KV is the result, unless the lock-step forward's equals it: then only each rank's time and
+        # exchange steps are kept, never the KV twice (a recorded attention mass, a sparse prefill: not in it)
+        own = union is None or mass is not None or self.prefill is not None
         for plan in plans:
             r = plan.cp_rank
             if union is not None:  # every other rank's part of the lock-step forward, in ring order
@@ -464,12 +470,13 @@ class Encoder:
             if p1.prefill_stats is not None:
                 prefill_stats = p1.prefill_stats if prefill_stats is None else prefill_stats.merge(p1.prefill_stats)
             _check_finite([None] * r + [p1.nonfinite_layer])
-            parts.append(p1.shard)
+            if own:
+                parts.append(p1.shard)
             stats.append(RankStats(p1.seconds, p1.shard.tokens(), p1.shard.nbytes(), peak_memory(self.device),
                                    exchange=tuple(ring.clock.steps())))
         if len({p.query_position for p in plans}) != 1:
             raise RuntimeError(f"simulated ranks disagree on the query position: {[p.query_position for p in plans]}")
-        joined = KVShard.join(parts, consume=True)
+        joined = KVShard.join(parts, consume=True) if own else lock
         return Phase1Output(joined, plans[0].query_position, stats, joined.nbytes(), prefill_stats)
 
     def _mass(self, variants: Sequence[Optional[DecodePolicy]] = ()):
