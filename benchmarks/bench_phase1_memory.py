@@ -43,7 +43,8 @@ def child(model: str, method: str, cp: int, dtype: str, n: int, threads: int) ->
 
     torch.set_num_threads(threads)
     eng = magnetar.init_inference(model, method=method, cp_size=cp, simulate=cp > 1, dtype=dtype)
-    ids = torch.randint(100, 20000, (n,))
+    vocab = int(eng.model.config.vocab_size)
+    ids = torch.randint(min(100, vocab // 2), min(20000, vocab), (n,))  # ordinary tokens of the vocabulary
     eng.generate(ids[:64], torch.tensor([5, 6]), max_new_tokens=1)  # ops loaded, first calls made
     gc.collect()
     cuda = eng.device.type == "cuda"
