@@ -1,4 +1,4 @@
-"""One Phase 1's peak memory against the room check's lower bound (``magnetar.engine.memory.phase1_need``).
+"""One Phase 1's peak memory against the room check's lower bound (``Encoder.phase1_need``).
 
     python benchmarks/bench_phase1_memory.py --configs dense:1:float32,star:4:float32 --lengths 2048,8192
 
@@ -37,9 +37,6 @@ def child(model: str, method: str, cp: int, dtype: str, n: int, threads: int) ->
     import torch
 
     import magnetar
-    from magnetar.engine.memory import phase1_need
-    from magnetar.engine.plan import kept_in
-    from magnetar.engine.strategy import plan_for_length
 
     torch.set_num_threads(threads)
     eng = magnetar.init_inference(model, method=method, cp_size=cp, simulate=cp > 1, dtype=dtype)
@@ -58,10 +55,7 @@ def child(model: str, method: str, cp: int, dtype: str, n: int, threads: int) ->
             f.write("5")  # VmHWM := VmRSS
     eng.encoder.phase1(ids)
     peak = torch.cuda.max_memory_allocated(eng.device) if cuda else _rss("VmHWM")
-    room = eng.encoder.room
-    forwards = [(kept_in(s), int(s.indices.numel())) for r in range(cp)
-                for s in plan_for_length(eng.config, n, r).segments]
-    need, kv, act = phase1_need(forwards, room.per_token, room.act_per_token)
+    need, kv, act = eng.encoder.phase1_need(n)  # the engine's own bound (its room check's)
     return dict(model=model, method=method, cp_size=cp, dtype=dtype, tokens=n, device=str(eng.device),
                 measured_bytes=peak - before, bound_bytes=need, bound_kv_bytes=kv, bound_activation_bytes=act)
 

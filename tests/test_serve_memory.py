@@ -238,7 +238,7 @@ def test_the_client_is_told_what_ran_out_and_what_to_change(model_dir, monkeypat
         assert 'outcome="out_of_memory"' in metrics
         from magnetar.engine.encode import KVRoom
 
-        room = engine.encoder.room  # a context whose KV alone cannot fit: refused at admission, naming its field
+        room = engine.encoder.room  # a context that certainly cannot fit: refused at admission, naming its field
         monkeypatch.setattr(engine.encoder, "room", KVRoom(room.per_token, 20 * room.per_token))
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Sum it up."}],
@@ -335,7 +335,7 @@ def test_a_context_or_chunk_that_does_not_fit_fails_alone(engine, monkeypatch):
     assert "ctx-1" not in loop.handles and 2 not in loop._partial
 
 
-# -- the certain refusal before a Phase 1: a context whose KV alone cannot fit ----------------------------------------
+# -- the certain refusal before a Phase 1: a context whose KV (and Phase-1 activations) cannot fit ---------------------
 def test_a_tokens_kv_counts_the_global_layers_of_its_shard():
     from magnetar.engine.memory import device_room, kv_bytes_per_token
     from tests.tiny_models import tiny_model

@@ -359,8 +359,8 @@ class Encoder:
 
     def phase1(self, context_ids: torch.Tensor, variants: Sequence[Optional[DecodePolicy]] = ()) -> Phase1Output:
         """Phase 1 of ``context_ids`` (no cache); ``variants``: other decode policies the shard will serve (LuKA's
-        need the Phase-1 attention mass). A context whose KV alone cannot fit the device is refused first
-        (:meth:`check_room`)."""
+        need the Phase-1 attention mass). A context whose KV and Phase-1 activations certainly cannot fit the device
+        is refused first (:meth:`check_room`)."""
         self.check_room(int(context_ids.numel()))
         if self.simulated:
             return self._simulated(context_ids, variants)
@@ -382,20 +382,32 @@ class Encoder:
         # be larger (the common case: no plans built)
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
-        W = self.config.parallel.cp_size
-        one = self.simulated or W == 1
-        plans = [plan_for_length(self.config, context_tokens, r) for r in range(W)]
-        lockstep = context_method(self.config.method).lockstep(plans) if self.simulated else None
-        if lockstep is not None:  # simulated ring: one forward over the whole context first (Encoder._simulated)
-            plans = [lockstep]
-        forwards = [[(kept_in(seg), int(seg.indices.numel())) for seg in plan.segments] for plan in plans]
-        need = phase1_need([f for rank in forwards for f in rank], room.per_token, room.act_per_token) if one else \
-            max(phase1_need(rank, room.per_token, room.act_per_token) for rank in forwards)
         whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
-        problem = room_problem(context_tokens, need, whole, room.room, self.device, one_process=one,
-                               per_token=room.per_token, act_per_token=room.act_per_token)
+        problem = room_problem(context_tokens, self.phase1_need(context_tokens), whole, room.room, self.device,
+                               one_process=self._one_process, per_token=room.per_token,
+                               act_per_token=room.act_per_token)
         if problem is not None:
             raise ContextTooLarge(f"context: {problem}")
+
+    @property
+    def _one_process(self) -> bool:
+        """Whether this process holds the whole context's Phase 1 (simulated ranks, or one rank)."""
+        return self.simulated or self.config.parallel.cp_size == 1
+
+    def phase1_need(self, context_tokens: int) -> tuple[int, int, int]:
+        """``(need, kv, activations)``: the least bytes a process holds at once beside the weights during the Phase 1
+        of a ``context_tokens``-token context (:func:`~magnetar.engine.memory.phase1_need`, from :class:`KVRoom`'s
+        figures): over the forwards of every rank's plan in turn where one process runs them all (simulated ranks --
+        ring's one lock-step forward over the whole context --, one rank), else the largest CP rank's."""
+        room, W = self.room, self.config.parallel.cp_size
+        plans = [plan_for_length(self.config, context_tokens, r) for r in range(W)]
+        lockstep = context_method(self.config.method).lockstep(plans) if self.simulated else None
+        if lockstep is not None:  # simulated ring: one forward over the whole context first (_simulated)
+            plans = [lockstep]
+        forwards = [[(kept_in(seg), int(seg.indices.numel())) for seg in plan.segments] for plan in plans]
+        if self._one_process:
+            return phase1_need([f for rank in forwards for f in rank], room.per_token, room.act_per_token)
+        return max(phase1_need(rank, room.per_token, room.act_per_token) for rank in forwards)
 
     def seconds_per_rank(self, stats: list[RankStats]) -> list[float]:
         """Every CP rank's Phase-1 seconds of one context from its ``stats`` (a Phase1Output's or a handle's: a

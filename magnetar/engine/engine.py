@@ -199,7 +199,7 @@ class Engine:
             req = by.requests.check(None if handle is not None else context, query, params,
                                     key_of=by.encoder.key, options=options, key=key, handle=handle,
                                     default_max_new_tokens=default_max_new_tokens, **sampling)
-            if handle is None:  # a context whose KV alone cannot fit: refused now, not after a queue and a tick
+            if handle is None:  # a context that certainly cannot fit: refused now, not after a queue and a tick
                 by.encoder.check_room(req.context_tokens)
             return req
 

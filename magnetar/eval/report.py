@@ -137,8 +137,8 @@ def oom_table(oom: Sequence[dict]) -> str:
     for r in oom:
         by[(r.get("suite"), label(r), r["length"])].append(r)
     out = ["### Did not fit memory\n",
-           "Items refused before their Phase 1 (their KV alone exceeds the device) or out of memory while they ran, "
-           "on this run's machine: no score, shown as OOM above.\n",
+           "Items refused before their Phase 1 (their KV and Phase-1 activations certainly exceed the device) or "
+           "out of memory while they ran, on this run's machine: no score, shown as OOM above.\n",
            "| suite | method | length | items | reason (the first) |", "|---|---|---:|---:|---|"]
     for (suite, lab, length), rs in sorted(by.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
         why = str(rs[0].get("error", "")).replace("|", "/")[:200]

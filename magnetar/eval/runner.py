@@ -357,12 +357,12 @@ def _run_fitting(args, engine, tokenizer, group: list, fid: Optional[Fidelity] =
 
 
 def _did_not_fit(args, engine, group: list, error: Exception) -> list[dict]:
-    """The records of a group of items that did not fit memory -- refused before its Phase 1 (its KV alone exceeds
-    the device: every rank alike) or out of memory where one process holds the replica (on several, one rank's failed
-    allocation leaves the others in a collective: re-raised, as anything else) -- each with ``error`` and no score:
-    a result of this machine (the report's "OOM" cells; the run goes on, and a resumed run does not retry it --
-    drop its lines, or use another ``--out``, to try again). The device's cached contexts are dropped
-    (:meth:`~magnetar.engine.engine.Engine.fit_failure`)."""
+    """The records of a group of items that did not fit memory -- refused before its Phase 1 (its KV and Phase-1
+    activations certainly exceed the device: every rank alike) or out of memory where one process holds the replica
+    (on several, one rank's failed allocation leaves the others in a collective: re-raised, as anything else) -- each
+    with ``error`` and no score: a result of this machine (the report's "OOM" cells; the run goes on, and a resumed
+    run does not retry it -- drop its lines, or use another ``--out``, to try again). The device's cached contexts
+    are dropped (:meth:`~magnetar.engine.engine.Engine.fit_failure`)."""
     why = engine.fit_failure(error)
     log.warning("%d item(s) did not fit memory (%s); recorded as out of memory, the run goes on", len(group), why)
     return [{"key": key, "suite": args.suite, "task": task, "method": method, "label": method_label(cfg),
