@@ -113,9 +113,34 @@ def _long_extension(rank, world):
             assert fresh.token_ids == got.token_ids
 
 
+def _tight_budget(rank, world):
+    """A conversation over star on two real ranks (each turn's tokens dealt to one rank: the other's arena takes
+    its own tensors as they are, or grows) and a fork off the document, under a budget the arenas overflow: after
+    every turn both ranks' caches hold the same contexts and count the same bytes (a rank that kept what its peer
+    evicted would leave it waiting in a collective), and the conversation's turns are counted once."""
+    import torch.distributed as dist
+
+    model = tiny_model("llama", seed=7)
+    eng = _engine(model, method="star", cp_size=2, block_size=48, anchor_size=8, prefix_reuse="all")
+    doc, q = _ids(40, L), _ids(41, 4)
+    eng.cache.budget_bytes = 4 * eng.encode(doc).nbytes
+    ctx, kept = doc, 0
+    for turn in range(8):
+        ctx = torch.cat((doc, _ids(60, 20))) if turn == 5 else torch.cat((ctx, _ids(50 + turn, 20)))  # turn 5 forks
+        eng.generate(ctx, q, max_new_tokens=2)
+        mine = [sorted(eng.cache._handles), eng.cache.nbytes, eng.cache.evictions]
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        assert all(x == every[0] for x in every), (turn, every)
+        assert eng.cache.nbytes <= eng.cache.budget_bytes
+        kept = max(kept, len(eng.cache))
+    assert eng.cache.evictions > 0 and kept > 4, (eng.cache.stats(), kept)  # more turns kept than documents fit
+
+
 def _spread_worker(rank, world):
     _balanced_conversation(rank, world)
     _long_extension(rank, world)
+    _tight_budget(rank, world)
 
 
 def test_turns_and_long_extensions_are_spread_over_two_real_ranks():

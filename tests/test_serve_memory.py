@@ -99,6 +99,7 @@ def test_the_cache_sheds_every_context_to_its_lower_tier():
         def __init__(self, key, n):
             self.key, self.nbytes, self.context_tokens = key, n, 4
             self.engine, self.options, self.context_ids = "e", "o", torch.arange(4) + n
+            self.shard = None  # no KV: counted by its nbytes
 
     for key, n in (("a", 10), ("b", 20)):
         assert cache.put(H(key, n))

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from magnetar.engine.kv import KVShard
+from magnetar.engine.kv import KVArena, KVShard
 
 
 def context_key(context_ids: torch.Tensor, options: str = "") -> str:
@@ -67,6 +67,11 @@ class ContextHandle:
         return int(self.context_ids.numel())
 
 
+def _arena(handle: ContextHandle) -> Optional[KVArena]:
+    """The arena whose buffers ``handle``'s KV views, or None (its own tensors)."""
+    return getattr(handle.shard, "arena", None)
+
+
 PREFIX_BLOCK = 64  # tokens per block of the prefix index's chained hashes
 
 
@@ -103,6 +108,11 @@ class ContextCache:
     under its engine, options, length and a chained hash of its ids (blocks of :data:`PREFIX_BLOCK` tokens), so a
     look-up hashes the context's blocks once and then tries each distinct cached length, longest first -- a server
     holding thousands of small contexts no longer slows every tick. The byte total is kept as handles come and go.
+
+    Handles whose shards share a :class:`~magnetar.engine.kv.KVArena` (a conversation's turns: each extends the last
+    in place) are counted once: the arena's ``charged`` bytes while any of them is kept -- evicting one turn frees
+    nothing while a later one views the same buffers. Every figure counted is the same on every rank (a handle's
+    ``nbytes``, an arena's ``charged``: both the largest rank's), and so is which handles share an arena.
     """
 
     def __init__(self, budget_bytes: int):
@@ -114,6 +124,9 @@ class ContextCache:
         self._index: dict[tuple, str] = {}  # (engine, options, length, prefix digest) -> key
         self._filed: dict[str, tuple] = {}  # key -> its index entry
         self._lengths: dict[tuple, dict[int, int]] = {}  # (engine, options) -> {length: handles of that length}
+        self._counted: dict[str, Optional[KVArena]] = {}  # key -> the arena it is counted in (None: alone)
+        self._arenas: dict[KVArena, list[int]] = {}  # arena -> [its handles kept, the bytes counted for it]
+        self._by_shard: dict[int, str] = {}  # id(handle.shard) -> key (an arena's members, found by their shards)
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
         self.warned = False  # the encoder said once that a context larger than the budget is not kept
         self.on_evict = None  # called with each handle the budget evicts (the host-memory tier keeps it)
@@ -171,18 +184,74 @@ class ContextCache:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
         returns whether it is kept."""
         self._remove(handle.key)
-        if handle.nbytes > self.budget_bytes:
+        arena = _arena(handle)
+        if arena is not None:
+            self.regroup(arena)
+        if (handle.nbytes if arena is None else arena.charged) > self.budget_bytes:
             return False
-        while self._handles and self._nbytes + handle.nbytes > self.budget_bytes:
+        while self._handles and self._nbytes + self._adds(handle) > self.budget_bytes:
             self._evict_oldest()
         self._handles[handle.key] = handle
-        self._nbytes += handle.nbytes
+        self._count(handle)
         n, kind = handle.context_tokens, (handle.engine, handle.options)
         entry = (*kind, n, Prefixes(handle.context_ids).digest(n))
         self._index[entry], self._filed[handle.key] = handle.key, entry
         counts = self._lengths.setdefault(kind, {})
         counts[n] = counts.get(n, 0) + 1
         return True
+
+    def regroup(self, arena: KVArena) -> None:
+        """``arena`` grew or took in a kept handle (an extension just made, kept or not): its kept members are
+        counted in it, at its ``charged`` bytes now, evicting the least recently used handles while the total
+        exceeds the budget."""
+        self._regroup(arena)
+        while self._handles and self._nbytes > self.budget_bytes:
+            self._evict_oldest()
+
+    def _regroup(self, arena: KVArena) -> None:
+        for shard in list(arena.members):
+            key = self._by_shard.get(id(shard))
+            if key is not None and self._counted[key] is None:  # counted alone before it joined the arena
+                handle = self._handles[key]
+                self._uncount(handle)
+                self._count(handle)
+        group = self._arenas.get(arena)
+        if group is not None:
+            self._nbytes += arena.charged - group[1]
+            group[1] = arena.charged
+
+    def _adds(self, handle: ContextHandle) -> int:
+        """The bytes keeping ``handle`` adds to the total."""
+        arena = _arena(handle)
+        if arena is None:
+            return handle.nbytes
+        group = self._arenas.get(arena)
+        return arena.charged - (0 if group is None else group[1])
+
+    def _count(self, handle: ContextHandle) -> None:
+        arena = _arena(handle)
+        self._counted[handle.key] = arena
+        if handle.shard is not None:
+            self._by_shard[id(handle.shard)] = handle.key
+        if arena is None:
+            self._nbytes += handle.nbytes
+            return
+        group = self._arenas.setdefault(arena, [0, 0])
+        group[0] += 1
+        self._nbytes += arena.charged - group[1]
+        group[1] = arena.charged
+
+    def _uncount(self, handle: ContextHandle) -> None:
+        arena = self._counted.pop(handle.key)
+        self._by_shard.pop(id(handle.shard), None)
+        if arena is None:
+            self._nbytes -= handle.nbytes
+            return
+        group = self._arenas[arena]
+        group[0] -= 1
+        if not group[0]:
+            self._nbytes -= group[1]
+            del self._arenas[arena]
 
     def release(self, handle_or_key) -> bool:
         """Drop a handle (or key) from the cache; returns whether it was there."""
@@ -210,13 +279,16 @@ class ContextCache:
         self._index.clear()
         self._filed.clear()
         self._lengths.clear()
+        self._counted.clear()
+        self._arenas.clear()
+        self._by_shard.clear()
         self._nbytes = 0
 
     def _remove(self, key: str) -> bool:
         handle = self._handles.pop(key, None)
         if handle is None:
             return False
-        self._nbytes -= handle.nbytes
+        self._uncount(handle)
         entry = self._filed.pop(key)
         if self._index.get(entry) == key:
             del self._index[entry]

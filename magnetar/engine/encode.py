@@ -265,7 +265,9 @@ class Encoder:
         prefix's (a conversation's turn) run as one Phase-2 query over ``base``'s distributed KV (exact attention
         over it, causal among themselves), and their KV is dealt to the CP ranks in blocks of :data:`SPREAD_BLOCK`
         tokens, each block to the rank holding the fewest context tokens (:func:`spread_blocks`; the first CP rank
-        computed it and sends each rank its part), so a long conversation's turns do not pile onto one rank. More
+        computed it and sends each rank its part), so a long conversation's turns do not pile onto one rank; each
+        rank writes its part after ``base``'s KV in their shared arena (:meth:`KVShard.extended`: no copy of
+        ``base`` when it is the latest turn). More
         (a long document after a cached system prompt), on real CP ranks: each rank encodes its share, as a
         Phase 1 would (:meth:`_extend_spread`). Every rank of the replica calls it alike (the forward is
         collective)."""
@@ -285,13 +287,10 @@ class Encoder:
         else:
             counts = all_gather_ints([base.shard.tokens()], g.cp_group, self.device, timeout=g.timeout)[:, 0].tolist()
         owners = spread_blocks(counts, added)
-        if self.simulated or g.cp_size == 1:  # one process holds every rank's KV: the union grows
-            shard = KVShard.join([base.shard, gen])
-            per_token = gen.nbytes() // added
-        else:
-            mine = self._deal(base, gen, owners, base.query_position)
-            shard = base.shard if mine is None else KVShard.join([base.shard, mine])
-            per_token = 0 if mine is None else mine.nbytes() // mine.tokens()
+        # one process holds every rank's KV (the union grows), or this rank keeps what it is dealt
+        mine = gen if self.simulated or g.cp_size == 1 else self._deal(base, gen, owners, base.query_position)
+        per_token = 0 if mine is None else mine.nbytes() // mine.tokens()
+        shard = KVShard.extended(base.shard, mine, n, n + added)  # after base's KV, in place when base is the tip
         seconds = time.perf_counter() - t0
         # stats: this rank's (simulated: every rank's, the first CP rank's first), each grown by the tokens dealt to it
         ranks = range(len(base.stats)) if self.simulated else [g.cp_rank]
@@ -299,10 +298,7 @@ class Encoder:
                                      exchange=(), context_kv_tokens=st.context_kv_tokens + int((owners == r).sum()),
                                      kv_bytes=st.kv_bytes + int((owners == r).sum()) * per_token)
                  for r, st in zip(ranks, base.stats)]
-        if self.simulated:  # one process holds every rank's KV
-            largest = shard.nbytes()
-        else:  # every rank's shard size: the cache budget counts the largest, the same on every rank
-            largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
+        largest = self._largest(shard)
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
                              base.query_position + added, stats, base.prefill_stats, largest, base.method,
                              engine=self.identity, options=self.options_digest, reused_tokens=n,
@@ -324,14 +320,26 @@ class Encoder:
                                g.cp_group, self.device, timeout=g.timeout).tolist()
         _check_finite([None if r[0] < 0 else r[0] for r in rows])
         _check_kept([r[1] for r in rows], added)
-        shard = KVShard.join([base.shard, out.shard])
+        shard = KVShard.extended(base.shard, out.shard, n, n + added)
         stats = [dataclasses.replace(st, phase1_seconds=out.seconds,
                                      context_kv_tokens=st.context_kv_tokens + out.shard.tokens(),
                                      kv_bytes=st.kv_bytes + out.shard.nbytes()) for st in base.stats]
-        largest = int(all_gather_ints([shard.nbytes()], g.cp_group, self.device, timeout=g.timeout).max())
+        largest = self._largest(shard)
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
                              base.query_position + added, stats, base.prefill_stats, largest, base.method,
                              engine=self.identity, options=self.options_digest, reused_tokens=n)
+
+    def _largest(self, shard: KVShard) -> int:
+        """The KV bytes of an extension's ``shard`` on the replica's largest rank (simulated: this process's, which
+        holds every rank's) -- its handle's ``nbytes`` -- after raising its arena's ``charged`` to the largest rank's
+        buffers (one gather of both): the figures every rank's cache counts alike."""
+        mine = [shard.nbytes(), shard.arena.nbytes()]
+        if not self.simulated:
+            g = self.groups
+            mine = all_gather_ints(mine, g.cp_group, self.device, timeout=g.timeout).max(dim=0).values.tolist()
+        shard.arena.charged = max(shard.arena.charged, int(mine[1]))
+        self.cache.regroup(shard.arena)  # a kept turn before it now lives in the arena, which may have grown
+        return int(mine[0])
 
     def _deal(self, base: ContextHandle, gen: Optional[KVShard], owners: torch.Tensor,
               start: int) -> Optional[KVShard]:

@@ -12,6 +12,7 @@ step).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, TypeVar
 
 import torch
@@ -47,12 +48,16 @@ class PolicyState:
         self._items.clear()
 
 
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and the whole of its storage."""
+    return t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if it is contiguous and the whole of its storage, else a contiguous copy of it (a view of part of a
-    larger tensor would keep all of that tensor alive)."""
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    """``t`` if it is :func:`_whole`, else a contiguous copy of it (a view of part of a larger tensor would keep all
+    of that tensor alive)."""
+    return t if _whole(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 class LayerKV:
@@ -173,11 +178,54 @@ class LayerKV:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
+ARENA_SPARE = 8  # an arena's buffers are made with 1/ARENA_SPARE of their tokens to spare (a conversation's turns)
+
+
+class KVArena:
+    """The buffers a chain of contexts shares, each a prefix of the next (a conversation's turns over one document).
+
+    Per layer ``(k, v, pos)`` of a capacity at least the longest member's KV on this rank; a member shard's layers
+    are views of their first entries. An extension of the chain's longest context (its ``tip``) writes its new KV
+    after the tip's, in place, so a turn costs the memory of its new tokens, not a copy of the whole context; when
+    a layer's buffer is full, all of them are made anew (1/:data:`ARENA_SPARE` to spare) and every member is
+    pointed at the new ones. An extension of a shorter member (a fork) starts an arena of its own: the positions
+    after the member belong to the tip.
+
+    Every decision of which arena a shard joins reads context tokens (``tip``: the longest member's), the same on
+    every rank of a replica, never a rank's own KV counts, so the ranks' caches group contexts alike; ``charged``
+    (bytes: the largest rank's buffers, set by the encoder after its gather) is what a cache counts for the arena
+    while any member is kept.
+    """
+
+    __slots__ = ("bufs", "tip", "charged", "members", "__weakref__")
+
+    def __init__(self, tip: int):
+        self.bufs: list[Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        self.tip = tip
+        self.charged = 0
+        self.members: "weakref.WeakSet[KVShard]" = weakref.WeakSet()
+
+    def nbytes(self) -> int:
+        """The bytes of this rank's buffers (their whole capacity)."""
+        return sum(t.numel() * t.element_size() for buf in self.bufs if buf is not None for t in buf)
+
+    def capacity(self, i: int) -> int:
+        buf = self.bufs[i]
+        return 0 if buf is None else buf[0].shape[2]
+
+
+def _prefix_of(t: Optional[torch.Tensor], buf: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` is a view of the first entries of ``buf`` (along the sequence)."""
+    return t is not None and buf is not None and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride()
+
+
 class KVShard:
-    """One rank's KV for every layer."""
+    """One rank's KV for every layer. ``arena``: the :class:`KVArena` whose buffers its layers view (a
+    conversation's turn, :meth:`extended`), else None (the shard's own tensors)."""
 
     def __init__(self, num_layers: int):
         self.layers = [LayerKV() for _ in range(num_layers)]
+        self.arena: Optional[KVArena] = None
 
     def freeze(self) -> None:
         for layer in self.layers:
@@ -250,3 +298,60 @@ class KVShard:
                     s.layers[i] = LayerKV()
                     s.layers[i].freeze()
         return out
+
+    @classmethod
+    def extended(cls, base: "KVShard", part: Optional["KVShard"], base_tokens: int, tokens: int) -> "KVShard":
+        """A frozen shard holding ``base``'s KV followed by ``part``'s (None: no new KV on this rank) -- the KV of a
+        context of ``tokens`` tokens extending ``base``'s of ``base_tokens`` -- in a :class:`KVArena`: the content of
+        ``join([base, part])``, without a copy of ``base`` where ``base`` is its arena's tip (a conversation's next
+        turn). A ``base`` with no arena joins the new one (its layers then view its buffers: the same values; its
+        own tensors are freed once no request reads them); a fork off a shorter member copies it into an arena of
+        its own. ``base`` is frozen; masses are not carried (no configuration that extends records them)."""
+        arena, adopt = base.arena, base.arena is None
+        if arena is None or arena.tip != base_tokens:
+            arena = KVArena(tokens)
+        if len(arena.bufs) != len(base.layers):
+            arena.bufs = [None] * len(base.layers)
+        out = cls(len(base.layers))
+        out.freeze()
+        for i, (have, layer) in enumerate(zip(base.layers, out.layers)):
+            new = None if part is None or part.layers[i].k is None else part.layers[i]
+            n, add = len(have), 0 if new is None else len(new)
+            buf = arena.bufs[i]
+            if n + add == 0:
+                continue
+            if buf is None and add == 0 and _whole(have.k) and _whole(have.v):
+                buf = arena.bufs[i] = (have.k, have.v, have.pos)  # nothing to add here: base's tensors as they are
+            elif buf is None or n + add > buf[0].shape[2] or (n and not _prefix_of(have.k, buf[0])):
+                buf = arena.bufs[i] = _grown(arena, i, have, have if n else new, n + add, adopt)
+            if add:  # after the entries of every member (base is the tip): read by no one yet
+                buf[0][:, :, n:n + add], buf[1][:, :, n:n + add], buf[2][n:n + add] = new.k, new.v, new.pos
+            layer.k, layer.v, layer.pos = buf[0][:, :, :n + add], buf[1][:, :, :n + add], buf[2][:n + add]
+        arena.tip = tokens
+        if adopt:
+            base.arena = arena
+            arena.members.add(base)
+        out.arena = arena
+        arena.members.add(out)
+        return out
+
+
+def _grown(arena: KVArena, i: int, have: LayerKV, like: LayerKV, need: int, adopt: bool) -> tuple:
+    """New buffers for ``arena``'s layer ``i`` (shaped as ``like``'s KV) with room for ``need`` entries and
+    1/:data:`ARENA_SPARE` more, holding ``have``'s entries first; every member that viewed the old buffers (and
+    ``have``, when its shard joins the arena) now views the new ones."""
+    cap = need + max(64, need // ARENA_SPARE)
+    k = like.k.new_empty((*like.k.shape[:2], cap, like.k.shape[3]))
+    v = like.v.new_empty((*like.v.shape[:2], cap, like.v.shape[3]))
+    pos = like.pos.new_empty((cap,))
+    n = len(have)
+    if n:
+        k[:, :, :n], v[:, :, :n], pos[:n] = have.k, have.v, have.pos
+    old = arena.bufs[i]
+    viewers = [] if old is None else [m.layers[i] for m in list(arena.members) if _prefix_of(m.layers[i].k, old[0])]
+    if adopt and n:
+        viewers.append(have)
+    for layer in viewers:
+        m = len(layer)
+        layer.k, layer.v, layer.pos = k[:, :, :m], v[:, :, :m], pos[:m]
+    return k, v, pos

@@ -1,0 +1,169 @@
+"""A conversation's turns share their KV: each extension of a context writes its new tokens after the last turn's
+KV in one arena (no copy of the document a turn), a fork copies, a full buffer grows and every turn is pointed at
+the new one; the context cache counts the arena once, the same on every rank; and on the engine a conversation
+over a document stays cached whole where each turn used to hold the document again."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import magnetar
+from magnetar.engine.context import ContextCache, ContextHandle
+from magnetar.engine.kv import ARENA_SPARE, KVShard
+from tests.test_encode_ask import _ids
+from tests.tiny_models import tiny_model
+
+LAYERS, B, H, D = 3, 1, 2, 4
+
+
+def _shard(start: int, n: int, seed: int, empty_layer: int = -1) -> KVShard:
+    """A frozen shard of ``n`` tokens at positions ``start ...`` (layer ``empty_layer`` holds none)."""
+    g = torch.Generator().manual_seed(seed)
+    shard = KVShard(LAYERS)
+    for i, layer in enumerate(shard.layers):
+        if i != empty_layer:
+            layer.append(torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g),
+                         torch.arange(start, start + n))
+    shard.freeze()
+    return shard
+
+
+def _content(shard: KVShard) -> list:
+    return [None if layer.k is None else (layer.k.clone(), layer.v.clone(), layer.pos.clone())
+            for layer in shard.layers]
+
+
+def _equal(shard: KVShard, want: list, what: str) -> None:
+    for i, (layer, w) in enumerate(zip(shard.layers, want)):
+        if w is None:
+            assert layer.k is None, f"{what}: layer {i}"
+            continue
+        assert torch.equal(layer.k, w[0]) and torch.equal(layer.v, w[1]) and torch.equal(layer.pos, w[2]), \
+            f"{what}: layer {i}"
+
+
+def _joined(*shards: KVShard) -> list:
+    return _content(KVShard.join([KVShard.join([s]) for s in shards]))
+
+
+def _same_memory(a: KVShard, b: KVShard) -> bool:
+    return all(x.k.data_ptr() == y.k.data_ptr() and x.v.data_ptr() == y.v.data_ptr()
+               for x, y in zip(a.layers, b.layers) if x.k is not None)
+
+
+def test_turns_extend_in_place_and_hold_the_content_of_a_join():
+    base, a, b = _shard(0, 40, 1), _shard(40, 6, 2), _shard(46, 3, 3)
+    want_base, want_1, want_2 = _content(base), _joined(base, a), _joined(base, a, b)
+    turn1 = KVShard.extended(base, a, 40, 46)
+    _equal(turn1, want_1, "turn 1")
+    _equal(base, want_base, "the base after turn 1")  # it joined the arena: the same values, in its buffers
+    assert base.arena is turn1.arena and _same_memory(base, turn1)
+    ptrs = [layer.k.data_ptr() for layer in turn1.layers]
+    turn2 = KVShard.extended(turn1, b, 46, 49)  # the tip: written in place after turn 1's KV
+    _equal(turn2, want_2, "turn 2")
+    _equal(turn1, want_1, "turn 1 after turn 2")
+    assert [layer.k.data_ptr() for layer in turn2.layers] == ptrs and turn2.arena is turn1.arena
+    assert turn2.arena.tip == 49 and turn2.arena.capacity(0) == 46 + 64  # made at turn 1 with 64 to spare
+
+
+def test_a_fork_off_an_earlier_turn_copies_and_leaves_the_later_turn_alone():
+    base, a, other = _shard(0, 40, 1), _shard(40, 6, 2), _shard(40, 5, 4)
+    turn1 = KVShard.extended(base, a, 40, 46)
+    want_1 = _content(turn1)
+    fork = KVShard.extended(base, other, 40, 45)  # base is no longer its arena's tip: a copy in an arena of its own
+    _equal(fork, _joined(base, other), "the fork")
+    _equal(turn1, want_1, "turn 1 after the fork")  # its entries after the base were not overwritten
+    assert fork.arena is not turn1.arena and not _same_memory(fork, turn1) and base.arena is turn1.arena
+
+
+def test_a_full_buffer_grows_and_every_turn_views_the_new_one():
+    base, a = _shard(0, 40, 1), _shard(40, 6, 2)
+    turn1 = KVShard.extended(base, a, 40, 46)
+    room = turn1.arena.capacity(0)
+    assert room == 46 + max(64, 46 // ARENA_SPARE)
+    big = _shard(46, room, 5)  # more than the spare room
+    want = [_content(base), _content(turn1), _joined(base, a, big)]
+    turn2 = KVShard.extended(turn1, big, 46, 46 + room)
+    assert turn2.arena is turn1.arena and turn2.arena.capacity(0) > room
+    for shard, w, what in zip((base, turn1, turn2), want, ("base", "turn 1", "turn 2")):
+        _equal(shard, w, what)
+        assert _same_memory(shard, turn2), what  # pointed at the new buffers: the old ones are freed
+
+
+def test_a_rank_dealt_nothing_keeps_its_tensors_and_an_empty_layer_is_shaped_by_the_new_tokens():
+    base = _shard(0, 40, 1)
+    ptrs = [layer.k.data_ptr() for layer in base.layers]
+    turn1 = KVShard.extended(base, None, 40, 46)  # this rank holds none of the new tokens
+    assert [layer.k.data_ptr() for layer in base.layers] == ptrs and _same_memory(base, turn1)
+    assert turn1.arena.tip == 46 and turn1.tokens() == 40
+    empty, part = _shard(0, 40, 6, empty_layer=1), _shard(40, 4, 7)
+    grown = KVShard.extended(empty, part, 40, 44)
+    _equal(grown, _joined(empty, part), "a base with an empty layer")
+    assert len(grown.layers[1]) == 4
+
+
+def _handle(key: str, shard: KVShard, tokens: int, nbytes: int) -> ContextHandle:
+    return ContextHandle(key, torch.arange(tokens), shard, tokens, [], None, nbytes)
+
+
+def test_the_cache_counts_a_conversation_once():
+    base, a, b = _shard(0, 40, 1), _shard(40, 6, 2), _shard(46, 3, 3)
+    cache = ContextCache(10 ** 9)
+    h0 = _handle("t0", base, 40, base.nbytes())
+    assert cache.put(h0) and cache.nbytes == base.nbytes()
+    turn1 = KVShard.extended(base, a, 40, 46)
+    turn1.arena.charged = turn1.arena.nbytes()
+    cache.regroup(turn1.arena)  # the encoder's call: the kept base now lives in the arena
+    assert cache.nbytes == turn1.arena.charged
+    h1 = _handle("t1", turn1, 46, turn1.nbytes())
+    turn2 = KVShard.extended(turn1, b, 46, 49)
+    turn2.arena.charged = turn2.arena.nbytes()
+    h2 = _handle("t2", turn2, 49, turn2.nbytes())
+    assert cache.put(h1) and cache.put(h2)
+    assert cache.nbytes == turn2.arena.charged < h0.nbytes + h1.nbytes + h2.nbytes
+    assert cache.release("t2") and cache.nbytes == turn2.arena.charged  # turn 1 views the same buffers
+    assert cache.release("t0") and cache.release("t1") and cache.nbytes == 0 and not cache._arenas
+
+
+def test_a_budget_that_holds_the_arena_once_keeps_every_turn_and_evicts_what_else_is_over():
+    base, a = _shard(0, 40, 1), _shard(40, 6, 2)
+    other = _shard(0, 40, 8)
+    charged = KVShard.extended(_shard(0, 40, 1), a, 40, 46).arena.nbytes()  # what turn 1's arena will hold
+    cache = ContextCache(charged + other.nbytes() // 2)
+    assert cache.put(_handle("other", other, 40, other.nbytes()))
+    assert cache.put(_handle("t0", base, 40, base.nbytes())) and len(cache) == 2  # both fit, counted alone
+    turn1 = KVShard.extended(base, a, 40, 46)
+    turn1.arena.charged = turn1.arena.nbytes()
+    cache.regroup(turn1.arena)  # the base now lives in the larger arena: the least recently used is evicted
+    assert "other" not in cache and cache.nbytes == charged and cache.evictions == 1
+    assert cache.put(_handle("t1", turn1, 46, turn1.nbytes()))  # in the arena already counted: adds nothing
+    assert len(cache) == 2 and cache.nbytes == charged <= cache.budget_bytes
+    small = ContextCache(turn1.arena.charged - 1)  # the arena alone exceeds this budget: nothing of it is kept
+    assert not small.put(_handle("t1", turn1, 46, turn1.nbytes())) and small.nbytes == 0
+
+
+@pytest.mark.parametrize("flat", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring simulated"])
+def test_a_conversation_stays_cached_within_one_documents_budget(flat):
+    """Six turns over a 200-token document with a budget of 1.5 documents' KV: every turn is kept (one arena,
+    one count) and each turn's answer equals a fresh engine's; before, each turn held the document again and the
+    budget kept one turn."""
+    model = tiny_model("llama", seed=2)
+    doc, q = _ids(1, 200), _ids(9, 4)
+    probe = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+    per_doc = probe.encode(doc).nbytes
+    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+    eng.cache.budget_bytes = int(1.5 * per_doc)  # below a MiB (the flag's unit) for the tiny model
+    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0, **flat)
+    ctx = doc
+    for turn in range(6):
+        got = eng.generate(ctx, q, max_new_tokens=3)
+        assert got.token_ids == fresh.generate(ctx, q, max_new_tokens=3).token_ids, turn
+        assert got.cached_context_tokens == (0 if turn == 0 else int(ctx.numel()) - 12), turn
+        ctx = torch.cat((ctx, _ids(20 + turn, 12)))
+    assert len(eng.cache) == 6 and eng.cache.evictions == 0, eng.cache.stats()
+    handles = list(eng.cache._handles.values())
+    assert len({id(h.shard.arena) for h in handles}) == 1
+    assert eng.cache.nbytes == handles[0].shard.arena.charged < sum(h.nbytes for h in handles)
