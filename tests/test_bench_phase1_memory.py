@@ -28,3 +28,18 @@ def test_a_malformed_config_is_named(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "--configs takes method:cp_size:dtype items" in capsys.readouterr().err
+
+
+def test_a_child_encodes_in_chunks_as_the_server_does(tmp_path):
+    bench = load_benchmark("bench_phase1_memory")
+    save_tiny(tmp_path, "llama")
+    row = bench.child(str(tmp_path), "dense", 1, "float32", 96, 1, chunk=40)
+    assert row["chunk"] == 40 and row["seconds"] > 0 and row["measured_bytes"] >= 0
+
+
+def test_a_negative_chunk_is_named(monkeypatch, capsys):
+    bench = load_benchmark("bench_phase1_memory")
+    monkeypatch.setattr("sys.argv", ["bench_phase1_memory.py", "--chunk", "-1"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--chunk takes a number of tokens >= 0" in capsys.readouterr().err
