@@ -146,6 +146,34 @@ def test_sdpa_cudnn_forward_and_lse(dtype, group, D, seeded):
     _check_flash_shapes("sdpa_cudnn", dtype, group, D, seeded)
 
 
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_cudnn", "auto"])
+def test_a_turns_kv_viewed_in_its_arena_on_cuda(backend, seeded):
+    """A conversation's turn reads its KV as the first entries of its arena's buffers (strided along heads and
+    rows): decode and chunk calls over such views against the fp64 reference, and torch's flash kernel takes them
+    without a copy and without failing (a failure would send every later call to the next backend)."""
+    from magnetar.engine.kv import KVShard
+    from magnetar.ops import attention_with_lse
+    from magnetar.ops.backends import get_backend
+
+    dtype = torch.bfloat16
+    parts = []
+    for start, n, seed in ((0, 700, 1), (700, 300, 2)):
+        shard = KVShard(1)
+        _, k, v = random_qkv(1, 8, 2, 1, n, 64, dtype, torch.Generator().manual_seed(seed))
+        shard.layers[0].append(k.cuda(), v.cuda(), torch.arange(start, start + n, device="cuda"))
+        shard.freeze()
+        parts.append(shard)
+    layer = KVShard.extended(parts[0], parts[1], 700, 1000).layers[0]
+    assert layer.k.is_cuda and not layer.k.is_contiguous() and layer.k.shape[2] == 1000
+    for sq in (1, 16):  # a decode call, a chunk's causal call over the context
+        q = random_qkv(1, 8, 2, sq, 1, 64, dtype, seeded)[0]
+        out, lse = attention_with_lse(q.cuda(), layer.k, layer.v, backend=backend)
+        ref_out, ref_lse = dense_attention_fp64(q, layer.k.cpu(), layer.v.cpu())
+        assert_close(out.cpu(), ref_out, dtype, "out", f"{backend}, Sq={sq}")
+        assert_close(lse.cpu(), ref_lse, dtype, "lse", f"{backend}, Sq={sq}")
+    assert not get_backend("sdpa_flash").broken, get_backend("sdpa_flash").broken
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_torch_kernels_are_the_auto_choice_without_flash_attn(dtype, seeded, monkeypatch):
     from magnetar.ops.backends import flash_attn as fa_backend

@@ -167,3 +167,29 @@ def test_a_conversation_stays_cached_within_one_documents_budget(flat):
     handles = list(eng.cache._handles.values())
     assert len({id(h.shard.arena) for h in handles}) == 1
     assert eng.cache.nbytes == handles[0].shard.arena.charged < sum(h.nbytes for h in handles)
+
+
+@pytest.mark.parametrize("backend,copied", [("sdpa_flash", False), ("sdpa_cudnn", True)])
+def test_a_turns_kv_reaches_the_flash_kernel_where_it_lies(backend, copied, monkeypatch):
+    """A turn's KV views the first entries of its arena's buffers (not contiguous along heads): torch's flash kernel
+    takes it with its strides (no copy of the context's KV at every decode call); cuDNN's is given a copy. The kernel
+    is a stand-in recording what it was given (the real ones run in tests/test_gpu.py on a card)."""
+    from magnetar.ops.backends.sdpa_flash import SdpaCudnnBackend, SdpaFlashBackend
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, AttentionCall
+
+    turn = KVShard.extended(_shard(0, 40, 1), _shard(40, 6, 2), 40, 46)
+    k, v = turn.layers[0].k, turn.layers[0].v
+    assert not k.is_contiguous()
+    seen = []
+
+    def kernel(q, k_, v_, scale, causal):
+        seen.append((k_.data_ptr() == k.data_ptr(), v_.data_ptr() == v.data_ptr()))
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    be = (SdpaFlashBackend if backend == "sdpa_flash" else SdpaCudnnBackend)()
+    monkeypatch.setattr(be, "kernel", kernel)
+    q = torch.randn(B, 2 * H, 1, D)
+    be._forward(AttentionCall(q, k, v, None, None, 0.5, FULL))  # a decode call over the context
+    q = torch.randn(B, 2 * H, 4, D)
+    be._forward(AttentionCall(q, k, v, None, None, 0.5, CAUSAL_BOTTOM_RIGHT))  # a chunk over it: its visible prefix
+    assert seen[0] == (not copied, not copied) and seen[1] == (not copied, not copied), seen

@@ -14,6 +14,11 @@ zigzag shards and other contiguous runs of positions into such pieces, and a gen
   kernel checks equal head counts on some torch versions; the copy is one layer's K/V, freed at once).
 * Bottom-right causal, ``Sq < Sk``: the visible prefix ``[0, Sk - Sq)`` as FULL, merged with the causal square.
 
+K/V are read where they lie when only their head dim is contiguous (``sdpa_flash``: the flash kernel takes the batch,
+head and row strides) -- a conversation's turn views the first entries of its arena's buffers (``KVShard.extended``),
+and a copy of it at every call would read the context's KV twice a decode step; cuDNN's copy is kept (its layouts
+are not checked here).
+
 The lse comes back ``(B, H, Sq)`` float32 (natural log). ``MAGNETAR_SDPA_FLASH=0`` (``MAGNETAR_SDPA_CUDNN=0``) turns
 the backend off.
 """
@@ -28,6 +33,12 @@ from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
 from magnetar.ops.merge import merge_states_torch
 from magnetar.ops.backends.flash_attn import flash_kernel_limits
 from magnetar.ops.backends.reference import fold_gqa, unfold_gqa
+
+
+def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as it is when its last dim is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 
 def _flash(q, k, v, scale: float, causal: bool):
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -49,6 +60,7 @@ class SdpaFlashBackend:
     op = "_scaled_dot_product_flash_attention"
     switch = "MAGNETAR_SDPA_FLASH"
     what = "torch's flash kernel"
+    strided_kv = True  # K/V taken with any strides but the head dim's (module docstring)
 
     def __init__(self):
         self.broken: list[str] = []  # why the kernel failed on this machine (then auto skips this backend)
@@ -94,15 +106,16 @@ class SdpaFlashBackend:
             return select_backend(call).forward(call)
 
     def _forward(self, call):
-        q, k, v, scale = call.q.contiguous(), call.k.contiguous(), call.v.contiguous(), call.scale
+        kv = _head_dim_contiguous if self.strided_kv else torch.Tensor.contiguous
+        q, k, v, scale = call.q.contiguous(), kv(call.k), kv(call.v), call.scale
         Sq, Sk = q.shape[2], k.shape[2]
         if call.mask_kind == FULL:
             return self._full(q, k, v, scale)
         if Sq == Sk:
             return self._causal_square(q, k, v, scale)
         p = Sk - Sq
-        o1, l1 = self._full(q, k[:, :, :p].contiguous(), v[:, :, :p].contiguous(), scale)
-        o2, l2 = self._causal_square(q, k[:, :, p:].contiguous(), v[:, :, p:].contiguous(), scale)
+        o1, l1 = self._full(q, kv(k[:, :, :p]), kv(v[:, :, :p]), scale)
+        o2, l2 = self._causal_square(q, kv(k[:, :, p:]), kv(v[:, :, p:]), scale)
         out, lse = merge_states_torch(torch.stack((o1, o2)), torch.stack((l1, l2)))
         return out.to(q.dtype), lse
 
@@ -115,6 +128,7 @@ class SdpaCudnnBackend(SdpaFlashBackend):
     op = "_scaled_dot_product_cudnn_attention"
     switch = "MAGNETAR_SDPA_CUDNN"
     what = "cuDNN's attention kernel"
+    strided_kv = False
 
     def validate(self, call) -> list[str]:
         reasons = super().validate(call)
