@@ -442,6 +442,32 @@ def test_a_context_whose_kv_fits_but_not_beside_its_phase1_activations_is_refuse
         sim.check_room(180)
 
 
+def test_a_context_encoded_in_chunks_needs_its_kv_beside_one_chunks_activations(engine, monkeypatch):
+    """A server's --prefill-chunk encodes a long context a chunk at a time, each extending the last in place: the
+    admission counts the KV so far beside the running chunk's activations, so a context that fits chunked is not
+    refused by the whole Phase 1's bound (and one that does not fit even so still is)."""
+    from magnetar.config import FieldError
+    from magnetar.engine.encode import KVRoom
+    from magnetar.engine.memory import ContextTooLarge
+
+    p = engine.encoder.room.per_token
+    one = engine.encoder.with_config(engine.config)
+    one.room = KVRoom(p, 120 * p, p)  # 100 tokens' KV beside 20 tokens' activations
+    one.check_room(100, chunk=20)
+    with pytest.raises(ValueError, match="a 100-token context cannot fit"):
+        one.check_room(100)  # in one Phase 1: 100 kept + 100 processed
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 120 tokens .* MLP \(0.0 GiB: 20 tokens .* shorten it to at "
+                                         r"most about 102 tokens"):
+        one.check_room(120, chunk=20)
+    monkeypatch.setattr(engine.encoder, "room", KVRoom(p, 62 * p, p))
+    with pytest.raises(ContextTooLarge):
+        engine.check(HUGE, QUERY, max_new_tokens=2)  # 60 tokens in one Phase 1
+    assert engine.check(HUGE, QUERY, max_new_tokens=2, prefill_chunk=2).context_tokens == 60  # 60 kept + 2
+    with pytest.raises(FieldError) as e:  # a method not encoded in chunks: the whole Phase 1's bound refuses it
+        engine.check(HUGE, QUERY, max_new_tokens=2, prefill_chunk=2, options={"method": "star"})
+    assert e.value.field == "options.method" and "a 60-token context cannot fit" in str(e.value)
+
+
 def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monkeypatch):
     from magnetar.engine.kv import KVShard
 

@@ -374,14 +374,17 @@ class Encoder:
             return self._simulated(context_ids, variants)
         return self._distributed(context_ids, variants)
 
-    def check_room(self, context_tokens: int) -> None:
+    def check_room(self, context_tokens: int, chunk: int = 0) -> None:
         """:class:`~magnetar.engine.memory.ContextTooLarge` (a ValueError naming ``context``) when a context of
         ``context_tokens`` certainly cannot fit: a method whose KV keeps every context token once (the registry's
         ``partitions``) and no decode policy (which may keep less). The least a process holds at once
         (:func:`~magnetar.engine.memory.phase1_need`): the KV kept so far and the running forward's MLP activations,
         over the forwards of every rank's plan in turn where one process runs them all (simulated ranks, one rank),
         else over the largest CP rank's -- against what the smallest device of the replica holds beside the weights
-        (:class:`KVRoom`). Every rank decides alike on the same figures: no collective."""
+        (:class:`KVRoom`). Every rank decides alike on the same figures: no collective. ``chunk``: the caller encodes
+        a longer context in chunks of this many tokens, each extending the last (a server's ``--prefill-chunk``,
+        where :meth:`Engine.chunk_problem` is None): one process runs them in turn, the KV so far beside the running
+        chunk's activations (its KV grows in place: :meth:`~magnetar.engine.kv.KVShard.extended`)."""
         room = self.room
         if not room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
@@ -391,7 +394,13 @@ class Encoder:
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
         whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
-        problem = room_problem(context_tokens, self.phase1_need(context_tokens), whole, room.room, self.device,
+        if 0 < chunk < context_tokens and self._one_process:
+            chunks = [(min(chunk, context_tokens - a),) * 2 for a in range(0, context_tokens, chunk)]
+            need = phase1_need(chunks, room.per_token, room.act_per_token)
+            whole = need[0]  # what a shorter context needs encoded the same way
+        else:
+            need = self.phase1_need(context_tokens)
+        problem = room_problem(context_tokens, need, whole, room.room, self.device,
                                one_process=self._one_process, per_token=room.per_token,
                                act_per_token=room.act_per_token)
         if problem is not None:

@@ -173,14 +173,18 @@ class Engine:
 
     def check(self, context: Union[Context, ContextHandle], query: Context, params: Optional[SamplingParams] = None,
               *, options: Optional[dict] = None, key: Optional[str] = None,
-              default_max_new_tokens: Optional[int] = None, **sampling: Any) -> CheckedRequest:
+              default_max_new_tokens: Optional[int] = None, prefill_chunk: int = 0,
+              **sampling: Any) -> CheckedRequest:
         """One generation request checked once, into the :class:`~magnetar.engine.requests.CheckedRequest` that
         :meth:`open_batch`'s ``encode`` (and a server's tick) trusts: ``context`` a string, token ids or a handle from
         :meth:`encode`; ``query`` a string or ids; ``params`` / ``sampling`` as for :meth:`generate`; ``options``
         this request's encoding options (:meth:`variant`); ``key`` the context's cache key when the caller has it;
         ``default_max_new_tokens``: with no ``max_new_tokens`` given, at most this many, capped to the positions
-        left. A bad request raises :class:`~magnetar.config.FieldError` naming its field (``context``, ``query``,
-        ``max_new_tokens``, a sampling field, ``options.<name>``). No collective, no compute."""
+        left; ``prefill_chunk``: the caller encodes a longer context in chunks of this many tokens (a server's
+        ``--prefill-chunk``; it applies where :meth:`chunk_problem` is None), so the room check counts a chunk's
+        activations, not the whole context's. A bad request raises :class:`~magnetar.config.FieldError` naming its
+        field (``context``, ``query``, ``max_new_tokens``, a sampling field, ``options.<name>``). No collective, no
+        compute."""
         if options is not None and not isinstance(options, dict):
             raise FieldError(f"options must be a dict of engine options (e.g. {{'method': 'star'}}), got "
                              f"{type(options).__name__}", "options")
@@ -200,7 +204,7 @@ class Engine:
                                     key_of=by.encoder.key, options=options, key=key, handle=handle,
                                     default_max_new_tokens=default_max_new_tokens, **sampling)
             if handle is None:  # a context that certainly cannot fit: refused now, not after a queue and a tick
-                by.encoder.check_room(req.context_tokens)
+                by.encoder.check_room(req.context_tokens, prefill_chunk if by.chunk_problem() is None else 0)
             return req
 
         try:

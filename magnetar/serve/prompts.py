@@ -120,8 +120,9 @@ class Preparer:
     prefix (:func:`magnetar.engine.template.check_fits`)."""
 
     def __init__(self, engine, model_name: str, default_max_tokens: int, contexts: ContextRegistry, *,
-                 max_stop_strings: int = 4, workers: int = 4, paste_tokens: int = PASTE_TOKENS):
+                 max_stop_strings: int = 4, workers: int = 4, paste_tokens: int = PASTE_TOKENS, prefill_chunk: int = 0):
         self.engine, self.model_name, self.default_max_tokens = engine, model_name, default_max_tokens
+        self.prefill_chunk = prefill_chunk  # the loop encodes a longer context in chunks (Engine.check counts them)
         self.paste_tokens = paste_tokens  # 0: a pasted document stays in the question
         self.contexts = contexts
         self.max_stop_strings = max_stop_strings
@@ -468,7 +469,8 @@ class Preparer:
         try:
             checked = self.engine.check(pinned.context_ids if pinned is not None else context_ids, query_ids,
                                         options=options or None, key=pinned.key if pinned is not None else None,
-                                        default_max_new_tokens=self.default_max_tokens, **fields)
+                                        default_max_new_tokens=self.default_max_tokens,
+                                        prefill_chunk=self.prefill_chunk, **fields)
         except FieldError as e:
             if e.field == "grammar":  # the grammar llguidance could not compile: the field the client set it in
                 raise RequestError(f"{grammar_param}: {e}", grammar_param) from None

@@ -91,7 +91,8 @@ class Server:
             from magnetar.serve.metrics import Metrics
 
             self.preparer = Preparer(engine, config.model_name, config.max_tokens, self.contexts,
-                                     max_stop_strings=config.max_stop_strings, paste_tokens=config.paste_threshold)
+                                     max_stop_strings=config.max_stop_strings, paste_tokens=config.paste_threshold,
+                                     prefill_chunk=self.loop.prefill_chunk)
             self.metrics = self.loop.metrics = Metrics()
             self.metrics.watch_device(engine.device)
             self.app = build_app(self)
