@@ -92,7 +92,7 @@ IMAGE_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/py
 IMAGE_PACKAGES = torch==2.11.0 transformers==5.17.0 numpy==2.5.2 tokenizers==0.23.2 safetensors==0.8.0 \
 	accelerate==1.15.0 triton==3.6.0 huggingface-hub==1.33.0 sentencepiece==0.2.2 tiktoken==0.14.0 \
 	jinja2 httpx anyio h11 uvloop prometheus-client regex requests scipy rich msgpack pybind11 protobuf psutil \
-	pyyaml tqdm ninja packaging filelock pytest pytest-timeout pytest-xdist
+	pyyaml tqdm ninja packaging filelock pytest pytest-timeout pytest-xdist einops py-cpuinfo
 .PHONY: gpu-wheels gpu-check gpu-check-image
 gpu-check-image: gpu-wheels
 	@test -n "$(IMAGE_PYTHON)" || { echo "gpu-check-image: no Python 3.12 found; set IMAGE_PYTHON=/path/to/python3.12"; exit 2; }
