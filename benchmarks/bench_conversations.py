@@ -92,7 +92,7 @@ def main(argv=None) -> int:
 def _held(cache) -> dict:
     """The contexts ``cache`` keeps; the bytes of the distinct storages their KV tensors view (what this process
     holds for them, however they share it); and the sum of their own KV bytes (what each would hold alone)."""
-    storages, alone, handles = {}, 0, list(cache._handles.values())  # the benchmark reads the cache's own list
+    storages, alone, handles = {}, 0, cache.handles()
     for h in handles:
         for layer in h.shard.layers:
             for t in (layer.k, layer.v, layer.pos):

@@ -148,7 +148,7 @@ def test_context_cache_lru_within_the_budget():
     a, b, c = _handle("a", 40), _handle("b", 40), _handle("c", 40)
     assert cache.put(a) and cache.put(b) and cache.nbytes == 80
     assert cache.get("a") is a  # a is now the most recently used: b goes first
-    assert cache.put(c) and "b" not in cache and list(cache._handles) == ["a", "c"] and cache.evictions == 1
+    assert cache.put(c) and "b" not in cache and [h.key for h in cache.handles()] == ["a", "c"] and cache.evictions == 1
     assert not cache.put(_handle("huge", 101)) and len(cache) == 2  # larger than the budget: not kept
     assert cache.get("b") is None and (cache.hits, cache.misses) == (1, 1)
     assert cache.release(a) and not cache.release("a") and cache.nbytes == 40

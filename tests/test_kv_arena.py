@@ -164,7 +164,7 @@ def test_a_conversation_stays_cached_within_one_documents_budget(flat):
         assert got.cached_context_tokens == (0 if turn == 0 else int(ctx.numel()) - 12), turn
         ctx = torch.cat((ctx, _ids(20 + turn, 12)))
     assert len(eng.cache) == 6 and eng.cache.evictions == 0, eng.cache.stats()
-    handles = list(eng.cache._handles.values())
+    handles = eng.cache.handles()
     assert len({id(h.shard.arena) for h in handles}) == 1
     assert eng.cache.nbytes == handles[0].shard.arena.charged < sum(h.nbytes for h in handles)
 

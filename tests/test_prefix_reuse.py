@@ -128,7 +128,7 @@ def _tight_budget(rank, world):
     for turn in range(8):
         ctx = torch.cat((doc, _ids(60, 20))) if turn == 5 else torch.cat((ctx, _ids(50 + turn, 20)))  # turn 5 forks
         eng.generate(ctx, q, max_new_tokens=2)
-        mine = [sorted(eng.cache._handles), eng.cache.nbytes, eng.cache.evictions]
+        mine = [sorted(h.key for h in eng.cache.handles()), eng.cache.nbytes, eng.cache.evictions]
         every = [None] * world
         dist.all_gather_object(every, mine)
         assert all(x == every[0] for x in every), (turn, every)

@@ -56,7 +56,7 @@ def test_a_long_context_is_encoded_in_chunks_and_answers_as_a_whole(served, clie
     chunks = -(-want.context_tokens // CHUNK) - 1  # every chunk after the first extends the ones before it
     assert cache.stats()["prefix_hits"] - before == chunks
     # only the whole context stays cached: each partial one left once the next chunk extended it
-    assert sorted(h.context_tokens for h in cache._handles.values()) == [want.context_tokens]
+    assert sorted(h.context_tokens for h in cache.handles()) == [want.context_tokens]
     assert got.usage.prompt_tokens_details.cached_tokens == 0  # the request's own Phase 1, chunked
     again = _chat(client, LONG_DOC, " What is item 5?", max_tokens=4)
     assert again.usage.prompt_tokens_details.cached_tokens == want.context_tokens
@@ -155,7 +155,7 @@ def test_a_compiled_decode_step_is_warmed_up_before_serving(model_dir, monkeypat
     assert calls and calls[0]["dynamic"] is None
     assert "the decode step compiled before serving" in caplog.text
     assert got.choices[0].message.content == ref.generate(LONG_DOC[:300], " What is item 2?", max_new_tokens=6).text
-    assert [h.context_tokens for h in engine.cache._handles.values()] == [got.model_extra["magnetar"]["prompts"][0][
+    assert [h.context_tokens for h in engine.cache.handles()] == [got.model_extra["magnetar"]["prompts"][0][
         "context_tokens"]]  # no warm-up context left
 
 

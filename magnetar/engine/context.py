@@ -141,6 +141,10 @@ class ContextCache:
     def nbytes(self) -> int:
         return self._nbytes
 
+    def handles(self) -> list[ContextHandle]:
+        """The kept handles, least recently used first (not counted as hits)."""
+        return list(self._handles.values())
+
     def get(self, key: str) -> Optional[ContextHandle]:
         """The cached handle of ``key`` (now the most recently used; counted as a hit), or None (a miss)."""
         handle = self._handles.get(key)
