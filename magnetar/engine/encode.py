@@ -393,13 +393,13 @@ class Encoder:
         # be larger (the common case: no plans built)
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
-        whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
         if 0 < chunk < context_tokens and self._one_process:
             chunks = [(min(chunk, context_tokens - a),) * 2 for a in range(0, context_tokens, chunk)]
             need = phase1_need(chunks, room.per_token, room.act_per_token)
             whole = need[0]  # what a shorter context needs encoded the same way
         else:
             need = self.phase1_need(context_tokens)
+            whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
         problem = room_problem(context_tokens, need, whole, room.room, self.device,
                                one_process=self._one_process, per_token=room.per_token,
                                act_per_token=room.act_per_token)

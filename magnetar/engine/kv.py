@@ -199,8 +199,8 @@ class KVArena:
 
     __slots__ = ("bufs", "tip", "charged", "members", "__weakref__")
 
-    def __init__(self, tip: int):
-        self.bufs: list[Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+    def __init__(self, tip: int, num_layers: int):
+        self.bufs: list[Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [None] * num_layers
         self.tip = tip
         self.charged = 0
         self.members: "weakref.WeakSet[KVShard]" = weakref.WeakSet()
@@ -309,9 +309,7 @@ class KVShard:
         its own. ``base`` is frozen; masses are not carried (no configuration that extends records them)."""
         arena, adopt = base.arena, base.arena is None
         if arena is None or arena.tip != base_tokens:
-            arena = KVArena(tokens)
-        if len(arena.bufs) != len(base.layers):
-            arena.bufs = [None] * len(base.layers)
+            arena = KVArena(tokens, len(base.layers))
         out = cls(len(base.layers))
         out.freeze()
         for i, (have, layer) in enumerate(zip(base.layers, out.layers)):
