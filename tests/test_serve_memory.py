@@ -468,6 +468,42 @@ def test_a_context_encoded_in_chunks_needs_its_kv_beside_one_chunks_activations(
     assert e.value.field == "options.method" and "a 60-token context cannot fit" in str(e.value)
 
 
+def test_a_turn_over_a_kept_prefix_needs_only_its_new_tokens_activations(engine, monkeypatch):
+    """A conversation's next turn extends its kept prefix: only the new tokens run, so the admission counts the
+    whole context's KV beside the new tokens' activations (or a chunk's of them), not a whole Phase 1's."""
+    from magnetar.engine.encode import KVRoom
+    from magnetar.engine.memory import ContextTooLarge
+
+    p = engine.encoder.room.per_token
+    one = engine.encoder.with_config(engine.config)
+    one.room = KVRoom(p, 120 * p, p)
+    one.check_room(100, cached=80)  # 100 kept + 20 processed
+    one.check_room(110, chunk=10, cached=20)  # 110 kept + a chunk of 10
+    with pytest.raises(ValueError, match="a 100-token context cannot fit"):
+        one.check_room(100)  # a whole Phase 1: 100 kept + 100 processed
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 110 tokens .* MLP \(0.0 GiB: 30 tokens"):
+        one.check_room(110, cached=80)
+    # real CP ranks: at least a rank's share of the KV (every token kept once), beside the new tokens on every rank
+    # -- or, where an extension longer than its prefix is dealt over the ranks, beside a rank's share of them
+    real = engine.encoder.with_config(engine.config.replace(method="star", cp_size=4))
+    real.room = KVRoom(p, 45 * p + 35 * p, p)
+    real.check_room(180, cached=145)  # 35 new tokens, all on every rank
+    real.check_room(180, cached=40)  # 140 new tokens: 35 a rank
+    with pytest.raises(ValueError, match=r"KV \(0.0 GiB: 45 tokens .* MLP \(0.0 GiB: 36 tokens .* largest"):
+        real.check_room(180, cached=144)
+    # through Engine.check: the kept prefix is found in the context cache (the same on every rank)
+    handle = engine.encode(HUGE[:50])
+    try:
+        monkeypatch.setattr(engine.encoder, "room", KVRoom(p, 72 * p, p))
+        with pytest.raises(ContextTooLarge):
+            engine.check(HUGE[1:], QUERY, max_new_tokens=2)  # no kept prefix: 59 kept + 59 processed
+        assert engine.check(HUGE, QUERY, max_new_tokens=2).context_tokens == 60  # 60 kept + 10 processed
+        with pytest.raises(ValueError, match="a 60-token context cannot fit"):  # not extended: a whole Phase 1
+            engine.check(HUGE, QUERY, max_new_tokens=2, options={"method": "star"})
+    finally:
+        engine.release(handle)
+
+
 def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monkeypatch):
     from magnetar.engine.kv import KVShard
 

@@ -374,7 +374,7 @@ class Encoder:
             return self._simulated(context_ids, variants)
         return self._distributed(context_ids, variants)
 
-    def check_room(self, context_tokens: int, chunk: int = 0) -> None:
+    def check_room(self, context_tokens: int, chunk: int = 0, cached: int = 0) -> None:
         """:class:`~magnetar.engine.memory.ContextTooLarge` (a ValueError naming ``context``) when a context of
         ``context_tokens`` certainly cannot fit: a method whose KV keeps every context token once (the registry's
         ``partitions``) and no decode policy (which may keep less). The least a process holds at once
@@ -384,7 +384,11 @@ class Encoder:
         (:class:`KVRoom`). Every rank decides alike on the same figures: no collective. ``chunk``: the caller encodes
         a longer context in chunks of this many tokens, each extending the last (a server's ``--prefill-chunk``,
         where :meth:`Engine.chunk_problem` is None): one process runs them in turn, the KV so far beside the running
-        chunk's activations (its KV grows in place: :meth:`~magnetar.engine.kv.KVShard.extended`)."""
+        chunk's activations (its KV grows in place: :meth:`~magnetar.engine.kv.KVShard.extended`). ``cached``: the
+        first tokens a kept handle holds already (:meth:`extend` runs only the rest: a conversation's next turn), so
+        the activations are the new tokens' (or their chunks'), beside the whole context's KV -- on real CP ranks at
+        least the largest rank's share of it (the KV keeps every token once) beside the new tokens' forward (its
+        share when :meth:`_extend_spread` deals them)."""
         room = self.room
         if not room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
@@ -393,8 +397,17 @@ class Encoder:
         # be larger (the common case: no plans built)
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
-        if 0 < chunk < context_tokens and self._one_process:
-            chunks = [(min(chunk, context_tokens - a),) * 2 for a in range(0, context_tokens, chunk)]
+        cached = cached if 0 < cached < context_tokens else 0
+        added = context_tokens - cached
+        if cached and not self._one_process:  # real CP ranks extend the kept prefix
+            W = self.config.parallel.cp_size
+            share = -(-added // W) if added > cached and added >= 2 * W else added
+            need = phase1_need([(-(-context_tokens // W), share)], room.per_token, room.act_per_token)
+            whole = phase1_need([(context_tokens, context_tokens)], room.per_token, room.act_per_token)[0]
+        elif (0 < chunk < added or cached) and self._one_process:
+            step = chunk if 0 < chunk < added else added  # the new tokens in chunks, or in one forward
+            chunks = [(cached, 0)] if cached else []
+            chunks += [(min(step, context_tokens - a),) * 2 for a in range(cached, context_tokens, step)]
             need = phase1_need(chunks, room.per_token, room.act_per_token)
             whole = need[0]  # what a shorter context needs encoded the same way
         else:
