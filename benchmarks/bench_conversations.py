@@ -9,10 +9,16 @@ asking one token. Encoded tokens are each turn's context tokens less those its c
 (``cached_context_tokens``); the table compares them with one conversation's, and gives the largest and smallest
 shard of every conversation's last context; then what the context cache holds at the end: the contexts kept, the
 bytes it counts, the bytes of the distinct tensors their KV views (this process's memory, read off the tensors) and
-what the kept contexts would hold each on its own, and the mean wall time of a turn; then one JSON line.
+what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--context-store DIR``
+(a fresh folder; its bound: ``--context-store-mb``) also what the disk tier holds -- the contexts stored and
+evicted, its files' bytes on disk, what its bound counts -- and a restarted engine's answer to the first
+conversation's last turn (seconds; whether it was loaded from the disk, not encoded, and equals the answer before
+the restart); then one JSON line.
 
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000
     python benchmarks/bench_conversations.py --conversations 1 --turns 20 --context 8000 --context-cache-mb 1024
+    python benchmarks/bench_conversations.py --conversations 2 --turns 10 --context 7000 --context-store /tmp/store \
+        --context-store-mb 1024
 """
 from __future__ import annotations
 
@@ -33,15 +39,28 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--turn-tokens", type=int, default=30)
     p.add_argument("--context-cache-mb", type=int, default=4096)
+    p.add_argument("--context-store", default=None, help="a fresh folder: the disk tier's figures and a restart")
+    p.add_argument("--context-store-mb", type=int, default=None, help="the disk tier's bound (default: the engine's)")
     args = p.parse_args(argv)
+    if args.context_store is not None:
+        from pathlib import Path
+
+        if Path(args.context_store).exists() and any(Path(args.context_store).iterdir()):
+            p.error(f"--context-store {args.context_store}: give a folder that is empty or does not exist (the "
+                    f"figures are this run's files)")
     import torch
 
     import magnetar
     from magnetar.data.texts import paul_graham_essays
 
-    engine = magnetar.init_inference(args.model, method=args.method, cp_size=args.ranks, simulate=args.ranks > 1,
-                                     prefix_reuse=args.prefix_reuse, context_cache_mb=args.context_cache_mb,
-                                     timeout_s=3600)
+    store_mb = {} if args.context_store_mb is None else {"context_store_mb": args.context_store_mb}
+
+    def make_engine():
+        return magnetar.init_inference(args.model, method=args.method, cp_size=args.ranks, simulate=args.ranks > 1,
+                                       prefix_reuse=args.prefix_reuse, context_cache_mb=args.context_cache_mb,
+                                       timeout_s=3600, context_store=args.context_store, **store_mb)
+
+    engine = make_engine()
     text = "\n\n".join(paul_graham_essays())
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     doc = torch.tensor(ids[: args.context])
@@ -49,7 +68,7 @@ def main(argv=None) -> int:
     query = torch.tensor(engine.tokenizer(" What next?", add_special_tokens=False)["input_ids"])
     t0 = time.perf_counter()
     first = engine.generate(doc, query, max_new_tokens=1)
-    encoded, shards, per_conversation, turn_seconds = [first.context_tokens], [], [], []
+    encoded, shards, per_conversation, turn_seconds, last = [first.context_tokens], [], [], [], None
     for c in range(args.conversations):
         ctx, mine = doc, 0
         for t in range(args.turns):
@@ -58,6 +77,8 @@ def main(argv=None) -> int:
             t1 = time.perf_counter()
             r = engine.generate(ctx, query, max_new_tokens=1)
             turn_seconds.append(time.perf_counter() - t1)
+            if c == 0:
+                last = (ctx, r.token_ids)
             mine += r.context_tokens - r.cached_context_tokens
         per_conversation.append(mine)
         encoded.append(mine)
@@ -80,13 +101,38 @@ def main(argv=None) -> int:
           f"| {held['kept']} | {engine.cache.evictions} | {engine.cache.nbytes / mib:.0f} MiB | "
           f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB | "
           f"{sum(turn_seconds) / len(turn_seconds):.3f} s |")
+    stored = {} if args.context_store is None else _restart(engine, make_engine, query, *last)
     print(json.dumps(dict(model=args.model, method=args.method, ranks=args.ranks, context=args.context,
                           conversations=args.conversations, turns=args.turns, turn_tokens=args.turn_tokens,
                           encoded_one=one, encoded_all=total, ratio=total / one, shard_ratio=ratio,
                           seconds=seconds, context_cache_mb=args.context_cache_mb,
                           evictions=engine.cache.evictions, cache_counted_bytes=engine.cache.nbytes,
-                          turn_seconds_mean=sum(turn_seconds) / len(turn_seconds), **held)))
+                          turn_seconds_mean=sum(turn_seconds) / len(turn_seconds), **held, **stored)))
     return 0
+
+
+def _restart(engine, make_engine, query, ctx, token_ids) -> dict:
+    """The disk tier after the run (its writes flushed): its files, their bytes on disk, what its budget counts; then
+    a new engine on the same folder answers the first conversation's last turn (loaded, not encoded)."""
+    from pathlib import Path
+
+    engine.flush_store()
+    stats = engine.cache_stats()["store"]
+    files = [f for f in Path(engine.config.runtime.context_store).rglob("*") if f.is_file()]
+    disk = sum(f.stat().st_size for f in files)
+    again = make_engine()
+    t0 = time.perf_counter()
+    r = again.generate(ctx, query, max_new_tokens=1)
+    seconds = time.perf_counter() - t0
+    loaded, same = r.cached_context_tokens == r.context_tokens, r.token_ids == token_ids
+    mib = 2 ** 20
+    print(f"\n| stored contexts | evicted | files on disk | store counts | restart: last turn answered | loaded | "
+          f"same answer |\n|---:|---:|---:|---:|---:|---|---|\n"
+          f"| {stats['contexts']} | {stats['evictions']} | {disk / mib:.0f} MiB | {stats['bytes'] / mib:.0f} MiB | "
+          f"{seconds:.2f} s | {'yes' if loaded else 'no: encoded'} | {'yes' if same else 'NO'} |")
+    return dict(stored_contexts=stats["contexts"], store_disk_bytes=disk, store_counted_bytes=stats["bytes"],
+                store_evictions=stats["evictions"], restart_seconds=seconds, restart_loaded=loaded,
+                restart_same=same)
 
 
 def _held(cache) -> dict:

@@ -302,3 +302,145 @@ def test_the_host_tier_keeps_what_the_cache_evicts(model_dir, tmp_path):
     longer = torch.cat((CTX, MORE))
     assert engine.generate(longer, Q, max_new_tokens=2).cached_context_tokens == CTX.numel()
     assert engine.cache_stats()["host"]["loads"] == 2
+
+
+def _ids(start: int, n: int) -> torch.Tensor:
+    """``n`` token ids within the tiny model's vocabulary (256), another run for each ``start``."""
+    return (torch.arange(start, start + n) * 7) % 250 + 3
+
+
+def _turns(engine, n: int = 3, step: int = 40) -> list:
+    """A conversation over CTX: each turn's context the last one's plus ``step`` new tokens; (context, result)."""
+    ctx, out = CTX, []
+    for t in range(n + 1):
+        if t:
+            ctx = torch.cat((ctx, _ids(300 + step * t, step)))
+        out.append((ctx, engine.generate(ctx, Q, max_new_tokens=4)))
+    engine.flush_store()
+    return out
+
+
+def _manifests(store: Path) -> dict:
+    import json
+
+    return {p.stem: json.loads(p.read_text()) for p in store.rglob("*.json") if p.parent != store}
+
+
+@pytest.mark.parametrize("kw", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring-simulated"])
+def test_a_conversations_turns_are_stored_as_what_each_adds(model_dir, tmp_path, kw):
+    """Each turn's file holds only the KV its new tokens add, its manifest naming the turn before as its parent; the
+    budget counts each file so; a restarted engine loads the chain -- the same answer as encoding anew --, and a
+    fork off an earlier turn loads that turn's chain and extends it."""
+    first = _engine(model_dir, tmp_path, **kw)
+    turns = _turns(first)
+    keys = [first.cache_key(ctx) for ctx, _ in turns]
+    m = _manifests(tmp_path)
+    assert [m[k]["parent"] for k in keys] == [None, *keys[:-1]]
+    size = {k: (tmp_path / next(tmp_path.iterdir()).name / f"{k}.safetensors").stat().st_size for k in keys}
+    assert all(size[k] < 0.35 * size[keys[0]] for k in keys[1:])  # 40 new tokens' KV against 200
+    last = first.encoder.cache.get(keys[-1])
+    assert first.cache_stats()["store"]["bytes"] == sum(m[k]["nbytes"] for k in keys) == last.nbytes
+    again = _engine(model_dir, tmp_path, **kw)
+    got = again.generate(turns[-1][0], Q, max_new_tokens=4)
+    assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == turns[-1][0].numel()
+    assert again.cache_stats()["store"]["loads"] == 1
+    fork = torch.cat((turns[1][0], _ids(900, 30)))  # another reply to the first turn
+    fresh = magnetar.init_inference(str(model_dir), timeout_s=60, prefix_reuse="off", **kw)
+    third = _engine(model_dir, tmp_path, **kw)
+    got = third.generate(fork, Q, max_new_tokens=4)
+    assert got.cached_context_tokens == turns[1][0].numel() and got.token_ids == \
+        fresh.generate(fork, Q, max_new_tokens=4).token_ids
+
+
+def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):
+    """The bound evicts the least recently used file that no other continues; the parent of the file being written
+    stays even when it is the least recently used."""
+    engine = _engine(model_dir, tmp_path, context_store_mb=1)  # 1024 KiB; a 200-token context holds 100 KiB
+    engine.encode(CTX)
+    for i in range(1, 10):
+        engine.encode(torch.arange(10 + i, 210 + i))  # 1000 KiB stored, CTX the least recently used
+    turn = torch.cat((CTX, _ids(300, 100)))  # 50 KiB more: a file must go
+    engine.encode(turn)
+    engine.flush_store()
+    stored = _manifests(tmp_path)
+    assert engine.cache_key(CTX) in stored and stored[engine.cache_key(turn)]["parent"] == engine.cache_key(CTX)
+    assert engine.cache_key(torch.arange(11, 211)) not in stored  # the least recently used that no file continues
+    more = [torch.cat((turn, _ids(400, 20 * (t + 1)))) for t in range(3)]
+    for ctx in more:  # a conversation on: 10 KiB a turn
+        engine.encode(ctx)
+    for i in range(20, 23):  # then others: the conversation's last turns go first, each parent after its child
+        engine.encode(torch.arange(10 + i, 210 + i))
+        engine.flush_store()
+        stored = _manifests(tmp_path)
+        assert all(m["parent"] is None or m["parent"] in stored for m in stored.values())
+    assert engine.cache_stats()["store"]["bytes"] <= 2**20
+
+
+def test_a_damaged_parent_removes_the_files_that_continue_it(model_dir, tmp_path, caplog):
+    first = _engine(model_dir, tmp_path)
+    turns = _turns(first, n=2)
+    first.encode(torch.cat((CTX, _ids(700, 30))))  # another branch off the same document
+    first.flush_store()
+    root = next(tmp_path.rglob(f"{first.cache_key(CTX)}.safetensors"))
+    raw = bytearray(root.read_bytes())
+    raw[-100] ^= 0xFF
+    root.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="magnetar.engine.store"):
+        again = _engine(model_dir, tmp_path)
+        got = again.generate(turns[-1][0], Q, max_new_tokens=4)
+    assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == 0  # Phase 1 ran again
+    assert "checksum" in caplog.text and f"continues {first.cache_key(CTX)}" in caplog.text
+    again.flush_store()
+    stored = _manifests(tmp_path)
+    # every file that continued the damaged one is gone, the other branch too; the context is stored anew, whole
+    assert list(stored) == [again.cache_key(turns[-1][0])] and stored[again.cache_key(turns[-1][0])]["parent"] is None
+    # a parent removed by hand: the files that continue it are removed when the store opens
+    root = next(tmp_path.rglob("*.json")).parent
+    for p in root.iterdir():
+        p.unlink()
+    _turns(_engine(model_dir, tmp_path), n=2)
+    for suffix in (".json", ".safetensors"):
+        (root / f"{first.cache_key(CTX)}{suffix}").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="magnetar.engine.store"):
+        opened = _engine(model_dir, tmp_path)
+    assert not _files(tmp_path) and opened.cache_stats()["store"]["contexts"] == 0
+    assert caplog.text.count("which is not stored: removed") == 2
+
+
+def test_a_format_1_file_still_loads(model_dir, tmp_path):
+    import json
+
+    want = _stored(model_dir, tmp_path)
+    manifest = next(tmp_path.rglob("*.json"))
+    m = json.loads(manifest.read_text())
+    m["format"] = 1  # as an engine before files continued their parents wrote it
+    for field in ("kv", "parent", "parent_kv", "held"):
+        del m[field]
+    manifest.write_text(json.dumps(m))
+    again = _engine(model_dir, tmp_path)
+    got = again.generate(CTX, Q, max_new_tokens=6)
+    assert got.token_ids == want and got.cached_context_tokens == CTX.numel()
+
+
+def _two_ranks_conversation(rank, world, model_dir, store):
+    flat = dict(method="star", cp_size=2, block_size=64, timeout_s=60, context_store=store, prefix_reuse="all")
+    first = magnetar.init_inference(model_dir, **flat)
+    turns = _turns(first)
+    import json
+
+    keys = [first.cache_key(ctx) for ctx, _ in turns]
+    torch.distributed.barrier()  # both ranks' writes flushed
+    folders = sorted(Path(store).iterdir())
+    assert len(folders) == 2
+    for folder in folders:  # each rank's folder: the same chain of its own shards
+        m = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
+        assert [m[k]["parent"] for k in keys] == [None, *keys[:-1]], (rank, folder.name)
+    again = magnetar.init_inference(model_dir, **flat)
+    got = again.generate(turns[-1][0], Q, max_new_tokens=4)
+    assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == turns[-1][0].numel(), rank
+
+
+def test_two_ranks_store_a_conversation_as_what_each_turn_adds(model_dir, tmp_path):
+    run_distributed(_two_ranks_conversation, 2, str(model_dir), str(tmp_path))

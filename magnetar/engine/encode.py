@@ -180,7 +180,7 @@ class Encoder:
                         "and its next question runs its Phase 1 again; raise the budget to keep such contexts",
                         handle.context_tokens, handle.nbytes / 2**20, budget // 2**20)
         if keep and self.store is not None:
-            self.store.save(handle, prefix_digest(context_ids, handle.context_tokens))
+            self.store.save(handle, prefix_digest(context_ids, handle.context_tokens), base=base)
         return handle, False
 
     # -- the lower tiers: host memory, disk --------------------------------------------------------------------

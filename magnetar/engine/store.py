@@ -10,6 +10,12 @@ the context, loads it back instead of running Phase 1 again: when every rank of 
 (one gather of flags: the ranks must agree, or all encode). A context whose longest stored prefix is there (an
 earlier turn of a conversation) is loaded and extended, as a cached prefix is.
 
+A context that extended a stored one (``Encoder.extend``: a conversation's next turn) is written as what it adds --
+each layer's entries after its parent's on this rank (an extension writes its KV after its base's: the first
+entries of its shard are the base's) --, its manifest naming the parent and both entry counts; a load reads the chain
+from its first, whole, file on. A parent is evicted only after the files that continue it; one whose parent is gone
+can never load and is removed.
+
 What is never loaded, named in the log: a file without its manifest (the process died while writing: the data file
 goes to a temporary name first and is renamed, then the manifest), a file whose size or checksum differs from its
 manifest (truncated, corrupt) -- both deleted --, and a foreign one (other weights: another fingerprint; another
@@ -20,11 +26,11 @@ together. Each of a replica's N ranks keeps 1/N of what the other layouts' and w
 opens) leave of the bound (1/(N x D) with D data-parallel replicas, which write the same folders) -- said in the
 log, by folder, when they take more than half of it --, each context counted at
 :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank, so the
-ranks evict alike), the least recently used out *before* a write, so the folder never grows past the bound. Pinned
-contexts (``POST /v1/contexts``) are not evicted until released. A write that would leave less than
-:data:`KEEP_FREE` free on the disk is skipped (said once). Writes run on a background thread (a context's tensors are
-never changed once encoded), so a request does not wait for the disk; :meth:`ContextStore.flush` waits for them; a
-failed write leaves no file behind.
+ranks evict alike; less its parent's for a file that continues one), the least recently used out *before* a
+write, so the folder never grows past the bound. Pinned contexts (``POST /v1/contexts``) are not evicted until
+released. A write that would leave less than :data:`KEEP_FREE` free on the disk is skipped (said once). Writes run
+on a background thread (a context's tensors are never changed once encoded), so a request does not wait for the
+disk; :meth:`ContextStore.flush` waits for them; a failed write leaves no file behind.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: a context may be stored as what it adds to its parent's (format 1's files, each whole, still load)
+READS = (1, 2)
 _TMP = ".tmp-"  # a file being written: <name>.tmp-<uuid>, renamed when complete (stale ones removed at start)
 _CHUNK = 1 << 22  # bytes hashed per read
 KEEP_FREE = 1 << 30  # a write that would leave less free space on the store's disk is skipped
@@ -116,8 +123,21 @@ class Entry:
     tokens: int
     prefix: str  # the prefix digest of its ids (magnetar.engine.context.prefix_digest, hex)
     options: str  # the encoding options' digest
-    nbytes: int  # what a process holds for it (ContextHandle.nbytes: what the budget counts)
+    nbytes: int  # what the budget counts: what a process holds for it (ContextHandle.nbytes), less its parent's
     used: float  # last written or loaded (seconds since the epoch)
+    parent: Optional[str] = None  # the stored context whose KV this one's file continues (None: the file is whole)
+    kv: Optional[tuple] = None  # this rank's KV entries per layer, the parent's included (None: not said, format 1)
+
+
+@dataclass
+class Link:
+    """The context a handle extended (``Encoder.extend``), as the store needs it to write only the new KV: its
+    ``key``, this rank's KV entries per layer (``kv``: the first entries of the handle's shard) and its ``nbytes``
+    (the same on every rank, so the ranks count the new file alike)."""
+
+    key: str
+    kv: tuple
+    nbytes: int
 
 
 class ContextStore:
@@ -166,14 +186,26 @@ class ContextStore:
             try:
                 m = json.loads(path.read_text())
                 entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
-                              float(m["used"]))
+                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("context store: manifest %s is unreadable (%s): removed with its data", path, e)
                 self._delete(path.stem)
                 continue
-            if m.get("format") != FORMAT or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
+            if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or \
+                    m.get("layout") != self.layout:
                 continue  # foreign: another engine's (left for it)
             found.append(entry)
+        keys = {e.key for e in found}
+        while True:  # a file whose parent is gone (removed by hand, or damaged) can never load: removed
+            orphans = [e for e in found if e.parent is not None and e.parent not in keys]
+            if not orphans:
+                break
+            for e in orphans:
+                log.warning("context store: %s continues %s, which is not stored: removed",
+                            self.dir / f"{e.key}.safetensors", e.parent)
+                self._delete(e.key)
+                keys.discard(e.key)
+            found = [e for e in found if e.key in keys]
         for entry in sorted(found, key=lambda e: e.used):
             self._entries[entry.key] = entry
 
@@ -233,16 +265,23 @@ class ContextStore:
                         writes=self.writes, evictions=self.evictions, refused=self.refused, skipped=self.skipped)
 
     # -- writing ------------------------------------------------------------------------------------------------
-    def save(self, handle, prefix: str) -> None:
-        """Write ``handle`` (this rank's shard) on the background thread; ``prefix``: its ids' prefix digest."""
-        if handle.nbytes > self.budget_bytes or handle.shard is None:
+    def save(self, handle, prefix: str, base=None) -> None:
+        """Write ``handle`` (this rank's shard) on the background thread; ``prefix``: its ids' prefix digest;
+        ``base``: the handle it extended (a conversation's earlier turn), or None. When the store holds ``base`` as
+        the writer comes to it (the writes run in order: a turn written just before is), only the KV the handle
+        adds is written, its manifest naming ``base`` as its parent: a conversation's turns take the disk of their
+        new tokens, not a copy of the whole context each."""
+        if handle.shard is None:
             return
         with self._lock:
             if handle.key in self._entries:  # already stored: now the most recent
                 self._entries[handle.key].used = time.time()
                 self._entries.move_to_end(handle.key)
                 return
-        self._queue.put((handle, prefix))
+        link = None
+        if base is not None and base.shard is not None and base.key != handle.key:
+            link = Link(base.key, tuple(len(layer) for layer in base.shard.layers), base.nbytes)
+        self._queue.put((handle, prefix, link))
 
     def flush(self, timeout_s: float = 600) -> None:
         """Wait until every write asked for so far is done."""
@@ -268,11 +307,16 @@ class ContextStore:
             except Exception as e:  # a full disk, a removed folder: the context stays in memory; say it once per file
                 log.warning("context store: writing %s failed (%s); the context is not stored", item[0].key, e)
 
-    def _write(self, handle, prefix: str) -> None:
+    def _write(self, handle, prefix: str, link: Optional[Link] = None) -> None:
         with self._lock:  # room first: the folder never holds more than its bound, even while writing
             if handle.key in self._entries:  # asked twice before the first write
                 return
-            victims = self._make_room(handle.nbytes, self._free_on_disk())
+            parent = None if link is None else self._entries.get(link.key)
+            if parent is None or parent.kv != link.kv:  # the parent is not stored (as this handle's first entries)
+                link = None
+            charge = handle.nbytes - (0 if link is None else min(link.nbytes, handle.nbytes))
+            victims = self._make_room(charge, self._free_on_disk(), keep=None if link is None else link.key) \
+                if charge <= self.budget_bytes else None
             if victims is None:  # pinned contexts fill the budget, or the disk is near full
                 self.skipped += 1
                 return
@@ -282,7 +326,7 @@ class ContextStore:
         tmp = [data.with_name(data.name + _TMP + uuid.uuid4().hex),
                manifest.with_name(manifest.name + _TMP + uuid.uuid4().hex)]
         try:
-            self._write_files(handle, prefix, data, manifest, *tmp)
+            self._write_files(handle, prefix, data, manifest, *tmp, link=link, charge=charge)
         except BaseException:
             for path in tmp:  # a full disk, a removed folder: nothing half-written stays
                 path.unlink(missing_ok=True)
@@ -294,18 +338,23 @@ class ContextStore:
         except OSError:
             return None  # the write says what is wrong
 
-    def _write_files(self, handle, prefix: str, data: Path, manifest: Path, tmp: Path, tmp_manifest: Path) -> None:
+    def _write_files(self, handle, prefix: str, data: Path, manifest: Path, tmp: Path, tmp_manifest: Path, *,
+                     link: Optional[Link] = None, charge: int) -> None:
+        """The data file, then its manifest. With ``link``, each layer's entries after the parent's only (a layer
+        with none new has no tensors: its KV is the parent's)."""
         from safetensors.torch import save_file
 
         tensors = {"context_ids": handle.context_ids.to(torch.int64).contiguous()}
+        kv = tuple(len(layer) for layer in handle.shard.layers)
         for i, layer in enumerate(handle.shard.layers):
-            if layer.k is None:
+            start = 0 if link is None else link.kv[i]
+            if layer.k is None or start >= len(layer):
                 continue
-            tensors[f"k.{i}"] = layer.k.detach().cpu().contiguous()
-            tensors[f"v.{i}"] = layer.v.detach().cpu().contiguous()
-            tensors[f"pos.{i}"] = layer.pos.detach().cpu().contiguous()
+            tensors[f"k.{i}"] = layer.k[:, :, start:].detach().cpu().contiguous()
+            tensors[f"v.{i}"] = layer.v[:, :, start:].detach().cpu().contiguous()
+            tensors[f"pos.{i}"] = layer.pos[start:].detach().cpu().contiguous()
             if layer.mass is not None:
-                tensors[f"mass.{i}"] = layer.mass.detach().cpu().contiguous()
+                tensors[f"mass.{i}"] = layer.mass[:, :, start:].detach().cpu().contiguous()
         if handle.last_logits is not None:
             tensors["last_logits"] = handle.last_logits.contiguous()
         save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
@@ -314,31 +363,45 @@ class ContextStore:
         now = time.time()
         m = {"format": FORMAT, "key": handle.key, "fingerprint": self.fingerprint, "layout": self.layout,
              "options": handle.options, "tokens": handle.context_tokens, "prefix": prefix,
-             "nbytes": handle.nbytes, "bytes": data.stat().st_size, "checksum": _checksum(data), "used": now,
+             "nbytes": charge, "held": handle.nbytes, "bytes": data.stat().st_size, "checksum": _checksum(data),
+             "used": now,
              "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
-             "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats}
+             "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats, "kv": list(kv),
+             "parent": None if link is None else link.key, "parent_kv": None if link is None else list(link.kv)}
         tmp_manifest.write_text(json.dumps(m, default=str))
         _fsync(tmp_manifest)
         os.replace(tmp_manifest, manifest)
         with self._lock:
-            self._entries[handle.key] = Entry(handle.key, handle.context_tokens, prefix, handle.options,
-                                              handle.nbytes, now)
+            self._entries[handle.key] = Entry(handle.key, handle.context_tokens, prefix, handle.options, charge, now,
+                                              None if link is None else link.key, kv)
             self._entries.move_to_end(handle.key)
             self.writes += 1
 
-    def _make_room(self, adding: int, free: Optional[int] = None) -> Optional[list[str]]:
+    def _make_room(self, adding: int, free: Optional[int] = None, keep: Optional[str] = None
+                   ) -> Optional[list[str]]:
         """The least recently used unpinned keys to drop so that the budget holds with ``adding`` more bytes --
         taken out of the index, their files for the caller to delete --, or None (nothing dropped) when the pinned
         ones leave too little, or when the disk's ``free`` bytes and those dropped would leave under
-        :data:`KEEP_FREE` (said once) (under the lock)."""
+        :data:`KEEP_FREE` (said once) (under the lock). A context another one's file continues (a parent) goes only
+        after its children, and ``keep`` (the parent of the file about to be written) and its ancestors stay."""
         total, out, freed = sum(e.nbytes for e in self._entries.values()) + adding, [], 0
-        for key in self._entries:
-            if total <= self.budget_bytes:
+        children: dict[str, int] = {}
+        for e in self._entries.values():
+            if e.parent is not None:
+                children[e.parent] = children.get(e.parent, 0) + 1
+        if keep is not None:
+            children[keep] = children.get(keep, 0) + 1  # the new file's parent: a parent already
+        left = OrderedDict(self._entries)
+        while total > self.budget_bytes:
+            key = next((k for k in left if k not in self._pinned and not children.get(k)), None)
+            if key is None:
                 break
-            if key not in self._pinned:
-                total -= self._entries[key].nbytes
-                freed += self._entries[key].nbytes
-                out.append(key)
+            e = left.pop(key)
+            total -= e.nbytes
+            freed += e.nbytes
+            out.append(key)
+            if e.parent is not None:
+                children[e.parent] -= 1
         if total > self.budget_bytes:
             return None
         if free is not None and free + freed - adding < KEEP_FREE:
@@ -361,19 +424,86 @@ class ContextStore:
     def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
         """The stored shard of ``key`` -- ``{"shard", "context_ids", "query_position", "stats", "prefill_stats",
         "nbytes", "method", "options", "last_logits"}`` on ``device`` -- or None when it is missing or invalid
-        (logged by name; a partial or corrupt file is deleted). ``context_ids``: the ids it must hold (None: a
-        prefix found by its digest, checked by the caller)."""
+        (logged by name; a partial or corrupt file is deleted, with the files that continue it). ``context_ids``: the
+        ids it must hold (None: a prefix found by its digest, checked by the caller). A file that continues a
+        parent's is read after the parent's, every file of the chain checked: each layer's KV is theirs in order."""
         from safetensors import safe_open
 
         from magnetar.engine.kv import KVShard
         from magnetar.engine.results import RankStats
 
+        chain = self._chain(key)
+        if chain is None:
+            return None
+        m = chain[-1][1]
+        layers = int(m["layers"])
+        pieces: list[list[tuple]] = [[] for _ in range(layers)]
+        ids, last = None, None
+        for name, _ in chain:
+            with safe_open(str(self.dir / f"{name}.safetensors"), framework="pt", device="cpu") as f:
+                names = set(f.keys())
+                mine = f.get_tensor("context_ids")
+                if ids is not None and not torch.equal(mine[: ids.numel()], ids):
+                    return self._refuse(key, f"{name} holds other token ids than its parent's (a key collision)")
+                ids = mine
+                for i in range(layers):
+                    if f"k.{i}" in names:
+                        pieces[i].append((f.get_tensor(f"k.{i}"), f.get_tensor(f"v.{i}"), f.get_tensor(f"pos.{i}"),
+                                          f.get_tensor(f"mass.{i}") if f"mass.{i}" in names else None))
+                last = f.get_tensor("last_logits") if "last_logits" in names else None
+        if context_ids is not None and not torch.equal(ids, context_ids.reshape(-1).cpu()):
+            return self._refuse(key, "it holds other token ids (a key collision)")
+        shard = KVShard(layers)
+        for layer, parts in zip(shard.layers, pieces):
+            if not parts:
+                continue
+            k, v, pos, mass = zip(*parts)  # joined on the host, then moved: the device holds the layer once
+
+            def join(ts, dim):
+                return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
+
+            mass = None if None in mass else join(mass, 2).to(device)
+            layer.append(join(k, 2).to(device), join(v, 2).to(device), join(pos, 0).to(device), mass)
+        shard.freeze()
+        with self._lock:
+            now = time.time()
+            for name, _ in chain:
+                if name in self._entries:
+                    self._entries[name].used = now
+                    self._entries.move_to_end(name)
+            self.loads += 1
+        return {"shard": shard, "context_ids": ids, "query_position": int(m["query_position"]),
+                "stats": [RankStats(**s) for s in m["stats"]], "prefill_stats": m.get("prefill_stats"),
+                "nbytes": int(m.get("held", m["nbytes"])), "method": m["method"],
+                "options": m["options"], "last_logits": last}
+
+    def _chain(self, key: str) -> Optional[list[tuple[str, dict]]]:
+        """``[(key, manifest)]`` of ``key`` and the files it continues, the first (whole) one first, each checked
+        (:meth:`_manifest`), or None (refused, said in the log)."""
+        chain, name = [], key
+        while name is not None:
+            if any(name == k for k, _ in chain):
+                return self._refuse(key, "its parents form a loop", delete=True)
+            m = self._manifest(name)
+            if m is None:
+                return None if name == key else self._refuse(key, f"it continues {name}, which is not loadable",
+                                                              delete=True)
+            chain.append((name, m))
+            name = m.get("parent")
+        chain.reverse()
+        for (_, parent), (name, child) in zip(chain, chain[1:]):
+            if child.get("parent_kv") != parent.get("kv"):
+                return self._refuse(key, f"{name} continues another version of its parent", delete=True)
+        return chain
+
+    def _manifest(self, key: str) -> Optional[dict]:
+        """The manifest of ``key`` when its data file is this engine's, whole and intact, else None (refused)."""
         data, manifest = self.dir / f"{key}.safetensors", self.dir / f"{key}.json"
         try:
             m = json.loads(manifest.read_text())
         except (OSError, ValueError) as e:
             return self._refuse(key, f"its manifest is missing or unreadable ({e})", delete=True)
-        if m.get("format") != FORMAT or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
+        if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
             return self._refuse(key, "it was written by another engine (other weights, layout or format)")
         size = data.stat().st_size if data.exists() else -1
         if size != m.get("bytes"):
@@ -381,27 +511,7 @@ class ContextStore:
                                      f"(truncated, or the writer died)", delete=True)
         if _checksum(data) != m.get("checksum"):
             return self._refuse(key, "its checksum differs from its manifest's (corrupt)", delete=True)
-        shard = KVShard(int(m["layers"]))
-        with safe_open(str(data), framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            ids = f.get_tensor("context_ids")
-            if context_ids is not None and not torch.equal(ids, context_ids.reshape(-1).cpu()):
-                return self._refuse(key, "it holds other token ids (a key collision)")
-            for i, layer in enumerate(shard.layers):
-                if f"k.{i}" in names:
-                    mass = f.get_tensor(f"mass.{i}").to(device) if f"mass.{i}" in names else None
-                    layer.append(f.get_tensor(f"k.{i}").to(device), f.get_tensor(f"v.{i}").to(device),
-                                 f.get_tensor(f"pos.{i}").to(device), mass)
-            last = f.get_tensor("last_logits") if "last_logits" in names else None
-        shard.freeze()
-        with self._lock:
-            if key in self._entries:
-                self._entries[key].used = time.time()
-                self._entries.move_to_end(key)
-            self.loads += 1
-        return {"shard": shard, "context_ids": ids, "query_position": int(m["query_position"]),
-                "stats": [RankStats(**s) for s in m["stats"]], "prefill_stats": m.get("prefill_stats"),
-                "nbytes": int(m["nbytes"]), "method": m["method"], "options": m["options"], "last_logits": last}
+        return m
 
     def _refuse(self, key: str, why: str, delete: bool = False) -> None:
         log.warning("context store: %s is not loaded: %s%s", self.dir / f"{key}.safetensors", why,
@@ -409,8 +519,17 @@ class ContextStore:
         with self._lock:
             self.refused += 1
             self._entries.pop(key, None)
+            gone = {key}
+            while delete:  # the files that continue it can never load either
+                more = [k for k, e in self._entries.items() if e.parent in gone]
+                if not more:
+                    break
+                for k in more:
+                    del self._entries[k]
+                    gone.add(k)
         if delete:
-            self._delete(key)
+            for k in gone:
+                self._delete(k)
         return None
 
 
