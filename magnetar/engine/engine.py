@@ -63,9 +63,6 @@ class Engine:
         fuse_siblings(model, self.device)  # on a CPU: q/k/v and gate/up as one matrix-vector product each
         relayout_for_decode(model, self.device)  # on a CPU: the decode step's matrix-vector products' layout
         pack_for_batches(model, self.device)  # on a CPU: oneDNN copies for a batch's few-row products
-        # the model's positions, or runtime.max_model_len below them (refused above them, by name)
-        self.max_positions = inputs.position_limit(getattr(model.config, "max_position_embeddings", None),
-                                                   config.runtime.max_model_len)
         # what a ContextHandle is tied to: this engine and its variants (same model object, weights, groups); a
         # handle from another engine -- another model, or the same shapes with other weights -- is refused by ask
         self.identity = f"{type(model).__name__}:{getattr(model.config, 'name_or_path', '') or '?'}:{uuid.uuid4().hex}"
@@ -138,6 +135,11 @@ class Engine:
     def simulated(self) -> bool:
         """True when this process stands in for ``cp_size`` ranks (``config.parallel.simulate``)."""
         return self.config.parallel.simulate and self.config.parallel.cp_size > 1
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """The model's positions, or ``runtime.max_model_len`` below them (:attr:`Requests.max_positions`)."""
+        return self.requests.max_positions
 
     @property
     def vocab_size(self) -> Optional[int]:

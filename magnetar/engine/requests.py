@@ -121,6 +121,7 @@ class Requests:
                  policy: Optional[DecodePolicy] = None):
         self.tokenizer, self.model, self.config, self.groups, self.device = tokenizer, model, config, groups, device
         self.policy = policy
+        # the model's positions, or runtime.max_model_len below them (refused above them, by name)
         self.max_positions = inputs.position_limit(getattr(model.config, "max_position_embeddings", None),
                                                    config.runtime.max_model_len)
 
