@@ -9,7 +9,8 @@ asking one token. Encoded tokens are each turn's context tokens less those its c
 (``cached_context_tokens``); the table compares them with one conversation's, and gives the largest and smallest
 shard of every conversation's last context; then what the context cache holds at the end: the contexts kept, the
 bytes it counts, the bytes of the distinct tensors their KV views (this process's memory, read off the tensors) and
-what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--context-store DIR``
+what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--host-cache-mb N``
+the same of the host-memory tier (what the cache evicted); with ``--context-store DIR``
 (a fresh folder; its bound: ``--context-store-mb``) also what the disk tier holds -- the contexts stored and
 evicted, its files' bytes on disk, what its bound counts -- and a restarted engine's answer to the first
 conversation's last turn (seconds; whether it was loaded from the disk, not encoded, and equals the answer before
@@ -17,6 +18,8 @@ the restart); then one JSON line.
 
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000
     python benchmarks/bench_conversations.py --conversations 1 --turns 20 --context 8000 --context-cache-mb 1024
+    python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000 --context-cache-mb 1024 \
+        --host-cache-mb 4096
     python benchmarks/bench_conversations.py --conversations 2 --turns 10 --context 7000 --context-store /tmp/store \
         --context-store-mb 1024
 """
@@ -39,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--turn-tokens", type=int, default=30)
     p.add_argument("--context-cache-mb", type=int, default=4096)
+    p.add_argument("--host-cache-mb", type=int, default=0, help="the host-memory tier's budget (0: none)")
     p.add_argument("--context-store", default=None, help="a fresh folder: the disk tier's figures and a restart")
     p.add_argument("--context-store-mb", type=int, default=None, help="the disk tier's bound (default: the engine's)")
     args = p.parse_args(argv)
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
     def make_engine():
         return magnetar.init_inference(args.model, method=args.method, cp_size=args.ranks, simulate=args.ranks > 1,
                                        prefix_reuse=args.prefix_reuse, context_cache_mb=args.context_cache_mb,
+                                       host_cache_mb=args.host_cache_mb,
                                        timeout_s=3600, context_store=args.context_store, **store_mb)
 
     engine = make_engine()
@@ -94,20 +99,22 @@ def main(argv=None) -> int:
           f"| the document + {args.conversations} conversations | {total} | {total / one:.2f}x |\n\n"
           f"largest / smallest shard of a conversation's last context, worst of {args.conversations}: {ratio:.3f} "
           f"({args.method}, {args.ranks} ranks); {seconds:.0f} s")
-    held = _held(engine.cache)
+    held = _held(engine.cache.handles())
     mib = 2 ** 20
     print(f"\n| contexts kept | evicted | cache counts | KV tensors held | kept contexts each alone | mean turn |\n"
           f"|---:|---:|---:|---:|---:|---:|\n"
           f"| {held['kept']} | {engine.cache.evictions} | {engine.cache.nbytes / mib:.0f} MiB | "
           f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB | "
           f"{sum(turn_seconds) / len(turn_seconds):.3f} s |")
+    host = {} if engine.host is None else _host(engine)
     stored = {} if args.context_store is None else _restart(engine, make_engine, query, *last)
     print(json.dumps(dict(model=args.model, method=args.method, ranks=args.ranks, context=args.context,
                           conversations=args.conversations, turns=args.turns, turn_tokens=args.turn_tokens,
                           encoded_one=one, encoded_all=total, ratio=total / one, shard_ratio=ratio,
                           seconds=seconds, context_cache_mb=args.context_cache_mb,
                           evictions=engine.cache.evictions, cache_counted_bytes=engine.cache.nbytes,
-                          turn_seconds_mean=sum(turn_seconds) / len(turn_seconds), **held, **stored)))
+                          turn_seconds_mean=sum(turn_seconds) / len(turn_seconds), **held, **host,
+                          **stored)))
     return 0
 
 
@@ -135,10 +142,22 @@ def _restart(engine, make_engine, query, ctx, token_ids) -> dict:
                 restart_same=same)
 
 
-def _held(cache) -> dict:
-    """The contexts ``cache`` keeps; the bytes of the distinct storages their KV tensors view (what this process
+def _host(engine) -> dict:
+    """What the host-memory tier keeps at the end (the contexts the cache evicted), as :func:`_held` reads it."""
+    stats, held = engine.cache_stats()["host"], _held(engine.host.handles())
+    mib = 2 ** 20
+    print(f"\n| host tier: contexts kept | evicted | it counts | KV tensors held | kept contexts each alone |\n"
+          f"|---:|---:|---:|---:|---:|\n"
+          f"| {held['kept']} | {stats['evictions']} | {stats['bytes'] / mib:.0f} MiB | "
+          f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB |")
+    return {f"host_{k}": v for k, v in held.items()} | dict(host_counted_bytes=stats["bytes"],
+                                                            host_evictions=stats["evictions"])
+
+
+def _held(handles) -> dict:
+    """The contexts of ``handles``; the bytes of the distinct storages their KV tensors view (what this process
     holds for them, however they share it); and the sum of their own KV bytes (what each would hold alone)."""
-    storages, alone, handles = {}, 0, cache.handles()
+    storages, alone = {}, 0
     for h in handles:
         for layer in h.shard.layers:
             for t in (layer.k, layer.v, layer.pos):

@@ -1,5 +1,6 @@
-"""benchmarks/bench_conversations.py on a tiny model: its JSON line, and with ``--context-store`` the disk tier's
-figures and a restarted engine's answer loaded from it, equal to the first engine's."""
+"""benchmarks/bench_conversations.py on a tiny model: its JSON line, with ``--host-cache-mb`` the host tier's figures,
+and with ``--context-store`` the disk tier's and a restarted engine's answer loaded from it, equal to the first
+engine's."""
 from __future__ import annotations
 
 import json
@@ -10,20 +11,23 @@ from tests.conftest import load_benchmark
 from tests.tiny_models import save_tiny
 
 
-def test_the_store_figures_and_a_restarted_engines_answer(tmp_path, capsys):
+def test_the_tiers_figures_and_a_restarted_engines_answer(tmp_path, capsys):
     bench = load_benchmark("bench_conversations")
     save_tiny(tmp_path / "model", "llama")
     store = tmp_path / "store"
-    assert bench.main(["--model", str(tmp_path / "model"), "--method", "dense", "--ranks", "1", "--context", "120",
-                       "--conversations", "2", "--turns", "3", "--turn-tokens", "10", "--context-store",
-                       str(store)]) == 0
+    assert bench.main(["--model", str(tmp_path / "model"), "--method", "dense", "--ranks", "1", "--context", "600",
+                       "--conversations", "3", "--turns", "3", "--turn-tokens", "10", "--context-store",
+                       str(store), "--context-cache-mb", "1", "--host-cache-mb", "8"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["encoded_all"] == 120 + 2 * 3 * 10 and row["stored_contexts"] == 1 + 2 * 3
+    assert row["encoded_all"] == 600 + 3 * 3 * 10 and row["stored_contexts"] == 1 + 3 * 3
     files = [f for f in store.rglob("*") if f.is_file()]
     assert row["store_disk_bytes"] == sum(f.stat().st_size for f in files)
-    # the document whole, each turn its 10 tokens: the disk holds about what the last contexts' KV would alone
-    assert row["store_counted_bytes"] < 0.5 * row["alone_bytes"]
+    # the document once, then each turn's 10 tokens: far less than the contexts' KV each alone
+    assert row["store_counted_bytes"] < 0.5 * (row["alone_bytes"] + row["host_alone_bytes"])
     assert row["restart_loaded"] and row["restart_same"]
+    # the 1 MiB cache evicted turns to the host tier, where a conversation's turns share one copy
+    assert row["evictions"] > 0 and row["host_kept"] >= 2 and row["host_evictions"] == 0
+    assert row["host_counted_bytes"] <= row["host_held_bytes"] < 0.5 * row["host_alone_bytes"]
 
 
 def test_a_used_store_folder_is_refused(tmp_path, capsys):

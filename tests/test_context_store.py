@@ -304,6 +304,29 @@ def test_the_host_tier_keeps_what_the_cache_evicts(model_dir, tmp_path):
     assert engine.cache_stats()["host"]["loads"] == 2
 
 
+def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_path):
+    """The turns of a conversation the device cache evicts share one host copy -- the longest's, which the shorter
+    ones view --, counted once; each comes back from there with the answer a fresh engine gives."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=1, host_cache_mb=8)
+    turns = _turns(engine, n=4)  # 200 tokens, then 4 x 40: 100-180 KiB each, in one arena on the device
+    engine.encode(turns[0][0])  # the first turn used last: it leaves the device after the longest
+    for i in range(1, 14):  # others: the conversation leaves the 1 MiB cache for the host tier
+        engine.encode(torch.arange(10 + i, 210 + i))
+    keys = [engine.cache_key(ctx) for ctx, _ in turns]
+    assert not any(engine.cache.get(k) for k in keys) and all(engine.is_cached(k) for k in keys)
+    kept = {h.key: h for h in engine.host.handles()}
+    held = [kept[k] for k in keys]
+    others = sum(h.nbytes for k, h in kept.items() if k not in keys)  # the contexts evicted after it
+    assert engine.cache_stats()["host"]["bytes"] == held[-1].nbytes + others  # the longest turn's, not their sum
+    assert len({h.shard.layers[0].k.untyped_storage().data_ptr() for h in held}) == 1  # one copy, viewed
+    fresh = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, prefix_reuse="off")
+    for ctx, _ in reversed(turns):  # each comes back (no Phase 1) with a fresh engine's answer
+        got = engine.generate(ctx, Q, max_new_tokens=4)
+        assert got.cached_context_tokens == ctx.numel()
+        assert got.token_ids == fresh.generate(ctx, Q, max_new_tokens=4).token_ids
+    assert engine.cache_stats()["host"]["loads"] == len(turns)
+
+
 def _ids(start: int, n: int) -> torch.Tensor:
     """``n`` token ids within the tiny model's vocabulary (256), another run for each ``start``."""
     return (torch.arange(start, start + n) * 7) % 250 + 3

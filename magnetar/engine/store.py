@@ -44,6 +44,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -538,16 +539,70 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+class _HostChain:
+    """The host copy of one arena's turns (:class:`~magnetar.engine.kv.KVArena`: a conversation's turns, each a
+    prefix of the next): one set of buffers per layer, the longest saved turn's, whose first entries every saved turn
+    of the arena views -- counted once, at that turn's ``nbytes`` (the same on every rank)."""
+
+    __slots__ = ("layers", "tokens", "nbytes", "keys")
+
+    def __init__(self):
+        self.layers: list = []  # per layer (k, v, pos) on the host, or None (no entries on this rank)
+        self.tokens = self.nbytes = 0  # the longest saved turn's context tokens and bytes
+        self.keys: set[str] = set()  # the saved turns that view them
+
+
+def _host_copy(shard):
+    from magnetar.engine.kv import KVShard
+
+    host = KVShard(len(shard.layers))
+    for mine, theirs in zip(host.layers, shard.layers):
+        if theirs.k is not None:
+            mine.append(theirs.k.cpu(), theirs.v.cpu(), theirs.pos.cpu(),
+                        None if theirs.mass is None else theirs.mass.cpu())
+    host.freeze()
+    return host
+
+
+def _viewing(shard, chain: _HostChain):
+    """A frozen shard of ``shard``'s entry counts whose layers view the first entries of ``chain``'s buffers."""
+    from magnetar.engine.kv import KVShard
+
+    out = KVShard(len(shard.layers))
+    out.freeze()
+    for mine, theirs, buf in zip(out.layers, shard.layers, chain.layers):
+        n = len(theirs)
+        if n:
+            mine.append(buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n])
+    return out
+
+
+def _point(shard, chain: _HostChain) -> None:
+    """Make ``shard``'s layers views of the first entries of ``chain``'s buffers (as many as each holds)."""
+    for layer, buf in zip(shard.layers, chain.layers):
+        n = len(layer)
+        if n:
+            layer.k, layer.v, layer.pos = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
+
+
 class HostTier:
     """The context cache's host-memory tier (``runtime.host_cache_mb``): the contexts the device cache evicts, their
     shards copied to host memory, least recently used out past ``budget_bytes`` (each counted at what a process holds,
     as the cache counts it: the ranks keep and drop alike). A context asked for again is copied back to the device
     and leaves this tier (:meth:`load`) -- the same interface as :class:`ContextStore`, which the encoder asks next.
-    On CPU ranks the copy is the tensors themselves: the tier then only widens the cache."""
+    On CPU ranks the copy is the tensors themselves where they are whole (a turn, a view of its arena's buffers, is
+    copied): the tier then mostly widens the cache.
+
+    A conversation's turns (the members of one :class:`~magnetar.engine.kv.KVArena`, each a prefix of the next) share
+    one host copy, the longest saved turn's (:class:`_HostChain`): a shorter turn views its first entries, a longer one
+    replaces it (the shorter ones then view the new copy), and the tier counts it once -- whether a turn joins a
+    chain is decided on context tokens, the same on every rank."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self._items: OrderedDict[str, tuple] = OrderedDict()  # key -> (handle on the host, prefix digest)
+        # key -> (handle on the host, prefix digest, its chain or None)
+        self._items: OrderedDict[str, tuple] = OrderedDict()
+        self._chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # KVArena -> _HostChain
         self._lock = threading.Lock()
         self.loads = self.writes = self.evictions = self.refused = 0
 
@@ -555,30 +610,68 @@ class HostTier:
         with self._lock:
             return key in self._items
 
+    def _bytes(self) -> int:
+        """What the tier counts: each context alone, each chain once (under the lock)."""
+        chains = {id(c): c.nbytes for _, _, c in self._items.values() if c is not None}
+        return sum(h.nbytes for h, _, c in self._items.values() if c is None) + sum(chains.values())
+
     def save(self, handle, prefix: str) -> None:
-        """Keep ``handle`` (one the device cache evicted) with its shard in host memory."""
+        """Keep ``handle`` (one the device cache evicted) with its shard in host memory: a copy, or views of its
+        chain's copy when that holds a longer turn of its conversation."""
         if handle.nbytes > self.budget_bytes or handle.shard is None:
             return
-        from magnetar.engine.kv import KVShard
-
-        host = KVShard(len(handle.shard.layers))
-        for mine, theirs in zip(host.layers, handle.shard.layers):
-            if theirs.k is not None:
-                mine.append(theirs.k.cpu(), theirs.v.cpu(), theirs.pos.cpu(),
-                            None if theirs.mass is None else theirs.mass.cpu())
-        host.freeze()
+        arena = handle.shard.arena
+        if arena is not None and any(layer.mass is not None for layer in handle.shard.layers):
+            arena = None  # (arenas hold no masses; a shard with them is copied alone)
         with self._lock:
-            self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix)
-            self._items.move_to_end(handle.key)
-            self.writes += 1
-            while sum(h.nbytes for h, _ in self._items.values()) > self.budget_bytes:
-                self._items.popitem(last=False)
-                self.evictions += 1
+            chain = self._chain(arena, handle.context_tokens)
+            if chain is not None:  # a shorter turn than one kept: views, no copy
+                return self._keep(handle, prefix, _viewing(handle.shard, chain), chain)
+        host = _host_copy(handle.shard)  # outside the lock: a device-to-host copy
+        with self._lock:
+            chain = self._chain(arena, handle.context_tokens)
+            if chain is not None:  # a longer turn was kept meanwhile
+                host = _viewing(handle.shard, chain)
+            elif arena is not None:  # the longest turn so far (or the first): its copy is the chain's
+                chain = self._chains.get(arena)
+                if chain is None or not chain.keys:
+                    chain = self._chains[arena] = _HostChain()
+                chain.layers = [None if layer.k is None else (layer.k, layer.v, layer.pos) for layer in host.layers]
+                chain.tokens, chain.nbytes = handle.context_tokens, handle.nbytes
+                for key in chain.keys:  # the shorter turns kept now view the new copy (the old one is freed)
+                    _point(self._items[key][0].shard, chain)
+            self._keep(handle, prefix, host, chain)
+
+    def _chain(self, arena, tokens: int) -> Optional[_HostChain]:
+        """The chain of ``arena`` when it keeps a turn of at least ``tokens`` context tokens (under the lock)."""
+        chain = None if arena is None else self._chains.get(arena)
+        return chain if chain is not None and chain.keys and chain.tokens >= tokens else None
+
+    def _keep(self, handle, prefix: str, host, chain: Optional[_HostChain]) -> None:
+        """Index ``handle`` with its host shard, then drop the least recently used past the budget (under the
+        lock)."""
+        old = self._items.pop(handle.key, None)
+        if old is not None and old[2] is not None:
+            old[2].keys.discard(handle.key)
+        if chain is not None:
+            chain.keys.add(handle.key)
+        self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix, chain)
+        self.writes += 1
+        while self._items and self._bytes() > self.budget_bytes:
+            key, (_, _, c) = self._items.popitem(last=False)
+            if c is not None:
+                c.keys.discard(key)
+            self.evictions += 1
+
+    def handles(self) -> list:
+        """The contexts kept (handles whose shards are on the host), least recently kept first."""
+        with self._lock:
+            return [h for h, _, _ in self._items.values()]
 
     def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
         """As :meth:`ContextStore.longest_prefix`."""
         with self._lock:
-            candidates = [(h.context_tokens, p) for h, p in self._items.values() if h.options == options]
+            candidates = [(h.context_tokens, p) for h, p, _ in self._items.values() if h.options == options]
         return _longest(candidates, int(context_ids.numel()), prefix_of)
 
     def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
@@ -587,6 +680,8 @@ class HostTier:
 
         with self._lock:
             found = self._items.pop(key, None)
+            if found is not None and found[2] is not None:
+                found[2].keys.discard(key)
         if found is None:
             return None
         h = found[0]
@@ -606,6 +701,6 @@ class HostTier:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(contexts=len(self._items), bytes=sum(h.nbytes for h, _ in self._items.values()),
+            return dict(contexts=len(self._items), bytes=self._bytes(),
                         budget_bytes=self.budget_bytes, loads=self.loads, writes=self.writes,
                         evictions=self.evictions, refused=self.refused)
