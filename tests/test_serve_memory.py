@@ -450,6 +450,7 @@ def test_a_context_encoded_in_chunks_needs_its_kv_beside_one_chunks_activations(
     from magnetar.engine.encode import KVRoom
     from magnetar.engine.memory import ContextTooLarge
 
+    engine.cache.clear()  # (a context the cache holds is admitted as it is: nothing runs)
     p = engine.encoder.room.per_token
     one = engine.encoder.with_config(engine.config)
     one.room = KVRoom(p, 120 * p, p)  # 100 tokens' KV beside 20 tokens' activations
@@ -474,6 +475,7 @@ def test_a_turn_over_a_kept_prefix_needs_only_its_new_tokens_activations(engine,
     from magnetar.engine.encode import KVRoom
     from magnetar.engine.memory import ContextTooLarge
 
+    engine.cache.clear()
     p = engine.encoder.room.per_token
     one = engine.encoder.with_config(engine.config)
     one.room = KVRoom(p, 120 * p, p)
@@ -500,8 +502,54 @@ def test_a_turn_over_a_kept_prefix_needs_only_its_new_tokens_activations(engine,
         assert engine.check(HUGE, QUERY, max_new_tokens=2).context_tokens == 60  # 60 kept + 10 processed
         with pytest.raises(ValueError, match="a 60-token context cannot fit"):  # not extended: a whole Phase 1
             engine.check(HUGE, QUERY, max_new_tokens=2, options={"method": "star"})
+        # the cache holds the context itself: nothing runs (its whole Phase 1, 50 + 50, would not fit 40)
+        monkeypatch.setattr(engine.encoder, "room", KVRoom(p, 40 * p, p))
+        assert engine.check(HUGE[:50], QUERY, max_new_tokens=2).context_tokens == 50
     finally:
         engine.release(handle)
+
+
+class _Tier:
+    """A lower tier (host memory, disk) as the admission asks it: holding ``key``, or a prefix of ``n`` tokens."""
+
+    def __init__(self, key: str = "", n: int = 0):
+        self.key, self.n = key, n
+
+    def __contains__(self, key: str) -> bool:
+        return key == self.key
+
+    def longest_prefix(self, context_ids, options, prefix_of) -> int:
+        return self.n
+
+
+def test_a_context_a_lower_tier_holds_needs_only_what_loading_it_takes(engine, monkeypatch):
+    """After a restart (the disk tier) or an eviction (the host tier), a context a tier holds is loaded, not
+    encoded: the admission counts its KV alone; a prefix a tier holds is extended: its KV beside the new tokens'."""
+    from magnetar.engine.encode import KVRoom
+    from magnetar.engine.memory import ContextTooLarge
+
+    engine.cache.clear()
+    p = engine.encoder.room.per_token
+    key = engine.cache_key(HUGE)
+    monkeypatch.setattr(engine.encoder, "room", KVRoom(p, 72 * p, p))
+    with pytest.raises(ContextTooLarge):  # nothing held: a whole Phase 1, 60 + 60
+        engine.check(HUGE, QUERY, max_new_tokens=2)
+    monkeypatch.setattr(engine.encoder, "tiers", (_Tier(n=50),))
+    assert engine.check(HUGE, QUERY, max_new_tokens=2).context_tokens == 60  # 60 kept + 10 new
+    monkeypatch.setattr(engine.encoder, "tiers", (_Tier(key),))
+    assert engine.check(HUGE, QUERY, max_new_tokens=2).context_tokens == 60  # its 60 tokens' KV, loaded
+    monkeypatch.setattr(engine.encoder, "room", KVRoom(p, 50 * p, p))
+    with pytest.raises(ValueError, match="its KV alone needs .* a 60-token context cannot fit"):
+        engine.check(HUGE, QUERY, max_new_tokens=2)
+    # a configuration that does not extend prefixes encodes the context whole despite a tier's prefix
+    star = engine.variant(method="star").encoder
+    assert star.can_extend() is not None
+    monkeypatch.setattr(star, "room", KVRoom(p, 72 * p, p))
+    monkeypatch.setattr(star, "tiers", (_Tier(n=50),))
+    with pytest.raises(ValueError, match="a 60-token context cannot fit"):
+        engine.check(HUGE, QUERY, max_new_tokens=2, options={"method": "star"})
+    monkeypatch.setattr(star, "tiers", (_Tier(engine.variant(method="star").cache_key(HUGE)),))
+    assert engine.check(HUGE, QUERY, max_new_tokens=2, options={"method": "star"}).context_tokens == 60  # loaded
 
 
 def test_simulated_ranks_join_their_kv_without_holding_it_twice(model_dir, monkeypatch):
@@ -577,6 +625,7 @@ def test_the_leaders_check_refuses_what_cannot_fit_before_the_request_is_queued(
     from magnetar.engine.encode import KVRoom
     from magnetar.engine.memory import ContextTooLarge
 
+    engine.cache.clear()  # (a context the cache holds is admitted as it is: nothing runs)
     per_token = engine.encoder.room.per_token
     monkeypatch.setattr(engine.encoder, "room", KVRoom(per_token, 50 * per_token))
     with pytest.raises(ContextTooLarge) as e:  # Engine.check: no collective, no compute -- the server's admission

@@ -215,6 +215,20 @@ class Encoder:
         prefixes = Prefixes(ids)
         return max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
 
+    def held_tokens(self, context_ids: torch.Tensor, key: str) -> int:
+        """How many first tokens of ``context_ids`` (cache key ``key``) a kept context holds on this rank, for the
+        admission (:meth:`check_room`'s ``cached``): all of them when a lower tier holds the context itself (loaded,
+        not encoded); else the longest proper prefix the cache or a lower tier holds, where this configuration
+        extends prefixes; else 0. The tiers keep and drop alike on every rank (each context counted the same), as
+        the cache does; where one rank's differs, the encoding agrees before it loads (a rank may then run a Phase 1
+        the admission counted as a load -- a failed allocation then fails that request alone)."""
+        if any(key in tier for tier in self.tiers):
+            return int(context_ids.numel())
+        if self.can_extend() is not None:
+            return 0
+        return max(self.cache.prefix_tokens(context_ids, self.identity, self.options_digest),
+                   self.tier_prefix_tokens(context_ids))
+
     def _stored_prefix(self, context_ids: torch.Tensor) -> Optional[ContextHandle]:
         """The longest proper prefix of ``context_ids`` that a lower tier holds on every rank, loaded (into the
         memory cache too), or None. The ranks agree on its length first (each may have dropped other entries)."""
@@ -388,7 +402,8 @@ class Encoder:
         first tokens a kept handle holds already (:meth:`extend` runs only the rest: a conversation's next turn), so
         the activations are the new tokens' (or their chunks'), beside the whole context's KV -- on real CP ranks at
         least the largest rank's share of it (the KV keeps every token once) beside the new tokens' forward (its
-        share when :meth:`_extend_spread` deals them)."""
+        share when :meth:`_extend_spread` deals them); all of them (a lower tier holds the context itself): its KV
+        alone, loaded (:meth:`held_tokens`)."""
         room = self.room
         if not room.per_token or self.policy is not None or not METHODS[self.config.method].partitions:
             return
@@ -397,7 +412,17 @@ class Encoder:
         # be larger (the common case: no plans built)
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
-        cached = cached if 0 < cached < context_tokens else 0
+        if cached >= context_tokens:  # held whole by a lower tier: loading it needs its KV, no forward
+            kv = context_tokens if self._one_process else -(-context_tokens // self.config.parallel.cp_size)
+            need = phase1_need([(kv, 0)], room.per_token, room.act_per_token)
+            whole = context_tokens * room.per_token
+            problem = room_problem(context_tokens, need, whole, room.room, self.device,
+                                   one_process=self._one_process, per_token=room.per_token,
+                                   act_per_token=room.act_per_token)
+            if problem is not None:
+                raise ContextTooLarge(f"context: {problem}")
+            return
+        cached = max(0, cached)
         added = context_tokens - cached
         if cached and not self._one_process:  # real CP ranks extend the kept prefix
             W = self.config.parallel.cp_size

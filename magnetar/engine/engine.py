@@ -205,11 +205,12 @@ class Engine:
             req = by.requests.check(None if handle is not None else context, query, params,
                                     key_of=by.encoder.key, options=options, key=key, handle=handle,
                                     default_max_new_tokens=default_max_new_tokens, **sampling)
-            if handle is None:  # a context that certainly cannot fit: refused now, not after a queue and a tick
-                enc = by.encoder  # a kept prefix is extended: only the new tokens run (the same cache on every rank)
-                cached = 0 if enc.can_extend() is not None else \
-                    enc.cache.prefix_tokens(req.context_ids, enc.identity, enc.options_digest)
-                enc.check_room(req.context_tokens, prefill_chunk if by.chunk_problem() is None else 0, cached)
+            enc = by.encoder
+            # a context that certainly cannot fit: refused now, not after a queue and a tick -- one the cache holds
+            # needs nothing more; one a lower tier holds, its KV; a kept prefix is extended: the new tokens run
+            if handle is None and req.key not in enc.cache:
+                enc.check_room(req.context_tokens, prefill_chunk if by.chunk_problem() is None else 0,
+                               enc.held_tokens(req.context_ids, req.key))
             return req
 
         try:
