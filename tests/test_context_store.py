@@ -304,10 +304,12 @@ def test_the_host_tier_keeps_what_the_cache_evicts(model_dir, tmp_path):
     assert engine.cache_stats()["host"]["loads"] == 2
 
 
-def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_path):
+@pytest.mark.parametrize("kw", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring-simulated"])
+def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_path, kw):
     """The turns of a conversation the device cache evicts share one host copy -- the longest's, which the shorter
     ones view --, counted once; each comes back from there with the answer a fresh engine gives."""
-    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=1, host_cache_mb=8)
+    engine = magnetar.init_inference(str(model_dir), timeout_s=60, context_cache_mb=1, host_cache_mb=8, **kw)
     turns = _turns(engine, n=4)  # 200 tokens, then 4 x 40: 100-180 KiB each, in one arena on the device
     engine.encode(turns[0][0])  # the first turn used last: it leaves the device after the longest
     for i in range(1, 14):  # others: the conversation leaves the 1 MiB cache for the host tier
@@ -319,7 +321,7 @@ def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_pa
     others = sum(h.nbytes for k, h in kept.items() if k not in keys)  # the contexts evicted after it
     assert engine.cache_stats()["host"]["bytes"] == held[-1].nbytes + others  # the longest turn's, not their sum
     assert len({h.shard.layers[0].k.untyped_storage().data_ptr() for h in held}) == 1  # one copy, viewed
-    fresh = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, prefix_reuse="off")
+    fresh = magnetar.init_inference(str(model_dir), timeout_s=60, prefix_reuse="off", **kw)
     for ctx, _ in reversed(turns):  # each comes back (no Phase 1) with a fresh engine's answer
         got = engine.generate(ctx, Q, max_new_tokens=4)
         assert got.cached_context_tokens == ctx.numel()
