@@ -458,13 +458,9 @@ class ContextStore:
         for layer, parts in zip(shard.layers, pieces):
             if not parts:
                 continue
-            k, v, pos, mass = zip(*parts)  # joined on the host, then moved: the device holds the layer once
-
-            def join(ts, dim):
-                return ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
-
-            mass = None if None in mass else join(mass, 2).to(device)
-            layer.append(join(k, 2).to(device), join(v, 2).to(device), join(pos, 0).to(device), mass)
+            k, v, pos, mass = zip(*parts)
+            mass = None if None in mass else _joined(mass, 2, device)
+            layer.append(_joined(k, 2, device), _joined(v, 2, device), _joined(pos, 0, device), mass)
         shard.freeze()
         with self._lock:
             now = time.time()
@@ -532,6 +528,21 @@ class ContextStore:
             for k in gone:
                 self._delete(k)
         return None
+
+
+def _joined(pieces, dim: int, device) -> torch.Tensor:
+    """``pieces`` (a chain's files' tensors, on the host) as one tensor on ``device``, each copied once into place
+    (no joined copy on the host first); one piece is moved as it is (a file's memory map, on a CPU)."""
+    if len(pieces) == 1:
+        return pieces[0].to(device)
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in pieces)
+    out = torch.empty(shape, dtype=pieces[0].dtype, device=device)
+    at = 0
+    for p in pieces:
+        out.narrow(dim, at, p.shape[dim]).copy_(p)
+        at += p.shape[dim]
+    return out
 
 
 def _fsync(path: Path) -> None:
