@@ -6,6 +6,7 @@ subcommands, kept for launchers that need a script path (``deepspeed "$(which ma
     magnetar eval ...        alias magnetar-eval       (magnetar.eval.runner)
     magnetar bench ...       alias magnetar-bench      (magnetar.eval.bench)
     magnetar calibrate ...   alias magnetar-calibrate  (magnetar.calibrate.cli)
+    magnetar store DIR       what a context store holds (magnetar.launch.store)
     magnetar demo ...        alias magnetar-demo       (magnetar.launch.niah_demo)
     magnetar ops-demo ...    alias magnetar-ops-demo   (magnetar.launch.demo)
 
@@ -26,6 +27,7 @@ COMMANDS = {
     "eval": ("magnetar.eval.runner", "RULER / BABILong / NIAH / perplexity / fidelity suites"),
     "bench": ("magnetar.eval.bench", "speed and memory per method and length"),
     "calibrate": ("magnetar.calibrate.cli", "train Spotlight hashes or the sparse-prefill indexer"),
+    "store": ("magnetar.launch.store", "what a context store folder holds (--context-store DIR)"),
     "demo": ("magnetar.launch.niah_demo", "the needle demo of make demo"),
     "ops-demo": ("magnetar.launch.demo", "the attention and merge ops on this machine"),
 }

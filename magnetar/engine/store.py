@@ -530,6 +530,63 @@ class ContextStore:
         return None
 
 
+def describe(root, verify: bool = False) -> dict:
+    """What a store folder ``root`` holds, read off its manifests (no model, nothing changed): per rank folder and
+    weights fingerprint the contexts, how many are whole and how many continue a parent, the longest chain, the
+    largest context, the bytes on disk and the bytes the bound counts; then every file a store would refuse -- a data
+    file without its manifest, a manifest without its data, a size (with ``verify``, a checksum) that differs from
+    its manifest, a file whose parent is not there -- and the pinned lists. ``magnetar store DIR`` prints it."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a folder (give the --context-store DIR of a server or engine)")
+    groups: dict[tuple, dict] = {}
+    problems: list[str] = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        manifests = {}
+        for path in sorted(folder.glob("*.json")):
+            try:
+                manifests[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                problems.append(f"{path}: unreadable manifest ({e})")
+        for path in sorted(folder.glob("*.safetensors")):
+            if path.stem not in manifests:
+                problems.append(f"{path}: no manifest (its writer died; removed when a store opens)")
+        for path in sorted(folder.iterdir()):
+            if _TMP in path.name:
+                problems.append(f"{path}: a write not finished (removed when a store opens)")
+        for key, m in manifests.items():
+            data = folder / f"{key}.safetensors"
+            size = data.stat().st_size if data.exists() else -1
+            if size < 0:
+                problems.append(f"{data}: missing, its manifest says {m.get('bytes')} bytes")
+            elif size != m.get("bytes"):
+                problems.append(f"{data}: {size} bytes, its manifest says {m.get('bytes')} (truncated)")
+            elif verify and _checksum(data) != m.get("checksum"):
+                problems.append(f"{data}: its checksum differs from its manifest's (corrupt)")
+            if m.get("parent") is not None and m["parent"] not in manifests:
+                problems.append(f"{data}: continues {m['parent']}, which is not stored (removed when a store opens)")
+            g = groups.setdefault((folder.name, str(m.get("fingerprint")), m.get("format")), dict(
+                folder=folder.name, fingerprint=str(m.get("fingerprint")), format=m.get("format"), contexts=0,
+                whole=0, continuing=0, longest_chain=0, largest_tokens=0, disk_bytes=0, counted_bytes=0))
+            g["contexts"] += 1
+            g["whole" if m.get("parent") is None else "continuing"] += 1
+            g["largest_tokens"] = max(g["largest_tokens"], int(m.get("tokens", 0)))
+            g["disk_bytes"] += max(0, size) + (folder / f"{key}.json").stat().st_size
+            g["counted_bytes"] += int(m.get("nbytes", 0))
+            depth, at, seen = 1, m.get("parent"), {key}
+            while at is not None and at in manifests and at not in seen:
+                depth, seen, at = depth + 1, seen | {at}, manifests[at].get("parent")
+            g["longest_chain"] = max(g["longest_chain"], depth)
+    pinned = {}
+    for path in sorted(root.glob("pinned-dp*.json")):
+        try:
+            pinned[path.name] = len(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            problems.append(f"{path}: unreadable pinned list ({e})")
+    return dict(root=str(root), groups=list(groups.values()), problems=problems, pinned=pinned,
+                disk_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
+
+
 def _joined(pieces, dim: int, device) -> torch.Tensor:
     """``pieces`` (a chain's files' tensors, on the host) as one tensor on ``device``, each copied once into place
     (no joined copy on the host first); one piece is moved as it is (a file's memory map, on a CPU)."""
