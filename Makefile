@@ -74,7 +74,7 @@ GPU_PYTHON ?= python3
 # included, so the list is kept by hand). Versions as in the CPU venv; checked on an H100 (2026-11-27) and by
 # `make gpu-check-image` (below); the kit's `wheels` step says what is still missing (gpu_check.NEEDED_MODULES).
 GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17 \
+	typing-extensions==4.16.0 hjson==3.1.0 nvtx==0.2.17 xxhash==4.1.0 \
 	fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
 	openai==3.57.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
 	needlehaystack==0.1.0

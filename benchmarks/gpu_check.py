@@ -186,7 +186,8 @@ def _tail(text: str, n: int = 1500) -> str:
 # client (openai) and documents (the essays of ``needlehaystack``). Found by running the dry run under the image's
 # Python / torch / transformers (``make gpu-check-image``): the H200 run's list lacked the served step's packages,
 # so that step would have failed on the card.
-NEEDED_MODULES = ("deepspeed", "pydantic", "hjson", "nvtx", "fastapi", "uvicorn", "openai", "needlehaystack")
+NEEDED_MODULES = ("deepspeed", "pydantic", "hjson", "nvtx", "xxhash", "fastapi", "uvicorn", "openai",
+                  "needlehaystack")
 
 
 def step_wheels(kit: Kit, shape: dict, site: Path, wheels: Path):

@@ -435,18 +435,27 @@ def test_a_damaged_parent_removes_the_files_that_continue_it(model_dir, tmp_path
 
 
 def test_a_format_1_file_still_loads(model_dir, tmp_path):
+    import hashlib
     import json
 
     want = _stored(model_dir, tmp_path)
     manifest = next(tmp_path.rglob("*.json"))
     m = json.loads(manifest.read_text())
-    m["format"] = 1  # as an engine before files continued their parents wrote it
-    for field in ("kv", "parent", "parent_kv", "held"):
+    m["format"] = 1  # as an engine before files continued their parents wrote it: blake2b, no "hash"
+    for field in ("kv", "parent", "parent_kv", "held", "hash"):
         del m[field]
+    data = manifest.with_suffix(".safetensors")
+    m["checksum"] = hashlib.blake2b(data.read_bytes(), digest_size=16).hexdigest()
     manifest.write_text(json.dumps(m))
     again = _engine(model_dir, tmp_path)
     got = again.generate(CTX, Q, max_new_tokens=6)
     assert got.token_ids == want and got.cached_context_tokens == CTX.numel()
+    # a data file differing from its blake2b checksum is refused, as an xxh3 one is
+    m["checksum"] = "0" * 32
+    manifest.write_text(json.dumps(m))
+    third = _engine(model_dir, tmp_path)
+    assert third.generate(CTX, Q, max_new_tokens=6).cached_context_tokens == 0
+    assert third.cache_stats()["store"]["refused"] == 1
 
 
 def _two_ranks_conversation(rank, world, model_dir, store):
