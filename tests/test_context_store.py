@@ -312,6 +312,7 @@ def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_pa
     engine = magnetar.init_inference(str(model_dir), timeout_s=60, context_cache_mb=1, host_cache_mb=8, **kw)
     turns = _turns(engine, n=4)  # 200 tokens, then 4 x 40: 100-180 KiB each, in one arena on the device
     engine.encode(turns[0][0])  # the first turn used last: it leaves the device after the longest
+    arena = engine.cache.get(engine.cache_key(turns[-1][0])).shard.arena  # (held: it outlives its turns here)
     for i in range(1, 14):  # others: the conversation leaves the 1 MiB cache for the host tier
         engine.encode(torch.arange(10 + i, 210 + i))
     keys = [engine.cache_key(ctx) for ctx, _ in turns]
@@ -327,6 +328,8 @@ def test_the_host_tier_keeps_a_conversations_turns_as_one_copy(model_dir, tmp_pa
         assert got.cached_context_tokens == ctx.numel()
         assert got.token_ids == fresh.generate(ctx, Q, max_new_tokens=4).token_ids
     assert engine.cache_stats()["host"]["loads"] == len(turns)
+    # every turn left the tier: its copy is freed with the last one (the arena lives on, on the device)
+    assert engine.host._chains[arena].layers == []
 
 
 def _ids(start: int, n: int) -> torch.Tensor:

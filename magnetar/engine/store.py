@@ -633,6 +633,13 @@ class _HostChain:
         self.tokens = self.nbytes = 0  # the longest saved turn's context tokens and bytes
         self.keys: set[str] = set()  # the saved turns that view them
 
+    def leave(self, key: str) -> None:
+        """``key`` no longer views the copy (evicted, or loaded back); the last one to leave frees it (the arena, and
+        so this chain's entry, may outlive it on the device)."""
+        self.keys.discard(key)
+        if not self.keys:
+            self.layers, self.tokens, self.nbytes = [], 0, 0
+
 
 def _host_copy(shard):
     from magnetar.engine.kv import KVShard
@@ -734,7 +741,7 @@ class HostTier:
         lock)."""
         old = self._items.pop(handle.key, None)
         if old is not None and old[2] is not None:
-            old[2].keys.discard(handle.key)
+            old[2].leave(handle.key)
         if chain is not None:
             chain.keys.add(handle.key)
         self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix, chain)
@@ -742,7 +749,7 @@ class HostTier:
         while self._items and self._bytes() > self.budget_bytes:
             key, (_, _, c) = self._items.popitem(last=False)
             if c is not None:
-                c.keys.discard(key)
+                c.leave(key)
             self.evictions += 1
 
     def handles(self) -> list:
@@ -763,7 +770,7 @@ class HostTier:
         with self._lock:
             found = self._items.pop(key, None)
             if found is not None and found[2] is not None:
-                found[2].keys.discard(key)
+                found[2].leave(key)
         if found is None:
             return None
         h = found[0]
