@@ -412,19 +412,13 @@ class Encoder:
         # be larger (the common case: no plans built)
         if context_tokens * (room.per_token + 2 * room.act_per_token) <= room.room:
             return
-        if cached >= context_tokens:  # held whole by a lower tier: loading it needs its KV, no forward
+        cached = max(0, cached)
+        added = context_tokens - cached
+        if added <= 0:  # held whole by a lower tier: loading it needs its KV, no forward
             kv = context_tokens if self._one_process else -(-context_tokens // self.config.parallel.cp_size)
             need = phase1_need([(kv, 0)], room.per_token, room.act_per_token)
             whole = context_tokens * room.per_token
-            problem = room_problem(context_tokens, need, whole, room.room, self.device,
-                                   one_process=self._one_process, per_token=room.per_token,
-                                   act_per_token=room.act_per_token)
-            if problem is not None:
-                raise ContextTooLarge(f"context: {problem}")
-            return
-        cached = max(0, cached)
-        added = context_tokens - cached
-        if cached and not self._one_process:  # real CP ranks extend the kept prefix
+        elif cached and not self._one_process:  # real CP ranks extend the kept prefix
             W = self.config.parallel.cp_size
             share = -(-added // W) if added > cached and added >= 2 * W else added
             need = phase1_need([(-(-context_tokens // W), share)], room.per_token, room.act_per_token)

@@ -110,6 +110,26 @@ HASH = "xxh3_128"  # a data file's checksum: xxHash's XXH3, 128 bits (~20 GB/s o
 HASHES = ("xxh3_128", "blake2b")  # what a manifest may name ("hash"; none: blake2b, as format 1 and early 2 wrote)
 
 
+def _data_problem(data: Path, m: dict, checksum: bool = True) -> Optional[tuple[str, bool]]:
+    """Why the data file ``data`` is not what its manifest ``m`` says, and whether it is to be removed (a partial or
+    corrupt file is; one of a checksum kind this engine does not know is left), or None: its size, then (with
+    ``checksum``) its checksum."""
+    if not data.exists():
+        return f"its data file is missing (its manifest says {m.get('bytes')} bytes)", True
+    size = data.stat().st_size
+    if size != m.get("bytes"):
+        return (f"its data file holds {size} bytes, its manifest says {m.get('bytes')} (truncated, or the writer "
+                f"died)", True)
+    if not checksum:
+        return None
+    kind = m.get("hash", "blake2b")
+    if kind not in HASHES:
+        return f"its checksum is of a kind this engine does not know ({kind!r})", False
+    if _checksum(data, kind) != m.get("checksum"):
+        return "its checksum differs from its manifest's (corrupt)", True
+    return None
+
+
 def _checksum(path: Path, kind: str = HASH) -> str:
     """The checksum of the file at ``path`` (one of :data:`HASHES`): truncation and corruption, not an adversary."""
     if kind == "xxh3_128":
@@ -512,15 +532,9 @@ class ContextStore:
             return self._refuse(key, f"its manifest is missing or unreadable ({e})", delete=True)
         if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
             return self._refuse(key, "it was written by another engine (other weights, layout or format)")
-        size = data.stat().st_size if data.exists() else -1
-        if size != m.get("bytes"):
-            return self._refuse(key, f"its data file holds {size} bytes, its manifest says {m.get('bytes')} "
-                                     f"(truncated, or the writer died)", delete=True)
-        kind = m.get("hash", "blake2b")
-        if kind not in HASHES:
-            return self._refuse(key, f"its checksum is of a kind this engine does not know ({kind!r})")
-        if _checksum(data, kind) != m.get("checksum"):
-            return self._refuse(key, "its checksum differs from its manifest's (corrupt)", delete=True)
+        problem = _data_problem(data, m)
+        if problem is not None:
+            return self._refuse(key, problem[0], delete=problem[1])
         return m
 
     def _refuse(self, key: str, why: str, delete: bool = False) -> None:
@@ -569,14 +583,10 @@ def describe(root, verify: bool = False) -> dict:
                 problems.append(f"{path}: a write not finished (removed when a store opens)")
         for key, m in manifests.items():
             data = folder / f"{key}.safetensors"
-            size = data.stat().st_size if data.exists() else -1
-            if size < 0:
-                problems.append(f"{data}: missing, its manifest says {m.get('bytes')} bytes")
-            elif size != m.get("bytes"):
-                problems.append(f"{data}: {size} bytes, its manifest says {m.get('bytes')} (truncated)")
-            elif verify and m.get("hash", "blake2b") in HASHES and \
-                    _checksum(data, m.get("hash", "blake2b")) != m.get("checksum"):
-                problems.append(f"{data}: its checksum differs from its manifest's (corrupt)")
+            problem = _data_problem(data, m, checksum=verify)
+            if problem is not None:
+                problems.append(f"{data}: {problem[0]}")
+            size = data.stat().st_size if data.exists() else 0
             if m.get("parent") is not None and m["parent"] not in manifests:
                 problems.append(f"{data}: continues {m['parent']}, which is not stored (removed when a store opens)")
             g = groups.setdefault((folder.name, str(m.get("fingerprint")), m.get("format")), dict(
@@ -585,7 +595,7 @@ def describe(root, verify: bool = False) -> dict:
             g["contexts"] += 1
             g["whole" if m.get("parent") is None else "continuing"] += 1
             g["largest_tokens"] = max(g["largest_tokens"], int(m.get("tokens", 0)))
-            g["disk_bytes"] += max(0, size) + (folder / f"{key}.json").stat().st_size
+            g["disk_bytes"] += size + (folder / f"{key}.json").stat().st_size
             g["counted_bytes"] += int(m.get("nbytes", 0))
             depth, at, seen = 1, m.get("parent"), {key}
             while at is not None and at in manifests and at not in seen:
@@ -653,6 +663,11 @@ def _host_copy(shard):
     return host
 
 
+def _first(buf: tuple, n: int) -> tuple:
+    """Views of the first ``n`` entries of a host copy's ``(k, v, pos)``."""
+    return buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
+
+
 def _viewing(shard, chain: _HostChain):
     """A frozen shard of ``shard``'s entry counts whose layers view the first entries of ``chain``'s buffers."""
     from magnetar.engine.kv import KVShard
@@ -660,18 +675,16 @@ def _viewing(shard, chain: _HostChain):
     out = KVShard(len(shard.layers))
     out.freeze()
     for mine, theirs, buf in zip(out.layers, shard.layers, chain.layers):
-        n = len(theirs)
-        if n:
-            mine.append(buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n])
+        if len(theirs):
+            mine.append(*_first(buf, len(theirs)))
     return out
 
 
 def _point(shard, chain: _HostChain) -> None:
     """Make ``shard``'s layers views of the first entries of ``chain``'s buffers (as many as each holds)."""
     for layer, buf in zip(shard.layers, chain.layers):
-        n = len(layer)
-        if n:
-            layer.k, layer.v, layer.pos = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
+        if len(layer):
+            layer.k, layer.v, layer.pos = _first(buf, len(layer))
 
 
 class HostTier:
