@@ -1,7 +1,7 @@
 """The GPU kit: one offline command that proves every GPU path and measures Phase 1 at 32K-128K (``make gpu-check``).
 
     python3 benchmarks/gpu_check.py                 # on a GPU machine (make gpu-check)
-    python3 benchmarks/gpu_check.py --dry-run       # on CPU, tiny shapes, < 2 min (make gpu-check DRY=1; make test)
+    python3 benchmarks/gpu_check.py --dry-run       # on CPU, tiny shapes, < 1 min (make gpu-check DRY=1; make test)
     python3 benchmarks/gpu_check.py --table FILE    # the tables of a finished run's JSON (docs/benchmarks.md)
 
 Steps, each time-boxed (a subprocess killed at its limit; the whole kit keeps inside ``--budget-s``), each result
@@ -44,7 +44,9 @@ A failing step records its error and the kit goes on.
    that it takes what the budget leaves and the timed steps always run; cut short, it records what ran.
 
 ``--dry-run`` runs the same steps on CPU with a tiny dummy Llama at 1024 tokens (``pytest_gpu`` then collects
-tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`).
+tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`); its
+steps' Python commands run as forks of one process that imported the heavy packages once (``--fork-steps``,
+benchmarks/step_forks.py: 110 -> ~40 s on a 2-core VM), a GPU run's afresh unless asked.
 """
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ class Kit:
 
     def __init__(self, out: Path, budget_s: float, dry_run: bool, env: dict[str, str]):
         self.out, self.dry_run, self.env = out, dry_run, env
+        self.forks = None  # a step server (start_forks), or None: each command started afresh
         self.log = out.with_suffix(".log")
         out.parent.mkdir(parents=True, exist_ok=True)
         self.log.write_text("")
@@ -157,21 +160,54 @@ class Kit:
         print(f"[gpu-check {time.monotonic() - self.t0:6.1f} s] {name}: {status} ({rec['seconds']} s)", flush=True)
         return rec
 
+    def start_forks(self) -> None:
+        """Run the Python commands from now on as forks of one process that imported torch, transformers, DeepSpeed
+        and Magnetar once (benchmarks/step_forks.py: ~8 s of imports a step on a CPU) -- where that process may
+        fork; it imports while the caller goes on, and a step that finds it refused runs its command afresh."""
+        from step_forks import Forks
+
+        with open(self.log, "a") as log:
+            self.forks = Forks(self.env, REPO, log)
+
+    def _forked(self, cmd: list[str], timeout: float) -> bool:
+        f = self.forks
+        if f is None or not f.can_run(cmd):
+            return False
+        said = f.ready or f.why is not None
+        ready = f.wait_ready(min(120.0, timeout))
+        if not said:
+            self.report["forks"] = dict(ready=ready, why=f.why, imports_s=f.seconds)
+            print("[gpu-check] " + (f"steps forked from one process that imported torch, transformers, DeepSpeed "
+                                    f"and Magnetar ({f.seconds} s)" if ready else f"steps run afresh: {f.why}"),
+                  flush=True)
+        return ready
+
     def run(self, cmd: list[str], timeout: float) -> tuple[int, str, str]:
         """``(returncode, stdout, stderr)`` of ``cmd`` in the repo with the kit's environment; on timeout the whole
-        process group is killed and the return code is 124."""
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            rc, err = 124, err + f"\n(killed at its time limit, {timeout:.0f} s)"
+        process group is killed and the return code is 124. A forked step (:meth:`start_forks`) says so in the
+        log."""
+        how = ""
+        if self._forked(cmd, timeout):
+            rc, out, err = self.forks.run(cmd, timeout, dict(self.env))
+            how = " (forked)"
+        else:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                rc, err = 124, err + f"\n(killed at its time limit, {timeout:.0f} s)"
         with open(self.log, "a") as f:  # every command's whole output, beside the report
-            f.write(f"\n===== {' '.join(cmd)}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
+            f.write(f"\n===== {' '.join(cmd)}{how}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
         return rc, out, err
+
+    def close(self) -> None:
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
 
 
 def _tail(text: str, n: int = 1500) -> str:
@@ -890,7 +926,7 @@ def override_shape(args, base_limits: Optional[dict] = None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, < 2 min: checks the kit itself")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, < 1 min: checks the kit itself")
     p.add_argument("--out", type=Path, default=None, help="the JSON report (default $OUT/gpu_check.json, else "
                    "runs/gpu_check.json)")
     p.add_argument("--budget-s", type=float, default=None, help="the whole kit's time limit (default 530 s; "
@@ -912,6 +948,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "budget out")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
                    "environment,pytest,phase1_32K); wheels always runs")
+    p.add_argument("--fork-steps", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the steps' Python commands as forks of one process that imported torch, transformers, "
+                   "DeepSpeed and Magnetar once (benchmarks/step_forks.py; ~8 s a step saved on a CPU); default: "
+                   "in the dry run only (untried on a card)")
     args = p.parse_args(argv)
     if args.table is not None:
         if not args.table.is_file():
@@ -971,9 +1011,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}
         plan.sort(key=lambda item: rank[item[0]])  # stable: the rest keep the default order
     step_wheels(kit, shape, site, args.wheels)
-    for name, run in plan:
-        if wanted(name):
-            run()
+    if args.fork_steps if args.fork_steps is not None else args.dry_run:
+        kit.start_forks()  # after the wheels: the server imports what they installed
+    try:
+        for name, run in plan:
+            if wanted(name):
+                run()
+    finally:
+        kit.close()
     kit.report["steps_chosen"] = chosen
     kit.save()
     print(tables(kit.report), flush=True)

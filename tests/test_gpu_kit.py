@@ -93,8 +93,11 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     assert "cpu_flash" in env["ops"]["environment"]["attention (auto)"]
     assert "phase1_1K | star | 1K |" in stdout  # the tables printed at the end
     assert "decode_1K: decode steps (float32); the floor" in stdout and "| star x4 | 2 | 512 | static |" in stdout
-    # every command's output is kept beside the report
-    assert "magnetar.eval.bench" in out.with_suffix(".log").read_text()
+    # every command's output is kept beside the report; the steps' commands ran as forks of one process that
+    # imported the packages once (benchmarks/step_forks.py)
+    log = out.with_suffix(".log").read_text()
+    assert "magnetar.eval.bench" in log and report["forks"]["ready"] is True
+    assert log.count(" (forked)\n===== exit") >= 10, log.count(" (forked)")
     table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--table", str(out)],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "| phase1_1K | dense | 1K |" in table.stdout
@@ -394,3 +397,97 @@ def test_a_kernels_step_cut_short_keeps_the_shapes_timed(tmp_path, monkeypatch, 
     assert {(r["sq"], r["sk"]) for r in rec["result"]["rows"]} == {(1, 64), (64, 64)}
     assert rec["result"]["measured_order"]  # off the 64 square
     assert "kernels_256 (cut short: the rows it measured): attention kernels" in kit.tables(k.report)
+
+
+def _forks(env=None, preload=()):
+    load_benchmark("gpu_check")  # puts benchmarks/ on sys.path
+    import step_forks
+
+    return step_forks.Forks(dict(env or __import__("os").environ), REPO, subprocess.DEVNULL, preload=preload)
+
+
+def test_a_forked_step_runs_as_python_would(tmp_path):
+    import os
+
+    (tmp_path / "sibling.py").write_text("WHAT = 'sibling'\n")
+    (tmp_path / "script.py").write_text("import os, sys, sibling\nprint(sibling.WHAT, sys.argv[1:], os.getcwd())\n"
+                                        "print('to stderr', file=sys.stderr)\nsys.exit(int(os.environ['CODE']))\n")
+    cmds = [[sys.executable, str(tmp_path / "script.py"), "a", "b"],
+            [sys.executable, "-c", "import sys; print(sys.argv, sys.path[0] == ''); raise SystemExit('said')", "x"],
+            [sys.executable, "-m", "json.tool", "--no-such-flag"],
+            [sys.executable, "-c", "raise ValueError('boom')"]]
+    env = dict(os.environ, CODE="3")
+    forks = _forks()
+    try:
+        assert forks.wait_ready(60), forks.why
+        for cmd in cmds:
+            fresh = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+            rc, out, err = forks.run(cmd, 60, env)
+            assert (rc, out) == (fresh.returncode, fresh.stdout), cmd
+            assert err.strip().splitlines()[-1] == fresh.stderr.strip().splitlines()[-1], (err, fresh.stderr)
+        assert forks.run(cmds[0], 60, dict(env, CODE="0"))[0] == 0  # each step's own environment
+        assert not forks.can_run([sys.executable, "-m", "pip", "install", "x"]) and not forks.can_run(["sleep", "1"])
+    finally:
+        forks.close()
+
+
+def test_a_forked_step_past_its_limit_is_killed_and_nothing_outlives_the_kit(tmp_path):
+    import os
+    import signal
+    import time
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+    forks = _forks()
+    try:
+        assert forks.wait_ready(60), forks.why
+        t = time.monotonic()
+        rc, out, err = forks.run([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); "
+                                  "time.sleep(60)"], 2, dict(os.environ))
+        assert rc == 124 and "killed at its time limit" in err and time.monotonic() - t < 20
+        assert not alive(int(out.split()[0]))
+        assert forks.run([sys.executable, "-c", "print('next')"], 60, dict(os.environ))[:2] == (0, "next\n")
+    finally:
+        forks.close()
+    # the kit killed mid-step: its server and the step go with it
+    pids = tmp_path / "pids"
+    kit = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys
+sys.path.insert(0, {str(REPO / 'benchmarks')!r})
+import step_forks
+f = step_forks.Forks(dict(os.environ), {str(REPO)!r}, None, preload=())
+assert f.wait_ready(60)
+open({str(pids)!r}, 'w').write(str(f._proc.pid))
+f.run([sys.executable, '-c', "import os, time; open({str(pids)!r}, 'a').write(' %d' % os.getpid()); time.sleep(60)"],
+      120, dict(os.environ))
+"""], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(pids.read_text().split() if pids.exists() else []) < 2:
+        time.sleep(0.1)
+    server, step = map(int, pids.read_text().split())
+    kit.send_signal(signal.SIGKILL)
+    kit.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (alive(server) or alive(step)):
+        time.sleep(0.1)
+    assert not alive(server) and not alive(step)
+
+
+def test_a_server_that_may_not_fork_says_why_and_the_kit_runs_steps_afresh(tmp_path, monkeypatch):
+    import os
+
+    (tmp_path / "spins.py").write_text("import threading, time\n"
+                                       "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=60, dry_run=True, env=env)
+    k.forks = _forks(env, preload=("spins",))
+    rc, out, _ = k.run([sys.executable, "-c", "print('afresh')"], 30)
+    assert (rc, out) == (0, "afresh\n")
+    assert k.report["forks"]["ready"] is False and "the imports started threads" in k.report["forks"]["why"]
+    assert "(forked)" not in (tmp_path / "r.log").read_text()
