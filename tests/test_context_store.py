@@ -115,6 +115,32 @@ def test_a_writer_killed_mid_write_leaves_nothing_loadable(model_dir, tmp_path):
     assert not _files(tmp_path) and again.generate(CTX, Q, max_new_tokens=2).cached_context_tokens == 0
 
 
+def test_a_live_writers_files_are_left_to_it(model_dir, tmp_path):
+    """Two processes on one folder (data-parallel replicas; a restart while the old server still writes): a store
+    opening it leaves a context another process is writing -- its data renamed, its manifest not yet written --
+    and removes them once that writer is gone (its lock released: the kernel releases a dead process's)."""
+    from magnetar.engine.store import _writing, describe
+
+    _stored(model_dir, tmp_path)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    held = ["feed.safetensors", "feed.safetensors.tmp-1", "feed.json.tmp-2"]
+    dead = ["dead.safetensors", "dead.safetensors.tmp-3", "dead.json.tmp-4"]
+    for name in dead:
+        (folder / name).write_bytes(b"x")
+    with _writing(folder / "feed.json.tmp-2"):  # a writer at work (this process's lock: another descriptor's)
+        for name in held[:2]:
+            (folder / name).write_bytes(b"x")
+        (folder / ".tmpAbC").write_bytes(b"x")  # safetensors' own temporary file: whose, unknown
+        problems = "\n".join(describe(tmp_path)["problems"])
+        assert "feed" not in problems and "dead.safetensors: no manifest" in problems and ".tmpAbC" not in problems
+        opened = _engine(model_dir, tmp_path)
+        assert opened.generate(CTX, Q, max_new_tokens=2).cached_context_tokens == CTX.numel()
+        left = set(_files(tmp_path))
+        assert set(held) | {".tmpAbC"} <= left and not set(dead) & left
+    _engine(model_dir, tmp_path)  # the writer gone: what it left is a dead writer's
+    assert not {n for n in _files(tmp_path) if "feed" in n or "tmp" in n}
+
+
 def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):
     _stored(model_dir, tmp_path)
     other = tmp_path_factory.mktemp("tiny-other")

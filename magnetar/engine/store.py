@@ -30,11 +30,17 @@ ranks evict alike; less its parent's for a file that continues one), the least r
 write, so the folder never grows past the bound. Pinned contexts (``POST /v1/contexts``) are not evicted until
 released. A write that would leave less than :data:`KEEP_FREE` free on the disk is skipped (said once). Writes run
 on a background thread (a context's tensors are never changed once encoded), so a request does not wait for the
-disk; :meth:`ContextStore.flush` waits for them; a failed write leaves no file behind.
+disk; :meth:`ContextStore.flush` waits for them; a failed write leaves no file behind. A writer holds a lock
+(``flock``) on its manifest's temporary file from before the data is written until the manifest is in place: a
+store opening the same folder (a data-parallel replica starting, a restart while the old process still writes)
+leaves a context being written alone and removes only what a dead writer left -- the kernel releases a killed
+process's locks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -57,6 +63,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2  # 2: a context may be stored as what it adds to its parent's (format 1's files, each whole, still load)
 READS = (1, 2)
 _TMP = ".tmp-"  # a file being written: <name>.tmp-<uuid>, renamed when complete (stale ones removed at start)
+_LIB_TMP = ".tmp"  # safetensors' own temporary file (it writes one beside the target and renames it)
 _CHUNK = 1 << 22  # bytes hashed per read
 KEEP_FREE = 1 << 30  # a write that would leave less free space on the store's disk is skipped
 
@@ -204,13 +211,17 @@ class ContextStore:
         """Index the manifests of this layout; remove what a killed writer left (temporary files, data without a
         manifest)."""
         found = []
+        writing = _being_written(self.dir)  # another process's writes here (a replica, an old server): left to it
         for path in self.dir.iterdir():
-            if _TMP in path.name:
-                path.unlink(missing_ok=True)
+            if _TMP in path.name or path.name.startswith(_LIB_TMP):
+                # a dead writer's; safetensors' own temporary file names no context: removed when no one writes
+                if path.name.split(".")[0] not in writing and (_TMP in path.name or not writing):
+                    path.unlink(missing_ok=True)
                 continue
             if path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
-                log.warning("context store: %s has no manifest (its writer died): removed", path)
-                path.unlink(missing_ok=True)
+                if path.stem not in writing:
+                    log.warning("context store: %s has no manifest (its writer died): removed", path)
+                    path.unlink(missing_ok=True)
                 continue
             if path.suffix != ".json":
                 continue
@@ -357,7 +368,8 @@ class ContextStore:
         tmp = [data.with_name(data.name + _TMP + uuid.uuid4().hex),
                manifest.with_name(manifest.name + _TMP + uuid.uuid4().hex)]
         try:
-            self._write_files(handle, prefix, data, manifest, *tmp, link=link, charge=charge)
+            with _writing(tmp[1]):  # locked before the data is written until the manifest is in place
+                self._write_files(handle, prefix, data, manifest, *tmp, link=link, charge=charge)
         except BaseException:
             for path in tmp:  # a full disk, a removed folder: nothing half-written stays
                 path.unlink(missing_ok=True)
@@ -399,7 +411,7 @@ class ContextStore:
              "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
              "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats, "kv": list(kv),
              "parent": None if link is None else link.key, "parent_kv": None if link is None else list(link.kv)}
-        tmp_manifest.write_text(json.dumps(m, default=str))
+        tmp_manifest.write_text(json.dumps(m, default=str))  # into the locked file (_writing), not a new one
         _fsync(tmp_manifest)
         os.replace(tmp_manifest, manifest)
         with self._lock:
@@ -575,12 +587,14 @@ def describe(root, verify: bool = False) -> dict:
                 manifests[path.stem] = json.loads(path.read_text())
             except (OSError, ValueError) as e:
                 problems.append(f"{path}: unreadable manifest ({e})")
+        writing = _being_written(folder)  # a live writer's files are not problems
         for path in sorted(folder.glob("*.safetensors")):
-            if path.stem not in manifests:
+            if path.stem not in manifests and path.stem not in writing:
                 problems.append(f"{path}: no manifest (its writer died; removed when a store opens)")
         for path in sorted(folder.iterdir()):
-            if _TMP in path.name:
-                problems.append(f"{path}: a write not finished (removed when a store opens)")
+            if (_TMP in path.name and path.name.split(".")[0] not in writing) or \
+                    (path.name.startswith(_LIB_TMP) and not writing):
+                problems.append(f"{path}: a write not finished (its writer died; removed when a store opens)")
         for key, m in manifests.items():
             data = folder / f"{key}.safetensors"
             problem = _data_problem(data, m, checksum=verify)
@@ -624,6 +638,37 @@ def _joined(pieces, dim: int, device) -> torch.Tensor:
         out.narrow(dim, at, p.shape[dim]).copy_(p)
         at += p.shape[dim]
     return out
+
+
+@contextlib.contextmanager
+def _writing(tmp_manifest: Path):
+    """A context's write lock while the block runs: its manifest's temporary file, created empty (it must not
+    exist) and exclusively locked before the data file is written, the manifest later written into it and renamed
+    (a lock is the file's, not its name's); released with the descriptor, or by the kernel when the writer dies."""
+    fd = os.open(tmp_manifest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _being_written(folder: Path) -> set:
+    """The keys a live process is writing in ``folder``: those whose manifest's temporary file is locked
+    (:func:`_writing`; a temporary file no one locks is a dead writer's)."""
+    keys = set()
+    for path in folder.glob(f"*.json{_TMP}*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # renamed or removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            keys.add(path.name.split(".")[0])
+        finally:
+            os.close(fd)
+    return keys
 
 
 def _fsync(path: Path) -> None:
