@@ -89,6 +89,24 @@ def test_plain_setup_needs_no_torch():
     assert "--no-build-isolation" in res.stderr and "torch" in res.stderr, res.stderr
 
 
+def test_import_magnetar_imports_no_torch_until_a_name_is_used():
+    """``import magnetar`` (and ``magnetar --help``) come without torch: the package's names load when first used."""
+    code = ("import sys, magnetar\n"
+            "assert 'torch' not in sys.modules, 'import magnetar imported torch'\n"
+            "from magnetar.commands import main\n"
+            "assert main(['--help']) == 0 and 'torch' not in sys.modules\n"
+            "assert 'init_inference' in dir(magnetar) and set(magnetar.__all__) == {'__version__', *magnetar._LAZY}\n"
+            "from magnetar import Engine, merge_states\n"
+            "import magnetar.engine, magnetar.ops\n"
+            "assert Engine is magnetar.engine.Engine and magnetar.merge_states is magnetar.ops.merge_states\n"
+            "assert magnetar.sparse.__name__ == 'magnetar.sparse'  # a subpackage, as an attribute\n"
+            "try:\n    magnetar.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+            "else:\n    raise SystemExit('no AttributeError')\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_clean_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 # ------------------------------------------------------------------------------------ which ops get prebuilt
 
 
