@@ -169,6 +169,9 @@ class Forks:
         code = f"import sys; sys.path[0] = {str(Path(__file__).parent)!r}; import step_forks; " \
                f"sys.exit(step_forks.serve({tuple(preload)!r}))"
         self._buf = b""
+        # torch.cuda.is_available() (DeepSpeed's accelerator check at import) asks NVML, not the CUDA runtime, which
+        # would load the driver and make the server refuse to fork; the steps get ``env`` as it is
+        env = dict(env, PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self._proc = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
 
