@@ -90,11 +90,18 @@ def test_plain_setup_needs_no_torch():
 
 
 def test_import_magnetar_imports_no_torch_until_a_name_is_used():
-    """``import magnetar`` (and ``magnetar --help``) come without torch: the package's names load when first used."""
+    """``import magnetar``, ``magnetar --help``, ``magnetar serve --help`` and a bad serve flag come without torch
+    or transformers: the package's names load when first used, the serve command's flags import no engine."""
     code = ("import sys, magnetar\n"
             "assert 'torch' not in sys.modules, 'import magnetar imported torch'\n"
             "from magnetar.commands import main\n"
             "assert main(['--help']) == 0 and 'torch' not in sys.modules\n"
+            "import contextlib, io\n"
+            "for argv, code in ((['serve', '--help'], 0), (['serve', '--model', 'm', '--port', '99999'], 2)):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        try:\n            main(argv)\n"
+            "        except SystemExit as e:\n            assert e.code == code, e\n"
+            "    assert 'torch' not in sys.modules and 'transformers' not in sys.modules, argv\n"
             "assert 'init_inference' in dir(magnetar) and set(magnetar.__all__) == {'__version__', *magnetar._LAZY}\n"
             "from magnetar import Engine, merge_states\n"
             "import magnetar.engine, magnetar.ops\n"

@@ -17,10 +17,10 @@ from typing import Sequence
 
 from magnetar.config import METHODS, EngineConfig
 from magnetar.config.registry import METHOD_OPTIONS
-from magnetar.models import check_model, check_tokenizer
-from magnetar.models.dummy import check_text_model
-from magnetar.parallel.launcher import launched_world_size
 from magnetar.utils.cli import check_input_file
+
+# The model checks (magnetar.models: transformers) and the launcher's (torch) are imported where they run: building
+# a command's parser, its --help and a bad flag's error import neither (magnetar serve --help).
 
 __all__ = ["add_model_args", "load_tokenizer_arg",
            "engine_config", "parse_length", "parse_lengths", "parse_names", "check_attention_backend",
@@ -151,6 +151,8 @@ def config_from_args(args) -> EngineConfig:
     :func:`magnetar.parallel.launcher.launched_world_size`) over ``--tp-size`` for ring/star/pulsar, and
     ``--cp-size`` x ``--tp-size`` must divide it (unless ``--simulate true``: one process stands in for the ranks)."""
     config = EngineConfig.from_cli(args)
+    from magnetar.parallel.launcher import launched_world_size
+
     world, tp = launched_world_size(), config.parallel.tp_size
     if args.cp_size is None and METHODS[config.method].distributed and world % tp == 0:
         config = config.replace(cp_size=world // tp)
@@ -184,6 +186,9 @@ def load_tokenizer_arg(args):
 def check_engine_args(args) -> EngineConfig:
     """The engine config of the flags, ``--model``, ``--tokenizer`` and the files the config reads (``--hash-path``,
     ``--prefill-indexer-path``); ValueError / FileNotFoundError name the flag. Shared with ``magnetar serve``."""
+    from magnetar.models import check_model, check_tokenizer
+    from magnetar.models.dummy import check_text_model
+
     config = config_from_args(args)
     check_model(args.model, revision=args.revision)
     tokenizer = getattr(args, "tokenizer", None)

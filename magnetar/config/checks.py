@@ -155,6 +155,10 @@ def check_types(obj: Any) -> None:
 _MAX_INT = 2**63  # every int field ends up in a torch int64 or a C long (seeds: torch.Generator.manual_seed)
 MAX_TIMEOUT_S = 1e9  # about 31 years: a timedelta and every process group backend still hold it
 MIN_TIMEOUT_S = 1e-3  # seconds: a process-group timeout rounds to whole milliseconds
+# Stop strings are looked for in the decoded tail of the answer after every token (engine.sampling.StopStrings):
+# the longest one sets how much is decoded. The server allows fewer (--max-stop-strings, OpenAI's 4 by default).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
 
 
 def check_seed(name: str, value: int) -> None:

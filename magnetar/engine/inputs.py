@@ -35,6 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, FieldError, PolicySection, describe
+from magnetar.config.checks import MAX_STOP_CHARS as _MAX_STOP_CHARS, MAX_STOP_STRINGS as _MAX_STOP_STRINGS
 from magnetar.models import MODELS
 from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
@@ -193,10 +194,8 @@ def check_positions(context: int, query: int, max_new_tokens: int, max_positions
                      "max_new_tokens" if room >= 1 else "context")  # room for one new token: fewer new tokens
 
 
-# Stop strings are looked for in the decoded tail of the answer after every token (engine.sampling.StopStrings):
-# the longest one sets how much is decoded. The server allows fewer (--max-stop-strings, OpenAI's 4 by default).
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 512
+# Stop strings' limits: magnetar.config.checks (the server's flags read them without importing the engine)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = _MAX_STOP_STRINGS, _MAX_STOP_CHARS
 
 
 def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:

@@ -39,7 +39,6 @@ otherwise (``backend=`` overrides it). A launched rank exits when its launcher d
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -56,6 +55,7 @@ from magnetar.parallel.collectives import barrier
 from magnetar.parallel.groups import DEFAULT_TIMEOUT
 from magnetar.parallel import shm
 from magnetar.parallel.lifetime import watch_launcher
+from magnetar.utils.cli import add_launcher_args  # noqa: F401 -- the commands' import of it, as before
 
 log = logging.getLogger(__name__)
 
@@ -216,13 +216,6 @@ def find_master_addr(info: LaunchInfo) -> str:
         mpi_discovery(distributed_port=info.master_port, verbose=False)  # a collective of every rank of the job
         return os.environ["MASTER_ADDR"]
     raise _no_master(info, "no LOCAL_WORLD_SIZE / LOCAL_SIZE equal to WORLD_SIZE says otherwise")
-
-
-def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--local_rank`` / ``--local-rank`` (passed by the deepspeed launcher and old torch.distributed.launch)."""
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help="set by the launcher; do not pass by hand")
-    return parser
 
 
 def import_deepspeed():

@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Optional
 
 from magnetar.config import add_cli_args
-from magnetar.engine.inputs import MAX_STOP_STRINGS
+from magnetar.config.checks import MAX_STOP_STRINGS
 from magnetar.cli.args import add_model_args, check_engine_args, load_tokenizer_arg
-from magnetar.models import ModelNotInstalledError
-from magnetar.parallel.launcher import add_launcher_args, finish_distributed, launched_world_size
 from magnetar.serve.gate import check_api_key, check_body_budget, is_loopback
 from magnetar.serve.config import ServeConfig, add_serve_args
-from magnetar.utils.cli import ArgumentParser, fail, int_at_least, user_errors
+from magnetar.utils.cli import ArgumentParser, add_launcher_args, fail, int_at_least, user_errors
 
 PROG = "magnetar serve"
 API_KEY_ENV = "MAGNETAR_API_KEY"
@@ -66,6 +64,8 @@ def check_inputs(args) -> tuple:
     else:
         args.api_key = check_api_key(args.api_key, "--api-key")
     if not config.parallel.simulate:
+        from magnetar.parallel.launcher import launched_world_size
+
         replicas = max(1, launched_world_size() // (config.parallel.cp_size * config.parallel.tp_size))
         if args.port + replicas - 1 > 65535:
             raise ValueError(f"--port {args.port}: the {replicas} replicas listen on ports {args.port}.."
@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     logging.getLogger(PROG).warning("%d intra-op threads per rank, %d in Phase 1 (%s)", torch.get_num_threads(),
                                     prefill_threads or torch.get_num_threads(), why)
     import magnetar
+    from magnetar.models import ModelNotInstalledError
+    from magnetar.parallel.launcher import finish_distributed
     from magnetar.serve.server import Server
 
     with user_errors(PROG, extra=(ModelNotInstalledError,)):

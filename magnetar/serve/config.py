@@ -9,7 +9,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
-from magnetar.engine.inputs import MAX_STOP_STRINGS
+from magnetar.config.checks import MAX_STOP_STRINGS
 from magnetar.serve.split import PASTE_TOKENS
 from magnetar.utils.cli import int_at_least
 

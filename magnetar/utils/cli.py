@@ -148,6 +148,15 @@ def check_output_file(path: str, *, flag: str, make_parents: bool = False) -> No
         raise ValueError(f"{flag} {path} is not writable (permissions); choose another path")
 
 
+def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--local_rank`` / ``--local-rank`` (passed by the deepspeed launcher and old torch.distributed.launch).
+    Here, below every layer and without torch, so that a command's ``--help`` and flag errors come at once
+    (:mod:`magnetar.parallel.launcher` re-exports it)."""
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by the launcher; do not pass by hand")
+    return parser
+
+
 def write_json_line(path, record: dict) -> None:
     """``record`` as one JSON line in ``path`` (a ``--json-out``), replaced atomically: a reader -- a benchmark's caller
     reading the rows so far of a run it killed -- sees the old file or the new one, never half of one."""
