@@ -24,10 +24,9 @@ import sys
 
 from magnetar.cli.args import add_model_args, check_engine_args, load_tokenizer_arg
 from magnetar.config import EngineConfig, add_cli_args
-from magnetar.models import ModelNotInstalledError
-from magnetar.parallel.launcher import add_launcher_args, finish_distributed
 from magnetar.utils.cli import (
     ArgumentParser,
+    add_launcher_args,
     check_output_file,
     fail,
     int_at_least,
@@ -87,8 +86,10 @@ def format_table(res) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # the flags import no engine: --help and their errors come at once
     import magnetar
+    from magnetar.models import ModelNotInstalledError
+    from magnetar.parallel.launcher import finish_distributed
 
     with user_errors(PROG):
         config, context = check_inputs(args)
