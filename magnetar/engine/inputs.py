@@ -35,7 +35,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from magnetar.config import DECODE_SECTIONS, SECTIONS, EngineConfig, FieldError, PolicySection, describe
-from magnetar.config.checks import MAX_STOP_CHARS as _MAX_STOP_CHARS, MAX_STOP_STRINGS as _MAX_STOP_STRINGS
+# the stop strings' limits live in the config layer (the server's flags read them without importing the engine)
+from magnetar.config.checks import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from magnetar.models import MODELS
 from magnetar.models.hub import check_hub_options
 from magnetar.parallel import ParallelGroups
@@ -192,10 +193,6 @@ def check_positions(context: int, query: int, max_new_tokens: int, max_positions
                      f"exceeds {positions_phrase(max_positions)}"
                      f"{'' if getattr(max_positions, 'capped', False) else ' (max_position_embeddings)'}; {fix}",
                      "max_new_tokens" if room >= 1 else "context")  # room for one new token: fewer new tokens
-
-
-# Stop strings' limits: magnetar.config.checks (the server's flags read them without importing the engine)
-MAX_STOP_STRINGS, MAX_STOP_CHARS = _MAX_STOP_STRINGS, _MAX_STOP_CHARS
 
 
 def check_stop(stop, max_count: int = MAX_STOP_STRINGS) -> None:

@@ -211,15 +211,18 @@ class ContextStore:
         """Index the manifests of this layout; remove what a killed writer left (temporary files, data without a
         manifest)."""
         found = []
-        writing = _being_written(self.dir)  # another process's writes here (a replica, an old server): left to it
         for path in self.dir.iterdir():
+            # what another process is writing here (a replica, an old server) is left to it -- asked when a file is
+            # found (a writer locks before it writes anything), so a write begun during the scan is seen too
             if _TMP in path.name or path.name.startswith(_LIB_TMP):
-                # a dead writer's; safetensors' own temporary file names no context: removed when no one writes
+                writing = _being_written(self.dir)  # rare: a dead writer's leftovers, or a live one's files
+                # safetensors' own temporary file names no context: removed only when no one writes here
                 if path.name.split(".")[0] not in writing and (_TMP in path.name or not writing):
                     path.unlink(missing_ok=True)
                 continue
             if path.suffix == ".safetensors" and not path.with_suffix(".json").exists():
-                if path.stem not in writing:
+                # the manifest asked again after the locks: a writer renames it into place before it unlocks
+                if path.stem not in _being_written(self.dir) and not path.with_suffix(".json").exists():
                     log.warning("context store: %s has no manifest (its writer died): removed", path)
                     path.unlink(missing_ok=True)
                 continue
