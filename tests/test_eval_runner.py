@@ -61,12 +61,20 @@ def _fake_runner(monkeypatch, world: int = 1) -> dict:
                 for method, length, task, index, _, key in group]
 
     monkeypatch.setattr(runner, "_run_group", answer)
-    monkeypatch.setattr(runner, "init_distributed", lambda timeout: seen["init_distributed"].append(timeout))
-    monkeypatch.setattr(runner, "barrier", lambda group=None, *, timeout=None: seen["barrier"].append(timeout))
+    # the runner imports the process groups where it uses them (its flags come without torch): patched at the source
+    import torch.distributed as dist
+
+    import magnetar.parallel.collectives
+    import magnetar.parallel.launcher
+
+    monkeypatch.setattr(magnetar.parallel.launcher, "init_distributed",
+                        lambda timeout: seen["init_distributed"].append(timeout))
+    monkeypatch.setattr(magnetar.parallel.collectives, "barrier",
+                        lambda group=None, *, timeout=None: seen["barrier"].append(timeout))
     if world > 1:
-        monkeypatch.setattr(runner, "dist", SimpleNamespace(
-            is_initialized=lambda: True, get_rank=lambda: 0, get_world_size=lambda: world,
-            broadcast_object_list=lambda box, src: None))
+        for name, fake in dict(is_initialized=lambda: True, get_rank=lambda: 0, get_world_size=lambda: world,
+                               broadcast_object_list=lambda box, src: None).items():
+            monkeypatch.setattr(dist, name, fake)
     return seen
 
 

@@ -38,21 +38,19 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from magnetar.config import METHODS, EngineConfig, add_cli_args
 from magnetar.config.registry import METHOD_OPTIONS, POLICY_FIELDS
-from magnetar.engine.strategy import context_method, policy_label
 from magnetar.eval.common import check_attention_backend, check_cp_size, parse_length, parse_lengths, parse_names
 from magnetar.eval.results import append_records, lock_output, set_aside_bad_lines, unlock_output, write_problem
 from magnetar.eval.suite import SUITES, get_suite, sample_seed
-from magnetar.parallel import local_groups
-from magnetar.parallel.collectives import barrier, store_barrier
-from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
-from magnetar.utils.cli import ArgumentParser, check_input_file, fail, user_errors
+from magnetar.utils.cli import ArgumentParser, add_launcher_args, check_input_file, fail, user_errors
+
+# torch, the engine and the process groups are imported where they run: the flags, their errors and a report
+# (--report) come without them
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +195,8 @@ def item_key(suite, task, method, length, index, cfg_key) -> str:
 def method_label(config: EngineConfig) -> str:
     """The method plus the options that differ from its defaults, e.g. ``pulsar(bm25, budget 0.25)``: the
     report's column, so that variants of one method (an ablation) are not pooled."""
+    from magnetar.engine.strategy import context_method, policy_label
+
     extra = context_method(config.method).label_options(config)  # the method says what sets its runs apart
     label = config.method + (f"({', '.join(extra)})" if extra else "")
     for section in POLICY_FIELDS:  # each policy on top of it says what sets its runs apart (registry: its class)
@@ -216,6 +216,8 @@ def load_done(out_dir: Path) -> set[str]:
 
 
 def _broadcast_obj(obj):
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         return obj
     box = [obj]
@@ -225,6 +227,8 @@ def _broadcast_obj(obj):
 
 def encode(tokenizer, sample) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase-1 and Phase-2 ids (Pulsar App. B split), with RULER's answer prefix after the assistant header."""
+    import torch
+
     from magnetar.engine.template import split_prompt
 
     p = split_prompt(tokenizer, sample.context, sample.query)
@@ -293,6 +297,8 @@ class Fidelity:
 
     def reference(self, item_id: tuple, ids: tuple, sample):
         """Dense's greedy answer to the item, its distributions and its score (held for the item's methods)."""
+        import torch
+
         from magnetar.eval.fidelity import Reference
 
         if self._held[0] != item_id:
@@ -472,6 +478,11 @@ def run(args) -> int:
 def _setup(args, base: EngineConfig) -> _Place:
     """The process group (under a launcher) and the output folder: writable, and locked by rank 0 for this run,
     before any model is loaded."""
+    import torch.distributed as dist
+
+    from magnetar.parallel.collectives import barrier
+    from magnetar.parallel.launcher import init_distributed
+
     out = Path(args.out)
     timeout = timedelta(seconds=base.parallel.timeout_s)  # --timeout-s: every wait below
     owns_group = not dist.is_initialized()
@@ -518,6 +529,7 @@ def _reference(args, base: EngineConfig, model, tokenizer, place: _Place):
     """The fidelity suite's reference -- plain dense attention and decoding, on this process alone -- with the
     dense answers of earlier runs: ``(the model it holds, Fidelity)``."""
     import magnetar
+    from magnetar.parallel import local_groups
 
     ref_cfg = EngineConfig(method="dense", runtime=dataclasses.replace(base.runtime, prefix_reuse="off"),
                            parallel=dataclasses.replace(EngineConfig().parallel, timeout_s=base.parallel.timeout_s))
@@ -533,6 +545,8 @@ def _run_items(args, suite, todo: list, model, tokenizer, fid, place: _Place, ba
     """Every item, grouped by batch (``--batch``), each group on the engine of its config (made once, on every rank:
     group creation is collective unless dealt); the records appended as they come."""
     import magnetar
+    from magnetar.parallel import local_groups
+    from magnetar.parallel.collectives import barrier
 
     engines = {}
     for group in _batches(todo, args.batch if not (suite.perplexity or suite.fidelity) else 1):
@@ -561,6 +575,9 @@ def _run_items(args, suite, todo: list, model, tokenizer, fid, place: _Place, ba
 
 def _finish(place: _Place) -> None:
     """Every process done, rank 0 writes the report and unlocks the folder."""
+    import torch.distributed as dist
+
+    from magnetar.parallel.collectives import barrier, store_barrier
     # dealt shares end at different times: wait long for the slowest before rank 0 writes the report -- in the
     # store, whose wait a rank still computing cannot outlast (a collective's is bounded by the group's timeout)
     if place.dealt:
@@ -587,8 +604,6 @@ def check_args(args) -> None:
     """Every check of an evaluation run's flags that needs no model (ValueError / FileNotFoundError naming the
     flag): the methods, lengths, tasks, counts, CP sizes against the launched world, the engine config of every
     method, and the files it reads."""
-    from magnetar.models import check_model
-
     methods = parse_names(args.methods, tuple(METHODS), "--methods")
     lengths = parse_lengths(args.lengths, minimum=0)
     if 0 in lengths and not get_suite(args.suite).own_lengths:
@@ -614,6 +629,8 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.simulate_ranks is not None and args.cp is not None and args.cp != args.simulate_ranks:
         raise ValueError(f"--simulate-ranks {args.simulate_ranks} and --cp {args.cp} differ: give one, or both equal")
+    from magnetar.parallel.launcher import launched_world_size
+
     world = launched_world_size()
     if args.cp is not None and args.simulate_ranks is None:
         check_cp_size(args.cp, world, "--cp")
@@ -630,8 +647,10 @@ def check_args(args) -> None:
     for name in ("hash_path", "prefill_indexer_path"):
         if getattr(base, name) is not None:
             check_input_file(getattr(base, name), flag="--" + name.replace("_", "-"))
-    check_model(args.model, revision=args.revision)
+    from magnetar.models import check_model  # transformers: after the checks of the flags alone
     from magnetar.models.dummy import check_text_model
+
+    check_model(args.model, revision=args.revision)
 
     check_text_model(args.model)
 
