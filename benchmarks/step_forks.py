@@ -5,9 +5,10 @@ A kit step is a Python command (``python -m magnetar.eval.bench ...``, ``python 
 a dry run's second of work (benchmarks/gpu_check.py --dry-run: 110 s, ~85 of it imports). :class:`Forks` starts
 this file once as a server: it imports the packages, then forks a child per command, which runs it as ``python``
 would (``runpy``; its own session, its output to files, ``sys.argv``, ``sys.path[0]``, the caller's environment and
-folder) and exits with its code. What a library reads from the environment when it loads (``OMP_NUM_THREADS`` for
-torch's OpenMP) is the server's: it starts with the caller's environment of that moment. The caller gets ``(returncode, stdout, stderr)`` as from ``subprocess``, a command
-past its limit killed with its process group (124, as the kit's own runner).
+folder) and exits with its code. The caller gets ``(returncode, stdout, stderr)`` as from ``subprocess``, a command
+past its limit killed with its process group (124, as the kit's own runner). What a library reads from the
+environment when it loads (``OMP_NUM_THREADS`` for torch's OpenMP) is the server's: it starts with the caller's
+environment of that moment.
 
 Only where forking a process that imported them is sound: no thread but the main one after the imports (a lock held
 by another thread would stay held in every child), and no CUDA driver loaded (a CUDA context does not survive a

@@ -45,12 +45,9 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from magnetar.cli.args import ENGINE_FLAGS
 from magnetar.config import DTYPES, METHODS
 from magnetar.config.cli import add_field_args
-from magnetar.engine.strategy import context_method
 from magnetar.eval.common import check_attention_backend, engine_config, parse_lengths, parse_links, parse_names
 from magnetar.utils.cli import (ArgumentParser, check_output_file, fail, int_at_least, user_errors,
                                 write_json_line)
@@ -75,6 +72,8 @@ def allow_positions(model, longest: int, name: str, what: str, beyond: bool, pro
 
 def tiny_model(max_positions: int, seed: int = 0):
     """A small random Llama (2 layers, h=64): quick checks of the benchmark itself."""
+    import torch
+
     import transformers as tf
 
     cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -190,6 +189,8 @@ def _parse_variant(args, text: str):
 
 
 def _inputs(args, model, tokenizer, L: int):
+    import torch
+
     g = torch.Generator().manual_seed(args.seed + L)
     vocab = model.config.vocab_size
     if args.text:
@@ -206,6 +207,8 @@ def _inputs(args, model, tokenizer, L: int):
 
 
 def _reset_peak(device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -359,6 +362,7 @@ def _measure(args, model, tokenizer, cps: list[int], lead: bool,
     (:meth:`~magnetar.engine.engine.Engine.fit_failure`) is no row: it goes to ``did_not_fit`` and the run goes on
     (a 512K dense beside the methods that hold it)."""
     import magnetar
+    from magnetar.engine.strategy import context_method
     from magnetar.eval.cost import estimate
     from tqdm import tqdm
 
@@ -497,6 +501,8 @@ def _report(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
             did_not_fit: Sequence[dict] = ()) -> None:
     """The run's header, the table, the comparison with the cost model, the critical paths at each link (simulated
     ranks), then one JSON line (and ``--json-out``)."""
+    import torch
+
     sim, tp = args.simulate_ranks, args.tp_size
     dev = next(model.parameters()).device
     ranks = ",".join(map(str, cps))
@@ -528,6 +534,8 @@ def _record(args, model, name: str, rows: list[dict], cps: list[int], world: Opt
             complete: bool, did_not_fit: Sequence[dict] = ()) -> dict:
     """The run's JSON record; ``complete`` False while rows are still being measured (``--json-out`` is rewritten
     after each); ``did_not_fit``: the configurations that did not fit memory (method, length, ranks, error)."""
+    import torch
+
     dev = next(model.parameters()).device
     return dict(bench="engine", model=name, dtype=_dtype_name(model), device=str(dev), memory=_memory(model, args),
                 cp=cps, tp=args.tp_size,
