@@ -44,9 +44,10 @@ A failing step records its error and the kit goes on.
    that it takes what the budget leaves and the timed steps always run; cut short, it records what ran.
 
 ``--dry-run`` runs the same steps on CPU with a tiny dummy Llama at 1024 tokens (``pytest_gpu`` then collects
-tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`); its
-steps' Python commands run as forks of one process that imported the heavy packages once (``--fork-steps``,
-benchmarks/step_forks.py: 110 -> ~40 s on a 2-core VM), a GPU run's afresh unless asked.
+tests/test_gpu.py only: every test skips with "needs CUDA") and checks the JSON's shape (:func:`check_report`).
+Every run's Python commands run as forks of one process that imported the heavy packages once (``--fork-steps``, the
+default; benchmarks/step_forks.py: the dry run 110 -> ~40 s on a 2-core VM); on a GPU only once a fork has made a
+CUDA tensor, and a forked step failing within a minute is rerun afresh, the kit forking no more.
 """
 from __future__ import annotations
 
@@ -97,6 +98,11 @@ DRY = dict(model="dummy:tiny-llama", dtype="float32", lengths=(1024,), sparse_le
            kernels=dict(device="cpu", dtype="fp32", sq=(1, 256), sk=(256,), repeats=1))
 
 STEP_KEYS = {"name", "ok", "seconds", "timeout_s", "command", "error", "result"}
+# A GPU run's forks (--fork-steps) first make and read a CUDA tensor in a fork; a forked step that fails within
+# FORK_RETRY_S seconds is run again afresh and the kit stops forking (a failure of the fork's, not the step's)
+CUDA_PROBE = ("import torch; x = torch.ones(4, device='cuda'); torch.cuda.synchronize(); "
+              "assert float(x.sum()) == 4.0; print(torch.cuda.get_device_name(0))")
+FORK_RETRY_S = 60.0
 
 
 def gpu_test_files() -> list[str]:
@@ -163,11 +169,13 @@ class Kit:
     def start_forks(self) -> None:
         """Run the Python commands from now on as forks of one process that imported torch, transformers, DeepSpeed
         and Magnetar once (benchmarks/step_forks.py: ~8 s of imports a step on a CPU) -- where that process may
-        fork; it imports while the caller goes on, and a step that finds it refused runs its command afresh."""
+        fork; it imports while the caller goes on, and a step that finds it refused runs its command afresh. On a
+        GPU a fork must first make and read a CUDA tensor (:data:`CUDA_PROBE`), and a forked step that fails within
+        :data:`FORK_RETRY_S` is run again afresh, the kit forking no more (:meth:`run`)."""
         from step_forks import Forks
 
         with open(self.log, "a") as log:
-            self.forks = Forks(self.env, REPO, log)
+            self.forks = Forks(self.env, REPO, log, probe=None if self.dry_run else [sys.executable, "-c", CUDA_PROBE])
 
     def _forked(self, cmd: list[str], timeout: float) -> bool:
         f = self.forks
@@ -188,8 +196,18 @@ class Kit:
         log."""
         how = ""
         if self._forked(cmd, timeout):
+            t = time.monotonic()
             rc, out, err = self.forks.run(cmd, timeout, dict(self.env))
             how = " (forked)"
+            if rc not in (0, 124) and not self.dry_run and time.monotonic() - t < FORK_RETRY_S:
+                # on a card, a fork's early failure may be the fork's (CUDA): this command again afresh, and no more
+                # forks -- the forked attempt's output kept in the log
+                self.report["forks"]["given_up"] = f"{' '.join(cmd[1:3])} failed forked (exit {rc}): run afresh"
+                print(f"[gpu-check] {self.report['forks']['given_up']}; the steps run afresh from now on", flush=True)
+                with open(self.log, "a") as f:
+                    f.write(f"\n===== {' '.join(cmd)}{how}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
+                self.close()
+                return self.run(cmd, max(1.0, timeout - (time.monotonic() - t)))
         else:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
@@ -948,10 +966,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "budget out")
     p.add_argument("--steps", default=None, help="run only these steps (comma-separated name prefixes, e.g. "
                    "environment,pytest,phase1_32K); wheels always runs")
-    p.add_argument("--fork-steps", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--fork-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="run the steps' Python commands as forks of one process that imported torch, transformers, "
-                   "DeepSpeed and Magnetar once (benchmarks/step_forks.py; ~8 s a step saved on a CPU); default: "
-                   "in the dry run only (untried on a card)")
+                   "DeepSpeed and Magnetar once (benchmarks/step_forks.py; ~8 s a step saved on a CPU); on a GPU "
+                   "only once a fork has made a CUDA tensor, and a forked step failing within a minute is rerun "
+                   "afresh (default on; --no-fork-steps: every step afresh)")
     args = p.parse_args(argv)
     if args.table is not None:
         if not args.table.is_file():
@@ -1011,7 +1030,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}
         plan.sort(key=lambda item: rank[item[0]])  # stable: the rest keep the default order
     step_wheels(kit, shape, site, args.wheels)
-    if args.fork_steps if args.fork_steps is not None else args.dry_run:
+    if args.fork_steps:
         kit.start_forks()  # after the wheels: the server imports what they installed
     try:
         for name, run in plan:

@@ -13,8 +13,9 @@ environment of that moment.
 Only where forking a process that imported them is sound: no thread but the main one after the imports (a lock held
 by another thread would stay held in every child), and no CUDA driver loaded (a CUDA context does not survive a
 fork; ``libcuda`` is loaded only when CUDA is first used, never by an import). The server checks both and refuses
-otherwise (the caller then runs commands as subprocesses). The kit forks in its dry run (``--fork-steps``, the
-default there); a GPU run starts each step afresh unless asked (``--fork-steps``): untried on a card so far.
+otherwise (the caller then runs commands as subprocesses). A ``probe`` command must pass in a fork before any other
+runs (the kit's on a GPU: a CUDA tensor made and read -- forking on a card is untried so far; where the probe fails,
+every step runs afresh). ``gpu_check.py --no-fork-steps`` starts every step afresh.
 
 Protocol (one JSON object a line): the caller writes ``{"argv", "cwd", "env", "out", "err"}``, the server answers
 ``{"pid"}`` once the child is forked and ``{"rc"}`` when it has exited; at start it answers ``{"ready": true}`` or
@@ -165,8 +166,9 @@ class Forks:
     :meth:`run` commands of the form ``[sys.executable, ...]`` through it. ``ready`` is False (``why`` says
     why) when the server refused or failed; the caller then runs commands itself."""
 
-    def __init__(self, env: dict, cwd: Path, stderr, preload=PRELOAD):
+    def __init__(self, env: dict, cwd: Path, stderr, preload=PRELOAD, probe: Optional[list[str]] = None):
         self.cwd, self.ready, self.why, self.seconds = Path(cwd), False, None, None
+        self._env, self._probe = dict(env), probe  # probe: a command a fork must pass before any other runs
         self._tmp = tempfile.TemporaryDirectory(prefix="magnetar-forks-")
         code = f"import sys; sys.path[0] = {str(Path(__file__).parent)!r}; import step_forks; " \
                f"sys.exit(step_forks.serve({tuple(preload)!r}))"
@@ -178,17 +180,22 @@ class Forks:
                                       stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether the server imported everything and may fork (within ``timeout`` seconds)."""
+        """Whether the server imported everything and may fork (within ``timeout`` seconds), and its forks pass the
+        probe (a GPU run's: a CUDA tensor made and read in a fork) when one was given."""
         if self.ready or self.why is not None:
             return self.ready
         msg = self._read(timeout)
         if msg is None:
             self.why = f"the server was not ready within {timeout:.0f} s"
-            self.close()
         else:
             self.ready, self.why, self.seconds = bool(msg.get("ready")), msg.get("why"), msg.get("seconds")
-            if not self.ready:
-                self.close()
+        if self.ready and self._probe is not None:
+            rc, out, err = self.run(self._probe, 60, self._env)
+            if rc != 0:
+                said = ((err.strip() or out.strip()).splitlines() or ["no output"])[-1][-300:]  # the error's line
+                self.ready, self.why = False, f"a forked probe failed (exit {rc}: {said})"
+        if not self.ready:
+            self.close()
         return self.ready
 
     def can_run(self, cmd: list[str]) -> bool:

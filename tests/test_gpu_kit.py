@@ -491,3 +491,40 @@ def test_a_server_that_may_not_fork_says_why_and_the_kit_runs_steps_afresh(tmp_p
     assert (rc, out) == (0, "afresh\n")
     assert k.report["forks"]["ready"] is False and "the imports started threads" in k.report["forks"]["why"]
     assert "(forked)" not in (tmp_path / "r.log").read_text()
+
+
+def test_a_probe_that_fails_in_a_fork_keeps_the_steps_afresh():
+    import os
+
+    forks = _forks()
+    forks._probe = [sys.executable, "-c", "import sys; sys.exit('no CUDA here')"]  # as a card's would fail
+    assert not forks.wait_ready(60) and "a forked probe failed (exit 1: no CUDA here)" in forks.why
+    passing = _forks()
+    passing._probe = [sys.executable, "-c", "print('ok')"]
+    try:
+        assert passing.wait_ready(60), passing.why
+        assert passing.run([sys.executable, "-c", "print(1)"], 30, dict(os.environ))[:2] == (0, "1\n")
+    finally:
+        passing.close()
+
+
+def test_a_step_failing_early_forked_on_a_card_runs_again_afresh_and_forking_stops(tmp_path):
+    import os
+
+    kit = _kit()
+    k = kit.Kit(tmp_path / "r.json", budget_s=120, dry_run=False, env=dict(os.environ))
+    k.forks = _forks()
+    # exits 1 in a fork (its parent is the step server), 0 when the kit starts it
+    cmd = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.getppid() == int(sys.argv[1]) else 1)",
+           str(os.getpid())]
+    assert k.run(cmd, 60)[0] == 0
+    assert k.forks is None and "failed forked (exit 1): run afresh" in k.report["forks"]["given_up"]
+    log = (tmp_path / "r.log").read_text()
+    assert log.count("===== exit 1") == 1 and log.count("===== exit 0") == 1
+    assert k.run([sys.executable, "-c", "print('afresh')"], 30)[:2] == (0, "afresh\n")  # no fork any more
+    k.dry_run = True  # the dry run (the CPU) keeps a failing step's result: no fork is suspected there
+    k.forks = _forks()
+    try:
+        assert k.run(cmd, 60)[0] == 1 and k.forks is not None
+    finally:
+        k.close()
