@@ -141,6 +141,46 @@ def test_a_live_writers_files_are_left_to_it(model_dir, tmp_path):
     assert not {n for n in _files(tmp_path) if "feed" in n or "tmp" in n}
 
 
+def test_data_parallel_replicas_keep_and_evict_only_their_own_files(model_dir, tmp_path):
+    """Two replicas writing one folder (each 1/2 of the bound): a restarted replica keeps the other's files (before,
+    each counted every file as its own and a restart cut the store to half), loads them, evicts only its own, and
+    writes a turn over another replica's context whole (that replica may evict its parent)."""
+    from magnetar.engine.context import prefix_digest
+    from magnetar.engine.store import ContextStore, layout_name, weights_fingerprint
+
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, prefix_reuse="all")
+    handles = [engine.encode(torch.arange(10 + i, 210 + i)) for i in range(6)]
+    each, fp, layout = handles[0].nbytes, weights_fingerprint(engine.model), layout_name(False, 0, 1)
+    root = tmp_path / "store"
+
+    def store(replica):
+        return ContextStore(root, layout, fp, 4 * each + each // 2, replicas=2, replica=replica)  # 2 each
+
+    def save(st, h, base=None):
+        st.save(h, prefix_digest(h.context_ids, h.context_tokens), base=base)
+        st.flush()
+
+    a, b = store(0), store(1)
+    for h in handles[2:4]:  # replica 1's first: the least recently used files of the folder are the other's
+        save(b, h)
+    for h in handles[:2]:
+        save(a, h)
+    names = lambda: {n.split(".")[0] for n in _files(root) if n.endswith(".json")}  # noqa: E731
+    assert names() == {h.key for h in handles[:4]}
+    again = store(0)  # a restart of replica 0: the folder holds both replicas' files, twice its share
+    assert names() == {h.key for h in handles[:4]} and again.stats()["bytes"] == 2 * each
+    assert again.stats()["contexts"] == 4 and handles[2].key in again
+    got = again.load(handles[2].key, handles[2].context_ids, torch.device("cpu"))  # replica 1's file
+    assert got is not None and torch.equal(got["shard"].layers[0].k, handles[2].shard.layers[0].k)
+    save(again, handles[4])  # past its share: its own least recent goes, never replica 1's
+    assert names() == {h.key for h in (handles[1], handles[2], handles[3], handles[4])}
+    turn = engine.encode(torch.cat((handles[3].context_ids, MORE)))  # a turn over replica 1's context
+    save(again, turn, base=handles[3])
+    manifest = __import__("json").loads((root / layout / f"{turn.key}.json").read_text())
+    assert manifest["parent"] is None and manifest["replica"] == 0  # whole: replica 1 may evict its parent
+    assert names() == {h.key for h in (handles[2], handles[3], handles[4])} | {turn.key}
+
+
 def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):
     _stored(model_dir, tmp_path)
     other = tmp_path_factory.mktemp("tiny-other")

@@ -120,7 +120,8 @@ class Engine:
         try:
             return ContextStore(root, layout, weights_fingerprint(self.model),
                                 self.config.runtime.context_store_mb * 2**20,
-                                peers=replica_layouts(self.simulated, p.cp_size, p.tp_size), replicas=g.dp_size)
+                                peers=replica_layouts(self.simulated, p.cp_size, p.tp_size), replicas=g.dp_size,
+                                replica=g.dp_rank)
         except ValueError as e:
             raise FieldError(str(e), "context_store") from None
 

@@ -23,8 +23,9 @@ layout or format) -- left for its owner, and replaced when this engine encodes t
 
 The store is bounded (``runtime.context_store_mb``) as a whole folder: every rank's files and every other layout's
 together. Each of a replica's N ranks keeps 1/N of what the other layouts' and weights' files (measured when it
-opens) leave of the bound (1/(N x D) with D data-parallel replicas, which write the same folders) -- said in the
-log, by folder, when they take more than half of it --, each context counted at
+opens) leave of the bound (1/(N x D) with D data-parallel replicas, which write the same folders; each replica
+counts and evicts only the files it wrote, and loads the others' too) -- said in the log, by folder, when they take
+more than half of it --, each context counted at
 :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank, so the
 ranks evict alike; less its parent's for a file that continues one), the least recently used out *before* a
 write, so the folder never grows past the bound. Pinned contexts (``POST /v1/contexts``) are not evicted until
@@ -165,6 +166,7 @@ class Entry:
     used: float  # last written or loaded (seconds since the epoch)
     parent: Optional[str] = None  # the stored context whose KV this one's file continues (None: the file is whole)
     kv: Optional[tuple] = None  # this rank's KV entries per layer, the parent's included (None: not said, format 1)
+    owner: int = 0  # the data-parallel replica that wrote it (manifest "replica"; 0 when not said): it alone evicts it
 
 
 @dataclass
@@ -182,11 +184,16 @@ class ContextStore:
     """One rank's disk tier under ``root/layout`` (module docstring), for the weights ``fingerprint``. The folder
     ``root`` holds at most ``bound_bytes``; ``peers``: the layout folders of this rank's replica (itself among them),
     which share what the other files under ``root`` leave of it with the ``replicas`` data-parallel replicas writing
-    the same folders (this rank's part: :attr:`budget_bytes`)."""
+    the same folders (this rank's part: :attr:`budget_bytes`). ``replica``: this rank's data-parallel replica. Each
+    replica counts and evicts only the files it wrote (their manifests name it) -- the others' it may load, never
+    removes -- so a restart of several replicas keeps every replica's share (each counting every file of the folder
+    as its own would cut the store to 1/``replicas`` of it), and a turn's file continues only its own replica's."""
 
-    def __init__(self, root, layout: str, fingerprint: str, bound_bytes: int, peers: tuple = (), replicas: int = 1):
+    def __init__(self, root, layout: str, fingerprint: str, bound_bytes: int, peers: tuple = (), replicas: int = 1,
+                 replica: int = 0):
         self.root, self.dir = Path(root), Path(root) / layout
         self.layout, self.fingerprint, self.bound_bytes = layout, fingerprint, bound_bytes
+        self.replica = replica
         peers = set(peers) | {layout}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +238,8 @@ class ContextStore:
             try:
                 m = json.loads(path.read_text())
                 entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
-                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]))
+                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]),
+                              int(m.get("replica", 0)))
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("context store: manifest %s is unreadable (%s): removed with its data", path, e)
                 self._delete(path.stem)
@@ -285,8 +293,12 @@ class ContextStore:
 
     @property
     def nbytes(self) -> int:
+        """The bytes this replica's files count (the others' replicas count theirs)."""
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._own_bytes()
+
+    def _own_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.owner == self.replica)
 
     def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
         """The length of the longest stored proper prefix of ``context_ids`` with these ``options``
@@ -305,7 +317,7 @@ class ContextStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(contexts=len(self._entries), bytes=sum(e.nbytes for e in self._entries.values()),
+            return dict(contexts=len(self._entries), bytes=self._own_bytes(),
                         budget_bytes=self.budget_bytes, bound_bytes=self.bound_bytes, loads=self.loads,
                         writes=self.writes, evictions=self.evictions, refused=self.refused, skipped=self.skipped)
 
@@ -357,8 +369,8 @@ class ContextStore:
             if handle.key in self._entries:  # asked twice before the first write
                 return
             parent = None if link is None else self._entries.get(link.key)
-            if parent is None or parent.kv != link.kv:  # the parent is not stored (as this handle's first entries)
-                link = None
+            if parent is None or parent.kv != link.kv or parent.owner != self.replica:
+                link = None  # not stored (as this handle's first entries), or another replica's: it may evict it
             charge = handle.nbytes - (0 if link is None else min(link.nbytes, handle.nbytes))
             victims = self._make_room(charge, self._free_on_disk(), keep=None if link is None else link.key) \
                 if charge <= self.budget_bytes else None
@@ -413,13 +425,14 @@ class ContextStore:
              "checksum": _checksum(data), "used": now,
              "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
              "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats, "kv": list(kv),
-             "parent": None if link is None else link.key, "parent_kv": None if link is None else list(link.kv)}
+             "parent": None if link is None else link.key, "parent_kv": None if link is None else list(link.kv),
+             "replica": self.replica}
         tmp_manifest.write_text(json.dumps(m, default=str))  # into the locked file (_writing), not a new one
         _fsync(tmp_manifest)
         os.replace(tmp_manifest, manifest)
         with self._lock:
             self._entries[handle.key] = Entry(handle.key, handle.context_tokens, prefix, handle.options, charge, now,
-                                              None if link is None else link.key, kv)
+                                              None if link is None else link.key, kv, self.replica)
             self._entries.move_to_end(handle.key)
             self.writes += 1
 
@@ -428,9 +441,10 @@ class ContextStore:
         """The least recently used unpinned keys to drop so that the budget holds with ``adding`` more bytes --
         taken out of the index, their files for the caller to delete --, or None (nothing dropped) when the pinned
         ones leave too little, or when the disk's ``free`` bytes and those dropped would leave under
-        :data:`KEEP_FREE` (said once) (under the lock). A context another one's file continues (a parent) goes only
-        after its children, and ``keep`` (the parent of the file about to be written) and its ancestors stay."""
-        total, out, freed = sum(e.nbytes for e in self._entries.values()) + adding, [], 0
+        :data:`KEEP_FREE` (said once) (under the lock). Only this replica's files count and go. A context another
+        one's file continues (a parent) goes only after its children, and ``keep`` (the parent of the file about to
+        be written) and its ancestors stay."""
+        total, out, freed = self._own_bytes() + adding, [], 0
         children: dict[str, int] = {}
         for e in self._entries.values():
             if e.parent is not None:
@@ -439,7 +453,8 @@ class ContextStore:
             children[keep] = children.get(keep, 0) + 1  # the new file's parent: a parent already
         left = OrderedDict(self._entries)
         while total > self.budget_bytes:
-            key = next((k for k in left if k not in self._pinned and not children.get(k)), None)
+            key = next((k for k, e in left.items() if k not in self._pinned and not children.get(k)
+                        and e.owner == self.replica), None)  # this replica's own files only
             if key is None:
                 break
             e = left.pop(key)
