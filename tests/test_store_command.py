@@ -35,11 +35,13 @@ def test_a_store_is_described_and_its_bad_files_named(tmp_path, capsys):
     (g,) = found["groups"]
     assert (g["contexts"], g["whole"], g["continuing"], g["longest_chain"], g["largest_tokens"]) == (4, 1, 3, 4, 320)
     assert g["counted_bytes"] == engine.cache_stats()["store"]["bytes"] and not found["problems"]
+    assert g["by_replica"] == {"0": 4}  # one replica wrote them all
     files = sorted(p for p in store.rglob("*") if p.is_file())
     assert found["disk_bytes"] == g["disk_bytes"] == sum(p.stat().st_size for p in files)
     assert main([str(store)]) == 0
     out = capsys.readouterr().out
     assert "| folder | weights | format | contexts |" in out and "| 4 | 1 / 3 | 4 | 320 tokens |" in out
+    assert out.count(" MiB | 0: 4 |") == 1
     # what a store would refuse: each named by file
     folder = store / g["folder"]
     root = engine.cache_key(CTX)

@@ -590,9 +590,10 @@ class ContextStore:
 def describe(root, verify: bool = False) -> dict:
     """What a store folder ``root`` holds, read off its manifests (no model, nothing changed): per rank folder and
     weights fingerprint the contexts, how many are whole and how many continue a parent, the longest chain, the
-    largest context, the bytes on disk and the bytes the bound counts; then every file a store would refuse -- a data
-    file without its manifest, a manifest without its data, a size (with ``verify``, a checksum) that differs from
-    its manifest, a file whose parent is not there -- and the pinned lists. ``magnetar store DIR`` prints it."""
+    largest context, the bytes on disk and the bytes the bound counts, how many each data-parallel replica wrote;
+    then every file a store would refuse -- a data file without its manifest, a manifest without its data, a size
+    (with ``verify``, a checksum) that differs from its manifest, a file whose parent is not there -- and the pinned
+    lists. ``magnetar store DIR`` prints it."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: not a folder (give the --context-store DIR of a server or engine)")
@@ -623,8 +624,11 @@ def describe(root, verify: bool = False) -> dict:
                 problems.append(f"{data}: continues {m['parent']}, which is not stored (removed when a store opens)")
             g = groups.setdefault((folder.name, str(m.get("fingerprint")), m.get("format")), dict(
                 folder=folder.name, fingerprint=str(m.get("fingerprint")), format=m.get("format"), contexts=0,
-                whole=0, continuing=0, longest_chain=0, largest_tokens=0, disk_bytes=0, counted_bytes=0))
+                whole=0, continuing=0, longest_chain=0, largest_tokens=0, disk_bytes=0, counted_bytes=0,
+                by_replica={}))
             g["contexts"] += 1
+            writer = str(m.get("replica", 0))  # the data-parallel replica that wrote it (and alone evicts it)
+            g["by_replica"][writer] = g["by_replica"].get(writer, 0) + 1
             g["whole" if m.get("parent") is None else "continuing"] += 1
             g["largest_tokens"] = max(g["largest_tokens"], int(m.get("tokens", 0)))
             g["disk_bytes"] += size + (folder / f"{key}.json").stat().st_size

@@ -1,7 +1,8 @@
 """``magnetar store DIR``: what a context store folder (``--context-store DIR``) holds, read off its manifests --
 no model loaded, nothing changed. Per rank folder and weights: the contexts, how many are whole and how many
 continue a parent (a conversation's turns, each stored as what it adds), the longest chain, the largest context,
-the bytes on disk and what the store's bound counts; then every file a store would refuse, and the pinned lists.
+the bytes on disk and what the store's bound counts, how many each data-parallel replica wrote (it alone evicts
+them); then every file a store would refuse, and the pinned lists.
 
     magnetar store /data/contexts
     magnetar store /data/contexts --verify     # also each data file's checksum (reads every byte)
@@ -34,11 +35,12 @@ def main(argv=None) -> int:
     print(f"context store {found['root']}: {found['disk_bytes'] / mib:.0f} MiB on disk\n")
     if found["groups"]:
         print("| folder | weights | format | contexts | whole / continuing | longest chain | largest context | "
-              "on disk | counted |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+              "on disk | counted | by replica |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for g in found["groups"]:
+            writers = ", ".join(f"{r}: {n}" for r, n in sorted(g["by_replica"].items(), key=lambda kv: int(kv[0])))
             print(f"| {g['folder']} | {g['fingerprint']} | {g['format']} | {g['contexts']} | {g['whole']} / "
                   f"{g['continuing']} | {g['longest_chain']} | {g['largest_tokens']} tokens | "
-                  f"{g['disk_bytes'] / mib:.1f} MiB | {g['counted_bytes'] / mib:.1f} MiB |")
+                  f"{g['disk_bytes'] / mib:.1f} MiB | {g['counted_bytes'] / mib:.1f} MiB | {writers} |")
     else:
         print("no stored contexts")
     for name, n in found["pinned"].items():
