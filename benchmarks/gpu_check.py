@@ -204,8 +204,7 @@ class Kit:
                 # forks -- the forked attempt's output kept in the log
                 self.report["forks"]["given_up"] = f"{' '.join(cmd[1:3])} failed forked (exit {rc}): run afresh"
                 print(f"[gpu-check] {self.report['forks']['given_up']}; the steps run afresh from now on", flush=True)
-                with open(self.log, "a") as f:
-                    f.write(f"\n===== {' '.join(cmd)}{how}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
+                self._log(cmd, how, rc, out, err)
                 self.close()
                 return self.run(cmd, max(1.0, timeout - (time.monotonic() - t)))
         else:
@@ -218,9 +217,12 @@ class Kit:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
                 rc, err = 124, err + f"\n(killed at its time limit, {timeout:.0f} s)"
+        self._log(cmd, how, rc, out, err)
+        return rc, out, err
+
+    def _log(self, cmd: list[str], how: str, rc: int, out: str, err: str) -> None:
         with open(self.log, "a") as f:  # every command's whole output, beside the report
             f.write(f"\n===== {' '.join(cmd)}{how}\n===== exit {rc}\n{out}\n----- stderr\n{err}\n")
-        return rc, out, err
 
     def close(self) -> None:
         if self.forks is not None:

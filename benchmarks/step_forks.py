@@ -162,8 +162,8 @@ def serve(preload=PRELOAD) -> int:
 
 
 class Forks:
-    """The caller's side: :meth:`start` the server (``python`` this file, with ``env`` in ``cwd``), then
-    :meth:`run` commands of the form ``[sys.executable, ...]`` through it. ``ready`` is False (``why`` says
+    """The caller's side: made, it starts the server (``python`` this file, with ``env`` in ``cwd``); then
+    :meth:`run` runs commands of the form ``[sys.executable, ...]`` through it. ``ready`` is False (``why`` says
     why) when the server refused or failed; the caller then runs commands itself."""
 
     def __init__(self, env: dict, cwd: Path, stderr, preload=PRELOAD, probe: Optional[list[str]] = None):
