@@ -181,6 +181,55 @@ def test_data_parallel_replicas_keep_and_evict_only_their_own_files(model_dir, t
     assert names() == {h.key for h in (handles[2], handles[3], handles[4])} | {turn.key}
 
 
+def test_a_replica_finds_what_another_wrote_after_it_opened_the_folder(model_dir, tmp_path, monkeypatch):
+    """Replicas run side by side: a context replica 0 stores after replica 1 opened the folder is found and loaded
+    by replica 1 (before, only at its restart), its prefix too; once replica 0 evicts it, replica 1 no longer
+    counts it; files of other weights written meanwhile stay out of its index. A folder's mtime is read each lookup
+    and the folder listed again only when it changed (or changed under a second ago: a coarse clock may hide a
+    second change in the same tick)."""
+    from magnetar.engine import store as store_mod
+    from magnetar.engine.context import prefix_digest
+    from magnetar.engine.store import ContextStore, layout_name, weights_fingerprint
+
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, prefix_reuse="all")
+    handles = [engine.encode(torch.arange(10 + i, 210 + i)) for i in range(3)]
+    each, fp, layout = handles[0].nbytes, weights_fingerprint(engine.model), layout_name(False, 0, 1)
+    root = tmp_path / "store"
+    a = ContextStore(root, layout, fp, 2 * each + each // 2, replicas=2, replica=0)  # one context each
+    b = ContextStore(root, layout, fp, 2 * each + each // 2, replicas=2, replica=1)
+    assert handles[0].key not in b
+    a.save(handles[0], prefix_digest(handles[0].context_ids, 200))
+    a.flush()
+    assert handles[0].key in b
+    got = b.load(handles[0].key, handles[0].context_ids, torch.device("cpu"))
+    assert got is not None and torch.equal(got["shard"].layers[1].v, handles[0].shard.layers[1].v)
+    longer = torch.cat((handles[0].context_ids, MORE))
+    assert b.longest_prefix(longer, handles[0].options, lambda n: prefix_digest(longer, n)) == 200
+    foreign = ContextStore(root, layout, "other-weights", 10 * each, replicas=2, replica=0)
+    foreign.save(handles[2], prefix_digest(handles[2].context_ids, 200))
+    foreign.flush()
+    assert handles[2].key not in b
+    a.save(handles[1], prefix_digest(handles[1].context_ids, 200))  # past replica 0's share: handles[0] goes
+    a.flush()
+    assert handles[0].key not in b and handles[1].key in b and b.stats()["bytes"] == 0
+    lists = []
+    real = store_mod.os.scandir
+    monkeypatch.setattr(store_mod.os, "scandir", lambda d: lists.append(d) or real(d))
+    stamp = b.dir.stat().st_mtime_ns
+    os.utime(b.dir, ns=(stamp - 5 * 10**9, stamp - 5 * 10**9))  # a settled folder: unchanged since, not listed again
+    assert handles[1].key in b and len(lists) == 1
+    assert handles[1].key in b and handles[0].key not in b and len(lists) == 1
+    now = time.time_ns()  # a change in the same tick of the clock as the last lookup: the mtime looks unchanged
+    os.utime(b.dir, ns=(now, now))
+    assert handles[0].key not in b and len(lists) == 2
+    a.save(handles[0], prefix_digest(handles[0].context_ids, 200))
+    a.flush()
+    os.utime(b.dir, ns=(now, now))
+    assert handles[0].key in b and handles[1].key not in b
+    for st in (a, b, foreign):
+        st.close()
+
+
 def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):
     _stored(model_dir, tmp_path)
     other = tmp_path_factory.mktemp("tiny-other")

@@ -24,7 +24,8 @@ layout or format) -- left for its owner, and replaced when this engine encodes t
 The store is bounded (``runtime.context_store_mb``) as a whole folder: every rank's files and every other layout's
 together. Each of a replica's N ranks keeps 1/N of what the other layouts' and weights' files (measured when it
 opens) leave of the bound (1/(N x D) with D data-parallel replicas, which write the same folders; each replica
-counts and evicts only the files it wrote, and loads the others' too) -- said in the log, by folder, when they take
+counts and evicts only the files it wrote, and loads the others' too, those written since it opened the folder
+included: :meth:`ContextStore._refresh`) -- said in the log, by folder, when they take
 more than half of it --, each context counted at
 :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank, so the
 ranks evict alike; less its parent's for a file that continues one), the least recently used out *before* a
@@ -67,6 +68,7 @@ _TMP = ".tmp-"  # a file being written: <name>.tmp-<uuid>, renamed when complete
 _LIB_TMP = ".tmp"  # safetensors' own temporary file (it writes one beside the target and renames it)
 _CHUNK = 1 << 22  # bytes hashed per read
 KEEP_FREE = 1 << 30  # a write that would leave less free space on the store's disk is skipped
+RACY_NS = 10**9  # a folder's mtime this recent may yet be followed by a change that leaves it equal (_refresh)
 
 
 def weights_fingerprint(model) -> str:
@@ -204,6 +206,8 @@ class ContextStore:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
         self.loads = self.writes = self.evictions = self.refused = self.skipped = 0
+        self._stamp: Optional[int] = None  # the folder's mtime when last indexed (_refresh)
+        self._passed: set[str] = set()  # manifests read and left out of the index (foreign, unreadable)
         self._scan()
         self.budget_bytes = max(0, bound_bytes - self._others(peers)) // (len(peers) * max(1, replicas))
         self._low_disk_said = False
@@ -217,6 +221,8 @@ class ContextStore:
     def _scan(self) -> None:
         """Index the manifests of this layout; remove what a killed writer left (temporary files, data without a
         manifest)."""
+        stamp = self._mtime()
+        self._stamp = stamp if stamp is not None and time.time_ns() - stamp > RACY_NS else None
         found = []
         for path in self.dir.iterdir():
             # what another process is writing here (a replica, an old server) is left to it -- asked when a file is
@@ -262,6 +268,48 @@ class ContextStore:
         for entry in sorted(found, key=lambda e: e.used):
             self._entries[entry.key] = entry
 
+    def _mtime(self) -> Optional[int]:
+        try:
+            return self.dir.stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _refresh(self) -> None:
+        """Index what the other data-parallel replicas wrote here since this store last looked, and drop what they
+        removed (under the lock; nothing is deleted). A file created, renamed or removed in the folder changes its
+        mtime, so a lookup costs one ``stat`` while nothing changed. This replica's own files are indexed by its
+        writer (and leave the index before they are deleted), so only the others' are read here."""
+        stamp = self._mtime()
+        if stamp is None or stamp == self._stamp:
+            return
+        # taken before the listing (a change during it is seen at the next lookup); a stamp under a second old is not
+        # kept: a file system's clock ticks coarsely, so a write in the same tick may leave the mtime as it was
+        self._stamp = stamp if time.time_ns() - stamp > RACY_NS else None
+        try:
+            listed = {e.name[:-5] for e in os.scandir(self.dir) if e.name.endswith(".json") and _TMP not in e.name}
+        except OSError:
+            return
+        for key in [k for k, e in self._entries.items() if e.owner != self.replica and k not in listed]:
+            del self._entries[key]  # evicted by its replica
+        self._passed &= listed
+        for key in sorted(listed - self._entries.keys() - self._passed):
+            try:
+                m = json.loads((self.dir / f"{key}.json").read_text())
+                entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
+                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]),
+                              int(m.get("replica", 0)))
+            except FileNotFoundError:  # removed since the listing
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                self._passed.add(key)  # a load would refuse it; its owner's store removes it
+                continue
+            if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or \
+                    m.get("layout") != self.layout or entry.owner == self.replica or entry.key != key:
+                self._passed.add(key)  # foreign (another engine's), or this replica's own (its writer indexes it)
+                continue
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+
     def _others(self, peers: set) -> int:
         """The bytes under the root that are not this replica's own contexts (other layouts' folders, other weights'
         or formats' files in its own) -- counted against the bound; said by folder when over half of it."""
@@ -289,6 +337,7 @@ class ContextStore:
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
+            self._refresh()
             return key in self._entries
 
     @property
@@ -304,6 +353,7 @@ class ContextStore:
         """The length of the longest stored proper prefix of ``context_ids`` with these ``options``
         (``prefix_of(n)``: the hex digest of the ids' first ``n`` tokens), or 0."""
         with self._lock:
+            self._refresh()
             candidates = [(e.tokens, e.prefix) for e in self._entries.values() if e.options == options]
         return _longest(candidates, int(context_ids.numel()), prefix_of)
 
