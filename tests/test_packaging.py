@@ -90,9 +90,9 @@ def test_plain_setup_needs_no_torch():
 
 
 def test_import_magnetar_imports_no_torch_until_a_name_is_used():
-    """``import magnetar``, ``magnetar --help``, ``magnetar serve|run|eval|bench --help`` and a bad flag of
-    theirs come without torch or transformers: the package's names load when first used, those commands' flags
-    import no engine."""
+    """``import magnetar``, ``magnetar --help``, ``magnetar serve|run|eval|bench|calibrate|demo|ops-demo --help``
+    and a bad flag of theirs come without torch or transformers: the package's names load when first used, those
+    commands' flags import no engine."""
     code = ("import sys, magnetar\n"
             "assert 'torch' not in sys.modules, 'import magnetar imported torch'\n"
             "from magnetar.commands import main\n"
@@ -101,7 +101,11 @@ def test_import_magnetar_imports_no_torch_until_a_name_is_used():
             "for argv, code in ((['serve', '--help'], 0), (['serve', '--model', 'm', '--port', '99999'], 2),\n"
             "                   (['run', '--help'], 0), (['run', '--model', 'm', '--no-such-flag'], 2),\n"
             "                   (['eval', '--help'], 0), (['eval', '--methods', 'nope', '--model', 'm'], 2),\n"
-            "                   (['bench', '--help'], 0), (['bench', '--methods', 'nope', '--model', 'm'], 2)):\n"
+            "                   (['bench', '--help'], 0), (['bench', '--methods', 'nope', '--model', 'm'], 2),\n"
+            "                   (['calibrate', '--help'], 0), (['calibrate', 'indexer', '--help'], 0),\n"
+            "                   (['calibrate', 'spotlight', '--out', 'h.pt', '--bits', 'many'], 2),\n"
+            "                   (['demo', '--help'], 0), (['demo', '--context-tokens', '0'], 2),\n"
+            "                   (['ops-demo', '--help'], 0), (['ops-demo', '--seq-len', '0'], 2)):\n"
             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
             "        try:\n            main(argv)\n            got = 'returned'\n"
             "        except SystemExit as e:\n            got = e.code\n"

@@ -23,7 +23,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from magnetar.calibrate.spotlight import TrainConfig
+from magnetar.calibrate.configs import IndexerTrainConfig, TrainConfig
 from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors
 
 PROG = "magnetar-calibrate"
@@ -56,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         s.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
                        default=getattr(defaults, f.name))
-    from magnetar.calibrate.indexer import IndexerTrainConfig
-
     i = sub.add_parser("indexer", help="distil the sparse-prefill head-collapsed indexer (KL to the oracle)")
     i.add_argument("--model", default="smollm2-135m-instruct")
     i.add_argument("--data", choices=CORPORA, default="essays", help="text the teacher rows are collected from")
@@ -82,7 +80,6 @@ def check_args(args):
     """The training config of the flags, after every check that needs no model (ValueError naming the flag)."""
     import torch
 
-    from magnetar.calibrate.indexer import IndexerTrainConfig
     from magnetar.models import check_model
 
     check_model(args.model)

@@ -30,49 +30,19 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
+from magnetar.calibrate.configs import IndexerTrainConfig
 from magnetar.calibrate.distill import collect_teacher, distill_layer, support_recall, validation_kl
-from magnetar.prefill.indexer import IndexerBank, check_d_idx, rope_theta
+from magnetar.prefill.indexer import IndexerBank, rope_theta
 from magnetar.sparse.hashing import model_signature
 
 METRICS = ("kl_before", "kl_after", "recall_before", "recall_after")
 
-
-@dataclass(frozen=True)
-class IndexerTrainConfig:
-    d_idx: int = 128  # index head width: 64 | 128 | 256 (Sec. 6.3)
-    seq_len: int = 2048  # tokens per training sequence
-    sequences: int = 32  # training sequences
-    held_out: int = 4  # sequences for validation KL and recall
-    rows: int = 64  # teacher rows (query positions, from the second half) per sequence and layer
-    passes: int = 4  # passes over the training sequences per layer (one AdamW step per sequence)
-    lr: float = 1e-3
-    lr_schedule: str = "cosine"  # constant | cosine (to 0 over the layer's steps)
-    weight_decay: float = 0.0
-    topk: int = 256  # recall metric: the oracle support size
-    b_sel: int = 1  # recall metric: the indexer's selection block (1: per query)
-    dense_layers: int = 0  # the first layers are not trained (the engine's prefill_dense_layers must be >= this)
-    layers_per_pass: int = 4  # layers collected per pass of the model (memory vs passes; results do not depend on it)
-    seed: int = 0
-
-    def __post_init__(self):
-        check_d_idx(self.d_idx)
-        for name in ("seq_len", "sequences", "held_out", "rows", "passes", "topk", "b_sel", "layers_per_pass"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"indexer calibration: {name} (--{name.replace('_', '-')}) must be an int >= 1, "
-                                 f"got {v!r}")
-        if self.dense_layers < 0:
-            raise ValueError(f"indexer calibration: dense_layers must be >= 0, got {self.dense_layers}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"indexer calibration: lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
-        if self.seq_len < 4:
-            raise ValueError(f"indexer calibration: seq_len must be >= 4 tokens, got {self.seq_len}")
 
 
 def trainable_layers(model_config, dense_layers: int) -> list[int]:

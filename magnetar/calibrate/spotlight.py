@@ -22,65 +22,16 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from magnetar.calibrate.configs import TrainConfig
 from magnetar.engine.strategy import LayerContext
 from magnetar.sparse.hashing import HashBank, model_signature, softsign
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    kind: str = "mlp"  # mlp (Spotlight) | lsh (linear, trained with the same loss)
-    bits: int = 128
-    hidden: int = 128
-    dense_layers: int = 2
-    seq_len: int = 2048
-    sequences: int = 48  # training sequences
-    held_out: int = 4  # sequences for the IoU measurement
-    queries: int = 64  # query positions sampled per sequence (App. A.3: random query selection)
-    passes: int = 2  # passes over the training sequences per layer (fresh random subsets each time)
-    pruning: float = 0.98  # top-k = (1 - pruning) of the keys (fixed at 98 % in training, Sec. 4)
-    max_top: int = 16  # random members of the top-k set per query
-    max_oth: int = 256  # random members of the rest per query
-    beta: float = 1.0
-    alpha: float = 3.0
-    gamma: float = 64.0
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    warmup: float = 0.01  # fraction of the steps (Table 7: 81 of 8192)
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.98)
-    clip: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        def check(name: str, ok, want: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not ok(value):  # a bool is not a count
-                raise ValueError(f"spotlight calibration: {name} (--{name.replace('_', '-')}) must be {want}, got "
-                                 f"{value!r}")
-
-        def number(v) -> bool:
-            return isinstance(v, (int, float)) and math.isfinite(v)
-
-        check("kind", lambda v: v in ("mlp", "lsh"), "mlp or lsh")
-        for name, low in (("bits", 32), ("hidden", 1), ("seq_len", 2), ("sequences", 1), ("held_out", 1),
-                          ("queries", 1), ("passes", 1), ("max_top", 1), ("max_oth", 1), ("dense_layers", 0),
-                          ("seed", 0)):
-            check(name, lambda v, low=low: isinstance(v, int) and v >= low, f"an int >= {low}")
-        check("bits", lambda v: v % 32 == 0, "a multiple of 32 (codes are packed 32 bits to a word)")
-        check("pruning", lambda v: number(v) and 0 < v < 1, "a fraction in (0, 1)")
-        check("warmup", lambda v: number(v) and 0 <= v < 1, "a fraction in [0, 1)")
-        for name in ("beta", "gamma", "lr", "clip"):
-            check(name, lambda v: number(v) and v > 0, "a finite number > 0")
-        for name in ("alpha", "min_lr", "weight_decay"):
-            check(name, lambda v: number(v) and v >= 0, "a finite number >= 0")
-        check("min_lr", lambda v: v <= self.lr, f"at most lr ({self.lr})")
 
 
 # -- ranking loss ------------------------------------------------------------------------------------------

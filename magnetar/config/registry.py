@@ -66,7 +66,13 @@ LUKA_REFINE_SCOPE = ("shared", "per_kv_head")
 LUKA_REGIMES = ("after_query", "after_generation", "before_query")
 LUKA_METHODS = tuple(n for n, s in METHODS.items() if s.local_prefill)  # LuKA needs Phase-1 attention mass
 PREFILL_METHODS = LUKA_METHODS  # sparse prefill replaces a local Phase 1's attention
-PREFILL_D_IDX = (64, 128, 256)  # magnetar.prefill.indexer.D_IDX_CHOICES (kept here: config imports no torch)
+PREFILL_D_IDX = (64, 128, 256)  # the indexer's widths (Sec. 6.3); magnetar.prefill.indexer.D_IDX_CHOICES is this
+
+
+def check_d_idx(d_idx) -> None:
+    """ValueError unless ``d_idx`` is one of the indexer's widths (:data:`PREFILL_D_IDX`)."""
+    if d_idx not in PREFILL_D_IDX:
+        raise ValueError(f"prefill_d_idx (--prefill-d-idx): must be one of {PREFILL_D_IDX}, got {d_idx!r}")
 
 # string fields with a fixed set of values: their flags' choices, and the names magnetar.engine.agree prints
 # (the policy fields' values come from POLICIES: field_choices)

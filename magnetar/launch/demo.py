@@ -18,17 +18,14 @@ from __future__ import annotations
 import json
 import time
 
-import torch
-import torch.distributed as dist
-
-from magnetar.ops import attention_with_lse, merge_states
-from magnetar.parallel import all_gather_states, contiguous_indices, init_groups, ring_attention, shard, zigzag_indices
-from magnetar.parallel.collectives import barrier
-from magnetar.parallel.launcher import add_launcher_args, device_for_rank, init_distributed
-from magnetar.utils.cli import ArgumentParser, int_at_least
+from magnetar.utils.cli import ArgumentParser, add_launcher_args, int_at_least
 
 
 def _timed(fn, group=None):
+    import torch.distributed as dist
+
+    from magnetar.parallel.collectives import barrier
+
     if dist.is_initialized():
         barrier(group)  # start every rank's clock together
     t0 = time.perf_counter()
@@ -47,6 +44,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    import torch  # after the flags: --help and a bad flag answer without it
+    import torch.distributed as dist
+
+    from magnetar.ops import attention_with_lse, merge_states
+    from magnetar.parallel import (all_gather_states, contiguous_indices, init_groups, ring_attention, shard,
+                                   zigzag_indices)
+    from magnetar.parallel.collectives import barrier
+    from magnetar.parallel.launcher import device_for_rank, init_distributed
 
     init_distributed()
     groups = init_groups(cp_size=dist.get_world_size() if dist.is_initialized() else 1)

@@ -16,15 +16,9 @@ import argparse
 import json
 import sys
 
-import torch
-import torch.distributed as dist
-
 from magnetar.config import DISTRIBUTED_METHODS, METHODS
 from magnetar.cli.args import parse_names
-from magnetar.models import ModelNotInstalledError, check_model
-from magnetar.parallel.collectives import barrier
-from magnetar.parallel.launcher import add_launcher_args, init_distributed, launched_world_size
-from magnetar.utils.cli import ArgumentParser, check_output_file, int_at_least, user_errors
+from magnetar.utils.cli import ArgumentParser, add_launcher_args, check_output_file, int_at_least, user_errors
 
 PROG = "magnetar-demo"
 
@@ -39,7 +33,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=32)
     p.add_argument("--json-out")
     add_launcher_args(p)
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # --help and a bad flag answer before torch is imported
+    import torch.distributed as dist
+
+    from magnetar.models import ModelNotInstalledError, check_model
+    from magnetar.parallel.collectives import barrier
+    from magnetar.parallel.launcher import init_distributed, launched_world_size
+
     with user_errors(PROG):
         methods = parse_names(args.methods, tuple(METHODS), "--methods")
         if not 0.0 <= args.depth <= 1.0:  # also refuses nan
@@ -114,5 +114,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import torch
+
     torch.set_grad_enabled(False)
     sys.exit(main())

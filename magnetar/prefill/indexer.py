@@ -25,23 +25,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from magnetar.config.registry import PREFILL_D_IDX, check_d_idx
 from magnetar.prefill.oracle import (SPARSE_ATTENTION_OP, block_topk, check_b_sel, check_positions_arg, check_topk,
                                      use_sparse_op, visible_mask)
 from magnetar.utils.timing import no_timer
 from magnetar.utils.weights import WeightsFile, model_signature
 
-D_IDX_CHOICES = (64, 128, 256)  # Sec. 6.3: the index dimensions the paper considers
+D_IDX_CHOICES = PREFILL_D_IDX  # Sec. 6.3: the index dimensions the paper considers
 INDEXER_FILE = WeightsFile(format="magnetar-indexer-v1", what="indexer weights", option="prefill_indexer_path",
                            remake="distil them for this model with `magnetar-calibrate indexer --out {path}` (or, for "
                                   "a stress test only, set prefill_indexer_random_init)",
                            fields={"d_idx": int, "theta": float, "seed": int, "trained_layers": list, "meta": dict},
                            defaults={"seed": 0, "trained_layers": [], "meta": {}})
 RANDOM_INIT_NOTE = "random init: untrained, a stress test of the sparse prefill path only, not quality evidence"
-
-
-def check_d_idx(d_idx) -> None:
-    if d_idx not in D_IDX_CHOICES:
-        raise ValueError(f"prefill_d_idx (--prefill-d-idx): must be one of {D_IDX_CHOICES}, got {d_idx!r}")
 
 
 def rope_theta(config) -> float:
