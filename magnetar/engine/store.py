@@ -195,7 +195,7 @@ class ContextStore:
                  replica: int = 0):
         self.root, self.dir = Path(root), Path(root) / layout
         self.layout, self.fingerprint, self.bound_bytes = layout, fingerprint, bound_bytes
-        self.replica = replica
+        self.replica, self.replicas = replica, replicas
         peers = set(peers) | {layout}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -277,8 +277,11 @@ class ContextStore:
     def _refresh(self) -> None:
         """Index what the other data-parallel replicas wrote here since this store last looked, and drop what they
         removed (under the lock; nothing is deleted). A file created, renamed or removed in the folder changes its
-        mtime, so a lookup costs one ``stat`` while nothing changed. This replica's own files are indexed by its
-        writer (and leave the index before they are deleted), so only the others' are read here."""
+        mtime, so a lookup costs one ``stat`` while nothing changed (none with one replica: no other writes here).
+        This replica's own files are indexed by its writer (and leave the index before they are deleted), so only
+        the others' are read here."""
+        if self.replicas <= 1:
+            return
         stamp = self._mtime()
         if stamp is None or stamp == self._stamp:
             return
