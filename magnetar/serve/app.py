@@ -32,12 +32,27 @@ from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, DetokenizeRequest,
+                                     ErrorResponse,
                                      ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
                                      PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
                                      show)
 from magnetar.version import __version__
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# the error statuses the OpenAPI schema names, each answered with OpenAI's error body (ErrorResponse)
+ERROR_STATUSES = {
+    400: "a bad request: a field's value (named in `param`), a body that is not JSON, a Host header naming another "
+         "server (--allowed-hosts)",
+    401: "no API key, or another (--api-key): send 'Authorization: Bearer KEY'",
+    404: "no such model, context or response",
+    408: "the request body did not arrive whole within --request-timeout-s",
+    413: "the request body is larger than --max-request-bytes",
+    415: "the request body is not 'Content-Type: application/json'",
+    500: "the engine failed on this request (the server's log says why)",
+    501: "a feature this installation lacks (structured outputs without their grammar library)",
+    503: "the server is overloaded (--max-connections, --max-inflight-bytes: retry after Retry-After), draining or "
+         "failed",
+}
 _DISCONNECT_POLL_S = 0.5  # how often a whole-answer request checks that its client is still there
 
 
@@ -392,8 +407,40 @@ def build_app(server) -> FastAPI:
     _generation_routes(app, server)
     _context_routes(app, server)
     _token_routes(app, server)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, server)
     return app
+
+
+def allowed_methods(app: FastAPI, scope) -> list[str]:
+    """The methods some route of ``app`` takes at the request's path (``scope``): a 405's ``Allow``."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.routes:
+        if route.matches(scope)[0] != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def post_paths(app: FastAPI) -> set[str]:
+    """The paths whose POST route reads a JSON body (every POST route of ``app``): the gate's 415 applies there."""
+    return {r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ())}
+
+
+def error_statuses(path: str, method: str, keyed: bool) -> list[int]:
+    """The error statuses ``method`` (lower case) on ``path`` (a route's template) may answer: the gate's (a Host
+    refused, an overloaded server; ``keyed``: the API key it checks there; a body's type, size and deadline), the
+    route's own."""
+    codes = {400, 503}
+    if keyed:
+        codes.add(401)
+    if method == "post":
+        codes |= {408, 413, 415, 500}  # a body read; the engine runs it
+    if path in GENERATION_PATHS:
+        codes.add(501)
+    if "{" in path or path == "/v1/responses":  # an id (a model, context, response; previous_response_id)
+        codes.add(404)
+    return sorted(codes)
 
 
 def _open(loop) -> None:
@@ -422,9 +469,12 @@ def _error_handlers(app: FastAPI, server) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Allow: every method of the path (Starlette names the first route's alone)
+            headers = {k: v for k, v in (headers or {}).items() if k.lower() != "allow"}
+            headers["allow"] = ", ".join(allowed_methods(app, request.scope))
         return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path[:200]}", None,
-                                       "invalid_request_error"), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))  # a 405's Allow
+                                       "invalid_request_error"), status_code=exc.status_code, headers=headers)
 
 
 def _info_routes(app: FastAPI, server) -> None:
@@ -584,22 +634,48 @@ def _token_routes(app: FastAPI, server) -> None:
         return await preparer.run(preparer.detokenize, parse_body(DetokenizeRequest, await request.body()))
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body) and
-    ``/metrics`` as Prometheus text."""
+def _openapi(app: FastAPI, server) -> dict:
+    """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body),
+    ``/metrics`` as Prometheus text, and each operation's error statuses (:func:`error_statuses`) in OpenAI's error
+    body -- in place of FastAPI's 422, which no route answers (the handlers parse their bodies; path parameters are
+    any string)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
+
+        from magnetar.serve.gate import KEYED_PATHS
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
-                            ("/v1/contexts", ContextRequest), ("/v1/responses", ResponsesRequest)):
+                            ("/v1/contexts", ContextRequest), ("/v1/responses", ResponsesRequest),
+                            ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
+            body["properties"]["model"]["enum"] = [server.model_name]  # the one name it answers to (GET /v1/models)
             components[model.__name__] = body
             schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
         schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
             "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(error.pop("$defs", {}))
+        components["ErrorResponse"] = error
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for path, ops in schema["paths"].items():
+            keyed = server.api_key is not None and (path.startswith("/v1/") or path in KEYED_PATHS or
+                                                    (path == "/metrics" and not server.public_metrics))
+            for method, op in ops.items():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                for code in error_statuses(path, method, keyed):
+                    responses[str(code)] = {"description": ERROR_STATUSES[code], "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        health = {"type": "object", "required": ["status", "message"], "properties": {
+            "status": {"type": "string", "enum": ["draining", "failed"]}, "message": {"type": "string"}}}
+        schema["paths"]["/health"]["get"]["responses"]["503"] = {
+            "description": "draining or failed: not taking new requests (or, from the gate, overloaded)",
+            "content": {"application/json": {"schema": {"oneOf": [
+                health, {"$ref": "#/components/schemas/ErrorResponse"}]}}}}
         app.openapi_schema = schema
     return app.openapi_schema

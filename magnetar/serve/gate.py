@@ -10,8 +10,9 @@ error body when
    ``/detokenize`` (or ``/metrics``,
    unless ``--public-metrics``) does not carry ``Authorization: Bearer KEY``: **401** ``invalid_api_key``
    (``/health`` and the OpenAPI schema stay open, as in vLLM and SGLang);
-3. a POST body is not ``application/json`` (a form, ``text/plain`` or no content type: the "simple" requests a
-   browser sends cross-site without asking): **415**;
+3. a POST body to a route that reads one is not ``application/json`` (a form, ``text/plain`` or no content type:
+   the "simple" requests a browser sends cross-site without asking): **415** -- a method a path does not take (a
+   PUT, a POST to ``/health``) reads no body and is the app's **405** (or 404 for a path it does not have);
 4. its body is larger than ``--max-request-bytes`` -- told by ``Content-Length`` before anything is read, or
    counted as a chunked body arrives: **413** ``request_too_large``;
 5. its body does not arrive whole within ``--request-timeout-s`` of its headers (a body shorter than its
@@ -148,13 +149,15 @@ class Gate:
     listens on; ``allowed_hosts``: ``Host`` names accepted besides the loopback names (with any, only those and
     the loopback names are accepted even off loopback); ``api_key``: None for no key; ``connections``: the open
     connections and their limit (None: unlimited); ``max_inflight_bytes``: the request-body bytes all requests in
-    flight may hold together (None: unlimited)."""
+    flight may hold together (None: unlimited); ``json_paths``: the paths whose POST reads a JSON body (the app's POST
+    routes; None: every POST, PUT and PATCH is held to JSON)."""
 
     def __init__(self, app, *, max_request_bytes: int, request_timeout_s: float, bound_host: str,
                  allowed_hosts: Iterable[str] = (), api_key: Optional[str] = None, public_metrics: bool = False,
                  on_refused=None, connections: Optional[Connections] = None,
-                 max_inflight_bytes: Optional[int] = None):
+                 max_inflight_bytes: Optional[int] = None, json_paths: Optional[Iterable[str]] = None):
         self.app = app
+        self.json_paths = None if json_paths is None else frozenset(json_paths)
         self.connections = connections
         self.max_inflight_bytes, self.inflight_bytes = max_inflight_bytes, 0
         self.max_request_bytes = max_request_bytes
@@ -214,7 +217,8 @@ class Gate:
                               "invalid_api_key", [(b"www-authenticate", b"Bearer")])
         if scope["method"] in ("POST", "PUT", "PATCH"):
             media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if media not in JSON_TYPES:
+            reads = self.json_paths is None or (scope["method"] == "POST" and path in self.json_paths)
+            if reads and media not in JSON_TYPES:
                 shown = repr(media[:60]) if media else "none"
                 raise Refused(415, f"the request body must be JSON with 'Content-Type: application/json' (got "
                                    f"{shown})", "unsupported_media_type")

@@ -49,6 +49,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class ErrorDetail(BaseModel):
+    """What :func:`error_body` holds under ``error`` (OpenAI's error object)."""
+
+    message: str
+    type: str
+    param: Optional[str] = None  # the request's field at fault, where one is
+    code: Optional[str] = None  # e.g. invalid_api_key, request_too_large, server_overloaded
+
+
+class ErrorResponse(BaseModel):
+    """Every error this server answers, refusals of the gate included (the OpenAPI schema's error responses)."""
+
+    error: ErrorDetail
+
+
 # -- requests --------------------------------------------------------------------------------------------------
 class TextPart(_Strict):
     type: Literal["text"]

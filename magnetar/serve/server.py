@@ -86,7 +86,7 @@ class Server:
         self._thread: Optional[threading.Thread] = None
         self.started = threading.Event()  # set once the leader listens (or failed to)
         if self.loop.leader:  # only the replica's first rank reads requests
-            from magnetar.serve.app import build_app
+            from magnetar.serve.app import build_app, post_paths
             from magnetar.serve.gate import Gate, RequestIds
             from magnetar.serve.metrics import Metrics
 
@@ -99,7 +99,8 @@ class Server:
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=config.request_timeout_s,
                              bound_host=config.host, allowed_hosts=config.allowed_hosts, api_key=self.api_key,
                              public_metrics=config.public_metrics, on_refused=self.metrics.refused,
-                             connections=self.connections, max_inflight_bytes=self.max_inflight_bytes)
+                             connections=self.connections, max_inflight_bytes=self.max_inflight_bytes,
+                             json_paths=post_paths(self.app))
             if config.allowed_origins:  # outside the gate: a preflight has no API key, and refusals get CORS headers
                 from starlette.middleware.cors import CORSMiddleware
 
