@@ -274,5 +274,11 @@ def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_di
         assert again.headers["x-magnetar-replica"] == first.headers["x-magnetar-replica"]
         health = httpx.get(url + "/health", timeout=30).json()
         assert health["replicas"] == [200, 200] and sum(health["routed"]) >= 16, health
+        # what every replica answers alike, through the front too (before: 404 there)
+        assert httpx.post(url + "/tokenize", json={"model": NAME, "prompt": "hi"}, timeout=30).json()["count"] >= 1
+        assert httpx.get(url + f"/v1/models/{NAME}", timeout=30).json()["id"] == NAME
+        schema = httpx.get(url + "/openapi.json", timeout=30).json()
+        assert schema["info"]["title"] == "Magnetar" and "/v1/chat/completions" in schema["paths"]
+        assert httpx.get(url + "/docs", timeout=30).status_code == 200
     finally:
         _end(job)

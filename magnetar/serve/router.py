@@ -10,7 +10,9 @@ share as many), to the one with the fewest requests in flight, then the one rout
 a replica's own state go there: ``magnetar.context_id`` (a pinned context), ``previous_response_id`` (a stored
 response), ``DELETE /v1/contexts/{id}`` and ``/v1/responses/{id}`` (learnt from the replies that made them).
 ``GET /v1/contexts`` lists every replica's pinned contexts with the replica that holds them; ``/health`` is the
-replicas' together. Bodies and streams pass through unchanged (status, headers, server-sent events; the reply says
+replicas' together; what every replica answers alike -- ``/tokenize``, ``/detokenize``, ``/v1/models/{id}``, the
+API's schema (``/openapi.json``) and page (``/docs``) -- goes to the one with the fewest requests in flight.
+Bodies and streams pass through unchanged (status, headers, server-sent events; the reply says
 ``x-magnetar-replica``); the replicas check every request themselves (key, limits, fields)."""
 from __future__ import annotations
 
@@ -149,7 +151,7 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
     over ``max_request_bytes`` (the replicas' own bound) is refused before it is held whole (413)."""
     import httpx
 
-    app = FastAPI(title="Magnetar front", docs_url=None, redoc_url=None)
+    app = FastAPI(title="Magnetar front", docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' own
     router = PrefixRouter(len(urls))
     app.state.router = router
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=1024))
@@ -259,6 +261,18 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
     @app.get("/v1/models")
     async def models(request: Request):
         return await forward(request, 0, "/v1/models", b"")
+
+    async def alike(request: Request):
+        """A request every replica answers alike: to the one with the fewest in flight."""
+        body = await read(request)
+        if body is None:
+            return too_large()
+        return await forward(request, min(range(len(urls)), key=lambda r: router.inflight[r]), request.url.path,
+                             body)
+
+    for path, method in (("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models/{model_id:path}", "GET"),
+                         ("/openapi.json", "GET"), ("/docs", "GET")):
+        app.add_api_route(path, alike, methods=[method], include_in_schema=False)
 
     @app.get("/health")
     async def health():
