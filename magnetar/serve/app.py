@@ -32,8 +32,7 @@ from magnetar.serve.contexts import PinnedContext, context_id_of
 from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, DetokenizeRequest,
-                                     ErrorResponse,
-                                     ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
+                                     ErrorResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
                                      PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
                                      show)
 from magnetar.version import __version__
@@ -422,6 +421,50 @@ def allowed_methods(app: FastAPI, scope) -> list[str]:
     return sorted(methods)
 
 
+def _answers(paths: dict, components: dict) -> None:
+    """Each route's 200 in ``paths``: the objects it answers (the response models of magnetar.serve.protocol,
+    their schemas put in ``components``), a generation's server-sent events as a stream of them."""
+    def ref(model) -> dict:
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def obj(required: dict, **optional) -> dict:
+        return {"type": "object", "required": list(required), "properties": {**required, **optional}}
+
+    integer, string = {"type": "integer"}, {"type": "string"}
+    context = ref(ContextObject)
+    response = obj({"id": string, "object": {"const": "response"}, "status": string, "model": string,
+                    "output": {"type": "array"}}, usage={"type": ["object", "null"]})
+    events = {"text/event-stream": {"schema": obj(  # one server-sent event (stream: true)
+        {"data": {"type": "string", "description": "a chunk object as JSON (chat: ChatCompletionChunk; completions: "
+                                                   "Completion; responses: the event named in `event`), or [DONE] "
+                                                   "last (chat, completions)"}},
+        event={"type": "string"})}}
+    answers = {
+        ("/v1/chat/completions", "post"): (ref(ChatCompletion), events),
+        ("/v1/completions", "post"): (ref(Completion), events),
+        ("/v1/responses", "post"): (response, events),
+        ("/v1/responses/{rid}", "get"): (response, None),
+        ("/v1/responses/{rid}", "delete"): (obj({"id": string, "object": {"const": "response"},
+                                                 "deleted": {"type": "boolean"}}), None),
+        ("/v1/models", "get"): (ref(ModelList), None),
+        ("/v1/models/{model_id}", "get"): (ref(ModelCard), None),
+        ("/v1/contexts", "post"): (context, None),
+        ("/v1/contexts/{cid}", "delete"): (context, None),
+        ("/v1/contexts", "get"): (obj({"object": {"const": "list"}, "data": {"type": "array", "items": {"allOf": [
+            context, obj({"tier": string, "stored": {"type": "boolean"}, "bytes": integer})]}}}), None),
+        ("/tokenize", "post"): (obj({"count": integer, "max_model_len": {"type": ["integer", "null"]},
+                                     "tokens": {"type": "array", "items": integer}}), None),
+        ("/detokenize", "post"): (obj({"prompt": string}), None),
+        ("/health", "get"): (obj({"status": {"const": "ok"}}), None),
+    }
+    for (path, method), (body, stream) in answers.items():
+        ok = paths[path][method]["responses"]["200"]
+        ok["content"] = {"application/json": {"schema": body}, **(stream or {})}
+
+
 def post_paths(app: FastAPI) -> set[str]:
     """The paths whose POST route reads a JSON body (every POST route of ``app``): the gate's 415 applies there."""
     return {r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ())}
@@ -657,6 +700,7 @@ def _openapi(app: FastAPI, server) -> dict:
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
         schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
             "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
+        _answers(schema["paths"], components)
         error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(error.pop("$defs", {}))
         components["ErrorResponse"] = error
