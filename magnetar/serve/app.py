@@ -463,6 +463,14 @@ def _answers(paths: dict, components: dict) -> None:
     for (path, method), (body, stream) in answers.items():
         ok = paths[path][method]["responses"]["200"]
         ok["content"] = {"application/json": {"schema": body}, **(stream or {})}
+    # what a made object's id is for (OpenAPI links: clients and Schemathesis's stateful runs follow them)
+    for (path, method), uses in ((("/v1/contexts", "post"), (("/v1/contexts/{cid}", "delete", "cid"),)),
+                                 (("/v1/responses", "post"), (("/v1/responses/{rid}", "get", "rid"),
+                                                              ("/v1/responses/{rid}", "delete", "rid")))):
+        paths[path][method]["responses"]["200"]["links"] = {
+            f"{m}{p.split('/')[2].capitalize()}": {"operationId": paths[p][m]["operationId"],
+                                                   "parameters": {name: "$response.body#/id"}}
+            for p, m, name in uses}
 
 
 def post_paths(app: FastAPI) -> set[str]:
