@@ -421,14 +421,22 @@ def allowed_methods(app: FastAPI, scope) -> list[str]:
     return sorted(methods)
 
 
+def _component(components: dict, cls, **properties) -> dict:
+    """The JSON schema of ``cls`` (a pydantic model) put in ``components`` (its own definitions beside it;
+    ``properties``: keywords added to some of its properties' schemas), and the reference to it."""
+    body = cls.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(body.pop("$defs", {}))
+    for name, extra in properties.items():
+        body["properties"][name].update(extra)
+    components[cls.__name__] = body
+    return {"$ref": f"#/components/schemas/{cls.__name__}"}
+
+
 def _answers(paths: dict, components: dict) -> None:
     """Each route's 200 in ``paths``: the objects it answers (the response models of magnetar.serve.protocol,
-    their schemas put in ``components``), a generation's server-sent events as a stream of them."""
+    their schemas put in ``components``), a generation's server-sent events one by one."""
     def ref(model) -> dict:
-        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(body.pop("$defs", {}))
-        components[model.__name__] = body
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
+        return _component(components, model)
 
     def obj(required: dict, **optional) -> dict:
         return {"type": "object", "required": list(required), "properties": {**required, **optional}}
@@ -686,10 +694,10 @@ def _token_routes(app: FastAPI, server) -> None:
 
 
 def _openapi(app: FastAPI, server) -> dict:
-    """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body),
-    ``/metrics`` as Prometheus text, and each operation's error statuses (:func:`error_statuses`) in OpenAI's error
-    body -- in place of FastAPI's 422, which no route answers (the handlers parse their bodies; path parameters are
-    any string)."""
+    """FastAPI's schema, with the request bodies the handlers parse themselves (strictly, from the raw body; the
+    served model's name the one ``model``), every route's answer (:func:`_answers`), ``/metrics`` as Prometheus text,
+    and each operation's error statuses (:func:`error_statuses`) in OpenAI's error body -- in place of FastAPI's 422,
+    which no route answers (the handlers parse their bodies; path parameters are any string)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -700,18 +708,13 @@ def _openapi(app: FastAPI, server) -> dict:
         for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
                             ("/v1/contexts", ContextRequest), ("/v1/responses", ResponsesRequest),
                             ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            body["properties"]["model"]["enum"] = [server.model_name]  # the one name it answers to (GET /v1/models)
-            components[model.__name__] = body
-            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            body = _component(components, model, model={"enum": [server.model_name]})  # the one name it answers to
+            schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                            "content": {"application/json": {"schema": body}}}
         schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {
             "text/plain": {"schema": {"type": "string", "description": "Prometheus text format"}}}
         _answers(schema["paths"], components)
-        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(error.pop("$defs", {}))
-        components["ErrorResponse"] = error
+        error = _component(components, ErrorResponse)
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
         for path, ops in schema["paths"].items():
@@ -721,13 +724,12 @@ def _openapi(app: FastAPI, server) -> dict:
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 for code in error_statuses(path, method, keyed):
-                    responses[str(code)] = {"description": ERROR_STATUSES[code], "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                    responses[str(code)] = {"description": ERROR_STATUSES[code],
+                                            "content": {"application/json": {"schema": error}}}
         health = {"type": "object", "required": ["status", "message"], "properties": {
             "status": {"type": "string", "enum": ["draining", "failed"]}, "message": {"type": "string"}}}
         schema["paths"]["/health"]["get"]["responses"]["503"] = {
             "description": "draining or failed: not taking new requests (or, from the gate, overloaded)",
-            "content": {"application/json": {"schema": {"oneOf": [
-                health, {"$ref": "#/components/schemas/ErrorResponse"}]}}}}
+            "content": {"application/json": {"schema": {"oneOf": [health, error]}}}}
         app.openapi_schema = schema
     return app.openapi_schema
