@@ -17,7 +17,7 @@ support-level diagnostics): on ONE model, suite, sample set and budget list,
 
 It runs :mod:`magnetar.eval.runner` (``magnetar-eval``) once per row with the matching ``--prefill-*`` flags into
 ``--out``: the runner's item keys contain the engine config, so the rows coexist there and an interrupted report
-resumes. Any other flag (``--batch``, ``--tasks``, ``--dtype``, ``--device``, ``--prefill-dense-layers``,
+resumes. Any other flag (``--batch``, ``--tasks``, ``--dtype``, ``--prefill-dense-layers``,
 ``--data-seed`` ...) is handed to every runner call, and a result counts for a row only if its key is the one
 the runner would give that row with these flags -- so a directory holding other runs is never pooled in
 (``--indexer-path`` is made absolute first: rows run by hand with ``magnetar-eval`` and a relative path have
