@@ -995,8 +995,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                    else []))
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run is the CPU path, also on a GPU machine
-    kit = Kit(out, budget, args.dry_run, env)
-    print(f"[gpu-check] {'dry run' if args.dry_run else 'GPU run'}: report {out}, budget {budget:.0f} s", flush=True)
     chosen = [w.strip() for w in args.steps.split(",") if w.strip()] if args.steps else None
 
     def wanted(name: str) -> bool:
@@ -1027,10 +1025,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     # the tests last: they take what the budget leaves (a cut-short run still records what passed and failed), so
     # that the measurements, which need a known time, always run
     plan.append(("pytest_gpu", lambda: step_pytest(kit, shape, args.pytest_k, args.pytest_timeout)))
-    if args.order:
-        first = [w.strip() for w in args.order.split(",") if w.strip()]
+    first = [w.strip() for w in args.order.split(",") if w.strip()] if args.order else []
+    names = ["wheels"] + [name for name, _ in plan]
+    for flag, given in (("--steps", chosen or ()), ("--order", first)):  # a typo would run nothing of a card's call
+        unknown = [w for w in given if not any(name.startswith(w) for name in names)]
+        if unknown:
+            p.error(f"{flag}: {', '.join(map(repr, unknown))} names no step of this run; give step names or their "
+                    f"prefixes (e.g. decode,phase1_128K) among: {', '.join(names)}")
+    if first:
         rank = {name: next((i for i, w in enumerate(first) if name.startswith(w)), len(first)) for name, _ in plan}
         plan.sort(key=lambda item: rank[item[0]])  # stable: the rest keep the default order
+    kit = Kit(out, budget, args.dry_run, env)
+    print(f"[gpu-check] {'dry run' if args.dry_run else 'GPU run'}: report {out}, budget {budget:.0f} s", flush=True)
     step_wheels(kit, shape, site, args.wheels)
     if args.fork_steps:
         kit.start_forks()  # after the wheels: the server imports what they installed

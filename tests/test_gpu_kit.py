@@ -292,6 +292,18 @@ def test_a_call_can_narrow_the_runs_shapes(tmp_path):
             kit.override_shape(args(**bad))
 
 
+def test_a_step_name_that_names_no_step_is_refused_before_anything_runs(tmp_path, capsys):
+    """A typo in --steps or --order ran nothing of a card's call, silently; now it is refused (exit 2), naming it
+    and the run's steps, before the wheels step or any other."""
+    kit = _kit()
+    for flags, bad in ((["--steps", "decode,phase1_128k"], "'phase1_128k'"), (["--order", "cp-table"], "'cp-table'")):
+        with pytest.raises(SystemExit) as e:
+            kit.main(["--dry-run", "--out", str(tmp_path / "r.json"), *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and bad in err and "names no step" in err and "environment, ops_build" in err, err
+        assert not (tmp_path / "r.json").exists()
+
+
 def test_every_package_the_wheels_step_needs_is_a_gpu_wheel():
     # the kit's wheels step checks these modules on the card and installs `.whl/` when one is missing; `make
     # gpu-wheels` must put each there (the H200 run's list lacked the served step's openai, FastAPI, uvicorn and the
