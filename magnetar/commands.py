@@ -11,7 +11,9 @@ subcommands, kept for launchers that need a script path (``deepspeed "$(which ma
     magnetar ops-demo ...    alias magnetar-ops-demo   (magnetar.launch.demo)
 
 The subcommand's module is imported only when it is run (the server's dependencies are not needed to evaluate).
-Under a launcher: ``torchrun --nproc-per-node 4 -m magnetar.commands serve ...``.
+Under a launcher: ``torchrun --nproc-per-node 4 -m magnetar.commands serve ...``; ``python -m magnetar ...`` is the
+same command. ``magnetar --version`` names Magnetar's version and the installed torch, transformers and DeepSpeed
+(what a bug report needs; read from the installed packages' metadata: nothing is imported).
 """
 from __future__ import annotations
 
@@ -36,8 +38,25 @@ COMMANDS = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
-    return "usage: magnetar COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines) + \
+    return "usage: magnetar COMMAND [ARGS]  |  magnetar --version\n\ncommands:\n" + "\n".join(lines) + \
         "\n\n`magnetar COMMAND --help` shows a command's flags."
+
+
+def version() -> str:
+    """``magnetar X (Python Y; torch Z, transformers W, deepspeed V)``: the installed distributions' versions (not
+    installed: said so), read without importing them."""
+    from importlib import metadata
+
+    from magnetar.version import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    deps = ", ".join(installed(n) for n in ("torch", "transformers", "deepspeed"))
+    return f"magnetar {__version__} (Python {sys.version.split()[0]}; {deps})"
 
 
 def main(argv=None) -> int:
@@ -45,6 +64,9 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version())
+        return 0
     if argv[0] not in COMMANDS:
         fail("magnetar", f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (see magnetar --help)")
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0

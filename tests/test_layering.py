@@ -33,7 +33,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "calibrate": BELOW_TOP + ("<root>", "cli"),
     "launch": BELOW_TOP + ("<root>", "cli"),  # no eval
     "serve": BELOW_TOP + ("<root>", "cli"),  # the HTTP server: the engine's API; no launch, no eval
-    "commands": ("cli", "launch", "serve", "eval", "calibrate", "utils"),  # `magnetar COMMAND`: the very top
+    "commands": ("cli", "launch", "serve", "eval", "calibrate", "utils", "version"),  # `magnetar COMMAND`: the top
+    "__main__": ("commands",),  # `python -m magnetar COMMAND`
     "<root>": ("version", "config", "engine", "ops", "parallel"),  # magnetar/__init__.py: the public API
 }
 
