@@ -280,5 +280,6 @@ def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_di
         schema = httpx.get(url + "/openapi.json", timeout=30).json()
         assert schema["info"]["title"] == "Magnetar" and "/v1/chat/completions" in schema["paths"]
         assert httpx.get(url + "/docs", timeout=30).status_code == 200
+        assert httpx.get(url + "/version", timeout=30).json() == {"version": magnetar.__version__}
     finally:
         _end(job)

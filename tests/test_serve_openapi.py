@@ -52,6 +52,7 @@ def test_every_status_answered_is_in_the_schema(server):
     """Each refusal a client can meet -- the gate's and the routes' -- is documented for its operation, with the
     error body it comes in; FastAPI's 422 (which no route answers) is not; the bodies the handlers parse are
     described, the model name among them."""
+    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": magnetar.__version__}  # no key
     schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
     paths, components = schema["paths"], schema["components"]["schemas"]
     assert "ErrorResponse" in components and "HTTPValidationError" not in components

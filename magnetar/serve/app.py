@@ -467,6 +467,7 @@ def _answers(paths: dict, components: dict) -> None:
                                      "tokens": {"type": "array", "items": integer}}), None),
         ("/detokenize", "post"): (obj({"prompt": string}), None),
         ("/health", "get"): (obj({"status": {"const": "ok"}}), None),
+        ("/version", "get"): (obj({"version": string}), None),
     }
     for (path, method), (body, stream) in answers.items():
         ok = paths[path][method]["responses"]["200"]
@@ -546,6 +547,10 @@ def _info_routes(app: FastAPI, server) -> None:
             return JSONResponse({"status": "failed" if loop.failed else "draining", "message": refused.message},
                                 status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")  # vLLM's: open, as /health is
+    async def version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models():

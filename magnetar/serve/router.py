@@ -10,9 +10,9 @@ share as many), to the one with the fewest requests in flight, then the one rout
 a replica's own state go there: ``magnetar.context_id`` (a pinned context), ``previous_response_id`` (a stored
 response), ``DELETE /v1/contexts/{id}`` and ``/v1/responses/{id}`` (learnt from the replies that made them).
 ``GET /v1/contexts`` lists every replica's pinned contexts with the replica that holds them; ``/health`` is the
-replicas' together; what every replica answers alike -- ``/tokenize``, ``/detokenize``, ``/v1/models/{id}``, the
-API's schema (``/openapi.json``) and page (``/docs``) -- goes to the one with the fewest requests in flight.
-Bodies and streams pass through unchanged (status, headers, server-sent events; the reply says
+replicas' together; what every replica answers alike -- ``/tokenize``, ``/detokenize``, ``/v1/models/{id}``,
+``/version``, the API's schema (``/openapi.json``) and page (``/docs``) -- goes to the one with the fewest requests
+in flight. Bodies and streams pass through unchanged (status, headers, server-sent events; the reply says
 ``x-magnetar-replica``); the replicas check every request themselves (key, limits, fields)."""
 from __future__ import annotations
 
@@ -271,7 +271,7 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
                              body)
 
     for path, method in (("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models/{model_id:path}", "GET"),
-                         ("/openapi.json", "GET"), ("/docs", "GET")):
+                         ("/openapi.json", "GET"), ("/docs", "GET"), ("/version", "GET")):
         app.add_api_route(path, alike, methods=[method], include_in_schema=False)
 
     @app.get("/health")
