@@ -368,7 +368,8 @@ def test_pinned_contexts(served, client, ref):
 def test_models_health_and_metrics(served, client):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert httpx.get(served.url + "/health", timeout=30).json() == {"status": "ok"}
-    _chat(client, DOCS[0], QUESTIONS[0], max_tokens=2)
+    for _ in range(2):  # the second a cache hit (the test holds alone, whichever tests ran before it)
+        _chat(client, DOCS[0], QUESTIONS[0], max_tokens=2)
     m = _metrics(served)
     assert m[("magnetar_requests_total", (("endpoint", "/v1/chat/completions"), ("outcome", "length")))] >= 1
     assert m[("magnetar_completion_tokens_total", ())] >= 2 and m[("magnetar_prompt_tokens_total", ())] > 0
@@ -377,6 +378,7 @@ def test_models_health_and_metrics(served, client):
     assert m[("magnetar_context_cache_hits_total", ())] >= 1 and m[("magnetar_context_cache_misses_total", ())] >= 1
     assert m[("magnetar_kv_bytes", (("rank", "0"),))] > 0
     assert m[("magnetar_active_requests", ())] == 0
+    assert m[("magnetar_build_info", (("model", NAME), ("version", magnetar.__version__)))] == 1
 
 
 # -- unmodified clients: pasted documents, completions as tools send them, ops headers --------------------------------

@@ -28,7 +28,7 @@ snapshot the loop replaces whole).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -87,8 +87,13 @@ class _DeviceCollector:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model: str = ""):
+        from magnetar.version import __version__
+
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # magnetar_build_info{version, model} 1: what a dashboard groups a fleet's series by
+        Info("magnetar_build", "Magnetar's version and the served model", registry=r).info(
+            {"version": __version__, "model": model})
         self.requests = Counter("magnetar_requests", "Finished requests", ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("magnetar_prompt_tokens", "Prompt tokens (context + query)", registry=r)
         self.completion_tokens = Counter("magnetar_completion_tokens", "Generated tokens", registry=r)

@@ -25,6 +25,7 @@ from magnetar.serve.loop import EngineLoop
 from magnetar.serve.prompts import Preparer
 from magnetar.serve.protocol import now
 from magnetar.serve.responses import ResponseStore
+from magnetar.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class Server:
             self.preparer = Preparer(engine, config.model_name, config.max_tokens, self.contexts,
                                      max_stop_strings=config.max_stop_strings, paste_tokens=config.paste_threshold,
                                      prefill_chunk=self.loop.prefill_chunk)
-            self.metrics = self.loop.metrics = Metrics()
+            self.metrics = self.loop.metrics = Metrics(config.model_name)
             self.metrics.watch_device(engine.device)
             self.app = build_app(self)
             self.asgi = Gate(self.app, max_request_bytes=max_request_bytes, request_timeout_s=config.request_timeout_s,
@@ -201,8 +202,8 @@ class Server:
         if not self._http.started:
             return (f"the HTTP server could not listen on {self.host}:{self.port} (in use, or not an address of this "
                     f"host?); choose another --host/--port")
-        log.warning("serving %s on %s (rank %d, dp_rank %d)", self.model_name, self.url, self.engine.groups.rank,
-                    self.engine.groups.dp_rank)
+        log.warning("serving %s on %s (rank %d, dp_rank %d; magnetar %s)", self.model_name, self.url,
+                    self.engine.groups.rank, self.engine.groups.dp_rank, __version__)
         return None
 
     def _stop_http(self) -> None:
