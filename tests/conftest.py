@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Hypothesis (tests/test_router.py; Schemathesis runs on it) keeps a cache where it runs: not in the checkout
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(__import__("tempfile").gettempdir(),
+                                                                   "magnetar-tests-hypothesis"))
+
 # Keep the suite inside 2 CPU cores, and keep DeepSpeed from JIT-building its shm comm op (~65 s). Under
 # pytest-xdist (`make test` runs two workers, one per core) each worker computes on one thread: two workers of two
 # threads each would fight over the cores.

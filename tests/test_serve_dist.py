@@ -281,5 +281,18 @@ def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_di
         assert schema["info"]["title"] == "Magnetar" and "/v1/chat/completions" in schema["paths"]
         assert httpx.get(url + "/docs", timeout=30).status_code == 200
         assert httpx.get(url + "/version", timeout=30).json() == {"version": magnetar.__version__}
+        # the front answers as its schema says (Schemathesis, seeded, a few examples an operation): before, a content
+        # part whose "text" was not a string made the front itself fail (500), an id with other characters than
+        # ASCII too, and its 404/405 were FastAPI's {"detail"} with a partial Allow
+        odd = httpx.get(url + "/v1/models/K%C3%B9%05x", timeout=30)
+        assert odd.status_code == 404 and odd.json()["error"]["param"] == "model", odd.text
+        put = httpx.put(url + "/health", timeout=30)
+        assert put.status_code == 405 and put.headers["allow"] == "GET" and "error" in put.json(), put.text
+        res = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", url + "/openapi.json", "--checks",
+                              "all", "--exclude-checks", "positive_data_acceptance", "--max-examples", "3", "--seed",
+                              "7", "--generation-deterministic", "--request-timeout", "60", "--workers", "1",
+                              "--no-color"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                             env=dict(os.environ, NO_COLOR="1"))
+        assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     finally:
         _end(job)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from magnetar.serve.errors import http_error
 from magnetar.serve.gate import Refused
 from magnetar.serve.loop import Done, Encoded, Failed, Sink, Token
 from magnetar.serve.scheduler import Job
@@ -33,7 +34,7 @@ from magnetar.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletio
                                      ChatCompletionRequest, ChunkChoice, Completion, CompletionChoice,
                                      CompletionRequest, ContextObject, ContextRequest, Delta, DetokenizeRequest,
                                      ErrorResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
-                                     PromptTokensDetails, RequestError, Usage, error_body, new_id, now, parse_body,
+                                     PromptTokensDetails, RequestError, Usage, new_id, now, parse_body,
                                      show)
 from magnetar.version import __version__
 
@@ -410,17 +411,6 @@ def build_app(server) -> FastAPI:
     return app
 
 
-def allowed_methods(app: FastAPI, scope) -> list[str]:
-    """The methods some route of ``app`` takes at the request's path (``scope``): a 405's ``Allow``."""
-    from starlette.routing import Match
-
-    methods: set[str] = set()
-    for route in app.routes:
-        if route.matches(scope)[0] != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
-
-
 def _component(components: dict, cls, **properties) -> dict:
     """The JSON schema of ``cls`` (a pydantic model) put in ``components`` (its own definitions beside it;
     ``properties``: keywords added to some of its properties' schemas), and the reference to it."""
@@ -529,12 +519,7 @@ def _error_handlers(app: FastAPI, server) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        headers = getattr(exc, "headers", None)
-        if exc.status_code == 405:  # Allow: every method of the path (Starlette names the first route's alone)
-            headers = {k: v for k, v in (headers or {}).items() if k.lower() != "allow"}
-            headers["allow"] = ", ".join(allowed_methods(app, request.scope))
-        return JSONResponse(error_body(f"{exc.detail}: {request.method} {request.url.path[:200]}", None,
-                                       "invalid_request_error"), status_code=exc.status_code, headers=headers)
+        return http_error(app, request, exc)
 
 
 def _info_routes(app: FastAPI, server) -> None:

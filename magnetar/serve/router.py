@@ -25,6 +25,9 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request  # at module level: the handlers' annotations are resolved from here
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from magnetar.serve.errors import http_error
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "cont
 
 def prompt_text(body: dict) -> str:
     """The text a request's context is made of, in prompt order: the messages' roles and contents (chat), the
-    prompt (completions), the instructions and input (responses), ``magnetar.context`` first when given."""
+    prompt (completions), the instructions and input (responses), ``magnetar.context`` first when given. Any JSON
+    object is read (what is not text counts as none): the replica, not the front, refuses a malformed request."""
     parts: list[str] = []
     options = body.get("magnetar")
     if isinstance(options, dict) and isinstance(options.get("context"), str):
@@ -52,7 +56,8 @@ def prompt_text(body: dict) -> str:
             for m in value:
                 if isinstance(m, dict):
                     content = m.get("content", m.get("output", ""))
-                    parts.append(f"{m.get('role', m.get('type', ''))}:{_text(content)}")
+                    role = m.get("role", m.get("type", ""))
+                    parts.append(f"{role if isinstance(role, str) else ''}:{_text(content)}")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         parts.append(prompt)
@@ -67,7 +72,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
@@ -156,8 +161,17 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
     app.state.router = router
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_connections=1024))
 
+    @app.exception_handler(StarletteHTTPException)  # an unknown path, a method it does not take: as the replicas
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return http_error(app, request, exc)
+
     def headers_of(request: Request) -> dict:
         return {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+
+    def raw(request: Request) -> str:
+        """The request's path and query as they arrived (percent-encoded): an id reaches the replica as sent."""
+        query = request.scope.get("query_string") or b""
+        return request.scope["raw_path"].decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
 
     async def forward(request: Request, replica: int, path: str, body: bytes, learn: Optional[str] = None):
         router.inflight[replica] += 1
@@ -219,7 +233,7 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
             parsed = {}
         replica, why = router.choose(parsed if isinstance(parsed, dict) else {})
         log.debug("%s -> replica %d (%s)", request.url.path, replica, why)
-        return await forward(request, replica, request.url.path, body, learn)
+        return await forward(request, replica, raw(request), body, learn)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -245,7 +259,7 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
             return JSONResponse({"error": {"message": f"{rid!r} is not known to any replica behind this front",
                                            "type": "invalid_request_error", "param": None, "code": None}},
                                 status_code=404)
-        return await forward(request, replica, request.url.path, b"")
+        return await forward(request, replica, raw(request), b"")
 
     @app.get("/v1/contexts")
     async def contexts(request: Request):
@@ -262,17 +276,42 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
     async def models(request: Request):
         return await forward(request, 0, "/v1/models", b"")
 
+    def least_loaded() -> int:
+        return min(range(len(urls)), key=lambda r: router.inflight[r])
+
     async def alike(request: Request):
         """A request every replica answers alike: to the one with the fewest in flight."""
         body = await read(request)
         if body is None:
             return too_large()
-        return await forward(request, min(range(len(urls)), key=lambda r: router.inflight[r]), request.url.path,
-                             body)
+        return await forward(request, least_loaded(), raw(request), body)
 
     for path, method in (("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models/{model_id:path}", "GET"),
-                         ("/openapi.json", "GET"), ("/docs", "GET"), ("/version", "GET")):
+                         ("/docs", "GET"), ("/version", "GET")):
         app.add_api_route(path, alike, methods=[method], include_in_schema=False)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def schema(request: Request):
+        """A replica's schema, as the front answers it: without ``/metrics`` (each replica's own: scrape each), with
+        the front's own ``/health`` (every replica's status) and 502 (a replica that did not answer)."""
+        got = await forward(request, least_loaded(), "/openapi.json", b"")
+        if got.status_code != 200:
+            return got
+        doc = json.loads(got.body)
+        doc["paths"].pop("/metrics", None)
+        health = {"type": "object", "required": ["status", "replicas", "routed"], "properties": {
+            "status": {"type": "string", "enum": ["ok", "degraded"]},
+            "replicas": {"type": "array", "items": {"type": ["integer", "null"]}},
+            "routed": {"type": "array", "items": {"type": "integer"}}}}
+        for code, what in (("200", "every replica answers"), ("503", "a replica does not answer, or is not ok")):
+            doc["paths"]["/health"]["get"]["responses"][code] = {
+                "description": what, "content": {"application/json": {"schema": health}}}
+        for ops in doc["paths"].values():
+            for op in ops.values():
+                op.setdefault("responses", {})["502"] = {
+                    "description": "a replica did not answer (through the front port, --front-port)",
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        return JSONResponse(doc)
 
     @app.get("/health")
     async def health():
