@@ -170,8 +170,12 @@ def build_front(urls: list[str], max_request_bytes: int = 1 << 20):
 
     def raw(request: Request) -> str:
         """The request's path and query as they arrived (percent-encoded): an id reaches the replica as sent."""
+        from urllib.parse import quote
+
+        path = request.scope.get("raw_path")  # optional in ASGI: else the decoded path, encoded again
+        path = path.decode("latin-1") if path else quote(request.url.path)
         query = request.scope.get("query_string") or b""
-        return request.scope["raw_path"].decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        return path + ("?" + query.decode("latin-1") if query else "")
 
     async def forward(request: Request, replica: int, path: str, body: bytes, learn: Optional[str] = None):
         router.inflight[replica] += 1
