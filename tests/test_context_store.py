@@ -230,6 +230,39 @@ def test_a_replica_finds_what_another_wrote_after_it_opened_the_folder(model_dir
         st.close()
 
 
+def test_a_context_one_replica_pinned_is_not_evicted_by_the_replica_that_wrote_it(model_dir, tmp_path):
+    """Replica 1 pins a context replica 0 wrote (it loaded it from the folder): replica 0 keeps its file while the pin
+    holds -- past its share it evicts its other files -- and may evict it once unpinned (before, a pin held only
+    the pinning replica's own files). The pins live in pinned-r<replica>.pins beside the files."""
+    from magnetar.engine.context import prefix_digest
+    from magnetar.engine.store import ContextStore, describe, layout_name, weights_fingerprint
+
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
+    handles = [engine.encode(torch.arange(10 + i, 210 + i)) for i in range(4)]
+    each, fp, layout = handles[0].nbytes, weights_fingerprint(engine.model), layout_name(False, 0, 1)
+    root = tmp_path / "store"
+    a = ContextStore(root, layout, fp, 4 * each + each // 2, replicas=2, replica=0)  # two contexts each
+    b = ContextStore(root, layout, fp, 4 * each + each // 2, replicas=2, replica=1)
+
+    def save(h):
+        a.save(h, prefix_digest(h.context_ids, 200))
+        a.flush()
+
+    save(handles[0])
+    assert handles[0].key in b
+    b.pin(handles[0].key)
+    for h in handles[1:4]:  # past replica 0's share three times: its least recent unpinned files go
+        save(h)
+    names = {p.stem for p in (root / layout).glob("*.json")}
+    assert handles[0].key in names and names >= {handles[3].key} and handles[1].key not in names
+    assert describe(root)["pinned"] == {f"{layout}/pinned-r1.pins": 1}
+    b.unpin(handles[0].key)
+    save(handles[1])  # now the least recent, unpinned: evicted
+    assert handles[0].key not in {p.stem for p in (root / layout).glob("*.json")}
+    for st in (a, b):
+        st.close()
+
+
 def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):
     _stored(model_dir, tmp_path)
     other = tmp_path_factory.mktemp("tiny-other")

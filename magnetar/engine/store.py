@@ -30,7 +30,8 @@ more than half of it --, each context counted at
 :attr:`~magnetar.engine.context.ContextHandle.nbytes` (what a process holds for it, the same on every rank, so the
 ranks evict alike; less its parent's for a file that continues one), the least recently used out *before* a
 write, so the folder never grows past the bound. Pinned contexts (``POST /v1/contexts``) are not evicted until
-released. A write that would leave less than :data:`KEEP_FREE` free on the disk is skipped (said once). Writes run
+released -- by any replica: another replica's pins (its ``pinned-r<replica>.pins``) are read before an eviction.
+A write that would leave less than :data:`KEEP_FREE` free on the disk is skipped (said once). Writes run
 on a background thread (a context's tensors are never changed once encoded), so a request does not wait for the
 disk; :meth:`ContextStore.flush` waits for them; a failed write leaves no file behind. A writer holds a lock
 (``flock``) on its manifest's temporary file from before the data is written until the manifest is in place: a
@@ -69,6 +70,7 @@ _LIB_TMP = ".tmp"  # safetensors' own temporary file (it writes one beside the t
 _CHUNK = 1 << 22  # bytes hashed per read
 KEEP_FREE = 1 << 30  # a write that would leave less free space on the store's disk is skipped
 RACY_NS = 10**9  # a folder's mtime this recent may yet be followed by a change that leaves it equal (_refresh)
+_PINS = ".pins"  # pinned-r<replica>.pins: a data-parallel replica's pinned keys, which the others do not evict
 
 
 def weights_fingerprint(model) -> str:
@@ -205,10 +207,14 @@ class ContextStore:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
+        self._their_pins: set[str] = set()  # the keys the other data-parallel replicas pinned (their .pins files)
         self.loads = self.writes = self.evictions = self.refused = self.skipped = 0
         self._stamp: Optional[int] = None  # the folder's mtime when last indexed (_refresh)
         self._passed: set[str] = set()  # manifests read and left out of the index (foreign, unreadable)
         self._scan()
+        with self._lock:
+            self._stamp = None
+            self._refresh()  # the other replicas' pins (and nothing else new since the scan)
         self.budget_bytes = max(0, bound_bytes - self._others(peers)) // (len(peers) * max(1, replicas))
         self._low_disk_said = False
         for key in self._make_room(0) or ():  # a smaller share than what this layout left (a lower bound, others')
@@ -289,9 +295,17 @@ class ContextStore:
         # kept: a file system's clock ticks coarsely, so a write in the same tick may leave the mtime as it was
         self._stamp = stamp if time.time_ns() - stamp > RACY_NS else None
         try:
-            listed = {e.name[:-5] for e in os.scandir(self.dir) if e.name.endswith(".json") and _TMP not in e.name}
+            names = [e.name for e in os.scandir(self.dir) if _TMP not in e.name]
         except OSError:
             return
+        listed = {n[:-5] for n in names if n.endswith(".json")}
+        self._their_pins = set()
+        for name in names:
+            if name.endswith(_PINS) and name != self._pins_file.name:
+                try:
+                    self._their_pins.update(k for k in json.loads((self.dir / name).read_text()) if isinstance(k, str))
+                except (OSError, ValueError, TypeError):
+                    continue  # being replaced (a rename is atomic: gone, not half-written), or not a list
         for key in [k for k, e in self._entries.items() if e.owner != self.replica and k not in listed]:
             del self._entries[key]  # evicted by its replica
         self._passed &= listed
@@ -360,13 +374,36 @@ class ContextStore:
             candidates = [(e.tokens, e.prefix) for e in self._entries.values() if e.options == options]
         return _longest(candidates, int(context_ids.numel()), prefix_of)
 
+    @property
+    def _pins_file(self) -> Path:
+        return self.dir / f"pinned-r{self.replica}{_PINS}"
+
     def pin(self, key: str) -> None:
+        """Keep ``key`` until :meth:`unpin` -- this replica's own file, and, with several data-parallel replicas,
+        another replica's file this one loaded: the pinned keys are written to ``pinned-r<replica>.pins`` beside the
+        files, which every replica reads before it evicts."""
         with self._lock:
             self._pinned.add(key)
+            self._save_pins()
 
     def unpin(self, key: str) -> None:
         with self._lock:
             self._pinned.discard(key)
+            self._save_pins()
+
+    def _save_pins(self) -> None:
+        """This replica's pinned keys to its ``.pins`` file (under the lock; with one replica none is read: none is
+        written). A failed write is said and leaves the others free to evict this replica's pins."""
+        if self.replicas <= 1:
+            return
+        tmp = self._pins_file.with_name(self._pins_file.name + _TMP + uuid.uuid4().hex)
+        try:
+            tmp.write_text(json.dumps(sorted(self._pinned)))
+            os.replace(tmp, self._pins_file)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            log.warning("context store: writing %s failed (%s): the other replicas may evict what this one pinned",
+                        self._pins_file, e)
 
     def stats(self) -> dict:
         with self._lock:
@@ -419,6 +456,7 @@ class ContextStore:
 
     def _write(self, handle, prefix: str, link: Optional[Link] = None) -> None:
         with self._lock:  # room first: the folder never holds more than its bound, even while writing
+            self._refresh()  # what the other replicas pinned since the last lookup
             if handle.key in self._entries:  # asked twice before the first write
                 return
             parent = None if link is None else self._entries.get(link.key)
@@ -506,8 +544,8 @@ class ContextStore:
             children[keep] = children.get(keep, 0) + 1  # the new file's parent: a parent already
         left = OrderedDict(self._entries)
         while total > self.budget_bytes:
-            key = next((k for k, e in left.items() if k not in self._pinned and not children.get(k)
-                        and e.owner == self.replica), None)  # this replica's own files only
+            key = next((k for k, e in left.items() if k not in self._pinned and k not in self._their_pins
+                        and not children.get(k) and e.owner == self.replica), None)  # this replica's own files only
             if key is None:
                 break
             e = left.pop(key)
@@ -690,10 +728,10 @@ def describe(root, verify: bool = False) -> dict:
             while at is not None and at in manifests and at not in seen:
                 depth, seen, at = depth + 1, seen | {at}, manifests[at].get("parent")
             g["longest_chain"] = max(g["longest_chain"], depth)
-    pinned = {}
-    for path in sorted(root.glob("pinned-dp*.json")):
+    pinned = {}  # the servers' pinned lists (pinned-dp<replica>.json), the stores' pinned keys (<folder>/*.pins)
+    for path in sorted(root.glob("pinned-dp*.json")) + sorted(root.glob(f"*/pinned-r*{_PINS}")):
         try:
-            pinned[path.name] = len(json.loads(path.read_text()))
+            pinned[path.relative_to(root).as_posix()] = len(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as e:
             problems.append(f"{path}: unreadable pinned list ({e})")
     return dict(root=str(root), groups=list(groups.values()), problems=problems, pinned=pinned,
