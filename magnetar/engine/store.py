@@ -172,6 +172,12 @@ class Entry:
     kv: Optional[tuple] = None  # this rank's KV entries per layer, the parent's included (None: not said, format 1)
     owner: int = 0  # the data-parallel replica that wrote it (manifest "replica"; 0 when not said): it alone evicts it
 
+    @classmethod
+    def of(cls, m: dict) -> "Entry":
+        """The entry a manifest ``m`` describes (KeyError, ValueError or TypeError when it is not one)."""
+        return cls(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]), float(m["used"]),
+                   m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]), int(m.get("replica", 0)))
+
 
 @dataclass
 class Link:
@@ -213,8 +219,7 @@ class ContextStore:
         self._passed: set[str] = set()  # manifests read and left out of the index (foreign, unreadable)
         self._scan()
         with self._lock:
-            self._stamp = None
-            self._refresh()  # the other replicas' pins (and nothing else new since the scan)
+            self._refresh()  # the other replicas' pins (and what they wrote during the scan); sets _stamp
         self.budget_bytes = max(0, bound_bytes - self._others(peers)) // (len(peers) * max(1, replicas))
         self._low_disk_said = False
         for key in self._make_room(0) or ():  # a smaller share than what this layout left (a lower bound, others')
@@ -227,8 +232,6 @@ class ContextStore:
     def _scan(self) -> None:
         """Index the manifests of this layout; remove what a killed writer left (temporary files, data without a
         manifest)."""
-        stamp = self._mtime()
-        self._stamp = stamp if stamp is not None and time.time_ns() - stamp > RACY_NS else None
         found = []
         for path in self.dir.iterdir():
             # what another process is writing here (a replica, an old server) is left to it -- asked when a file is
@@ -249,15 +252,12 @@ class ContextStore:
                 continue
             try:
                 m = json.loads(path.read_text())
-                entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
-                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]),
-                              int(m.get("replica", 0)))
+                entry = Entry.of(m)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("context store: manifest %s is unreadable (%s): removed with its data", path, e)
                 self._delete(path.stem)
                 continue
-            if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or \
-                    m.get("layout") != self.layout:
+            if not self._ours(m):
                 continue  # foreign: another engine's (left for it)
             found.append(entry)
         keys = {e.key for e in found}
@@ -273,6 +273,10 @@ class ContextStore:
             found = [e for e in found if e.key in keys]
         for entry in sorted(found, key=lambda e: e.used):
             self._entries[entry.key] = entry
+
+    def _ours(self, m: dict) -> bool:
+        """Whether manifest ``m`` is this engine's: a format it reads, its weights, its rank layout."""
+        return m.get("format") in READS and m.get("fingerprint") == self.fingerprint and m.get("layout") == self.layout
 
     def _mtime(self) -> Optional[int]:
         try:
@@ -312,16 +316,13 @@ class ContextStore:
         for key in sorted(listed - self._entries.keys() - self._passed):
             try:
                 m = json.loads((self.dir / f"{key}.json").read_text())
-                entry = Entry(m["key"], int(m["tokens"]), m["prefix"], m["options"], int(m["nbytes"]),
-                              float(m["used"]), m.get("parent"), None if m.get("kv") is None else tuple(m["kv"]),
-                              int(m.get("replica", 0)))
+                entry = Entry.of(m)
             except FileNotFoundError:  # removed since the listing
                 continue
             except (OSError, ValueError, KeyError, TypeError):
                 self._passed.add(key)  # a load would refuse it; its owner's store removes it
                 continue
-            if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or \
-                    m.get("layout") != self.layout or entry.owner == self.replica or entry.key != key:
+            if not self._ours(m) or entry.owner == self.replica or entry.key != key:
                 self._passed.add(key)  # foreign (another engine's), or this replica's own (its writer indexes it)
                 continue
             self._entries[key] = entry
@@ -651,7 +652,7 @@ class ContextStore:
             m = json.loads(manifest.read_text())
         except (OSError, ValueError) as e:
             return self._refuse(key, f"its manifest is missing or unreadable ({e})", delete=True)
-        if m.get("format") not in READS or m.get("fingerprint") != self.fingerprint or m.get("layout") != self.layout:
+        if not self._ours(m):
             return self._refuse(key, "it was written by another engine (other weights, layout or format)")
         problem = _data_problem(data, m)
         if problem is not None:
