@@ -41,6 +41,12 @@ def _clean_env(**extra) -> dict:
     return dict(env, **extra)
 
 
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    """``python -c code`` in the repository, in :func:`_clean_env` (plus ``env``), its output captured."""
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_clean_env(**env), capture_output=True,
+                          text=True, timeout=120)
+
+
 # ------------------------------------------------------------------------------------------------- metadata
 
 
@@ -79,12 +85,10 @@ def test_plain_setup_needs_no_torch():
             "sys.modules['torch'] = sys.modules['deepspeed'] = None  # importing either raises ImportError\n"
             "sys.argv = ['setup.py', '--version']\n"
             "import runpy; runpy.run_path('setup.py', run_name='__main__')\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_clean_env(), capture_output=True, text=True,
-                         timeout=120)
+    res = _python(code)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.strip().splitlines()[-1] == magnetar.__version__
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_clean_env(**{BUILD_ALL_VAR: "1"}),
-                         capture_output=True, text=True, timeout=120)
+    res = _python(code, **{BUILD_ALL_VAR: "1"})
     assert res.returncode != 0
     assert "--no-build-isolation" in res.stderr and "torch" in res.stderr, res.stderr
 
@@ -100,10 +104,9 @@ def test_import_magnetar_imports_no_torch_until_a_name_is_used():
             "import contextlib, io\n"
             "with contextlib.redirect_stdout(io.StringIO()) as said:\n"
             "    assert main(['--version']) == 0\n"
-            "assert said.getvalue().startswith('magnetar ' + magnetar.__version__ + ' (Python ') and 'torch 'in "
+            "assert said.getvalue().startswith('magnetar ' + magnetar.__version__ + ' (Python ') and 'torch ' in "
             "said.getvalue(), said.getvalue()\n"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'magnetar --version'\n"
-            "import contextlib, io\n"
             "for argv, code in ((['serve', '--help'], 0), (['serve', '--model', 'm', '--port', '99999'], 2),\n"
             "                   (['run', '--help'], 0), (['run', '--model', 'm', '--no-such-flag'], 2),\n"
             "                   (['eval', '--help'], 0), (['eval', '--methods', 'nope', '--model', 'm'], 2),\n"
@@ -124,8 +127,7 @@ def test_import_magnetar_imports_no_torch_until_a_name_is_used():
             "assert magnetar.sparse.__name__ == 'magnetar.sparse'  # a subpackage, as an attribute\n"
             "try:\n    magnetar.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
             "else:\n    raise SystemExit('no AttributeError')\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_clean_env(), capture_output=True, text=True,
-                         timeout=120)
+    res = _python(code)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -651,7 +651,6 @@ def check_args(args) -> None:
     from magnetar.models.dummy import check_text_model
 
     check_model(args.model, revision=args.revision)
-
     check_text_model(args.model)
 
 
