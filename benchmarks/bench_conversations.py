@@ -159,7 +159,7 @@ def _held(handles) -> dict:
     holds for them, however they share it); and the sum of their own KV bytes (what each would hold alone)."""
     storages, alone = {}, 0
     for h in handles:
-        for layer in h.shard.layers:
+        for layer in (seg for i in range(h.shard.num_layers) for seg in h.shard.segments(i)):  # a fork's head too
             for t in (layer.k, layer.v, layer.pos):
                 if t is not None:
                     s = t.untyped_storage()

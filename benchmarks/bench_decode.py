@@ -18,15 +18,17 @@ of its own -- one document encoded per length and copied B-1 times on the device
 values in tensors of their own, read apart as another document's would be, without B Phase 1s: on a GPU 8 x 32K and
 64 x 4K documents per configuration took minutes of the kit's budget) --, so a step reads B contexts' KV as the floor
 below counts; ``own``: B documents each encoded (different texts); ``shared``: B questions about one document (the
-eager step reads it once per step for all of them). ``--warmup`` steps run (the first one timed apart:
+eager step reads it once per step for all of them); ``forks``: B conversations about one document, each its turn of
+:data:`FORK_TURN` tokens after it (the first extends the document's KV in place, the others fork, sharing it: a step
+reads the document once and each turn's own KV). ``--warmup`` steps run (the first one timed apart:
 compiling happens there), then ``--steps`` steps are timed. Greedy, so every mode must choose the same tokens as eager
 (fp32; in bf16 a near-tie may differ: the table says how many requests agree).
 
 **The floor**: a decode step must read the weights the step uses (all but the input embedding) and every distinct
 context's KV once (with ``--contexts shared``, one context's); the device's copy bandwidth is measured in the same
-run (a buffer copied on the device: bytes read + written over the time), so each row's floor is ``(weight bytes + C x
-L x KV bytes per token) / bandwidth`` (C = B contexts, or 1 shared), and ``% floor`` = floor / measured step. Prints a
-table, then one JSON line. Speed goals live here, not in tests.
+run (a buffer copied on the device: bytes read + written over the time), so each row's floor is ``(weight bytes + C
+x L x KV bytes per token) / bandwidth`` (C = B contexts, or 1 shared; forks: 1, plus B turns' KV), and ``% floor`` =
+floor / measured step. Prints a table, then one JSON line. Speed goals live here, not in tests.
 """
 from __future__ import annotations
 
@@ -62,10 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--shapes", default=None, metavar="B@L[,B@L...]",
                    help="batch@context pairs instead of --batches x --context-tokens, e.g. 1@32K,8@32K,64@4K")
-    p.add_argument("--contexts", default="copies", choices=("copies", "own", "shared"),
+    p.add_argument("--contexts", default="copies", choices=("copies", "own", "shared", "forks"),
                    help="copies: each request its own copy of one encoded document's KV (a batch reads B contexts' "
                         "KV; one Phase 1 per length); own: B documents, each encoded; shared: B questions about one "
-                        "document")
+                        f"document; forks: B conversations about one document, each a turn of {FORK_TURN} tokens "
+                        "of its own after it")
     p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (the first includes compiling)")
     p.add_argument("--steps", type=int, default=12, help="steps timed")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the process's)")
@@ -229,13 +232,23 @@ def copy_handle(handle, i: int):
     return dataclasses.replace(handle, shard=handle.shard.clone(), key=f"{handle.key}:copy{i}")
 
 
+FORK_TURN = 32  # tokens of each conversation's own turn with --contexts forks
+
+
+def fork_context(eng, doc, i: int):
+    """Request ``i``'s context with ``--contexts forks``: ``doc``'s token ids and a turn of :data:`FORK_TURN` ids of
+    its own."""
+    ids = eng.requests.context_ids(doc)
+    turn = torch.randint(0, eng.model.config.vocab_size, (FORK_TURN,), generator=torch.Generator().manual_seed(i))
+    return torch.cat((ids, turn))
+
+
 def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, eng, handles: dict) -> dict:
     """One row: ``bsz`` requests about ``context``-token documents (``--contexts``) in one batch of ``config``'s
     engine, its steps run ``mode`` (each length's documents encoded once per configuration: ``handles``)."""
     from magnetar.utils.sync import host_syncs
 
     eng.config = eng.config.replace(decode_step=mode)  # read by open_batch (the one field that differs per mode)
-    own = args.contexts != "shared"  # each request reads a context of its own
     if context not in handles:
         pairs = _inputs(model, tokenizer, context, max(b for b, n in args.shapes if n == context),
                         args.contexts == "own")
@@ -247,6 +260,8 @@ def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, 
         handles[context] = [(encoded[id(doc)], q) for doc, q in pairs]
         if args.contexts == "copies":  # the first request's handle, then a copy of its KV for each other one
             handles[context] = [(h if i == 0 else copy_handle(h, i), q) for i, (h, q) in enumerate(handles[context])]
+        elif args.contexts == "forks":  # the document, then each request's turn after it (a fork but the first)
+            handles[context] = [(eng.encode(fork_context(eng, doc, i)), q) for i, (doc, q) in enumerate(pairs)]
         _say(f"{config}: {len(encoded)} {context}-token context(s) encoded" +
              (f", {len(pairs) - 1} copied" if args.contexts == "copies" else "") +
              f" in {time.perf_counter() - t0:.1f} s")
@@ -282,7 +297,10 @@ def run(config: str, mode: str, bsz: int, context: int, args, model, tokenizer, 
         b.cancel(rid)
     tokens = [b.pop(rid).token_ids for rid in rids]
     _say(f"{config} {mode} batch {bsz}: {ms:.1f} ms/step" + (f" (ran {ran}: {why})" if why else ""))
-    floor_ms = 1000 * floor_bytes(model, bsz if own else 1, context) / args.bandwidth
+    floor = floor_bytes(model, 1 if args.contexts in ("shared", "forks") else bsz, context)
+    if args.contexts == "forks":  # each turn's own KV beside the document's
+        floor += floor_bytes(model, bsz, FORK_TURN) - floor_bytes(model, 0, FORK_TURN)
+    floor_ms = 1000 * floor / args.bandwidth
     return dict(config=config, mode=mode, ran=ran, why=why, captured=captured,
                 capture_s=g.warmup_s if ran == "graph" else None, batch=bsz, context_tokens=context, ms_per_step=ms,
                 ms_per_token=ms / bsz, tokens_per_s=1000 * bsz / ms, first_step_s=first,

@@ -15,11 +15,12 @@ def test_the_tiers_figures_and_a_restarted_engines_answer(tmp_path, capsys):
     bench = load_benchmark("bench_conversations")
     save_tiny(tmp_path / "model", "llama")
     store = tmp_path / "store"
-    assert bench.main(["--model", str(tmp_path / "model"), "--method", "dense", "--ranks", "1", "--context", "600",
-                       "--conversations", "3", "--turns", "3", "--turn-tokens", "10", "--context-store",
+    # (the conversations share the document's KV: eight of them are needed to overflow a 1 MiB cache)
+    assert bench.main(["--model", str(tmp_path / "model"), "--method", "dense", "--ranks", "1", "--context", "880",
+                       "--conversations", "8", "--turns", "3", "--turn-tokens", "40", "--context-store",
                        str(store), "--context-cache-mb", "1", "--host-cache-mb", "8"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert row["encoded_all"] == 600 + 3 * 3 * 10 and row["stored_contexts"] == 1 + 3 * 3
+    assert row["encoded_all"] == 880 + 8 * 3 * 40 and row["stored_contexts"] == 1 + 8 * 3
     files = [f for f in store.rglob("*") if f.is_file()]
     assert row["store_disk_bytes"] == sum(f.stat().st_size for f in files)
     # the document once, then each turn's 10 tokens: far less than the contexts' KV each alone

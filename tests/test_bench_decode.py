@@ -96,3 +96,31 @@ def test_copies_read_their_own_kv_and_answer_as_the_original():
     q = torch.tensor([5, 6, 7])
     alone = eng.ask(h, q, max_new_tokens=4, temperature=0.0).token_ids
     assert [r.token_ids for r in eng.ask_batch([h, c], [q, q], max_new_tokens=4, temperature=0.0)] == [alone, alone]
+
+
+def test_forks_share_the_document_and_every_mode_chooses_eager_tokens(tmp_path, monkeypatch):
+    """--contexts forks: B conversations about one document, each a turn of its own after it -- the first extends
+    the document in place, the others fork, sharing its KV --; a step of each mode reads them alike (the same greedy
+    tokens), and the floor counts the document once and each turn's KV."""
+    import json
+
+    bench = _bench()
+    made = []
+    real_run = bench.run
+
+    def run(config, mode, bsz, n, args, model, tokenizer, eng, handles):
+        row = real_run(config, mode, bsz, n, args, model, tokenizer, eng, handles)
+        made.append((row, [h for h, _ in handles[n]]))
+        return row
+
+    monkeypatch.setattr(bench, "run", run)
+    out = tmp_path / "d.json"
+    assert bench.main(["--model", "dummy:tiny-llama", "--shapes", "3@256", "--configs", "dense", "--modes",
+                       "eager,static", "--contexts", "forks", "--warmup", "1", "--steps", "2",
+                       "--json-out", str(out)]) == 0
+    (eager, handles), (static, _) = made
+    assert [h.shard.head is not None for h in handles] == [False, True, True]
+    assert handles[1].shard.head is handles[2].shard.head  # the one document's shard
+    assert eager["tokens"] == static["tokens"] and eager["ran"] == "eager" and static["ran"] == "static"
+    assert json.loads(out.read_text())["rows"][0]["contexts"] == "forks"
+    assert eager["floor_ms"] > 0

@@ -529,6 +529,41 @@ def test_a_conversations_turns_are_stored_as_what_each_adds(model_dir, tmp_path,
         fresh.generate(fork, Q, max_new_tokens=4).token_ids
 
 
+@pytest.mark.parametrize("kw", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring-simulated"])
+def test_a_fork_is_stored_as_what_it_adds_and_comes_back_from_either_tier(model_dir, tmp_path, kw):
+    """A second conversation off a document (a fork: the document's KV shared, not copied) is written as the KV its
+    own tokens add, its manifest naming the document as its parent; a restarted engine loads it, and an engine whose
+    device cache evicted it gets it back from host memory -- each with a fresh engine's answer."""
+    first = _engine(model_dir, tmp_path, **kw)
+    first.generate(CTX, Q, max_new_tokens=2)
+    first.generate(torch.cat((CTX, _ids(300, 40))), Q, max_new_tokens=2)  # extends the document in place
+    fork = torch.cat((CTX, _ids(500, 30)))
+    want = first.generate(fork, Q, max_new_tokens=4)
+    assert first.encoder.cache.get(first.cache_key(fork)).shard.head is not None
+    first.flush_store()
+    doc, key = first.cache_key(CTX), first.cache_key(fork)
+    m = _manifests(tmp_path)
+    assert m[key]["parent"] == doc and m[key]["parent_kv"] == m[doc]["kv"]
+    size = {k: next(tmp_path.rglob(f"{k}.safetensors")).stat().st_size for k in (doc, key)}
+    assert size[key] < 0.3 * size[doc]  # 30 tokens' KV against 200
+    fresh = magnetar.init_inference(str(model_dir), timeout_s=60, prefix_reuse="off", **kw)
+    assert want.token_ids == fresh.generate(fork, Q, max_new_tokens=4).token_ids
+    again = _engine(model_dir, tmp_path, **kw)
+    got = again.generate(fork, Q, max_new_tokens=4)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == fork.numel()
+    host = magnetar.init_inference(str(model_dir), timeout_s=60, context_cache_mb=1, host_cache_mb=8, **kw)
+    host.generate(CTX, Q, max_new_tokens=2)
+    host.generate(torch.cat((CTX, _ids(300, 40))), Q, max_new_tokens=2)
+    host.generate(fork, Q, max_new_tokens=2)
+    for i in range(1, 14):  # the 1 MiB cache evicts the fork (and the document) to host memory
+        host.encode(torch.arange(10 + i, 210 + i))
+    assert host.cache.get(key) is None and key in host.host
+    got = host.generate(fork, Q, max_new_tokens=4)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == fork.numel()
+    assert host.cache_stats()["host"]["loads"] >= 1
+
+
 def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):
     """The bound evicts the least recently used file that no other continues; the parent of the file being written
     stays even when it is the least recently used."""

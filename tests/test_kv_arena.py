@@ -1,7 +1,8 @@
 """A conversation's turns share their KV: each extension of a context writes its new tokens after the last turn's
-KV in one arena (no copy of the document a turn), a fork copies, a full buffer grows and every turn is pointed at
-the new one; the context cache counts the arena once, the same on every rank; and on the engine a conversation
-over a document stays cached whole where each turn used to hold the document again."""
+KV in one arena (no copy of the document a turn), a fork shares the document's KV as its head and keeps only its
+own, a full buffer grows and every turn (and every fork's head) is pointed at the new one; the context cache counts
+each arena once, the same on every rank; and on the engine a conversation over a document stays cached whole where
+each turn used to hold the document again, and conversations forking from one document hold it once."""
 from __future__ import annotations
 
 import copy
@@ -31,17 +32,17 @@ def _shard(start: int, n: int, seed: int, empty_layer: int = -1) -> KVShard:
 
 
 def _content(shard: KVShard) -> list:
-    return [None if layer.k is None else (layer.k.clone(), layer.v.clone(), layer.pos.clone())
-            for layer in shard.layers]
+    """Every layer's ``(k, v, pos)`` (a fork's segments joined), copied; None where the layer holds none."""
+    return [None if e is None else tuple(t.clone() for t in e[:3])
+            for e in (shard.entries(i) for i in range(shard.num_layers))]
 
 
 def _equal(shard: KVShard, want: list, what: str) -> None:
-    for i, (layer, w) in enumerate(zip(shard.layers, want)):
+    for i, (got, w) in enumerate(zip(_content(shard), want, strict=True)):
         if w is None:
-            assert layer.k is None, f"{what}: layer {i}"
+            assert got is None, f"{what}: layer {i}"
             continue
-        assert torch.equal(layer.k, w[0]) and torch.equal(layer.v, w[1]) and torch.equal(layer.pos, w[2]), \
-            f"{what}: layer {i}"
+        assert all(torch.equal(x, y) for x, y in zip(got, w)), f"{what}: layer {i}"
 
 
 def _joined(*shards: KVShard) -> list:
@@ -50,7 +51,7 @@ def _joined(*shards: KVShard) -> list:
 
 def _same_memory(a: KVShard, b: KVShard) -> bool:
     return all(x.k.data_ptr() == y.k.data_ptr() and x.v.data_ptr() == y.v.data_ptr()
-               for x, y in zip(a.layers, b.layers) if x.k is not None)
+               for x, y in zip(a.own, b.own) if x.k is not None)
 
 
 def test_turns_extend_in_place_and_hold_the_content_of_a_join():
@@ -68,14 +69,41 @@ def test_turns_extend_in_place_and_hold_the_content_of_a_join():
     assert turn2.arena.tip == 49 and turn2.arena.capacity(0) == 46 + 64  # made at turn 1 with 64 to spare
 
 
-def test_a_fork_off_an_earlier_turn_copies_and_leaves_the_later_turn_alone():
-    base, a, other = _shard(0, 40, 1), _shard(40, 6, 2), _shard(40, 5, 4)
+def test_a_fork_shares_the_document_and_leaves_the_later_turn_alone():
+    base, a, other, more = _shard(0, 40, 1), _shard(40, 6, 2), _shard(40, 5, 4), _shard(45, 3, 9)
     turn1 = KVShard.extended(base, a, 40, 46)
     want_1 = _content(turn1)
-    fork = KVShard.extended(base, other, 40, 45)  # base is no longer its arena's tip: a copy in an arena of its own
+    fork = KVShard.extended(base, other, 40, 45)  # base is no longer its arena's tip: shared, not copied
     _equal(fork, _joined(base, other), "the fork")
     _equal(turn1, want_1, "turn 1 after the fork")  # its entries after the base were not overwritten
-    assert fork.arena is not turn1.arena and not _same_memory(fork, turn1) and base.arena is turn1.arena
+    assert fork.head is base and fork.arena is not turn1.arena and base.arena is turn1.arena
+    assert [len(layer) for layer in fork.own] == [5] * LAYERS and fork.tokens() == 45  # its own KV alone
+    assert fork.nbytes() == base.nbytes() + other.nbytes() and fork.arenas() == (turn1.arena, fork.arena)
+    with pytest.raises(RuntimeError, match="segments"):  # a reader of one tensor a layer would see its own alone
+        fork.layers
+    fork2 = KVShard.extended(fork, more, 45, 48)  # the fork's next turn: in place in its own arena
+    _equal(fork2, _joined(base, other, more), "the fork's next turn")
+    assert fork2.head is base and fork2.arena is fork.arena and _same_memory(fork, fork2)
+    assert [seg.k.data_ptr() for seg in fork2.segments(0)] == [base.own[0].k.data_ptr(), fork.own[0].k.data_ptr()]
+    nested = KVShard.extended(fork, _shard(45, 2, 10), 45, 47)  # a fork of the fork: both heads shared
+    _equal(nested, _joined(base, other, _shard(45, 2, 10)), "a fork of a fork")
+    assert nested.head is fork and len(nested.segments(1)) == 3
+    _equal(fork2, _joined(base, other, more), "the fork's next turn after the fork of the fork")
+    for i in range(LAYERS):  # one layer as one store (a decode policy's path): the segments joined, once
+        whole = fork2.whole(i)
+        assert torch.equal(whole.k, _joined(base, other, more)[i][0]) and fork2.whole(i) is whole
+        assert base.whole(i) is base.own[i]
+    assert fork2.entries(0, 40)[0].data_ptr() == fork2.own[0].k.data_ptr()  # after the head: its own, no copy
+
+
+def test_a_forks_head_follows_the_document_when_its_arena_grows():
+    base, a, other = _shard(0, 40, 1), _shard(40, 6, 2), _shard(40, 5, 4)
+    turn1 = KVShard.extended(base, a, 40, 46)
+    fork = KVShard.extended(base, other, 40, 45)
+    big = _shard(46, turn1.arena.capacity(0), 5)
+    turn2 = KVShard.extended(turn1, big, 46, 46 + big.tokens())  # the document's arena grows: new buffers
+    _equal(fork, _joined(base, other), "the fork after its document's arena grew")
+    assert fork.segments(0)[0].k.data_ptr() == turn2.own[0].k.data_ptr()  # its head views the new buffers
 
 
 def test_a_full_buffer_grows_and_every_turn_views_the_new_one():
@@ -167,6 +195,46 @@ def test_a_conversation_stays_cached_within_one_documents_budget(flat):
     handles = eng.cache.handles()
     assert len({id(h.shard.arena) for h in handles}) == 1
     assert eng.cache.nbytes == handles[0].shard.arena.charged < sum(h.nbytes for h in handles)
+
+
+FORKS = [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True),
+         dict(method="star", cp_size=2, simulate=True, block_size=48, anchor_size=8, prefix_reuse="all"),
+         dict(method="dense", sparse_policy="oracle_topk", sparse_budget=64, dense_layers=0),
+         dict(method="dense", decode_step="static")]
+
+
+@pytest.mark.parametrize("flat", FORKS, ids=["dense", "ring simulated", "star simulated", "oracle_topk", "static"])
+def test_conversations_forking_from_one_document_hold_it_once(flat):
+    """Four conversations over one 200-token document, two turns each: the first extends the document in place,
+    the others fork -- each sharing the document's KV as its head, its own turns in an arena of its own --; the
+    cache counts the document's arena once beside each conversation's; every turn's answer, alone and the four
+    decoded as one batch (the shared document read once a step, or joined for a decode policy), equals a fresh
+    engine's. Before, each fork copied the document."""
+    model = tiny_model("llama", seed=3)
+    doc, q = _ids(1, 200), _ids(9, 4)
+    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0, **flat)
+    document = eng.encode(doc)
+    convs = [torch.cat((doc, _ids(30 + c, 12))) for c in range(4)]
+    for turn in range(2):
+        if turn:
+            convs = [torch.cat((c, _ids(50 + i, 9))) for i, c in enumerate(convs)]
+        for c in convs:
+            got = eng.generate(c, q, max_new_tokens=3)
+            assert got.token_ids == fresh.generate(c, q, max_new_tokens=3).token_ids, turn
+            assert got.cached_context_tokens == int(c.numel()) - (12 if turn == 0 else 9), turn
+    handles = [eng.cache.get(eng.cache_key(c)) for c in convs]
+    assert handles[0].shard.head is None and handles[0].shard.arena is document.shard.arena
+    assert all(h.shard.head is document.shard for h in handles[1:])  # the document itself, not a copy
+    arenas = {id(a): a for h in [document, *handles] for a in h.shard.arenas()}
+    assert len(arenas) == 4 and len(eng.cache) == 9 and eng.cache.evictions == 0
+    assert eng.cache.nbytes == sum(a.charged for a in arenas.values()) < 2 * document.shard.arena.charged
+    batch = eng.generate_batch([(c, q) for c in convs], max_new_tokens=3)
+    assert [r.token_ids for r in batch] == [fresh.generate(c, q, max_new_tokens=3).token_ids for c in convs]
+    for h in eng.cache.handles():  # the document and the first conversation leave: the forks still hold its arena
+        if h.shard.head is None:
+            assert eng.cache.release(h)
+    assert len(eng.cache) == 6 and eng.cache.nbytes == sum(a.charged for a in arenas.values())
 
 
 @pytest.mark.parametrize("backend,copied", [("sdpa_flash", False), ("sdpa_cudnn", True)])

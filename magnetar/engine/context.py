@@ -67,9 +67,10 @@ class ContextHandle:
         return int(self.context_ids.numel())
 
 
-def _arena(handle: ContextHandle) -> Optional[KVArena]:
-    """The arena whose buffers ``handle``'s KV views, or None (its own tensors)."""
-    return getattr(handle.shard, "arena", None)
+def _arenas(handle: ContextHandle) -> tuple[KVArena, ...]:
+    """The arenas whose buffers ``handle``'s KV views (a fork's: its document's, then its own), or () (its own
+    tensors)."""
+    return () if handle.shard is None else handle.shard.arenas()
 
 
 PREFIX_BLOCK = 64  # tokens per block of the prefix index's chained hashes
@@ -111,8 +112,11 @@ class ContextCache:
 
     Handles whose shards share a :class:`~magnetar.engine.kv.KVArena` (a conversation's turns: each extends the last
     in place) are counted once: the arena's ``charged`` bytes while any of them is kept -- evicting one turn frees
-    nothing while a later one views the same buffers. Every figure counted is the same on every rank (a handle's
-    ``nbytes``, an arena's ``charged``: both the largest rank's), and so is which handles share an arena.
+    nothing while a later one views the same buffers. A fork (another conversation's turn off the same document:
+    :meth:`~magnetar.engine.kv.KVShard.extended`) is counted in the document's arena and in its own, so the
+    document's KV is counted while any conversation over it is kept, and once however many there are. Every figure
+    counted is the same on every rank (a handle's ``nbytes``, an arena's ``charged``: both the largest rank's), and
+    so is which handles share an arena.
     """
 
     def __init__(self, budget_bytes: int):
@@ -124,7 +128,7 @@ class ContextCache:
         self._index: dict[tuple, str] = {}  # (engine, options, length, prefix digest) -> key
         self._filed: dict[str, tuple] = {}  # key -> its index entry
         self._lengths: dict[tuple, dict[int, int]] = {}  # (engine, options) -> {length: handles of that length}
-        self._counted: dict[str, Optional[KVArena]] = {}  # key -> the arena it is counted in (None: alone)
+        self._counted: dict[str, tuple[KVArena, ...]] = {}  # key -> the arenas it is counted in (none: alone)
         self._arenas: dict[KVArena, list[int]] = {}  # arena -> [its handles kept, the bytes counted for it]
         self._by_shard: dict[int, str] = {}  # id(handle.shard) -> key (an arena's members, found by their shards)
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
@@ -188,10 +192,10 @@ class ContextCache:
         """Keep ``handle`` (most recently used), evicting the least recently used ones until the budget holds;
         returns whether it is kept."""
         self._remove(handle.key)
-        arena = _arena(handle)
-        if arena is not None:
+        arenas = _arenas(handle)
+        for arena in arenas:
             self.regroup(arena)
-        if (handle.nbytes if arena is None else arena.charged) > self.budget_bytes:
+        if (sum(a.charged for a in arenas) if arenas else handle.nbytes) > self.budget_bytes:
             return False
         while self._handles and self._nbytes + self._adds(handle) > self.budget_bytes:
             self._evict_oldest()
@@ -215,7 +219,7 @@ class ContextCache:
     def _regroup(self, arena: KVArena) -> None:
         for shard in list(arena.members):
             key = self._by_shard.get(id(shard))
-            if key is not None and self._counted[key] is None:  # counted alone before it joined the arena
+            if key is not None and arena not in self._counted[key]:  # counted alone before it joined the arena
                 handle = self._handles[key]
                 self._uncount(handle)
                 self._count(handle)
@@ -226,36 +230,35 @@ class ContextCache:
 
     def _adds(self, handle: ContextHandle) -> int:
         """The bytes keeping ``handle`` adds to the total."""
-        arena = _arena(handle)
-        if arena is None:
+        arenas = _arenas(handle)
+        if not arenas:
             return handle.nbytes
-        group = self._arenas.get(arena)
-        return arena.charged - (0 if group is None else group[1])
+        return sum(a.charged - (0 if a not in self._arenas else self._arenas[a][1]) for a in arenas)
 
     def _count(self, handle: ContextHandle) -> None:
-        arena = _arena(handle)
-        self._counted[handle.key] = arena
+        arenas = _arenas(handle)
+        self._counted[handle.key] = arenas
         if handle.shard is not None:
             self._by_shard[id(handle.shard)] = handle.key
-        if arena is None:
+        if not arenas:
             self._nbytes += handle.nbytes
-            return
-        group = self._arenas.setdefault(arena, [0, 0])
-        group[0] += 1
-        self._nbytes += arena.charged - group[1]
-        group[1] = arena.charged
+        for arena in arenas:  # a fork is counted in its document's arena too: kept while the fork is
+            group = self._arenas.setdefault(arena, [0, 0])
+            group[0] += 1
+            self._nbytes += arena.charged - group[1]
+            group[1] = arena.charged
 
     def _uncount(self, handle: ContextHandle) -> None:
-        arena = self._counted.pop(handle.key)
+        arenas = self._counted.pop(handle.key)
         self._by_shard.pop(id(handle.shard), None)
-        if arena is None:
+        if not arenas:
             self._nbytes -= handle.nbytes
-            return
-        group = self._arenas[arena]
-        group[0] -= 1
-        if not group[0]:
-            self._nbytes -= group[1]
-            del self._arenas[arena]
+        for arena in arenas:
+            group = self._arenas[arena]
+            group[0] -= 1
+            if not group[0]:
+                self._nbytes -= group[1]
+                del self._arenas[arena]
 
     def release(self, handle_or_key) -> bool:
         """Drop a handle (or key) from the cache; returns whether it was there."""

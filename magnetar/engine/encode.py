@@ -361,8 +361,9 @@ class Encoder:
         sends it to every rank of the CP group (one broadcast of all layers' keys and values), and each keeps the
         tokens ``owners`` gives it (at RoPE positions ``start ...``); None when it is given none."""
         g, n = self.groups, int(owners.numel())
-        ref = next(layer.k for layer in base.shard.layers if layer.k is not None)
-        shape = (len(base.shard.layers), 2, ref.shape[0], ref.shape[1], n, ref.shape[3])
+        layers = base.shard.num_layers
+        ref = next(seg.k for i in range(layers) for seg in base.shard.segments(i))
+        shape = (layers, 2, ref.shape[0], ref.shape[1], n, ref.shape[3])
         if gen is not None:
             packed = torch.stack([torch.stack((layer.k, layer.v)) for layer in gen.layers]).contiguous()
         else:
@@ -373,7 +374,7 @@ class Encoder:
         if idx.numel() == 0:
             return None
         pos = (start + torch.arange(n, device=ref.device))[idx.to(ref.device)]
-        mine = KVShard(len(base.shard.layers))
+        mine = KVShard(layers)
         for i, layer in enumerate(mine.layers):
             layer.append(packed[i, 0].index_select(2, idx), packed[i, 1].index_select(2, idx), pos)
         mine.freeze()

@@ -221,27 +221,117 @@ def _prefix_of(t: Optional[torch.Tensor], buf: Optional[torch.Tensor]) -> bool:
 
 class KVShard:
     """One rank's KV for every layer. ``arena``: the :class:`KVArena` whose buffers its layers view (a
-    conversation's turn, :meth:`extended`), else None (the shard's own tensors)."""
+    conversation's turn, :meth:`extended`), else None (the shard's own tensors).
+
+    A fork (a conversation's first turn off a document another conversation extended already) holds its KV in
+    segments: ``head``, the shard it extends (shared with every other reader, read and never written here), then
+    its own entries (``own``, in an arena of its own). Its per-layer KV is then no single tensor, so ``layers``
+    refuses to answer for it -- a reader that would see only the own entries fails loudly -- and the readers take
+    :meth:`segments` (each a :class:`LayerKV`, in order: attention over them merged equals attention over their
+    concatenation), :meth:`whole` (one layer joined, on a request's view) or :meth:`entries`."""
 
     def __init__(self, num_layers: int):
-        self.layers = [LayerKV() for _ in range(num_layers)]
+        self._layers = [LayerKV() for _ in range(num_layers)]
         self.arena: Optional[KVArena] = None
+        self.head: Optional[KVShard] = None  # a fork's first entries: the shard it extends, shared
+        self._joined: dict[int, LayerKV] = {}  # whole(i) of a fork's view, made once per layer
+
+    @property
+    def layers(self) -> list[LayerKV]:
+        """Every layer's KV -- of a shard in one segment (not a fork: :meth:`segments`)."""
+        if self.head is not None:
+            raise RuntimeError("KVShard.layers: this shard is a fork whose KV is in segments (a shared head's, then "
+                               "its own): read segments(i), whole(i) or entries(i)")
+        return self._layers
+
+    @layers.setter
+    def layers(self, value: list[LayerKV]) -> None:
+        self._layers = value
+
+    @property
+    def own(self) -> list[LayerKV]:
+        """Every layer's own entries (after the ``head``'s; without a head: every entry)."""
+        return self._layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def segments(self, i: int) -> list[LayerKV]:
+        """Layer ``i``'s KV as the stores that hold some of it, in order (the head's, then the own entries)."""
+        out = [] if self.head is None else self.head.segments(i)
+        if len(self._layers[i]):
+            out.append(self._layers[i])
+        return out
+
+    def whole(self, i: int) -> LayerKV:
+        """Layer ``i``'s KV as one store: the layer itself, or a fork's segment when only one holds entries here;
+        else the segments joined (a copy, made once per layer of this shard -- read it on a request's
+        :meth:`view`, which lives as long as the request: a decode policy's path and the rare readers that need
+        one tensor)."""
+        if self.head is None:
+            return self._layers[i]
+        segs = self.segments(i)
+        if len(segs) == 1:
+            return segs[0]
+        if i not in self._joined:
+            out = LayerKV()
+            out.frozen = True
+            if segs:
+                out.k = torch.cat([s.k for s in segs], dim=2)
+                out.v = torch.cat([s.v for s in segs], dim=2)
+                out.pos = torch.cat([s.pos for s in segs])
+            self._joined[i] = out
+        return self._joined[i]
+
+    def entries(self, i: int, start: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
+        """Layer ``i``'s ``(k, v, pos, mass)`` from entry ``start`` on (None: none there), joined over the segments
+        only where they span it -- a fork's entries after its head's are its own tensors, not a copy."""
+        parts, at = [], 0
+        for seg in self.segments(i):
+            n = len(seg)
+            if at + n > start:
+                cut = max(start - at, 0)
+                parts.append((seg.k[:, :, cut:], seg.v[:, :, cut:], seg.pos[cut:],
+                              None if seg.mass is None else seg.mass[:, :, cut:]))
+            at += n
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        masses = [p[3] for p in parts]
+        return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
+                torch.cat([p[2] for p in parts]),
+                torch.cat(masses, dim=2) if all(m is not None for m in masses) else None)
+
+    def lengths(self) -> tuple[int, ...]:
+        """The entries each layer holds (a fork's: its head's and its own)."""
+        return tuple(sum(len(s) for s in self.segments(i)) for i in range(len(self._layers)))
+
+    def arenas(self) -> tuple[KVArena, ...]:
+        """The arenas whose buffers this shard's KV views: its head's (a fork's document), then its own."""
+        out = () if self.head is None else self.head.arenas()
+        return out + ((self.arena,) if self.arena is not None and self.arena not in out else ())
 
     def freeze(self) -> None:
-        for layer in self.layers:
+        for layer in self._layers:
             layer.freeze()
 
     def tokens(self) -> int:
         """KV entries held per layer (the same for every layer)."""
-        return len(self.layers[0]) if self.layers else 0
+        mine = len(self._layers[0]) if self._layers else 0
+        return mine + (0 if self.head is None else self.head.tokens())
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        mine = sum(layer.nbytes() for layer in self._layers)
+        return mine + (0 if self.head is None else self.head.nbytes())
 
     def view(self) -> "KVShard":
-        """Every layer's :meth:`LayerKV.view`: one request's own window on a frozen shard (no copy)."""
+        """Every layer's :meth:`LayerKV.view`: one request's own window on a frozen shard (no copy); a fork's
+        view keeps its segments (its head's view, then its own)."""
         out = KVShard(0)
-        out.layers = [layer.view() for layer in self.layers]
+        out._layers = [layer.view() for layer in self._layers]
+        out.head = None if self.head is None else self.head.view()
         return out
 
     def clone(self) -> "KVShard":
@@ -303,17 +393,23 @@ class KVShard:
     def extended(cls, base: "KVShard", part: Optional["KVShard"], base_tokens: int, tokens: int) -> "KVShard":
         """A frozen shard holding ``base``'s KV followed by ``part``'s (None: no new KV on this rank) -- the KV of a
         context of ``tokens`` tokens extending ``base``'s of ``base_tokens`` -- in a :class:`KVArena`: the content of
-        ``join([base, part])``, without a copy of ``base`` where ``base`` is its arena's tip (a conversation's next
-        turn). A ``base`` with no arena joins the new one (its layers then view its buffers: the same values; its
-        own tensors are freed once no request reads them); a fork off a shorter member copies it into an arena of
-        its own. ``base`` is frozen; masses are not carried (no configuration that extends records them)."""
+        ``join([base, part])``, without a copy of ``base``. Where ``base`` is its arena's tip (a conversation's next
+        turn) the new KV is written after it, in place. A ``base`` with no arena joins the new one (its layers then
+        view its buffers: the same values; its own tensors are freed once no request reads them). A fork off a
+        shorter member (the positions after it belong to the tip) shares ``base`` as its ``head`` and keeps only
+        the new KV, in an arena of its own. ``base`` is frozen; masses are not carried (no configuration that
+        extends records them)."""
         arena, adopt = base.arena, base.arena is None
-        if arena is None or arena.tip != base_tokens:
-            arena = KVArena(tokens, len(base.layers))
-        out = cls(len(base.layers))
+        out = cls(len(base.own))
         out.freeze()
-        for i, (have, layer) in enumerate(zip(base.layers, out.layers)):
-            new = None if part is None or part.layers[i].k is None else part.layers[i]
+        if arena is not None and arena.tip != base_tokens:  # a fork: base read as it is, never written
+            out.head, arena, adopt, own = base, KVArena(tokens, len(base.own)), False, [LayerKV() for _ in base.own]
+            for layer in own:
+                layer.freeze()
+        else:
+            out.head, arena, own = base.head, KVArena(tokens, len(base.own)) if arena is None else arena, base.own
+        for i, (have, layer) in enumerate(zip(own, out.own)):
+            new = None if part is None or part.own[i].k is None else part.own[i]
             n, add = len(have), 0 if new is None else len(new)
             buf = arena.bufs[i]
             if n + add == 0:
@@ -346,7 +442,7 @@ def _grown(arena: KVArena, i: int, have: LayerKV, like: LayerKV, need: int, adop
     if n:
         k[:, :, :n], v[:, :, :n], pos[:n] = have.k, have.v, have.pos
     old = arena.bufs[i]
-    viewers = [] if old is None else [m.layers[i] for m in list(arena.members) if _prefix_of(m.layers[i].k, old[0])]
+    viewers = [] if old is None else [m.own[i] for m in list(arena.members) if _prefix_of(m.own[i].k, old[0])]
     if adopt and n:
         viewers.append(have)
     for layer in viewers:

@@ -132,11 +132,11 @@ class ExtensionContext(LayerContext):
                window: Optional[int] = None) -> torch.Tensor:
         from magnetar.parallel import ring_attention
 
-        cached = self.prefix.layers[layer]
+        cached = self.prefix.segments(layer)  # (a fork's: its document's, then its own)
         keys, values, pos = k, v, self.positions
-        if cached.k is not None:
-            keys, values = torch.cat((cached.k, k), dim=2), torch.cat((cached.v, v), dim=2)
-            pos = torch.cat((cached.pos.to(self.positions.device), self.positions))
+        if cached:
+            keys, values = torch.cat((*[c.k for c in cached], k), dim=2), torch.cat((*[c.v for c in cached], v), dim=2)
+            pos = torch.cat((*[c.pos.to(self.positions.device) for c in cached], self.positions))
         out, _ = ring_attention(q, keys, values, group=self.group, q_pos=self.positions, k_pos=pos, scale=scale,
                                 window=window, timeout=self.timeout, backend=self.backend)
         self.shard.layers[layer].append(k, v, self.positions)

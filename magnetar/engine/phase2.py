@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 class Phase2Context(LayerContext):
     """The Phase-2 forward of a batch of B requests, each with its own KV.
 
-    ``positions (B, S)``; ``shards[b]`` is this rank's context KV of request b; ``gens[b]`` the query rank's
+    ``positions (B, S)``; ``shards[b]`` is this rank's context KV of request b (a view: a fork's in segments,
+    each attended as a part of its own -- :meth:`~magnetar.engine.kv.KVShard.segments`); ``gens[b]`` the query rank's
     store of request b's query/generated KV (None on the other ranks); ``valid[b]`` how many of the S input
     tokens of request b are real (queries of different lengths are right-padded; padding sits after the real
     tokens, so no real token sees it, and its KV is never stored). ``policy`` (a
@@ -77,7 +78,7 @@ class Phase2Context(LayerContext):
         self.groups, self.group, self.timeout, self.backend = groups, groups.cp_group, groups.timeout, backend
         self.policy, self.context_tokens = policy, context_tokens
         # runtime.check_finite: which layers' local states (before the merge) were not finite on this rank
-        self.flags = LayerFlags(len(shards[0].layers), positions.device) if check_finite else None
+        self.flags = LayerFlags(shards[0].num_layers, positions.device) if check_finite else None
 
     def check_logits(self, logits: torch.Tensor, what: str) -> None:
         """Raise :class:`NonFiniteError` if ``logits`` are not finite (every rank sees the same logits, so every
@@ -106,9 +107,10 @@ class Phase2Context(LayerContext):
         paged = self._paged(layer, q, k, v, scale, window, shared)
         if paged is not None and not shared:
             local_o, local_l = paged
-        elif paged is not None:  # a request on a shared context: that call's state merged with its own tokens' page
+        elif paged is not None:  # a request on a shared context: that call's state merged with its other pages'
             mine = [[(paged[0][b : b + 1], paged[1][b : b + 1])] for b in range(B)]
-            local_o, local_l = merge_requests([[shared[b], *p] if b in shared else p for b, p in enumerate(mine)], q)
+            local_o, local_l = merge_requests([[*shared[b].values(), *p] if b in shared else p
+                                               for b, p in enumerate(mine)], q)
         else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
             parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
             local_o, local_l = merge_requests(parts, q)
@@ -126,22 +128,25 @@ class Phase2Context(LayerContext):
         return out
 
     def _shared_context(self, layer: int, q: torch.Tensor, scale: float, window: Optional[int]
-                        ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+                        ) -> dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """The context part of the requests of a decode step (one new token each) that read the same cached
-        context shard -- several questions about one document --, in ONE call per shard: their query rows laid
-        side by side over its KV (each row at its own position), so the shard is read once per step rather than once
-        per request (the rows are independent: the same states as a call each). Request b -> ``(o (1, Hq, 1, D),
-        lse (1, Hq, 1))``; requests alone on their shard, and those a decode policy serves, are not here."""
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        context store -- several questions about one document, or conversations forking from it (the segment they
+        share) --, in ONE call per store: their query rows laid side by side over its KV (each row at its own
+        position), so the store is read once per step rather than once per request (the rows are independent: the
+        same states as a call each). Request b -> {segment j of its shard -> ``(o (1, Hq, 1, D), lse (1, Hq,
+        1))``}; segments read by one request alone, and requests a decode policy serves, are not here."""
+        groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
         for b, shard in enumerate(self.shards):
-            ctx = shard.layers[layer]
-            if len(ctx) and not (self.policy is not None and self.policy.applies(layer, window)):
-                groups.setdefault((id(ctx.k), id(ctx.v), id(ctx.pos)), []).append(b)
-        out = {}
-        for rows in groups.values():
-            if len(rows) < 2:
+            if self.policy is not None and self.policy.applies(layer, window):
                 continue
-            ctx = self.shards[rows[0]].layers[layer]
+            for j, ctx in enumerate(shard.segments(layer)):
+                groups.setdefault((id(ctx.k), id(ctx.v), id(ctx.pos)), []).append((b, j))
+        out: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            ctx = self.shards[members[0][0]].segments(layer)[members[0][1]]
+            rows = [b for b, _ in members]
             idx = torch.tensor(rows, device=q.device)
             qs = q.index_select(0, idx).transpose(0, 2)  # (n, Hq, 1, D) -> (1, Hq, n, D): a row per request
             # every key before every row's token (host facts): the FULL kind, no positions to read; else they decide
@@ -149,14 +154,14 @@ class Phase2Context(LayerContext):
             where = {} if full else dict(q_pos=self.positions.index_select(0, idx)[:, 0], k_pos=ctx.pos, window=window)
             o, l = attention_with_lse(qs, ctx.k, ctx.v, causal=not full, scale=scale, backend=self.backend,
                                       k_finite=ctx.keys_finite(), **where)
-            for i, b in enumerate(rows):
-                out[b] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
+            for i, (b, j) in enumerate(members):
+                out.setdefault(b, {})[j] = (o[:, :, i:i + 1], l[:, :, i:i + 1])
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int], shared: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` (its context
-        attended already, with the others on its shard) the state of its own tokens alone --, or None: the
+        """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` the state of
+        its pages but the segments attended already (with the others on the same store) --, or None: the
         per-part path (not a decode step, a decode policy here, a context shard not wholly before its request's token
         -- or, under a window, not at consecutive positions --, the paged call refused, or a value that was not
         finite: that path applies the exact rules). Under a window a page is the part of a store the window keeps
@@ -167,14 +172,16 @@ class Phase2Context(LayerContext):
             return None
         pages = []
         for b, shard in enumerate(self.shards):
-            ctx = shard.layers[layer]
-            if len(ctx) and b not in shared:
+            done = shared.get(b, {})
+            pages.append([])
+            for j, ctx in enumerate(shard.segments(layer)):
+                if j in done:
+                    continue
                 cut = self._seen_from(b, ctx, window, own=False)
                 if cut is None:  # a key at or after the token, or gapped positions under a window: positions decide
                     return None
-                pages.append([Page(ctx.k[:, :, cut:], ctx.v[:, :, cut:], ctx.keys_finite())] if cut < len(ctx) else [])
-            else:
-                pages.append([])
+                if cut < len(ctx):
+                    pages[b].append(Page(ctx.k[:, :, cut:], ctx.v[:, :, cut:], ctx.keys_finite()))
         if self.gens is not None:  # the query rank: its own tokens, the new one last
             for b in range(len(self.gens)):
                 g = self._own(layer, b, k, v)
@@ -208,25 +215,26 @@ class Phase2Context(LayerContext):
         return g
 
     def _local(self, layer, b, q, k, v, scale, window, shared=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Request b's parts ``(o, lse)`` over what this rank holds: its context shard and (query rank) its own
-        tokens (none: this rank holds nothing for it); ``shared``: its context part, attended already with the other
-        requests on its shard. :func:`~magnetar.ops.merge.merge_requests` merges them."""
+        """Request b's parts ``(o, lse)`` over what this rank holds: its context shard's segments and (query rank)
+        its own tokens (none: this rank holds nothing for it); ``shared``: segment j -> its part, attended already
+        with the other requests on the same store. :func:`~magnetar.ops.merge.merge_requests` merges them."""
         qb, pos = q[b : b + 1], self.positions[b]
         parts = []
-        ctx = self.shards[b].layers[layer]
+        shard = self.shards[b]
         # the query rank stores its own query/generated tokens (the real ones)
         g = self._own(layer, b, k, v) if self.gens is not None else None
-        if shared is not None:
-            parts.append(shared)
-        elif len(ctx) and self.policy is not None and self.policy.applies(layer, window):
-            # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of the query
-            # rank's own tokens too when it pages them (pages_generated)
-            mine = {"gen": g} if g is not None and self.policy.pages_generated else {}
-            parts.append(self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
-                                                    backend=self.backend, valid=self.valid[b], **mine))
-            g = None if mine else g
-        elif len(ctx):  # context KV precedes the query: visible to every query token (positions decide)
-            parts.append(self._attend_part(b, qb, ctx, scale, window, own=False, k_finite=ctx.keys_finite()))
+        if self.policy is not None and self.policy.applies(layer, window):
+            ctx = shard.whole(layer)  # one store for the policy's choice (a fork's segments joined, on this view)
+            if len(ctx):  # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of
+                # the query rank's own tokens too when it pages them (pages_generated)
+                mine = {"gen": g} if g is not None and self.policy.pages_generated else {}
+                parts.append(self.policy.attend_context(layer, b, qb, ctx, pos, scale, self.context_tokens[b],
+                                                        backend=self.backend, valid=self.valid[b], **mine))
+                g = None if mine else g
+        else:  # context KV precedes the query: visible to every query token (positions decide)
+            for j, ctx in enumerate(shard.segments(layer)):
+                parts.append(shared[j] if shared is not None and j in shared else
+                             self._attend_part(b, qb, ctx, scale, window, own=False, k_finite=ctx.keys_finite()))
         if g is not None:  # the query rank: its own query/generated tokens, causally
             parts.append(self._attend_part(b, qb, g, scale, window, own=True))
         return parts
@@ -570,8 +578,9 @@ class DecodeBatch:
     def _place(self, rids: list[int]) -> None:
         """Static steps: copy the joined requests' KV into slots -- unless a context's KV is not finite (the slots'
         one attention call would not keep the exact non-finite rules): then the batch goes back to eager."""
-        bad = [rid for rid in rids if not all(lk.k is None or (lk.keys_finite() and lk.values_finite())
-                                              for lk in self._live[rid].req.shard.layers)]
+        bad = [rid for rid in rids if not all(lk.keys_finite() and lk.values_finite()
+                                              for i in range(self._live[rid].req.shard.num_layers)
+                                              for lk in self._live[rid].req.shard.segments(i))]
         mine = bad[0] if bad else -1
         if self.groups.replica_size > 1:  # each rank checks its own KV; every rank of the replica must decide alike
             got = all_gather_ints([mine], self.groups.replica_group, self.device, timeout=self.groups.timeout)

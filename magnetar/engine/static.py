@@ -201,12 +201,14 @@ class StaticDecode:
 
     # ---------------------------------------------------------------------------------------------- slots
     def place(self, rid: int, shard: KVShard, gen: Optional[KVShard]) -> None:
-        """Copy request ``rid``'s KV on this rank -- its context ``shard`` and (query rank) its ``gen`` store -- into a
-        free slot (more slots, or more capacity, when none is free or it does not fit)."""
-        layers = shard.layers
+        """Copy request ``rid``'s KV on this rank -- its context ``shard`` (a fork's segments one after another) and
+        (query rank) its ``gen`` store -- into a free slot (more slots, or more capacity, when none is free or it
+        does not fit)."""
+        layers = [shard.segments(i) for i in range(shard.num_layers)]
         need = shard.tokens() + (gen.tokens() if gen is not None else 0) + 1
         if self.slots is None:
-            hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*layers, *(gen.layers if gen else ()))
+            hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*(s for segs in layers for s in segs),
+                                                                    *(gen.layers if gen else ()))
                           if lk.k is not None), None) or self._model_heads()
             self.slots = self._new_slots(len(layers), *(self._planned(1, need) or (1, _round(need))), *hkv_d)
         used = set(self.owner.values())
@@ -216,8 +218,8 @@ class StaticDecode:
             used = set(self.owner.values())
             free = [i for i in range(self.slots.slots) if i not in used]
         slot = free[0]
-        for i, lk in enumerate(layers):
-            parts = [(lk.k, lk.v, lk.pos)] if lk.k is not None else []
+        for i, segs in enumerate(layers):
+            parts = [(lk.k, lk.v, lk.pos) for lk in segs]
             if gen is not None and gen.layers[i].k is not None:
                 g = gen.layers[i]
                 parts.append((g.k, g.v, g.pos))

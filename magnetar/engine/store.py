@@ -428,7 +428,7 @@ class ContextStore:
                 return
         link = None
         if base is not None and base.shard is not None and base.key != handle.key:
-            link = Link(base.key, tuple(len(layer) for layer in base.shard.layers), base.nbytes)
+            link = Link(base.key, base.shard.lengths(), base.nbytes)
         self._queue.put((handle, prefix, link))
 
     def flush(self, timeout_s: float = 600) -> None:
@@ -495,16 +495,14 @@ class ContextStore:
         from safetensors.torch import save_file
 
         tensors = {"context_ids": handle.context_ids.to(torch.int64).contiguous()}
-        kv = tuple(len(layer) for layer in handle.shard.layers)
-        for i, layer in enumerate(handle.shard.layers):
-            start = 0 if link is None else link.kv[i]
-            if layer.k is None or start >= len(layer):
+        kv = handle.shard.lengths()
+        for i in range(handle.shard.num_layers):  # (a fork's entries after its document's are its own tensors)
+            entries = handle.shard.entries(i, 0 if link is None else link.kv[i])
+            if entries is None:
                 continue
-            tensors[f"k.{i}"] = layer.k[:, :, start:].detach().cpu().contiguous()
-            tensors[f"v.{i}"] = layer.v[:, :, start:].detach().cpu().contiguous()
-            tensors[f"pos.{i}"] = layer.pos[start:].detach().cpu().contiguous()
-            if layer.mass is not None:
-                tensors[f"mass.{i}"] = layer.mass[:, :, start:].detach().cpu().contiguous()
+            for name, t in zip(("k", "v", "pos", "mass"), entries):
+                if t is not None:
+                    tensors[f"{name}.{i}"] = t.detach().cpu().contiguous()
         if handle.last_logits is not None:
             tensors["last_logits"] = handle.last_logits.contiguous()
         save_file(tensors, str(tmp), metadata={"format": str(FORMAT)})
@@ -515,7 +513,7 @@ class ContextStore:
              "options": handle.options, "tokens": handle.context_tokens, "prefix": prefix,
              "nbytes": charge, "held": handle.nbytes, "bytes": data.stat().st_size, "hash": HASH,
              "checksum": _checksum(data), "used": now,
-             "query_position": handle.query_position, "method": handle.method, "layers": len(handle.shard.layers),
+             "query_position": handle.query_position, "method": handle.method, "layers": handle.shard.num_layers,
              "stats": [vars(s) for s in handle.stats], "prefill_stats": handle.prefill_stats, "kv": list(kv),
              "parent": None if link is None else link.key, "parent_kv": None if link is None else list(link.kv),
              "replica": self.replica}
@@ -811,13 +809,14 @@ class _HostChain:
 
 
 def _host_copy(shard):
+    """A host copy of ``shard`` (a fork's segments joined) in one segment."""
     from magnetar.engine.kv import KVShard
 
-    host = KVShard(len(shard.layers))
-    for mine, theirs in zip(host.layers, shard.layers):
-        if theirs.k is not None:
-            mine.append(theirs.k.cpu(), theirs.v.cpu(), theirs.pos.cpu(),
-                        None if theirs.mass is None else theirs.mass.cpu())
+    host = KVShard(shard.num_layers)
+    for i, mine in enumerate(host.layers):
+        entries = shard.entries(i)
+        if entries is not None:
+            mine.append(*(None if t is None else t.cpu() for t in entries))
     host.freeze()
     return host
 
@@ -831,11 +830,11 @@ def _viewing(shard, chain: _HostChain):
     """A frozen shard of ``shard``'s entry counts whose layers view the first entries of ``chain``'s buffers."""
     from magnetar.engine.kv import KVShard
 
-    out = KVShard(len(shard.layers))
+    out = KVShard(shard.num_layers)
     out.freeze()
-    for mine, theirs, buf in zip(out.layers, shard.layers, chain.layers):
-        if len(theirs):
-            mine.append(*_first(buf, len(theirs)))
+    for mine, n, buf in zip(out.layers, shard.lengths(), chain.layers):
+        if n:
+            mine.append(*_first(buf, n))
     return out
 
 
@@ -882,7 +881,7 @@ class HostTier:
         if handle.nbytes > self.budget_bytes or handle.shard is None:
             return
         arena = handle.shard.arena
-        if arena is not None and any(layer.mass is not None for layer in handle.shard.layers):
+        if arena is not None and any(layer.mass is not None for layer in handle.shard.own):
             arena = None  # (arenas hold no masses; a shard with them is copied alone)
         with self._lock:
             chain = self._chain(arena, handle.context_tokens)

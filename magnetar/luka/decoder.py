@@ -190,7 +190,8 @@ class LukaDecoder(DecodePolicyBase):
         """
         ps, whole = self.cfg.luka_page_size, max(1, context_tokens)
         paged, gen_paged, unattended = [], [], []
-        for i, kv in enumerate(shard.layers):
+        for i in range(shard.num_layers):
+            kv = shard.whole(i)  # the store Phase 2 handed the policy (a fork's segments joined on this view)
             st = self.layer_state(kv)
             if st is None:  # no LuKA here: a sliding-window layer, or this rank holds nothing
                 continue
