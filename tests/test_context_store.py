@@ -230,17 +230,16 @@ def test_a_replica_finds_what_another_wrote_after_it_opened_the_folder(model_dir
         st.close()
 
 
-def test_a_context_one_replica_pinned_is_not_evicted_by_the_replica_that_wrote_it(model_dir, tmp_path):
-    """Replica 1 pins a context replica 0 wrote (it loaded it from the folder): replica 0 keeps its file while the pin
-    holds -- past its share it evicts its other files -- and may evict it once unpinned (before, a pin held only
-    the pinning replica's own files). The pins live in pinned-r<replica>.pins beside the files."""
+def _pinned_by_replica_1(model_dir, root):
+    """Two replicas' stores over ``root`` (two contexts' share each): replica 0 writes a context, replica 1 (which
+    loaded it from the folder) pins it, and replica 0 writes three more past its share -- its least recent unpinned
+    files go, the pinned one stays. Returns (handles, store 0, store 1, layout, save on replica 0)."""
     from magnetar.engine.context import prefix_digest
-    from magnetar.engine.store import ContextStore, describe, layout_name, weights_fingerprint
+    from magnetar.engine.store import ContextStore, layout_name, weights_fingerprint
 
     engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60)
     handles = [engine.encode(torch.arange(10 + i, 210 + i)) for i in range(4)]
     each, fp, layout = handles[0].nbytes, weights_fingerprint(engine.model), layout_name(False, 0, 1)
-    root = tmp_path / "store"
     a = ContextStore(root, layout, fp, 4 * each + each // 2, replicas=2, replica=0)  # two contexts each
     b = ContextStore(root, layout, fp, 4 * each + each // 2, replicas=2, replica=1)
 
@@ -255,12 +254,48 @@ def test_a_context_one_replica_pinned_is_not_evicted_by_the_replica_that_wrote_i
         save(h)
     names = {p.stem for p in (root / layout).glob("*.json")}
     assert handles[0].key in names and names >= {handles[3].key} and handles[1].key not in names
+    return handles, a, b, layout, save
+
+
+def test_a_context_one_replica_pinned_is_not_evicted_by_the_replica_that_wrote_it(model_dir, tmp_path):
+    """Replica 1 pins a context replica 0 wrote (it loaded it from the folder): replica 0 keeps its file while the pin
+    holds -- past its share it evicts its other files -- and may evict it once unpinned (before, a pin held only
+    the pinning replica's own files). The pins live in pinned-r<replica>.pins beside the files."""
+    from magnetar.engine.store import describe
+
+    root = tmp_path / "store"
+    handles, a, b, layout, save = _pinned_by_replica_1(model_dir, root)
     assert describe(root)["pinned"] == {f"{layout}/pinned-r1.pins": 1}
     b.unpin(handles[0].key)
     save(handles[1])  # now the least recent, unpinned: evicted
     assert handles[0].key not in {p.stem for p in (root / layout).glob("*.json")}
     for st in (a, b):
         st.close()
+
+
+def test_a_retired_replicas_pins_are_removed_by_the_store_command(model_dir, tmp_path, capsys):
+    """Replica 1 pinned a context and is no longer run: its pinned-r1.pins stays and replica 0 keeps the file until
+    ``magnetar store DIR --unpin-replica 1`` removes the list; asked again, the command names the flag and says no
+    replica has one."""
+    from magnetar.launch.store import main
+
+    root = tmp_path / "store"
+    handles, a, b, layout, save = _pinned_by_replica_1(model_dir, root)
+    b.close()  # replica 1 stops; its pins stay
+    save(handles[1])
+    assert handles[0].key in {p.stem for p in (root / layout).glob("*.json")}
+    capsys.readouterr()
+    assert main([str(root), "--unpin-replica", "1"]) == 0
+    assert f"removed {layout}/pinned-r1.pins" in capsys.readouterr().out
+    save(handles[2])  # the least recent, no longer pinned: evicted
+    assert handles[0].key not in {p.stem for p in (root / layout).glob("*.json")}
+    with pytest.raises(SystemExit):
+        main([str(root), "--unpin-replica", "1"])
+    assert "--unpin-replica 1: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(root), "--unpin-replica", "-1"])
+    assert "--unpin-replica: give a replica index >= 0" in capsys.readouterr().err
+    a.close()
 
 
 def test_other_weights_or_layout_are_not_loaded(model_dir, tmp_path, tmp_path_factory):

@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -735,6 +736,25 @@ def describe(root, verify: bool = False) -> dict:
             problems.append(f"{path}: unreadable pinned list ({e})")
     return dict(root=str(root), groups=list(groups.values()), problems=problems, pinned=pinned,
                 disk_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
+
+
+def unpin_replica(folder, replica: int) -> list[str]:
+    """Remove the pinned lists of data-parallel replica ``replica`` from the context store under ``folder`` -- the
+    server's ``pinned-dp<replica>.json`` and each rank folder's ``pinned-r<replica>.pins`` --: what a replica no
+    longer run pinned is evictable again (its lists stay otherwise). Returns the files removed (relative to
+    ``folder``); a ValueError naming ``--unpin-replica`` when it has none (listing the replicas that have)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"{folder}: no such folder (give a store's --context-store DIR)")
+    paths = sorted(root.glob(f"pinned-dp{replica}.json")) + sorted(root.glob(f"*/pinned-r{replica}{_PINS}"))
+    if not paths:
+        have = sorted({int(m.group(1)) for p in (*root.glob("pinned-dp*.json"), *root.glob(f"*/pinned-r*{_PINS}"))
+                       if (m := re.fullmatch(rf"pinned-(?:dp|r)(\d+)(?:\.json|{re.escape(_PINS)})", p.name))})
+        raise ValueError(f"--unpin-replica {replica}: {folder} holds no pinned list of replica {replica} "
+                         f"(replicas with one: {', '.join(map(str, have)) or 'none'})")
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return [path.relative_to(root).as_posix() for path in paths]
 
 
 def _joined(pieces, dim: int, device) -> torch.Tensor:

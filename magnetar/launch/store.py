@@ -2,11 +2,13 @@
 no model loaded, nothing changed. Per rank folder and weights: the contexts, how many are whole and how many
 continue a parent (a conversation's turns, each stored as what it adds), the longest chain, the largest context,
 the bytes on disk and what the store's bound counts, how many each data-parallel replica wrote (it alone evicts
-them); then every file a store would refuse, and the pinned lists.
+them); then every file a store would refuse, and the pinned lists. ``--unpin-replica R`` is the one change it
+makes: it removes the pinned lists of data-parallel replica R (one no longer run), so what R pinned is evictable.
 
     magnetar store /data/contexts
     magnetar store /data/contexts --verify     # also each data file's checksum (reads every byte)
     magnetar store /data/contexts --json       # one JSON line
+    magnetar store /data/contexts --unpin-replica 3   # replica 3 is no longer run: free what it pinned
 """
 from __future__ import annotations
 
@@ -23,8 +25,19 @@ def main(argv=None) -> int:
     p.add_argument("folder", help="the store's folder (a server's or engine's --context-store DIR)")
     p.add_argument("--verify", action="store_true", help="also check every data file's checksum (reads it all)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the tables")
+    p.add_argument("--unpin-replica", type=int, default=None, metavar="R",
+                   help="remove the pinned lists of data-parallel replica R (a replica no longer run: what it pinned "
+                        "stays otherwise); stop R's server first")
     args = p.parse_args(argv)
-    from magnetar.engine.store import describe
+    if args.unpin_replica is not None and args.unpin_replica < 0:
+        p.error(f"--unpin-replica: give a replica index >= 0, got {args.unpin_replica}")
+    from magnetar.engine.store import describe, unpin_replica
+
+    if args.unpin_replica is not None:
+        with user_errors(PROG):
+            removed = unpin_replica(args.folder, args.unpin_replica)
+        print(f"removed {', '.join(removed)}: what replica {args.unpin_replica} pinned is evictable again")
+        return 0
 
     with user_errors(PROG):
         found = describe(args.folder, verify=args.verify)
