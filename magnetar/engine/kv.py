@@ -278,9 +278,7 @@ class KVShard:
             out = LayerKV()
             out.frozen = True
             if segs:
-                out.k = torch.cat([s.k for s in segs], dim=2)
-                out.v = torch.cat([s.v for s in segs], dim=2)
-                out.pos = torch.cat([s.pos for s in segs])
+                out.k, out.v, out.pos = self.entries(i)[:3]
             self._joined[i] = out
         return self._joined[i]
 

@@ -729,13 +729,19 @@ def describe(root, verify: bool = False) -> dict:
                 depth, seen, at = depth + 1, seen | {at}, manifests[at].get("parent")
             g["longest_chain"] = max(g["longest_chain"], depth)
     pinned = {}  # the servers' pinned lists (pinned-dp<replica>.json), the stores' pinned keys (<folder>/*.pins)
-    for path in sorted(root.glob("pinned-dp*.json")) + sorted(root.glob(f"*/pinned-r*{_PINS}")):
+    for path in _pin_lists(root):
         try:
             pinned[path.relative_to(root).as_posix()] = len(json.loads(path.read_text()))
         except (OSError, ValueError, TypeError) as e:
             problems.append(f"{path}: unreadable pinned list ({e})")
     return dict(root=str(root), groups=list(groups.values()), problems=problems, pinned=pinned,
                 disk_bytes=sum(f.stat().st_size for f in root.rglob("*") if f.is_file()))
+
+
+def _pin_lists(root: Path, replica: str = "*") -> list[Path]:
+    """The pinned lists under a store's ``root`` of data-parallel replica ``replica`` (a glob: ``*``, every one's):
+    the servers' (``pinned-dp<replica>.json``) and each rank folder's store's (``pinned-r<replica>.pins``)."""
+    return sorted(root.glob(f"pinned-dp{replica}.json")) + sorted(root.glob(f"*/pinned-r{replica}{_PINS}"))
 
 
 def unpin_replica(folder, replica: int) -> list[str]:
@@ -746,9 +752,9 @@ def unpin_replica(folder, replica: int) -> list[str]:
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"{folder}: no such folder (give a store's --context-store DIR)")
-    paths = sorted(root.glob(f"pinned-dp{replica}.json")) + sorted(root.glob(f"*/pinned-r{replica}{_PINS}"))
+    paths = _pin_lists(root, str(replica))
     if not paths:
-        have = sorted({int(m.group(1)) for p in (*root.glob("pinned-dp*.json"), *root.glob(f"*/pinned-r*{_PINS}"))
+        have = sorted({int(m.group(1)) for p in _pin_lists(root)
                        if (m := re.fullmatch(rf"pinned-(?:dp|r)(\d+)(?:\.json|{re.escape(_PINS)})", p.name))})
         raise ValueError(f"--unpin-replica {replica}: {folder} holds no pinned list of replica {replica} "
                          f"(replicas with one: {', '.join(map(str, have)) or 'none'})")
