@@ -10,16 +10,20 @@ asking one token. Encoded tokens are each turn's context tokens less those its c
 shard of every conversation's last context; then what the context cache holds at the end: the contexts kept, the
 bytes it counts, the bytes of the distinct tensors their KV views (this process's memory, read off the tensors) and
 what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--host-cache-mb N``
-the same of the host-memory tier (what the cache evicted); with ``--context-store DIR``
+the same of the host-memory tier (what the cache evicted) -- and with ``--shed`` the device cache then sheds every
+context into it and every conversation's last turn is asked again (how many came back from host memory with their
+answers, the KV the device then holds); with ``--context-store DIR``
 (a fresh folder; its bound: ``--context-store-mb``) also what the disk tier holds -- the contexts stored and
 evicted, its files' bytes on disk, what its bound counts -- and a restarted engine's answer to the first
 conversation's last turn (seconds; whether it was loaded from the disk, not encoded, and equals the answer before
-the restart); then one JSON line.
+the restart), then every other conversation's (how many loaded with their answers from before, their time, and the
+KV the restarted engine's cache then holds); then one JSON line.
 
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000
     python benchmarks/bench_conversations.py --conversations 1 --turns 20 --context 8000 --context-cache-mb 1024
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000 --context-cache-mb 1024 \
         --host-cache-mb 4096
+    python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000 --host-cache-mb 8192 --shed
     python benchmarks/bench_conversations.py --conversations 2 --turns 10 --context 7000 --context-store /tmp/store \
         --context-store-mb 1024
 """
@@ -43,9 +47,13 @@ def main(argv=None) -> int:
     p.add_argument("--turn-tokens", type=int, default=30)
     p.add_argument("--context-cache-mb", type=int, default=4096)
     p.add_argument("--host-cache-mb", type=int, default=0, help="the host-memory tier's budget (0: none)")
+    p.add_argument("--shed", action="store_true", help="after the run, the device cache sheds every context into the "
+                   "host tier (--host-cache-mb) and every conversation's last turn is asked again")
     p.add_argument("--context-store", default=None, help="a fresh folder: the disk tier's figures and a restart")
     p.add_argument("--context-store-mb", type=int, default=None, help="the disk tier's bound (default: the engine's)")
     args = p.parse_args(argv)
+    if args.shed and args.host_cache_mb <= 0:
+        p.error("--shed sheds the device cache into the host tier: give it one with --host-cache-mb N")
     if args.context_store is not None:
         from pathlib import Path
 
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
     query = torch.tensor(engine.tokenizer(" What next?", add_special_tokens=False)["input_ids"])
     t0 = time.perf_counter()
     first = engine.generate(doc, query, max_new_tokens=1)
-    encoded, shards, per_conversation, turn_seconds, last = [first.context_tokens], [], [], [], None
+    encoded, shards, per_conversation, turn_seconds, lasts = [first.context_tokens], [], [], [], []
     for c in range(args.conversations):
         ctx, mine = doc, 0
         for t in range(args.turns):
@@ -82,9 +90,8 @@ def main(argv=None) -> int:
             t1 = time.perf_counter()
             r = engine.generate(ctx, query, max_new_tokens=1)
             turn_seconds.append(time.perf_counter() - t1)
-            if c == 0:
-                last = (ctx, r.token_ids)
             mine += r.context_tokens - r.cached_context_tokens
+        lasts.append((ctx, r.token_ids))
         per_conversation.append(mine)
         encoded.append(mine)
         shards.append(r.context_kv_tokens_per_rank)
@@ -100,27 +107,31 @@ def main(argv=None) -> int:
           f"largest / smallest shard of a conversation's last context, worst of {args.conversations}: {ratio:.3f} "
           f"({args.method}, {args.ranks} ranks); {seconds:.0f} s")
     held = _held(engine.cache.handles())
-    mib = 2 ** 20
+    evictions, counted, mib = engine.cache.evictions, engine.cache.nbytes, 2 ** 20  # the run's (before --shed)
     print(f"\n| contexts kept | evicted | cache counts | KV tensors held | kept contexts each alone | mean turn |\n"
           f"|---:|---:|---:|---:|---:|---:|\n"
-          f"| {held['kept']} | {engine.cache.evictions} | {engine.cache.nbytes / mib:.0f} MiB | "
+          f"| {held['kept']} | {evictions} | {counted / mib:.0f} MiB | "
           f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB | "
           f"{sum(turn_seconds) / len(turn_seconds):.3f} s |")
     host = {} if engine.host is None else _host(engine)
-    stored = {} if args.context_store is None else _restart(engine, make_engine, query, *last)
+    if args.shed:
+        host |= _shed(engine, query, lasts)
+    stored = {} if args.context_store is None else _restart(engine, make_engine, query, lasts)
     print(json.dumps(dict(model=args.model, method=args.method, ranks=args.ranks, context=args.context,
                           conversations=args.conversations, turns=args.turns, turn_tokens=args.turn_tokens,
                           encoded_one=one, encoded_all=total, ratio=total / one, shard_ratio=ratio,
                           seconds=seconds, context_cache_mb=args.context_cache_mb,
-                          evictions=engine.cache.evictions, cache_counted_bytes=engine.cache.nbytes,
+                          evictions=evictions, cache_counted_bytes=counted,
                           turn_seconds_mean=sum(turn_seconds) / len(turn_seconds), **held, **host,
                           **stored)))
     return 0
 
 
-def _restart(engine, make_engine, query, ctx, token_ids) -> dict:
+def _restart(engine, make_engine, query, lasts) -> dict:
     """The disk tier after the run (its writes flushed): its files, their bytes on disk, what its budget counts; then
-    a new engine on the same folder answers the first conversation's last turn (loaded, not encoded)."""
+    a new engine on the same folder answers the first conversation's last turn (loaded, not encoded), then every
+    other conversation's: how many were loaded with the answer they had before the restart, their seconds, and the
+    KV the restarted engine's cache then holds (the distinct tensors) against what the contexts hold each alone."""
     from pathlib import Path
 
     engine.flush_store()
@@ -128,18 +139,58 @@ def _restart(engine, make_engine, query, ctx, token_ids) -> dict:
     files = [f for f in Path(engine.config.runtime.context_store).rglob("*") if f.is_file()]
     disk = sum(f.stat().st_size for f in files)
     again = make_engine()
-    t0 = time.perf_counter()
-    r = again.generate(ctx, query, max_new_tokens=1)
-    seconds = time.perf_counter() - t0
-    loaded, same = r.cached_context_tokens == r.context_tokens, r.token_ids == token_ids
+    answers = _ask_all(again, query, lasts)
+    seconds, loaded, same = answers[0]
     mib = 2 ** 20
     print(f"\n| stored contexts | evicted | files on disk | store counts | restart: last turn answered | loaded | "
           f"same answer |\n|---:|---:|---:|---:|---:|---|---|\n"
           f"| {stats['contexts']} | {stats['evictions']} | {disk / mib:.0f} MiB | {stats['bytes'] / mib:.0f} MiB | "
           f"{seconds:.2f} s | {'yes' if loaded else 'no: encoded'} | {'yes' if same else 'NO'} |")
+    held = _held(again.cache.handles())
+    rest = answers[1:]
+    print(f"\n| restart: every conversation's last turn | loaded | same answer | seconds (first; the others' mean) | "
+          f"cache counts | KV tensors held | kept contexts each alone |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+          f"| {len(answers)} | {sum(a[1] for a in answers)} | {sum(a[2] for a in answers)} | {seconds:.2f}; "
+          f"{sum(a[0] for a in rest) / max(1, len(rest)):.2f} | {again.cache.nbytes / mib:.0f} MiB | "
+          f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB |")
     return dict(stored_contexts=stats["contexts"], store_disk_bytes=disk, store_counted_bytes=stats["bytes"],
                 store_evictions=stats["evictions"], restart_seconds=seconds, restart_loaded=loaded,
-                restart_same=same)
+                restart_same=same, restart_all=len(answers), restart_all_loaded=sum(a[1] for a in answers),
+                restart_all_same=sum(a[2] for a in answers),
+                restart_others_seconds_mean=sum(a[0] for a in rest) / max(1, len(rest)),
+                restart_cache_counted_bytes=again.cache.nbytes, restart_held_bytes=held["held_bytes"],
+                restart_alone_bytes=held["alone_bytes"], restart_kept=held["kept"])
+
+
+def _ask_all(engine, query, lasts) -> list[tuple[float, bool, bool]]:
+    """Each conversation's last turn asked of ``engine``: (seconds, loaded rather than encoded, the same answer)."""
+    answers = []
+    for ctx, token_ids in lasts:
+        t0 = time.perf_counter()
+        r = engine.generate(ctx, query, max_new_tokens=1)
+        answers.append((time.perf_counter() - t0, r.cached_context_tokens == r.context_tokens,
+                        r.token_ids == token_ids))
+    return answers
+
+
+def _shed(engine, query, lasts) -> dict:
+    """The device cache sheds every context into the host tier (as a rank out of device memory does), then every
+    conversation's last turn is asked again: how many came back from host memory with the answer they had, and the
+    KV the device cache then holds against what the contexts hold each alone."""
+    engine.cache.shed()
+    loads = engine.cache_stats()["host"]["loads"]
+    answers = _ask_all(engine, query, lasts)
+    held, mib = _held(engine.cache.handles()), 2 ** 20
+    print(f"\n| shed, then every conversation's last turn | loaded | host loads | same answer | mean seconds | "
+          f"cache counts | KV tensors held | kept contexts each alone |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+          f"| {len(answers)} | {sum(a[1] for a in answers)} | {engine.cache_stats()['host']['loads'] - loads} | "
+          f"{sum(a[2] for a in answers)} | {sum(a[0] for a in answers) / len(answers):.2f} | "
+          f"{engine.cache.nbytes / mib:.0f} MiB | {held['held_bytes'] / mib:.0f} MiB | "
+          f"{held['alone_bytes'] / mib:.0f} MiB |")
+    return dict(shed_loaded=sum(a[1] for a in answers), shed_host_loads=engine.cache_stats()["host"]["loads"] - loads,
+                shed_same=sum(a[2] for a in answers), shed_seconds_mean=sum(a[0] for a in answers) / len(answers),
+                shed_cache_counted_bytes=engine.cache.nbytes, shed_held_bytes=held["held_bytes"],
+                shed_alone_bytes=held["alone_bytes"], shed_kept=held["kept"])
 
 
 def _host(engine) -> dict:

@@ -555,7 +555,11 @@ def test_a_conversations_turns_are_stored_as_what_each_adds(model_dir, tmp_path,
     again = _engine(model_dir, tmp_path, **kw)
     got = again.generate(turns[-1][0], Q, max_new_tokens=4)
     assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == turns[-1][0].numel()
-    assert again.cache_stats()["store"]["loads"] == 1
+    # each file read once, each turn written after the one before: the turns are cached again, in one arena
+    assert again.cache_stats()["store"]["loads"] == len(keys)
+    loaded = [again.encoder.cache.peek(k) for k in keys]
+    assert all(h is not None for h in loaded) and len({id(h.shard.arena) for h in loaded}) == 1
+    assert again.cache_stats()["bytes"] == loaded[0].shard.arena.charged
     fork = torch.cat((turns[1][0], _ids(900, 30)))  # another reply to the first turn
     fresh = magnetar.init_inference(str(model_dir), timeout_s=60, prefix_reuse="off", **kw)
     third = _engine(model_dir, tmp_path, **kw)
@@ -599,6 +603,58 @@ def test_a_fork_is_stored_as_what_it_adds_and_comes_back_from_either_tier(model_
     assert host.cache_stats()["host"]["loads"] >= 1
 
 
+def _conversations(engine, convs: int = 4, turns: int = 2) -> list:
+    """``convs`` conversations over CTX, ``turns`` turns each (the first extends the document in place, the others
+    fork off it); the last turns' (context, result)."""
+    engine.encode(CTX)
+    last = []
+    for c in range(convs):
+        ctx = CTX
+        for t in range(turns):
+            ctx = torch.cat((ctx, _ids(400 + 50 * c + 20 * t, 12 + 3 * t)))
+            out = engine.generate(ctx, Q, max_new_tokens=4)
+        last.append((ctx, out))
+    return last
+
+
+def _doc_held_once(engine, convs: list) -> None:
+    """Every conversation's KV holds the cached document's (its own arena's first entries, or its head) -- one
+    copy -- and the cache counts each arena once."""
+    doc = engine.encoder.cache.peek(engine.cache_key(CTX))
+    handles = [engine.encoder.cache.peek(engine.cache_key(ctx)) for ctx, _ in convs]
+    assert doc is not None and all(h is not None for h in handles)
+    assert all(h.shard.head is doc.shard or h.shard.arena is doc.shard.arena for h in handles)
+    arenas = {id(a): a for h in [doc, *handles] for a in h.shard.arenas()}
+    assert engine.cache_stats()["bytes"] == sum(a.charged for a in arenas.values()) < 2 * doc.shard.arena.charged
+
+
+@pytest.mark.parametrize("kw", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring-simulated"])
+def test_conversations_loaded_back_share_their_document_again(model_dir, tmp_path, kw):
+    """Four conversations forking from one document, loaded back -- after a restart from the disk, after the device
+    cache shed them into host memory -- each rejoin the document the cache holds (the first conversation's turns
+    written after it, the others sharing it as their head) rather than holding a copy each; every answer equals the
+    first engine's. Before, each loaded conversation held the document whole: four copies."""
+    first = _engine(model_dir, tmp_path, **kw)
+    convs = _conversations(first)
+    first.flush_store()
+    _doc_held_once(first, convs)
+    again = _engine(model_dir, tmp_path, **kw)  # a restart: the conversations on disk only
+    for ctx, want in convs[::-1]:  # a fork first: the document is loaded on its way
+        got = again.generate(ctx, Q, max_new_tokens=4)
+        assert got.token_ids == want.token_ids and got.cached_context_tokens == ctx.numel()
+    _doc_held_once(again, convs)
+    assert again.cache_stats()["store"]["loads"] == 1 + 4 * 2  # each file once: the document, every turn
+    host = magnetar.init_inference(str(model_dir), timeout_s=60, host_cache_mb=64, **kw)
+    convs = _conversations(host)
+    host.cache.shed()  # the device drops every context: host memory keeps them
+    assert len(host.cache) == 0
+    for ctx, want in convs:
+        got = host.generate(ctx, Q, max_new_tokens=4)
+        assert got.token_ids == want.token_ids and got.cached_context_tokens == ctx.numel()
+    _doc_held_once(host, convs)
+
+
 def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):
     """The bound evicts the least recently used file that no other continues; the parent of the file being written
     stays even when it is the least recently used."""
@@ -636,7 +692,7 @@ def test_a_damaged_parent_removes_the_files_that_continue_it(model_dir, tmp_path
         again = _engine(model_dir, tmp_path)
         got = again.generate(turns[-1][0], Q, max_new_tokens=4)
     assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == 0  # Phase 1 ran again
-    assert "checksum" in caplog.text and f"continues {first.cache_key(CTX)}" in caplog.text
+    assert "checksum" in caplog.text and "removed, with the 3 stored contexts that continue it" in caplog.text
     again.flush_store()
     stored = _manifests(tmp_path)
     # every file that continued the damaged one is gone, the other branch too; the context is stored anew, whole
@@ -692,9 +748,18 @@ def _two_ranks_conversation(rank, world, model_dir, store):
     for folder in folders:  # each rank's folder: the same chain of its own shards
         m = {p.stem: json.loads(p.read_text()) for p in folder.glob("*.json")}
         assert [m[k]["parent"] for k in keys] == [None, *keys[:-1]], (rank, folder.name)
+    fork = torch.cat((CTX, _ids(900, 30)))  # another conversation off the document
+    want = first.generate(fork, Q, max_new_tokens=4)
+    first.flush_store()
+    torch.distributed.barrier()
     again = magnetar.init_inference(model_dir, **flat)
     got = again.generate(turns[-1][0], Q, max_new_tokens=4)
     assert got.token_ids == turns[-1][1].token_ids and got.cached_context_tokens == turns[-1][0].numel(), rank
+    # the turns came back one after another, cached; the fork then shares the document both ranks hold
+    got = again.generate(fork, Q, max_new_tokens=4)
+    assert got.token_ids == want.token_ids and got.cached_context_tokens == fork.numel(), rank
+    cache = again.encoder.cache
+    assert cache.peek(again.cache_key(fork)).shard.head is cache.peek(again.cache_key(CTX)).shard, rank
 
 
 def test_two_ranks_store_a_conversation_as_what_each_turn_adds(model_dir, tmp_path):

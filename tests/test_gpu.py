@@ -472,13 +472,14 @@ def test_dummy_weights_are_made_on_the_gpu():
 def test_conversations_forking_from_one_document_on_cuda(step):
     """Four conversations over one document on the card (fp32, so greedy tokens compare exactly): the forks share
     the document's KV (their heads) and each turn's answer, alone and the four as one batch -- the document's segment
-    read once a step (eager) or placed in each slot (graph) --, equals a fresh engine's."""
+    read once a step (eager) or placed in each slot (graph) --, equals a fresh engine's; and once the card's cache shed
+    them into host memory (copied to the host), they come back sharing the document again, with the same answers."""
     import magnetar
 
     g = torch.Generator().manual_seed(0)
     doc, q = torch.randint(0, 512, (600,), generator=g), torch.randint(0, 512, (6,), generator=g)
     kw = dict(method="dense", dtype="float32", decode_step=step, deepspeed_inference=False)
-    eng = magnetar.init_inference("dummy:tiny-llama", **kw)
+    eng = magnetar.init_inference("dummy:tiny-llama", host_cache_mb=256, **kw)
     fresh = magnetar.init_inference("dummy:tiny-llama", context_cache_mb=0, **kw)
     document = eng.encode(doc)
     convs = [torch.cat((doc, torch.randint(0, 512, (20,), generator=g))) for _ in range(4)]
@@ -488,6 +489,14 @@ def test_conversations_forking_from_one_document_on_cuda(step):
     assert heads[0] is None and all(h is document.shard for h in heads[1:])
     batch = eng.generate_batch([(c, q) for c in convs], max_new_tokens=4)
     assert [r.token_ids for r in batch] == [fresh.generate(c, q, max_new_tokens=4).token_ids for c in convs]
+    eng.cache.shed()
+    for c in convs:
+        got = eng.generate(c, q, max_new_tokens=4)
+        want = fresh.generate(c, q, max_new_tokens=4).token_ids
+        assert got.token_ids == want and got.cached_context_tokens == c.numel()
+    document = eng.cache.peek(eng.cache_key(doc))
+    heads = [eng.cache.peek(eng.cache_key(c)).shard.head for c in convs]
+    assert heads[0] is None and all(h is document.shard for h in heads[1:]) and document.shard.layers[0].k.is_cuda
 
 
 # --------------------------------------------------------------------------------------- NCCL on one GPU

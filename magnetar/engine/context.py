@@ -61,6 +61,10 @@ class ContextHandle:
     # (V,) float32 on CPU: the logits at the context's last position, where Phase 1 (one CP rank, no TP) or an
     # extension computed them -- what a scored prompt's first query token is given; None elsewhere
     last_logits: Optional[torch.Tensor] = field(default=None, repr=False)
+    # the context it extends (Encoder.extend): that context's key and this rank's KV entries of it per layer -- the
+    # first entries of this shard; None: encoded whole. A lower tier files it so that a copy loaded back rejoins the
+    # cached context it extends (Encoder._stored) instead of holding that context's KV again
+    base: Optional[tuple[str, tuple[int, ...]]] = field(default=None, repr=False)
 
     @property
     def context_tokens(self) -> int:
@@ -158,6 +162,10 @@ class ContextCache:
         self._handles.move_to_end(key)
         self.hits += 1
         return handle
+
+    def peek(self, key: str) -> Optional[ContextHandle]:
+        """The cached handle of ``key`` or None, as it is: not counted, not made the most recently used."""
+        return self._handles.get(key)
 
     def longest_prefix(self, context_ids: torch.Tensor, engine: str, options: str) -> Optional[ContextHandle]:
         """The cached handle of the same engine and options whose context is the longest proper prefix of

@@ -198,6 +198,11 @@ class Encoder:
         for tier in self.tiers:
             if not self._agree(key in tier):
                 continue
+            rejoined, tried = self._rejoined(tier, key, context_ids)
+            if rejoined is not None:
+                return rejoined
+            if tried and not self._agree(key in tier):  # a damaged context on its way, removed with what continues it
+                continue
             loaded = tier.load(key, context_ids, self.device)
             if not self._agree(loaded is not None and loaded["options"] == self.options_digest):
                 continue
@@ -205,6 +210,69 @@ class Encoder:
                                  loaded["stats"], loaded["prefill_stats"], loaded["nbytes"], loaded["method"],
                                  engine=self.identity, options=self.options_digest, last_logits=loaded["last_logits"])
         return None
+
+    def _lineage(self, tier, key: str) -> tuple[list[str], Optional[ContextHandle]]:
+        """The contexts ``tier`` holds that lead to ``key``, each extending the one before (``key`` last), and the
+        cached handle the first extends -- or None: the first is loaded whole (it extends nothing, or what it extends
+        is neither cached nor in ``tier``). This rank's view: the caller agrees on it."""
+        keys, seen = [key], {key}
+        link = tier.parent(key)
+        while link is not None and link[0] not in seen and link[0] not in self.cache and link[0] in tier:
+            keys.append(link[0])
+            seen.add(link[0])
+            link = tier.parent(link[0])
+        base = self.cache.peek(link[0]) if link is not None else None
+        return keys[::-1], base
+
+    def _rejoined(self, tier, key: str, context_ids: torch.Tensor) -> tuple[Optional[ContextHandle], bool]:
+        """``key``'s context loaded from ``tier`` as the extension it was (:attr:`ContextHandle.base`), or None (the
+        caller loads it whole); and whether a load was tried. Each context ``tier`` holds on the way from a cached
+        one (or from one that extends nothing) to ``key`` is loaded as the KV it adds, written after the one before
+        as :meth:`extend` writes a turn (:meth:`KVShard.extended`: in place at its arena's tip, else a fork sharing
+        it) and kept in the cache -- so conversations over one document, loaded back after an eviction or a restart,
+        share its KV again (and their turns one arena each) instead of holding a copy each. Only where this
+        configuration extends prefixes (the KV a context adds then joins any encoding of its prefix, as it did when
+        it was made); every rank agrees on the way first (one gather), then on each load."""
+        if self.can_extend() is not None or tier.parent(key) is None:
+            return None, False
+        keys, base = self._lineage(tier, key)
+        if base is None and len(keys) == 1:
+            return None, False  # nothing to rejoin: the whole load
+        if not self.simulated:
+            sign = hashlib.blake2b("|".join([*keys, "" if base is None else base.key]).encode(), digest_size=7)
+            mine = [len(keys), int.from_bytes(sign.digest(), "little")]
+            g = self.groups
+            got = all_gather_ints(mine, g.replica_group, self.device, timeout=g.timeout)
+            if not bool((got == got[0]).all()):
+                return None, False
+        prev = base
+        for k in keys:
+            link = tier.parent(k) if prev is not None else None
+            if prev is not None and (link is None or link[0] != prev.key):  # changed meanwhile (another thread)
+                loaded = None
+            else:
+                loaded = tier.load(k, None, self.device, after=None if link is None else link[1])
+            ids = None if loaded is None else loaded["context_ids"]
+            ok = loaded is not None and loaded["options"] == self.options_digest
+            if ok and prev is not None:  # it continues what it is written after
+                n = prev.context_tokens
+                ok = ids.numel() > n and torch.equal(ids[:n], prev.context_ids)
+            if ok and k == key:
+                ok = torch.equal(ids, context_ids.reshape(-1).cpu())
+            if not self._agree(ok):
+                return None, True
+            if prev is None:
+                shard, nbytes, made = loaded["shard"], loaded["nbytes"], None
+            else:
+                shard = KVShard.extended(prev.shard, loaded["shard"], prev.context_tokens, int(ids.numel()))
+                nbytes, made = self._largest(shard), (prev.key, prev.shard.lengths())
+            handle = ContextHandle(k, ids, shard, loaded["query_position"], loaded["stats"], loaded["prefill_stats"],
+                                   nbytes, loaded["method"], engine=self.identity, options=self.options_digest,
+                                   last_logits=loaded["last_logits"], base=made)
+            if k != key:  # an earlier turn, or the document: what the next ones (and other conversations) extend
+                self.cache.put(handle)
+            prev = handle
+        return prev, True
 
     def tier_prefix_tokens(self, context_ids: torch.Tensor) -> int:
         """The length of the longest proper prefix of ``context_ids`` (of this engine's options) that a lower tier
@@ -316,7 +384,7 @@ class Encoder:
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
                              base.query_position + added, stats, base.prefill_stats, largest, base.method,
                              engine=self.identity, options=self.options_digest, reused_tokens=n,
-                             last_logits=logits[-1].float().cpu())
+                             last_logits=logits[-1].float().cpu(), base=(base.key, base.shard.lengths()))
 
     def _extend_spread(self, base: ContextHandle, context_ids: torch.Tensor, key: Optional[str]) -> ContextHandle:
         """An extension longer than its prefix, on real CP ranks: each rank encodes its share of the new tokens
@@ -341,7 +409,8 @@ class Encoder:
         largest = self._largest(shard)
         return ContextHandle(self.key(context_ids) if key is None else key, context_ids.reshape(-1).clone(), shard,
                              base.query_position + added, stats, base.prefill_stats, largest, base.method,
-                             engine=self.identity, options=self.options_digest, reused_tokens=n)
+                             engine=self.identity, options=self.options_digest, reused_tokens=n,
+                             base=(base.key, base.shard.lengths()))
 
     def _largest(self, shard: KVShard) -> int:
         """The KV bytes of an extension's ``shard`` on the replica's largest rank (simulated: this process's, which

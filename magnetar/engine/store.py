@@ -13,7 +13,8 @@ earlier turn of a conversation) is loaded and extended, as a cached prefix is.
 A context that extended a stored one (``Encoder.extend``: a conversation's next turn) is written as what it adds --
 each layer's entries after its parent's on this rank (an extension writes its KV after its base's: the first
 entries of its shard are the base's) --, its manifest naming the parent and both entry counts; a load reads the chain
-from its first, whole, file on. A parent is evicted only after the files that continue it; one whose parent is gone
+from its first, whole, file on -- or, where the engine holds the parent already (:meth:`ContextStore.parent`), the
+file alone, whose entries it writes after the parent's (``Encoder._rejoined``). A parent is evicted only after the files that continue it; one whose parent is gone
 can never load and is removed.
 
 What is never loaded, named in the log: a file without its manifest (the process died while writing: the data file
@@ -573,18 +574,36 @@ class ContextStore:
             (self.dir / f"{key}{suffix}").unlink(missing_ok=True)
 
     # -- loading ------------------------------------------------------------------------------------------------
-    def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
+    def parent(self, key: str) -> Optional[tuple[str, tuple]]:
+        """The stored context whose KV ``key``'s file continues -- its key and this rank's KV entries of it per layer
+        (the first entries of ``key``'s shard) --, or None (the file is whole, or ``key`` is not stored)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            up = None if entry is None or entry.parent is None else self._entries.get(entry.parent)
+            return None if up is None or up.kv is None else (up.key, up.kv)
+
+    def load(self, key: str, context_ids: Optional[torch.Tensor], device, after: Optional[tuple] = None
+             ) -> Optional[dict]:
         """The stored shard of ``key`` -- ``{"shard", "context_ids", "query_position", "stats", "prefill_stats",
         "nbytes", "method", "options", "last_logits"}`` on ``device`` -- or None when it is missing or invalid
         (logged by name; a partial or corrupt file is deleted, with the files that continue it). ``context_ids``: the
         ids it must hold (None: a prefix found by its digest, checked by the caller). A file that continues a
-        parent's is read after the parent's, every file of the chain checked: each layer's KV is theirs in order."""
+        parent's is read after the parent's, every file of the chain checked: each layer's KV is theirs in order.
+        ``after``: the parent's KV entries per layer (:meth:`parent`), held by the caller -- only ``key``'s own file
+        is read and checked, and the shard holds the entries after those (None when the file continues another
+        version of its parent)."""
         from safetensors import safe_open
 
         from magnetar.engine.kv import KVShard
         from magnetar.engine.results import RankStats
 
-        chain = self._chain(key)
+        if after is None:
+            chain = self._chain(key)
+        else:
+            m = self._manifest(key)
+            if m is not None and m.get("parent_kv") != list(after):
+                return self._refuse(key, "it continues another version of its parent than the one loaded")
+            chain = None if m is None else [(key, m)]
         if chain is None:
             return None
         m = chain[-1][1]
@@ -659,8 +678,6 @@ class ContextStore:
         return m
 
     def _refuse(self, key: str, why: str, delete: bool = False) -> None:
-        log.warning("context store: %s is not loaded: %s%s", self.dir / f"{key}.safetensors", why,
-                    "; removed" if delete else "")
         with self._lock:
             self.refused += 1
             self._entries.pop(key, None)
@@ -672,6 +689,10 @@ class ContextStore:
                 for k in more:
                     del self._entries[k]
                     gone.add(k)
+        n = len(gone) - 1
+        more = f"; removed, with the {n} stored context{'s that continue' if n > 1 else ' that continues'} it"
+        log.warning("context store: %s is not loaded: %s%s", self.dir / f"{key}.safetensors", why,
+                    "" if not delete else more if n else "; removed")
         if delete:
             for k in gone:
                 self._delete(k)
@@ -960,8 +981,16 @@ class HostTier:
             candidates = [(h.context_tokens, p) for h, p, _ in self._items.values() if h.options == options]
         return _longest(candidates, int(context_ids.numel()), prefix_of)
 
-    def load(self, key: str, context_ids: Optional[torch.Tensor], device) -> Optional[dict]:
-        """The context of ``key`` on ``device`` (it leaves this tier), as :meth:`ContextStore.load` returns it."""
+    def parent(self, key: str) -> Optional[tuple[str, tuple]]:
+        """As :meth:`ContextStore.parent`: the context ``key`` extended (its handle's ``base``), or None."""
+        with self._lock:
+            found = self._items.get(key)
+        return None if found is None else found[0].base
+
+    def load(self, key: str, context_ids: Optional[torch.Tensor], device, after: Optional[tuple] = None
+             ) -> Optional[dict]:
+        """The context of ``key`` on ``device`` (it leaves this tier), as :meth:`ContextStore.load` returns it;
+        ``after``: the entries per layer its parent holds (:meth:`parent`) -- the shard holds the ones after them."""
         from magnetar.engine.kv import KVShard
 
         with self._lock:
@@ -975,10 +1004,12 @@ class HostTier:
             self.refused += 1
             return None
         shard = KVShard(len(h.shard.layers))
-        for mine, theirs in zip(shard.layers, h.shard.layers):
-            if theirs.k is not None:
-                mine.append(theirs.k.to(device), theirs.v.to(device), theirs.pos.to(device),
-                            None if theirs.mass is None else theirs.mass.to(device))
+        for i, (mine, theirs) in enumerate(zip(shard.layers, h.shard.layers)):
+            cut = 0 if after is None else after[i]
+            if theirs.k is not None and len(theirs) > cut:
+                mass = None if theirs.mass is None else theirs.mass[:, :, cut:].to(device)
+                mine.append(theirs.k[:, :, cut:].to(device), theirs.v[:, :, cut:].to(device),
+                            theirs.pos[cut:].to(device), mass)
         shard.freeze()
         self.loads += 1
         return {"shard": shard, "context_ids": h.context_ids, "query_position": h.query_position, "stats": h.stats,
