@@ -467,6 +467,44 @@ def test_a_restarted_server_answers_from_the_store(tmp_path, tmp_path_factory):
     assert "magnetar_context_store_loads_total 2.0" in metrics, metrics
 
 
+def test_conversations_about_a_pasted_document_share_it_after_a_restart(tmp_path, tmp_path_factory):
+    """Three conversations about one document pasted into the chat (the openai client), two turns each, then a
+    restart on the same --context-store: each conversation's next turn loads its context from the disk with the same
+    answer, and the restarted server holds the document once (the conversations' turns written after it or sharing
+    it), as the first did. Before, each conversation came back holding the document whole: three copies."""
+    openai = pytest.importorskip("openai", reason="the test extra: pip install 'magnetar[test]'")
+    from magnetar.serve.server import Server
+    from tests.dist_utils import free_port, serve_in_thread
+    from tests.tiny_models import save_tiny_chat
+
+    model_dir = save_tiny_chat(tmp_path_factory.mktemp("tiny-store-chat"), 2048)
+    doc = "\n".join(f"Line {i}: the ledger keeps record {i * 7} for the harbour office." for i in range(20))
+
+    def server() -> Server:
+        engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_store=str(tmp_path))
+        return Server(engine, model_name="tiny", port=free_port(), max_tokens=8, paste_threshold=64)
+
+    def turn(url: str, messages: list):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        return client.chat.completions.create(model="tiny", max_tokens=4, temperature=0, messages=messages)
+
+    convs = [[{"role": "user", "content": f"{doc}\n\nWhich record is on line {c}?"}] for c in range(3)]
+    with serve_in_thread(server()) as s:
+        for t in range(2):
+            for messages in convs:
+                answer = turn(s.url, messages).choices[0].message.content
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And line {t}?"}]
+        want = [turn(s.url, m).choices[0].message.content for m in convs]
+        held = s.engine.cache.nbytes
+    with serve_in_thread(server()) as s:
+        for messages, answer in zip(convs, want):
+            got = turn(s.url, messages)
+            assert got.choices[0].message.content == answer
+            assert got.usage.prompt_tokens_details.cached_tokens > 0.9 * got.usage.prompt_tokens
+        assert s.engine.cache.nbytes < 1.2 * held  # the document once, as before the restart (before: ~3x)
+        assert s.engine.cache_stats()["store"]["loads"] > 3  # the document, then each conversation's turns
+
+
 def test_the_host_tier_keeps_what_the_cache_evicts(model_dir, tmp_path):
     """runtime.host_cache_mb: a context the device cache evicts is kept in host memory and comes back from there
     (no Phase 1, the same answer), before the disk tier is asked; a longer context extends it from there too."""
