@@ -13,7 +13,7 @@ import torch
 import magnetar
 from magnetar.engine.context import ContextCache, ContextHandle
 from magnetar.engine.kv import ARENA_SPARE, KVShard
-from tests.test_encode_ask import _ids
+from tests.test_encode_ask import _ids, _same
 from tests.tiny_models import tiny_model
 
 LAYERS, B, H, D = 3, 1, 2, 4
@@ -187,8 +187,8 @@ def test_a_conversation_stays_cached_within_one_documents_budget(flat):
     fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0, **flat)
     ctx = doc
     for turn in range(6):
-        got = eng.generate(ctx, q, max_new_tokens=3)
-        assert got.token_ids == fresh.generate(ctx, q, max_new_tokens=3).token_ids, turn
+        got = eng.generate(ctx, q, max_new_tokens=3, return_logits=True)
+        _same(got, fresh.generate(ctx, q, max_new_tokens=3, return_logits=True), f"turn {turn}")
         assert got.cached_context_tokens == (0 if turn == 0 else int(ctx.numel()) - 12), turn
         ctx = torch.cat((ctx, _ids(20 + turn, 12)))
     assert len(eng.cache) == 6 and eng.cache.evictions == 0, eng.cache.stats()
@@ -220,8 +220,12 @@ def test_conversations_forking_from_one_document_hold_it_once(flat):
         if turn:
             convs = [torch.cat((c, _ids(50 + i, 9))) for i, c in enumerate(convs)]
         for c in convs:
-            got = eng.generate(c, q, max_new_tokens=3)
-            assert got.token_ids == fresh.generate(c, q, max_new_tokens=3).token_ids, turn
+            got = eng.generate(c, q, max_new_tokens=3, return_logits=True)
+            want = fresh.generate(c, q, max_new_tokens=3, return_logits=True)
+            if flat["method"] == "star":  # prefix_reuse all: the new tokens attend the cached prefix exactly, where a
+                assert got.token_ids == want.token_ids, turn  # fresh encode is Star's (logits differ: docs/engine.md)
+            else:
+                _same(got, want, f"turn {turn}")
             assert got.cached_context_tokens == int(c.numel()) - (12 if turn == 0 else 9), turn
     handles = [eng.cache.get(eng.cache_key(c)) for c in convs]
     assert handles[0].shard.head is None and handles[0].shard.arena is document.shard.arena
