@@ -12,7 +12,7 @@ bytes it counts, the bytes of the distinct tensors their KV views (this process'
 what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--host-cache-mb N``
 the same of the host-memory tier (what the cache evicted) -- and with ``--shed`` the device cache then sheds every
 context into it and every conversation's last turn is asked again (how many came back from host memory with their
-answers, the KV the device then holds); with ``--context-store DIR``
+answers, the KV the host tier and then the device hold); with ``--context-store DIR``
 (a fresh folder; its bound: ``--context-store-mb``) also what the disk tier holds -- the contexts stored and
 evicted, its files' bytes on disk, what its bound counts -- and a restarted engine's answer to the first
 conversation's last turn (seconds; whether it was loaded from the disk, not encoded, and equals the answer before
@@ -178,16 +178,21 @@ def _shed(engine, query, lasts) -> dict:
     conversation's last turn is asked again: how many came back from host memory with the answer they had, and the
     KV the device cache then holds against what the contexts hold each alone."""
     engine.cache.shed()
-    loads = engine.cache_stats()["host"]["loads"]
+    stats, on_host = engine.cache_stats()["host"], _held(engine.host.handles())
+    loads = stats["loads"]
     answers = _ask_all(engine, query, lasts)
     held, mib = _held(engine.cache.handles()), 2 ** 20
+    print(f"\n| shed: host tier contexts | it counts | KV tensors held |\n|---:|---:|---:|\n"
+          f"| {stats['contexts']} | {stats['bytes'] / mib:.0f} MiB | {on_host['held_bytes'] / mib:.0f} MiB |")
     print(f"\n| shed, then every conversation's last turn | loaded | host loads | same answer | mean seconds | "
           f"cache counts | KV tensors held | kept contexts each alone |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n"
           f"| {len(answers)} | {sum(a[1] for a in answers)} | {engine.cache_stats()['host']['loads'] - loads} | "
           f"{sum(a[2] for a in answers)} | {sum(a[0] for a in answers) / len(answers):.2f} | "
           f"{engine.cache.nbytes / mib:.0f} MiB | {held['held_bytes'] / mib:.0f} MiB | "
           f"{held['alone_bytes'] / mib:.0f} MiB |")
-    return dict(shed_loaded=sum(a[1] for a in answers), shed_host_loads=engine.cache_stats()["host"]["loads"] - loads,
+    return dict(shed_host_contexts=stats["contexts"], shed_host_counted_bytes=stats["bytes"],
+                shed_host_held_bytes=on_host["held_bytes"], shed_loaded=sum(a[1] for a in answers),
+                shed_host_loads=engine.cache_stats()["host"]["loads"] - loads,
                 shed_same=sum(a[2] for a in answers), shed_seconds_mean=sum(a[0] for a in answers) / len(answers),
                 shed_cache_counted_bytes=engine.cache.nbytes, shed_held_bytes=held["held_bytes"],
                 shed_alone_bytes=held["alone_bytes"], shed_kept=held["kept"])

@@ -687,13 +687,36 @@ def test_conversations_loaded_back_share_their_document_again(model_dir, tmp_pat
     assert again.cache_stats()["store"]["loads"] == 1 + 4 * 2  # each file once: the document, every turn
     host = magnetar.init_inference(str(model_dir), timeout_s=60, host_cache_mb=64, **kw)
     convs = _conversations(host)
-    host.cache.shed()  # the device drops every context: host memory keeps them
-    assert len(host.cache) == 0
+    doc_bytes = host.encoder.cache.peek(host.cache_key(CTX)).nbytes
+    host.cache.shed()  # the device drops every context: host memory keeps them -- a fork's own entries alone
+    assert len(host.cache) == 0 and host.cache_stats()["host"]["contexts"] == 9
+    assert host.cache_stats()["host"]["bytes"] < 2 * doc_bytes  # before: a copy of the document per fork (4.5x)
     for ctx, want in convs:
         got = host.generate(ctx, Q, max_new_tokens=4, return_logits=True)
         _same(got, want, "after a shed")
         assert got.cached_context_tokens == ctx.numel()
     _doc_held_once(host, convs)
+
+
+def test_a_forks_own_entries_in_host_memory_wait_for_its_document(model_dir):
+    """A fork's host copy holds its own entries alone: it does not load whole. With its document gone from every tier
+    it stays where it is, and the fork is encoded again (a fresh engine's answer); with the document back in the
+    cache, it loads after it."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, host_cache_mb=64)
+    convs = _conversations(engine, convs=2, turns=1)  # the document, its first conversation in place, a fork
+    fork, key = convs[1][0], engine.cache_key(convs[1][0])
+    engine.cache.shed()
+    tier = engine.encoder.host
+    assert tier.load(key, None, "cpu") is None and key in tier  # not whole, and still there
+    tier.load(engine.cache_key(CTX), None, "cpu")  # the document leaves host memory (as if evicted from it)
+    fresh = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=0)
+    got = engine.generate(fork, Q, max_new_tokens=4, return_logits=True)
+    _same(got, fresh.generate(fork, Q, max_new_tokens=4, return_logits=True), "the fork encoded again")
+    assert got.cached_context_tokens == 0 and key in tier
+    engine.cache.shed()  # the document is saved again (the fork's new context, whole, too)
+    engine.cache.release(engine.cache_key(fork))
+    engine.encode(CTX)  # the document back in the cache, from host memory
+    assert engine.generate(fork, Q, max_new_tokens=4).cached_context_tokens == fork.numel()
 
 
 def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):

@@ -211,22 +211,26 @@ class Encoder:
                                  engine=self.identity, options=self.options_digest, last_logits=loaded["last_logits"])
         return None
 
-    def _lineage(self, tier, key: str) -> tuple[list[str], Optional[ContextHandle]]:
-        """The contexts ``tier`` holds that lead to ``key``, each extending the one before (``key`` last), and the
-        cached handle the first extends -- or None: the first is loaded whole (it extends nothing, or what it extends
-        is neither cached nor in ``tier``). This rank's view: the caller agrees on it."""
-        keys, seen = [key], {key}
+    def _lineage(self, tier, key: str) -> tuple[list[tuple[str, object]], Optional[ContextHandle]]:
+        """The stored contexts that lead to ``key`` (in ``tier``), each extending the one before, with the lower tier
+        each is taken from (the first that holds it: host memory, then disk), ``key`` last; and the cached handle the
+        first extends -- or None: the first is loaded whole (it extends nothing, or what it extends is neither cached
+        nor in a lower tier). This rank's view: the caller agrees on it."""
+        way, seen = [(key, tier)], {key}
         link = tier.parent(key)
-        while link is not None and link[0] not in seen and link[0] not in self.cache and link[0] in tier:
-            keys.append(link[0])
+        while link is not None and link[0] not in seen and link[0] not in self.cache:
+            holder = next((t for t in self.tiers if link[0] in t), None)
+            if holder is None:
+                break
+            way.append((link[0], holder))
             seen.add(link[0])
-            link = tier.parent(link[0])
+            link = holder.parent(link[0])
         base = self.cache.peek(link[0]) if link is not None else None
-        return keys[::-1], base
+        return way[::-1], base
 
     def _rejoined(self, tier, key: str, context_ids: torch.Tensor) -> tuple[Optional[ContextHandle], bool]:
         """``key``'s context loaded from ``tier`` as the extension it was (:attr:`ContextHandle.base`), or None (the
-        caller loads it whole); and whether a load was tried. Each context ``tier`` holds on the way from a cached
+        caller loads it whole); and whether a load was tried. Each context a lower tier holds on the way from a cached
         one (or from one that extends nothing) to ``key`` is loaded as the KV it adds, written after the one before
         as :meth:`extend` writes a turn (:meth:`KVShard.extended`: in place at its arena's tip, else a fork sharing
         it) and kept in the cache -- so conversations over one document, loaded back after an eviction or a restart,
@@ -235,23 +239,24 @@ class Encoder:
         it was made); every rank agrees on the way first (one gather), then on each load."""
         if self.can_extend() is not None or tier.parent(key) is None:
             return None, False
-        keys, base = self._lineage(tier, key)
-        if base is None and len(keys) == 1:
+        way, base = self._lineage(tier, key)
+        if base is None and len(way) == 1:
             return None, False  # nothing to rejoin: the whole load
         if not self.simulated:
-            sign = hashlib.blake2b("|".join([*keys, "" if base is None else base.key]).encode(), digest_size=7)
-            mine = [len(keys), int.from_bytes(sign.digest(), "little")]
+            named = [f"{k}@{self.tiers.index(t)}" for k, t in way] + ["" if base is None else base.key]
+            sign = hashlib.blake2b("|".join(named).encode(), digest_size=7)
+            mine = [len(way), int.from_bytes(sign.digest(), "little")]
             g = self.groups
             got = all_gather_ints(mine, g.replica_group, self.device, timeout=g.timeout)
             if not bool((got == got[0]).all()):
                 return None, False
         prev = base
-        for k in keys:
-            link = tier.parent(k) if prev is not None else None
+        for k, holder in way:
+            link = holder.parent(k) if prev is not None else None
             if prev is not None and (link is None or link[0] != prev.key):  # changed meanwhile (another thread)
                 loaded = None
             else:
-                loaded = tier.load(k, None, self.device, after=None if link is None else link[1])
+                loaded = holder.load(k, None, self.device, after=None if link is None else link[1])
             ids = None if loaded is None else loaded["context_ids"]
             ok = loaded is not None and loaded["options"] == self.options_digest
             if ok and prev is not None:  # it continues what it is written after

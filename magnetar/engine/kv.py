@@ -234,6 +234,7 @@ class KVShard:
         self._layers = [LayerKV() for _ in range(num_layers)]
         self.arena: Optional[KVArena] = None
         self.head: Optional[KVShard] = None  # a fork's first entries: the shard it extends, shared
+        self.head_tokens = 0  # the context tokens the head holds (the same on every rank; 0: no head)
         self._joined: dict[int, LayerKV] = {}  # whole(i) of a fork's view, made once per layer
 
     @property
@@ -330,6 +331,7 @@ class KVShard:
         out = KVShard(0)
         out._layers = [layer.view() for layer in self._layers]
         out.head = None if self.head is None else self.head.view()
+        out.head_tokens = self.head_tokens
         return out
 
     def clone(self) -> "KVShard":
@@ -402,10 +404,12 @@ class KVShard:
         out.freeze()
         if arena is not None and arena.tip != base_tokens:  # a fork: base read as it is, never written
             out.head, arena, adopt, own = base, KVArena(tokens, len(base.own)), False, [LayerKV() for _ in base.own]
+            out.head_tokens = base_tokens
             for layer in own:
                 layer.freeze()
         else:
             out.head, arena, own = base.head, KVArena(tokens, len(base.own)) if arena is None else arena, base.own
+            out.head_tokens = base.head_tokens
         for i, (have, layer) in enumerate(zip(own, out.own)):
             new = None if part is None or part.own[i].k is None else part.own[i]
             n, add = len(have), 0 if new is None else len(new)

@@ -14,8 +14,8 @@ A context that extended a stored one (``Encoder.extend``: a conversation's next 
 each layer's entries after its parent's on this rank (an extension writes its KV after its base's: the first
 entries of its shard are the base's) --, its manifest naming the parent and both entry counts; a load reads the chain
 from its first, whole, file on -- or, where the engine holds the parent already (:meth:`ContextStore.parent`), the
-file alone, whose entries it writes after the parent's (``Encoder._rejoined``). A parent is evicted only after the files that continue it; one whose parent is gone
-can never load and is removed.
+file alone, whose entries it writes after the parent's (``Encoder._rejoined``). A parent is evicted only after the
+files that continue it; one whose parent is gone can never load and is removed.
 
 What is never loaded, named in the log: a file without its manifest (the process died while writing: the data file
 goes to a temporary name first and is renamed, then the manifest), a file whose size or checksum differs from its
@@ -855,16 +855,25 @@ class _HostChain:
             self.layers, self.tokens, self.nbytes = [], 0, 0
 
 
-def _host_copy(shard):
-    """A host copy of ``shard`` (a fork's segments joined) in one segment."""
+def _host_shard(num_layers: int, skip: Optional[tuple]):
+    """An empty frozen host shard: whole, or (``skip``: per layer, the entries of a fork's head it leaves out) a
+    fork's own entries alone -- loadable only after a context that holds at least those (``HostTier.load``)."""
     from magnetar.engine.kv import KVShard
 
-    host = KVShard(shard.num_layers)
+    host = KVShard(num_layers)
+    host.skip = skip
+    host.freeze()
+    return host
+
+
+def _host_copy(shard, skip: Optional[tuple] = None):
+    """A host copy of ``shard`` in one segment: its entries from ``skip`` on (None: all of them, a fork's segments
+    joined)."""
+    host = _host_shard(shard.num_layers, skip)
     for i, mine in enumerate(host.layers):
-        entries = shard.entries(i)
+        entries = shard.entries(i, 0 if skip is None else skip[i])
         if entries is not None:
             mine.append(*(None if t is None else t.cpu() for t in entries))
-    host.freeze()
     return host
 
 
@@ -873,13 +882,12 @@ def _first(buf: tuple, n: int) -> tuple:
     return buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
 
 
-def _viewing(shard, chain: _HostChain):
-    """A frozen shard of ``shard``'s entry counts whose layers view the first entries of ``chain``'s buffers."""
-    from magnetar.engine.kv import KVShard
-
-    out = KVShard(shard.num_layers)
-    out.freeze()
-    for mine, n, buf in zip(out.layers, shard.lengths(), chain.layers):
+def _viewing(shard, chain: _HostChain, skip: Optional[tuple] = None):
+    """A frozen host shard of ``shard``'s entry counts (from ``skip`` on) whose layers view the first entries of
+    ``chain``'s buffers."""
+    out = _host_shard(shard.num_layers, skip)
+    for i, (mine, n, buf) in enumerate(zip(out.layers, shard.lengths(), chain.layers)):
+        n -= 0 if skip is None else skip[i]
         if n:
             mine.append(*_first(buf, n))
     return out
@@ -924,21 +932,31 @@ class HostTier:
 
     def save(self, handle, prefix: str) -> None:
         """Keep ``handle`` (one the device cache evicted) with its shard in host memory: a copy, or views of its
-        chain's copy when that holds a longer turn of its conversation."""
-        if handle.nbytes > self.budget_bytes or handle.shard is None:
+        chain's copy when that holds a longer turn of its conversation. A fork (a conversation off a document
+        another one extended: :attr:`~magnetar.engine.kv.KVShard.head`) keeps its own entries alone, counted at its
+        own tokens' share of its bytes: it loads back after its document (``Encoder._rejoined``), not whole."""
+        shard = handle.shard
+        if shard is None:
             return
-        arena = handle.shard.arena
-        if arena is not None and any(layer.mass is not None for layer in handle.shard.own):
+        skip = None
+        if shard.head is not None and handle.base is not None and 0 < shard.head_tokens < handle.context_tokens:
+            skip = shard.head.lengths()
+            own = handle.context_tokens - shard.head_tokens
+            handle = dataclasses.replace(handle, nbytes=-(-handle.nbytes * own // handle.context_tokens))
+        if handle.nbytes > self.budget_bytes:
+            return
+        arena = shard.arena
+        if arena is not None and any(layer.mass is not None for layer in shard.own):
             arena = None  # (arenas hold no masses; a shard with them is copied alone)
         with self._lock:
             chain = self._chain(arena, handle.context_tokens)
             if chain is not None:  # a shorter turn than one kept: views, no copy
-                return self._keep(handle, prefix, _viewing(handle.shard, chain), chain)
-        host = _host_copy(handle.shard)  # outside the lock: a device-to-host copy
+                return self._keep(handle, prefix, _viewing(shard, chain, skip), chain)
+        host = _host_copy(shard, skip)  # outside the lock: a device-to-host copy
         with self._lock:
             chain = self._chain(arena, handle.context_tokens)
             if chain is not None:  # a longer turn was kept meanwhile
-                host = _viewing(handle.shard, chain)
+                host = _viewing(shard, chain, skip)
             elif arena is not None:  # the longest turn so far (or the first): its copy is the chain's
                 chain = self._chains.get(arena)
                 if chain is None or not chain.keys:
@@ -994,6 +1012,10 @@ class HostTier:
         from magnetar.engine.kv import KVShard
 
         with self._lock:
+            found = self._items.get(key)
+            skip = None if found is None else found[0].shard.skip
+            if skip is not None and (after is None or any(a < s for a, s in zip(after, skip))):
+                return None  # a fork's own entries: loaded only after a context holding its head's (it stays)
             found = self._items.pop(key, None)
             if found is not None and found[2] is not None:
                 found[2].leave(key)
@@ -1005,7 +1027,7 @@ class HostTier:
             return None
         shard = KVShard(len(h.shard.layers))
         for i, (mine, theirs) in enumerate(zip(shard.layers, h.shard.layers)):
-            cut = 0 if after is None else after[i]
+            cut = (0 if after is None else after[i]) - (0 if skip is None else skip[i])
             if theirs.k is not None and len(theirs) > cut:
                 mass = None if theirs.mass is None else theirs.mass[:, :, cut:].to(device)
                 mine.append(theirs.k[:, :, cut:].to(device), theirs.v[:, :, cut:].to(device),
