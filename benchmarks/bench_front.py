@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_store import free_port, serve, wait  # noqa: E402
+from bench_store import serve, wait  # noqa: E402
+from tests.dist_utils import free_ports  # noqa: E402
 
 
 def _ask(url: str, document: str, question: str) -> tuple[float, int, str]:
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     ids = tokenizer("\n\n".join(paul_graham_essays()), add_special_tokens=False)["input_ids"]
     docs = [tokenizer.decode(ids[i * args.context:(i + 1) * args.context]) for i in (0, 1)]
     questions = [f"In one word, what is question {i} about?" for i in range(args.questions)]
-    port, front = free_port(), free_port()
+    port, front = free_ports(2)  # the replicas on port and port + 1, the front elsewhere
     rows = {}
     with tempfile.TemporaryDirectory(prefix="magnetar-front-") as tmp:
         log = Path(tmp) / "server.log"

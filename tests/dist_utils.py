@@ -63,6 +63,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> tuple[int, int]:
+    """``(first, other)``: ``n`` consecutive ports from ``first`` free now (data-parallel replicas listen on
+    ``--port + d``), and one more free port outside them (a front port). Two ``free_port()`` calls could return
+    P and P + 1 -- the kernel hands out neighbouring ports -- and replica 1 then found its port taken."""
+    for _ in range(100):
+        first = free_port()
+        if first + n - 1 > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(first + 1, first + n):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", p))
+                other = free_port()
+        except OSError:
+            continue
+        if not first <= other < first + n:
+            return first, other
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1 after 100 tries")
+
+
 def _entry(rank: int, world_size: int, port: int, fn, args, environ=None):
     if environ is not None:  # the caller's environment now (the fork server holds the one it started with)
         os.environ.clear()

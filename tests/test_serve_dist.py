@@ -31,7 +31,7 @@ from magnetar.parallel.groups import init_groups  # noqa: E402
 from magnetar.parallel.launcher import device_for_rank  # noqa: E402
 from magnetar.serve.ticks import Add, Tick, broadcast_tick  # noqa: E402
 from tests.conftest import assert_close, repo_pythonpath  # noqa: E402
-from tests.dist_utils import free_port, run_distributed, wait_serving  # noqa: E402
+from tests.dist_utils import free_port, free_ports, run_distributed, wait_serving  # noqa: E402
 from tests.tiny_models import save_tiny  # noqa: E402
 
 NAME = "tiny"
@@ -235,7 +235,7 @@ def test_a_front_port_routes_each_document_to_the_replica_that_holds_it(model_di
     """Two data-parallel replicas (dense, one rank each) behind --front-port: ten questions about one document are
     answered with one Phase 1 in total; a second document goes to the other replica; a pinned context's questions and
     a stored response's continuation go to the replica that holds them; GET /v1/contexts says which."""
-    port, front = free_port(), free_port()
+    port, front = free_ports(2)  # the replicas on port and port + 1, the front elsewhere
     flags = ["--method", "dense", "--paste-threshold", "32", "--front-port", str(front)]
     job = _start(model_dir, tmp_path, port, flags)
     url = f"http://127.0.0.1:{front}"
