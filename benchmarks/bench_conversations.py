@@ -9,10 +9,11 @@ asking one token. Encoded tokens are each turn's context tokens less those its c
 (``cached_context_tokens``); the table compares them with one conversation's, and gives the largest and smallest
 shard of every conversation's last context; then what the context cache holds at the end: the contexts kept, the
 bytes it counts, the bytes of the distinct tensors their KV views (this process's memory, read off the tensors) and
-what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--host-cache-mb N``
-the same of the host-memory tier (what the cache evicted) -- and with ``--shed`` the device cache then sheds every
-context into it and every conversation's last turn is asked again (how many came back from host memory with their
-answers, the KV the host tier and then the device hold); with ``--context-store DIR``
+what the kept contexts would hold each on its own, and the mean wall time of a turn; with ``--release-first`` the
+first conversation's contexts then leave the cache (what it counts and holds before and after, the others asked
+again); with ``--host-cache-mb N`` the same of the host-memory tier (what the cache evicted) -- and with ``--shed``
+the device cache then sheds every context into it and every conversation's last turn is asked again (how many came
+back from host memory with their answers, the KV the host tier and then the device hold); with ``--context-store DIR``
 (a fresh folder; its bound: ``--context-store-mb``) also what the disk tier holds -- the contexts stored and
 evicted, its files' bytes on disk, what its bound counts -- and a restarted engine's answer to the first
 conversation's last turn (seconds; whether it was loaded from the disk, not encoded, and equals the answer before
@@ -24,6 +25,8 @@ KV the restarted engine's cache then holds); then one JSON line.
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000 --context-cache-mb 1024 \
         --host-cache-mb 4096
     python benchmarks/bench_conversations.py --conversations 10 --turns 5 --context 8000 --host-cache-mb 8192 --shed
+    python benchmarks/bench_conversations.py --conversations 4 --turns 20 --turn-tokens 150 --context 4000 \
+        --release-first
     python benchmarks/bench_conversations.py --conversations 2 --turns 10 --context 7000 --context-store /tmp/store \
         --context-store-mb 1024
 """
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--turn-tokens", type=int, default=30)
     p.add_argument("--context-cache-mb", type=int, default=4096)
     p.add_argument("--host-cache-mb", type=int, default=0, help="the host-memory tier's budget (0: none)")
+    p.add_argument("--release-first", action="store_true", help="after the run, the first conversation's contexts "
+                   "leave the cache (the others, forks of the document, stay) and the others are asked again")
     p.add_argument("--shed", action="store_true", help="after the run, the device cache sheds every context into the "
                    "host tier (--host-cache-mb) and every conversation's last turn is asked again")
     p.add_argument("--context-store", default=None, help="a fresh folder: the disk tier's figures and a restart")
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     first = engine.generate(doc, query, max_new_tokens=1)
     encoded, shards, per_conversation, turn_seconds, lasts = [first.context_tokens], [], [], [], []
+    first_turns = []  # the first conversation's contexts (it extends the document in place; the others fork)
     for c in range(args.conversations):
         ctx, mine = doc, 0
         for t in range(args.turns):
@@ -91,6 +97,8 @@ def main(argv=None) -> int:
             r = engine.generate(ctx, query, max_new_tokens=1)
             turn_seconds.append(time.perf_counter() - t1)
             mine += r.context_tokens - r.cached_context_tokens
+            if c == 0:
+                first_turns.append(ctx)
         lasts.append((ctx, r.token_ids))
         per_conversation.append(mine)
         encoded.append(mine)
@@ -114,6 +122,8 @@ def main(argv=None) -> int:
           f"{held['held_bytes'] / mib:.0f} MiB | {held['alone_bytes'] / mib:.0f} MiB | "
           f"{sum(turn_seconds) / len(turn_seconds):.3f} s |")
     host = {} if engine.host is None else _host(engine)
+    if args.release_first:
+        host |= _release_first(engine, query, first_turns, lasts[1:])
     if args.shed:
         host |= _shed(engine, query, lasts)
     stored = {} if args.context_store is None else _restart(engine, make_engine, query, lasts)
@@ -160,6 +170,25 @@ def _restart(engine, make_engine, query, lasts) -> dict:
                 restart_others_seconds_mean=sum(a[0] for a in rest) / max(1, len(rest)),
                 restart_cache_counted_bytes=again.cache.nbytes, restart_held_bytes=held["held_bytes"],
                 restart_alone_bytes=held["alone_bytes"], restart_kept=held["kept"])
+
+
+def _release_first(engine, query, first_turns, others) -> dict:
+    """The first conversation's contexts (written after the document in its arena) leave the cache: what the cache
+    counts and the KV tensors it holds before and after (the document's arena cut to the document), then the other
+    conversations' last turns asked again (loaded, the same answers)."""
+    mib = 2 ** 20
+    before, held = engine.cache.nbytes, _held(engine.cache.handles())["held_bytes"]
+    for ctx in first_turns:
+        engine.cache.release(engine.cache_key(ctx))
+    after, held_after = engine.cache.nbytes, _held(engine.cache.handles())["held_bytes"]
+    answers = _ask_all(engine, query, others)
+    print(f"\n| the first conversation leaves | cache counts | KV tensors held | then the others asked again: "
+          f"loaded, same answer |\n|---|---:|---:|---:|\n| before | {before / mib:.0f} MiB | {held / mib:.0f} MiB | |\n"
+          f"| after | {after / mib:.0f} MiB | {held_after / mib:.0f} MiB | {sum(a[1] for a in answers)}, "
+          f"{sum(a[2] for a in answers)} of {len(answers)} |")
+    return dict(release_counted_before=before, release_held_before=held, release_counted_after=after,
+                release_held_after=held_after, release_loaded=sum(a[1] for a in answers),
+                release_same=sum(a[2] for a in answers))
 
 
 def _ask_all(engine, query, lasts) -> list[tuple[float, bool, bool]]:

@@ -38,6 +38,18 @@ def test_the_tiers_figures_and_a_restarted_engines_answer(tmp_path, capsys):
     assert row["host_counted_bytes"] <= row["host_held_bytes"] < 0.5 * row["host_alone_bytes"]
 
 
+def test_the_first_conversation_leaving_cuts_the_documents_arena(tmp_path, capsys):
+    bench = load_benchmark("bench_conversations")
+    save_tiny(tmp_path / "model", "llama")
+    assert bench.main(["--model", str(tmp_path / "model"), "--method", "dense", "--ranks", "1", "--context", "200",
+                       "--conversations", "3", "--turns", "4", "--turn-tokens", "100", "--release-first"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the document's arena held 600 tokens of the first conversation's turns: cut to the document's 200 and spare
+    assert row["release_counted_after"] < row["release_counted_before"] - 0.5 * row["release_counted_before"] / 3
+    assert row["release_held_after"] < row["release_held_before"]
+    assert row["release_loaded"] == row["release_same"] == 2
+
+
 def test_shed_without_a_host_tier_is_refused(capsys):
     bench = load_benchmark("bench_conversations")
     with pytest.raises(SystemExit):

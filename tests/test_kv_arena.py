@@ -172,6 +172,146 @@ def test_a_budget_that_holds_the_arena_once_keeps_every_turn_and_evicts_what_els
     assert not small.put(_handle("t1", turn1, 46, turn1.nbytes())) and small.nbytes == 0
 
 
+def test_an_arena_is_cut_to_what_the_cache_keeps_when_later_turns_leave():
+    """A document, a conversation of three long turns written after it in place, a fork off the document: once the
+    turns leave the cache, the document's arena is cut to the document (and its spare), counted so, and is its tip
+    again (the next conversation off it writes in place). The document and the fork's head read the same values; an
+    evicted turn a request still reads keeps the old buffers and leaves the arena, so the next turn written after
+    the document does not overwrite it."""
+    base = _shard(0, 40, 1)
+    turns = [base]
+    for t in range(3):
+        turns.append(KVShard.extended(turns[-1], _shard(40 + 200 * t, 200, 20 + t), 40 + 200 * t, 240 + 200 * t))
+    fork = KVShard.extended(base, _shard(40, 5, 4), 40, 45)
+    arena = base.arena
+    arena.charged = arena.nbytes()
+    cache = ContextCache(10 ** 9)
+    for i, shard in enumerate(turns):
+        assert cache.put(_handle(f"t{i}", shard, 40 + 200 * i, shard.nbytes()))
+    assert cache.put(_handle("fork", fork, 45, fork.nbytes()))
+    want_base, want_fork, want_last = _content(base), _content(fork), _content(turns[-1])
+    before, last = cache.nbytes, turns[-1]  # (a request still reads the last turn)
+    for i in (3, 2):  # the later turns leave first: the first turn still reaches far
+        assert cache.release(f"t{i}")
+    assert arena.tip == 240 and arena.capacity(0) == 240 + max(64, 240 // ARENA_SPARE)
+    assert cache.release("t1")
+    assert arena.tip == 40 and arena.capacity(0) == 40 + 64 and base.arena is arena
+    assert cache.nbytes < before - arena.charged  # the arena's count scaled down to the document
+    _equal(base, want_base, "the document after the cut")
+    _equal(fork, want_fork, "the fork after its document's arena was cut")
+    assert fork.segments(0)[0].k.data_ptr() == arena.bufs[0][0].data_ptr()  # its head views the new buffers
+    _equal(last, want_last, "an evicted turn still read")
+    assert last.arena is None and last not in arena.members
+    nxt = KVShard.extended(base, _shard(40, 9, 30), 40, 49)  # the document is the tip again: in place
+    assert nxt.head is None and nxt.arena is arena and _same_memory(nxt, base)
+    _equal(last, want_last, "the evicted turn after the next turn was written")
+    _equal(fork, want_fork, "the fork after the next turn")
+
+
+def test_a_shed_cuts_no_arena():
+    """shed() (a rank out of device memory drops every context) allocates nothing: no arena is cut on the way, even
+    when the later turns go before the document."""
+    base = _shard(0, 40, 1)
+    turn = KVShard.extended(base, _shard(40, 400, 2), 40, 440)
+    turn.arena.charged = turn.arena.nbytes()
+    cache = ContextCache(10 ** 9)
+    assert cache.put(_handle("t1", turn, 440, turn.nbytes())) and cache.put(_handle("t0", base, 40, base.nbytes()))
+    capacity = turn.arena.capacity(0)
+    cache.shed()
+    assert len(cache) == 0 and turn.arena.capacity(0) == capacity and turn.arena.tip == 440
+
+
+def test_an_arena_growing_for_a_new_turn_is_not_cut_by_the_evictions_it_causes():
+    """A long new turn written in place makes its arena grow past the budget: the cache evicts the conversation's
+    older turns (least recently used) to make room -- and must not cut the arena down to them, since the new turn,
+    not counted yet, lies past them: it stays in the arena, counted once."""
+    base = _shard(0, 40, 1)
+    turn1 = KVShard.extended(base, _shard(40, 10, 2), 40, 50)
+    arena = base.arena
+    arena.charged = arena.nbytes()
+    cache = ContextCache(10 ** 9)
+    assert cache.put(_handle("t0", base, 40, base.nbytes())) and cache.put(_handle("t1", turn1, 50, turn1.nbytes()))
+    turn2 = KVShard.extended(turn1, _shard(50, 400, 3), 50, 450)  # the buffers grow: 450 entries and their spare
+    arena.charged = arena.nbytes()
+    cache.budget_bytes = arena.charged  # the grown arena alone fits
+    cache.regroup(arena)  # (the encoder's call) -- nothing is evicted: the arena is counted once
+    cache.budget_bytes = arena.charged - 1
+    assert not cache.put(_handle("t2", turn2, 450, turn2.nbytes()))  # too large now: nothing of it is kept
+    cache.budget_bytes = arena.charged
+    cache.put(_handle("other", _shard(0, 8, 9), 8, 1))  # over the budget by a byte: the conversation's turns go
+    assert cache.put(_handle("t2", turn2, 450, turn2.nbytes()))
+    assert turn2.arena is arena and arena.tip == 450 and _same_memory(turn1, turn2)
+    assert "t2" in cache and cache.nbytes <= cache.budget_bytes
+
+
+@pytest.mark.parametrize("flat", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
+                         ids=["dense", "ring simulated"])
+def test_a_documents_arena_is_cut_when_its_first_conversation_leaves(flat):
+    """On the engine: a document, a conversation of long turns written after it, two conversations forking off it;
+    the first conversation leaves the cache, and the cache counts the document's arena at the document's size again
+    while the forks stay. The forks' answers, and a new conversation's (written after the document in place), equal
+    a fresh engine's."""
+    model = tiny_model("llama", seed=4)
+    doc, q = _ids(1, 200), _ids(9, 4)
+    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0, **flat)
+    document = eng.encode(doc)
+    first, ctx = [], doc
+    for t in range(4):
+        ctx = torch.cat((ctx, _ids(40 + t, 150)))
+        eng.encode(ctx)
+        first.append(ctx)
+    forks = [torch.cat((doc, _ids(60 + c, 20))) for c in range(2)]
+    for c in forks:
+        eng.encode(c)
+    arena = document.shard.arena
+    before, charged = eng.cache.nbytes, arena.charged  # the document and 600 tokens of turns
+    for ctx in first:
+        assert eng.cache.release(eng.cache_key(ctx))
+    assert arena.tip == 200 and arena.charged < 0.4 * charged  # 200 of 800 tokens, and its spare
+    assert eng.cache.nbytes == before - charged + arena.charged
+    for c in [*forks, torch.cat((doc, _ids(80, 20)))]:  # the last: written after the document, in place
+        got = eng.generate(c, q, max_new_tokens=3, return_logits=True)
+        _same(got, fresh.generate(c, q, max_new_tokens=3, return_logits=True), f"{c.numel()} tokens")
+    new = eng.cache.peek(eng.cache_key(c)).shard
+    assert new.head is None and new.arena is arena
+
+
+def test_another_conversation_in_a_cut_arena_keeps_its_own_host_copy():
+    """A conversation's turns evicted into host memory while its document stays: the document's arena is cut, and a
+    new conversation is written after the document in the same arena. Evicted too, its host copy is its own -- not a
+    view of the first conversation's copy, whose entries after the document are another conversation's -- and both
+    come back with a fresh engine's answers."""
+    model = tiny_model("llama", seed=5)
+    doc, q = _ids(1, 200), _ids(9, 4)
+    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, host_cache_mb=64)
+    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0)
+    document = eng.encode(doc)
+    first, ctx = [], doc
+    for t in range(3):
+        ctx = torch.cat((ctx, _ids(40 + t, 150)))
+        eng.encode(ctx)
+        first.append(ctx)
+    arena = document.shard.arena  # (made by the first turn)
+    eng.encode(doc)  # the document most recently used: the turns go first
+    eng.cache.budget_bytes = eng.cache.nbytes
+    eng.encode(_ids(70, 100))  # the turns are evicted into host memory, the arena cut to the document
+    assert arena.tip == 200 and all(eng.cache_key(c) in eng.encoder.host for c in first)
+    other = torch.cat((doc, _ids(80, 150)))  # written after the document in the cut arena
+    eng.cache.budget_bytes = 10 ** 9
+    assert eng.encode(other).shard.arena is arena
+    eng.cache.release(eng.cache_key(_ids(70, 100)))
+    eng.encode(doc)
+    eng.cache.budget_bytes = eng.cache.nbytes
+    eng.encode(_ids(71, 100))  # the new conversation's turn goes into host memory too
+    assert eng.cache_key(other) in eng.encoder.host
+    eng.cache.budget_bytes = 10 ** 9
+    for c in (other, first[1]):
+        got = eng.generate(c, q, max_new_tokens=3, return_logits=True)
+        _same(got, fresh.generate(c, q, max_new_tokens=3, return_logits=True), f"{c.numel()} tokens")
+        assert got.cached_context_tokens == c.numel()
+
+
 @pytest.mark.parametrize("flat", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
                          ids=["dense", "ring simulated"])
 def test_a_conversation_stays_cached_within_one_documents_budget(flat):

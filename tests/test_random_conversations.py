@@ -1,7 +1,8 @@
 """Conversations, forks, evictions, the host tier, the disk store and restarts in a seeded random order: every
 answer equals a fresh engine's (no cache). The pieces have their own tests; this one walks their interplay -- a fork
-off any earlier turn, a batch of conversations, an earlier turn asked again, the device cache shed into host memory,
-a release, a budget changed under the cache, a restart mid-way --
+off any earlier turn, a long turn (its arena grows, and is cut when it leaves), a batch of conversations, an earlier
+turn asked again, the device cache shed into host memory, a release, a budget changed under the cache, a restart
+mid-way --
 the way a long-running server meets them."""
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import pytest
 import torch
 
 import magnetar
+from magnetar.engine.kv import KVArena
 from tests.conftest import assert_close
 from tests.tiny_models import save_tiny
 
 OPS = ("new", "turn", "fork", "batch", "again", "shed", "restart", "release", "budget")
 WEIGHTS = (2, 6, 4, 2, 3, 1, 1, 1, 1)
 STEPS = 60
-SEED = 9  # a walk that meets every path: forks, restarts, loads back from host memory (parts too) and disk
+SEED = 6  # a walk that meets every path: forks, restarts, loads back from host memory and disk, arenas cut
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,11 @@ def _ids(rng: random.Random, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("flat", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True),
                                   dict(method="dense", decode_step="static")],
                          ids=["dense", "ring simulated", "static"])
-def test_random_conversations_answer_as_a_fresh_engine(model_dir, tmp_path, flat):
+def test_random_conversations_answer_as_a_fresh_engine(model_dir, tmp_path, flat, monkeypatch):
     rng = random.Random(SEED)
+    cuts = []  # arenas cut (KVArena.trim) on the walk
+    trim = KVArena.trim
+    monkeypatch.setattr(KVArena, "trim", lambda self, *a: cuts.append(trim(self, *a)) or cuts[-1])
     kw = dict(timeout_s=60, context_store=str(tmp_path), host_cache_mb=8, **flat)
     engine = magnetar.init_inference(str(model_dir), **kw)
     fresh = magnetar.init_inference(str(model_dir), timeout_s=60, context_cache_mb=0, **flat)
@@ -66,9 +71,9 @@ def test_random_conversations_answer_as_a_fresh_engine(model_dir, tmp_path, flat
             d = rng.choice(docs)
             convs.append([d if rng.random() < 0.5 else torch.cat((d, _ids(rng, rng.randint(1, 20))))])
             check([convs[-1][-1]], what)
-        elif op == "turn":
+        elif op == "turn":  # now and then a long one: its arena grows, and is cut when it leaves
             c = rng.choice(convs)
-            c.append(torch.cat((c[-1], _ids(rng, rng.randint(1, 30)))))
+            c.append(torch.cat((c[-1], _ids(rng, rng.randint(1, 30) if rng.random() < 0.8 else 160))))
             check([c[-1]], what)
         elif op == "fork":  # another conversation off any earlier turn of one
             base = rng.choice(rng.choice(convs))
@@ -95,6 +100,6 @@ def test_random_conversations_answer_as_a_fresh_engine(model_dir, tmp_path, flat
             budget()
     # the walk met what it is for: forks, evictions, loads back from each tier, restarts
     totals.append(engine.cache_stats())
-    assert seen["fork"] >= 3 and seen["restart"] >= 1 and seen["batch"] >= 2, seen
+    assert seen["fork"] >= 3 and seen["restart"] >= 1 and seen["batch"] >= 2 and any(cuts), (seen, cuts)
     assert sum(t["evictions"] for t in totals) > 0, totals
     assert sum(t["host"]["loads"] for t in totals) > 0 and sum(t["store"]["loads"] for t in totals) > 0, totals

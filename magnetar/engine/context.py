@@ -133,7 +133,7 @@ class ContextCache:
         self._filed: dict[str, tuple] = {}  # key -> its index entry
         self._lengths: dict[tuple, dict[int, int]] = {}  # (engine, options) -> {length: handles of that length}
         self._counted: dict[str, tuple[KVArena, ...]] = {}  # key -> the arenas it is counted in (none: alone)
-        self._arenas: dict[KVArena, list[int]] = {}  # arena -> [its handles kept, the bytes counted for it]
+        self._arenas: dict[KVArena, list] = {}  # arena -> [the keys of its handles kept, the bytes counted for it]
         self._by_shard: dict[int, str] = {}  # id(handle.shard) -> key (an arena's members, found by their shards)
         self.hits = self.misses = self.evictions = self.prefix_hits = 0
         self.warned = False  # the encoder said once that a context larger than the budget is not kept
@@ -206,7 +206,7 @@ class ContextCache:
         if (sum(a.charged for a in arenas) if arenas else handle.nbytes) > self.budget_bytes:
             return False
         while self._handles and self._nbytes + self._adds(handle) > self.budget_bytes:
-            self._evict_oldest()
+            self._evict_oldest(spare=arenas)
         self._handles[handle.key] = handle
         self._count(handle)
         n, kind = handle.context_tokens, (handle.engine, handle.options)
@@ -222,7 +222,7 @@ class ContextCache:
         exceeds the budget."""
         self._regroup(arena)
         while self._handles and self._nbytes > self.budget_bytes:
-            self._evict_oldest()
+            self._evict_oldest(spare=(arena,))
 
     def _regroup(self, arena: KVArena) -> None:
         for shard in list(arena.members):
@@ -251,8 +251,8 @@ class ContextCache:
         if not arenas:
             self._nbytes += handle.nbytes
         for arena in arenas:  # a fork is counted in its document's arena too: kept while the fork is
-            group = self._arenas.setdefault(arena, [0, 0])
-            group[0] += 1
+            group = self._arenas.setdefault(arena, [set(), 0])
+            group[0].add(handle.key)
             self._nbytes += arena.charged - group[1]
             group[1] = arena.charged
 
@@ -263,7 +263,7 @@ class ContextCache:
             self._nbytes -= handle.nbytes
         for arena in arenas:
             group = self._arenas[arena]
-            group[0] -= 1
+            group[0].discard(handle.key)
             if not group[0]:
                 self._nbytes -= group[1]
                 del self._arenas[arena]
@@ -271,7 +271,31 @@ class ContextCache:
     def release(self, handle_or_key) -> bool:
         """Drop a handle (or key) from the cache; returns whether it was there."""
         key = handle_or_key.key if isinstance(handle_or_key, ContextHandle) else handle_or_key
-        return self._remove(key)
+        handle = self._handles.get(key)
+        if not self._remove(key):
+            return False
+        self._trim(handle)
+        return True
+
+    def _trim(self, gone: ContextHandle, spare: tuple = ()) -> None:
+        """After ``gone`` left: each arena it was counted in whose kept handles now reach less far than its tip (a
+        conversation's later turns evicted while its document, or an earlier turn, is kept -- say for the
+        conversations forking from it) is cut down to what they reach (:meth:`KVArena.trim`), and counted at its
+        ``charged`` bytes scaled by the tokens kept (an estimate the same on every rank). Decided from the kept
+        handles' context tokens: every rank trims alike."""
+        for arena in _arenas(gone):
+            group = self._arenas.get(arena)
+            if group is None or arena in spare:  # nothing of it kept (it goes with its last reader), or growing
+                continue
+            reach, keep = max((self._handles[k].shard.reach(arena, self._handles[k].context_tokens)
+                               for k in sorted(group[0])), key=lambda r: r[0])
+            if keep is None or not 0 < reach < arena.tip:
+                continue
+            tip = arena.tip
+            if arena.trim(reach, keep):
+                arena.charged = -(-arena.charged * reach // tip)
+                self._nbytes += arena.charged - group[1]
+                group[1] = arena.charged
 
     def shed(self) -> int:
         """Evict every handle, least recently used first, as the budget would (``on_evict`` -- the host-memory tier
@@ -279,15 +303,19 @@ class ContextCache:
         Returns the bytes dropped."""
         dropped = self._nbytes
         while self._handles:
-            self._evict_oldest()
+            self._evict_oldest(trim=False)  # nothing is kept: no arena is cut (a copy, where memory ran out)
         return dropped
 
-    def _evict_oldest(self) -> None:
+    def _evict_oldest(self, spare: tuple = (), trim: bool = True) -> None:
+        """Evict the least recently used handle (``on_evict`` gets it), then cut the arenas it leaves (but those in
+        ``spare``: the arena of a handle being kept, whose newest turn is not counted yet)."""
         victim = self._handles[next(iter(self._handles))]
         self._remove(victim.key)
         self.evictions += 1
         if self.on_evict is not None:
             self.on_evict(victim)
+        if trim:
+            self._trim(victim, spare)
 
     def clear(self) -> None:
         self._handles.clear()

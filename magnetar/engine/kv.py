@@ -213,6 +213,33 @@ class KVArena:
         buf = self.bufs[i]
         return 0 if buf is None else buf[0].shape[2]
 
+    def trim(self, tokens: int, keep: "KVShard") -> bool:
+        """Cut the buffers down to ``keep``'s entries (a member of ``tokens`` context tokens, the longest a cache still
+        keeps: the turns after it were evicted) and 1/:data:`ARENA_SPARE` to spare, when that frees a quarter of the
+        buffers or more; ``tokens`` is then the tip (an extension of ``keep`` writes after it in place -- in the new
+        buffers, never where an evicted turn still being read lies). The members no longer than ``keep`` view the new
+        buffers; a longer one still alive (an evicted turn a request reads) keeps the old ones and leaves the arena
+        (an extension of it starts an arena of its own). Returns whether it trimmed."""
+        sizes = [(i, len(keep.own[i]), buf[0].shape[2]) for i, buf in enumerate(self.bufs) if buf is not None]
+        caps = {i: n + max(64, n // ARENA_SPARE) for i, n, _ in sizes}
+        if not sizes or any(4 * caps[i] > 3 * have for i, _, have in sizes):
+            return False
+        old = list(self.bufs)
+        for i, _, _ in sizes:
+            self.bufs[i] = tuple(t[..., :caps[i], :].clone() if t.dim() == 4 else t[:caps[i]].clone() for t in old[i])
+        for m in list(self.members):
+            if all(len(m.own[i]) <= n for i, n, _ in sizes):
+                for i, _, _ in sizes:
+                    layer, (k, v, pos) = m.own[i], self.bufs[i]
+                    if _prefix_of(layer.k, old[i][0]):
+                        n = len(layer)
+                        layer.k, layer.v, layer.pos = k[:, :, :n], v[:, :, :n], pos[:n]
+            else:  # reads entries past keep's: its views stay on the old buffers, which nothing writes any more
+                m.arena = None
+                self.members.discard(m)
+        self.tip = tokens
+        return True
+
 
 def _prefix_of(t: Optional[torch.Tensor], buf: Optional[torch.Tensor]) -> bool:
     """Whether ``t`` is a view of the first entries of ``buf`` (along the sequence)."""
@@ -306,6 +333,17 @@ class KVShard:
     def lengths(self) -> tuple[int, ...]:
         """The entries each layer holds (a fork's: its head's and its own)."""
         return tuple(sum(len(s) for s in self.segments(i)) for i in range(len(self._layers)))
+
+    def reach(self, arena: KVArena, tokens: int) -> tuple[int, Optional["KVShard"]]:
+        """How far into ``arena`` this shard's KV reaches -- ``(context tokens, the member of the arena that holds
+        them)``: itself (``tokens``, its context tokens) when its own entries are there, else the head of its that
+        is, or ``(0, None)``."""
+        shard, n = self, tokens
+        while shard is not None:
+            if shard.arena is arena:
+                return n, shard
+            shard, n = shard.head, shard.head_tokens
+        return 0, None
 
     def arenas(self) -> tuple[KVArena, ...]:
         """The arenas whose buffers this shard's KV views: its head's (a fork's document), then its own."""

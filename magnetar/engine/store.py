@@ -840,19 +840,26 @@ class _HostChain:
     prefix of the next): one set of buffers per layer, the longest saved turn's, whose first entries every saved turn
     of the arena views -- counted once, at that turn's ``nbytes`` (the same on every rank)."""
 
-    __slots__ = ("layers", "tokens", "nbytes", "keys")
+    __slots__ = ("layers", "tokens", "nbytes", "keys", "ids")
 
     def __init__(self):
         self.layers: list = []  # per layer (k, v, pos) on the host, or None (no entries on this rank)
         self.tokens = self.nbytes = 0  # the longest saved turn's context tokens and bytes
         self.keys: set[str] = set()  # the saved turns that view them
+        self.ids: Optional[torch.Tensor] = None  # the longest saved turn's context ids
+
+    def continues(self, ids: torch.Tensor) -> bool:
+        """Whether the saved turns and a context of ``ids`` are one conversation (one's ids a prefix of the other's):
+        an arena cut down (``KVArena.trim``) may since hold another conversation after the same document."""
+        n = min(int(ids.numel()), 0 if self.ids is None else int(self.ids.numel()))
+        return self.ids is not None and torch.equal(self.ids[:n], ids.reshape(-1)[:n])
 
     def leave(self, key: str) -> None:
         """``key`` no longer views the copy (evicted, or loaded back); the last one to leave frees it (the arena, and
         so this chain's entry, may outlive it on the device)."""
         self.keys.discard(key)
         if not self.keys:
-            self.layers, self.tokens, self.nbytes = [], 0, 0
+            self.layers, self.tokens, self.nbytes, self.ids = [], 0, 0, None
 
 
 def _host_shard(num_layers: int, skip: Optional[tuple]):
@@ -949,28 +956,30 @@ class HostTier:
         if arena is not None and any(layer.mass is not None for layer in shard.own):
             arena = None  # (arenas hold no masses; a shard with them is copied alone)
         with self._lock:
-            chain = self._chain(arena, handle.context_tokens)
+            chain = self._chain(arena, handle)
             if chain is not None:  # a shorter turn than one kept: views, no copy
                 return self._keep(handle, prefix, _viewing(shard, chain, skip), chain)
         host = _host_copy(shard, skip)  # outside the lock: a device-to-host copy
         with self._lock:
-            chain = self._chain(arena, handle.context_tokens)
+            chain = self._chain(arena, handle)
             if chain is not None:  # a longer turn was kept meanwhile
                 host = _viewing(shard, chain, skip)
             elif arena is not None:  # the longest turn so far (or the first): its copy is the chain's
                 chain = self._chains.get(arena)
-                if chain is None or not chain.keys:
-                    chain = self._chains[arena] = _HostChain()
+                if chain is None or not chain.keys or not chain.continues(handle.context_ids):
+                    chain = self._chains[arena] = _HostChain()  # (another conversation's keeps its own copy)
                 chain.layers = [None if layer.k is None else (layer.k, layer.v, layer.pos) for layer in host.layers]
-                chain.tokens, chain.nbytes = handle.context_tokens, handle.nbytes
+                chain.tokens, chain.nbytes, chain.ids = handle.context_tokens, handle.nbytes, handle.context_ids
                 for key in chain.keys:  # the shorter turns kept now view the new copy (the old one is freed)
                     _point(self._items[key][0].shard, chain)
             self._keep(handle, prefix, host, chain)
 
-    def _chain(self, arena, tokens: int) -> Optional[_HostChain]:
-        """The chain of ``arena`` when it keeps a turn of at least ``tokens`` context tokens (under the lock)."""
+    def _chain(self, arena, handle) -> Optional[_HostChain]:
+        """The chain of ``arena`` when it keeps a longer turn of ``handle``'s conversation (or itself) (under the
+        lock)."""
         chain = None if arena is None else self._chains.get(arena)
-        return chain if chain is not None and chain.keys and chain.tokens >= tokens else None
+        return chain if chain is not None and chain.keys and chain.tokens >= handle.context_tokens and \
+            chain.continues(handle.context_ids) else None
 
     def _keep(self, handle, prefix: str, host, chain: Optional[_HostChain]) -> None:
         """Index ``handle`` with its host shard, then drop the least recently used past the budget (under the
