@@ -244,6 +244,23 @@ def test_an_arena_growing_for_a_new_turn_is_not_cut_by_the_evictions_it_causes()
     assert "t2" in cache and cache.nbytes <= cache.budget_bytes
 
 
+def _a_first_conversation(turns: int, seed: int, **flat) -> tuple:
+    """An engine (and a fresh one, no cache) over a tiny Llama: a 200-token document and ``turns`` turns of 150 tokens
+    written after it in its arena; (engine, fresh, document ids, query ids, the turns' contexts)."""
+    model = tiny_model("llama", seed=seed)
+    doc, q = _ids(1, 200), _ids(9, 4)
+    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
+    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0,
+                                    **{k: v for k, v in flat.items() if k != "host_cache_mb"})
+    eng.encode(doc)
+    first, ctx = [], doc
+    for t in range(turns):
+        ctx = torch.cat((ctx, _ids(40 + t, 150)))
+        eng.encode(ctx)
+        first.append(ctx)
+    return eng, fresh, doc, q, first
+
+
 @pytest.mark.parametrize("flat", [dict(method="dense"), dict(method="ring", cp_size=2, simulate=True)],
                          ids=["dense", "ring simulated"])
 def test_a_documents_arena_is_cut_when_its_first_conversation_leaves(flat):
@@ -251,16 +268,8 @@ def test_a_documents_arena_is_cut_when_its_first_conversation_leaves(flat):
     the first conversation leaves the cache, and the cache counts the document's arena at the document's size again
     while the forks stay. The forks' answers, and a new conversation's (written after the document in place), equal
     a fresh engine's."""
-    model = tiny_model("llama", seed=4)
-    doc, q = _ids(1, 200), _ids(9, 4)
-    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, **flat)
-    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0, **flat)
-    document = eng.encode(doc)
-    first, ctx = [], doc
-    for t in range(4):
-        ctx = torch.cat((ctx, _ids(40 + t, 150)))
-        eng.encode(ctx)
-        first.append(ctx)
+    eng, fresh, doc, q, first = _a_first_conversation(4, seed=4, **flat)
+    document = eng.encoder.cache.peek(eng.cache_key(doc))
     forks = [torch.cat((doc, _ids(60 + c, 20))) for c in range(2)]
     for c in forks:
         eng.encode(c)
@@ -282,17 +291,8 @@ def test_another_conversation_in_a_cut_arena_keeps_its_own_host_copy():
     new conversation is written after the document in the same arena. Evicted too, its host copy is its own -- not a
     view of the first conversation's copy, whose entries after the document are another conversation's -- and both
     come back with a fresh engine's answers."""
-    model = tiny_model("llama", seed=5)
-    doc, q = _ids(1, 200), _ids(9, 4)
-    eng = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, host_cache_mb=64)
-    fresh = magnetar.init_inference(copy.deepcopy(model), timeout_s=60, context_cache_mb=0)
-    document = eng.encode(doc)
-    first, ctx = [], doc
-    for t in range(3):
-        ctx = torch.cat((ctx, _ids(40 + t, 150)))
-        eng.encode(ctx)
-        first.append(ctx)
-    arena = document.shard.arena  # (made by the first turn)
+    eng, fresh, doc, q, first = _a_first_conversation(3, seed=5, host_cache_mb=64)
+    arena = eng.encoder.cache.peek(eng.cache_key(doc)).shard.arena
     eng.encode(doc)  # the document most recently used: the turns go first
     eng.cache.budget_bytes = eng.cache.nbytes
     eng.encode(_ids(70, 100))  # the turns are evicted into host memory, the arena cut to the document
