@@ -719,6 +719,27 @@ def test_a_forks_own_entries_in_host_memory_wait_for_its_document(model_dir):
     assert engine.generate(fork, Q, max_new_tokens=4).cached_context_tokens == fork.numel()
 
 
+def test_host_memory_keeps_a_document_while_forks_there_load_after_it(model_dir):
+    """In host memory the document is the least recently used -- yet when the tier must evict, the forks' own entries
+    there go before it (they load only after it), and a fork still kept comes back after it."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, host_cache_mb=64)
+    convs = _conversations(engine, convs=3, turns=1)  # the document, a conversation in place, two forks
+    engine.cache.shed()
+    tier = engine.encoder.host
+    doc = engine.cache_key(CTX)
+    tier._items.move_to_end(doc, last=False)  # the least recently used there (as when it was evicted first)
+    tier.budget_bytes = tier.stats()["bytes"] - 1  # one context must go
+    engine.cache.budget_bytes = 0
+    assert doc in tier and tier.stats()["evictions"] == 0
+    tier.save(engine.encode(torch.arange(100, 104)), "x")  # a small context comes in: a fork's part goes
+    assert doc in tier and tier.stats()["evictions"] >= 1
+    engine.cache.budget_bytes = 10 ** 9
+    kept = [ctx for ctx, _ in convs[1:] if engine.cache_key(ctx) in tier]
+    assert kept, "a fork is still in host memory"
+    got = engine.generate(kept[0], Q, max_new_tokens=4)
+    assert got.cached_context_tokens == kept[0].numel()
+
+
 def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):
     """The bound evicts the least recently used file that no other continues; the parent of the file being written
     stays even when it is the least recently used."""

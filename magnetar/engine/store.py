@@ -915,6 +915,9 @@ class HostTier:
     On CPU ranks the copy is the tensors themselves where they are whole (a turn, a view of its arena's buffers, is
     copied): the tier then mostly widens the cache.
 
+    A fork keeps its own entries alone (:meth:`save`), and the context they load after is evicted only after them (the
+    disk tier's rule for a parent and the files that continue it).
+
     A conversation's turns (the members of one :class:`~magnetar.engine.kv.KVArena`, each a prefix of the next) share
     one host copy, the longest saved turn's (:class:`_HostChain`): a shorter turn views its first entries, a longer one
     replaces it (the shorter ones then view the new copy), and the tier counts it once -- whether a turn joins a
@@ -992,7 +995,10 @@ class HostTier:
         self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix, chain)
         self.writes += 1
         while self._items and self._bytes() > self.budget_bytes:
-            key, (_, _, c) = self._items.popitem(last=False)
+            # the least recently used -- but a document a fork's own entries here load after goes after them
+            needed = {h.base[0] for h, _, _ in self._items.values() if h.shard.skip is not None}
+            key = next((k for k in self._items if k not in needed), next(iter(self._items)))
+            _, _, c = self._items.pop(key)
             if c is not None:
                 c.leave(key)
             self.evictions += 1
