@@ -206,10 +206,15 @@ class Encoder:
             loaded = tier.load(key, context_ids, self.device)
             if not self._agree(loaded is not None and loaded["options"] == self.options_digest):
                 continue
-            return ContextHandle(key, loaded["context_ids"], loaded["shard"], loaded["query_position"],
-                                 loaded["stats"], loaded["prefill_stats"], loaded["nbytes"], loaded["method"],
-                                 engine=self.identity, options=self.options_digest, last_logits=loaded["last_logits"])
+            return self._handle_of(key, loaded, loaded["shard"], loaded["nbytes"])
         return None
+
+    def _handle_of(self, key: str, loaded: dict, shard: KVShard, nbytes: int,
+                   base: Optional[tuple] = None) -> ContextHandle:
+        """The handle of ``key`` from what a lower tier loaded (:meth:`ContextStore.load`), holding ``shard``."""
+        return ContextHandle(key, loaded["context_ids"], shard, loaded["query_position"], loaded["stats"],
+                             loaded["prefill_stats"], nbytes, loaded["method"], engine=self.identity,
+                             options=self.options_digest, last_logits=loaded["last_logits"], base=base)
 
     def _lineage(self, tier, key: str) -> tuple[list[tuple[str, object]], Optional[ContextHandle]]:
         """The stored contexts that lead to ``key`` (in ``tier``), each extending the one before, with the lower tier
@@ -267,13 +272,10 @@ class Encoder:
             if not self._agree(ok):
                 return None, True
             if prev is None:
-                shard, nbytes, made = loaded["shard"], loaded["nbytes"], None
+                handle = self._handle_of(k, loaded, loaded["shard"], loaded["nbytes"])
             else:
                 shard = KVShard.extended(prev.shard, loaded["shard"], prev.context_tokens, int(ids.numel()))
-                nbytes, made = self._largest(shard), (prev.key, prev.shard.lengths())
-            handle = ContextHandle(k, ids, shard, loaded["query_position"], loaded["stats"], loaded["prefill_stats"],
-                                   nbytes, loaded["method"], engine=self.identity, options=self.options_digest,
-                                   last_logits=loaded["last_logits"], base=made)
+                handle = self._handle_of(k, loaded, shard, self._largest(shard), (prev.key, prev.shard.lengths()))
             if k != key:  # an earlier turn, or the document: what the next ones (and other conversations) extend
                 self.cache.put(handle)
             prev = handle

@@ -114,7 +114,12 @@ class LayerKV:
         buf[0][:, :, n:n + add] = k
         buf[1][:, :, n:n + add] = v
         buf[2][n:n + add] = pos
-        self.k, self.v, self.pos = buf[0][:, :, :n + add], buf[1][:, :, :n + add], buf[2][:n + add]
+        self.view_first(buf, n + add)
+
+    def view_first(self, buf: tuple, n: int) -> None:
+        """Make ``k``, ``v``, ``pos`` views of the first ``n`` entries of the buffers ``buf = (k, v, pos)`` (a decode
+        store's, an arena's, a host copy's)."""
+        self.k, self.v, self.pos = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
 
     def freeze(self) -> None:
         if not self.frozen and self._k:  # one piece (a rank's one segment) is its own tensor already: not copied
@@ -230,10 +235,8 @@ class KVArena:
         for m in list(self.members):
             if all(len(m.own[i]) <= n for i, n, _ in sizes):
                 for i, _, _ in sizes:
-                    layer, (k, v, pos) = m.own[i], self.bufs[i]
-                    if _prefix_of(layer.k, old[i][0]):
-                        n = len(layer)
-                        layer.k, layer.v, layer.pos = k[:, :, :n], v[:, :, :n], pos[:n]
+                    if _prefix_of(m.own[i].k, old[i][0]):
+                        m.own[i].view_first(self.bufs[i], len(m.own[i]))
             else:  # reads entries past keep's: its views stay on the old buffers, which nothing writes any more
                 m.arena = None
                 self.members.discard(m)
@@ -460,7 +463,7 @@ class KVShard:
                 buf = arena.bufs[i] = _grown(arena, i, have, have if n else new, n + add, adopt)
             if add:  # after the entries of every member (base is the tip): read by no one yet
                 buf[0][:, :, n:n + add], buf[1][:, :, n:n + add], buf[2][n:n + add] = new.k, new.v, new.pos
-            layer.k, layer.v, layer.pos = buf[0][:, :, :n + add], buf[1][:, :, :n + add], buf[2][:n + add]
+            layer.view_first(buf, n + add)
         arena.tip = tokens
         if adopt:
             base.arena = arena
@@ -486,6 +489,5 @@ def _grown(arena: KVArena, i: int, have: LayerKV, like: LayerKV, need: int, adop
     if adopt and n:
         viewers.append(have)
     for layer in viewers:
-        m = len(layer)
-        layer.k, layer.v, layer.pos = k[:, :, :m], v[:, :, :m], pos[:m]
+        layer.view_first((k, v, pos), len(layer))
     return k, v, pos

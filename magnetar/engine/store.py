@@ -690,9 +690,9 @@ class ContextStore:
                     del self._entries[k]
                     gone.add(k)
         n = len(gone) - 1
-        more = f"; removed, with the {n} stored context{'s that continue' if n > 1 else ' that continues'} it"
+        removed = f"; removed, with the {n} stored context{'s that continue' if n > 1 else ' that continues'} it"
         log.warning("context store: %s is not loaded: %s%s", self.dir / f"{key}.safetensors", why,
-                    "" if not delete else more if n else "; removed")
+                    "" if not delete else removed if n else "; removed")
         if delete:
             for k in gone:
                 self._delete(k)
@@ -884,11 +884,6 @@ def _host_copy(shard, skip: Optional[tuple] = None):
     return host
 
 
-def _first(buf: tuple, n: int) -> tuple:
-    """Views of the first ``n`` entries of a host copy's ``(k, v, pos)``."""
-    return buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
-
-
 def _viewing(shard, chain: _HostChain, skip: Optional[tuple] = None):
     """A frozen host shard of ``shard``'s entry counts (from ``skip`` on) whose layers view the first entries of
     ``chain``'s buffers."""
@@ -896,7 +891,7 @@ def _viewing(shard, chain: _HostChain, skip: Optional[tuple] = None):
     for i, (mine, n, buf) in enumerate(zip(out.layers, shard.lengths(), chain.layers)):
         n -= 0 if skip is None else skip[i]
         if n:
-            mine.append(*_first(buf, n))
+            mine.view_first(buf, n)
     return out
 
 
@@ -904,7 +899,7 @@ def _point(shard, chain: _HostChain) -> None:
     """Make ``shard``'s layers views of the first entries of ``chain``'s buffers (as many as each holds)."""
     for layer, buf in zip(shard.layers, chain.layers):
         if len(layer):
-            layer.k, layer.v, layer.pos = _first(buf, len(layer))
+            layer.view_first(buf, len(layer))
 
 
 class HostTier:
