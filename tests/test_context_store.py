@@ -708,7 +708,14 @@ def test_a_forks_own_entries_in_host_memory_wait_for_its_document(model_dir):
     engine.cache.shed()
     tier = engine.encoder.host
     assert tier.load(key, None, "cpu") is None and key in tier  # not whole, and still there
+    later = torch.cat((fork, _ids(500, 8)))  # the fork's next turn: the fork is its prefix
+    assert engine.is_cached(key) and engine.encoder.held_tokens(fork, key) == fork.numel()
+    assert engine.encoder.tier_prefix_tokens(later) == fork.numel()
     tier.load(engine.cache_key(CTX), None, "cpu")  # the document leaves host memory (as if evicted from it)
+    # what the server's scheduler and the admission plan with: the fork no longer comes back (a Phase 1, chunked
+    # where it is long; its memory counted), nor is it a prefix of its next turn
+    assert not engine.is_cached(key) and engine.encoder.held_tokens(fork, key) == 0
+    assert engine.encoder.tier_prefix_tokens(later) == 0
     fresh = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, context_cache_mb=0)
     got = engine.generate(fork, Q, max_new_tokens=4, return_logits=True)
     _same(got, fresh.generate(fork, Q, max_new_tokens=4, return_logits=True), "the fork encoded again")
@@ -716,6 +723,7 @@ def test_a_forks_own_entries_in_host_memory_wait_for_its_document(model_dir):
     engine.cache.shed()  # the document is saved again (the fork's new context, whole, too)
     engine.cache.release(engine.cache_key(fork))
     engine.encode(CTX)  # the document back in the cache, from host memory
+    assert engine.is_cached(key) and engine.encoder.tier_prefix_tokens(later) == fork.numel()
     assert engine.generate(fork, Q, max_new_tokens=4).cached_context_tokens == fork.numel()
 
 

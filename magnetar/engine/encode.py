@@ -216,6 +216,24 @@ class Encoder:
                              loaded["prefill_stats"], nbytes, loaded["method"], engine=self.identity,
                              options=self.options_digest, last_logits=loaded["last_logits"], base=base)
 
+    def comes_back(self, key: str) -> bool:
+        """Whether ``key``'s context comes back on this rank without a Phase 1: the cache holds it, a lower tier holds
+        it loadable alone (a disk file with the files it continues, a whole host copy), or a tier holds the KV it adds
+        to a context that comes back so (a fork's own entries in host memory, after its document)."""
+        return key in self.cache or any(self._loads_from(t, key) for t in self.tiers)
+
+    def _loads_from(self, tier, key: str, seen: frozenset = frozenset()) -> bool:
+        """Whether ``tier`` holds ``key``'s context and it loads from there: alone, or after a context that comes
+        back (:meth:`comes_back`; ``seen``: the keys on the way, a loop guard)."""
+        if key not in tier or key in seen:
+            return False
+        if tier.loads_alone(key):
+            return True
+        link = tier.parent(key)
+        if link is None:
+            return False
+        return link[0] in self.cache or any(self._loads_from(t, link[0], seen | {key}) for t in self.tiers)
+
     def _lineage(self, tier, key: str) -> tuple[list[tuple[str, object]], Optional[ContextHandle]]:
         """The stored contexts that lead to ``key`` (in ``tier``), each extending the one before, with the lower tier
         each is taken from (the first that holds it: host memory, then disk), ``key`` last; and the cached handle the
@@ -288,7 +306,8 @@ class Encoder:
             return 0
         ids = context_ids.reshape(-1)
         prefixes = Prefixes(ids)
-        return max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex()) for t in self.tiers)
+        return max(t.longest_prefix(ids, self.options_digest, lambda m: prefixes.digest(m).hex(), self.comes_back)
+                   for t in self.tiers)
 
     def held_tokens(self, context_ids: torch.Tensor, key: str) -> int:
         """How many first tokens of ``context_ids`` (cache key ``key``) a kept context holds on this rank, for the
@@ -297,7 +316,7 @@ class Encoder:
         extends prefixes; else 0. The tiers keep and drop alike on every rank (each context counted the same), as
         the cache does; where one rank's differs, the encoding agrees before it loads (a rank may then run a Phase 1
         the admission counted as a load -- a failed allocation then fails that request alone)."""
-        if any(key in tier for tier in self.tiers):
+        if self.comes_back(key):  # (a fork's own entries in host memory: only while its document comes back)
             return int(context_ids.numel())
         if self.can_extend() is not None:
             return 0

@@ -373,9 +373,10 @@ class Engine:
 
     # -- the context cache, as a server plans with it -------------------------------------------------------
     def is_cached(self, key: str) -> bool:
-        """Whether the context cache -- or this rank's disk tier -- holds the context of cache key ``key``
-        (:meth:`cache_key`)."""
-        return key in self.cache or any(key in tier for tier in self.encoder.tiers)
+        """Whether the context cache -- or a lower tier of this rank's, loadable -- holds the context of cache key
+        ``key`` (:meth:`cache_key`; :meth:`Encoder.comes_back`: a fork's own entries in host memory count only while
+        their document comes back too)."""
+        return self.encoder.comes_back(key)
 
     def is_stored(self, key: str) -> bool:
         """Whether this rank's disk tier (``runtime.context_store``) holds the context of cache key ``key``."""

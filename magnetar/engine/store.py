@@ -360,6 +360,10 @@ class ContextStore:
             self._refresh()
             return key in self._entries
 
+    def loads_alone(self, key: str) -> bool:
+        """Whether ``key`` is stored: a file loads with the files it continues, whatever else is kept."""
+        return key in self
+
     @property
     def nbytes(self) -> int:
         """The bytes this replica's files count (the others' replicas count theirs)."""
@@ -369,9 +373,10 @@ class ContextStore:
     def _own_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.owner == self.replica)
 
-    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
+    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of, comes_back=None) -> int:
         """The length of the longest stored proper prefix of ``context_ids`` with these ``options``
-        (``prefix_of(n)``: the hex digest of the ids' first ``n`` tokens), or 0."""
+        (``prefix_of(n)``: the hex digest of the ids' first ``n`` tokens), or 0. (``comes_back``: as the host
+        tier's; every file here loads alone.)"""
         with self._lock:
             self._refresh()
             candidates = [(e.tokens, e.prefix) for e in self._entries.values() if e.options == options]
@@ -1003,11 +1008,21 @@ class HostTier:
         with self._lock:
             return [h for h, _, _ in self._items.values()]
 
-    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of) -> int:
-        """As :meth:`ContextStore.longest_prefix`."""
+    def longest_prefix(self, context_ids: torch.Tensor, options: str, prefix_of, comes_back=None) -> int:
+        """As :meth:`ContextStore.longest_prefix`; ``comes_back(key)``: whether a fork's own entries here load (the
+        context they load after comes back: :meth:`Encoder.comes_back`) -- one that cannot is no prefix (None: each
+        counts)."""
         with self._lock:
-            candidates = [(h.context_tokens, p) for h, p, _ in self._items.values() if h.options == options]
+            found = [(k, h.context_tokens, p, h.shard.skip is not None) for k, (h, p, _) in self._items.items()
+                     if h.options == options]
+        candidates = [(n, p) for k, n, p, part in found if not part or comes_back is None or comes_back(k)]
         return _longest(candidates, int(context_ids.numel()), prefix_of)
+
+    def loads_alone(self, key: str) -> bool:
+        """Whether ``key`` is here and loads without another context (not a fork's own entries)."""
+        with self._lock:
+            found = self._items.get(key)
+        return found is not None and found[0].shard.skip is None
 
     def parent(self, key: str) -> Optional[tuple[str, tuple]]:
         """As :meth:`ContextStore.parent`: the context ``key`` extended (its handle's ``base``), or None."""
