@@ -748,6 +748,29 @@ def test_host_memory_keeps_a_document_while_forks_there_load_after_it(model_dir)
     assert got.cached_context_tokens == kept[0].numel()
 
 
+def test_host_memory_evicts_a_conversations_turns_together(model_dir):
+    """A conversation's turns share one host copy, so one of them alone frees nothing: the tier evicts them together,
+    as recent as the last used of them. A context kept between them goes first; the turns keep their copy."""
+    engine = magnetar.init_inference(str(model_dir), method="dense", timeout_s=60, host_cache_mb=64)
+    turns = [ctx for ctx, _ in _turns(engine, n=3)]  # one arena on the device
+    other = torch.arange(20, 220)
+    engine.encode(other)
+    tier = engine.host
+    handles = {k: engine.cache.peek(k) for k in map(engine.cache_key, [*turns, other])}
+    for key in [*handles][:3] + [engine.cache_key(other), engine.cache_key(turns[3])]:  # the longest last
+        tier.save(handles[key], "x")
+    copy = tier.stats()["bytes"] - handles[engine.cache_key(other)].nbytes
+    assert copy == handles[engine.cache_key(turns[3])].nbytes  # one copy for the four turns
+    tier.budget_bytes = tier.stats()["bytes"] - 1
+    small = engine.encode(torch.arange(100, 104))
+    tier.save(small, "y")  # room for it: the other context goes, not the conversation's first turns
+    assert engine.cache_key(other) not in tier and all(k in tier for k in handles if k != engine.cache_key(other))
+    assert tier.stats()["evictions"] == 1 and tier.stats()["bytes"] == copy + small.nbytes
+    tier.budget_bytes = 2 * small.nbytes  # the conversation must go: its four turns at once, the copy freed
+    tier.save(engine.encode(torch.arange(110, 114)), "z")
+    assert not any(k in tier for k in handles) and tier.stats()["evictions"] == 5
+
+
 def test_a_parent_goes_only_after_the_files_that_continue_it(model_dir, tmp_path):
     """The bound evicts the least recently used file that no other continues; the parent of the file being written
     stays even when it is the least recently used."""

@@ -56,7 +56,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -920,8 +920,8 @@ class HostTier:
 
     A conversation's turns (the members of one :class:`~magnetar.engine.kv.KVArena`, each a prefix of the next) share
     one host copy, the longest saved turn's (:class:`_HostChain`): a shorter turn views its first entries, a longer one
-    replaces it (the shorter ones then view the new copy), and the tier counts it once -- whether a turn joins a
-    chain is decided on context tokens, the same on every rank."""
+    replaces it (the shorter ones then view the new copy), and the tier counts it once and evicts the turns together
+    (:meth:`_victims`) -- whether a turn joins a chain is decided on context tokens, the same on every rank."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -995,13 +995,28 @@ class HostTier:
         self._items[handle.key] = (dataclasses.replace(handle, shard=host), prefix, chain)
         self.writes += 1
         while self._items and self._bytes() > self.budget_bytes:
-            # the least recently used -- but a document a fork's own entries here load after goes after them
-            needed = {h.base[0] for h, _, _ in self._items.values() if h.shard.skip is not None}
-            key = next((k for k in self._items if k not in needed), next(iter(self._items)))
-            _, _, c = self._items.pop(key)
-            if c is not None:
-                c.leave(key)
-            self.evictions += 1
+            for key in self._victims():
+                _, _, c = self._items.pop(key)
+                if c is not None:
+                    c.leave(key)
+                self.evictions += 1
+
+    def _victims(self) -> list[str]:
+        """What to evict next (under the lock): the least recently used context -- a chain's turns together, as
+        recent as the last used of them (one alone frees nothing while another views the copy) -- that no fork's own
+        entries here load after (they go first: they load only after it); the least recently used otherwise."""
+        needed = {h.base[0] for h, _, _ in self._items.values() if h.shard.skip is not None}
+        first, seen = None, Counter()
+        for key, (_, _, c) in self._items.items():
+            unit = [k for k in c.keys if k in self._items] if c is not None and key in c.keys else [key]
+            if len(unit) > 1:
+                seen[id(c)] += 1
+                if seen[id(c)] < len(unit):  # a later turn of the chain was used more recently
+                    continue
+            if not needed.intersection(unit):
+                return unit
+            first = first or unit
+        return first or [next(iter(self._items))]
 
     def handles(self) -> list:
         """The contexts kept (handles whose shards are on the host), least recently kept first."""
