@@ -36,6 +36,10 @@
 // is one (batch, KV head): each key row is read once for the G x Sq query rows sharing it (their dot products in
 // registers), the scores of a block of keys go through one exp pass with the running max (online softmax), and
 // each value row is read once into the rows' accumulators. Parallelised with at::parallel_for over the work items.
+// Two keys' dot products at a time where every key is seen (twice the independent sums in flight), four rows'
+// sums reduced together (hsum4), four value rows into each accumulator load and store, and the rows prefetched a
+// phase ahead (a block's values during its scores, the next block's keys during its values): on the Intel
+// AVX-512/AMX VM a cold 4K call of those shapes went 650 -> ~460 us in bf16 (docs/results.md, "The decode kernel").
 
 #include "torch_op.h"
 
@@ -108,6 +112,32 @@ AVX2_FN float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
+// The sums of four vectors' lanes: [sum(a0), sum(a1), sum(a2), sum(a3)] -- three horizontal adds for four rows'
+// dot products, where a reduction each took as many for one.
+AVX2_FN __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// Rows r < R of a[] (R <= 8) reduced into out[r]: four at a time.
+template <int R>
+AVX2_FN void hsum_rows(const __m256* a, float* out) {
+  const __m256 z = _mm256_setzero_ps();
+  alignas(16) float t[8];
+  _mm_store_ps(t, hsum4(a[0], R > 1 ? a[1] : z, R > 2 ? a[2] : z, R > 3 ? a[3] : z));
+  if (R > 4) _mm_store_ps(t + 4, hsum4(a[R > 4 ? 4 : 0], R > 5 ? a[5] : z, R > 6 ? a[6] : z, R > 7 ? a[7] : z));
+  for (int r = 0; r < R; ++r) out[r] = t[r];
+}
+
+// Prefetch the row at p (D elements of T) into L1: the kernel's reads are two interleaved streams (a block's keys,
+// then its values) that the hardware prefetchers follow late -- a cold 4K call read ~5 GB/s where one core copies 13.
+constexpr int64_t kAhead = 16;  // rows ahead
+template <typename T>
+AVX2_FN void prefetch_row(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 // Which keys which rows see (the slot call; nullptr: every key, every row): key j's position kpos[j * kstride]
 // against each row's query position rq[r], and the window (<= 0: none).
 struct Visibility {
@@ -143,9 +173,39 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
   if (!Masked && Sk > 0) {
     for (int r = 0; r < R; ++r) seen[r] = true;
   }
+  // two keys at a time where every key is seen (2R independent sums in flight; R <= 4: the registers hold them)
+  constexpr bool kPairs = !Masked && R <= 4;
   for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
     const int64_t n = std::min(kBlock, Sk - j0);
-    for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the R rows
+    int64_t j = 0;
+    if (kPairs) {
+      for (; j + 2 <= n; j += 2) {  // scores: each key row read once for the R rows
+        const T* k0 = kb + (j0 + j) * ks;
+        const T* k1 = k0 + ks;
+        prefetch_row(k0 + kAhead * ks, D);  // this block's later keys, and its values (read after its scores)
+        prefetch_row(k1 + kAhead * ks, D);
+        prefetch_row(vb + (j0 + j) * vs, D);
+        prefetch_row(vb + (j0 + j + 1) * vs, D);
+        __m256 a[R], b[R];
+        for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x0 = load8<T>(k0 + d), x1 = load8<T>(k1 + d);
+          for (int r = 0; r < R; ++r) {
+            const __m256 q8 = _mm256_loadu_ps(qf + r * D + d);
+            a[r] = _mm256_fmadd_ps(q8, x0, a[r]);
+            b[r] = _mm256_fmadd_ps(q8, x1, b[r]);
+          }
+        }
+        float t0[R], t1[R];
+        hsum_rows<R>(a, t0);
+        hsum_rows<R>(b, t1);
+        for (int r = 0; r < R; ++r) {
+          s[r * kBlock + j] = t0[r];
+          s[r * kBlock + j + 1] = t1[r];
+        }
+      }
+    }
+    for (; j < n; ++j) {  // scores: each key row read once for the R rows
       bool sees[R];
       if (Masked) {
         const int64_t kp = vis.kpos[(j0 + j) * vis.kstride];
@@ -167,8 +227,10 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
         const __m256 k8 = load8<T>(kj + d);
         for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), k8, a[r]);
       }
+      float t[R];
+      hsum_rows<R>(a, t);
       for (int r = 0; r < R; ++r) {
-        s[r * kBlock + j] = Masked && !sees[r] ? neg_inf : hsum(a[r]);
+        s[r * kBlock + j] = Masked && !sees[r] ? neg_inf : t[r];
         if (Masked) seen[r] = seen[r] || sees[r];
       }
     }
@@ -209,7 +271,36 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
         for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
       }
     }
-    for (int64_t j = 0; j < n; ++j) {  // values: each row read once into the R accumulators
+    j = 0;
+    for (; j + 4 <= n; j += 4) {  // values, four keys at a time: each accumulator loaded and stored once for them
+      if (Masked && !(live[j] && live[j + 1] && live[j + 2] && live[j + 3])) {
+        break;  // a key no row sees is not read: this block goes on key by key
+      }
+      const T* v0 = vb + (j0 + j) * vs;
+      const T* v1 = v0 + vs;
+      const T* v2 = v1 + vs;
+      const T* v3 = v2 + vs;
+      if (j0 + kBlock < Sk) {  // the next block's keys
+        for (int i = 0; i < 4; ++i) prefetch_row(kb + (j0 + kBlock + j + i) * ks, D);
+      }
+      __m256 p[R][4];
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < 4; ++i) p[r][i] = _mm256_set1_ps(s[r * kBlock + j + i]);
+      }
+      for (int64_t d = 0; d < D; d += 8) {  // each value row read once for the R rows
+        const __m256 x0 = load8<T>(v0 + d), x1 = load8<T>(v1 + d), x2 = load8<T>(v2 + d), x3 = load8<T>(v3 + d);
+        for (int r = 0; r < R; ++r) {
+          float* ar = acc + r * D + d;
+          __m256 x = _mm256_loadu_ps(ar);
+          x = _mm256_fmadd_ps(p[r][0], x0, x);
+          x = _mm256_fmadd_ps(p[r][1], x1, x);
+          x = _mm256_fmadd_ps(p[r][2], x2, x);
+          x = _mm256_fmadd_ps(p[r][3], x3, x);
+          _mm256_storeu_ps(ar, x);
+        }
+      }
+    }
+    for (; j < n; ++j) {  // values: each row read once into the R accumulators
       if (Masked && !live[j]) continue;  // no row sees it: its value is not read (a NaN there stays out)
       const T* vj = vb + (j0 + j) * vs;
       __m256 p[R];
