@@ -518,7 +518,10 @@ class _Tier:
     def __contains__(self, key: str) -> bool:
         return key == self.key
 
-    def longest_prefix(self, context_ids, options, prefix_of) -> int:
+    def loads_alone(self, key: str) -> bool:  # a whole context (a disk file), not a fork's own entries
+        return key in self
+
+    def longest_prefix(self, context_ids, options, prefix_of, comes_back=None) -> int:
         return self.n
 
 

@@ -39,7 +39,8 @@
 // Two keys' dot products at a time where every key is seen (twice the independent sums in flight), four rows'
 // sums reduced together (hsum4), four value rows into each accumulator load and store, and the rows prefetched a
 // phase ahead (a block's values during its scores, the next block's keys during its values): on the Intel
-// AVX-512/AMX VM a cold 4K call of those shapes went 650 -> ~460 us in bf16 (docs/results.md, "The decode kernel").
+// AVX-512/AMX VM a cold 4K call of those shapes went 740-813 -> ~475 us in bf16 (docs/results.md, "The Intel
+// AVX-512 / AMX VM beside vLLM, and the decode kernel").
 
 #include "torch_op.h"
 
