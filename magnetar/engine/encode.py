@@ -216,23 +216,22 @@ class Encoder:
                              loaded["prefill_stats"], nbytes, loaded["method"], engine=self.identity,
                              options=self.options_digest, last_logits=loaded["last_logits"], base=base)
 
-    def comes_back(self, key: str) -> bool:
+    def comes_back(self, key: str, seen: frozenset = frozenset()) -> bool:
         """Whether ``key``'s context comes back on this rank without a Phase 1: the cache holds it, a lower tier holds
         it loadable alone (a disk file with the files it continues, a whole host copy), or a tier holds the KV it adds
-        to a context that comes back so (a fork's own entries in host memory, after its document)."""
-        return key in self.cache or any(self._loads_from(t, key) for t in self.tiers)
+        to a context that comes back so (a fork's own entries in host memory, after its document). ``seen``: the
+        keys on the way (a loop guard)."""
+        return key in self.cache or any(self._loads_from(t, key, seen) for t in self.tiers)
 
-    def _loads_from(self, tier, key: str, seen: frozenset = frozenset()) -> bool:
+    def _loads_from(self, tier, key: str, seen: frozenset) -> bool:
         """Whether ``tier`` holds ``key``'s context and it loads from there: alone, or after a context that comes
-        back (:meth:`comes_back`; ``seen``: the keys on the way, a loop guard)."""
+        back (:meth:`comes_back`)."""
         if key not in tier or key in seen:
             return False
         if tier.loads_alone(key):
             return True
         link = tier.parent(key)
-        if link is None:
-            return False
-        return link[0] in self.cache or any(self._loads_from(t, link[0], seen | {key}) for t in self.tiers)
+        return link is not None and self.comes_back(link[0], seen | {key})
 
     def _lineage(self, tier, key: str) -> tuple[list[tuple[str, object]], Optional[ContextHandle]]:
         """The stored contexts that lead to ``key`` (in ``tier``), each extending the one before, with the lower tier
