@@ -8,8 +8,9 @@ one per usable CPU) and each thread setting, a fresh server process (``python -m
 started, warmed up with a short request, then asked one question about a ``--context-tokens`` document
 (``magnetar.context``, streamed, greedy). Settings:
 
-* ``default``: the server's own choice (``--threads`` unset, no ``OMP_NUM_THREADS``): the usable CPUs for Phase 1,
-  one fewer (for the HTTP server) for the decode steps (``magnetar.serve.cli.choose_threads``);
+* ``default``: the server's own choice (``--threads`` unset, no ``OMP_NUM_THREADS``): the usable CPUs for Phase 1;
+  for the decode steps every usable CPU while the host's other processes leave them idle, one fewer while they keep
+  one busy (``magnetar.serve.cli.choose_threads``, ``magnetar.serve.threads``);
 * ``omp1``: ``OMP_NUM_THREADS=1``, the usual advice (one thread throughout);
 * ``torch``: ``--threads`` = torch's own default in a fresh process (the physical cores), throughout: what the
   server used before it chose.
@@ -42,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or folder")
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the served model's dtype")
     p.add_argument("--busy", type=int, default=None, help="spinning processes of the busy runs (default: the usable "
                                                           "CPUs)")
     p.add_argument("--settings", default="default,omp1,torch", help="comma list of: default, omp1, torch")
@@ -79,7 +81,7 @@ def serve(args, setting: str, torch_threads: int, log: Path) -> subprocess.Popen
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONPATH=str(REPO), MAGNETAR_DISABLE_DS_SHM="1")
     cmd = [sys.executable, "-m", "magnetar.serve", "--model", args.model, "--method", "dense", "--port",
-           str(args.port), "--served-model-name", "bench", "--log-level", "warning"]
+           str(args.port), "--served-model-name", "bench", "--log-level", "warning", "--dtype", args.dtype]
     if setting == "omp1":
         env["OMP_NUM_THREADS"] = "1"
     elif setting == "torch":
@@ -168,10 +170,19 @@ def main(argv=None) -> int:
                         proc.wait(60)
                     except subprocess.TimeoutExpired:
                         proc.kill()
-                found = re.search(r"(\d+) intra-op threads per rank, (\d+) in Phase 1 \((.*)\)\n", log.read_text())
-                r.update(state=state, setting=setting, threads=int(found.group(1)) if found else None,
-                         phase1_threads=int(found.group(2)) if found else None,
-                         why=found.group(3) if found else "?", spinners=len(spinners))
+                text = log.read_text()
+                found = re.search(r"(\d+) intra-op threads per rank, (\d+) in Phase 1 \((.*)\)\n", text)
+                follows = re.search(r"(\d+) intra-op threads per rank in decode steps while the host's other "
+                                    r"processes leave its CPUs idle, (\d+) while they keep one busy; (\d+) in Phase 1 "
+                                    r"\((.*)\)\n", text)
+                if follows:  # the count follows the host's load (magnetar.serve.threads)
+                    threads, phase1, why = f"{follows.group(1)} idle, {follows.group(2)} busy", \
+                        int(follows.group(3)), follows.group(4)
+                else:
+                    threads, phase1, why = (int(found.group(1)), int(found.group(2)), found.group(3)) if found \
+                        else (None, None, "?")
+                r.update(state=state, setting=setting, threads=threads, phase1_threads=phase1, why=why,
+                         spinners=len(spinners))
                 rows.append(r)
                 print(f"{state:5s} {setting:8s} threads {r['threads']} (Phase 1 {r['phase1_threads']}): "
                       f"TTFT {r['ttft_s']:.1f} s, decode "
@@ -180,8 +191,9 @@ def main(argv=None) -> int:
             for s in spinners:
                 s.kill()
                 s.wait()
-    print(f"\n## Decode with each thread setting ({args.model}, dense, one rank, a {args.context_tokens}-token "
-          f"document, {args.new_tokens} new tokens; {cpus} usable CPUs; busy = {busy} spinning processes)\n")
+    print(f"\n## Decode with each thread setting ({args.model} {args.dtype}, dense, one rank, a "
+          f"{args.context_tokens}-token document, {args.new_tokens} new tokens; {cpus} usable CPUs; busy = {busy} "
+          f"spinning processes)\n")
     print("| host | setting | threads (decode / Phase 1) | TTFT s | decode ms/token | decode vs default |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
@@ -191,7 +203,8 @@ def main(argv=None) -> int:
               f"| {r['decode_ms_per_token'] / base['decode_ms_per_token']:.2f}x |")
     same = len({r["text"] for r in rows}) == 1
     print(f"\nanswers identical across settings: {'yes' if same else 'NO'}")
-    print(json.dumps(dict(bench="threads", model=args.model, cpus=cpus, busy=busy, torch_default_threads=torch_threads,
+    print(json.dumps(dict(bench="threads", model=args.model, dtype=args.dtype, cpus=cpus, busy=busy,
+                          torch_default_threads=torch_threads,
                           machine=f"{platform.machine()} {platform.processor() or ''}".strip(), same_answers=same,
                           rows=[{k: v for k, v in r.items() if k != "text"} for r in rows])))
     return 0

@@ -163,7 +163,9 @@ def choose_threads(threads: Optional[int]) -> tuple[Optional[int], Optional[int]
     else ``OMP_NUM_THREADS`` (torch already read it); else, on CPU ranks, the usable CPUs
     (:func:`~magnetar.parallel.launcher.cpu_threads`) shared by the local ranks: all of them for Phase 1 and the
     query forwards (compute-bound: more threads pay), one fewer for the decode steps (small ops that wait for every
-    thread: one CPU left for the HTTP server and the tokenizers, so a busy host does not deschedule one)."""
+    thread: one CPU left for the HTTP server and the tokenizers, so a busy host does not deschedule one) -- the
+    count a rank alone on its host starts from, and keeps while other processes keep a CPU busy
+    (:func:`follow_load`)."""
     from magnetar.parallel.launcher import cpu_threads, device_for_rank, usable_cpus
 
     if threads is not None:
@@ -174,8 +176,19 @@ def choose_threads(threads: Optional[int]) -> tuple[Optional[int], Optional[int]
         return None, None, "torch's default (not a CPU rank)"
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     return cpu_threads(local, reserve=1), cpu_threads(local), (
-        f"{usable_cpus()} usable CPUs over {local} local rank(s): Phase 1 all, decode one left for HTTP; --threads "
-        f"to change")
+        f"{usable_cpus()} usable CPUs over {local} local rank(s): Phase 1 all, decode one left for HTTP" +
+        (" while the host is busy" if local == 1 and usable_cpus() > 1 else "") + "; --threads to change")
+
+
+def follow_load(threads: Optional[int]):
+    """The decode steps' count that follows the host's load (:class:`~magnetar.serve.threads.DecodeThreads`: every
+    usable CPU while the other processes leave them idle, one fewer while they keep one busy), or None where
+    :func:`choose_threads`' count stays (``--threads`` or ``OMP_NUM_THREADS`` given, a GPU rank, several local ranks,
+    one CPU, no ``/proc/stat``)."""
+    from magnetar.parallel.launcher import device_for_rank
+    from magnetar.serve.threads import decode_threads
+
+    return decode_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE") or 1), device_for_rank().type == "cpu")
 
 
 def main(argv=None) -> int:
@@ -195,8 +208,15 @@ def main(argv=None) -> int:
     threads, prefill_threads, why = choose_threads(args.threads)
     if threads is not None:
         torch.set_num_threads(threads)
-    logging.getLogger(PROG).warning("%d intra-op threads per rank, %d in Phase 1 (%s)", torch.get_num_threads(),
-                                    prefill_threads or torch.get_num_threads(), why)
+    adaptive = follow_load(args.threads)
+    if adaptive is None:
+        logging.getLogger(PROG).warning("%d intra-op threads per rank, %d in Phase 1 (%s)", torch.get_num_threads(),
+                                        prefill_threads or torch.get_num_threads(), why)
+    else:
+        logging.getLogger(PROG).warning(
+            "%d intra-op threads per rank in decode steps while the host's other processes leave its CPUs idle, %d "
+            "while they keep one busy; %d in Phase 1 (%s)", adaptive.high, adaptive.low,
+            prefill_threads or torch.get_num_threads(), why)
     import magnetar
     from magnetar.models import ModelNotInstalledError
     from magnetar.parallel.launcher import finish_distributed
@@ -208,7 +228,8 @@ def main(argv=None) -> int:
     if args.api_key is None and not is_loopback(args.host):
         logging.getLogger(PROG).warning("serving on %s without an API key: anyone who reaches the port can use the "
                                         "model; set %s (or --api-key)", args.host, API_KEY_ENV)
-    server = Server(engine, serve_config, sock=sock, prefill_threads=prefill_threads, front=front, replica_urls=urls)
+    server = Server(engine, serve_config, sock=sock, prefill_threads=prefill_threads, front=front, replica_urls=urls,
+                    decode_threads=adaptive)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.drain())
     status = server.run()

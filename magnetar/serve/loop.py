@@ -100,7 +100,8 @@ class EngineLoop:
     the leader's; ``heartbeat_s`` defaults to a quarter of the collective timeout, at most 5 s."""
 
     def __init__(self, engine, *, max_batch_size: int = 16, metrics=None, heartbeat_s: Optional[float] = None,
-                 prefill_threads: Optional[int] = None, prefill_chunk: int = 0, max_join_tokens: int = 0):
+                 prefill_threads: Optional[int] = None, prefill_chunk: int = 0, max_join_tokens: int = 0,
+                 decode_threads=None):
         self.engine, self.groups = engine, engine.groups
         # a new context longer than this many tokens runs its Phase 1 in chunks of it, one between two decode steps
         # (0: whole); only where a chunk's extension is the exact Phase 1 (Engine.chunk_problem)
@@ -112,6 +113,9 @@ class EngineLoop:
         # intra-op threads while a tick's Phase 1s and query forwards run (compute-bound: every usable CPU), the
         # decode steps keeping the process's own count (magnetar.serve.cli.choose_threads); None: one count
         self.prefill_threads = prefill_threads
+        # the decode steps' count where it follows the host's load (a magnetar.serve.threads.DecodeThreads: every
+        # usable CPU while other processes leave them idle, one fewer while they do not); None: the process's count
+        self.decode_threads = decode_threads
         self.leader = self.groups.is_replica_leader  # it serves HTTP and decides the ticks
         self.max_batch_size = max_batch_size
         graphs = getattr(engine, "decode_graphs", None)
@@ -189,6 +193,8 @@ class EngineLoop:
                     return 0 if tick.error is None else 1
                 self._apply(tick)
                 if self.batch.active:
+                    if self.decode_threads is not None:
+                        torch.set_num_threads(self.decode_threads.current())
                     self._step()
                 if self.leader:
                     self._gauges()
@@ -501,6 +507,7 @@ class EngineLoop:
     def _gauges(self) -> None:
         self.metrics.active.set(len(self.batch.active))
         self.metrics.queued.set(len(self.scheduler.pending) + self.inbox.qsize())
+        self.metrics.decode_threads.set(torch.get_num_threads())
         self.metrics.cache(self.engine.cache_stats(), len(self.handles))
 
     def _fail_all(self, why: str) -> None:

@@ -105,6 +105,8 @@ class Metrics:
                               buckets=_TOKEN_BUCKETS, registry=r)
         self.active = Gauge("magnetar_active_requests", "Requests decoding", registry=r)
         self.queued = Gauge("magnetar_queued_requests", "Requests waiting for a slot or their Phase 1", registry=r)
+        self.decode_threads = Gauge("magnetar_decode_threads", "Intra-op CPU threads of the last decode step",
+                                    registry=r)
         self.http_refused = Counter("magnetar_http_refused", "Requests refused at the gate (by HTTP status)",
                                     ["status"], registry=r)
         self.kv_bytes = Gauge("magnetar_kv_bytes", "KV bytes per rank of the last finished request", ["rank"],

@@ -48,7 +48,8 @@ class Server:
     is exact (:meth:`magnetar.engine.Engine.chunk_problem`)."""
 
     def __init__(self, engine, config: Optional[ServeConfig] = None, *, sock: Optional[socket.socket] = None,
-                 front: Optional[socket.socket] = None, replica_urls: Sequence[str] = (), **options):
+                 front: Optional[socket.socket] = None, replica_urls: Sequence[str] = (), decode_threads=None,
+                 **options):
         if config is None:
             config = ServeConfig(**options)
         elif options:
@@ -80,7 +81,7 @@ class Server:
         self.preparer = None
         self.loop = EngineLoop(engine, max_batch_size=config.max_batch_size, heartbeat_s=config.heartbeat_s,
                                prefill_threads=config.prefill_threads, prefill_chunk=config.prefill_chunk,
-                               max_join_tokens=config.max_join_tokens)
+                               max_join_tokens=config.max_join_tokens, decode_threads=decode_threads)
         self.metrics = None
         self.app = None
         self._http = None
