@@ -34,6 +34,7 @@ from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
+from magnetar.engine.norms import fuse_norms
 from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, mlp_bytes_per_token, relieve
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
@@ -61,6 +62,7 @@ class Engine:
         self.model, self.config, self.groups, self.tokenizer = model, config, groups, tokenizer
         self.device = next(model.parameters()).device
         fuse_siblings(model, self.device)  # on a CPU: q/k/v and gate/up as one matrix-vector product each
+        fuse_norms(model, self.device)  # on a CPU: each Llama-family RMSNorm as one pass over a row
         relayout_for_decode(model, self.device)  # on a CPU: the decode step's matrix-vector products' layout
         pack_for_batches(model, self.device)  # on a CPU: oneDNN copies for a batch's few-row products
         # what a ContextHandle is tied to: this engine and its variants (same model object, weights, groups); a

@@ -418,9 +418,21 @@ class SmallGemmBuilder(MergeStatesBuilder):
         return [str(_src() / "small_gemm.cpp")]
 
 
+class RMSNormBuilder(MergeStatesBuilder):
+    """CPU build of Llama's RMSNorm as one pass over each row (``csrc/rms_norm.cpp``: :mod:`magnetar.ops.rms_norm`,
+    swapped into a model by :mod:`magnetar.engine.norms`); AVX-512 code chosen at run time, a scalar loop elsewhere."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_RMS_NORM"
+    NAME = "magnetar_rms_norm"
+
+    def sources(self):
+        return [str(_src() / "rms_norm.cpp")]
+
+
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
 ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
-                                     SparseAttentionBuilder, DecodeAttentionBuilder, SmallGemmBuilder)}
+                                     SparseAttentionBuilder, DecodeAttentionBuilder, SmallGemmBuilder,
+                                     RMSNormBuilder)}
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
