@@ -4,6 +4,8 @@ chunks; Hugging Face's LlamaRMSNorm bit for bit in bf16; NaN and inf where HF ha
 under autograd, keeps its own forward; a tiny Llama's logits unchanged by the swap."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from magnetar.engine.norms import fuse_norms
 from magnetar.ops.rms_norm import RMS_NORM_OP, rms_norm, rms_norm_unavailable
-from tests.conftest import assert_close
+from tests.conftest import assert_close, load_benchmark
 
 BF16 = torch.bfloat16
 
@@ -146,3 +148,20 @@ def test_the_op_is_called_by_a_swapped_norm(monkeypatch):
     with torch.no_grad():
         norm(torch.randn(3, 5, 32))
     assert calls == [torch.Size([15, 32])]
+
+
+def test_bench_norm_times_the_three_and_counts_what_differs(capsys):
+    summary = load_benchmark("bench_norm").main(["--width", "40", "--rows", "1", "3", "--warmup", "0",
+                                                 "--repeats", "2"])
+    rows = {(r["dtype"], r["rows"], r["impl"]): r for r in summary["rows"]}
+    assert set(rows) == {(d, n, i) for d in ("bfloat16", "float32") for n in (1, 3)
+                         for i in ("hf", "torch_fused", "magnetar")}
+    assert all(r["us"] > 0 and r["elements"] == 40 * r["rows"] for r in rows.values())
+    assert all(rows[(d, n, "hf")]["differ_from_hf"] == 0 and rows[(d, n, "hf")]["x_hf"] == 1.0
+               for d in ("bfloat16", "float32") for n in (1, 3))
+    assert rows[("bfloat16", 3, "magnetar")]["differ_from_hf"] == 0  # bit for bit in bf16
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1]) == summary and "| bfloat16 | 3 | magnetar |" in "\n".join(out)
+    with pytest.raises(SystemExit):
+        load_benchmark("bench_norm").main(["--rows", "0"])
+    assert "--width and --rows must be positive" in capsys.readouterr().err
