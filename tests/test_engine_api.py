@@ -125,6 +125,11 @@ def test_sampling_is_seeded_and_stop_reasons():
     eos_model.generation_config.eos_token_id = a.token_ids[2]
     d = _engine(eos_model, temperature=1.0, seed=5, top_k=20).generate(ctx, q, max_new_tokens=8)
     assert d.token_ids == a.token_ids[:3] and d.stop_reason == "eos"
+    # ignore_eos (vLLM's extension): the EOS token is kept and the answer goes on to max_new_tokens
+    e = _engine(eos_model, temperature=1.0, seed=5, top_k=20).generate(ctx, q, max_new_tokens=8, ignore_eos=True)
+    assert e.token_ids == a.token_ids and e.stop_reason == "max_new_tokens"
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        _engine(eos_model).generate(ctx, q, max_new_tokens=8, ignore_eos=1)
 
 
 def test_engine_input_errors():

@@ -96,6 +96,24 @@ def test_chat_completion_equals_generate(client, ref):
     assert again.choices[0].message.content == ref.generate(DOCS[0], QUESTIONS[1], max_new_tokens=3).text
 
 
+def test_ignore_eos_goes_on_to_max_tokens(served, client, ref):
+    # the answer's second token made the model's EOS: the answer ends there, unless the request sets ignore_eos
+    # (vLLM's extension, as a throughput benchmark sends it): then it is the whole 6 tokens, finish_reason length
+    want = ref.generate(DOCS[0], QUESTIONS[0], max_new_tokens=6)
+    gen = served.engine.model.generation_config
+    before = gen.eos_token_id
+    gen.eos_token_id = want.token_ids[1]
+    try:
+        cut = _chat(client, DOCS[0], QUESTIONS[0], max_tokens=6)
+        assert cut.usage.completion_tokens == 2 and cut.choices[0].finish_reason == "stop"
+        whole = _chat(client, DOCS[0], QUESTIONS[0], max_tokens=6, extra_body={"ignore_eos": True})
+        assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
+        kept = [t for t in want.token_ids if t != want.token_ids[1]]  # the same greedy tokens, EOS left out of the text
+        assert whole.choices[0].message.content == ref.tokenizer.decode(kept, skip_special_tokens=True)
+    finally:
+        gen.eos_token_id = before
+
+
 def test_chat_without_context_is_the_conversation_before_the_question(client, ref, model_dir):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOCS[1]},
                 {"role": "assistant", "content": "Read."}, {"role": "user", "content": QUESTIONS[1]}]
@@ -257,6 +275,7 @@ BAD = [  # (id, path, body (bytes or dict), the param named)
     ("temperature negative", "chat", _chat_body(temperature=-1), "temperature"),
     ("top_p 0", "chat", _chat_body(top_p=0), "top_p"),
     ("top_k negative", "chat", _chat_body(top_k=-1), "top_k"),
+    ("ignore_eos a string", "chat", _chat_body(ignore_eos="yes"), "ignore_eos"),
     ("seed negative", "chat", _chat_body(seed=-1), "seed"),
     ("empty stop string", "chat", _chat_body(stop=[""]), "stop"),
     ("stop a number", "chat", _chat_body(stop=5), "stop"),

@@ -60,6 +60,9 @@ class SamplingParams:
       before it; with ``logprobs`` alternatives), from the query's own forward (``DecodeResult.prompt_logprobs``).
     * ``grammar``: None, or an llguidance grammar the answer must follow (structured outputs: a JSON schema's,
       a regex's, a Lark grammar; :mod:`magnetar.engine.grammar`); the answer ends when it is complete.
+    * ``ignore_eos``: True: an EOS token does not end the answer (it is kept in the token ids, dropped from the
+      text); ``max_new_tokens``, a stop string or a complete grammar still do -- vLLM's extension, what
+      throughput benchmarks send so that every server generates the same number of tokens.
 
     Every bad value is a ``ValueError`` naming the field and what to pass; nothing is coerced (a bool is not an
     int, 2.5 is not 2, NaN and inf are refused). numpy-style scalars become plain ``int`` / ``float``.
@@ -74,6 +77,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: bool = False
     grammar: Optional[str] = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         check_max_new_tokens(self.max_new_tokens)
@@ -94,6 +98,8 @@ class SamplingParams:
                      f"must be None or an int in 0..{MAX_TOP_LOGPROBS}, got {describe(self.logprobs)}")
         _require(isinstance(self.prompt_logprobs, bool), "prompt_logprobs",
                  f"must be True or False, got {describe(self.prompt_logprobs)}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos",
+                 f"must be True or False, got {describe(self.ignore_eos)}")
         _require(self.grammar is None or isinstance(self.grammar, str), "grammar",
                  f"must be None or an llguidance grammar string (magnetar.engine.grammar), got "
                  f"{describe(self.grammar)}")
@@ -354,7 +360,7 @@ class RequestSampler:
         if self._mask is not None:
             self._mask.consume(token)
         self._ids.append(token)
-        if token in self.eos_ids:  # what EosTokenCriteria decides, without a tensor
+        if token in self.eos_ids and not self.params.ignore_eos:  # what EosTokenCriteria decides, without a tensor
             self._stop_reason = "eos"
         elif self._stop is not None and bool(self._stop(torch.tensor([self._ids], dtype=torch.long), None)[0]):
             self._stop_reason = "stop_string"

@@ -398,7 +398,7 @@ class Preparer:
             if name in OPTIONS:
                 continue
             param = f"magnetar.{name if len(name) <= 60 else name[:57] + '...'}"
-            if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens"):
+            if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "ignore_eos"):
                 raise RequestError(f"{param}: set {name} as a field of the request itself, not in magnetar", param)
             if name in REQUEST_OPTIONS:
                 engine_options[name] = value

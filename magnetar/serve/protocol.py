@@ -132,6 +132,7 @@ class _Generation(_Strict):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None  # not OpenAI's; vLLM's and SGLang's extension
+    ignore_eos: Optional[bool] = None  # not OpenAI's; vLLM's and SGLang's extension (EOS does not end the answer)
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
@@ -152,7 +153,7 @@ class _Generation(_Strict):
     # the engine's SamplingParams field -> this request's field (a FieldError of the engine names the former)
     SAMPLING_PARAMS: ClassVar[dict[str, str]] = {
         "max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-        "seed": "seed", "stop": "stop", "logprobs": "logprobs"}
+        "seed": "seed", "stop": "stop", "logprobs": "logprobs", "ignore_eos": "ignore_eos"}
 
     def sampling_fields(self, *, prompt_logprobs: bool = False) -> dict[str, Any]:
         """The request as the engine's :class:`~magnetar.engine.sampling.SamplingParams` fields (vLLM's
@@ -160,7 +161,7 @@ class _Generation(_Strict):
         (``Engine.check`` fills it). ``prompt_logprobs``: also score the query's tokens (echo with logprobs)."""
         given = dict(max_new_tokens=self.max_new_tokens(), temperature=self.temperature, top_p=self.top_p,
                      top_k=self.top_k, seed=self.seed, stop=self.stop_list(), logprobs=self.alternatives(),
-                     prompt_logprobs=prompt_logprobs or None)
+                     prompt_logprobs=prompt_logprobs or None, ignore_eos=self.ignore_eos)
         return {k: v for k, v in given.items() if v is not None}
 
     def max_new_tokens(self) -> Optional[int]:
