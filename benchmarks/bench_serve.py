@@ -40,8 +40,10 @@ before its question, nothing Magnetar-specific) against another server and again
 process (``--serve-in-process``: a thread of this one), one at a time (``--peer-cmd`` starts the peer before its turn
 and stops it after, so the two never share the cores): one streamed request over a 4K document (TTFT cold, then again
 with the document cached, and decode ms/token), ten questions about one 8K document, eight clients with their own new
-1K documents one at a time and concurrently (tokens/s), one 8K prefill. Prints each figure for both and Magnetar /
-peer.
+1K documents one at a time and concurrently (tokens/s; the concurrent round's wall seconds and tokens too), one 8K
+prefill. Prints each figure for both and Magnetar / peer. ``--ignore-eos``: every request sends ``ignore_eos`` (vLLM's
+extension, Magnetar's too), so both servers generate ``--new-tokens`` for every answer -- the same work (without it,
+greedy bf16 answers that differ in length make the tokens/s of a round differ by more than the servers' speed).
 
 Part ``stall`` (issue 33, item 3) -- one request streams ``--stall-tokens`` tokens over a cached document while
 another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (its whole Phase 1 between two decode
@@ -74,6 +76,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from bench_threads import stream_chat, wait_ready  # benchmarks/: the script's own folder is first on sys.path
@@ -122,6 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-cmd", default=None, metavar="CMD", help="--peer: the shell command that starts the peer "
                    "(started before its workloads, stopped after, so the two servers never share the cores)")
     p.add_argument("--peer-ready-s", type=float, default=600, help="--peer-cmd: how long the peer may take to start")
+    p.add_argument("--ignore-eos", action="store_true", help="--peer: every request sends ignore_eos (vLLM's "
+                   "extension; Magnetar's too): each answer is --new-tokens long on both servers, the same work "
+                   "(without it a server whose answers end sooner shows fewer tokens/s)")
     p.add_argument("--peer-results", default=None, metavar="FILE", help="--peer: take the peer's figures from an "
                    "earlier run's output (its JSON line) instead of running the peer again")
     p.add_argument("--serve-in-process", action="store_true", help="--peer: run Magnetar's server in this process "
@@ -541,17 +547,18 @@ def part_stall(model, tokenizer, args) -> dict:
 # ------------------------------------------------------------------------------------------- part peer
 
 
-def _stream(api, model: str, content: str, max_tokens: int) -> dict:
+def _stream(api, model: str, content: str, max_tokens: int, extra_body: Optional[dict] = None) -> dict:
     """One streamed chat request (a plain message: the document pasted before the question): TTFT, decode ms per
     token after the first, completion tokens, text."""
-    r = stream_chat(api, model, [{"role": "user", "content": content}], max_tokens)
+    r = stream_chat(api, model, [{"role": "user", "content": content}], max_tokens, extra_body=extra_body)
     first, last = (r["stamps"][0], r["stamps"][-1]) if r["stamps"] else (r["end"], r["end"])
     used = r["tokens"]
     ms = 1000 * (last - first) / (used - 1) if used > 1 else None
     return dict(seconds=r["end"] - r["t0"], ttft=first - r["t0"], ms_per_token=ms, tokens=used, text=r["text"])
 
 
-def _clients(api, model: str, contents: list[str], new: int, together: bool, what: str) -> tuple[list[dict], float]:
+def _clients(api, model: str, contents: list[str], new: int, together: bool, what: str,
+             extra_body: Optional[dict] = None) -> tuple[list[dict], float]:
     """One streamed request per content (:func:`_stream`), all at once (a thread each) or one after another: their
     results and the wall seconds; RuntimeError naming ``what`` when one failed."""
     import threading
@@ -559,7 +566,7 @@ def _clients(api, model: str, contents: list[str], new: int, together: bool, wha
     results = [None] * len(contents)
 
     def client(i):
-        results[i] = _stream(api, model, contents[i], new)
+        results[i] = _stream(api, model, contents[i], new, extra_body)
 
     t0 = time.perf_counter()
     if together:
@@ -587,26 +594,27 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
 
     api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     new = args.new_tokens
-    out = {}
+    extra = {"ignore_eos": True} if args.ignore_eos else None
+    out = {"ignore_eos": bool(args.ignore_eos)}
     _stream(api, model, "Warm-up. " * 20 + "\n\nSay hello.", 4)
-    cold = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[0], new)
-    warm = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[1], new)
+    cold = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[0], new, extra)
+    warm = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[1], new, extra)
     out["one_4k"] = dict(cold=cold, cached=warm)
     t0, texts = time.perf_counter(), []
     for q in ([docs["needle_q"]] + QUESTIONS)[: args.questions]:
-        texts.append(_stream(api, model, docs["8k"] + "\n\n" + q, new)["text"])
+        texts.append(_stream(api, model, docs["8k"] + "\n\n" + q, new, extra)["text"])
     out["questions_8k"] = dict(seconds=time.perf_counter() - t0, texts=texts)
     for label, clients in (("alone", 1), ("together", 8)):
         jobs = docs["clients_alone" if label == "alone" else "clients_together"]
         results, wall = _clients(api, model, [j + "\n\n" + QUESTIONS[i % len(QUESTIONS)] for i, j in enumerate(jobs)],
-                                 new, together=clients > 1, what=f"{url}: the {label} round")
+                                 new, together=clients > 1, what=f"{url}: the {label} round", extra_body=extra)
         tokens = sum(r["tokens"] for r in results)
         out[f"clients_8_{label}"] = dict(seconds=wall, tokens=tokens, tokens_per_s=tokens / wall,
                                          ttft_p50=statistics.median(r["ttft"] for r in results),
                                          ttfts=sorted(r["ttft"] for r in results),
                                          texts=[r["text"] for r in results])
     t0 = time.perf_counter()
-    _stream(api, model, docs["prefill"] + "\n\n" + QUESTIONS[2], 1)
+    _stream(api, model, docs["prefill"] + "\n\n" + QUESTIONS[2], 1, extra)
     out["prefill_8k"] = dict(seconds=time.perf_counter() - t0)
     return out
 
@@ -773,6 +781,10 @@ def part_peer(model, tokenizer, args) -> dict:
     if args.peer_results:
         lines = [ln for ln in open(args.peer_results).read().splitlines() if ln.startswith("{")]
         results["peer"] = json.loads(lines[-1])["peer"]["results"]["peer"]
+        if results["peer"].get("ignore_eos", False) != bool(args.ignore_eos):
+            raise SystemExit(f"bench_serve: error: --peer-results {args.peer_results} was measured "
+                             f"{'with' if results['peer'].get('ignore_eos') else 'without'} --ignore-eos: run this "
+                             f"one the same way (the two must generate the same tokens' work)")
     else:
         started = _process(shlex.split(args.peer_cmd), "peer", 60) if args.peer_cmd else \
             contextlib.nullcontext((None, None))
@@ -811,21 +823,26 @@ def part_peer(model, tokenizer, args) -> dict:
              o["clients_8_together"]["tokens_per_s"], "higher"),
             ("  8 concurrent clients: TTFT p50 (s)", m["clients_8_together"]["ttft_p50"],
              o["clients_8_together"]["ttft_p50"], "lower"),
+            ("  8 concurrent clients: wall (s)", m["clients_8_together"]["seconds"],
+             o["clients_8_together"]["seconds"], "lower"),
+            ("  8 concurrent clients: tokens generated", m["clients_8_together"]["tokens"],
+             o["clients_8_together"]["tokens"], "-"),
             ("one 8K prefill, 1 token (s)", m["prefill_8k"]["seconds"], o["prefill_8k"]["seconds"], "lower")]
     same = {k: sum(a == b for a, b in zip(m[k]["texts"], o[k]["texts"])) if "texts" in o[k] else None for k in
             ("questions_8k", "clients_8_alone", "clients_8_together")}
     print(f"\n## Peer: Magnetar ({args.dtype}, {args.method}, {args.ranks} rank(s), decode_step "
           f"{args.decode_step or 'eager'}) "
           f"against {args.peer} ({o.get('model', 'peer')}), the same plain OpenAI requests, {args.new_tokens} new "
-          f"tokens, greedy; {cpu_description()}\n")
+          f"tokens{' (ignore_eos: every answer that long)' if args.ignore_eos else ''}, greedy; "
+          f"{cpu_description()}\n")
     print("| workload | Magnetar | peer | Magnetar / peer | better |")
     print("|---|---:|---:|---:|---|")
     table = []
     for label, a, b, better in rows:
         ratio = None if a is None or b in (None, 0) else a / b
         table.append(dict(workload=label.strip(), magnetar=a, peer=b, ratio=ratio, better=better))
-        fa = "-" if a is None else f"{a:.2f}"
-        fb = "-" if b is None else f"{b:.2f}"
+        fa = "-" if a is None else f"{a:.2f}" if isinstance(a, float) else str(a)
+        fb = "-" if b is None else f"{b:.2f}" if isinstance(b, float) else str(b)
         print(f"| {label} | {fa} | {fb} | {'-' if ratio is None else f'{ratio:.2f}'} | {better} |")
     print(f"\nanswers identical to the peer's: {same}")
     return dict(peer=args.peer, rows=table, same_answers=same, results=results)  # the texts stay: --peer-results

@@ -43,3 +43,25 @@ def test_the_served_part_writes_its_record_after_each_workload(tmp_path, monkeyp
     assert served[0]["one"]["tokens"] == 3 and served[0]["one"]["ttft"] > 0
     assert seen[-1] == json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not (tmp_path / "serve.json.tmp").exists()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_peer_workloads_send_ignore_eos_with_every_request_when_asked(monkeypatch, ignore_eos):
+    # --ignore-eos: both servers must generate --new-tokens for every answer (the same work), so every timed request
+    # carries vLLM's ignore_eos; without it, none does (a server that does not know the field would refuse it)
+    bench = load_benchmark("bench_serve")
+    sent = []
+
+    def stream_chat(api, model, messages, max_tokens, extra_body=None):
+        sent.append((max_tokens, extra_body))
+        return dict(t0=0.0, stamps=[0.1, 0.2], end=0.3, tokens=max_tokens, text="x")
+
+    monkeypatch.setattr(bench, "stream_chat", stream_chat)
+    args = bench.parse_args(["--new-tokens", "5", "--questions", "2"] + (["--ignore-eos"] if ignore_eos else []))
+    docs = {"4k": "a", "8k": "b", "needle_q": "q", "prefill": "c", "clients_alone": ["d"] * 8,
+            "clients_together": ["e"] * 8}
+    out = bench.peer_workloads("http://127.0.0.1:9", "m", docs, args)
+    assert out["ignore_eos"] is ignore_eos and out["clients_8_together"]["tokens"] == 40
+    timed = sent[1:]  # after the warm-up
+    assert len(timed) == 2 + 2 + 8 + 8 + 1
+    assert all(extra == ({"ignore_eos": True} if ignore_eos else None) for _, extra in timed), timed
