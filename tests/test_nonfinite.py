@@ -392,3 +392,24 @@ def _ring_worker(rank, world):
 
 def test_ring_attention_nonfinite_equals_dense():
     run_distributed(_ring_worker, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_fast_paths_finiteness_sum_sees_every_nan_and_inf(dtype):
+    """all_finite sums bf16/fp32/fp64 in their own dtype (a bf16 sum has float32's range: no cast copy) and fp16 in
+    float32: a NaN or an inf anywhere, of either sign, is seen; values whose fp16 sum would overflow are not a false
+    alarm."""
+    from magnetar.ops.nonfinite import all_finite
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 300, 64, generator=g).to(dtype).transpose(1, 2)  # strided, as a query's view is
+    assert all_finite(x, x[:, :5])
+    for bad in (NAN, INF, -INF):
+        y = x.clone()
+        y[1, 17, 4, 9] = bad
+        assert not all_finite(x, y) and not all_finite(y), (dtype, bad)
+    both = x.clone()
+    both[0, 0, 0, 0], both[1, 1, 1, 1] = INF, -INF  # their sum is NaN: still not finite
+    assert not all_finite(both)
+    big = torch.full((4, 1000), 60000.0).to(dtype)  # finite; its float16 sum alone would overflow
+    assert all_finite(big)
