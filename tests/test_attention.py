@@ -71,6 +71,28 @@ def test_non_causal(backend, dtype, seeded):
     _check(q, k, v, backend, causal=False, q_pos=torch.zeros(7, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Sq, Sk, kw", [
+    (40, 47, dict(causal=False)),  # a query over a short cached context: no mask, keys padded under a -inf row
+    (45, 45, {}),  # the query's own tokens: the causal square, padded keys past every row
+    (30, 47, {}),  # bottom-right causal: the visible prefix (padded, masked) merged with the padded square
+    (20, 64, dict(causal=False)),  # already a multiple of 16: as it was
+])
+def test_cpu_flash_pads_a_reduced_precision_calls_keys_to_its_key_block(dtype, Sq, Sk, kw, seeded, monkeypatch):
+    """The CPU kernel runs a bf16 / fp16 call's keys past the last multiple of 16 one at a time (2.3x a call's time
+    over 47 keys): cpu_flash pads them with zeros the rows never see; the result is the fp64 attention's."""
+    from magnetar.ops.backends import cpu_flash
+
+    seen = []
+    real = cpu_flash._kernel()
+    monkeypatch.setattr(cpu_flash, "_KERNEL", lambda q, k, v, *a, **k2: seen.append(k.shape[2]) or real(q, k, v, *a,
+                                                                                                          **k2))
+    q, k, v = random_qkv(2, 6, 2, Sq, Sk, 16, dtype, seeded)
+    pos = dict(q_pos=torch.zeros(Sq, dtype=torch.long)) if kw.get("causal") is False else {}
+    _check(q, k, v, "cpu_flash", f"Sq={Sq} Sk={Sk}", **kw, **pos)
+    assert seen and all(n % 16 == 0 for n in seen), seen
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_logits(backend, dtype, seeded):
