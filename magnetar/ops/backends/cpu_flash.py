@@ -17,9 +17,10 @@ key poisons masked rows or vanishes under ``is_causal``): the front end applies 
 In reduced precision the kernel runs the keys past the last multiple of 16 one at a time: a bf16 call of 975
 query rows (SmolLM2's 9 heads over 3) took 1.2 ms over 47 keys and 0.4-0.55 over 16 or 48, and a 975-token causal
 square 3-17 % longer than with its keys padded to 976 (the Intel AMX VM, two threads; docs/results.md, "Two more
-pieces of a query forward"). So a bf16 / fp16 call of at least ``_PAD_MIN_ROWS`` query rows over at most ``_PAD_MAX_KEYS`` keys gets
-its keys padded with zeros to the next multiple of :data:`_KEY_BLOCK`: under ``is_causal`` (top-left, Sq <= Sk) no
-row reaches a key past Sk; without a mask a ``-inf`` mask row over the padding (one row, broadcast) keeps them out.
+pieces of a query forward"). So a bf16 / fp16 call of at least ``_PAD_MIN_ROWS`` query rows over at most
+``_PAD_MAX_KEYS`` keys gets its keys padded with zeros to the next multiple of :data:`_KEY_BLOCK`: under
+``is_causal`` (top-left, Sq <= Sk) no row reaches a key past Sk; without a mask a ``-inf`` mask row over the padding
+(one row, broadcast) keeps them out.
 The result is the same attention, up to the kernel's rounding.
 """
 from __future__ import annotations
