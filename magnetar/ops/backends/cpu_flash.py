@@ -30,7 +30,7 @@ import os
 import torch
 
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
-from magnetar.ops.merge import merge_states_torch
+from magnetar.ops.merge import merge_states
 
 _MASK_BUDGET = int(os.environ.get("MAGNETAR_CPU_MASK_BUDGET", str(1 << 23)))  # 8M floats = 32 MiB per chunk
 _KERNEL = None
@@ -108,7 +108,7 @@ class CpuFlashBackend:
             p = Sk - Sq
             o1, l1 = _run_grouped(q, k[:, :, :p], v[:, :, :p], scale)
             o2, l2 = _run(q, k[:, :, p:], v[:, :, p:], scale, causal=True)
-            return merge_states_torch(torch.stack((o1, o2)), torch.stack((l1, l2)))
+            return merge_states(torch.stack((o1, o2)), torch.stack((l1, l2)))  # the fused op where it built
         return self._positions(call)
 
     def _positions(self, call):
