@@ -34,8 +34,8 @@ from magnetar.engine.batch import ContinuousBatch, Ready
 from magnetar.engine.context import ContextCache, ContextHandle, prefix_digest
 from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
-from magnetar.engine.norms import fuse_norms
 from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, mlp_bytes_per_token, relieve
+from magnetar.engine.norms import fuse_norms
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401

@@ -62,8 +62,8 @@ def _padded(k, v, q, causal):
     row over the padding broadcast to every query row."""
     B, H, Sk, D = k.shape
     pad = -Sk % _KEY_BLOCK
-    zeros = k.new_zeros(B, H, pad, D)
-    k, v = torch.cat((k, zeros), 2), torch.cat((v, zeros.to(v.dtype)), 2)
+    k = torch.cat((k, k.new_zeros(B, H, pad, D)), 2)
+    v = torch.cat((v, v.new_zeros(B, H, pad, v.shape[3])), 2)  # its own head size (it may differ from k's)
     if causal:
         return k, v, None
     row = torch.zeros(1, 1, 1, Sk + pad, dtype=q.dtype, device=q.device)
