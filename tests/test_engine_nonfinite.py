@@ -101,7 +101,8 @@ def test_nan_in_one_ranks_kv_fails_on_every_rank_naming_that_rank():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_layer_flags_are_exact(dtype):
-    """LayerFlags: each layer's outputs summed in float64 -- flagged exactly when an element is NaN or +-inf,
+    """LayerFlags: each layer's outputs summed (on a CPU in their own dtype, the exact test where that sum is not
+    finite; elsewhere in float64) -- flagged exactly when an element is NaN or +-inf,
     however large the finite values (float64 outputs, whose finite values could overflow a sum, are tested
     element by element); records add up over segments."""
     from magnetar.engine.finite import LayerFlags

@@ -10,11 +10,12 @@ where it began.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-from magnetar.ops.nonfinite import finite_flag
+from magnetar.ops.nonfinite import finite_flag, finite_sum_dtype
 
 
 class NonFiniteError(FloatingPointError):
@@ -30,7 +31,10 @@ class LayerFlags:
     summed in float64. Exact for float32 / bfloat16 / float16 outputs (a sum of their finite values cannot reach
     float64's range, so the sum is non-finite exactly when an element is: a flag that raises may not false-alarm);
     two ops a layer where a min/max test took eight (about 2 % of a CPU decode step). A float64 output is tested
-    with :func:`~magnetar.ops.nonfinite.finite_flag` (its finite values could overflow a sum)."""
+    with :func:`~magnetar.ops.nonfinite.finite_flag` (its finite values could overflow a sum). On a CPU, where
+    reading a sum waits on nothing, the sum runs in the output's own dtype
+    (:func:`~magnetar.ops.nonfinite.finite_sum_dtype`: no float64 copy of a 1000-token query's output) and only a
+    non-finite one -- an element, or an overflow -- is decided by ``finite_flag``: as exact, without the copy."""
 
     def __init__(self, num_layers: int, device):
         self.sums = torch.zeros(num_layers, dtype=torch.float64, device=device)
@@ -38,10 +42,13 @@ class LayerFlags:
 
     def record(self, layer: int, out: torch.Tensor) -> None:
         """Add layer ``layer``'s output (no device sync)."""
-        if out.dtype == torch.float64:
-            self._rows[layer].add_(torch.where(finite_flag(out), 0.0, float("nan")))
-        else:
+        if out.dtype != torch.float64 and out.device.type == "cpu":
+            if math.isfinite(out.detach().sum(dtype=finite_sum_dtype(out)).item()):
+                return  # every element finite: nothing to add
+        elif out.dtype != torch.float64:
             self._rows[layer].add_(out.detach().sum(dtype=torch.float64))
+            return
+        self._rows[layer].add_(torch.where(finite_flag(out), 0.0, float("nan")))
 
     def first(self) -> Optional[int]:
         """The first flagged layer (one device sync), or None."""

@@ -41,7 +41,7 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
-def _sum_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+def finite_sum_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype a finiteness sum of ``t`` runs in: its own where it has float32's range (bfloat16, float32, float64:
     torch sums bfloat16 in float32 and rounds once -- a tenth of the time of asking for a float32 result, which
     made a cast copy of a 1000-token query's q first), float32 for float16 (whose sums overflow at 65504)."""
@@ -50,7 +50,7 @@ def _sum_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether every element of every tensor is finite, with one device-to-host sync: the tensors' sums (in the
-    dtype of :func:`_sum_dtype`) added up and tested once. A NaN or +-inf anywhere makes the total non-finite;
+    dtype of :func:`finite_sum_dtype`) added up and tested once. A NaN or +-inf anywhere makes the total non-finite;
     finite values whose sum overflows make it non-finite too -- a false alarm that only sends the caller down its
     exact (slower) path, never a missed one. One reduction per tensor and one scalar test: the per-call cost of a
     decode step's many small attention calls (issue 33's profile: a min/max pass and four scalar ops per tensor were
@@ -59,7 +59,7 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.numel() == 0:
             continue
-        part = t.detach().sum(dtype=_sum_dtype(t))
+        part = t.detach().sum(dtype=finite_sum_dtype(t))
         if t.device.type == "cpu":  # a CPU scalar is read without waiting on anything: each sum is tested as it
             if not math.isfinite(part.item()):  # comes (half the per-call cost of adding them up first)
                 return False

@@ -7,7 +7,7 @@ import magnetar
 if os.environ.get('OLDPAD'):
     import magnetar.ops.backends.cpu_flash as cf; cf._PAD_MIN_ROWS = 10**9
 if os.environ.get('OLD'):
-    import magnetar.ops.nonfinite as nf; nf._sum_dtype = lambda t: torch.float64 if t.dtype == torch.float64 else torch.float32
+    import magnetar.ops.nonfinite as nf; nf.finite_sum_dtype = lambda t: torch.float64 if t.dtype == torch.float64 else torch.float32
 from transformers import AutoTokenizer, AutoModelForCausalLM
 torch.set_num_threads(2)
 path = os.path.expanduser("~/.cache/magnetar/models/smollm2-135m-instruct")
