@@ -99,8 +99,9 @@ def test_nan_in_one_ranks_kv_fails_on_every_rank_naming_that_rank():
     run_distributed(_distributed_worker, 2)
 
 
+@pytest.mark.parametrize("rows", [4, 4096])  # a decode step's few rows; a query's many (read at once on a CPU)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_layer_flags_are_exact(dtype):
+def test_layer_flags_are_exact(dtype, rows):
     """LayerFlags: each layer's outputs summed (on a CPU in their own dtype, the exact test where that sum is not
     finite; elsewhere in float64) -- flagged exactly when an element is NaN or +-inf,
     however large the finite values (float64 outputs, whose finite values could overflow a sum, are tested
@@ -109,16 +110,16 @@ def test_layer_flags_are_exact(dtype):
 
     big = torch.finfo(dtype).max
     flags = LayerFlags(6, "cpu")
-    flags.record(0, torch.full((2, 3, 4, 8), big, dtype=dtype))  # finite: its sum must not false-alarm
+    flags.record(0, torch.full((2, 3, rows, 8), big, dtype=dtype))  # finite: its sum must not false-alarm
     flags.record(0, torch.full((1, 3, 1, 8), big, dtype=dtype))
-    flags.record(1, torch.full((2, 3, 4, 8), -big, dtype=dtype))
+    flags.record(1, torch.full((2, 3, rows, 8), -big, dtype=dtype))
     assert flags.first() is None
     for layer, bad in ((4, float("inf")), (3, float("-inf")), (5, float("nan"))):
-        out = torch.zeros(1, 2, 1, 4, dtype=dtype)
-        out[0, 1, 0, 2] = bad
+        out = torch.zeros(1, 2, rows, 8, dtype=dtype)
+        out[0, 1, rows - 1, 2] = bad
         flags.record(layer, out)
     assert flags.first() == 3
-    mixed = torch.zeros(1, 1, 1, 2, dtype=dtype)
-    mixed[..., 0], mixed[..., 1] = float("inf"), float("-inf")  # +inf and -inf do not cancel
+    mixed = torch.zeros(1, 1, rows, 16, dtype=dtype)
+    mixed[..., 0, 0], mixed[..., 0, 1] = float("inf"), float("-inf")  # +inf and -inf do not cancel
     flags.record(2, mixed)
     assert flags.first() == 2

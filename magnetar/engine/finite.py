@@ -26,15 +26,19 @@ HINT = ("the model's weights, its inputs or the KV hold NaN/inf (float16 overflo
         "--dtype bfloat16 or float32); --check-finite false turns this check off")
 
 
+_READ_ELEMENTS = 1 << 16  # a CPU output this large is summed in its own dtype and read at once (LayerFlags)
+
+
 class LayerFlags:
     """Per-layer "non-finite attention output seen" flags of one rank, kept on the device: each layer's outputs
     summed in float64. Exact for float32 / bfloat16 / float16 outputs (a sum of their finite values cannot reach
     float64's range, so the sum is non-finite exactly when an element is: a flag that raises may not false-alarm);
     two ops a layer where a min/max test took eight (about 2 % of a CPU decode step). A float64 output is tested
-    with :func:`~magnetar.ops.nonfinite.finite_flag` (its finite values could overflow a sum). On a CPU, where
-    reading a sum waits on nothing, the sum runs in the output's own dtype
-    (:func:`~magnetar.ops.nonfinite.finite_sum_dtype`: no float64 copy of a 1000-token query's output) and only a
-    non-finite one -- an element, or an overflow -- is decided by ``finite_flag``: as exact, without the copy."""
+    with :func:`~magnetar.ops.nonfinite.finite_flag` (its finite values could overflow a sum). On a CPU, an output of
+    at least :data:`_READ_ELEMENTS` elements (a query forward's or a Phase 1's -- a decode step's keep their one read
+    of the device a step) is summed in its own dtype (:func:`~magnetar.ops.nonfinite.finite_sum_dtype`: no float64
+    copy of a 1000-token query's output) and read at once; only a non-finite sum -- an element, or an overflow -- is
+    decided by ``finite_flag``: as exact, without the copy."""
 
     def __init__(self, num_layers: int, device):
         self.sums = torch.zeros(num_layers, dtype=torch.float64, device=device)
@@ -42,7 +46,7 @@ class LayerFlags:
 
     def record(self, layer: int, out: torch.Tensor) -> None:
         """Add layer ``layer``'s output (no device sync)."""
-        if out.dtype != torch.float64 and out.device.type == "cpu":
+        if out.dtype != torch.float64 and out.device.type == "cpu" and out.numel() >= _READ_ELEMENTS:
             if math.isfinite(out.detach().sum(dtype=finite_sum_dtype(out)).item()):
                 return  # every element finite: nothing to add
         elif out.dtype != torch.float64:
