@@ -13,8 +13,9 @@
 // Why: torch runs LlamaRMSNorm as eight ops (a float32 copy, pow, mean, add, rsqrt, mul, the cast back, the
 // weight's mul), each a pass over the row and most a parallel region: a 1000-row bf16 norm of SmolLM2 (H 576) took
 // 0.5-1.8 ms on two cores of the Intel AMX VM -- 61 of them a forward, up to a sixth of a 1000-token query forward
-// -- and torch's fused F.rms_norm, which rounds once less than HF, ~0.9 of that (benchmarks/bench_norm.py). Here a row is read twice from cache (the sum, then the product) and written once;
-// AVX-512 code is chosen at run time (a scalar loop elsewhere). Rows are split over at::parallel_for, a small
+// -- and torch's fused F.rms_norm, which rounds once less than HF, ~0.9 of that (benchmarks/bench_norm.py). Here a
+// row is read twice from cache (the sum, then the product) and written once; AVX-512 code is chosen at run time (a
+// scalar loop elsewhere). Rows are split over at::parallel_for, a small
 // input (a decode step's few rows) on the calling thread.
 
 #include "torch_op.h"
@@ -22,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "cpu_features.h"
 
@@ -113,11 +113,7 @@ MAGNETAR_AVX512 void row_avx512(const T* x, const T* w, T* y, int64_t H, float e
 
 bool avx512() {
 #ifdef MAGNETAR_X86_DISPATCH
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  }();
-  return has;
+  return cpu_has_avx512();
 #else
   return false;
 #endif
