@@ -841,8 +841,7 @@ def part_peer(model, tokenizer, args) -> dict:
     for label, a, b, better in rows:
         ratio = None if a is None or b in (None, 0) else a / b
         table.append(dict(workload=label.strip(), magnetar=a, peer=b, ratio=ratio, better=better))
-        fa = "-" if a is None else f"{a:.2f}" if isinstance(a, float) else str(a)
-        fb = "-" if b is None else f"{b:.2f}" if isinstance(b, float) else str(b)
+        fa, fb = (("-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)) for x in (a, b))
         print(f"| {label} | {fa} | {fb} | {'-' if ratio is None else f'{ratio:.2f}'} | {better} |")
     print(f"\nanswers identical to the peer's: {same}")
     return dict(peer=args.peer, rows=table, same_answers=same, results=results)  # the texts stay: --peer-results

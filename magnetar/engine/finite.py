@@ -46,13 +46,13 @@ class LayerFlags:
 
     def record(self, layer: int, out: torch.Tensor) -> None:
         """Add layer ``layer``'s output (no device sync)."""
-        if out.dtype != torch.float64 and out.device.type == "cpu" and out.numel() >= _READ_ELEMENTS:
+        if out.dtype != torch.float64:
+            if out.device.type != "cpu" or out.numel() < _READ_ELEMENTS:
+                self._rows[layer].add_(out.detach().sum(dtype=torch.float64))
+                return
             if math.isfinite(out.detach().sum(dtype=finite_sum_dtype(out)).item()):
                 return  # every element finite: nothing to add
-        elif out.dtype != torch.float64:
-            self._rows[layer].add_(out.detach().sum(dtype=torch.float64))
-            return
-        self._rows[layer].add_(torch.where(finite_flag(out), 0.0, float("nan")))
+        self._rows[layer].add_(torch.where(finite_flag(out), 0.0, float("nan")))  # the exact element test
 
     def first(self) -> Optional[int]:
         """The first flagged layer (one device sync), or None."""
