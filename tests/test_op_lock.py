@@ -130,34 +130,38 @@ def test_the_engine_loads_its_ops_at_start_not_inside_a_request(monkeypatch):
     from magnetar.ops import fused_merge
     from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
     from magnetar.ops.rms_norm import RMS_NORM_OP
+    from magnetar.ops.rotary import ROTARY_OP
     from magnetar.ops.small_gemm import SMALL_GEMM_OP
     from magnetar.sparse.codes import HAMMING_OP
     from tests.tiny_models import tiny_model
 
     asked = []
     for name, op in (("merge", fused_merge._op), ("hamming", HAMMING_OP), ("decode", DECODE_ATTENTION_OP),
-                     ("small_gemm", SMALL_GEMM_OP), ("rms_norm", RMS_NORM_OP)):
+                     ("small_gemm", SMALL_GEMM_OP), ("rms_norm", RMS_NORM_OP), ("rotary", ROTARY_OP)):
         monkeypatch.setattr(op, "_get", lambda device, name=name: asked.append((name, str(device))))
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense")
-    assert asked == [("rms_norm", "cpu"), ("merge", "cpu"), ("decode", "cpu")], asked  # norms' op first
+    # the norms' and the rotary embedding's ops first
+    assert asked == [("rms_norm", "cpu"), ("rotary", "cpu"), ("merge", "cpu"), ("decode", "cpu")], asked
     asked.clear()
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense", sparse_policy="lsh",
                             sparse_budget=8)
-    assert asked == [("rms_norm", "cpu"), ("merge", "cpu"), ("decode", "cpu"), ("hamming", "cpu")], asked
+    assert asked == [("rms_norm", "cpu"), ("rotary", "cpu"), ("merge", "cpu"), ("decode", "cpu"), ("hamming", "cpu")
+                     ], asked
     asked.clear()
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense", dtype="bfloat16")
     # bf16: its products' op too
-    assert asked == [("rms_norm", "cpu"), ("merge", "cpu"), ("decode", "cpu"), ("small_gemm", "cpu")], asked
+    assert asked == [("rms_norm", "cpu"), ("rotary", "cpu"), ("merge", "cpu"), ("decode", "cpu"),
+                     ("small_gemm", "cpu")], asked
     asked.clear()
     monkeypatch.setenv("MAGNETAR_FUSED_MERGE", "0")  # the torch merge: nothing to build
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense",
                             attention_backend="cpu_flash")  # another backend than cpu_decode: not its op either
-    assert asked == [("rms_norm", "cpu")], asked  # its norms' op only
+    assert asked == [("rms_norm", "cpu"), ("rotary", "cpu")], asked  # its norms' and rotary embedding's ops only
     asked.clear()
     # but a static step's slots on a CPU are read by cpu_decode's kernel whatever backend serves the eager calls
     magnetar.init_inference(tiny_model("llama"), deepspeed_inference=False, method="dense",
                             attention_backend="cpu_flash", decode_step="static")
-    assert asked == [("rms_norm", "cpu"), ("decode", "cpu")], asked
+    assert asked == [("rms_norm", "cpu"), ("rotary", "cpu"), ("decode", "cpu")], asked
 
 
 # -- a build that was not completed (issue 28, item 3) ---------------------------------------------------------

@@ -36,6 +36,7 @@ from magnetar.engine.encode import Encoder, KVRoom, kv_options
 from magnetar.engine.gemv import fuse_siblings, pack_for_batches, prepare_cpu_decode_ops, relayout_for_decode
 from magnetar.engine.memory import device_room, fails_alone, kv_bytes_per_token, mlp_bytes_per_token, relieve
 from magnetar.engine.norms import fuse_norms
+from magnetar.engine.rotary import fuse_rotary
 from magnetar.engine.phase2 import DecodeBatch
 from magnetar.engine.requests import CheckedRequest, Requests, check_fit
 from magnetar.engine.results import AnswerScore, GenerationResult, RankStats, Results, ScoreResult  # noqa: F401
@@ -63,6 +64,7 @@ class Engine:
         self.device = next(model.parameters()).device
         fuse_siblings(model, self.device)  # on a CPU: q/k/v and gate/up as one matrix-vector product each
         fuse_norms(model, self.device)  # on a CPU: each Llama-family RMSNorm as one pass over a row
+        fuse_rotary(model, self.device)  # on a CPU: the rotary embedding as one pass over q or k
         relayout_for_decode(model, self.device)  # on a CPU: the decode step's matrix-vector products' layout
         pack_for_batches(model, self.device)  # on a CPU: oneDNN copies for a batch's few-row products
         # what a ContextHandle is tied to: this engine and its variants (same model object, weights, groups); a

@@ -429,10 +429,25 @@ class RMSNormBuilder(MergeStatesBuilder):
         return [str(_src() / "rms_norm.cpp")]
 
 
+class RotaryBuilder(MergeStatesBuilder):
+    """CPU build of the rotary position embedding as one pass over q or k (``csrc/rotary.cpp``: :mod:`magnetar.ops.
+    rotary`, put in a model's ``apply_rotary_pos_emb`` by :mod:`magnetar.engine.rotary`); AVX-512 code chosen at run
+    time, a scalar loop elsewhere."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_ROTARY"
+    NAME = "magnetar_rotary"
+
+    def sources(self):
+        return [str(_src() / "rotary.cpp")]
+
+    def cxx_args(self):
+        return super().cxx_args() + ["-ffp-contract=off"]  # HF's roundings: no product and sum fused into an FMA
+
+
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
 ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
                                      SparseAttentionBuilder, DecodeAttentionBuilder, SmallGemmBuilder,
-                                     RMSNormBuilder)}
+                                     RMSNormBuilder, RotaryBuilder)}
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:
