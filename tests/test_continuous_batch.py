@@ -106,6 +106,33 @@ def test_prepared_requests_join_in_one_forward():
         batch.join(["not ready"])
 
 
+def test_padded_query_rows_attend_with_their_real_rows_only(monkeypatch):
+    """Joined queries of 5 and 9 tokens: the short one's attention calls take its 5 real rows (the padding's rows
+    are the empty state, which nothing reads), its tokens and first logits are its one-at-a-time generate's, and
+    no padding row trips the finiteness check."""
+    import magnetar.engine.phase2 as phase2
+
+    model = tiny_model("llama", seed=8)
+    flat = dict(method="dense", check_finite=True)
+    eng, ref = _engine(model, **flat), _engine(model, context_cache_mb=0, **flat)
+    reqs = [(2, 40, 11, 5, dict(max_new_tokens=3)), (3, 30, 12, 9, dict(max_new_tokens=3))]
+    rows, attend = [], phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda q, *a, **kw: rows.append(q.shape[2]) or attend(q, *a,
+                                                                                                             **kw))
+    batch = eng.open_batch(return_logits=True)
+    joined = batch.join([batch.prepare(*_args(eng, r)) for r in reqs])
+    layers = model.config.num_hidden_layers
+    assert sorted(set(rows)) == [5, 9] and rows.count(5) == rows.count(9) == 2 * layers  # context + own, a layer
+    monkeypatch.setattr(phase2, "attention_with_lse", attend)
+    while batch.active:
+        batch.step()
+    for (rid, _), req in zip(joined, reqs):
+        want = ref.generate(*_args(ref, req)[:2], return_logits=True, **req[4])
+        got = batch.pop(rid)
+        assert got.token_ids == want.token_ids, req
+        assert_close(got.first_token_logits, want.first_token_logits, what="logits", msg=f"query of {req[3]}")
+
+
 def _args(eng, req):
     cs, cl, qs, ql, kw = req
     return _ids(cs, cl), _ids(qs, ql), eng.sampling_params(**kw)

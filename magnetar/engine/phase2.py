@@ -21,6 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from magnetar.config import EngineConfig
 from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
@@ -217,13 +218,21 @@ class Phase2Context(LayerContext):
     def _local(self, layer, b, q, k, v, scale, window, shared=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Request b's parts ``(o, lse)`` over what this rank holds: its context shard's segments and (query rank)
         its own tokens (none: this rank holds nothing for it); ``shared``: segment j -> its part, attended already
-        with the other requests on the same store. :func:`~magnetar.ops.merge.merge_requests` merges them."""
-        qb, pos = q[b : b + 1], self.positions[b]
+        with the other requests on the same store. :func:`~magnetar.ops.merge.merge_requests` merges them.
+
+        A right-padded query (``valid[b]`` < S) attends with its real rows only, and its parts get the padding's
+        rows as the empty state ``(0, -inf)``: the padding's rows would see every real key by position -- a piece
+        of their own in every call, two calls and a merge where one does -- and nothing reads them (no real token
+        sees the padding, its KV is never stored, its logits never kept)."""
+        S, n = q.shape[2], self.valid[b]
+        policy = self.policy is not None and self.policy.applies(layer, window)
+        trim = n < S and not policy  # a decode policy takes the real rows' count itself (valid)
+        qb, pos = (q[b : b + 1, :, :n], self.positions[b, :n]) if trim else (q[b : b + 1], self.positions[b])
         parts = []
         shard = self.shards[b]
         # the query rank stores its own query/generated tokens (the real ones)
         g = self._own(layer, b, k, v) if self.gens is not None else None
-        if self.policy is not None and self.policy.applies(layer, window):
+        if policy:
             ctx = shard.whole(layer)  # one store for the policy's choice (a fork's segments joined, on this view)
             if len(ctx):  # sparse decoding / LuKA: the policy attends to its choice of this shard's KV -- and of
                 # the query rank's own tokens too when it pages them (pages_generated)
@@ -234,23 +243,31 @@ class Phase2Context(LayerContext):
         else:  # context KV precedes the query: visible to every query token (positions decide)
             for j, ctx in enumerate(shard.segments(layer)):
                 parts.append(shared[j] if shared is not None and j in shared else
-                             self._attend_part(b, qb, ctx, scale, window, own=False, k_finite=ctx.keys_finite()))
+                             self._attend_part(b, qb, pos, ctx, scale, window, own=False,
+                                               k_finite=ctx.keys_finite()))
         if g is not None:  # the query rank: its own query/generated tokens, causally
-            parts.append(self._attend_part(b, qb, g, scale, window, own=True))
-        return parts
+            parts.append(self._attend_part(b, qb, pos, g, scale, window, own=True))
+        return [_padded(o, lse, S) for o, lse in parts] if trim else parts
 
-    def _attend_part(self, b: int, qb: torch.Tensor, kv: LayerKV, scale: float, window: Optional[int], *,
-                     own: bool, k_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Request b's rows ``qb`` over one store (its context shard, or with ``own`` its own tokens'). In a decode
-        step where the host knows which keys the token sees (:meth:`_seen_from`), the call is over those, of the
-        FULL kind without positions: the front end reads none to classify it (a host synchronization a call on a
-        GPU, and a mask under a window); else positions decide."""
+    def _attend_part(self, b: int, qb: torch.Tensor, pos: torch.Tensor, kv: LayerKV, scale: float,
+                     window: Optional[int], *, own: bool, k_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's rows ``qb`` at positions ``pos`` over one store (its context shard, or with ``own`` its own
+        tokens'). In a decode step where the host knows which keys the token sees (:meth:`_seen_from`), the call is
+        over those, of the FULL kind without positions: the front end reads none to classify it (a host
+        synchronization a call on a GPU, and a mask under a window); else positions decide."""
         cut = self._seen_from(b, kv, window, own=own) if qb.shape[2] == 1 else None
         if cut is not None:  # the keys from cut on, every one seen (none: the (0, -inf) state)
             return attention_with_lse(qb, kv.k[:, :, cut:], kv.v[:, :, cut:], causal=False, scale=scale,
                                       backend=self.backend, k_finite=k_finite)
-        return attention_with_lse(qb, kv.k, kv.v, q_pos=self.positions[b], k_pos=kv.pos, scale=scale, window=window,
+        return attention_with_lse(qb, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, scale=scale, window=window,
                                   backend=self.backend, k_finite=k_finite)
+
+
+def _padded(o: torch.Tensor, lse: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A state of a request's real rows ``(1, H, n, D)`` / ``(1, H, n)`` with rows n..S-1 the empty state."""
+    n = o.shape[2]
+    return (F.pad(o, (0, 0, 0, S - n)),  # zeros
+            F.pad(lse, (0, S - n), value=float("-inf")))
 
 
 @dataclass
