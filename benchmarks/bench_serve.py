@@ -50,8 +50,9 @@ another brings a new ``--context-tokens`` document, with ``--prefill-chunk`` 0 (
 steps) and each of ``--stall-chunks``: the decoding request's longest gap between two tokens and the newcomer's TTFT.
 
 Part ``join`` -- eight concurrent streaming clients, each with its own new ~``--client-context-tokens`` document in a
-message under ``--paste-threshold`` (so all of it is query: their queries join the batch together), against ``magnetar
-serve`` in its own process with each ``--max-join-tokens`` of ``--join-tokens``, alternated ``--rounds`` times (the
+message, all of it query (the server runs with ``--paste-threshold 0``: their queries join the batch together -- a
+message cut into a document and a question would run its document's Phase 1 alone), against ``magnetar serve`` in its
+own process with each ``--max-join-tokens`` of ``--join-tokens``, alternated ``--rounds`` times (the
 same documents for every value in a round; a fresh server each time): every client's TTFT, their p50 and max, the
 wall seconds and tokens/s.
 
@@ -125,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-cmd", default=None, metavar="CMD", help="--peer: the shell command that starts the peer "
                    "(started before its workloads, stopped after, so the two servers never share the cores)")
     p.add_argument("--peer-ready-s", type=float, default=600, help="--peer-cmd: how long the peer may take to start")
-    p.add_argument("--ignore-eos", action="store_true", help="--peer: every request sends ignore_eos (vLLM's "
+    p.add_argument("--ignore-eos", action="store_true", help="--peer and join: every request sends ignore_eos (vLLM's "
                    "extension; Magnetar's too): each answer is --new-tokens long on both servers, the same work "
                    "(without it a server whose answers end sooner shows fewer tokens/s)")
     p.add_argument("--peer-results", default=None, metavar="FILE", help="--peer: take the peer's figures from an "
@@ -738,10 +739,12 @@ def part_join(model, tokenizer, args) -> dict:
         docs = [d for d, _, _ in documents(tokenizer, args.client_context_tokens, 8, args.seed + 40 + 8 * r)]
         contents = [d + "\n\n" + QUESTIONS[i % len(QUESTIONS)] for i, d in enumerate(docs)]
         for bound in args.join_tokens:
-            with _serve_process(args, ("--max-join-tokens", str(bound))) as url:
+            # --paste-threshold 0: no message is cut into a document and a question -- every message is a query
+            with _serve_process(args, ("--max-join-tokens", str(bound), "--paste-threshold", "0")) as url:
                 api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
                 _stream(api, "bench", "Warm-up. " * 20 + "\n\nSay hello.", 4)
-                results, wall = _clients(api, "bench", contents, args.new_tokens, True, f"round {r}")
+                results, wall = _clients(api, "bench", contents, args.new_tokens, True, f"round {r}",
+                                         extra_body={"ignore_eos": True} if args.ignore_eos else None)
             ttfts = sorted(x["ttft"] for x in results)
             tokens = sum(x["tokens"] for x in results)
             rows.append(dict(round=r, max_join_tokens=bound, ttfts=ttfts, ttft_p50=statistics.median(ttfts),
