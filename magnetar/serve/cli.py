@@ -219,8 +219,14 @@ def main(argv=None) -> int:
             prefill_threads or torch.get_num_threads(), why)
     import magnetar
     from magnetar.models import ModelNotInstalledError
-    from magnetar.parallel.launcher import finish_distributed
+    from magnetar.parallel.launcher import device_for_rank, finish_distributed
     from magnetar.serve.server import Server
+    from magnetar.utils.malloc import keep_freed_memory
+
+    if device_for_rank().type == "cpu":  # tensors of every size, freed and made again: no page faults each time
+        malloc = keep_freed_memory()
+        if malloc is not None:
+            logging.getLogger(PROG).info("%s", malloc)
 
     with user_errors(PROG, extra=(ModelNotInstalledError,)):
         engine = magnetar.init_inference(args.model, config, tokenizer=load_tokenizer_arg(args),
