@@ -166,13 +166,18 @@ def test_magnetar_serve_with_dummy_weights_answers_the_openai_client(chat_folder
         proc = subprocess.Popen([sys.executable, "-m", "magnetar.serve", "--model",
                                  f"dummy:{chat_folder / 'config.json'}", "--tokenizer", str(chat_folder),
                                  "--method", "dense", "--port", str(port), "--served-model-name", "dummy",
-                                 "--timeout-s", "20"], env=env, stdout=f, stderr=subprocess.STDOUT)
+                                 "--timeout-s", "20", "--log-level", "info"], env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
     try:
         wait_serving(f"http://127.0.0.1:{port}", proc, 120, log.read_text)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="dummy", max_tokens=3,
                                                messages=[{"role": "user", "content": "Hello there?"}])
         assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+        # a CPU rank's start: freed memory kept for the next tensors, the rotary embedding by Magnetar's op
+        started = log.read_text()
+        assert "malloc keeps freed memory for the next tensors" in started, started[-3000:]
+        assert "modeling_llama.apply_rotary_pos_emb computed by Magnetar's one-pass op" in started, started[-3000:]
     finally:
         proc.terminate()
         t = time.monotonic()
