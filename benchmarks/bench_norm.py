@@ -13,15 +13,12 @@ in another order in float32; ``F.rms_norm`` rounds the normalized row once less)
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 
 import torch
 import torch.nn.functional as F
 
-from bench_ops import timed
+from bench_ops import add_cpu_op_args, cpu_machine, cpu_op_summary, timed
 from magnetar.ops.rms_norm import rms_norm, rms_norm_unavailable
-from magnetar.utils.cli import write_json_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -53,10 +50,7 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=576, help="the hidden size H (SmolLM2-135M: 576)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 1000])
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON record to this file")
+    add_cpu_op_args(p)
     args = p.parse_args(argv)
     if args.width < 1 or any(r < 1 for r in args.rows):
         p.error(f"--width and --rows must be positive, got --width {args.width} --rows {args.rows}")
@@ -65,7 +59,7 @@ def main(argv=None):
     reason = rms_norm_unavailable()
     rows = [r for d in args.dtypes for n in args.rows for r in bench(args.width, n, DTYPES[d], args.warmup,
                                                                      args.repeats)]
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    machine = cpu_machine()
     print(f"# RMSNorm on the CPU (H={args.width}; {machine})"
           + (f"; Magnetar's op not run: {reason}" if reason else ""))
     print("| dtype | rows | impl | us | x HF | elements differing from HF |")
@@ -73,12 +67,7 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['dtype']} | {r['rows']} | {r['impl']} | {r['us']:.1f} | {r['x_hf']:.2f} | "
               f"{r['differ_from_hf']} of {r['elements']} |")
-    summary = {"bench": "norm", "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "op_unavailable": reason, "rows": rows}
-    print(json.dumps(summary))
-    if args.json_out is not None:
-        write_json_line(args.json_out, summary)
-    return summary
+    return cpu_op_summary("norm", reason, rows, args.json_out)
 
 
 if __name__ == "__main__":

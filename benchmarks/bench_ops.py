@@ -61,6 +61,29 @@ def timed(fns: dict, device, warmup: int, repeats: int, min_seconds: float = 0.5
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def add_cpu_op_args(p: argparse.ArgumentParser) -> None:
+    """The flags every CPU op benchmark takes beside its shapes (bench_norm.py, bench_rotary.py)."""
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON record to this file")
+
+
+def cpu_machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def cpu_op_summary(bench: str, reason, rows: list, json_out) -> dict:
+    """A CPU op benchmark's JSON record (``reason``: why Magnetar's op did not run, or None), printed as one line and
+    written to ``json_out`` if given."""
+    summary = {"bench": bench, "machine": cpu_machine(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "op_unavailable": reason, "rows": rows}
+    print(json.dumps(summary))
+    if json_out is not None:
+        write_json_line(json_out, summary)
+    return summary
+
+
 def bench_attention(args, device, dtype, on_rows=None):
     """Rows of every backend against SDPA per (Sq, Sk); ``on_rows(rows)`` after each shape (the rows so far)."""
     rows = []

@@ -14,14 +14,11 @@ are medians, in microseconds).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 
 import torch
 
-from bench_ops import timed
+from bench_ops import add_cpu_op_args, cpu_machine, cpu_op_summary, timed
 from magnetar.ops.rotary import rotary, rotary_unavailable
-from magnetar.utils.cli import write_json_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DECODE_BATCH = 64  # --tokens up to this: a decode step of that many requests; above: one request's query forward
@@ -57,10 +54,7 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64, help="head size D, even (SmolLM2-135M: 64)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 1000, 4000])
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON record to this file")
+    add_cpu_op_args(p)
     args = p.parse_args(argv)
     if min(args.heads, args.kv_heads, args.head_dim, *args.tokens) < 1 or args.head_dim % 2:
         p.error(f"--heads, --kv-heads, --head-dim and --tokens must be positive and --head-dim even, got --heads "
@@ -70,7 +64,7 @@ def main(argv=None):
     reason = rotary_unavailable()
     rows = [r for d in args.dtypes for n in args.tokens
             for r in bench(args.heads, args.kv_heads, args.head_dim, n, DTYPES[d], args.warmup, args.repeats)]
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    machine = cpu_machine()
     print(f"# The rotary embedding on the CPU ({args.heads} q / {args.kv_heads} kv heads of {args.head_dim}; "
           f"{machine})" + (f"; Magnetar's op not run: {reason}" if reason else ""))
     print("| dtype | tokens | q shape | impl | us | x HF | elements differing from HF |")
@@ -79,12 +73,7 @@ def main(argv=None):
         shape = f"{r['batch']} x {r['heads']} x {r['tokens'] // r['batch']} x {r['head_dim']}"
         print(f"| {r['dtype']} | {r['tokens']} | {shape} | {r['impl']} | {r['us']:.1f} | {r['x_hf']:.2f} | "
               f"{r['differ_from_hf']} of {r['elements']} |")
-    summary = {"bench": "rotary", "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "op_unavailable": reason, "rows": rows}
-    print(json.dumps(summary))
-    if args.json_out is not None:
-        write_json_line(args.json_out, summary)
-    return summary
+    return cpu_op_summary("rotary", reason, rows, args.json_out)
 
 
 if __name__ == "__main__":

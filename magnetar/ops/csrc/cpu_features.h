@@ -1,5 +1,5 @@
 // What the CPU ops' run-time dispatch asks of the CPU (sparse_attention.cpp, decode_attention.cpp, small_gemm.cpp,
-// rms_norm.cpp).
+// rms_norm.cpp, rotary.cpp).
 //
 // x86-64 with GCC/Clang: an op's AVX2+FMA code is compiled with target attributes beside its baseline (or, for
 // decode_attention, refused without it) and cpu_has_avx2_fma() picks at run time, so one cached build serves every

@@ -24,10 +24,7 @@
 #include <cstdint>
 
 #include "cpu_features.h"
-
-#ifdef MAGNETAR_X86_DISPATCH
-#include <immintrin.h>
-#endif
+#include "vec512.h"
 
 namespace {
 
@@ -51,33 +48,7 @@ void rotary_row_scalar(const T* x, const T* c, const T* s, T* y, int64_t D) {
 }
 
 #ifdef MAGNETAR_X86_DISPATCH
-#define MAGNETAR_AVX512 __attribute__((target("avx512f,avx512bw")))
-
-MAGNETAR_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-MAGNETAR_AVX512 inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// float32 -> bfloat16 bits in the low half of each lane: round to nearest even, any NaN -> 0x7FC0 (c10's rule).
-MAGNETAR_AVX512 inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-}
-
-// v rounded to T and widened back (the value a T holds).
-MAGNETAR_AVX512 inline __m512 rounded(__m512 v, const float*) { return v; }
-MAGNETAR_AVX512 inline __m512 rounded(__m512 v, const at::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
-}
-
-MAGNETAR_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-MAGNETAR_AVX512 inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
+using namespace magnetar_vec512;
 
 // One row of D = 2 h elements, h a multiple of 16: each half from both halves of x.
 template <typename T>
@@ -97,14 +68,6 @@ MAGNETAR_AVX512 void rotary_row_avx512(const T* x, const T* c, const T* s, T* y,
 }
 #endif
 
-bool avx512() {
-#ifdef MAGNETAR_X86_DISPATCH
-  return cpu_has_avx512();
-#else
-  return false;
-#endif
-}
-
 template <typename T>
 void run_rotary(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, at::Tensor& y, bool allow_vector) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
@@ -113,7 +76,7 @@ void run_rotary(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, a
   const T* cp = c.data_ptr<T>();
   const T* sp = s.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  const bool vec = allow_vector && avx512() && (D / 2) % 16 == 0;
+  const bool vec = allow_vector && avx512_here() && (D / 2) % 16 == 0;
   const bool heads_inner = x.stride(1) < x.stride(2);
   at::parallel_for(0, B * H * S, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, D)),
                    [&](int64_t begin, int64_t end) {
@@ -171,7 +134,7 @@ at::Tensor rotary_scalar(const at::Tensor& x, const at::Tensor& cos, const at::T
   return rotary_with(x, cos, sin, false);
 }
 
-bool vectorized() { return avx512(); }
+bool vectorized() { return avx512_here(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin of (B, H, S, D) x, each product rounded");
