@@ -4,7 +4,7 @@ formula (a partial rotary, an interleaved one) keeps its own.
 
 Torch runs transformers' ``apply_rotary_pos_emb`` as nine ops a tensor, most a parallel region: 0.7-1.4 ms a layer
 of a 1000-token bf16 query of SmolLM2 on two cores of the Intel AMX VM, 2.6-4.5 ms for four joined queries, where the
-op takes 0.3 and 1.6 (docs/results.md, "One pass for the rotary embedding").
+op takes 0.25 and 0.9 (docs/results.md, "One pass for the rotary embedding").
 
 No module holds the embedding: each attention's ``forward`` calls its modelling file's module-level
 ``apply_rotary_pos_emb`` by name. So the function is replaced *in that file's namespace* (the one place transformers
@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from magnetar.ops.rotary import rotary, rotary_refusal, rotary_unavailable
+from magnetar.ops.rotary import rotary, rotary_checked, rotary_refusal, rotary_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _wrapped(own: Callable) -> Callable:
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or rotary_refusal(q, k, cos, sin) is not None):
             return own(q, k, cos, sin, *args, **kwargs)
-        return rotary(q, k, cos, sin)
+        return rotary_checked(q, k, cos, sin)
 
     setattr(apply_rotary_pos_emb, _OWN, own)
     return apply_rotary_pos_emb

@@ -56,6 +56,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     why = rotary_refusal(q, k, cos, sin)
     if why is not None:
         raise ValueError(why)
+    return rotary_checked(q, k, cos, sin)
+
+
+def rotary_checked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
+    """:func:`rotary` for arguments :func:`rotary_refusal` took already (a caller that falls back checks once)."""
     op = ROTARY_OP.load("cpu")
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     return tuple(op.rotary(t if t.stride(-1) == 1 else t.contiguous(), cos, sin) for t in (q, k))
