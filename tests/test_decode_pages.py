@@ -210,6 +210,7 @@ def test_requests_on_a_shared_context_read_only_their_own_tokens_as_pages(paged,
     # requests 0 and 2 ask about one document (Phase2Context._shared_context: one call over it for both); the paged
     # call then holds their own tokens only -- and request 1's context and own tokens --, each merged with its part.
     # Without paged calls, every call -- the shared one too -- is of the FULL kind, without positions
+    monkeypatch.setattr(phase2, "SHARED_MIN_KEYS", L)  # a document of L keys counts as long here
     if not paged:
         monkeypatch.setattr(phase2, "attend_pages", lambda *a, **kw: None)
     doc, other = _shard(seeded, L), _shard(seeded, L + 9)

@@ -27,6 +27,7 @@ def _shard(gen: torch.Generator, n: int, start: int = 0) -> KVShard:
 
 @pytest.mark.parametrize("window", [None, 30])
 def test_requests_on_one_shard_share_one_call(window, monkeypatch, seeded):
+    monkeypatch.setattr(phase2, "SHARED_MIN_KEYS", L)  # a document of L keys counts as long here
     doc, other = _shard(seeded, L), _shard(seeded, L + 9)
     shards = [doc.view(), other.view(), doc.view()]  # requests 0 and 2 ask about one document
     gens = [_shard(seeded, n, start) for n, start in ((3, L), (5, L + 9), (7, L))]
@@ -51,6 +52,28 @@ def test_requests_on_one_shard_share_one_call(window, monkeypatch, seeded):
         if b == 1:
             assert torch.isnan(out[1, 2]).all() and torch.isfinite(out[1, :2]).all()
             continue
+        assert_close(out[b:b + 1], want.float(), torch.float32, "out", f"request {b}")
+
+
+def test_a_short_shared_store_is_read_with_each_requests_own_calls(monkeypatch, seeded):
+    """A store under SHARED_MIN_KEYS that several requests read (a chat template's system prompt) gets no call of its
+    own: each request reads it in its own calls (here: its context, then its own tokens), the same states."""
+    monkeypatch.setattr(phase2, "SHARED_MIN_KEYS", L + 1)
+    doc = _shard(seeded, L)
+    shards = [doc.view(), doc.view()]
+    gens = [_shard(seeded, n, L) for n in (3, 7)]
+    positions = torch.tensor([[L + 3], [L + 7]])
+    q = torch.randn(2, HQ, 1, D, generator=seeded)
+    k, v = torch.randn(2, HKV, 1, D, generator=seeded), torch.randn(2, HKV, 1, D, generator=seeded)
+    calls = []
+    real = phase2.attention_with_lse
+    monkeypatch.setattr(phase2, "attention_with_lse", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    out = Phase2Context(positions, shards, gens, [1, 1], local_groups(), "auto").attend(0, q, k, v, scale=D ** -0.5)
+    assert len(calls) == 4 and all(s[2] == 1 for s in calls), calls  # per request: no call of both requests' rows
+    for b in range(2):
+        c, g = shards[b].layers[0], gens[b].layers[0]
+        want, _ = dense_attention_fp64(q[b:b + 1], torch.cat((c.k, g.k), 2), torch.cat((c.v, g.v), 2),
+                                       q_pos=positions[b], k_pos=torch.cat((c.pos, g.pos)), scale=D ** -0.5)
         assert_close(out[b:b + 1], want.float(), torch.float32, "out", f"request {b}")
 
 
