@@ -63,6 +63,9 @@ from magnetar.serve.protocol import (ChatCompletionRequest, CompletionRequest, C
                                      RequestError, TokenizeRequest, refuse_unsupported, show)
 
 OPTIONS = ("context", "context_id", "split_document") + EXTRAS
+# the sampling fields a request sets itself, refused inside its magnetar object: the engine's, by their request names
+# (the protocol's one mapping) -- logprobs aside, which no magnetar option resembles
+REQUEST_SAMPLING = frozenset(ChatCompletionRequest.SAMPLING_PARAMS.values()) - {"logprobs"}
 MAX_PROMPTS = 64  # a completion's prompt list, at most
 MAX_CHOICES = 64  # prompts x n, at most
 
@@ -398,7 +401,7 @@ class Preparer:
             if name in OPTIONS:
                 continue
             param = f"magnetar.{name if len(name) <= 60 else name[:57] + '...'}"
-            if name in ("temperature", "top_p", "top_k", "seed", "stop", "max_tokens", "ignore_eos"):
+            if name in REQUEST_SAMPLING:
                 raise RequestError(f"{param}: set {name} as a field of the request itself, not in magnetar", param)
             if name in REQUEST_OPTIONS:
                 engine_options[name] = value
