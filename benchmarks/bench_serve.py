@@ -558,6 +558,11 @@ def _stream(api, model: str, content: str, max_tokens: int, extra_body: Optional
     return dict(seconds=r["end"] - r["t0"], ttft=first - r["t0"], ms_per_token=ms, tokens=used, text=r["text"])
 
 
+def _extra_body(args) -> Optional[dict]:
+    """What every request of the peer and join parts adds to its body: ``ignore_eos`` with ``--ignore-eos``."""
+    return {"ignore_eos": True} if args.ignore_eos else None
+
+
 def _clients(api, model: str, contents: list[str], new: int, together: bool, what: str,
              extra_body: Optional[dict] = None) -> tuple[list[dict], float]:
     """One streamed request per content (:func:`_stream`), all at once (a thread each) or one after another: their
@@ -595,7 +600,7 @@ def peer_workloads(url: str, model: str, docs: dict, args) -> dict:
 
     api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     new = args.new_tokens
-    extra = {"ignore_eos": True} if args.ignore_eos else None
+    extra = _extra_body(args)
     out = {"ignore_eos": bool(args.ignore_eos)}
     _stream(api, model, "Warm-up. " * 20 + "\n\nSay hello.", 4)
     cold = _stream(api, model, docs["4k"] + "\n\n" + QUESTIONS[0], new, extra)
@@ -744,7 +749,7 @@ def part_join(model, tokenizer, args) -> dict:
                 api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
                 _stream(api, "bench", "Warm-up. " * 20 + "\n\nSay hello.", 4)
                 results, wall = _clients(api, "bench", contents, args.new_tokens, True, f"round {r}",
-                                         extra_body={"ignore_eos": True} if args.ignore_eos else None)
+                                         extra_body=_extra_body(args))
             ttfts = sorted(x["ttft"] for x in results)
             tokens = sum(x["tokens"] for x in results)
             rows.append(dict(round=r, max_join_tokens=bound, ttfts=ttfts, ttft_p50=statistics.median(ttfts),
