@@ -267,7 +267,8 @@ def test_op_report_rows_and_table(tmp_path, monkeypatch, capsys):
     assert list(rows) == list(ALL_OPS) == ["magnetar_merge_states", "magnetar_merge_states_cuda", "magnetar_hamming",
                                            "magnetar_hamming_cuda", "magnetar_sparse_attention",
                                            "magnetar_decode_attention", "magnetar_small_gemm",
-                                           "magnetar_rms_norm", "magnetar_rotary"]
+                                           "magnetar_rms_norm", "magnetar_rotary",
+                                           "magnetar_amx_attention"]
     for name, row in rows.items():
         assert row.device == ("cuda" if name.endswith("_cuda") else "cpu")
         assert row.jit_cached == (name == "magnetar_hamming"), row

@@ -444,10 +444,22 @@ class RotaryBuilder(MergeStatesBuilder):
         return super().cxx_args() + ["-ffp-contract=off"]  # HF's roundings: no product and sum fused into an FMA
 
 
+class AmxAttentionBuilder(MergeStatesBuilder):
+    """CPU build of the bf16 prefill attention on AMX tiles (``csrc/amx_attention.cpp``: the ``cpu_amx`` attention
+    backend); it runs where the CPU has AMX-BF16 and Linux grants the tile state, and its emulated tiles run on any
+    AVX-512 CPU (for tests)."""
+
+    BUILD_VAR = "DS_BUILD_MAGNETAR_AMX_ATTENTION"
+    NAME = "magnetar_amx_attention"
+
+    def sources(self):
+        return [str(_src() / "amx_attention.cpp")]
+
+
 # Every op, keyed by NAME (DeepSpeed's ALL_OPS): what setup.py may prebuild and `python -m magnetar.ops` reports.
 ALL_OPS = {cls.NAME: cls for cls in (MergeStatesBuilder, MergeStatesCUDABuilder, HammingBuilder, HammingCUDABuilder,
                                      SparseAttentionBuilder, DecodeAttentionBuilder, SmallGemmBuilder,
-                                     RMSNormBuilder, RotaryBuilder)}
+                                     RMSNormBuilder, RotaryBuilder, AmxAttentionBuilder)}
 
 
 def _flag(environ: Mapping[str, str], name: str) -> Optional[bool]:

@@ -17,6 +17,7 @@ Built-in backends:
     sdpa_cudnn  the same pieces over cuDNN's fused attention through torch (returns the lse); after sdpa_flash in auto
     flex        torch's FlexAttention with the position rule as its mask: any mask; compiled on CUDA, eager on CPU
     cpu_decode  a CPU decode kernel (csrc/decode_attention.cpp): <= 8 query rows per KV head, every key visible
+    cpu_amx     a bf16 prefill kernel on Intel AMX tiles (csrc/amx_attention.cpp): full or bottom-right causal
     cpu_flash   torch's fused CPU flash kernel with a float mask for position-based causality
     tiled       pure torch, online softmax over key tiles: any device, bounded memory (GPU fallback)
     torch       pure torch reference: full score matrix in float32
@@ -44,7 +45,7 @@ class AttentionBackend(Protocol):
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
 _INSTANCES: dict[str, AttentionBackend] = {}
-AUTO_ORDER = ["flash_attn", "sdpa_flash", "sdpa_cudnn", "cpu_decode", "cpu_flash", "flex", "tiled", "torch"]
+AUTO_ORDER = ["flash_attn", "sdpa_flash", "sdpa_cudnn", "cpu_decode", "cpu_amx", "cpu_flash", "flex", "tiled", "torch"]
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
@@ -65,6 +66,7 @@ def _lazy(module: str, cls: str) -> Callable[[], AttentionBackend]:
 register_backend("torch", _lazy(".reference", "ReferenceBackend"))
 register_backend("tiled", _lazy(".tiled", "TiledBackend"))
 register_backend("cpu_decode", _lazy(".cpu_decode", "CpuDecodeBackend"))
+register_backend("cpu_amx", _lazy(".cpu_amx", "CpuAmxBackend"))
 register_backend("cpu_flash", _lazy(".cpu_flash", "CpuFlashBackend"))
 register_backend("flash_attn", _lazy(".flash_attn", "FlashAttnBackend"))
 register_backend("sdpa_flash", _lazy(".sdpa_flash", "SdpaFlashBackend"))

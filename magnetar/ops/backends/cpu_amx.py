@@ -1,0 +1,82 @@
+"""CPU prefill backend on Intel AMX: bf16 attention with its log-sum-exp, flash-style over AMX tiles
+(``csrc/amx_attention.cpp``, JIT-built like Magnetar's other CPU ops).
+
+It takes the query forward's calls in bfloat16 -- a query's rows over its own keys (bottom-right causal) and over a
+cached prefix (every key visible) -- with at least :data:`MIN_ROWS` query rows, a head dimension that is a multiple of
+32 up to 256 and q, k, v contiguous along it, where the CPU has AMX-BF16 and Linux grants the tile state; it refuses
+everything else (a position mask, float32, a decode call's few rows, another CPU), which ``auto`` sends on to
+``cpu_decode`` / ``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on
+two cores of the Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1 (docs/results.md, "An
+AMX attention kernel").
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
+from magnetar.ops.jit import LazyOp
+
+MIN_ROWS = 16  # query rows a call (per query head): fewer fill too little of a 32-row block (cpu_decode / cpu_flash)
+MAX_DIM = 256
+
+
+def _make_builder(device_type: str):
+    from magnetar.ops import op_builder  # imports DeepSpeed; deferred to the first load
+
+    return op_builder.AmxAttentionBuilder() if device_type == "cpu" else None
+
+
+AMX_ATTENTION_OP = LazyOp("CPU AMX attention", _make_builder, ("attention", "attention_emulated", "supported"),
+                          logger_name=__name__, devices=("cpu",))
+
+
+def shape_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[str]:
+    """Why the kernel cannot take these tensors (empty: it can), the op's availability aside."""
+    reasons = []
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        reasons.append(f"needs q, k, v all bfloat16, got {q.dtype} / {k.dtype} / {v.dtype}")
+    D = q.shape[-1]
+    if D % 32 or D > MAX_DIM or k.shape[-1] != D or v.shape[-1] != D:
+        reasons.append(f"head dimensions {D} / {k.shape[-1]} / {v.shape[-1]}: one, a multiple of 32, at most {MAX_DIM}")
+    if q.shape[2] < MIN_ROWS:
+        reasons.append(f"{q.shape[2]} query rows: at least {MIN_ROWS} (a prefill)")
+    if k.shape[2] == 0:
+        reasons.append("no keys")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        reasons.append("q, k and v must be contiguous along the head dimension")
+    return reasons
+
+
+class CpuAmxBackend:
+    name = "cpu_amx"
+    device_types = ("cpu",)
+
+    def __init__(self):
+        self._op = None  # the loaded op, once it is known to run here
+        self._missing: Optional[str] = None  # why it does not (asked once: a forward validates ~60 calls)
+
+    def _ready(self) -> Optional[str]:
+        if self._op is None and self._missing is None:
+            self._missing = AMX_ATTENTION_OP.runs_here_reason(
+                "AMX attention", "this CPU lacks AVX-512 with AMX-BF16, or Linux did not grant the tile state")
+            if self._missing is None:
+                self._op = AMX_ATTENTION_OP.load("cpu")
+        return self._missing
+
+    def validate(self, call) -> list[str]:
+        q = call.q
+        if q.device.type != "cpu":
+            return [f"needs CPU tensors, got {q.device}"]
+        if call.mask_kind not in (FULL, CAUSAL_BOTTOM_RIGHT):
+            return [f"AMX kernel: every key visible or bottom-right causal only (mask kind {call.mask_kind})"]
+        reasons = shape_reasons(q, call.k, call.v)
+        if not reasons and self._ready() is not None:
+            reasons.append(self._missing)
+        return reasons
+
+    def forward(self, call):
+        if self._ready() is not None:
+            raise RuntimeError(f"cpu_amx: {self._missing}")
+        return self._op.attention(call.q, call.k, call.v, float(call.scale), call.mask_kind == CAUSAL_BOTTOM_RIGHT)
