@@ -320,39 +320,45 @@ struct Shapes {
   float scale2;  // scale log2(e): scores in base 2
 };
 
-// One block of kRows query rows (b, h, rows r0 ...): scores, softmax steps and products over its visible keys.
+// One block of kRows query rows of KV head hk's group (b, hk, rows r0 ...): the G = Hq / Hkv query heads reading KV
+// head hk laid out as G x Sq rows, row r being query head hk G + r / Sq's row r % Sq -- so a short query's heads fill
+// one block and each K / V tile a block loads serves all of them. Scores, softmax steps and products over the block's
+// visible keys.
 template <typename Tiles>
 MAGNETAR_AMX_TARGET void run_block(Tiles& tiles, const Shapes& sh, const at::Tensor& q, const at::BFloat16* kp,
-                                   const at::BFloat16* vp, at::BFloat16* out, float* lse, int64_t b, int64_t h,
+                                   const at::BFloat16* vp, at::BFloat16* out, float* lse, int64_t b, int64_t hk,
                                    int64_t r0, std::vector<float>& buf, std::vector<at::BFloat16>& bbuf) {
 #ifdef MAGNETAR_X86_DISPATCH
-  const int64_t D = sh.D, chunks = D / 32, rows = std::min(kRows, sh.Sq - r0);
+  const int64_t G = sh.Hq / sh.Hkv, D = sh.D, chunks = D / 32, rows = std::min(kRows, G * sh.Sq - r0);
   float* s = buf.data();                 // kRows x kKeys scores
   float* o = s + kRows * kKeys;          // kRows x D running output
   float* m = o + kRows * D;              // kRows running max (base 2)
   float* l = m + kRows;                  // kRows running sums
   at::BFloat16* p = bbuf.data();         // kRows x kKeys weights
-  at::BFloat16* qpad = p + kRows * kKeys;  // kRows x D: the last block's rows, zero-padded
+  at::BFloat16* qpad = p + kRows * kKeys;  // kRows x D: rows gathered from two heads, or the last ones zero-padded
   int64_t last[kRows];
   const int64_t offset = sh.Sk - sh.Sq;
   int64_t end = 0;  // keys the block reads: up to its last row's last visible one
   for (int64_t i = 0; i < kRows; ++i) {
-    last[i] = sh.causal ? std::min(r0 + i + offset, sh.Sk - 1) : sh.Sk - 1;
+    // a padding row (i >= rows) reads as every key, so it never stops a step from going unmasked
+    last[i] = sh.causal && i < rows ? std::min((r0 + i) % sh.Sq + offset, sh.Sk - 1) : sh.Sk - 1;
     if (i < rows) end = std::max(end, last[i] + 1);
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.0f;
   }
   std::fill(o, o + kRows * D, 0.0f);
-  const auto* qh = q.data_ptr<at::BFloat16>() + b * q.stride(0) + h * q.stride(1);
-  const at::BFloat16* qrows = qh + r0 * q.stride(2);
+  const auto* qb = q.data_ptr<at::BFloat16>() + b * q.stride(0);
+  auto q_row = [&](int64_t r) {  // row r of the group
+    return qb + (hk * G + r / sh.Sq) * q.stride(1) + (r % sh.Sq) * q.stride(2);
+  };
+  const at::BFloat16* qrows = q_row(r0);
   int64_t qstride = q.stride(2) * 2;
-  if (rows < kRows) {
-    std::fill(qpad, qpad + kRows * D, at::BFloat16(0.0f));
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(qpad + i * D, qrows + i * q.stride(2), D * 2);
+  if (rows < kRows || r0 / sh.Sq != (r0 + kRows - 1) / sh.Sq) {  // not 32 rows of one head
+    std::fill(qpad + rows * D, qpad + kRows * D, at::BFloat16(0.0f));
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(qpad + i * D, q_row(r0 + i), D * 2);
     qrows = qpad;
     qstride = D * 2;
   }
-  const int64_t hk = h / (sh.Hq / sh.Hkv);
   const at::BFloat16* kh = kp + (b * sh.Hkv + hk) * sh.Skp * D;
   const at::BFloat16* vh = vp + (b * sh.Hkv + hk) * sh.Skp * D;
   for (int64_t first = 0; first < end; first += kKeys) {
@@ -403,13 +409,14 @@ MAGNETAR_AMX_TARGET void run_block(Tiles& tiles, const Shapes& sh, const at::Ten
       tiles.template store<3>(o + 16 * D + 16 * c + 16, D * 4);
     }
   }
-  at::BFloat16* oh = out + ((b * sh.Hq + h) * sh.Sq + r0) * D;
-  float* lh = lse + (b * sh.Hq + h) * sh.Sq + r0;
   for (int64_t i = 0; i < rows; ++i) {
+    const int64_t h = hk * G + (r0 + i) / sh.Sq, t = (r0 + i) % sh.Sq;
+    at::BFloat16* oh = out + ((b * sh.Hq + h) * sh.Sq + t) * D;
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
     const __m512 a = _mm512_set1_ps(inv);
-    for (int64_t d = 0; d < D; d += 16) store16(oh + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), a));
-    lh[i] = l[i] > 0.0f ? float(M_LN2) * (m[i] + std::log2(l[i])) : -std::numeric_limits<float>::infinity();
+    for (int64_t d = 0; d < D; d += 16) store16(oh + d, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + d), a));
+    lse[(b * sh.Hq + h) * sh.Sq + t] =
+        l[i] > 0.0f ? float(M_LN2) * (m[i] + std::log2(l[i])) : -std::numeric_limits<float>::infinity();
   }
 #endif
 }
@@ -448,17 +455,17 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
              vpp + i * sh.Skp * D);
     }
   });
-  const int64_t blocks = (sh.Sq + kRows - 1) / kRows;
+  const int64_t blocks = (sh.Hq / sh.Hkv * sh.Sq + kRows - 1) / kRows;  // a KV head's group of rows
   auto* outp = out.data_ptr<at::BFloat16>();
   auto* lsep = lse.data_ptr<float>();
-  at::parallel_for(0, sh.B * sh.Hq * blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, sh.B * sh.Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
     Tiles tiles;
     std::vector<float> buf(kRows * kKeys + kRows * D + 2 * kRows);
     std::vector<at::BFloat16> bbuf(kRows * kKeys + kRows * D);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t blk = t % blocks, h = (t / blocks) % sh.Hq, b = t / (blocks * sh.Hq);
-      run_block(tiles, sh, q, kpp, vpp, outp, lsep, b, h, blk * kRows, buf, bbuf);
+      const int64_t blk = t % blocks, hk = (t / blocks) % sh.Hkv, b = t / (blocks * sh.Hkv);
+      run_block(tiles, sh, q, kpp, vpp, outp, lsep, b, hk, blk * kRows, buf, bbuf);
     }
   });
   return {out, lse};
