@@ -142,8 +142,11 @@ def test_refusals_name_their_reason(seeded):
     assert "all bfloat16" in reasons(q, k, v)
     q, k, v = random_qkv(1, 4, 2, 64, 64, 48, torch.bfloat16, seeded)
     assert "head dimensions 48" in reasons(q, k, v)
-    q, k, v = random_qkv(1, 4, 2, 8, 64, 64, torch.bfloat16, seeded)
-    assert "8 query rows: at least 16" in reasons(q, k, v, FULL)  # a decode call's rows: cpu_decode / cpu_flash
+    q, k, v = random_qkv(1, 4, 2, 4, 64, 64, torch.bfloat16, seeded)
+    assert "8 query rows per KV head" in reasons(q, k, v, FULL)  # a decode call's rows: cpu_decode's
+    q, k, v = random_qkv(1, 6, 2, 3, 64, 64, torch.bfloat16, seeded)
+    short = backend.validate(AttentionCall(q, k, v, None, None, 0.125, FULL))  # 9 rows a KV head: a short question's
+    assert not [r for r in short if "query rows" in r], short
     q, k, v = random_qkv(1, 4, 2, 64, 64, 64, torch.bfloat16, seeded)
     assert "mask kind positions" in reasons(q, k, v, "positions")
     assert "contiguous along the head dimension" in reasons(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)

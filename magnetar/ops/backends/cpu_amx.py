@@ -2,10 +2,11 @@
 (``csrc/amx_attention.cpp``, JIT-built like Magnetar's other CPU ops).
 
 It takes the query forward's calls in bfloat16 -- a query's rows over its own keys (bottom-right causal) and over a
-cached prefix (every key visible) -- with at least :data:`MIN_ROWS` query rows, a head dimension that is a multiple of
-32 up to 256 and q, k, v contiguous along it, where the CPU has AMX-BF16 and Linux grants the tile state; it refuses
-everything else (a position mask, float32, a decode call's few rows, another CPU), which ``auto`` sends on to
-``cpu_decode`` / ``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on
+cached prefix (every key visible) -- with more query rows per KV head than ``cpu_decode`` takes (a question of 3+
+tokens with SmolLM2's 3 query heads a KV head), a head dimension that is a multiple of 32 up to 256 and q, k, v
+contiguous along it, where the CPU has AMX-BF16 and Linux grants the tile state; it refuses everything else (a
+position mask, float32, a decode call's few rows, another CPU), which ``auto`` sends on to ``cpu_decode`` /
+``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on
 two cores of the Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1 (docs/results.md, "An
 AMX attention kernel").
 """
@@ -15,10 +16,10 @@ from typing import Optional
 
 import torch
 
+from magnetar.ops.backends.cpu_decode import MAX_ROWS as DECODE_ROWS
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
 from magnetar.ops.jit import LazyOp
 
-MIN_ROWS = 16  # query rows a call (per query head): fewer fill too little of a 32-row block (cpu_decode / cpu_flash)
 MAX_DIM = 256
 
 
@@ -40,8 +41,10 @@ def shape_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[str
     D = q.shape[-1]
     if D % 32 or D > MAX_DIM or k.shape[-1] != D or v.shape[-1] != D:
         reasons.append(f"head dimensions {D} / {k.shape[-1]} / {v.shape[-1]}: one, a multiple of 32, at most {MAX_DIM}")
-    if q.shape[2] < MIN_ROWS:
-        reasons.append(f"{q.shape[2]} query rows: at least {MIN_ROWS} (a prefill)")
+    rows = (q.shape[1] // max(1, k.shape[1])) * q.shape[2]
+    if rows <= DECODE_ROWS:  # the kernel packs every key for them: cpu_decode reads each once (2x at 8K keys)
+        reasons.append(f"{rows} query rows per KV head (query heads per KV head x query tokens): more than "
+                       f"{DECODE_ROWS}, cpu_decode's")
     if k.shape[2] == 0:
         reasons.append("no keys")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:

@@ -49,6 +49,7 @@ namespace {
 constexpr int64_t kRows = 32;     // query rows a block: two tiles of 16
 constexpr int64_t kKeys = 128;    // keys a softmax step (a multiple of 32: one tile pass takes 32)
 constexpr int kMaxDim = 256;
+constexpr size_t kKeepPacked = size_t(64) << 20;  // bytes of packed K / V a thread keeps for its next call
 
 #ifdef MAGNETAR_AMX
 
@@ -442,10 +443,14 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
   at::Tensor out = at::empty({sh.B, sh.Hq, sh.Sq, D}, q.options());
   at::Tensor lse = at::empty({sh.B, sh.Hq, sh.Sq}, q.options().dtype(at::kFloat));
   if (sh.Sq == 0) return {out, lse};
-  at::Tensor kp = at::empty({sh.B * sh.Hkv * sh.Skp * D}, q.options());
-  at::Tensor vp = at::empty_like(kp);
-  auto* kpp = kp.data_ptr<at::BFloat16>();
-  auto* vpp = vp.data_ptr<at::BFloat16>();
+  // K and V packed into this thread's buffer, kept from call to call up to kKeepPacked bytes: a fresh allocation of a
+  // long context's copy is fresh pages -- one fault each, in every call of every layer (an 8K-key call of SmolLM2
+  // took 2.8-3.4 ms where its work takes ~0.9) unless the allocator keeps freed memory (magnetar serve has it do so)
+  thread_local std::vector<at::BFloat16> packed;
+  const size_t need = size_t(2 * sh.B * sh.Hkv * sh.Skp * D);
+  if (packed.size() < need) packed.resize(need);
+  auto* kpp = packed.data();
+  auto* vpp = kpp + need / 2;
   at::parallel_for(0, sh.B * sh.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / sh.Hkv, hk = i % sh.Hkv;
@@ -468,6 +473,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& q, const at::Tensor& k,
       run_block(tiles, sh, q, kpp, vpp, outp, lsep, b, hk, blk * kRows, buf, bbuf);
     }
   });
+  if (packed.size() * sizeof(at::BFloat16) > kKeepPacked) std::vector<at::BFloat16>().swap(packed);
   return {out, lse};
 #else
   return {};  // not reached: avx512_here() is false
