@@ -23,7 +23,8 @@
 // makes its scores with AMX tiles (TDPBF16PS) against keys packed once per call in the tiles' pair layout, 32 keys a
 // tile pass and up to 128 a softmax step; the exponentials are AVX-512 (2^x by a polynomial and VSCALEFPS) and the
 // running output is scaled in memory, then read into the tiles that add the block's weights times v. Causal blocks
-// stop at their last visible key. Blocks (b, h, 32 rows) are split over at::parallel_for.
+// stop at their last visible key. Blocks (b, KV head, 32 rows of its query heads' rows) are split over
+// at::parallel_for.
 
 #include "torch_op.h"
 
@@ -131,7 +132,11 @@ struct AmxTiles {
 };
 
 #else
+#ifdef MAGNETAR_X86_DISPATCH  // x86-64 off Linux: the emulated tiles' AVX-512 code still builds
+#define MAGNETAR_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#else
 #define MAGNETAR_AMX_TARGET
+#endif
 bool amx_granted() { return false; }
 #endif
 
@@ -189,7 +194,7 @@ void pack_k(const at::BFloat16* k, int64_t stride, int64_t Sk, int64_t Skp, int6
 // V of one (b, KV head) in the B-operand layout of O = P V: tile (key block kb of 32, dim block c of 16) holds at
 // row r, lane 2 n + t: v[32 kb + 2 r + t, 16 c + n] (zeros past Sk) -- two key rows interleaved element by element.
 MAGNETAR_AVX512 void pack_v(const at::BFloat16* v, int64_t stride, int64_t Sk, int64_t Skp, int64_t D,
-                                   at::BFloat16* out) {
+                            at::BFloat16* out) {
   const int64_t cols = D / 16;
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -246,12 +251,14 @@ MAGNETAR_AVX512 inline __mmask16 visible(bool open, int64_t seen, int64_t c) {
   if (open) return 0xffff;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   seen = std::max<int64_t>(-1, std::min<int64_t>(seen, kKeys));
-  return _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(int(16 * c))), _mm512_set1_epi32(int(seen)));
+  return _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(int(16 * c))),
+                                 _mm512_set1_epi32(int(seen)));
 }
 
 // One softmax step of a block's rows over n keys (a multiple of 32, at most kKeys) from key `first`: scores s (kRows x
 // kKeys float32, unscaled) -> weights p (kRows x kKeys bfloat16); each row's running max m (base 2), sum l and output o
-// (kRows x D float32) updated. Row i sees keys j <= last[i] (-1: none); `open` says every row sees all n keys (no mask).
+// (kRows x D float32) updated. Row i sees keys j <= last[i] (-1: none); `open` says every row sees all n keys (no
+// mask).
 // Three passes, each over independent rows (no chain of reductions from one row to the next): the rows' maxima; the
 // 32 new maxima and their factors as two vectors; the weights and their sums. A weight the mask hides is exactly 0.
 template <bool NativeBf16>
@@ -267,7 +274,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void softmax_step(
     const float* si = s + i * kKeys;
     __m512 mx = minus_inf;
     for (int64_t c = 0; c < vectors; ++c)
-      mx = _mm512_mask_max_ps(mx, visible(open, last[i] - first, c), mx, _mm512_mul_ps(_mm512_loadu_ps(si + 16 * c), sc));
+      mx = _mm512_mask_max_ps(mx, visible(open, last[i] - first, c), mx,
+                               _mm512_mul_ps(_mm512_loadu_ps(si + 16 * c), sc));
     block_max[i] = _mm512_reduce_max_ps(mx);
   }
   for (int64_t i = 0; i < kRows; i += 16) {
