@@ -43,5 +43,6 @@ tps = {k: statistics.median(x[0] for x in v) for k, v in rows.items()}
 ttft = {k: statistics.median(x[1] for x in v) for k, v in rows.items()}
 per_round = [m[0] / v[0] for m, v in zip(rows["magnetar"], rows["vllm"])]
 print(f"median tokens/s: magnetar {tps['magnetar']:.2f}, vllm {tps['vllm']:.2f}: "
-      f"{tps['magnetar'] / tps['vllm']:.2f}x; per round {' '.join(f'{x:.2f}' for x in per_round)}")
+      f"{tps['magnetar'] / tps['vllm']:.2f}x; per round {' '.join(f'{x:.2f}' for x in per_round)} "
+      f"(their median {statistics.median(per_round):.3f})")
 print(f"median TTFT p50: magnetar {ttft['magnetar']:.2f} s, vllm {ttft['vllm']:.2f} s")
