@@ -6,9 +6,9 @@ cached prefix (every key visible) -- with more query rows per KV head than ``cpu
 tokens with SmolLM2's 3 query heads a KV head), a head dimension that is a multiple of 32 up to 256 and q, k, v
 contiguous along it, where the CPU has AMX-BF16 and Linux grants the tile state; it refuses everything else (a
 position mask, float32, a decode call's few rows, another CPU), which ``auto`` sends on to ``cpu_decode`` /
-``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on
-two cores of the Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1 (docs/results.md, "An
-AMX attention kernel").
+``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on two cores of the
+Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1; this kernel takes 0.63x and ~0.4x their
+time (docs/results.md, "An AMX attention kernel").
 """
 from __future__ import annotations
 
