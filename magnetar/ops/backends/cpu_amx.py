@@ -7,8 +7,8 @@ tokens with SmolLM2's 3 query heads a KV head), a head dimension that is a multi
 contiguous along it, where the CPU has AMX-BF16 and Linux grants the tile state; it refuses everything else (a
 position mask, float32, a decode call's few rows, another CPU), which ``auto`` sends on to ``cpu_decode`` /
 ``cpu_flash``. Torch's CPU flash kernel ran SmolLM2's 1000-token causal square at ~0.3 TFLOP/s on two cores of the
-Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1; this kernel takes 0.63x and ~0.4x their
-time (docs/results.md, "An AMX attention kernel").
+Intel AMX VM (a quarter of the forward), its 47-key prefix call at under 0.1; this kernel takes 0.63-0.66x and ~0.4x
+their time (docs/results.md, "An AMX attention kernel").
 """
 from __future__ import annotations
 
