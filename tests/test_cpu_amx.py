@@ -182,3 +182,20 @@ def test_the_ops_own_checks_name_what_is_wrong(seeded):
         _op().attention_emulated(q[:, :3], k, v, 0.1, True)
     with pytest.raises(RuntimeError, match="at least one key"):
         _op().attention_emulated(q, k[:, :, :0], v[:, :, :0], 0.1, True)
+
+
+@pytest.mark.skipif(not RUNS, reason="the AMX tiles need an AMX CPU")
+def test_calls_alternating_with_torchs_bf16_products_on_the_same_threads(seeded):
+    # the kernel configures the tiles for each thread's chunk and releases them after; torch's bf16 products (oneDNN,
+    # AMX on this CPU) configure their own -- a forward alternates the two every layer, on the same threads
+    q, k, v = random_qkv(1, 4, 2, 96, 96, 64, torch.bfloat16, seeded)
+    x = torch.randn(64, 512, generator=seeded).bfloat16()
+    w = torch.randn(512, 512, generator=seeded).bfloat16()
+    want = x.double() @ w.double().T
+    ref_out, ref_lse = dense_attention_fp64(q, k, v, scale=0.125)
+    for _ in range(3):
+        y = torch.nn.functional.linear(x, w)
+        assert_close(y, want, torch.bfloat16, "out", "linear")  # bf16 out, fp64 product: the table's bf16 row
+        out, lse = _op().attention(q, k, v, 0.125, True)
+        assert_close(out, ref_out, torch.bfloat16, "out")
+        assert_close(lse, ref_lse, torch.bfloat16, "lse")
