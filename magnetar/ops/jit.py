@@ -360,3 +360,23 @@ class LazyOp:
             raise RuntimeError(f"magnetar: the {self.what} op is unavailable for {dtype} tensors: "
                                f"{self.failures.get(dtype, 'unknown reason')}")
         return module
+
+
+class CpuKernel:
+    """A CPU op an attention backend calls (``cpu_decode``'s, ``cpu_amx``'s): :meth:`reason` -- why it cannot run here
+    (:meth:`LazyOp.runs_here_reason`), or None -- is asked once, since a backend's ``validate`` runs on every attention
+    call (~60 a decode step or a forward); :attr:`module` is the loaded op once :meth:`reason` said None."""
+
+    __slots__ = ("op", "name", "lacks", "module", "_missing")
+
+    def __init__(self, op: LazyOp, name: str, lacks: str):
+        self.op, self.name, self.lacks = op, name, lacks
+        self.module: Optional[ModuleType] = None
+        self._missing: Optional[str] = None
+
+    def reason(self) -> Optional[str]:
+        if self.module is None and self._missing is None:
+            self._missing = self.op.runs_here_reason(self.name, self.lacks)
+            if self._missing is None:
+                self.module = self.op.load("cpu")
+        return self._missing

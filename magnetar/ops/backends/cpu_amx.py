@@ -12,13 +12,11 @@ their time (docs/results.md, "An AMX attention kernel").
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from magnetar.ops.backends.cpu_decode import MAX_ROWS as DECODE_ROWS
 from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL
-from magnetar.ops.jit import LazyOp
+from magnetar.ops.jit import CpuKernel, LazyOp
 
 MAX_DIM = 256
 
@@ -57,16 +55,8 @@ class CpuAmxBackend:
     device_types = ("cpu",)
 
     def __init__(self):
-        self._op = None  # the loaded op, once it is known to run here
-        self._missing: Optional[str] = None  # why it does not (asked once: a forward validates ~60 calls)
-
-    def _ready(self) -> Optional[str]:
-        if self._op is None and self._missing is None:
-            self._missing = AMX_ATTENTION_OP.runs_here_reason(
-                "AMX attention", "this CPU lacks AVX-512 with AMX-BF16, or Linux did not grant the tile state")
-            if self._missing is None:
-                self._op = AMX_ATTENTION_OP.load("cpu")
-        return self._missing
+        self._kernel = CpuKernel(AMX_ATTENTION_OP, "AMX attention",
+                                 "this CPU lacks AVX-512 with AMX-BF16, or Linux did not grant the tile state")
 
     def validate(self, call) -> list[str]:
         q = call.q
@@ -75,11 +65,12 @@ class CpuAmxBackend:
         if call.mask_kind not in (FULL, CAUSAL_BOTTOM_RIGHT):
             return [f"AMX kernel: every key visible or bottom-right causal only (mask kind {call.mask_kind})"]
         reasons = shape_reasons(q, call.k, call.v)
-        if not reasons and self._ready() is not None:
-            reasons.append(self._missing)
+        if not reasons and (why := self._kernel.reason()) is not None:
+            reasons.append(why)
         return reasons
 
     def forward(self, call):
-        if self._ready() is not None:
-            raise RuntimeError(f"cpu_amx: {self._missing}")
-        return self._op.attention(call.q, call.k, call.v, float(call.scale), call.mask_kind == CAUSAL_BOTTOM_RIGHT)
+        if (why := self._kernel.reason()) is not None:
+            raise RuntimeError(f"cpu_amx: {why}")
+        causal = call.mask_kind == CAUSAL_BOTTOM_RIGHT
+        return self._kernel.module.attention(call.q, call.k, call.v, float(call.scale), causal)

@@ -16,12 +16,10 @@ kernel").
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from magnetar.ops.call import FULL
-from magnetar.ops.jit import LazyOp
+from magnetar.ops.jit import CpuKernel, LazyOp
 
 MAX_ROWS = 8  # query rows per KV head (query heads per KV head x query tokens) the kernel holds in registers
 MAX_DIM = 256
@@ -61,15 +59,7 @@ class CpuDecodeBackend:
     device_types = ("cpu",)
 
     def __init__(self):
-        self._op = None  # the loaded op, once it is known to run here
-        self._missing: Optional[str] = None  # why it does not (asked once: a decode step validates ~60 calls)
-
-    def _ready(self) -> Optional[str]:
-        if self._op is None and self._missing is None:
-            self._missing = DECODE_ATTENTION_OP.runs_here_reason("decode attention", "this CPU lacks AVX2/FMA")
-            if self._missing is None:
-                self._op = DECODE_ATTENTION_OP.load("cpu")
-        return self._missing
+        self._kernel = CpuKernel(DECODE_ATTENTION_OP, "decode attention", "this CPU lacks AVX2/FMA")
 
     def validate(self, call) -> list[str]:
         q = call.q
@@ -78,8 +68,8 @@ class CpuDecodeBackend:
         if call.mask_kind != FULL:
             return [f"decode kernel: every key visible to every query only (mask kind {call.mask_kind})"]
         reasons = shape_reasons(q, call.k, call.v)
-        if not reasons and self._ready() is not None:
-            reasons.append(self._missing)
+        if not reasons and (why := self._kernel.reason()) is not None:
+            reasons.append(why)
         return reasons
 
     def forward(self, call):
@@ -89,13 +79,13 @@ class CpuDecodeBackend:
         """``(out, lse, clean)``: clean -- every score and output element was finite -- means q, k and out are
         finite (every key is visible to every query: a non-finite q or k element makes a score non-finite), the
         front end's fast-path condition, without its pass over them."""
-        if self._ready() is not None:
-            raise RuntimeError(f"cpu_decode: {self._missing}")
-        return self._op.decode_attention_checked(call.q, call.k, call.v, float(call.scale))
+        if (why := self._kernel.reason()) is not None:
+            raise RuntimeError(f"cpu_decode: {why}")
+        return self._kernel.module.decode_attention_checked(call.q, call.k, call.v, float(call.scale))
 
     def runs_here(self) -> bool:
         """Whether the op is built and this CPU runs it (asked once)."""
-        return self._ready() is None
+        return self._kernel.reason() is None
 
     def slot_forward(self, q, k, v, q_pos, k_pos, scale, window=None):
         """The static / graph decode step's call over slot buffers (:mod:`magnetar.ops.slots`' contract): the
@@ -103,11 +93,11 @@ class CpuDecodeBackend:
         kernel cannot take (a shape of :func:`shape_reasons`, another device, positions not int64, the op not
         running here) goes to :func:`magnetar.ops.slots.slot_attention`, the same contract in float32 torch."""
         if (q.device.type != "cpu" or shape_reasons(q, k, v) or q_pos.dtype != torch.long or k_pos.dtype != torch.long
-                or self._ready() is not None):
+                or self._kernel.reason() is not None):
             from magnetar.ops.slots import slot_attention
 
             return slot_attention(q, k, v, q_pos, k_pos, scale, window)
-        return self._op.slot_attention(q, k, v, q_pos, k_pos, float(scale), int(window or 0))
+        return self._kernel.module.slot_attention(q, k, v, q_pos, k_pos, float(scale), int(window or 0))
 
     def pages_forward(self, q, pages, scale):
         """An eager decode step's batch in one launch (:mod:`magnetar.ops.pages`' contract): request b's rows over
@@ -122,7 +112,7 @@ class CpuDecodeBackend:
                     ks.append(page.k)
                     vs.append(page.v)
             first.append(len(ks))
-        if not ks or q.device.type != "cpu" or self._ready() is not None:
+        if not ks or q.device.type != "cpu" or self._kernel.reason() is not None:
             return None
         hkv = ks[0].shape[1]
         for k, v in zip(ks, vs):
@@ -131,5 +121,5 @@ class CpuDecodeBackend:
                 return None
         if shape_reasons(q, ks[0], vs[0]):
             return None
-        out, lse, clean = self._op.decode_attention_pages(q, ks, vs, first, hkv, float(scale))
+        out, lse, clean = self._kernel.module.decode_attention_pages(q, ks, vs, first, hkv, float(scale))
         return (out, lse) if clean else None
