@@ -222,7 +222,7 @@ def smollm2_tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(str(smollm2_path))
 
 
-# The CPU ops JIT-built in the background while the first tests run (a fresh clone builds seven, ~1 min of one
+# The CPU ops JIT-built in the background while the first tests run (a fresh clone builds eight, ~1 min of one
 # core): the tests that need one find it built, or wait on the build's lock (magnetar.ops.jit) as they would for
 # any other process's build. One make-job, so the other core stays the tests'. MAGNETAR_TEST_PREBUILD=0: off.
 _PREBUILD = """
@@ -233,8 +233,9 @@ from magnetar.sparse.codes import HAMMING_OP
 from magnetar.ops.small_gemm import SMALL_GEMM_OP
 from magnetar.ops.rms_norm import RMS_NORM_OP
 from magnetar.ops.rotary import ROTARY_OP
+from magnetar.ops.backends.cpu_amx import AMX_ATTENTION_OP
 for op in (fused_merge._op, DECODE_ATTENTION_OP, RMS_NORM_OP, ROTARY_OP, SMALL_GEMM_OP, HAMMING_OP,
-           SPARSE_ATTENTION_OP):
+           SPARSE_ATTENTION_OP, AMX_ATTENTION_OP):
     op.available("cpu")
 """
 _PREBUILD_KEY = pytest.StashKey[subprocess.Popen]()
