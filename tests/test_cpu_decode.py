@@ -27,6 +27,29 @@ def _has_avx2_fma() -> bool:
 # Whether this machine must run the kernel (x86-64 with AVX2 and FMA: every CI machine so far); elsewhere the tests
 # below check that the backend refuses with the reason instead -- never a skip on an error.
 RUNS = _has_avx2_fma()
+# Whether bf16 calls where every key is seen take the AVX-512 BF16 pass here (Intel Cooper Lake / Sapphire Rapids on,
+# AMD Zen 4 on); the AVX2 pass is checked on every x86-64 machine (the op switched to it).
+HAS_AVX512_BF16 = RUNS and all(f" {flag}" in Path("/proc/cpuinfo").read_text()
+                               for flag in ("avx512f", "avx512bw", "avx512_bf16"))
+
+# The kernel's passes by dtype: float32 and bf16 through AVX2, bf16 through AVX-512 BF16 where the CPU has it.
+DTYPE_PASSES = [
+    pytest.param(torch.float32, "avx2", id="float32"),
+    pytest.param(torch.bfloat16, "avx2", id="bfloat16-avx2"),
+    pytest.param(torch.bfloat16, "avx512_bf16", id="bfloat16-avx512_bf16",
+                 marks=pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX-512 BF16 (the AVX2 pass "
+                                                                       "serves its bf16 calls: the other ids)")),
+]
+
+
+@pytest.fixture
+def on_pass(kernel_pass):
+    """The op switched to ``kernel_pass`` (a test's parameter) for the test, then back."""
+    op = DECODE_ATTENTION_OP.load("cpu")
+    before = op.set_avx512_bf16(kernel_pass == "avx512_bf16")
+    assert op.avx512_bf16() == (kernel_pass == "avx512_bf16")
+    yield kernel_pass
+    op.set_avx512_bf16(before)
 
 
 def _check(q, k, v, msg="", **kw):
@@ -40,12 +63,13 @@ def _check(q, k, v, msg="", **kw):
 def test_the_op_builds_and_runs_where_the_cpu_has_avx2():
     assert DECODE_ATTENTION_OP.available("cpu"), DECODE_ATTENTION_OP.unavailable_reason("cpu")
     assert DECODE_ATTENTION_OP.load("cpu").supported() == RUNS
+    assert DECODE_ATTENTION_OP.load("cpu").avx512_bf16() == HAS_AVX512_BF16  # on by default where the CPU has it
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
 @pytest.mark.parametrize("group,sq", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 1), (1, 8), (7, 1)])
-def test_decode_calls_equal_the_fp64_reference(dtype, group, sq, seeded):
+def test_decode_calls_equal_the_fp64_reference(dtype, group, sq, seeded, on_pass):
     # key counts across the kernel's 128-key blocks and its 8-wide exp tail; head dims 8 to 256
     for Sk, D in [(1, 8), (7, 64), (128, 64), (129, 128), (300, 256), (1000, 64)]:
         q, k, v = random_qkv(2, 2 * group, 2, sq, Sk, D, dtype, seeded)
@@ -55,8 +79,8 @@ def test_decode_calls_equal_the_fp64_reference(dtype, group, sq, seeded):
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_strided_inputs_and_large_logits(dtype, seeded):
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
+def test_strided_inputs_and_large_logits(dtype, seeded, on_pass):
     # q a transposed view, K / V the first entries of larger cache buffers (a KV cache's capacity), logits large
     # enough that the running max moves between blocks (the online rescaling)
     B, Hq, Hkv, Sk, D = 2, 6, 2, 700, 64
@@ -97,8 +121,8 @@ def test_auto_sends_decode_calls_here_and_the_rest_to_cpu_flash(seeded):
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_itself_never_makes_nan_finite(dtype, seeded):
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
+def test_the_kernel_itself_never_makes_nan_finite(dtype, seeded, on_pass):
     # the op alone (the front end's non-finite rule aside): a NaN query row, or a NaN key, makes exactly the rows
     # that read it (NaN, NaN); the other rows stay as the reference's
     op = DECODE_ATTENTION_OP.load("cpu")
@@ -130,10 +154,12 @@ def test_an_op_that_cannot_build_sends_decode_calls_to_cpu_flash(seeded, monkeyp
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
-def test_an_overflowing_score_makes_its_rows_nan_in_the_op(seeded):
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
+@pytest.mark.parametrize("D", [8, 64])
+def test_an_overflowing_score_makes_its_rows_nan_in_the_op(dtype, D, seeded, on_pass):
     # finite inputs whose product overflows float32: +inf - +inf has no softmax, so those rows are NaN, never finite
     op = DECODE_ATTENTION_OP.load("cpu")
-    q, k, v = random_qkv(1, 2, 1, 1, 40, 8, torch.float32, seeded)
+    q, k, v = random_qkv(1, 2, 1, 1, 40, D, dtype, seeded)
     q[..., 0], k[..., 0] = 0.0, 0.0
     q[0, 0, 0, :] = 0.0
     q[0, 0, 0, 0], k[0, 0, 7, 0] = 3e38, 3e38  # head 0: key 7's score +inf, every other 0; head 1's all finite
@@ -143,7 +169,8 @@ def test_an_overflowing_score_makes_its_rows_nan_in_the_op(seeded):
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
-def test_two_threads_give_one_threads_result(seeded):
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES[1:])
+def test_two_threads_give_one_threads_result(dtype, seeded, on_pass):
     # at::parallel_for deals the (batch, KV head) items to the threads, each with its own scratch: the same bits
     op = DECODE_ATTENTION_OP.load("cpu")
     q, k, v = random_qkv(3, 8, 4, 1, 333, 64, torch.bfloat16, seeded)
@@ -160,15 +187,13 @@ def test_two_threads_give_one_threads_result(seeded):
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested above)")
 @pytest.mark.parametrize("where", ["none", "q nan", "q inf", "k +inf", "k -inf", "k nan", "v nan", "v inf", "overflow"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_checked_op_is_clean_exactly_when_q_k_and_out_are_finite(where, dtype, seeded):
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
+def test_the_checked_op_is_clean_exactly_when_q_k_and_out_are_finite(where, dtype, seeded, on_pass):
     """decode_attention_checked's flag spares the front end its finite pass, so it may be True only when q, k and out
     are all finite; and it is True on finite inputs (else it would spare nothing). The same out and lse as the op."""
     op = DECODE_ATTENTION_OP.load("cpu")
     q, k, v = random_qkv(2, 6, 3, 1, 300, 64, dtype, seeded)
-    if where == "overflow":  # finite inputs whose score overflows
-        q, k = q.float(), k.float()
-        v = v.float()
+    if where == "overflow":  # finite inputs whose score overflows (3e38 is a finite bf16 too)
         q[1, 4, 0, 0], k[1, 2, 250, 0] = 3e38, -3e38
     elif where != "none":
         tensor, value = where.split()

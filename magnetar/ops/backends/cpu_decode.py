@@ -34,7 +34,7 @@ def _make_builder(device_type: str):
 
 DECODE_ATTENTION_OP = LazyOp("CPU decode attention", _make_builder,
                              ("decode_attention", "decode_attention_checked", "slot_attention",
-                              "decode_attention_pages", "supported"),
+                              "decode_attention_pages", "supported", "avx512_bf16", "set_avx512_bf16"),
                              logger_name=__name__, devices=("cpu",))
 
 

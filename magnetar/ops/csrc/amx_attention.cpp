@@ -218,22 +218,6 @@ MAGNETAR_AVX512 void pack_v(const at::BFloat16* v, int64_t stride, int64_t Sk, i
 #ifdef MAGNETAR_X86_DISPATCH
 using namespace magnetar_vec512;
 
-// 2^x for x <= 0 (and -inf): 2^f by a degree-6 polynomial on f in [-1/2, 1/2] (relative error < 2e-7), scaled by
-// 2^n with VSCALEFPS; x clamped at -200, whose 2^x is 0.
-MAGNETAR_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // 16 float32 lanes to bfloat16, rounded to nearest even: one VCVTNEPS2BF16 where the CPU has AVX-512 BF16 (every AMX
 // CPU), else vec512's integer rounding (the emulated tiles' path on other AVX-512 CPUs).
 template <bool NativeBf16>

@@ -30,6 +30,11 @@
 //   online softmax over all of its pages (the output rounded once; merging per-page states would round each). A
 //   request without pages gets (0, -inf) rows. clean as decode_attention_checked's (an empty row counts as clean).
 //
+//   Where the CPU has AVX-512 BF16 (avx512_bf16(); set_avx512_bf16(false) switches it off), bf16 calls where every
+//   key is seen (decode_attention, decode_attention_pages; D a multiple of 32) take a second pass: scores by VDPBF16PS
+//   of the unscaled bf16 query against the bf16 keys, 16 keys' sums reduced in one vector (attend_bf16_512). Its
+//   products are exact as the AVX2 pass's are; denormal bf16 inputs count as 0 there (the instruction's rule).
+//
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
 // cache: a 4K-token call of SmolLM2-135M (3 query rows per KV head, D 64) took ~0.7 ms in fp32 and ~0.8 ms in bf16
 // with the KV cold, where reading it takes ~0.35 / ~0.2 ms on one core of the AVX-512 EPYC VM. Here one work item
@@ -46,14 +51,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
+#include "vec512.h"
 
 #ifdef MAGNETAR_X86_DISPATCH
 #include <immintrin.h>
@@ -137,6 +145,14 @@ template <typename T>
 AVX2_FN void prefetch_row(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// The same into L2 (the AVX-512 BF16 pass): its scores take few enough instructions that prefetches into L1 filled
+// the core's line-fill buffers and stalled it -- a cold 4K call ~400 -> ~340 us with L2 as the target.
+template <typename T>
+AVX2_FN void prefetch_row_l2(const T* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 // Which keys which rows see (the slot call; nullptr: every key, every row): key j's position kpos[j * kstride]
@@ -317,6 +333,168 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
   }
 }
 
+// -- AVX-512 BF16: the same pass for bfloat16 where every key is seen (the eager step's calls and pages) ------------
+// The scores of 16 keys for one row by VDPBF16PS -- the key's bf16 pairs times the query's, summed in float32: no
+// widening of K, where the AVX2 pass spends as many instructions widening as multiplying (a bf16 call ran at ~9 GB/s
+// warm where a float32 one ran at ~16) -- and their 16 lane sums reduced in one vector (sum16). The query is the
+// unscaled bf16 row (its products exact), the scale applied to the sums. Values as the AVX2 pass, 16 lanes wide.
+#define AVX512BF16_FN __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16")))
+
+constexpr int64_t kAhead512 = 32;  // keys ahead the scores prefetch (two groups)
+// Key c of a group of 16 accumulates in vector kSlot[c], so that sum16 leaves its score in lane c.
+constexpr int kSlot[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// The sums of 16 vectors' lanes in one vector: lane L holds the sum of v[(L % 4) * 4 + L / 4] -- four rounds of
+// shuffles and adds (45 instructions for 16 sums, where a reduction each takes ~8).
+AVX512BF16_FN inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i) {  // [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in 128-bit chunks
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // chunk k: four partial sums of vector 4 i + k
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  // chunk k: two partial sums of vectors k and 4 + k (y0), of 8 + k and 12 + k (y1)
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x44), _mm512_shuffle_ps(x[0], x[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_ps(x[2], x[3], 0x44), _mm512_shuffle_ps(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
+}
+
+AVX512BF16_FN inline __m512 widen16(const at::BFloat16* p) {  // 16 bf16 -> float32 (a shift: bf16 is the top half)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// As attend<bf16, R, false> for R rows of unscaled bf16 queries qb (R x D, D = 32 DC): the same state, the same flags.
+template <int DC>
+AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t R, const at::BFloat16* kb, int64_t ks,
+                                   const at::BFloat16* vb, int64_t vs, int64_t Sk, float* acc, float* m, float* l,
+                                   bool* nan, bool* seen, bool* finite, float* s) {
+  constexpr int64_t D = 32 * DC;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const float log2e = 1.44269504088896341f;
+  if (Sk > 0) {
+    for (int64_t r = 0; r < R; ++r) seen[r] = true;
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, Sk - j0);
+    for (int64_t j = 0; j < n; j += 16) {  // scores, 16 keys at a time (the last group may hold fewer)
+      const int64_t cnt = std::min<int64_t>(16, n - j);
+      const at::BFloat16* k0 = kb + (j0 + j) * ks;
+      for (int64_t c = 0; c < 16; ++c) {  // the next 16 keys, and these keys' values (read after the scores)
+        if (j0 + j + kAhead512 + c < Sk) prefetch_row_l2(k0 + (kAhead512 + c) * ks, D);
+        if (c < cnt) prefetch_row_l2(vb + (j0 + j + c) * vs, D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        __m512bh qv[DC];
+        for (int i = 0; i < DC; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qb + r * D + 32 * i);
+        __m512 a[16];
+        for (int c = 0; c < 16; ++c) {
+          __m512 t = _mm512_setzero_ps();
+          if (c < cnt) {
+            const at::BFloat16* kc = k0 + c * ks;
+            for (int i = 0; i < DC; ++i) t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(kc + 32 * i), qv[i]);
+          }
+          a[kSlot[c]] = t;
+        }
+        // (a short last group's other lanes hold 0s inside the row's kBlock entries, never read)
+        _mm512_storeu_ps(s + r * kBlock + j, _mm512_mul_ps(sum16(a), sc));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {  // online softmax: the block's max, its exponentials, the rescaled sums
+      float* sr = s + r * kBlock;
+      __m512 mx = _mm512_set1_ps(-kInf);
+      __mmask16 bad = 0, odd = 0;
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(in, sr + j);
+        mx = _mm512_mask_max_ps(mx, in, x, mx);  // a NaN score leaves the max as it was
+        // NaN, or +inf (inf - inf has no softmax): the row is NaN; NaN or +-inf: not clean
+        bad |= _mm512_mask_cmp_ps_mask(in, x, x, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(in, x, _mm512_set1_ps(kInf),
+                                                                                          _CMP_EQ_OQ);
+        odd |= _mm512_mask_cmp_ps_mask(in, _mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      }
+      nan[r] = nan[r] || bad != 0;
+      *finite = *finite && odd == 0;
+      const float bm = _mm512_reduce_max_ps(mx);
+      const float nm = std::max(m[r], bm);
+      const float corr = m[r] == nm ? 1.f : std::exp(m[r] - nm);
+      const __m512 nm2 = _mm512_set1_ps(nm == -kInf ? 0.f : nm * log2e);  // every score -inf so far: p = 0
+      const __m512 l2e = _mm512_set1_ps(log2e);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(
+            in, magnetar_vec512::exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(in, sr + j), l2e, nm2)));
+        _mm512_mask_storeu_ps(sr + j, in, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+      m[r] = nm;
+      if (corr != 1.f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        float* ar = acc + r * D;
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(cv, _mm512_loadu_ps(ar + d)));
+      }
+    }
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {  // values, four keys at a time: each accumulator loaded and stored once for them
+      const at::BFloat16* v0 = vb + (j0 + j) * vs;
+      if (j0 + kBlock < Sk) {  // the next block's keys
+        for (int i = 0; i < 4; ++i) prefetch_row(kb + (j0 + kBlock + j + i) * ks, D);
+      }
+      for (int64_t d = 0; d < D; d += 16) {  // each value row read once for the R rows
+        const __m512 x0 = widen16(v0 + d), x1 = widen16(v0 + vs + d), x2 = widen16(v0 + 2 * vs + d),
+                     x3 = widen16(v0 + 3 * vs + d);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* p = s + r * kBlock + j;
+          float* ar = acc + r * D + d;
+          __m512 x = _mm512_loadu_ps(ar);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[0]), x0, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[1]), x1, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[2]), x2, x);
+          x = _mm512_fmadd_ps(_mm512_set1_ps(p[3]), x3, x);
+          _mm512_storeu_ps(ar, x);
+        }
+      }
+    }
+    for (; j < n; ++j) {  // the block's last values, one at a time
+      const at::BFloat16* vj = vb + (j0 + j) * vs;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 x = widen16(vj + d);
+        for (int64_t r = 0; r < R; ++r) {
+          float* ar = acc + r * D + d;
+          _mm512_storeu_ps(ar, _mm512_fmadd_ps(_mm512_set1_ps(s[r * kBlock + j]), x, _mm512_loadu_ps(ar)));
+        }
+      }
+    }
+  }
+}
+
+using AttendBf16Fn = void (*)(const at::BFloat16*, float, int64_t, const at::BFloat16*, int64_t, const at::BFloat16*,
+                              int64_t, int64_t, float*, float*, float*, bool*, bool*, bool*, float*);
+
+// The AVX-512 BF16 pass for head dimension D, or nullptr: not a multiple of 32, or this CPU / build lacks it, or
+// switched off (set_avx512).
+std::atomic<bool> g_avx512{true};
+AttendBf16Fn attend_bf16_for(int64_t D) {
+  if (!g_avx512.load(std::memory_order_relaxed) || !cpu_has_avx512_bf16() || D % 32 != 0) return nullptr;
+  switch (D / 32) {
+    case 1: return attend_bf16_512<1>;
+    case 2: return attend_bf16_512<2>;
+    case 3: return attend_bf16_512<3>;
+    case 4: return attend_bf16_512<4>;
+    case 5: return attend_bf16_512<5>;
+    case 6: return attend_bf16_512<6>;
+    case 7: return attend_bf16_512<7>;
+    case 8: return attend_bf16_512<8>;
+    default: return nullptr;
+  }
+}
+
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, int64_t, const T*, int64_t, int64_t, int64_t, float*, float*,
                           float*, bool*, bool*, bool*, float*, char*, const Visibility&);
@@ -336,15 +514,19 @@ AttendFn<T> attend_for(int64_t rows) {
 }
 
 // One work item's rows, widened to float32 and scaled: the G query heads of KV head hk (each Sq tokens) of
-// request b, row g * Sq + t.
+// request b, row g * Sq + t -- or, for the AVX-512 BF16 pass (qb not null), as they are.
 template <typename T>
-void load_rows(const at::Tensor& q, int64_t b, int64_t hk, int64_t G, double scale, float* qf) {
+void load_rows(const at::Tensor& q, int64_t b, int64_t hk, int64_t G, double scale, float* qf, T* qb = nullptr) {
   const int64_t Sq = q.size(2), D = q.size(3);
   const T* qp = q.data_ptr<T>();
   const auto qs = q.strides();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t t = 0; t < Sq; ++t) {
       const T* src = qp + b * qs[0] + (hk * G + g) * qs[1] + t * qs[2];
+      if (qb != nullptr) {
+        for (int64_t d = 0; d < D; ++d) qb[(g * Sq + t) * D + d] = src[d * qs[3]];
+        continue;
+      }
       float* dst = qf + (g * Sq + t) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qs[3]]) * static_cast<float>(scale);
     }
@@ -386,12 +568,39 @@ bool write_rows(at::Tensor& out, at::Tensor& lse, int64_t b, int64_t hk, int64_t
 // A work item's buffers (one per thread of at::parallel_for).
 struct Rows {
   std::vector<float> qf, acc, s, m, l;
+  std::vector<at::BFloat16> qb;  // the rows unscaled, for the AVX-512 BF16 pass
   std::vector<int64_t> rq;
   std::vector<char> live;
   std::unique_ptr<bool[]> nan, seen;
   Rows(int64_t R, int64_t D)
-      : qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R), rq(R), live(kBlock), nan(new bool[R]), seen(new bool[R]) {}
+      : qf(R * D), acc(R * D), s(R * kBlock), m(R), l(R), qb(R * D), rq(R), live(kBlock), nan(new bool[R]),
+        seen(new bool[R]) {}
 };
+
+// The pass over one run of keys of a work item (its rows' state in w): the AVX-512 BF16 pass where `fast` is one
+// (attend_bf16_for: bf16, every key seen), else the AVX2 pass fn.
+template <typename T>
+void attend_run(AttendFn<T> fn, AttendBf16Fn fast, Rows& w, int64_t R, double scale, const T* k, int64_t ks,
+                const T* v, int64_t vs, int64_t Sk, int64_t D, bool* finite, const Visibility& vis) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (fast != nullptr) {
+      fast(w.qb.data(), static_cast<float>(scale), R, k, ks, v, vs, Sk, w.acc.data(), w.m.data(), w.l.data(),
+           w.nan.get(), w.seen.get(), finite, w.s.data());
+      return;
+    }
+  }
+  fn(w.qf.data(), k, ks, v, vs, Sk, D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get(), finite,
+     w.s.data(), w.live.data(), vis);
+}
+
+// The AVX-512 BF16 pass for these calls, or nullptr (float32, a slot call's visibility, or attend_bf16_for's reasons).
+template <typename T>
+AttendBf16Fn fast_pass(bool masked, int64_t D) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return masked ? nullptr : attend_bf16_for(D);
+  }
+  return nullptr;
+}
 
 // Returns whether every score and output element was finite (decode_attention_checked's clean). q_pos / k_pos
 // (int64, (B, Sq) / (B, Sk)) undefined: every key visible to every row; else the slot call's visibility.
@@ -408,12 +617,13 @@ bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const int64_t* kpos = masked ? k_pos.data_ptr<int64_t>() : nullptr;
   const auto ks = k.strides(), vs = v.strides();
   const AttendFn<T> fn = masked ? attend_for<T, true>(R) : attend_for<T, false>(R);
+  const AttendBf16Fn fast = fast_pass<T>(masked, D);
   std::vector<char> clean(B * Hkv, 1);  // per work item (each written by one thread)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Rows w(R, D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, hk = item % Hkv;
-      load_rows<T>(q, b, hk, G, scale, w.qf.data());
+      load_rows<T>(q, b, hk, G, scale, w.qf.data(), fast != nullptr ? reinterpret_cast<T*>(w.qb.data()) : nullptr);
       if (masked) {
         for (int64_t r = 0; r < R; ++r) w.rq[r] = qpos[b * q_pos.stride(0) + (r % Sq) * q_pos.stride(1)];
       }
@@ -421,8 +631,8 @@ bool run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                            window};
       bool finite = true;
       start_rows(R, D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get());
-      fn(w.qf.data(), kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk, D, w.acc.data(),
-         w.m.data(), w.l.data(), w.nan.get(), w.seen.get(), &finite, w.s.data(), w.live.data(), vis);
+      attend_run<T>(fn, fast, w, R, scale, kp + b * ks[0] + hk * ks[1], ks[2], vp + b * vs[0] + hk * vs[1], vs[2], Sk,
+                    D, &finite, vis);
       clean[item] = write_rows<T>(out, lse, b, hk, G, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(),
                                   w.seen.get()) && finite;
     }
@@ -437,21 +647,21 @@ bool run_pages(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std
                const std::vector<int64_t>& first, int64_t Hkv, at::Tensor& out, at::Tensor& lse, double scale) {
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3), G = Hq / Hkv, R = G * Sq;
   const AttendFn<T> fn = attend_for<T, false>(R);
+  const AttendBf16Fn fast = fast_pass<T>(false, D);
   const Visibility every{nullptr, 0, nullptr, 0};
   std::vector<char> clean(B * Hkv, 1);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Rows w(R, D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, hk = item % Hkv;
-      load_rows<T>(q, b, hk, G, scale, w.qf.data());
+      load_rows<T>(q, b, hk, G, scale, w.qf.data(), fast != nullptr ? reinterpret_cast<T*>(w.qb.data()) : nullptr);
       bool finite = true;
       start_rows(R, D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get());
       for (int64_t i = first[b]; i < first[b + 1]; ++i) {
         const at::Tensor& k = ks[i];
         const at::Tensor& v = vs[i];
-        fn(w.qf.data(), k.data_ptr<T>() + hk * k.stride(1), k.stride(2), v.data_ptr<T>() + hk * v.stride(1),
-           v.stride(2), k.size(2), D, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(), w.seen.get(), &finite,
-           w.s.data(), w.live.data(), every);
+        attend_run<T>(fn, fast, w, R, scale, k.data_ptr<T>() + hk * k.stride(1), k.stride(2),
+                      v.data_ptr<T>() + hk * v.stride(1), v.stride(2), k.size(2), D, &finite, every);
       }
       clean[item] = write_rows<T>(out, lse, b, hk, G, w.acc.data(), w.m.data(), w.l.data(), w.nan.get(),
                                   w.seen.get()) && finite;
@@ -464,6 +674,26 @@ bool run_pages(const at::Tensor& q, const std::vector<at::Tensor>& ks, const std
 }  // namespace
 
 bool supported() { return cpu_supported(); }
+
+// Whether bf16 calls where every key is seen take the AVX-512 BF16 pass here (this CPU has it and it is not switched
+// off); set_avx512_bf16(false) sends them to the AVX2 pass (the tests check both on one machine). Returns the previous
+// setting.
+bool avx512_bf16() {
+#ifdef MAGNETAR_X86_DISPATCH
+  return g_avx512.load() && cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+bool set_avx512_bf16(bool on) {
+#ifdef MAGNETAR_X86_DISPATCH
+  return g_avx512.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
 
 namespace {
 
@@ -588,4 +818,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each request's query rows over its KV pages (ks[first[b]:first[b + 1]], each (1, kv_heads, n, D)), every key "
         "visible, one softmax over all of them: (out, lse, clean)");
   m.def("supported", &supported, "whether this CPU runs decode_attention (x86-64 with AVX2 and FMA)");
+  m.def("avx512_bf16", &avx512_bf16,
+        "whether bf16 calls where every key is seen take the AVX-512 BF16 pass here (the CPU has it, not switched "
+        "off)");
+  m.def("set_avx512_bf16", &set_avx512_bf16,
+        "switch the AVX-512 BF16 pass on or off (off: the AVX2 pass for every call); returns the previous setting");
 }
