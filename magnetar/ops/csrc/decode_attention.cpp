@@ -30,7 +30,8 @@
 //   online softmax over all of its pages (the output rounded once; merging per-page states would round each). A
 //   request without pages gets (0, -inf) rows. clean as decode_attention_checked's (an empty row counts as clean).
 //
-//   Where the CPU has AVX-512 BF16 (avx512_bf16(); set_avx512_bf16(false) switches it off), bf16 calls where every
+//   Where the CPU has AVX-512 BF16 (avx512_bf16(); set_avx512_bf16(false) or MAGNETAR_DECODE_AVX512=0 switch it
+//   off), bf16 calls where every
 //   key is seen (decode_attention, decode_attention_pages; D a multiple of 32) take a second pass: scores by VDPBF16PS
 //   of the unscaled bf16 query against the bf16 keys, 16 keys' sums reduced in one vector (attend_bf16_512). Its
 //   products are exact as the AVX2 pass's are; denormal bf16 inputs count as 0 there (the instruction's rule).
@@ -53,6 +54,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -478,8 +480,11 @@ using AttendBf16Fn = void (*)(const at::BFloat16*, float, int64_t, const at::BFl
                               int64_t, int64_t, float*, float*, float*, bool*, bool*, bool*, float*);
 
 // The AVX-512 BF16 pass for head dimension D, or nullptr: not a multiple of 32, or this CPU / build lacks it, or
-// switched off (set_avx512).
-std::atomic<bool> g_avx512{true};
+// switched off (set_avx512_bf16, or MAGNETAR_DECODE_AVX512=0 in the environment when the op loads).
+std::atomic<bool> g_avx512{[] {
+  const char* env = std::getenv("MAGNETAR_DECODE_AVX512");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
 AttendBf16Fn attend_bf16_for(int64_t D) {
   if (!g_avx512.load(std::memory_order_relaxed) || !cpu_has_avx512_bf16() || D % 32 != 0) return nullptr;
   switch (D / 32) {
