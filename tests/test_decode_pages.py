@@ -16,7 +16,7 @@ from magnetar.ops.slots import slot_backend
 from magnetar.parallel import local_groups
 from tests.conftest import assert_close
 from tests.reference import dense_attention_fp64
-from tests.test_cpu_decode import DTYPE_PASSES, RUNS, on_pass  # noqa: F401 (on_pass: a fixture)
+from tests.test_cpu_decode import DTYPE_PASSES, RUNS, on_pass  # noqa: F401 (on_pass: a fixture used below)
 from tests.test_phase2_shared import HKV, HQ, D, L, _shard
 from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine
 from tests.tiny_models import ARCHS, tiny_model
@@ -52,7 +52,8 @@ def _reference(q, pages, scale):
 @needs_kernel
 @pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
 @pytest.mark.parametrize("group,S", [(1, 1), (3, 1), (8, 1), (2, 4)])
-def test_paged_calls_equal_the_fp64_reference(dtype, group, S, seeded, on_pass):
+@pytest.mark.usefixtures("on_pass")
+def test_paged_calls_equal_the_fp64_reference(dtype, group, S, seeded):
     # pages across the kernel's 128-key blocks, views of longer buffers, an empty page (skipped), a request without
     # pages ((0, -inf)), and one whose later page holds the largest logits (the running max moves between pages)
     Hkv, D = 2, 64
@@ -71,7 +72,8 @@ def test_paged_calls_equal_the_fp64_reference(dtype, group, S, seeded, on_pass):
 @needs_kernel
 @pytest.mark.parametrize("where", ["q", "k", "v", "k inf"])
 @pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
-def test_a_value_that_is_not_finite_gives_the_per_part_path(where, dtype, seeded, on_pass):
+@pytest.mark.usefixtures("on_pass")
+def test_a_value_that_is_not_finite_gives_the_per_part_path(where, dtype, seeded):
     # the kernel's clean flag: any non-finite score or output element -> None, so the caller applies the exact rules
     pages = [_pages(seeded, 2, 64, dtype, [50, 3]) for _ in range(3)]
     q = torch.randn(3, 6, 1, 64, generator=seeded).to(dtype)
