@@ -299,6 +299,13 @@ def test_op_report_json_cli():
     import deepspeed
 
     assert report["environment"]["deepspeed"] == deepspeed.__version__
+    # what auto picks for a bf16 decode call here, with cpu_decode's pass named (MAGNETAR_DECODE_AVX512=0: AVX2)
+    from tests.test_cpu_decode import HAS_AVX512_BF16, RUNS
+
+    if RUNS and not torch.cuda.is_available():
+        avx512 = HAS_AVX512_BF16 and os.environ.get("MAGNETAR_DECODE_AVX512") != "0"
+        assert (f"decode: cpu_decode ({'AVX-512 BF16' if avx512 else 'AVX2'} pass)"
+                in report["environment"]["attention (auto)"]), report["environment"]["attention (auto)"]
     res = subprocess.run([sys.executable, "-m", "magnetar.ops", "--bogus"], cwd=REPO, env=_clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "python -m magnetar.ops: error: unrecognized arguments: --bogus" in res.stderr

@@ -87,22 +87,29 @@ def environment() -> dict[str, Optional[str]]:
 
 
 def _attention_choice() -> str:
-    """The auto order, and what ``auto`` picks here for a bf16 causal prefill and for a general position mask."""
+    """The auto order, and what ``auto`` picks here for a bf16 causal prefill, a decode call (one token over every
+    key; cpu_decode's pass named) and a general position mask."""
     import torch
 
     from magnetar.ops.backends import AUTO_ORDER, select_backend
-    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, POSITIONS, AttentionCall
+    from magnetar.ops.call import CAUSAL_BOTTOM_RIGHT, FULL, POSITIONS, AttentionCall
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16, device=dev)
     kv = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device=dev)
     picks = []
-    for what, kind, pos in (("causal", CAUSAL_BOTTOM_RIGHT, None),
-                            ("position mask", POSITIONS, torch.arange(8, device=dev).flip(0))):
+    for what, kind, pos, rows in (("causal", CAUSAL_BOTTOM_RIGHT, None, q), ("decode", FULL, None, q[:, :, -1:]),
+                                  ("position mask", POSITIONS, torch.arange(8, device=dev).flip(0), q)):
         try:
-            picks.append(f"{what}: {select_backend(AttentionCall(q, kv, kv, pos, pos, 0.125, kind)).name}")
+            name = select_backend(AttentionCall(rows, kv, kv, pos, pos, 0.125, kind)).name
         except ValueError as e:
             picks.append(f"{what}: none ({e})")
+            continue
+        if name == "cpu_decode":  # its bf16 pass on this CPU
+            from magnetar.ops.backends.cpu_decode import DECODE_ATTENTION_OP
+
+            name += " (AVX-512 BF16 pass)" if DECODE_ATTENTION_OP.load("cpu").avx512_bf16() else " (AVX2 pass)"
+        picks.append(f"{what}: {name}")
     from magnetar.ops.backends import list_backends
     from magnetar.ops.backends.measured import preferred
 
