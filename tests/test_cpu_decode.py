@@ -246,9 +246,9 @@ def _slots(B, Hq, Hkv, S, C, D, dtype, g, fill):
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
 @pytest.mark.parametrize("group,S,window", [(3, 1, None), (1, 1, 50), (8, 1, None), (2, 3, None), (4, 2, 40)])
-def test_slot_calls_equal_the_fp64_reference(dtype, group, S, window):
+def test_slot_calls_equal_the_fp64_reference(dtype, group, S, window, on_pass):
     # the static / graph step's call on a CPU (slot_backend's auto choice): each row sees the entries at positions
     # <= its own (within the window), across the kernel's 128-entry blocks; rows of one slot at different positions
     # (S > 1) see different entries; a slot with nothing visible gives (0, -inf)
@@ -277,11 +277,12 @@ def test_slot_calls_equal_the_fp64_reference(dtype, group, S, window):
 
 
 @pytest.mark.skipif(not RUNS, reason="the kernel needs x86-64 with AVX2 and FMA (the refusal is tested below)")
-def test_slot_entries_no_row_sees_are_not_read():
+@pytest.mark.parametrize("dtype,kernel_pass", DTYPE_PASSES)
+def test_slot_entries_no_row_sees_are_not_read(dtype, on_pass):
     # an empty entry, or another request's old one, holds anything: NaN there never reaches a row (the kernel skips
     # the entry), where NaN in an entry the row sees makes it NaN
     g = torch.Generator().manual_seed(5)
-    q, k, v, k_pos = _slots(2, 4, 2, 1, 200, 32, torch.float32, g, fill=[150, 150])
+    q, k, v, k_pos = _slots(2, 4, 2, 1, 200, 32, dtype, g, fill=[150, 150])
     q_pos = torch.tensor([[10_000], [10_000]])
     cpu = get_backend("cpu_decode")
     clean_o, clean_l = cpu.slot_forward(q, k, v, q_pos, k_pos, 0.2)

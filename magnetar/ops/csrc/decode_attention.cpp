@@ -31,10 +31,9 @@
 //   request without pages gets (0, -inf) rows. clean as decode_attention_checked's (an empty row counts as clean).
 //
 //   Where the CPU has AVX-512 BF16 (avx512_bf16(); set_avx512_bf16(false) or MAGNETAR_DECODE_AVX512=0 switch it
-//   off), bf16 calls where every
-//   key is seen (decode_attention, decode_attention_pages; D a multiple of 32) take a second pass: scores by VDPBF16PS
-//   of the unscaled bf16 query against the bf16 keys, 16 keys' sums reduced in one vector (attend_bf16_512). Its
-//   products are exact as the AVX2 pass's are; denormal bf16 inputs count as 0 there (the instruction's rule).
+//   off), bf16 calls with D a multiple of 32 take a second pass, every entry point alike: scores by VDPBF16PS of the
+//   unscaled bf16 query against the bf16 keys, 16 keys' sums reduced in one vector (attend_bf16_512). Its products are
+//   exact as the AVX2 pass's are; denormal bf16 inputs count as 0 there (the instruction's rule).
 //
 // Why: torch's CPU flash kernel spends a decode call on per-block packing and scalar work, not on reading the
 // cache: a 4K-token call of SmolLM2-135M (3 query rows per KV head, D 64) took ~0.7 ms in fp32 and ~0.8 ms in bf16
@@ -335,7 +334,7 @@ __attribute__((target("avx2,fma"))) void attend(const float* qf, const T* kb, in
   }
 }
 
-// -- AVX-512 BF16: the same pass for bfloat16 where every key is seen (the eager step's calls and pages) ------------
+// -- AVX-512 BF16: the same pass for bfloat16 (every entry point: calls, pages, slots) ----------------------------
 // The scores of 16 keys for one row by VDPBF16PS -- the key's bf16 pairs times the query's, summed in float32: no
 // widening of K, where the AVX2 pass spends as many instructions widening as multiplying (a bf16 call ran at ~9 GB/s
 // warm where a float32 one ran at ~16) -- and their 16 lane sums reduced in one vector (sum16). The query is the
@@ -369,18 +368,21 @@ AVX512BF16_FN inline __m512 widen16(const at::BFloat16* p) {  // 16 bf16 -> floa
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// As attend<bf16, R, false> for R rows of unscaled bf16 queries qb (R x D, D = 32 DC): the same state, the same flags.
-template <int DC>
+// As attend<bf16, R, Masked> for R rows of unscaled bf16 queries qb (R x D, D = 32 DC): the same state, the same
+// flags; with a Visibility (Masked: the slot call), a key no row sees is neither read nor weighed, and a key a row
+// does not see scores -inf in that row and weighs exactly 0.
+template <int DC, bool Masked>
 AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t R, const at::BFloat16* kb, int64_t ks,
                                    const at::BFloat16* vb, int64_t vs, int64_t Sk, float* acc, float* m, float* l,
-                                   bool* nan, bool* seen, bool* finite, float* s) {
+                                   bool* nan, bool* seen, bool* finite, float* s, char* live, const Visibility& vis) {
   constexpr int64_t D = 32 * DC;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const float log2e = 1.44269504088896341f;
-  if (Sk > 0) {
+  if (!Masked && Sk > 0) {
     for (int64_t r = 0; r < R; ++r) seen[r] = true;
   }
   const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 minus_inf = _mm512_set1_ps(-kInf);
   for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
     const int64_t n = std::min(kBlock, Sk - j0);
     for (int64_t j = 0; j < n; j += 16) {  // scores, 16 keys at a time (the last group may hold fewer)
@@ -390,20 +392,36 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
         if (j0 + j + kAhead512 + c < Sk) prefetch_row_l2(k0 + (kAhead512 + c) * ks, D);
         if (c < cnt) prefetch_row_l2(vb + (j0 + j + c) * vs, D);
       }
+      __mmask16 sees[kMaxRows] = {}, any = cnt == 16 ? __mmask16(0xffff) : __mmask16((1u << cnt) - 1);
+      if (Masked) {  // which rows see which of these keys; a key no row sees is not read
+        any = 0;
+        for (int64_t c = 0; c < cnt; ++c) {
+          const int64_t kp = vis.kpos[(j0 + j + c) * vis.kstride];
+          for (int64_t r = 0; r < R; ++r) {
+            if (kp <= vis.rq[r] && (vis.window <= 0 || kp > vis.rq[r] - vis.window)) sees[r] |= __mmask16(1u << c);
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          any |= sees[r];
+          seen[r] = seen[r] || sees[r] != 0;
+        }
+        for (int64_t c = 0; c < 16; ++c) live[j + c] = (any >> c) & 1;
+      }
       for (int64_t r = 0; r < R; ++r) {
         __m512bh qv[DC];
         for (int i = 0; i < DC; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qb + r * D + 32 * i);
         __m512 a[16];
         for (int c = 0; c < 16; ++c) {
           __m512 t = _mm512_setzero_ps();
-          if (c < cnt) {
+          if ((any >> c) & 1) {
             const at::BFloat16* kc = k0 + c * ks;
             for (int i = 0; i < DC; ++i) t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(kc + 32 * i), qv[i]);
           }
           a[kSlot[c]] = t;
         }
         // (a short last group's other lanes hold 0s inside the row's kBlock entries, never read)
-        _mm512_storeu_ps(s + r * kBlock + j, _mm512_mul_ps(sum16(a), sc));
+        const __m512 x = _mm512_mul_ps(sum16(a), sc);
+        _mm512_storeu_ps(s + r * kBlock + j, Masked ? _mm512_mask_blend_ps(sees[r], minus_inf, x) : x);
       }
     }
     for (int64_t r = 0; r < R; ++r) {  // online softmax: the block's max, its exponentials, the rescaled sums
@@ -417,7 +435,8 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
         // NaN, or +inf (inf - inf has no softmax): the row is NaN; NaN or +-inf: not clean
         bad |= _mm512_mask_cmp_ps_mask(in, x, x, _CMP_UNORD_Q) | _mm512_mask_cmp_ps_mask(in, x, _mm512_set1_ps(kInf),
                                                                                           _CMP_EQ_OQ);
-        odd |= _mm512_mask_cmp_ps_mask(in, _mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        // (a slot call's flag is not read: unseen keys score -inf there)
+        if (!Masked) odd |= _mm512_mask_cmp_ps_mask(in, _mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);
       }
       nan[r] = nan[r] || bad != 0;
       *finite = *finite && odd == 0;
@@ -429,8 +448,10 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(
-            in, magnetar_vec512::exp2_nonpositive(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(in, sr + j), l2e, nm2)));
+        const __m512 x = _mm512_maskz_loadu_ps(in, sr + j);
+        // a key the row does not see weighs exactly 0 (times a NaN value it would still be NaN otherwise)
+        const __mmask16 use = Masked ? in & _mm512_cmp_ps_mask(x, minus_inf, _CMP_GT_OQ) : in;
+        const __m512 p = _mm512_maskz_mov_ps(use, magnetar_vec512::exp2_nonpositive(_mm512_fmsub_ps(x, l2e, nm2)));
         _mm512_mask_storeu_ps(sr + j, in, p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -444,6 +465,9 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
     }
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {  // values, four keys at a time: each accumulator loaded and stored once for them
+      if (Masked && !(live[j] && live[j + 1] && live[j + 2] && live[j + 3])) {
+        break;  // a key no row sees is not read: this block goes on key by key
+      }
       const at::BFloat16* v0 = vb + (j0 + j) * vs;
       if (j0 + kBlock < Sk) {  // the next block's keys
         for (int i = 0; i < 4; ++i) prefetch_row(kb + (j0 + kBlock + j + i) * ks, D);
@@ -464,6 +488,7 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
       }
     }
     for (; j < n; ++j) {  // the block's last values, one at a time
+      if (Masked && !live[j]) continue;  // no row sees it: its value is not read (a NaN there stays out)
       const at::BFloat16* vj = vb + (j0 + j) * vs;
       for (int64_t d = 0; d < D; d += 16) {
         const __m512 x = widen16(vj + d);
@@ -477,7 +502,8 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
 }
 
 using AttendBf16Fn = void (*)(const at::BFloat16*, float, int64_t, const at::BFloat16*, int64_t, const at::BFloat16*,
-                              int64_t, int64_t, float*, float*, float*, bool*, bool*, bool*, float*);
+                              int64_t, int64_t, float*, float*, float*, bool*, bool*, bool*, float*, char*,
+                              const Visibility&);
 
 // The AVX-512 BF16 pass for head dimension D, or nullptr: not a multiple of 32, or this CPU / build lacks it, or
 // switched off (set_avx512_bf16, or MAGNETAR_DECODE_AVX512=0 in the environment when the op loads).
@@ -485,17 +511,18 @@ std::atomic<bool> g_avx512{[] {
   const char* env = std::getenv("MAGNETAR_DECODE_AVX512");
   return env == nullptr || std::strcmp(env, "0") != 0;
 }()};
+template <bool Masked>
 AttendBf16Fn attend_bf16_for(int64_t D) {
   if (!g_avx512.load(std::memory_order_relaxed) || !cpu_has_avx512_bf16() || D % 32 != 0) return nullptr;
   switch (D / 32) {
-    case 1: return attend_bf16_512<1>;
-    case 2: return attend_bf16_512<2>;
-    case 3: return attend_bf16_512<3>;
-    case 4: return attend_bf16_512<4>;
-    case 5: return attend_bf16_512<5>;
-    case 6: return attend_bf16_512<6>;
-    case 7: return attend_bf16_512<7>;
-    case 8: return attend_bf16_512<8>;
+    case 1: return attend_bf16_512<1, Masked>;
+    case 2: return attend_bf16_512<2, Masked>;
+    case 3: return attend_bf16_512<3, Masked>;
+    case 4: return attend_bf16_512<4, Masked>;
+    case 5: return attend_bf16_512<5, Masked>;
+    case 6: return attend_bf16_512<6, Masked>;
+    case 7: return attend_bf16_512<7, Masked>;
+    case 8: return attend_bf16_512<8, Masked>;
     default: return nullptr;
   }
 }
@@ -583,14 +610,14 @@ struct Rows {
 };
 
 // The pass over one run of keys of a work item (its rows' state in w): the AVX-512 BF16 pass where `fast` is one
-// (attend_bf16_for: bf16, every key seen), else the AVX2 pass fn.
+// (attend_bf16_for: bf16, D a multiple of 32), else the AVX2 pass fn.
 template <typename T>
 void attend_run(AttendFn<T> fn, AttendBf16Fn fast, Rows& w, int64_t R, double scale, const T* k, int64_t ks,
                 const T* v, int64_t vs, int64_t Sk, int64_t D, bool* finite, const Visibility& vis) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (fast != nullptr) {
       fast(w.qb.data(), static_cast<float>(scale), R, k, ks, v, vs, Sk, w.acc.data(), w.m.data(), w.l.data(),
-           w.nan.get(), w.seen.get(), finite, w.s.data());
+           w.nan.get(), w.seen.get(), finite, w.s.data(), w.live.data(), vis);
       return;
     }
   }
@@ -598,11 +625,11 @@ void attend_run(AttendFn<T> fn, AttendBf16Fn fast, Rows& w, int64_t R, double sc
      w.s.data(), w.live.data(), vis);
 }
 
-// The AVX-512 BF16 pass for these calls, or nullptr (float32, a slot call's visibility, or attend_bf16_for's reasons).
+// The AVX-512 BF16 pass for these calls (masked: a slot call's), or nullptr (float32, or attend_bf16_for's reasons).
 template <typename T>
 AttendBf16Fn fast_pass(bool masked, int64_t D) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return masked ? nullptr : attend_bf16_for(D);
+    return masked ? attend_bf16_for<true>(D) : attend_bf16_for<false>(D);
   }
   return nullptr;
 }
