@@ -12,9 +12,9 @@ failing to build (the reason is logged once). Torch's CPU flash kernel reads a d
 fraction of a core's rate (packing per block, scalar work); this kernel reads each key and value row once for the
 G x Sq rows sharing it: 0.69 -> 0.38 ms (fp32) and 0.78 -> 0.23 ms (bf16) for a 4K-token call of SmolLM2-135M on
 one core of the AVX-512 EPYC VM (docs/results.md "bf16 on the CPU beside vLLM's bf16, and a decode attention
-kernel"). Where the CPU has AVX-512 BF16, bf16 calls over every key take the kernel's second pass (scores by
-VDPBF16PS against the keys as stored): a cold 4K call 0.8x, a batch of 8 paged calls 0.75x the AVX2 pass's time
-(docs/results.md "Decode attention in AVX-512 BF16"; ``MAGNETAR_DECODE_AVX512=0`` switches it off).
+kernel"). Where the CPU has AVX-512 BF16, bf16 calls (decode, paged and slot calls alike) take the kernel's second
+pass (scores by VDPBF16PS against the keys as stored): a cold 4K call 0.8x, a batch of 8 paged calls 0.75x the AVX2
+pass's time (docs/results.md "Decode attention in AVX-512 BF16"; ``MAGNETAR_DECODE_AVX512=0`` switches it off).
 """
 from __future__ import annotations
 
