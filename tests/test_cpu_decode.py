@@ -28,8 +28,8 @@ def _has_avx2_fma() -> bool:
 # Whether this machine must run the kernel (x86-64 with AVX2 and FMA: every CI machine so far); elsewhere the tests
 # below check that the backend refuses with the reason instead -- never a skip on an error.
 RUNS = _has_avx2_fma()
-# Whether bf16 calls where every key is seen take the AVX-512 BF16 pass here (Intel Cooper Lake / Sapphire Rapids on,
-# AMD Zen 4 on); the AVX2 pass is checked on every x86-64 machine (the op switched to it).
+# Whether bf16 calls (D a multiple of 32) take the AVX-512 BF16 pass here (Intel Cooper Lake / Sapphire Rapids on, AMD
+# Zen 4 on); the AVX2 pass is checked on every x86-64 machine (the op switched to it).
 HAS_AVX512_BF16 = RUNS and all(f" {flag}" in Path("/proc/cpuinfo").read_text()
                                for flag in ("avx512f", "avx512bw", "avx512_bf16"))
 
@@ -176,7 +176,7 @@ def test_an_overflowing_score_makes_its_rows_nan_in_the_op(dtype, D, seeded, on_
 def test_two_threads_give_one_threads_result(dtype, seeded, on_pass):
     # at::parallel_for deals the (batch, KV head) items to the threads, each with its own scratch: the same bits
     op = DECODE_ATTENTION_OP.load("cpu")
-    q, k, v = random_qkv(3, 8, 4, 1, 333, 64, torch.bfloat16, seeded)
+    q, k, v = random_qkv(3, 8, 4, 1, 333, 64, dtype, seeded)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
