@@ -141,19 +141,15 @@ AVX2_FN void hsum_rows(const __m256* a, float* out) {
 
 // Prefetch the row at p (D elements of T) into L1: the kernel's reads are two interleaved streams (a block's keys,
 // then its values) that the hardware prefetchers follow late -- a cold 4K call read ~5 GB/s where one core copies 13.
+// Locality 3 is _MM_HINT_T0 (into L1); the AVX-512 BF16 pass prefetches into L2 (kL2, _MM_HINT_T1): its scores take
+// few enough instructions that prefetches into L1 filled the core's line-fill buffers and stalled it -- a cold 4K call
+// ~400 -> ~340 us.
 constexpr int64_t kAhead = 16;  // rows ahead
-template <typename T>
+constexpr int kL1 = 3, kL2 = 2;
+template <int Locality = kL1, typename T>
 AVX2_FN void prefetch_row(const T* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
-// The same into L2 (the AVX-512 BF16 pass): its scores take few enough instructions that prefetches into L1 filled
-// the core's line-fill buffers and stalled it -- a cold 4K call ~400 -> ~340 us with L2 as the target.
-template <typename T>
-AVX2_FN void prefetch_row_l2(const T* p, int64_t D) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
 // Which keys which rows see (the slot call; nullptr: every key, every row): key j's position kpos[j * kstride]
@@ -363,11 +359,6 @@ AVX512BF16_FN inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x88), _mm512_shuffle_ps(y0, y1, 0xDD));
 }
 
-AVX512BF16_FN inline __m512 widen16(const at::BFloat16* p) {  // 16 bf16 -> float32 (a shift: bf16 is the top half)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // As attend<bf16, R, Masked> for R rows of unscaled bf16 queries qb (R x D, D = 32 DC): the same state, the same
 // flags; with a Visibility (Masked: the slot call), a key no row sees is neither read nor weighed, and a key a row
 // does not see scores -inf in that row and weighs exactly 0.
@@ -383,14 +374,16 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
   }
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-kInf);
+  using magnetar_vec512::exp2_nonpositive;
+  using magnetar_vec512::load16;  // 16 bf16 widened to float32
   for (int64_t j0 = 0; j0 < Sk; j0 += kBlock) {
     const int64_t n = std::min(kBlock, Sk - j0);
     for (int64_t j = 0; j < n; j += 16) {  // scores, 16 keys at a time (the last group may hold fewer)
       const int64_t cnt = std::min<int64_t>(16, n - j);
       const at::BFloat16* k0 = kb + (j0 + j) * ks;
       for (int64_t c = 0; c < 16; ++c) {  // the next 16 keys, and these keys' values (read after the scores)
-        if (j0 + j + kAhead512 + c < Sk) prefetch_row_l2(k0 + (kAhead512 + c) * ks, D);
-        if (c < cnt) prefetch_row_l2(vb + (j0 + j + c) * vs, D);
+        if (j0 + j + kAhead512 + c < Sk) prefetch_row<kL2>(k0 + (kAhead512 + c) * ks, D);
+        if (c < cnt) prefetch_row<kL2>(vb + (j0 + j + c) * vs, D);
       }
       __mmask16 sees[kMaxRows] = {}, any = cnt == 16 ? __mmask16(0xffff) : __mmask16((1u << cnt) - 1);
       if (Masked) {  // which rows see which of these keys; a key no row sees is not read
@@ -426,7 +419,7 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
     }
     for (int64_t r = 0; r < R; ++r) {  // online softmax: the block's max, its exponentials, the rescaled sums
       float* sr = s + r * kBlock;
-      __m512 mx = _mm512_set1_ps(-kInf);
+      __m512 mx = minus_inf;
       __mmask16 bad = 0, odd = 0;
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 in = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
@@ -451,7 +444,7 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
         const __m512 x = _mm512_maskz_loadu_ps(in, sr + j);
         // a key the row does not see weighs exactly 0 (times a NaN value it would still be NaN otherwise)
         const __mmask16 use = Masked ? in & _mm512_cmp_ps_mask(x, minus_inf, _CMP_GT_OQ) : in;
-        const __m512 p = _mm512_maskz_mov_ps(use, magnetar_vec512::exp2_nonpositive(_mm512_fmsub_ps(x, l2e, nm2)));
+        const __m512 p = _mm512_maskz_mov_ps(use, exp2_nonpositive(_mm512_fmsub_ps(x, l2e, nm2)));
         _mm512_mask_storeu_ps(sr + j, in, p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -473,8 +466,8 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
         for (int i = 0; i < 4; ++i) prefetch_row(kb + (j0 + kBlock + j + i) * ks, D);
       }
       for (int64_t d = 0; d < D; d += 16) {  // each value row read once for the R rows
-        const __m512 x0 = widen16(v0 + d), x1 = widen16(v0 + vs + d), x2 = widen16(v0 + 2 * vs + d),
-                     x3 = widen16(v0 + 3 * vs + d);
+        const __m512 x0 = load16(v0 + d), x1 = load16(v0 + vs + d), x2 = load16(v0 + 2 * vs + d),
+                     x3 = load16(v0 + 3 * vs + d);
         for (int64_t r = 0; r < R; ++r) {
           const float* p = s + r * kBlock + j;
           float* ar = acc + r * D + d;
@@ -491,7 +484,7 @@ AVX512BF16_FN void attend_bf16_512(const at::BFloat16* qb, float scale, int64_t 
       if (Masked && !live[j]) continue;  // no row sees it: its value is not read (a NaN there stays out)
       const at::BFloat16* vj = vb + (j0 + j) * vs;
       for (int64_t d = 0; d < D; d += 16) {
-        const __m512 x = widen16(vj + d);
+        const __m512 x = load16(vj + d);
         for (int64_t r = 0; r < R; ++r) {
           float* ar = acc + r * D + d;
           _mm512_storeu_ps(ar, _mm512_fmadd_ps(_mm512_set1_ps(s[r * kBlock + j]), x, _mm512_loadu_ps(ar)));
