@@ -190,12 +190,13 @@ def launched(args) -> bool:
 
 def graph_plan(args) -> dict:
     """The engine fields of ``graph`` steps for the benchmark's shapes: its batch sizes, and a slot pool just big
-    enough for the largest shape (each request's context, question and new tokens, padded to a planned capacity)."""
+    enough for the largest batch (each request's question and new tokens, padded to a planned capacity: a slot holds
+    a request's own tokens, its context is read where the cache keeps it)."""
     from magnetar.engine.graphs import capacities_up_to
     from magnetar.engine.static import MIN_CAPACITY
 
     extra = 64 + max(b for b, _ in args.shapes) + args.warmup + args.steps + 4  # a question, the new tokens
-    tokens = max(b * capacities_up_to(n + extra, MIN_CAPACITY)[-1] for b, n in args.shapes)
+    tokens = max(b for b, _ in args.shapes) * capacities_up_to(extra, MIN_CAPACITY)[-1]
     return dict(decode_graph_batches=",".join(str(b) for b in sorted({b for b, _ in args.shapes})),
                 decode_graph_tokens=tokens)
 

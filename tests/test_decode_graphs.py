@@ -244,3 +244,34 @@ def test_captured_steps_on_cuda(arch, monkeypatch):
     got, batch = _batch_tokens(eng, steps_between=0)
     assert batch.static.attention == "flex" and replays
     assert got == want, arch
+
+
+def test_a_graph_batch_reads_its_contexts_where_the_cache_holds_them(captured):
+    # a slot holds the request's own tokens only: its context is read through the pool's pointer table, which points
+    # at the cached shard's own tensors (no copy); a request leaving empties its row, the last gives the pool back
+    # with every row empty (no context held alive through it)
+    model = tiny_model("llama", seed=2)
+    eng = _engine(model, decode_step="graph", **POOL)
+    handle = eng.encode(_ids(1, 700))
+    b = eng.open_batch()
+    rid = b.add(handle, _ids(2, 5), eng.sampling_params(max_new_tokens=4))[0]
+    b.step()
+    static = b._batch.static
+    sl, table = static.slots, eng.decode_graphs.pool.table
+    assert sl.pooled and sl.table is table and sl.capacity == 256  # 5 query tokens and a few new ones, not 700
+    slot = static.owner[rid]
+    for i in range(handle.shard.num_layers):
+        [(k, v, pos)] = table.pieces[slot][i]
+        [cached] = handle.shard.segments(i)
+        assert k.data_ptr() == cached.k.data_ptr() and v.data_ptr() == cached.v.data_ptr()
+        assert table.device[:, i, slot, 0].tolist()[:4] == [cached.k.data_ptr(), cached.v.data_ptr(),
+                                                            cached.pos.data_ptr(), 700]
+    other = b.add(_ids(3, 300), _ids(4, 5), eng.sampling_params(max_new_tokens=9))[0]
+    while rid in b.active:
+        b.step()
+    b.pop(rid)  # the other one decodes on: the leaver's row is empty, its context no longer held through the table
+    assert table.pieces[slot] is None and table.pieces[static.owner[other]] is not None
+    while b.active:
+        b.step()
+    b.pop(other)
+    assert eng.decode_graphs.holder is None and all(p is None for p in table.pieces)

@@ -328,16 +328,19 @@ def test_static_logits_check_follows_check_finite(monkeypatch):
     rid, _ = batch.add(_ids(1, 40), _ids(2, 3), eng.sampling_params(max_new_tokens=4))
     [event] = batch.step()
     assert event.rid == rid and event.stop_reason == "nonfinite" and "static decode step" in event.error
-    assert StaticDecode(model, local_groups(), "cpu", "static")._model_heads() == (2, 16)
+    assert StaticDecode(model, local_groups(), "cpu", "static", pages=lambda *a: None)._model_heads() == (2, 16)
 
 
 def _no_sync_in_steps(monkeypatch):
-    """Every static step's device part (StaticDecode._run: the forward over the slots, the CP gather and merge) runs
-    where a host synchronization raises."""
+    """Every static step's device part (StaticDecode._run: the forward over the slots, the contexts read through a
+    pointer table, the CP gather and merge) runs where a host synchronization raises. The context part is the
+    pointer table's, as on CUDA (there Triton's kernel; here the torch one over the same table): read as pages -- the
+    CPU's uncaptured steps -- it reads the device on the host as an eager step does."""
     from magnetar.engine import static
     from magnetar.utils.sync import host_syncs
 
-    run = static.StaticDecode._run
+    run, pick = static.StaticDecode._run, static.pointer_backend
+    monkeypatch.setattr(static, "pointer_backend", lambda name, device, required: pick(name, device, True))
 
     def guarded(self, *args, **kwargs):
         with host_syncs("error"):

@@ -212,16 +212,18 @@ class RuntimeConfig:
     # tokens then see the whole cached context, not the method's anchor or summaries), "off"
     prefix_reuse: str = "exact"
     # how decode steps run (magnetar.engine.static): "eager" (one attention call per request and layer), "static"
-    # (each request's KV copied into preallocated slots, one call per layer for the batch), "compiled" (static under
+    # (each request's own tokens' KV in preallocated slots, its cached context read where it lies, one call per layer
+    # for the batch), "compiled" (static under
     # torch.compile; CUDA graphs on CUDA), "graph" (static over shapes planned up front, each captured as a CUDA
     # graph when the engine starts; uncaptured on the CPU); a decode policy runs eager, tensor parallelism static
     # (said why)
     decode_step: str = "eager"
     # decode_step graph (magnetar.engine.graphs): the batch sizes planned (a batch pads to the next one), the KV
-    # entries per layer of the slot pool every planned shape shares (0: half the device's free memory on CUDA, no
-    # bound on the CPU), and the seconds the start's capture may take (shapes left out then run uncaptured)
+    # entries per layer of the slot pool every planned shape shares -- the requests' own tokens, not their contexts
+    # (0: an eighth of the device's free memory on CUDA, no bound on the CPU) --, and the seconds the start's capture
+    # may take (shapes left out then run uncaptured)
     decode_graph_batches: str = DEFAULT_GRAPH_BATCHES
-    decode_graph_tokens: int = 0  # decode_step graph: the slot pool's KV entries per layer (0: half a card's memory)
+    decode_graph_tokens: int = 0  # decode_step graph: the slot pool's KV entries per layer (0: 1/8 of a card's memory)
     decode_graph_warmup_s: float = 300.0  # decode_step graph: the most seconds the start's capture may take
 
     def __post_init__(self):
@@ -232,8 +234,8 @@ class RuntimeConfig:
             parse_batches(self.decode_graph_batches)
         except ValueError as e:
             require(False, "decode_graph_batches", str(e))
-        require(self.decode_graph_tokens >= 0, "decode_graph_tokens", f"must be >= 0 KV entries (0: half the free "
-                f"device memory on CUDA, no bound on the CPU), got {self.decode_graph_tokens}")
+        require(self.decode_graph_tokens >= 0, "decode_graph_tokens", f"must be >= 0 KV entries (0: an eighth of "
+                f"the free device memory on CUDA, no bound on the CPU), got {self.decode_graph_tokens}")
         require(self.decode_graph_warmup_s > 0, "decode_graph_warmup_s", f"must be > 0 seconds, got "
                 f"{self.decode_graph_warmup_s}")
         require(self.context_cache_mb >= 0, "context_cache_mb", f"must be >= 0 MiB (0: keep no context), got "

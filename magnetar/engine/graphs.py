@@ -10,9 +10,11 @@ next one; this module does that for Magnetar's slots:
   ``runtime.decode_graph_batches`` (slots; default 1, 2, 4, ..., 64) times the capacities (from
   :data:`~magnetar.engine.static.MIN_CAPACITY` up to the model's positions, at most a quarter apart from 1024 on:
   :func:`capacities_up_to`), every pair whose slots x capacity fits the pool (``runtime.decode_graph_tokens`` KV
-  entries per layer; 0: half the device's free memory on CUDA, no bound on the CPU). A batch takes the smallest
-  planned shape that holds it: a request's slot is padded to the next capacity, a batch to the next batch size (idle
-  slots step too; their rows are thrown away).
+  entries per layer; 0: an eighth of the device's free memory on CUDA, no bound on the CPU). A slot holds its
+  request's own tokens -- its query's and the generated ones' KV --, not its context, which the step reads where the
+  context cache holds it, through the pool's :class:`~magnetar.ops.pointers.PointerTable` (the addresses the graphs
+  read). A batch takes the smallest planned shape that holds it: a request's slot is padded to the next capacity, a
+  batch to the next batch size (idle slots step too; their rows are thrown away).
 * :class:`SlotPool` -- one flat KV buffer per layer (``tokens x Hkv x D``, and the key positions), allocated once;
   each planned shape ``(B, C)`` views its first ``B x C`` entries as ``(B, Hkv, C, D)``. A graph reads and writes the
   addresses it was captured with, so every shape's views must sit in one allocation; a batch moving to another shape
@@ -113,6 +115,7 @@ class SlotPool:
         self.k = [torch.zeros(tokens * hkv * d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(tokens * hkv * d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.pos = [torch.full((tokens,), FAR, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.table = None  # captured steps: the slots' contexts by address (magnetar.ops.pointers.PointerTable)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.pos))
@@ -154,8 +157,8 @@ class DecodeGraphs:
     @classmethod
     def for_model(cls, model, runtime, device, max_positions: Optional[int], first: int) -> "DecodeGraphs":
         """The plan of ``runtime`` (``decode_graph_batches``, ``decode_graph_tokens``) for ``model`` on ``device``;
-        the pool is allocated on CUDA (half the free memory when ``decode_graph_tokens`` is 0) or where
-        ``decode_graph_tokens`` is given."""
+        the pool is allocated on CUDA (an eighth of the free memory when ``decode_graph_tokens`` is 0: it holds the
+        requests' own tokens, the contexts stay in the cache) or where ``decode_graph_tokens`` is given."""
         device = torch.device(device)
         dims = ModelDims.from_config(model.config)
         dtype = next(model.parameters()).dtype
@@ -165,7 +168,7 @@ class DecodeGraphs:
         tokens: Optional[int] = runtime.decode_graph_tokens or None
         if tokens is None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            tokens = max(first, (free // 2) // per_token // first * first)
+            tokens = max(first, (free // 8) // per_token // first * first)
         plan = GraphPlan.make(batches, max_positions, tokens, first)
         if tokens is not None:
             top = max(b * c for b, c in plan.shapes()) if plan.shapes() else first
@@ -175,6 +178,12 @@ class DecodeGraphs:
         if pool is not None:
             log.info("decode_step graph: %s; a slot pool of %.1f MiB", plan.describe(), pool.nbytes() / 2**20)
         return graphs
+
+    @property
+    def captures(self) -> bool:
+        """Whether this engine's decode graphs are captured (CUDA, a pool): their steps read the contexts through the
+        pool's pointer table."""
+        return self.pool is not None and _can_capture(self.device)
 
     # ------------------------------------------------------------------------------------------- the pool
     @property

@@ -110,18 +110,7 @@ class Phase2Context(LayerContext):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
-        B, Hq, S, D = q.shape
-        shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
-        paged = self._paged(layer, q, k, v, scale, window, shared)
-        if paged is not None and not shared:
-            local_o, local_l = paged
-        elif paged is not None:  # a request on a shared context: that call's state merged with its other pages'
-            mine = [[(paged[0][b : b + 1], paged[1][b : b + 1])] for b in range(B)]
-            local_o, local_l = merge_requests([[*shared[b].values(), *p] if b in shared else p
-                                               for b, p in enumerate(mine)], q)
-        else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
-            parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b)) for b in range(B)]
-            local_o, local_l = merge_requests(parts, q)
+        local_o, local_l = self.local_state(layer, q, k, v, scale, window)
         if self.flags is not None:
             self.flags.record(layer, local_o)
         if self.groups.cp_size == 1:  # one rank: its state is the result (a merge of one state is the identity on
@@ -134,6 +123,29 @@ class Phase2Context(LayerContext):
         if self.policy is not None:  # e.g. LuKA accumulates the attention mass, normalised by the merged lse
             self.policy.after_merge(layer, lse)
         return out
+
+    def local_state(self, layer: int, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                    scale: float, window: Optional[int] = None, own: Optional[list] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's state ``(out (B, Hq, S, D), lse (B, Hq, S))`` of the batch over what it holds (before the CP
+        gather): the context shards' and, on the query rank, the own tokens' (``k``, ``v``: this forward's, stored
+        there). With no ``gens``: the context part, and ``own[b]`` -- row b's own tokens' ``(k, v (1, Hkv, n, D))``
+        held elsewhere, at consecutive positions ending at its token (None: none) -- in the same softmax: what a
+        static decode step reads where no pointer kernel runs (:mod:`magnetar.engine.static`: its slots)."""
+        B, Hq, S, D = q.shape
+        shared = self._shared_context(layer, q, scale, window) if B > 1 and S == 1 else {}
+        paged = self._paged(layer, q, k, v, scale, window, shared, own)
+        if paged is not None and not shared:
+            local_o, local_l = paged
+        elif paged is not None:  # a request on a shared context: that call's state merged with its other pages'
+            mine = [[(paged[0][b : b + 1], paged[1][b : b + 1])] for b in range(B)]
+            local_o, local_l = merge_requests([[*shared[b].values(), *p] if b in shared else p
+                                               for b, p in enumerate(mine)], q)
+        else:  # requests hold KV of different lengths: each attends its own (its context part, its own tokens)
+            parts = [self._local(layer, b, q, k, v, scale, window, shared.get(b), own[b] if own else None)
+                     for b in range(B)]
+            local_o, local_l = merge_requests(parts, q)
+        return local_o, local_l
 
     def _shared_context(self, layer: int, q: torch.Tensor, scale: float, window: Optional[int]
                         ) -> dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -169,7 +181,8 @@ class Phase2Context(LayerContext):
         return out
 
     def _paged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: Optional[int], shared: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+               window: Optional[int], shared: dict, own: Optional[list] = None
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The batch's local state in one paged call (class docstring) -- for a request in ``shared`` the state of
         its pages but the segments attended already (with the others on the same store) --, or None: the
         per-part path (not a decode step, a decode policy here, a context shard not wholly before its request's token
@@ -198,6 +211,10 @@ class Phase2Context(LayerContext):
                 cut = self._seen_from(b, g, window, own=True)
                 pages[b].append(Page(g.k[:, :, cut:], g.v[:, :, cut:]))
             self._stored = layer
+        for b, kv in enumerate(own or ()):  # own tokens held elsewhere (a static step's slots)
+            if kv is not None:
+                cut = 0 if window is None else max(kv[0].shape[2] - window, 0)
+                pages[b].append(Page(kv[0][:, :, cut:], kv[1][:, :, cut:]))
         return attend_pages(q, pages, scale, backend=self.backend)
 
     def _seen_from(self, b: int, kv: LayerKV, window: Optional[int], *, own: bool) -> Optional[int]:
@@ -224,10 +241,12 @@ class Phase2Context(LayerContext):
             g.append(k[b : b + 1, :, :n], v[b : b + 1, :, :n], self.positions[b, :n])
         return g
 
-    def _local(self, layer, b, q, k, v, scale, window, shared=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _local(self, layer, b, q, k, v, scale, window, shared=None, own=None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Request b's parts ``(o, lse)`` over what this rank holds: its context shard's segments and (query rank)
         its own tokens (none: this rank holds nothing for it); ``shared``: segment j -> its part, attended already
-        with the other requests on the same store. :func:`~magnetar.ops.merge.merge_requests` merges them.
+        with the other requests on the same store; ``own``: its own tokens' ``(k, v)`` held elsewhere (a decode
+        step's: :meth:`local_state`). :func:`~magnetar.ops.merge.merge_requests` merges them.
 
         A right-padded query (``valid[b]`` < S) attends with its real rows only, and its parts get the padding's
         rows as the empty state ``(0, -inf)``: the padding's rows would see every real key by position -- a piece
@@ -256,6 +275,10 @@ class Phase2Context(LayerContext):
                                                k_finite=ctx.keys_finite()))
         if g is not None:  # the query rank: its own query/generated tokens, causally
             parts.append(self._attend_part(b, qb, pos, g, scale, window, own=True))
+        if own is not None:  # a decode step's own tokens, held elsewhere: every one before the token, the window's
+            cut = 0 if window is None else max(own[0].shape[2] - window, 0)
+            parts.append(attention_with_lse(qb, own[0][:, :, cut:], own[1][:, :, cut:], causal=False, scale=scale,
+                                            backend=self.backend))
         return [_padded(o, lse, S) for o, lse in parts] if trim else parts
 
     def _attend_part(self, b: int, qb: torch.Tensor, pos: torch.Tensor, kv: LayerKV, scale: float,
@@ -433,7 +456,15 @@ class DecodeBatch:
             log.info("decode_step %s: %s", config.runtime.decode_step, self.why_not)
         # graph steps: the engine's plan, slot pool and captured graphs (magnetar.engine.graphs)
         self.static = (StaticDecode(model, groups, device, self.decode_step, config.runtime.attention_backend,
-                                    graphs=graphs) if self.decode_step != "eager" else None)
+                                    graphs=graphs, pages=self._context_pages) if self.decode_step != "eager" else None)
+
+    def _context_pages(self, positions: torch.Tensor, shards: list[KVShard], starts: list[int]):
+        """A static step's context part read as pages (:meth:`Phase2Context.local_state` with no store of own
+        tokens): row b over ``shards[b]`` -- and its slot's own tokens, given per call --, its token at
+        ``positions[b]`` (``starts[b]`` on the host)."""
+        ctx = Phase2Context(positions, shards, None, [1] * len(shards), self.groups,
+                            self.config.runtime.attention_backend, starts=starts)
+        return lambda layer, q, scale, window, own=None: ctx.local_state(layer, q, None, None, scale, window, own)
 
     @property
     def active(self) -> list[int]:
@@ -450,7 +481,7 @@ class DecodeBatch:
         if self.static is not None and rid in self.static.owner:
             held = self.static.release(rid)
             if live.gen is not None:
-                live.result.gen_kv_tokens = held - live.req.shard.tokens()
+                live.result.gen_kv_tokens = held
         live.result.decode_stats = (None if self.policy is None
                                     else self.policy.stats(live.req.shard, live.req.context_tokens))
         return live.result
@@ -625,7 +656,7 @@ class DecodeBatch:
             if live.gen is not None:
                 gen = KVShard(len(live.gen.layers))
                 gen.freeze()
-                for layer, (k, v, pos) in zip(gen.layers, self.static.generated(rid, live.req.shard)):
+                for layer, (k, v, pos) in zip(gen.layers, self.static.generated(rid)):
                     layer.append(k.clone(), v.clone(), pos.clone())
                 live.gen = gen
         self.static.close()

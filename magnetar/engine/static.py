@@ -6,13 +6,17 @@ item 2; issue 47, item 1).
 
 * ``eager`` -- :class:`~magnetar.engine.phase2.Phase2Context`: per layer, one attention call per request over its
   own context shard and generated-KV store, merged. Every decode policy (sparse decoding, LuKA) runs this way.
-* ``static`` -- :class:`StaticSlots`: when a request joins (after its query forward, which stays eager), this rank's
-  KV of it -- its context shard and, on the query rank, its query tokens' KV -- is copied once into a slot of
-  preallocated per-layer buffers ``(slots, Hkv, capacity, D)``; each step writes the new token's KV in place and
-  attends all slots in ONE call per layer (:mod:`magnetar.ops.slots`: the decode kernel of an attention backend,
-  float32 scores, key positions decide what each query sees, the empty part of a slot sits at position
-  :data:`~magnetar.ops.slots.FAR`), then the CP gather and merge as eager. No per-request Python, no per-call
-  checks; the shapes change only when the slots or their capacity grow.
+* ``static`` -- :class:`StaticSlots`: when a request joins (after its query forward, which stays eager), it takes a
+  slot of preallocated per-layer buffers ``(slots, Hkv, capacity, D)``, into which the query rank copies its query
+  tokens' KV; each step writes the new token's KV in place and attends all slots in ONE call per layer
+  (:mod:`magnetar.ops.slots`: the decode kernel of an attention backend, float32 scores, key positions decide what
+  each query sees, the empty part of a slot sits at position :data:`~magnetar.ops.slots.FAR`). The requests' cached
+  contexts are read where the context cache holds them, never copied: through a table of their addresses
+  (:mod:`magnetar.ops.pointers`: Triton's kernel on CUDA, one launch per layer, which a CUDA graph holds) or, where
+  no such kernel runs (a CPU), as pages of one call per layer (:mod:`magnetar.ops.pages`, the eager step's reads);
+  the two states are merged (:func:`~magnetar.ops.merge_states`), then the CP gather and merge as eager. No
+  per-request Python in a step through the table, no per-call checks; the shapes change only when the slots or
+  their capacity grow.
 * ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): the
   first shape compiles static, the first other one with the sizes that changed dynamic, which later shapes reuse
   (``magnetar serve`` compiles a single request's graphs before its first request; a batch's first step compiles
@@ -29,17 +33,18 @@ layers) run ``static``.
 
 The rules of :func:`magnetar.ops.attention_with_lse` hold: a row seeing no key is ``(0, -inf)``; a NaN in q or in a
 key the row sees makes the row NaN. The one difference -- a NaN in the *value* of a key no query sees would reach
-the output through ``0 * NaN`` -- cannot arise: a slot's context KV is checked finite once when it is placed (a
+the output through ``0 * NaN`` -- cannot arise: a request's context KV is checked finite once when it joins (a
 request whose context KV is not finite makes the batch go back to ``eager``, which has the exact rules), and a
 generated token's value is seen by its own query first, whose logits are checked every step.
 
-Memory: a slot holds a copy of its request's context KV on this rank (the context cache keeps the original), so a
-batch of requests over one cached context holds it once per request; capacity grows by doubling.
+Memory: a slot holds its request's own tokens (query and generated) on the query rank; its context stays where the
+context cache keeps it, read in place (an 8B model's batch of 8 at 32K needs its 32 GiB of KV once, where copies into
+the slots needed it twice and did not fit an 80 GB card); capacity grows by doubling.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -50,6 +55,8 @@ from magnetar.engine.strategy import LayerContext
 from magnetar.models.dims import ModelDims
 from magnetar.ops import merge_states
 from magnetar.ops.backends import get_backend
+from magnetar.ops.pages import PageByPage, page_backend
+from magnetar.ops.pointers import PAGES, PointerTable, pointer_backend
 from magnetar.ops.slots import FAR, slot_backend
 from magnetar.parallel import ParallelGroups, all_gather_states
 from magnetar.utils.sync import to_device
@@ -82,11 +89,13 @@ class StaticSlots:
     tokens' KV (the CP rank holding the query's and generated KV: the CP leader)."""
 
     def __init__(self, num_layers: int, slots: int, capacity: int, hkv: int, d: int, dtype, device, writes: bool,
-                 graphs: bool = False, pool: Optional[SlotPool] = None):
+                 graphs: bool = False, pool: Optional[SlotPool] = None, table: Optional[PointerTable] = None):
         self.num_layers, self.slots, self.capacity, self.writes = num_layers, slots, capacity, writes
         self.graphs = graphs
         self.hkv, self.d, self.dtype, self.device = hkv, d, dtype, device
         self.pooled = pool is not None  # views over a SlotPool (decode_step graph: the addresses its graphs hold)
+        # the slots' contexts by address (a step whose context part runs through a pointer kernel; None: as pages)
+        self.table = pool.table if pool is not None else table
         if pool is not None:  # the empties are marked by whoever fills the views (StaticDecode._relayout)
             self.k, self.v, self.pos = pool.views(slots, capacity)
         else:
@@ -128,33 +137,59 @@ class StaticSlots:
         self.fill[slot] = 0
 
 
+# the context part of a static step: (layer, q, scale, window) -> (out (slots, Hq, 1, D), lse (slots, Hq, 1)); read as
+# pages, it takes the slots' own tokens too (own=: a softmax over both, as eager's)
+Contexts = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 class StaticContext(LayerContext):
     """The layer context of one static decode step over ``slots`` (every slot steps; an empty slot's row is thrown
-    away): ``positions (slots, 1)`` of the new tokens, ``write (slots,)`` the entry each writes its KV to."""
+    away): ``positions (slots, 1)`` of the new tokens, ``write (slots,)`` the entry each writes its KV to;
+    ``contexts`` the step's context part (the slots' cached contexts, read where they lie). ``own``: the context part
+    is read as pages, and slot s's first ``own[s]`` entries (its own tokens, the new one last; the slots stepping
+    now) are pages of the same call -- one softmax, rounded once, as an eager step's -- rather than a slot call of
+    their own merged after (a pointer kernel's part)."""
 
     layer_range = None  # no profiler range inside a compiled graph (magnetar_attention skips it)
 
     def __init__(self, slots: StaticSlots, positions: torch.Tensor, write: torch.Tensor, groups: ParallelGroups,
-                 attention, used: Optional[int] = None):
+                 attention, contexts: Contexts, used: Optional[int] = None, own: Optional[dict[int, int]] = None):
         self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
-        self.attention, self.used = attention, used  # used: attend the slots' first `used` entries only (None: all)
+        self.attention, self.contexts, self.own = attention, contexts, own
+        self.used = used  # attend the slots' first `used` entries only (None: all)
         self.rows = torch.arange(write.shape[0], device=write.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
         sl = self.slots
-        kb, vb, kp = sl.k[layer], sl.v[layer], sl.pos[layer]
-        if sl.writes:  # one new token per slot, at its write entry (index_put: the compiler updates it in place,
-            rows = self.rows  # where a scatter_ became a copy of the whole buffer every layer)
-            kb[rows, :, self.write] = k[:, :, 0]
+        if sl.writes:  # this rank holds the requests' own tokens: one new token per slot, at its write entry
+            kb, vb, kp = sl.k[layer], sl.v[layer], sl.pos[layer]
+            rows = self.rows  # (index_put: the compiler updates it in place, where a scatter_ became a copy of the
+            kb[rows, :, self.write] = k[:, :, 0]  # whole buffer every layer)
             vb[rows, :, self.write] = v[:, :, 0]
             kp[rows, self.write] = self.positions[:, 0]
-        if self.used is not None:  # the entries past every slot's fill are empty: not read (views, no copy)
-            kb, vb, kp = kb[:, :, :self.used], vb[:, :, :self.used], kp[:, :self.used]
-        out, lse = self.attention(q, kb, vb, self.positions, kp, scale, window)
+        if self.own is not None:  # pages: the contexts and the own tokens in one call
+            own = [(kb[s:s + 1, :, :self.own[s]], vb[s:s + 1, :, :self.own[s]]) if sl.writes and s in self.own
+                   else None for s in range(sl.slots)]
+            return self._gathered(*_context_state(self.contexts, layer, q, scale, window, own))
+        out, lse = _context_state(self.contexts, layer, q, scale, window)
+        if sl.writes:  # the slots' part, merged with the contexts'
+            if self.used is not None:  # the entries past every slot's fill are empty: not read (views, no copy)
+                kb, vb, kp = kb[:, :, :self.used], vb[:, :, :self.used], kp[:, :self.used]
+            own = self.attention(q, kb, vb, self.positions, kp, scale, window)
+            out, lse = merge_states([out, own[0]], [lse, own[1]])
+        return self._gathered(out, lse)
+
+    def _gathered(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """This rank's state merged with the other CP ranks' (one rank: its output)."""
         if self.groups.cp_size > 1:
             out = _gather_merge(out, lse, self.groups)
         return out
+
+
+def _context_state_eager(contexts: Contexts, layer: int, q: torch.Tensor, scale: float, window: Optional[int],
+                         *own) -> tuple[torch.Tensor, torch.Tensor]:
+    return contexts(layer, q, scale, window, *own)
 
 
 def _gather_merge_eager(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -164,14 +199,17 @@ def _gather_merge_eager(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGr
 
 
 # what StaticContext.attend calls: made ``torch.compiler.disable``'d (a graph break) by the first compiled step --
-# not at import: ``torch.compiler.disable`` imports torch._dynamo, 1.4 s of every process's ``import magnetar``
+# not at import: ``torch.compiler.disable`` imports torch._dynamo, 1.4 s of every process's ``import magnetar``. The
+# context part too: its pages are chosen on the host, its pointer kernel a Triton launch of its own
 _gather_merge = _gather_merge_eager
+_context_state = _context_state_eager
 
 
 def _keep_out_of_graphs() -> None:
-    global _gather_merge
+    global _gather_merge, _context_state
     if _gather_merge is _gather_merge_eager:
         _gather_merge = torch.compiler.disable(_gather_merge_eager)
+        _context_state = torch.compiler.disable(_context_state_eager)
 
 
 def _bucket(n: int) -> int:
@@ -187,11 +225,26 @@ class StaticDecode:
     graphs)."""
 
     def __init__(self, model, groups: ParallelGroups, device, mode: str, attention_backend: str = "auto",
-                 graphs: Optional[DecodeGraphs] = None):
+                 graphs: Optional[DecodeGraphs] = None, pages: Optional[Callable] = None):
         self.model, self.groups, self.device, self.mode = model, groups, device, mode
         self.graphs = graphs if mode == "graph" else None
         self.slots: Optional[StaticSlots] = None
         self.owner: dict[int, int] = {}  # rid -> slot
+        self.context: dict[int, KVShard] = {}  # rid -> its context shard on this rank (read in place, never copied)
+        self._pointed: dict[int, int] = {}  # table row -> the rid whose context it points at
+        self._table: Optional[PointerTable] = None  # the table _pointed is about
+        # the context part: through a pointer table where a kernel reads one (CUDA; a step a graph holds must), else
+        # as pages (magnetar.ops.pages), made per step by `pages(positions, shards, starts)` (the DecodeBatch's)
+        captured = self.graphs is not None and self.graphs.captures
+        self.pointers = pointer_backend(attention_backend, device, required=captured)
+        self.pages = pages
+        # read as pages by a kernel of one launch (cpu_decode's), the own tokens are pages of the same call; else
+        # (pages one call each) the backend's slot kernel reads them, merged after
+        self.own_in_pages = not isinstance(page_backend(attention_backend, torch.device(device)), PageByPage)
+        self._starts: dict[int, int] = {}  # the slots stepping now -> their tokens' positions
+        self._empty: Optional[KVShard] = None  # an idle slot's context
+        if self.pointers is None and pages is None:
+            raise ValueError("StaticDecode: no pointer kernel runs here, so pass pages (the context part as pages)")
         self.fallback: Optional[str] = None  # why a compiled step runs static
         self._compiled = None
         self._off_plan = False  # a graph batch outgrew the plan (said once)
@@ -201,16 +254,13 @@ class StaticDecode:
 
     # ---------------------------------------------------------------------------------------------- slots
     def place(self, rid: int, shard: KVShard, gen: Optional[KVShard]) -> None:
-        """Copy request ``rid``'s KV on this rank -- its context ``shard`` (a fork's segments one after another) and
-        (query rank) its ``gen`` store -- into a free slot (more slots, or more capacity, when none is free or it
-        does not fit)."""
-        layers = [shard.segments(i) for i in range(shard.num_layers)]
-        need = shard.tokens() + (gen.tokens() if gen is not None else 0) + 1
+        """Give request ``rid`` a free slot (more slots, or more capacity, when none is free or it does not fit):
+        (query rank) its ``gen`` store's KV copied into it; its context ``shard`` is read where it lies, never
+        copied."""
+        need = (gen.tokens() if gen is not None else 0) + 1
         if self.slots is None:
-            hkv_d = next(((lk.k.shape[1], lk.k.shape[3]) for lk in (*(s for segs in layers for s in segs),
-                                                                    *(gen.layers if gen else ()))
-                          if lk.k is not None), None) or self._model_heads()
-            self.slots = self._new_slots(len(layers), *(self._planned(1, need) or (1, _round(need))), *hkv_d)
+            self.slots = self._new_slots(shard.num_layers, *(self._planned(1, need) or (1, _round(need))),
+                                         *self._model_heads())
         used = set(self.owner.values())
         free = [i for i in range(self.slots.slots) if i not in used]
         if not free or need > self.slots.capacity:
@@ -218,13 +268,36 @@ class StaticDecode:
             used = set(self.owner.values())
             free = [i for i in range(self.slots.slots) if i not in used]
         slot = free[0]
-        for i, segs in enumerate(layers):
-            parts = [(lk.k, lk.v, lk.pos) for lk in segs]
-            if gen is not None and gen.layers[i].k is not None:
-                g = gen.layers[i]
-                parts.append((g.k, g.v, g.pos))
-            self.slots.place(slot, parts, i)
+        for i in range(shard.num_layers):
+            g = gen.layers[i] if gen is not None else None
+            self.slots.place(slot, [(g.k, g.v, g.pos)] if g is not None and g.k is not None else [], i)
         self.owner[rid] = slot
+        self.context[rid] = shard
+        self._point()
+
+    def _point(self) -> None:
+        """Point the table's rows at the contexts of the requests holding them now (rows whose request changed
+        only); the others empty."""
+        table = self.slots.table if self.slots is not None else None
+        if table is None:
+            return
+        if table is not self._table:  # new slots (or the pool's table, which another batch may have pointed)
+            table.clear_all()
+            self._pointed, self._table = {}, table
+        at = {slot: rid for rid, slot in self.owner.items()}
+        for row in range(table.rows):
+            rid = at.get(row)
+            if self._pointed.get(row) == rid:
+                continue
+            if rid is None:
+                table.clear(row)
+                self._pointed.pop(row, None)
+                continue
+            shard = self.context[rid]
+            table.put(row, [[(lk.k, lk.v, lk.pos) for lk in segs] if len(segs) <= PAGES else
+                            [(shard.whole(i).k, shard.whole(i).v, shard.whole(i).pos)]
+                            for i, segs in enumerate(shard.segments(i) for i in range(shard.num_layers))])
+            self._pointed[row] = rid
 
     def _planned(self, requests: int, need: int) -> Optional[tuple[int, int]]:
         """A ``graph`` batch's smallest planned shape for ``requests`` slots of ``need`` entries (None: not a graph
@@ -257,11 +330,13 @@ class StaticDecode:
         g = self.graphs
         pooled = g is not None and g.pool is not None and slots * capacity <= g.pool.tokens and g.take(self)
         if g is not None and not pooled:
-            g.give_back(self)
+            self._give_back()
         writes = self.groups.is_cp_leader
+        table = None if pooled or self.pointers is None else \
+            PointerTable(num_layers, slots, PAGES, hkv, self.device)
         new = StaticSlots.over(g.pool, slots, capacity, writes) if pooled else \
             StaticSlots(num_layers, slots, capacity, hkv, d, self._dtype(), self.device, writes=writes,
-                        graphs=self.mode == "compiled")
+                        graphs=self.mode == "compiled", table=table)
         if pooled and mark:
             for pos in new.pos:
                 pos.fill_(FAR)
@@ -284,6 +359,7 @@ class StaticDecode:
             for _, s in held:
                 new.fill[s] = old.fill[s]
             self.owner, self.slots = target, new
+            self._point()
             return
         for layer in range(old.num_layers):
             parts = {}
@@ -296,23 +372,32 @@ class StaticDecode:
             for rid, part in parts.items():
                 new.place(target[rid], [part], layer)
         if was_pooled and not new.pooled:
-            self.graphs.give_back(self)
+            self._give_back()
         self.owner, self.slots = target, new
+        self._point()
 
-    def generated(self, rid: int, shard: KVShard) -> tuple[torch.Tensor, ...]:
+    def generated(self, rid: int) -> tuple[torch.Tensor, ...]:
         """Request ``rid``'s query and generated KV on this (query) rank, per layer ``(k, v, pos)``: what its slot
-        holds after its context ``shard``'s entries (the eager store's content, for :meth:`DecodeBatch` going
-        back to eager)."""
-        s, n, a = self.owner[rid], self.slots.fill[self.owner[rid]], shard.tokens()
+        holds (the eager store's content, for :meth:`DecodeBatch` going back to eager)."""
+        s, n = self.owner[rid], self.slots.fill[self.owner[rid]]
         sl = self.slots
-        return tuple((sl.k[i][s:s + 1, :, a:n], sl.v[i][s:s + 1, :, a:n], sl.pos[i][s, a:n])
+        return tuple((sl.k[i][s:s + 1, :, :n], sl.v[i][s:s + 1, :, :n], sl.pos[i][s, :n])
                      for i in range(sl.num_layers))
 
     def close(self) -> None:
         """Drop the slots (the batch goes eager for good) and give the pool back."""
-        self.slots, self.owner = None, {}
-        if self.graphs is not None:
-            self.graphs.give_back(self)
+        self._give_back()
+        self.slots, self.owner, self.context, self._pointed, self._table = None, {}, {}, {}, None
+
+    def _give_back(self) -> None:
+        """Give the pool back (``graph``), its table's rows emptied first (no context is held through it)."""
+        if self.graphs is None:
+            return
+        pool = self.graphs.pool
+        if self.graphs.holder is self and pool is not None and pool.table is not None:
+            pool.table.clear_all()
+            self._pointed, self._table = {}, None
+        self.graphs.give_back(self)
 
     @torch.inference_mode()  # the slots are inference tensors (made in a join)
     def release(self, rid: int) -> int:
@@ -320,13 +405,14 @@ class StaticDecode:
         next request gets slots sized for it, not for the largest batch or context seen so far; not compiled) and
         gives the pool back (``graph``)."""
         slot = self.owner.pop(rid)
+        self.context.pop(rid)
         n = self.slots.fill[slot]
         if self.owner or self.compiles:
             self.slots.clear(slot)
+            self._point()
         else:
-            self.slots = None
-            if self.graphs is not None:
-                self.graphs.give_back(self)
+            self._give_back()
+            self.slots, self._pointed, self._table = None, {}, None  # the table goes with them, and its references
         return n
 
     @property
@@ -384,11 +470,12 @@ class StaticDecode:
         pos = torch.zeros(sl.slots, 1, dtype=torch.long)
         # an idle slot (empty, or its request finished) writes where nothing of it is read
         write = torch.tensor([min(f, sl.capacity - 1) for f in sl.fill], dtype=torch.long)
-        rows = []
+        rows, self._starts = [], {}
         for r, t, p in zip(rids, tokens, positions):
             s = self.owner[r]
             ids[s, 0], pos[s, 0] = t, p
             rows.append(s)
+            self._starts[s] = p  # the slots stepping now and their tokens' positions (the pages' reads)
         ids, pos, write, picked = (to_device(t, self.device) for t in (ids, pos, write, torch.tensor(rows)))
         # uncompiled, uncaptured steps read each slot up to the longest fill (a multiple of 64); compiled and captured
         # steps keep their shapes (the empty entries sit at FAR: invisible; a captured step's kernel skips them)
@@ -400,6 +487,8 @@ class StaticDecode:
         return logits[picked]
 
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int]) -> torch.Tensor:
+        if self.slots.table is not None:  # the rows changed by joins and leaves reach the device (queued)
+            self.slots.table.sync()
         if self.graphs is not None:
             logits = self.graphs.replay(self.slots, ids, pos, write)
             if logits is not None:
@@ -437,7 +526,27 @@ class StaticDecode:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
                  ) -> torch.Tensor:
         attention = self.attention if self.fallback is None else "torch"
-        return decode_forward(self.model, self.slots, self.groups, attention, ids, pos, write, used)
+        own = None if self.slots.table is not None or not self.own_in_pages else \
+            {s: self.slots.fill[s] + 1 for s in self._starts}
+        return decode_forward(self.model, self.slots, self.groups, attention, ids, pos, write, self._contexts(pos),
+                              used, own)
+
+    def _contexts(self, pos: torch.Tensor) -> Contexts:
+        """This step's context part: through the slots' pointer table, or as pages of the slots stepping now (an
+        idle slot's row reads nothing)."""
+        if self.slots.table is not None:
+            return pointer_contexts(self.pointers, self.slots.table, pos)
+        at = {slot: rid for rid, slot in self.owner.items()}
+        if self._empty is None:
+            self._empty = KVShard(self.slots.num_layers)
+            self._empty.freeze()
+        shards = [self.context[at[s]] if s in self._starts else self._empty for s in range(self.slots.slots)]
+        return self.pages(pos, shards, [self._starts.get(s, 0) for s in range(self.slots.slots)])
+
+
+def pointer_contexts(backend, table: PointerTable, pos: torch.Tensor) -> Contexts:
+    """The context part read through ``table`` by ``backend``'s pointer kernel (:mod:`magnetar.ops.pointers`)."""
+    return lambda layer, q, scale, window: backend.pointers_forward(q, pos, table, layer, scale, window)
 
 
 def decode_attention(attention_backend: str, device, mode: str) -> str:
@@ -448,10 +557,12 @@ def decode_attention(attention_backend: str, device, mode: str) -> str:
 
 
 def decode_forward(model, slots: StaticSlots, groups: ParallelGroups, attention: str, ids: torch.Tensor,
-                   pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None) -> torch.Tensor:
+                   pos: torch.Tensor, write: torch.Tensor, contexts: Contexts, used: Optional[int] = None,
+                   own: Optional[dict[int, int]] = None) -> torch.Tensor:
     """One step of every slot (its token ``ids (B, 1)`` at positions ``pos (B, 1)``, its KV written at entry
-    ``write (B,)``): the last position's logits ``(B, V)`` -- what a compiled step compiles and a graph captures."""
-    ctx = StaticContext(slots, pos, write, groups, get_backend(attention).slot_forward, used)
+    ``write (B,)``, its context part ``contexts``; ``own``: :class:`StaticContext`'s): the last position's logits
+    ``(B, V)`` -- what a compiled step compiles and a graph captures."""
+    ctx = StaticContext(slots, pos, write, groups, get_backend(attention).slot_forward, contexts, used, own)
     out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
     return out.logits[:, -1]
 
@@ -465,9 +576,15 @@ def prepare_graphs(model, config, groups: ParallelGroups, device, policy, max_po
         return None
     graphs = DecodeGraphs.for_model(model, rt, device, max_positions, MIN_CAPACITY)
     attention = decode_attention(rt.attention_backend, device, "graph")
+    pointers = pointer_backend(rt.attention_backend, device, required=True)
+    if graphs.captures:  # the graphs read the slots' contexts through one table at the addresses they hold
+        dims = ModelDims.from_config(model.config)
+        rows = graphs.pool.tokens // MIN_CAPACITY  # the most slots any view of the pool has
+        graphs.pool.table = PointerTable(dims.layers, rows, PAGES, dims.kv_heads, device)
 
     def step(slots, ids, pos, write):
-        return decode_forward(model, slots, groups, attention, ids, pos, write)
+        return decode_forward(model, slots, groups, attention, ids, pos, write,
+                              pointer_contexts(pointers, slots.table, pos))
 
     with torch.inference_mode():
         graphs.capture(step, lambda b, c: StaticSlots.over(graphs.pool, b, c, writes=True), rt.decode_graph_warmup_s)

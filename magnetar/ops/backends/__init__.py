@@ -19,6 +19,7 @@ Built-in backends:
     cpu_decode  a CPU decode kernel (csrc/decode_attention.cpp): <= 8 query rows per KV head, every key visible
     cpu_amx     a bf16 prefill kernel on Intel AMX tiles (csrc/amx_attention.cpp): full or bottom-right causal
     cpu_flash   torch's fused CPU flash kernel with a float mask for position-based causality
+    triton_decode  a decode step's context part through a table of addresses (Triton, CUDA): no ordinary calls
     tiled       pure torch, online softmax over key tiles: any device, bounded memory (GPU fallback)
     torch       pure torch reference: full score matrix in float32
 """
@@ -72,6 +73,7 @@ register_backend("flash_attn", _lazy(".flash_attn", "FlashAttnBackend"))
 register_backend("sdpa_flash", _lazy(".sdpa_flash", "SdpaFlashBackend"))
 register_backend("sdpa_cudnn", _lazy(".sdpa_flash", "SdpaCudnnBackend"))
 register_backend("flex", _lazy(".flex", "FlexAttentionBackend"))
+register_backend("triton_decode", _lazy(".triton_decode", "TritonDecodeBackend"))
 
 
 def list_backends() -> list[str]:

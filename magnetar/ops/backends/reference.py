@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from magnetar.ops.call import FULL
+from magnetar.ops.pointers import pointer_attention
 from magnetar.ops.slots import slot_attention
 
 
@@ -61,6 +62,12 @@ class ReferenceBackend:
     def slot_forward(q, k, v, q_pos, k_pos, scale, window=None):
         """The decode step's kernel (:func:`magnetar.ops.slots.slot_attention`: float32 math)."""
         return slot_attention(q, k, v, q_pos, k_pos, scale, window)
+
+    @staticmethod
+    def pointers_forward(q, q_pos, table, layer, scale, window=None):
+        """A decode step's context part through a pointer table (:func:`magnetar.ops.pointers.pointer_attention`:
+        float32 math over the pieces the table's host side holds)."""
+        return pointer_attention(q, q_pos, table, layer, scale, window)
 
     def validate(self, call) -> list[str]:
         return []

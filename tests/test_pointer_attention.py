@@ -1,0 +1,192 @@
+"""A decode step's context part read through a table of addresses (magnetar.ops.pointers): the table, the torch
+kernel every device runs and the Triton kernel a CUDA step (and its graph) runs -- each against the fp64 reference.
+
+The Triton kernel runs here through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors; float32 and float16:
+the interpreter computes bf16 dot products wrongly) where the ``triton`` package is installed, and on a card in the
+GPU kit's ``gpu`` tests (bf16 too, and replayed in a CUDA graph whose table changes between replays)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from magnetar.ops.backends import get_backend
+from magnetar.ops.pointers import PAGES, PointerTable, pointer_backend
+from tests.conftest import assert_close
+from tests.reference import dense_attention_fp64
+
+REPO = Path(__file__).resolve().parents[1]
+HQ, HKV, D, LAYERS = 4, 2, 32, 2
+CUDA = torch.cuda.is_available()
+
+
+def _rows(dtype, device="cpu", seed=0):
+    """Four rows' pieces per layer -- a context in an arena buffer with room to spare (its head stride is the
+    buffer's), a fork (a document's piece, then its own), nothing (an idle slot), a shard at gapped positions (an
+    anchor block, then its own block; Star's) cut to its last keys -- and each row's query position."""
+    g = torch.Generator().manual_seed(seed)
+
+    def kv(n, cap=None):
+        cap = cap or n
+        k = torch.randn(1, HKV, cap, D, generator=g).to(dtype).to(device)[:, :, :n]
+        v = torch.randn(1, HKV, cap, D, generator=g).to(dtype).to(device)[:, :, :n]
+        return k, v
+
+    arena = (*kv(150, cap=300), torch.arange(150, device=device))
+    doc = (*kv(100), torch.arange(100, device=device))
+    turn = (*kv(37), torch.arange(100, 137, device=device))
+    k, v = kv(90)
+    star = (k[:, :, 10:], v[:, :, 10:], torch.cat((torch.arange(16), torch.arange(400, 474))).to(device)[10:])
+    rows = [[arena], [doc, turn], [], [star]]
+    return rows, torch.tensor([[150], [137], [0], [480]], device=device)
+
+
+def _table(rows, device="cpu") -> PointerTable:
+    table = PointerTable(LAYERS, len(rows) + 1, PAGES, HKV, device)
+    for r, pieces in enumerate(rows):
+        if pieces:
+            table.put(r, [pieces] * LAYERS)
+    table.sync()
+    return table
+
+
+def _want(q, q_pos, rows, window=None):
+    """fp64: each row over the concatenation of its pieces, the keys a window keeps."""
+    outs, lses = [], []
+    for b, pieces in enumerate(rows):
+        if not pieces:
+            outs.append(torch.zeros(1, HQ, 1, D, dtype=torch.float64))
+            lses.append(torch.full((1, HQ, 1), float("-inf"), dtype=torch.float64))
+            continue
+        k = torch.cat([p[0] for p in pieces], dim=2).cpu()
+        v = torch.cat([p[1] for p in pieces], dim=2).cpu()
+        pos = torch.cat([p[2] for p in pieces]).cpu()
+        qp = int(q_pos[b, 0])
+        keep = pos > qp - window if window is not None else torch.ones_like(pos, dtype=torch.bool)
+        o, lse = dense_attention_fp64(q[b:b + 1].cpu(), k[:, :, keep], v[:, :, keep], q_pos=torch.tensor([qp]),
+                                      k_pos=pos[keep], scale=0.2)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _check(backend, dtype, window, device="cpu"):
+    rows, q_pos = _rows(dtype, device)
+    table = _table(rows, device)
+    q = torch.randn(len(rows), HQ, 1, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    out, lse = backend.pointers_forward(q, q_pos, table, 1, 0.2, window)
+    want_out, want_lse = _want(q, q_pos, rows, window)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == (len(rows), HQ, 1, D)
+    assert_close(out.cpu(), want_out, dtype, "out", f"{backend.name} window {window}")
+    assert_close(lse.cpu(), want_lse, dtype, "lse", f"{backend.name} window {window}")
+    assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()  # an idle slot's row: the empty state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_torch_kernel_against_the_reference(dtype, window):
+    _check(get_backend("torch"), dtype, window)
+
+
+def interpreter_checks() -> None:
+    """The Triton kernel against the reference under Triton's interpreter: run in a process of its own whose
+    ``TRITON_INTERPRET=1`` was set before Triton was imported (the interpreter takes over ``triton.jit`` at import;
+    this process may have imported Triton already)."""
+    triton = get_backend("triton_decode")
+    for dtype in (torch.float32, torch.float16):
+        for window in (None, 40):
+            _check(triton, dtype, window)
+    # the table changes on the host between calls: the kernel reads what the device copy says now
+    rows, q_pos = _rows(torch.float32)
+    table = _table(rows)
+    q = torch.randn(4, HQ, 1, D, generator=torch.Generator().manual_seed(2))
+    first = triton.pointers_forward(q, q_pos, table, 0, 0.2)
+    table.put(2, [rows[0]] * LAYERS)  # the idle row now reads the arena's context
+    table.clear(0)
+    table.sync()
+    out, lse = triton.pointers_forward(q, q_pos, table, 0, 0.2)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    want_out, want_lse = _want(q[2:3], q_pos[2:3], [rows[0]])  # at position 0: the arena's first key alone
+    assert_close(out[2:3], want_out, torch.float32, "out")
+    assert_close(lse[2:3], want_lse, torch.float32, "lse")
+    assert torch.equal(out[1], first[0][1]) and torch.equal(out[3], first[0][3])
+    print("interpreter checks passed")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="the triton package is not installed (it comes with torch's CUDA wheels)")
+def test_triton_kernel_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, (
+        str(REPO), os.environ.get("PYTHONPATH")))))
+    run = subprocess.run([sys.executable, "-c", "from tests.test_pointer_attention import interpreter_checks; "
+                          "interpreter_checks()"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "interpreter checks passed" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+def test_the_table_holds_what_it_points_at_and_says_what_it_cannot_take():
+    rows, _ = _rows(torch.float32)
+    table = _table(rows)
+    k, v, pos = rows[0][0]
+    assert table.device[:, 0, 0, 0].tolist() == [k.data_ptr(), v.data_ptr(), pos.data_ptr(), 150, 300 * D, 300 * D]
+    assert table.device[3, 1, 1].tolist() == [100, 37, 0, 0] and table.device[3, 0, 2].tolist() == [0] * PAGES
+    assert table.pieces[0][1][0][0] is k  # held: not freed while a kernel may read it
+    table.clear(0)
+    assert table.pieces[0] is None and table.device[3, 0, 0, 0] == 150  # on the device after the next sync only
+    table.sync()
+    assert table.device[3, 0, 0].tolist() == [0] * PAGES
+    # a piece laid out otherwise (not consecutive along the sequence) is copied, and held
+    kt = torch.randn(1, HKV, D, 20).transpose(2, 3)
+    table.put(0, [[(kt, kt, torch.arange(20))]] * LAYERS)
+    held = table.pieces[0][0][0][0]
+    assert held is not kt and held.stride(2) == D and torch.equal(held, kt)
+    with pytest.raises(ValueError, match=r"5 pieces at layer 0, the table holds 4: join them first"):
+        table.put(1, [[rows[0][0]] * 5] * LAYERS)
+    with pytest.raises(ValueError, match="3 KV heads"):
+        table.put(1, [[(torch.zeros(1, 3, 4, D), torch.zeros(1, 3, 4, D), torch.arange(4))]] * LAYERS)
+    with pytest.raises(ValueError, match="1 layers' pieces for a table of 2 layers"):
+        table.put(1, [rows[0]])
+
+
+def test_which_kernel_a_step_reads_its_contexts_with():
+    # CUDA: Triton's where it runs; a CPU step reads pages -- unless a graph holds it (the torch kernel, the table);
+    # a backend named with a pointer kernel is taken
+    assert pointer_backend("auto", "cpu", required=False) is None
+    assert pointer_backend("auto", "cpu", required=True).name == "torch"
+    assert pointer_backend("torch", "cpu", required=False).name == "torch"
+    assert pointer_backend("cpu_decode", "cpu", required=False) is None
+    triton = get_backend("triton_decode")
+    assert triton.validate(None) and "pointer table" in triton.validate(None)[0]  # never an ordinary call's kernel
+    with pytest.raises(ValueError, match="serves only a decode step's context part"):
+        triton.forward(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernel_on_cuda_and_in_a_graph(dtype):
+    backend = pointer_backend("auto", "cuda", required=True)
+    assert backend.name == "triton_decode"
+    _check(backend, dtype, None, "cuda")
+    _check(backend, dtype, 40, "cuda")
+    # captured once, replayed over a table that changed on the host: the graph reads the contexts of now
+    rows, q_pos = _rows(dtype, "cuda")
+    table = PointerTable(LAYERS, 4, PAGES, HKV, "cuda")
+    q = torch.randn(4, HQ, 1, D, device="cuda").to(dtype)
+    backend.pointers_forward(q, q_pos, table, 0, 0.2)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = backend.pointers_forward(q, q_pos, table, 0, 0.2)
+    for r, pieces in enumerate(rows):
+        if pieces:
+            table.put(r, [pieces] * LAYERS)
+    table.sync()
+    graph.replay()
+    want_out, want_lse = _want(q, q_pos, rows)
+    assert_close(out.cpu(), want_out, dtype, "out", "replayed")
+    assert_close(lse.cpu(), want_lse, dtype, "lse", "replayed")
+
