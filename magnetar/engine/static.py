@@ -137,43 +137,75 @@ class StaticSlots:
         self.fill[slot] = 0
 
 
-# the context part of a static step: (layer, q, scale, window) -> (out (slots, Hq, 1, D), lse (slots, Hq, 1)); read as
-# pages, it takes the slots' own tokens too (own=: a softmax over both, as eager's)
-Contexts = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+class PointerPart:
+    """A static step's context part through the slots' pointer table (:mod:`magnetar.ops.pointers`): ``backend``'s
+    kernel over ``table_of()``'s rows. Its own tokens are not read here (the slot kernel's part)."""
+
+    takes_own = False
+
+    def __init__(self, backend, table_of: Callable[[], PointerTable]):
+        self.backend, self.table_of = backend, table_of
+
+    def __call__(self, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float, window: Optional[int],
+                 kb: Optional[torch.Tensor], vb: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.pointers_forward(q, pos, self.table_of(), layer, scale, window)
+
+
+class PagePart:
+    """A static step's context part as pages (the eager step's reads, :mod:`magnetar.ops.pages`): what
+    ``static``'s :meth:`StaticDecode.step` set up on the host for this step -- the slots stepping, their contexts and
+    positions, and (``takes_own``: a paged kernel of one launch reads them) their own entries of the slot buffers
+    ``kb``, ``vb`` as pages of the same call: one softmax, rounded once, as an eager step's."""
+
+    def __init__(self, static: "StaticDecode"):
+        self.static = static
+
+    @property
+    def takes_own(self) -> bool:
+        return self.static.own_in_pages
+
+    def __call__(self, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float, window: Optional[int],
+                 kb: Optional[torch.Tensor], vb: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        st = self.static
+        own = None
+        if kb is not None and st.own_in_pages:  # slot s's first n entries: its own tokens, the new one last
+            own = [(kb[s:s + 1, :, :n], vb[s:s + 1, :, :n]) if n else None for s, n in enumerate(st.step_own)]
+        return st.step_pages(layer, q, scale, window, own)
+
+
+# the context part of a static step, called per layer outside any compiled graph: (layer, q, pos, scale, window, kb, vb)
+# -> (out (slots, Hq, 1, D), lse (slots, Hq, 1)) over the slots' contexts -- and, ``takes_own``, their own tokens
+Contexts = PointerPart | PagePart
 
 
 class StaticContext(LayerContext):
     """The layer context of one static decode step over ``slots`` (every slot steps; an empty slot's row is thrown
     away): ``positions (slots, 1)`` of the new tokens, ``write (slots,)`` the entry each writes its KV to;
-    ``contexts`` the step's context part (the slots' cached contexts, read where they lie). ``own``: the context part
-    is read as pages, and slot s's first ``own[s]`` entries (its own tokens, the new one last; the slots stepping
-    now) are pages of the same call -- one softmax, rounded once, as an eager step's -- rather than a slot call of
-    their own merged after (a pointer kernel's part)."""
+    ``contexts`` the step's context part (the slots' cached contexts, read where they lie: :class:`PointerPart` or
+    :class:`PagePart`); where it ``takes_own`` the slots' own tokens too, no slot call is made, else the slot kernel's
+    state of them is merged with it."""
 
     layer_range = None  # no profiler range inside a compiled graph (magnetar_attention skips it)
 
     def __init__(self, slots: StaticSlots, positions: torch.Tensor, write: torch.Tensor, groups: ParallelGroups,
-                 attention, contexts: Contexts, used: Optional[int] = None, own: Optional[dict[int, int]] = None):
+                 attention, contexts: Contexts, used: Optional[int] = None):
         self.slots, self.positions, self.write, self.groups = slots, positions, write, groups
-        self.attention, self.contexts, self.own = attention, contexts, own
+        self.attention, self.contexts = attention, contexts
         self.used = used  # attend the slots' first `used` entries only (None: all)
         self.rows = torch.arange(write.shape[0], device=write.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                window: Optional[int] = None) -> torch.Tensor:
         sl = self.slots
+        kb = vb = None
         if sl.writes:  # this rank holds the requests' own tokens: one new token per slot, at its write entry
             kb, vb, kp = sl.k[layer], sl.v[layer], sl.pos[layer]
             rows = self.rows  # (index_put: the compiler updates it in place, where a scatter_ became a copy of the
             kb[rows, :, self.write] = k[:, :, 0]  # whole buffer every layer)
             vb[rows, :, self.write] = v[:, :, 0]
             kp[rows, self.write] = self.positions[:, 0]
-        if self.own is not None:  # pages: the contexts and the own tokens in one call
-            own = [(kb[s:s + 1, :, :self.own[s]], vb[s:s + 1, :, :self.own[s]]) if sl.writes and s in self.own
-                   else None for s in range(sl.slots)]
-            return self._gathered(*_context_state(self.contexts, layer, q, scale, window, own))
-        out, lse = _context_state(self.contexts, layer, q, scale, window)
-        if sl.writes:  # the slots' part, merged with the contexts'
+        out, lse = _context_state(self.contexts, layer, q, self.positions, scale, window, kb, vb)
+        if sl.writes and not self.contexts.takes_own:  # the slots' part, merged with the contexts'
             if self.used is not None:  # the entries past every slot's fill are empty: not read (views, no copy)
                 kb, vb, kp = kb[:, :, :self.used], vb[:, :, :self.used], kp[:, :self.used]
             own = self.attention(q, kb, vb, self.positions, kp, scale, window)
@@ -187,9 +219,10 @@ class StaticContext(LayerContext):
         return out
 
 
-def _context_state_eager(contexts: Contexts, layer: int, q: torch.Tensor, scale: float, window: Optional[int],
-                         *own) -> tuple[torch.Tensor, torch.Tensor]:
-    return contexts(layer, q, scale, window, *own)
+def _context_state_eager(contexts: Contexts, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float,
+                         window: Optional[int], kb: Optional[torch.Tensor], vb: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return contexts(layer, q, pos, scale, window, kb, vb)
 
 
 def _gather_merge_eager(out: torch.Tensor, lse: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -241,8 +274,13 @@ class StaticDecode:
         # read as pages by a kernel of one launch (cpu_decode's), the own tokens are pages of the same call; else
         # (pages one call each) the backend's slot kernel reads them, merged after
         self.own_in_pages = not isinstance(page_backend(attention_backend, torch.device(device)), PageByPage)
-        self._starts: dict[int, int] = {}  # the slots stepping now -> their tokens' positions
         self._empty: Optional[KVShard] = None  # an idle slot's context
+        # the context part (one object each for the batch's life: a compiled step guards on nothing that changes),
+        # and what the page part reads in a step, set by step() on the host: the pages' call, each slot's own entries
+        self._part = PointerPart(self.pointers, lambda: self.slots.table) if self.pointers is not None else None
+        self._page_part = PagePart(self)
+        self.step_pages: Optional[Callable] = None
+        self.step_own: list[int] = []
         if self.pointers is None and pages is None:
             raise ValueError("StaticDecode: no pointer kernel runs here, so pass pages (the context part as pages)")
         self.fallback: Optional[str] = None  # why a compiled step runs static
@@ -470,13 +508,15 @@ class StaticDecode:
         pos = torch.zeros(sl.slots, 1, dtype=torch.long)
         # an idle slot (empty, or its request finished) writes where nothing of it is read
         write = torch.tensor([min(f, sl.capacity - 1) for f in sl.fill], dtype=torch.long)
-        rows, self._starts = [], {}
+        rows, starts = [], {}
         for r, t, p in zip(rids, tokens, positions):
             s = self.owner[r]
             ids[s, 0], pos[s, 0] = t, p
             rows.append(s)
-            self._starts[s] = p  # the slots stepping now and their tokens' positions (the pages' reads)
+            starts[s] = p
         ids, pos, write, picked = (to_device(t, self.device) for t in (ids, pos, write, torch.tensor(rows)))
+        if sl.table is None:  # the contexts as pages: the slots stepping now, their contexts and own entries
+            self._set_pages(pos, starts)
         # uncompiled, uncaptured steps read each slot up to the longest fill (a multiple of 64); compiled and captured
         # steps keep their shapes (the empty entries sit at FAR: invisible; a captured step's kernel skips them)
         used = min(sl.capacity, -(-(max(sl.fill) + 1) // 64) * 64)
@@ -526,27 +566,20 @@ class StaticDecode:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, write: torch.Tensor, used: Optional[int] = None
                  ) -> torch.Tensor:
         attention = self.attention if self.fallback is None else "torch"
-        own = None if self.slots.table is not None or not self.own_in_pages else \
-            {s: self.slots.fill[s] + 1 for s in self._starts}
-        return decode_forward(self.model, self.slots, self.groups, attention, ids, pos, write, self._contexts(pos),
-                              used, own)
+        part = self._part if self.slots.table is not None else self._page_part
+        return decode_forward(self.model, self.slots, self.groups, attention, ids, pos, write, part, used)
 
-    def _contexts(self, pos: torch.Tensor) -> Contexts:
-        """This step's context part: through the slots' pointer table, or as pages of the slots stepping now (an
-        idle slot's row reads nothing)."""
-        if self.slots.table is not None:
-            return pointer_contexts(self.pointers, self.slots.table, pos)
+    def _set_pages(self, pos: torch.Tensor, starts: dict[int, int]) -> None:
+        """The page part's reads in this step: the slots stepping (``starts``: slot -> its token's position; an idle
+        slot's row reads nothing) over their contexts, and each one's own entries after this step's write."""
         at = {slot: rid for rid, slot in self.owner.items()}
         if self._empty is None:
             self._empty = KVShard(self.slots.num_layers)
             self._empty.freeze()
-        shards = [self.context[at[s]] if s in self._starts else self._empty for s in range(self.slots.slots)]
-        return self.pages(pos, shards, [self._starts.get(s, 0) for s in range(self.slots.slots)])
-
-
-def pointer_contexts(backend, table: PointerTable, pos: torch.Tensor) -> Contexts:
-    """The context part read through ``table`` by ``backend``'s pointer kernel (:mod:`magnetar.ops.pointers`)."""
-    return lambda layer, q, scale, window: backend.pointers_forward(q, pos, table, layer, scale, window)
+        n = self.slots.slots
+        shards = [self.context[at[s]] if s in starts else self._empty for s in range(n)]
+        self.step_pages = self.pages(pos, shards, [starts.get(s, 0) for s in range(n)])
+        self.step_own = [self.slots.fill[s] + 1 if s in starts else 0 for s in range(n)]
 
 
 def decode_attention(attention_backend: str, device, mode: str) -> str:
@@ -557,12 +590,12 @@ def decode_attention(attention_backend: str, device, mode: str) -> str:
 
 
 def decode_forward(model, slots: StaticSlots, groups: ParallelGroups, attention: str, ids: torch.Tensor,
-                   pos: torch.Tensor, write: torch.Tensor, contexts: Contexts, used: Optional[int] = None,
-                   own: Optional[dict[int, int]] = None) -> torch.Tensor:
+                   pos: torch.Tensor, write: torch.Tensor, contexts: Contexts, used: Optional[int] = None
+                   ) -> torch.Tensor:
     """One step of every slot (its token ``ids (B, 1)`` at positions ``pos (B, 1)``, its KV written at entry
-    ``write (B,)``, its context part ``contexts``; ``own``: :class:`StaticContext`'s): the last position's logits
-    ``(B, V)`` -- what a compiled step compiles and a graph captures."""
-    ctx = StaticContext(slots, pos, write, groups, get_backend(attention).slot_forward, contexts, used, own)
+    ``write (B,)``, its context part ``contexts``): the last position's logits ``(B, V)`` -- what a compiled step
+    compiles and a graph captures."""
+    ctx = StaticContext(slots, pos, write, groups, get_backend(attention).slot_forward, contexts, used)
     out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, magnetar=ctx)
     return out.logits[:, -1]
 
@@ -577,14 +610,14 @@ def prepare_graphs(model, config, groups: ParallelGroups, device, policy, max_po
     graphs = DecodeGraphs.for_model(model, rt, device, max_positions, MIN_CAPACITY)
     attention = decode_attention(rt.attention_backend, device, "graph")
     pointers = pointer_backend(rt.attention_backend, device, required=True)
+    part = PointerPart(pointers, lambda: graphs.pool.table)
     if graphs.captures:  # the graphs read the slots' contexts through one table at the addresses they hold
         dims = ModelDims.from_config(model.config)
         rows = graphs.pool.tokens // MIN_CAPACITY  # the most slots any view of the pool has
         graphs.pool.table = PointerTable(dims.layers, rows, PAGES, dims.kv_heads, device)
 
     def step(slots, ids, pos, write):
-        return decode_forward(model, slots, groups, attention, ids, pos, write,
-                              pointer_contexts(pointers, slots.table, pos))
+        return decode_forward(model, slots, groups, attention, ids, pos, write, part)
 
     with torch.inference_mode():
         graphs.capture(step, lambda b, c: StaticSlots.over(graphs.pool, b, c, writes=True), rt.decode_graph_warmup_s)
