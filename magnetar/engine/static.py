@@ -13,14 +13,16 @@ item 2; issue 47, item 1).
   each query sees, the empty part of a slot sits at position :data:`~magnetar.ops.slots.FAR`). The requests' cached
   contexts are read where the context cache holds them, never copied: through a table of their addresses
   (:mod:`magnetar.ops.pointers`: Triton's kernel on CUDA, one launch per layer, which a CUDA graph holds) or, where
-  no such kernel runs (a CPU), as pages of one call per layer (:mod:`magnetar.ops.pages`, the eager step's reads);
-  the two states are merged (:func:`~magnetar.ops.merge_states`), then the CP gather and merge as eager. No
+  no such kernel runs (a CPU), as pages of one call per layer (:mod:`magnetar.ops.pages`, the eager step's reads;
+  where that call is one launch, the slots' own entries are pages of it too, and no slot call is made); the states
+  are merged (:func:`~magnetar.ops.merge_states`), then the CP gather and merge as eager. No
   per-request Python in a step through the table, no per-call checks; the shapes change only when the slots or
   their capacity grow.
 * ``compiled`` -- the static step under ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on CUDA): the
   first shape compiles static, the first other one with the sizes that changed dynamic, which later shapes reuse
   (``magnetar serve`` compiles a single request's graphs before its first request; a batch's first step compiles
-  once more); the CP gather and merge stay outside the graph (a graph break per layer where cp_size > 1). If
+  once more); the context part and the CP gather and merge stay outside the graph (a graph break per layer: what
+  the context part reads is chosen per request, and traced it would recompile at every join). If
   compiling fails, the batch says why (:attr:`StaticDecode.fallback`) and runs ``static``.
 * ``graph`` -- the static step over shapes planned when the engine starts, each captured then as a CUDA graph
   (:mod:`magnetar.engine.graphs`: the plan, the one slot pool all shapes view, the captures); a batch takes the
