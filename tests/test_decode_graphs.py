@@ -275,3 +275,28 @@ def test_a_graph_batch_reads_its_contexts_where_the_cache_holds_them(captured):
         b.step()
     b.pop(other)
     assert eng.decode_graphs.holder is None and all(p is None for p in table.pieces)
+
+
+def test_a_failing_context_kernel_sends_the_batch_eager_and_says_why(captured, monkeypatch, caplog):
+    # the pointer kernel failing on a card (never run on one before): the captures fail (uncaptured, said), and the
+    # first step that calls the kernel runs again eager, the batch eager from then on, its tokens eager's
+    from magnetar.ops.backends.reference import ReferenceBackend
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("CompilationError: at 12:8: no pointer casts here")
+
+    monkeypatch.setattr(ReferenceBackend, "pointers_forward", staticmethod(broken))
+    model = tiny_model("llama", seed=2)
+    want, _ = _batch_tokens(_engine(model))
+    with caplog.at_level(logging.WARNING):
+        eng = _engine(model, decode_step="graph", **POOL)
+        got, batch = _batch_tokens(eng)
+    assert got == want and calls
+    assert eng.decode_graphs.why_not.startswith("capturing a decode graph failed (ContextKernelFailed: the torch "
+                                                "context kernel failed (RuntimeError: CompilationError")
+    assert batch.decode_step == "eager" and batch.static is None
+    assert batch.why_not.startswith("the torch context kernel failed (RuntimeError: CompilationError: at 12:8")
+    assert batch.why_not.endswith(": decode steps run eager") and "decode steps run eager" in caplog.text

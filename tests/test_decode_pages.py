@@ -106,7 +106,9 @@ def test_page_backend_is_cpu_decode_where_its_op_runs_else_page_by_page():
     for name in ("cpu_flash", "torch"):  # a named backend without paged calls: its kernel page by page
         assert isinstance(page_backend(name, torch.device("cpu")), PageByPage)
         assert page_backend(name, torch.device("cpu")).backend == name
-    cuda = page_backend("auto", torch.device("cuda"))  # no CUDA backend has paged calls yet: auto's kernels
+    # CUDA without a card to run Triton's kernel on (here): auto's kernels page by page; on a card triton_decode
+    # (tests/test_pointer_attention.py's gpu test)
+    cuda = page_backend("auto", torch.device("cuda"))
     assert isinstance(cuda, PageByPage) and cuda.backend == "auto"
 
 

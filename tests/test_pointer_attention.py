@@ -115,7 +115,78 @@ def interpreter_checks() -> None:
     assert_close(out[2:3], want_out, torch.float32, "out")
     assert_close(lse[2:3], want_lse, torch.float32, "lse")
     assert torch.equal(out[1], first[0][1]) and torch.equal(out[3], first[0][3])
+    _pages_checks(triton)
+    _nonfinite_checks(triton)
     print("interpreter checks passed")
+
+
+def _pages_checks(triton, dtypes=(torch.float32, torch.float16), device="cpu") -> None:
+    """An eager step's pages (every key visible) in one launch, against the fp64 reference over each row's pages."""
+    from magnetar.ops.pages import Page
+
+    for dtype in dtypes:
+        rows, _ = _rows(dtype, device)
+        q = torch.randn(4, HQ, 1, D, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+        pages = [[Page(k, v) for k, v, _ in pieces] for pieces in rows]
+        out, lse = triton.pages_forward(q, pages, 0.2)
+        far = torch.tensor([[10 ** 6]] * 4)  # every key visible
+        want_out, want_lse = _want(q, far, rows)
+        assert_close(out.cpu(), want_out, dtype, "out", "pages")
+        assert_close(lse.cpu(), want_lse, dtype, "lse", "pages")
+    assert triton.pages_forward(q[:, :, :0], pages, 0.2) is None  # no query token: not its call
+    assert triton.pages_forward(q, [[], [], [], []], 0.2) is None  # no page at all: the caller's path
+    if device == "cpu":  # a kernel failing on a card: said once, its calls page by page from then on
+        from magnetar.ops.backends.triton_decode import TritonDecodeBackend
+
+        broken = TritonDecodeBackend()
+
+        def fail(*a, **k):
+            raise RuntimeError("CompilationError: no pointer casts here")
+
+        broken._launch = fail
+        out, lse = broken.pages_forward(q, pages, 0.2)
+        assert broken._pages_broken.startswith("RuntimeError: CompilationError")
+        assert_close(out.cpu(), want_out, dtype, "out", "page by page")
+        assert_close(lse.cpu(), want_lse, dtype, "lse", "page by page")
+
+
+def _nonfinite_checks(triton) -> None:
+    """magnetar.ops.nonfinite's rule, row by row as the front end applies it: +-inf or NaN in q or in a key the row
+    sees -> (NaN, NaN); in a value it sees -> out NaN, lse finite; a key or value it does not see changes nothing."""
+    from magnetar.ops import attention_with_lse
+    from magnetar.ops.pages import Page
+
+    g = torch.Generator().manual_seed(4)
+    n = 70
+    q = torch.randn(5, HQ, 1, D, generator=g)
+    ks = [torch.randn(1, HKV, n, D, generator=g) for _ in range(5)]
+    vs = [torch.randn(1, HKV, n, D, generator=g) for _ in range(5)]
+    q[0, 1, 0, 3] = float("nan")  # row 0: q
+    ks[1][0, 0, 20, 5] = float("-inf")  # row 1: a key it sees
+    vs[2][0, 1, 33, 0] = float("inf")  # row 2: a value it sees
+    ks[3][0, 0, 65, 1] = float("nan")  # row 3: a key after its position (positions: unseen)
+    vs[3][0, 1, 66, 2] = float("nan")  # and its value
+    q_pos = torch.tensor([[100], [100], [100], [60], [100]])
+    pos = torch.arange(n)
+    table = PointerTable(1, 5, PAGES, HKV, "cpu")
+    for b in range(5):
+        table.put(b, [[(ks[b], vs[b], pos)]])
+    table.sync()
+    got = triton.pointers_forward(q, q_pos, table, 0, 0.2)
+    paged = triton.pages_forward(q[:3], [[Page(ks[b], vs[b])] for b in range(3)], 0.2)
+    for b in range(5):
+        want = attention_with_lse(q[b:b + 1], ks[b], vs[b], q_pos=q_pos[b], k_pos=pos, scale=0.2)
+        for (o, l), what in ((got, "table"), (paged, "pages")):
+            if what == "pages" and b >= 3:
+                continue
+            assert torch.equal(o[b:b + 1].isnan(), want[0].isnan()), (what, b)
+            assert torch.equal(l[b:b + 1].isnan(), want[1].isnan()), (what, b)
+            finite = ~want[0].isnan()
+            assert_close(o[b:b + 1][finite], want[0][finite], torch.float32, "out", f"{what} row {b}")
+    assert got[0][0, 1].isnan().all() and got[0][0, [0, 2, 3]].isfinite().all()  # the NaN query head alone
+    assert got[0][1, :2].isnan().all() and got[0][1, 2:].isfinite().all()  # the heads reading that KV head
+    assert got[0][2, 2:].isnan().all() and got[1][2].isfinite().all()  # a value: out NaN, lse finite
+    assert got[0][3].isfinite().all()  # what row 3 does not see reached nothing
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -169,10 +240,13 @@ def test_which_kernel_a_step_reads_its_contexts_with():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_kernel_on_cuda_and_in_a_graph(dtype):
+    from magnetar.ops.pages import page_backend
+
     backend = pointer_backend("auto", "cuda", required=True)
-    assert backend.name == "triton_decode"
+    assert backend.name == "triton_decode" and page_backend("auto", torch.device("cuda")) is backend
     _check(backend, dtype, None, "cuda")
     _check(backend, dtype, 40, "cuda")
+    _pages_checks(backend, (dtype,), "cuda")  # the eager step's pages
     # captured once, replayed over a table that changed on the host: the graph reads the contexts of now
     rows, q_pos = _rows(dtype, "cuda")
     table = PointerTable(LAYERS, 4, PAGES, HKV, "cuda")

@@ -28,7 +28,7 @@ from magnetar.engine.finite import HINT, LayerFlags, NonFiniteError, describe
 from magnetar.engine.kv import KVShard, LayerKV
 from magnetar.engine.graphs import DecodeGraphs
 from magnetar.engine.sampling import NOTHING_TO_SAMPLE, SamplingParams, sample_rows
-from magnetar.engine.static import StaticDecode, static_problem
+from magnetar.engine.static import ContextKernelFailed, StaticDecode, static_problem
 from magnetar.engine.strategy import DecodePolicy, LayerContext
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.merge import merge_requests
@@ -675,9 +675,15 @@ class DecodeBatch:
         with nvtx_range(PHASE2_DECODE_STEP, t=self._steps):
             what = f"decode step {self._steps}"
             if self.static is not None:  # every request in one slot-batched (maybe compiled) forward
-                logits = self.static.step(rids, [r.result.token_ids[-1] for r in live], [r.next_pos for r in live])
-                ctx = self.static
-            else:
+                try:
+                    logits = self.static.step(rids, [r.result.token_ids[-1] for r in live],
+                                              [r.next_pos for r in live])
+                    ctx = self.static
+                except ContextKernelFailed as e:  # one rank per replica: the step again, eager (several ranks
+                    if self.groups.replica_size > 1:  # would have to agree first: it fails loudly there)
+                        raise
+                    self._to_eager(f"{e}: decode steps run eager")
+            if self.static is None:
                 ids = torch.tensor([[r.result.token_ids[-1]] for r in live])
                 logits, ctx, _ = self._forward(live, ids, [r.next_pos for r in live], [1] * len(live), what)
             self._choose(live, logits, ctx, what)

@@ -139,6 +139,12 @@ class StaticSlots:
         self.fill[slot] = 0
 
 
+class ContextKernelFailed(RuntimeError):
+    """The pointer kernel of a static step's context part failed (a kernel that does not build or launch on this
+    card; not out of memory): :class:`~magnetar.engine.phase2.DecodeBatch` runs the step, and the batch's later
+    ones, eager."""
+
+
 class PointerPart:
     """A static step's context part through the slots' pointer table (:mod:`magnetar.ops.pointers`): ``backend``'s
     kernel over ``table_of()``'s rows. Its own tokens are not read here (the slot kernel's part)."""
@@ -150,7 +156,13 @@ class PointerPart:
 
     def __call__(self, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float, window: Optional[int],
                  kb: Optional[torch.Tensor], vb: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.backend.pointers_forward(q, pos, self.table_of(), layer, scale, window)
+        try:
+            return self.backend.pointers_forward(q, pos, self.table_of(), layer, scale, window)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any kernel failure: the batch goes eager, saying why
+            raise ContextKernelFailed(f"the {self.backend.name} context kernel failed ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0][:300] if str(e) else ''})") from e
 
 
 class PagePart:

@@ -14,11 +14,13 @@ with a ``pages_forward(q, pages, scale)`` method, which returns ``(out, lse)`` o
 (a shape, a dtype) or met a value that is not finite. :func:`attend_pages` returns None in both cases, and the caller
 takes its per-part path: there :func:`~magnetar.ops.attention_with_lse` and :func:`~magnetar.ops.merge_states`
 apply the exact non-finite rules, so a NaN is never turned into a finite result here. ``auto`` picks ``cpu_decode``
-on a CPU whose op runs (``csrc/decode_attention.cpp``'s ``decode_attention_pages``). Elsewhere -- every CUDA backend
-today, or a backend named in ``runtime.attention_backend`` without such a method -- :class:`PageByPage` serves the
-contract with the registry's ordinary kernels: each page one FULL call of the backend ``auto`` (or the named one)
-picks, the pages of a request merged, and ONE finite check for the whole batch (a page's ``k_finite`` spares it the
-read of keys its owner checked once) where the front end makes two host reads a call.
+on a CPU whose op runs (``csrc/decode_attention.cpp``'s ``decode_attention_pages``) and ``triton_decode`` on CUDA
+where Triton runs (its split-KV kernel over the pages' addresses: one launch a layer, no read of the device; a kernel
+that fails there goes page by page). Elsewhere -- a CUDA machine without Triton, a card whose measured order puts a
+backend first, or a backend named in ``runtime.attention_backend`` without such a method -- :class:`PageByPage`
+serves the contract with the registry's ordinary kernels: each page one FULL call of the backend ``auto`` (or the
+named one) picks, the pages of a request merged, and ONE finite check for the whole batch (a page's ``k_finite``
+spares it the read of keys its owner checked once) where the front end makes two host reads a call.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ class PageByPage:
 def page_backend(name: str, device: torch.device):
     """What serves paged calls on ``device`` for ``runtime.attention_backend = name``: the named backend if it has
     ``pages_forward``, else :class:`PageByPage` over it; ``auto``: ``cpu_decode`` on a CPU whose op runs here --
-    unless ``MAGNETAR_ATTENTION_ORDER`` puts another backend serving this device first (auto's own order) --, else
+    unless ``MAGNETAR_ATTENTION_ORDER`` puts another backend serving this device first (auto's own order) --,
+    ``triton_decode`` on CUDA where Triton runs (unless an order is measured for the card or named), else
     :class:`PageByPage` over ``auto``'s choices."""
     if name != "auto":
         backend = get_backend(name)
@@ -79,6 +82,10 @@ def page_backend(name: str, device: torch.device):
     if device.type == "cpu" and first_preferred(device) in (None, "cpu_decode"):
         backend = get_backend("cpu_decode")
         if backend.runs_here():
+            return backend
+    if device.type == "cuda" and first_preferred(device) is None:
+        backend = get_backend("triton_decode")
+        if backend.runs_here(device):
             return backend
     return PageByPage("auto")
 

@@ -14,9 +14,10 @@ replays it as it is.
 
 The contract is slot attention's (:mod:`magnetar.ops.slots`): ``q (B, Hq, 1, D)`` at ``q_pos (B, 1)`` over row b's
 pages: key j is visible iff its position ``<= q_pos[b]`` (and ``> q_pos[b] - window``); ``(out (B, Hq, 1, D) in q's
-dtype, lse (B, Hq, 1) float32)``, a row seeing no key (an empty row: an idle slot) ``(0, -inf)``. The keys' values
-are the caller's to check finite once (a static step places only finite contexts); a NaN in q reaches the step's
-output through the slot part, which sees the token's own key.
+dtype, lse (B, Hq, 1) float32)``, a row seeing no key (an empty row: an idle slot) ``(0, -inf)``. Triton's kernel
+applies :mod:`magnetar.ops.nonfinite`'s rule (+-inf or NaN in q or in a key the row sees: the row NaN; in a value it
+sees: its output NaN; what it does not see is not read); the torch one slot attention's (a static step places only
+contexts checked finite, and a NaN in q reaches its output through the slot part too).
 
 A backend of :mod:`magnetar.ops.backends` owns the kernel, as it owns its slot and paged kernels: one with
 ``pointers_forward(q, q_pos, table, layer, scale, window)``. ``triton_decode`` on CUDA (a split-KV kernel, one
@@ -35,6 +36,8 @@ from magnetar.ops.slots import slot_attention
 from magnetar.utils.sync import to_device
 
 PAGES = 4  # pieces of one row's context KV a table holds (a fork: its document's, then its own); more are joined
+
+Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k (1, Hkv, n, D), v, pos (n,))
 
 # the table's fields, its first dimension
 K, V, POS, N, K_HEAD, V_HEAD = range(6)
@@ -76,6 +79,27 @@ class PointerTable:
         self.pieces[row] = held
         self._dirty = True
 
+    def fill(self, rows: Sequence[Sequence[Piece]]) -> None:
+        """Layer 0 of rows ``0 .. len(rows) - 1`` at once -- row b's pieces ``rows[b]`` (at most ``pages``, none
+        empty, laid out as :meth:`put` needs) -- and every other row empty: an eager step's pages, a layer at a time
+        (one tensor made on the host, not one a piece)."""
+        vals = [[0] * 6 for _ in range(self.rows * self.pages)]
+        held = []
+        for b, pieces in enumerate(rows):
+            pieces = [_laid_out(p) for p in pieces]
+            for j, (k, v, pos) in enumerate(pieces):
+                vals[b * self.pages + j] = [k.data_ptr(), v.data_ptr(), pos.data_ptr(), k.shape[2], k.stride(1),
+                                            v.stride(1)]
+            held.append([pieces])
+        self.host[:, 0] = torch.tensor(vals, dtype=torch.long).t().reshape(6, self.rows, self.pages)
+        self.pieces = held + [None] * (self.rows - len(held))
+        self._dirty = True
+
+    def forget(self) -> None:
+        """Drop the references to the tensors pointed at (the addresses stay): once the kernels reading them are
+        queued, a tensor freed is reused only by work queued after them."""
+        self.pieces = [None] * self.rows
+
     def clear(self, row: int) -> None:
         """Empty ``row`` (its kernel rows see no key) and drop its references."""
         self.host[:, :, row] = 0
@@ -94,9 +118,6 @@ class PointerTable:
         if self._dirty:
             self.device.copy_(to_device(self.host.clone(), self.device.device))
             self._dirty = False
-
-
-Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (k (1, Hkv, n, D), v, pos (n,))
 
 
 def _laid_out(piece: Piece) -> Piece:

@@ -17,12 +17,15 @@ It serves nothing else: an ordinary attention call is refused (the registry's ``
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
 import torch
 
 from magnetar.ops.merge import merge_states
+
+log = logging.getLogger(__name__)
 
 TILE = 64  # keys per step of a program's loop
 MAX_SPLITS = 32
@@ -38,7 +41,7 @@ def _kernel():
     def decode_pages(Q, QPOS, KT, VT, PT, NT, KH, VH, O, L, scale, window, pages, nsplit,
                      sqb, sqh, sqd, sob, soh, sos, slb, slh, sls,
                      G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                     WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                     WINDOW: tl.constexpr, IEEE: tl.constexpr, POSITIONS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -50,6 +53,9 @@ def _kernel():
         q = tl.load(Q + b * sqb + heads[:, None] * sqh + dd[None, :] * sqd, mask=rmask[:, None] & dmask[None, :],
                     other=0.0)
         qp = tl.load(QPOS + b)
+        # the non-finite rule (magnetar.ops.nonfinite): +-inf counts as NaN in q and in a key the row sees
+        qbad = tl.max(((q != q) | (tl.abs(q.to(tl.float32)) == float("inf"))).to(tl.int32), 1) > 0
+        seen = 0  # keys this program's rows see
         m = tl.full([BG], float("-inf"), tl.float32)
         total = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, BD], tl.float32)
@@ -61,39 +67,50 @@ def _kernel():
             hi = tl.minimum(lo + per, n)
             kb = tl.load(KT + at).to(tl.pointer_type(Q.dtype.element_ty))
             vb = tl.load(VT + at).to(tl.pointer_type(Q.dtype.element_ty))
-            pb = tl.load(PT + at).to(tl.pointer_type(tl.int64))
             kh = tl.load(KH + at)
             vh = tl.load(VH + at)
             for start in range(lo, hi, BN):
                 keys = start + tl.arange(0, BN)
                 kmask = keys < hi
-                kpos = tl.load(pb + keys, mask=kmask, other=0)
-                vis = kmask & (kpos <= qp)
-                if WINDOW:
-                    vis = vis & (kpos > qp - window)
+                vis = kmask
+                if POSITIONS:  # else every key is visible (an eager step's pages)
+                    pb = tl.load(PT + at).to(tl.pointer_type(tl.int64))
+                    kpos = tl.load(pb + keys, mask=kmask, other=0)
+                    vis = vis & (kpos <= qp)
+                    if WINDOW:
+                        vis = vis & (kpos > qp - window)
                 k = tl.load(kb + h * kh + keys[:, None] * D + dd[None, :], mask=kmask[:, None] & dmask[None, :],
                             other=0.0)
                 if IEEE:
                     sc = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     sc = tl.dot(q, tl.trans(k))
+                kbad = tl.max(((k != k) | (tl.abs(k.to(tl.float32)) == float("inf"))).to(tl.int32), 1) > 0
                 sc = tl.where(vis[None, :], sc * scale, float("-inf"))
+                sc = tl.where((vis & kbad)[None, :], float("nan"), sc)
+                seen += tl.sum(vis.to(tl.int32), 0)
                 m_new = tl.maximum(m, tl.max(sc, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp(m - m_use)
                 pr = tl.exp(sc - m_use[:, None])
                 total = total * alpha + tl.sum(pr, 1)
-                v = tl.load(vb + h * vh + keys[:, None] * D + dd[None, :], mask=kmask[:, None] & dmask[None, :],
+                # a key the row does not see is not read: its value, even NaN, reaches nothing (0 * NaN)
+                v = tl.load(vb + h * vh + keys[:, None] * D + dd[None, :], mask=vis[:, None] & dmask[None, :],
                             other=0.0)
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
                 m = m_new
-        seen = total > 0
-        safe = tl.where(seen, total, 1.0)
-        out = tl.where(seen[:, None], acc / safe[:, None], 0.0)
-        lse = tl.where(seen, m + tl.log(safe), float("-inf"))
+        safe = tl.where(total == 0, 1.0, total)  # a NaN total stays NaN
+        out = acc / safe[:, None]
+        vbad = tl.max(((out != out) | (tl.abs(out) == float("inf"))).to(tl.int32), 1) > 0  # a non-finite value:
+        out = tl.where(vbad[:, None], float("nan"), out)  # the whole row NaN
+        lse = m + tl.log(safe)
+        out = tl.where(qbad[:, None], float("nan"), out)
+        lse = tl.where(qbad, float("nan"), lse)
+        out = tl.where(seen > 0, out, 0.0)  # a row seeing no key: (0, -inf), whatever q holds
+        lse = tl.where(seen > 0, lse, float("-inf"))
         tl.store(O + s * sos + b * sob + heads[:, None] * soh + dd[None, :], out, mask=rmask[:, None] & dmask[None, :])
         tl.store(L + s * sls + b * slb + heads * slh, lse, mask=rmask)
 
@@ -122,6 +139,13 @@ class TritonDecodeBackend:
     name = "triton_decode"
     device_types = ("cuda", "cpu")  # the CPU through Triton's interpreter only (runs_here says when)
 
+    def __init__(self):
+        self._tables: dict = {}  # pages_forward's tables, by (rows, pages, KV heads, device)
+        self._pages_broken: Optional[str] = None
+        from magnetar.ops.pages import PageByPage
+
+        self._by_page = PageByPage("auto")
+
     def validate(self, call) -> list[str]:
         return ["serves only a decode step's context part through a pointer table (magnetar.ops.pointers)"]
 
@@ -137,6 +161,8 @@ class TritonDecodeBackend:
             return "Triton runs on a CPU only through its interpreter (TRITON_INTERPRET=1)"
         if kind not in ("cuda", "cpu"):
             return f"needs a CUDA device, got {kind}"
+        if kind == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device here (torch.cuda.is_available() is False)"
         try:
             import triton  # noqa: F401
         except ImportError:
@@ -149,6 +175,53 @@ class TritonDecodeBackend:
     def pointers_forward(self, q, q_pos, table, layer: int, scale: float, window: Optional[int] = None):
         """The contract of :mod:`magnetar.ops.pointers`: ``q (B, Hq, 1, D)`` at ``q_pos (B, 1)`` over the pages
         ``table`` points row b at, layer ``layer``."""
+        return self._launch(q, q_pos, table, layer, scale, window, positions=True)
+
+    def pages_forward(self, q, pages, scale: float):
+        """An eager decode step's batch in one launch (:mod:`magnetar.ops.pages`' contract: row b over its
+        ``pages[b]``, every key visible, one softmax): the pages' addresses written into a table of this call's
+        shape (kept for the next call of that shape; the copy to the card queued, no wait) and read by the kernel
+        with no positions. The kernel applies :mod:`magnetar.ops.nonfinite`'s rule itself (+-inf or NaN in q or a
+        key: the row NaN; in a value: its output NaN), so nothing is read back to check; None -- the caller's
+        per-part path -- for a call it cannot take (more than one query
+        token, pages of another dtype, device or head count, no page at all). A kernel that fails (one that does not
+        build or launch on this card; not out of memory) is said once and its calls go page by page
+        (:class:`~magnetar.ops.pages.PageByPage`) from then on."""
+        if self._pages_broken is not None:
+            return self._by_page.pages_forward(q, pages, scale)
+        B, Hq, S, D = q.shape
+        rows = [[p for p in request if p.k.shape[2]] for request in pages]
+        first = next((p for r in rows for p in r), None)
+        if S != 1 or first is None:
+            return None
+        hkv = first.k.shape[1]
+        if any(p.k.shape[1] != hkv or p.k.dtype != q.dtype or p.v.dtype != q.dtype or p.k.device != q.device
+               for r in rows for p in r):
+            return None
+        width = max(len(r) for r in rows)
+        key = (B, width, hkv, q.device)
+        table = self._tables.get(key)
+        if table is None:
+            from magnetar.ops.pointers import PointerTable
+
+            table = self._tables[key] = PointerTable(1, B, width, hkv, q.device)
+        nowhere = torch.zeros(1, dtype=torch.long)  # no positions are read: every key is visible
+        table.fill([[(p.k, p.v, nowhere) for p in r] for r in rows])
+        table.sync()
+        try:
+            return self._launch(q, torch.zeros(B, dtype=torch.long, device=q.device), table, 0, scale, None,
+                                positions=False)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the kernel failed on this card: say why once, go page by page
+            self._pages_broken = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log.warning("triton_decode: the eager step's paged kernel failed (%s); its calls go page by page",
+                        self._pages_broken)
+            return self._by_page.pages_forward(q, pages, scale)
+        finally:
+            table.forget()  # the launch is queued: freed tensors are reused only by later work on its stream
+
+    def _launch(self, q, q_pos, table, layer: int, scale: float, window: Optional[int], positions: bool):
         B, Hq, S, D = q.shape
         if S != 1:
             raise ValueError(f"triton_decode: one query token per row (a decode step), got {S}")
@@ -159,10 +232,11 @@ class TritonDecodeBackend:
         lse = torch.empty(n, B, Hq, dtype=torch.float32, device=q.device)
         t = table.device[:, layer]
         _kernel()[(B, hkv, n)](
-            q, q_pos.reshape(B).contiguous(), t[0], t[1], t[2], t[3], t[4], t[5], o, lse, float(scale), int(window or 0), table.pages, n,
+            q, q_pos.reshape(B).contiguous(), t[0], t[1], t[2], t[3], t[4], t[5], o, lse, float(scale),
+            int(window or 0), table.pages, n,
             q.stride(0), q.stride(1), q.stride(3), o.stride(1), o.stride(2), o.stride(0), lse.stride(1),
             lse.stride(2), lse.stride(0),
             G=G, BG=_pow2(G, 16), D=D, BD=_pow2(D, 16), BN=TILE, WINDOW=window is not None,
-            IEEE=q.dtype == torch.float32)
+            IEEE=q.dtype == torch.float32, POSITIONS=positions)
         out, l = merge_states(o.unsqueeze(3), lse.unsqueeze(3))
         return out.to(q.dtype), l
