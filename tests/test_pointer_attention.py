@@ -231,8 +231,8 @@ def test_which_kernel_a_step_reads_its_contexts_with():
     assert pointer_backend("torch", "cpu", required=False).name == "torch"
     assert pointer_backend("cpu_decode", "cpu", required=False) is None
     triton = get_backend("triton_decode")
-    assert triton.validate(None) and "pointer table" in triton.validate(None)[0]  # never an ordinary call's kernel
-    with pytest.raises(ValueError, match="serves only a decode step's context part"):
+    assert triton.validate(None) and "pointer tables" in triton.validate(None)[0]  # never an ordinary call's kernel
+    with pytest.raises(ValueError, match="serves only decode steps' paged calls and pointer tables"):
         triton.forward(None)
 
 

@@ -54,10 +54,10 @@ class PointerTable:
         self.layers, self.rows, self.pages, self.hkv = layers, rows, pages, hkv
         self.host = torch.zeros(6, layers, rows, pages, dtype=torch.long)
         self.device = torch.zeros(6, layers, rows, pages, dtype=torch.long, device=device)
-        self.pieces: list[Optional[list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]] = [None] * rows
+        self.pieces: list[Optional[list[list[Piece]]]] = [None] * rows
         self._dirty = False
 
-    def put(self, row: int, layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+    def put(self, row: int, layers: Sequence[Sequence[Piece]]) -> None:
         """Point ``row`` at its context KV: per layer its pieces ``(k (1, Hkv, n, D), v, pos (n,))`` in order (at
         most ``pages``; empty ones skipped). A piece's keys and values must be contiguous along D with consecutive
         entries (a context's tensors and their views are); one that is not is copied (and held)."""

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from magnetar.ops.merge import merge_states
+from magnetar.ops.pointers import K, K_HEAD, N, POS, V, V_HEAD, PointerTable
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class TritonDecodeBackend:
         self._by_page = PageByPage("auto")
 
     def validate(self, call) -> list[str]:
-        return ["serves only a decode step's context part through a pointer table (magnetar.ops.pointers)"]
+        return ["serves only decode steps' paged calls and pointer tables (magnetar.ops.pages, magnetar.ops.pointers)"]
 
     def forward(self, call):
         raise ValueError("triton_decode: " + self.validate(call)[0])
@@ -183,10 +184,9 @@ class TritonDecodeBackend:
         shape (kept for the next call of that shape; the copy to the card queued, no wait) and read by the kernel
         with no positions. The kernel applies :mod:`magnetar.ops.nonfinite`'s rule itself (+-inf or NaN in q or a
         key: the row NaN; in a value: its output NaN), so nothing is read back to check; None -- the caller's
-        per-part path -- for a call it cannot take (more than one query
-        token, pages of another dtype, device or head count, no page at all). A kernel that fails (one that does not
-        build or launch on this card; not out of memory) is said once and its calls go page by page
-        (:class:`~magnetar.ops.pages.PageByPage`) from then on."""
+        per-part path -- for a call it cannot take (more than one query token, pages of another dtype, device or
+        head count, no page at all). A kernel that fails (one that does not build or launch on this card; not out of
+        memory) is said once and its calls go page by page (:class:`~magnetar.ops.pages.PageByPage`) from then on."""
         if self._pages_broken is not None:
             return self._by_page.pages_forward(q, pages, scale)
         B, Hq, S, D = q.shape
@@ -202,8 +202,6 @@ class TritonDecodeBackend:
         key = (B, width, hkv, q.device)
         table = self._tables.get(key)
         if table is None:
-            from magnetar.ops.pointers import PointerTable
-
             table = self._tables[key] = PointerTable(1, B, width, hkv, q.device)
         nowhere = torch.zeros(1, dtype=torch.long)  # no positions are read: every key is visible
         table.fill([[(p.k, p.v, nowhere) for p in r] for r in rows])
@@ -232,7 +230,7 @@ class TritonDecodeBackend:
         lse = torch.empty(n, B, Hq, dtype=torch.float32, device=q.device)
         t = table.device[:, layer]
         _kernel()[(B, hkv, n)](
-            q, q_pos.reshape(B).contiguous(), t[0], t[1], t[2], t[3], t[4], t[5], o, lse, float(scale),
+            q, q_pos.reshape(B).contiguous(), t[K], t[V], t[POS], t[N], t[K_HEAD], t[V_HEAD], o, lse, float(scale),
             int(window or 0), table.pages, n,
             q.stride(0), q.stride(1), q.stride(3), o.stride(1), o.stride(2), o.stride(0), lse.stride(1),
             lse.stride(2), lse.stride(0),
