@@ -70,8 +70,8 @@ class Phase2Context(LayerContext):
     decode step (one token each, no decode policy applying) whose every context shard precedes its token, each
     request's parts are then pages of one attention (:func:`magnetar.ops.pages.attend_pages`) -- under a sliding
     window the keys in it, where positions are consecutive --: the whole batch in ONE kernel launch a layer where the
-    backend has a paged kernel (``cpu_decode``), else its kernel page by page with ONE finite check a layer, rather
-    than two front-end calls (two host reads each) and a merge a request.
+    backend has a paged kernel (``cpu_decode``; ``triton_decode`` on CUDA), else its kernel page by page with ONE
+    finite check a layer, rather than two front-end calls (two host reads each) and a merge a request.
     """
 
     layer_range = PHASE2_LAYER
