@@ -1,6 +1,8 @@
 """Bytes a static batch's slots hold: 8 requests over copies of one 4K document (SmolLM2-135M, bf16)."""
-import dataclasses, sys, time
-import torch, magnetar
+import dataclasses
+import time
+import torch
+import magnetar
 from magnetar.models import load_model
 torch.set_num_threads(2)
 model, tok = load_model("smollm2-135m-instruct", dtype=torch.bfloat16, device="cpu")

@@ -39,10 +39,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def decode_pages(Q, QPOS, KT, VT, PT, NT, KH, VH, O, L, scale, window, pages, nsplit,
+    def decode_pages(Q, QPOS, KT, VT, PT, NT, KH, VH, O, L, scale, window, nsplit,
                      sqb, sqh, sqd, sob, soh, sos, slb, slh, sls,
                      G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
-                     WINDOW: tl.constexpr, IEEE: tl.constexpr, POSITIONS: tl.constexpr):
+                     WINDOW: tl.constexpr, IEEE: tl.constexpr, POSITIONS: tl.constexpr, PAGES: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -60,8 +60,8 @@ def _kernel():
         m = tl.full([BG], float("-inf"), tl.float32)
         total = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, BD], tl.float32)
-        for p in range(0, pages):
-            at = b * pages + p
+        for p in tl.static_range(PAGES):  # a row's pieces (a table's width: a constant of the kernel)
+            at = b * PAGES + p
             n = tl.load(NT + at)
             per = tl.cdiv(tl.cdiv(n, nsplit), BN) * BN
             lo = s * per
@@ -231,10 +231,10 @@ class TritonDecodeBackend:
         t = table.device[:, layer]
         _kernel()[(B, hkv, n)](
             q, q_pos.reshape(B).contiguous(), t[K], t[V], t[POS], t[N], t[K_HEAD], t[V_HEAD], o, lse, float(scale),
-            int(window or 0), table.pages, n,
+            int(window or 0), n,
             q.stride(0), q.stride(1), q.stride(3), o.stride(1), o.stride(2), o.stride(0), lse.stride(1),
             lse.stride(2), lse.stride(0),
             G=G, BG=_pow2(G, 16), D=D, BD=_pow2(D, 16), BN=TILE, WINDOW=window is not None,
-            IEEE=q.dtype == torch.float32, POSITIONS=positions)
+            IEEE=q.dtype == torch.float32, POSITIONS=positions, PAGES=table.pages)
         out, l = merge_states(o.unsqueeze(3), lse.unsqueeze(3))
         return out.to(q.dtype), l
