@@ -14,7 +14,8 @@ for mode in ("static", "eager"):
     hs = [h] + [dataclasses.replace(h, shard=h.shard.clone(), key=f"{h.key}:{i}") for i in range(1, 8)]
     b = eng.open_batch()
     t0 = time.perf_counter()
-    rids = [b.add(x, torch.randint(0, 1000, (12,)), eng.sampling_params(max_new_tokens=8, temperature=0.0))[0] for x in hs]
+    params = eng.sampling_params(max_new_tokens=8, temperature=0.0)
+    rids = [b.add(x, torch.randint(0, 1000, (12,)), params)[0] for x in hs]
     b.step()
     join = time.perf_counter() - t0
     st = b._batch.static
