@@ -19,7 +19,7 @@ from magnetar.engine.graphs import GraphPlan, capacities_up_to
 from magnetar.engine.static import static_problem
 from magnetar.parallel import local_groups
 from tests.test_continuous_batch import REQUESTS, _ids, _interleaved_against
-from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine, _no_sync_in_steps
+from tests.test_static_decode import LAYOUTS, _batch_tokens, _engine, _no_sync_in_steps, broken_kernel
 from tests.tiny_models import tiny_model
 
 POOL = dict(decode_graph_tokens=2048, decode_graph_batches="1,2,4")  # 1x1024, 2x1024, 4x512 ... within 2048 entries
@@ -282,13 +282,8 @@ def test_a_failing_context_kernel_sends_the_batch_eager_and_says_why(captured, m
     # first step that calls the kernel runs again eager, the batch eager from then on, its tokens eager's
     from magnetar.ops.backends.reference import ReferenceBackend
 
-    calls = []
-
-    def broken(*a, **k):
-        calls.append(1)
-        raise RuntimeError("CompilationError: at 12:8: no pointer casts here")
-
-    monkeypatch.setattr(ReferenceBackend, "pointers_forward", staticmethod(broken))
+    calls = broken_kernel(monkeypatch, ReferenceBackend, "pointers_forward",
+                          "CompilationError: at 12:8: no pointer casts here")
     model = tiny_model("llama", seed=2)
     want, _ = _batch_tokens(_engine(model))
     with caplog.at_level(logging.WARNING):

@@ -196,19 +196,27 @@ def test_compile_failure_falls_back_to_static_and_says_why(monkeypatch, caplog):
     assert "decode steps run static" in caplog.text
 
 
+def broken_kernel(monkeypatch, cls, method: str, message: str) -> list:
+    """``cls.method`` made to raise ``RuntimeError(message)`` -- a kernel failing on a card; the list each call
+    appends to."""
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(cls, method, staticmethod(broken))
+    return calls
+
+
 @pytest.mark.parametrize("mode", ["static", "graph"])
 def test_a_failing_flex_slot_kernel_falls_back_to_torchs_and_says_why(mode, monkeypatch, caplog):
     # the compiled FlexAttention slot kernel (a graph step's on CUDA) failing on a card: the step runs again with
     # torch's slot kernel, says why once, and the tokens stay eager's
     from magnetar.ops.backends.flex import FlexAttentionBackend
 
-    calls = []
-
-    def broken(*a, **k):
-        calls.append(1)
-        raise RuntimeError("NoValidChoicesError: no kernel lowers here")
-
-    monkeypatch.setattr(FlexAttentionBackend, "slot_forward", staticmethod(broken))
+    calls = broken_kernel(monkeypatch, FlexAttentionBackend, "slot_forward",
+                          "NoValidChoicesError: no kernel lowers here")
     model = tiny_model("llama", seed=2)
     want, _ = _batch_tokens(_engine(model, method="dense"))
     with caplog.at_level("WARNING", logger="magnetar.engine.static"):
