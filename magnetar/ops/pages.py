@@ -16,19 +16,21 @@ takes its per-part path: there :func:`~magnetar.ops.attention_with_lse` and :fun
 apply the exact non-finite rules, so a NaN is never turned into a finite result here. ``auto`` picks ``cpu_decode``
 on a CPU whose op runs (``csrc/decode_attention.cpp``'s ``decode_attention_pages``) and ``triton_decode`` on CUDA
 where Triton runs (its split-KV kernel over the pages' addresses: one launch a layer, no read of the device; a kernel
-that fails there goes page by page). Elsewhere -- a CUDA machine without Triton, a card whose measured order puts a
-backend first, or a backend named in ``runtime.attention_backend`` without such a method -- :class:`PageByPage`
+that fails there goes page by page). Elsewhere -- a CUDA machine without Triton, a user's order naming another backend
+first, or a backend named in ``runtime.attention_backend`` without such a method -- :class:`PageByPage`
 serves the contract with the registry's ordinary kernels: each page one FULL call of the backend ``auto`` (or the
 named one) picks, the pages of a request merged, and ONE finite check for the whole batch (a page's ``k_finite``
 spares it the read of keys its owner checked once) where the front end makes two host reads a call.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from magnetar.ops.backends import first_preferred, get_backend, select_backend
+from magnetar.ops.backends.measured import ENV
 from magnetar.ops.call import FULL, AttentionCall
 from magnetar.ops.merge import merge_requests
 from magnetar.ops.nonfinite import all_finite
@@ -74,7 +76,8 @@ def page_backend(name: str, device: torch.device):
     """What serves paged calls on ``device`` for ``runtime.attention_backend = name``: the named backend if it has
     ``pages_forward``, else :class:`PageByPage` over it; ``auto``: ``cpu_decode`` on a CPU whose op runs here --
     unless ``MAGNETAR_ATTENTION_ORDER`` puts another backend serving this device first (auto's own order) --,
-    ``triton_decode`` on CUDA where Triton runs (unless an order is measured for the card or named), else
+    ``triton_decode`` on CUDA where Triton runs (unless ``MAGNETAR_ATTENTION_ORDER`` names another first; a card's
+    measured order is Phase 1's and does not count here), else
     :class:`PageByPage` over ``auto``'s choices."""
     if name != "auto":
         backend = get_backend(name)
@@ -83,7 +86,8 @@ def page_backend(name: str, device: torch.device):
         backend = get_backend("cpu_decode")
         if backend.runs_here():
             return backend
-    if device.type == "cuda" and first_preferred(device) is None:
+    # on CUDA a user's MAGNETAR_ATTENTION_ORDER decides as on a CPU; a card's measured order (Phase 1's squares) not
+    if device.type == "cuda" and (not os.environ.get(ENV, "").strip() or first_preferred(device) == "triton_decode"):
         backend = get_backend("triton_decode")
         if backend.runs_here(device):
             return backend
