@@ -9,7 +9,9 @@ SDPA is the honest baseline for the *same* attention: no mask for decode (Sq=1, 
 ``is_causal=True`` for a causal square (Sq = Sk: Phase 1's shape) and a boolean bottom-right causal mask for
 1 < Sq < Sk (``is_causal=True`` would align the mask top-left: wrong). Pairs with Sq > Sk are skipped. Each row's
 TFLOP/s counts the visible (query, key) pairs, 4 x H x D FLOPs each (the GPU kit's ``kernels`` step: which backend
-runs Phase 1's causal attention fastest on the card).
+runs Phase 1's causal attention fastest on the card). A decode row (Sq = 1) also says the GB/s of K and V read -- the
+figure a decode kernel is held to -- and adds the paged kernel of a decode step where one runs here
+(``magnetar.ops.pages``: ``cpu_decode`` on a CPU, ``triton_decode`` on CUDA; named ``<backend>/pages``).
 SDPA does not return the log-sum-exp, so it does strictly less work than attention_with_lse.
 Prints a table, then one JSON line with every measurement (times are medians, in milliseconds).
 """
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from magnetar.ops import attention_with_lse, merge_states
 from magnetar.ops.attention import AttentionCall, _classify
 from magnetar.ops.backends import explain
+from magnetar.ops.pages import Page, PageByPage, attend_pages, page_backend
 from magnetar.utils.cli import write_json_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,12 +115,18 @@ def bench_attention(args, device, dtype, on_rows=None):
                 if name == "torch" and sq * sk * args.heads > 2**26 and device.type == "cpu":
                     continue  # the reference materialises the full score matrix; skip where it would be silly
                 fns[name] = lambda name=name: attention_with_lse(q, k, v, backend=name)
+            paged = page_backend("auto", device) if sq == 1 else None
+            pages = [[Page(k, v, k_finite=True)]]
+            if paged is not None and not isinstance(paged, PageByPage) and attend_pages(q, pages, 1.0) is not None:
+                fns[f"{paged.name}/pages"] = lambda: attend_pages(q, pages, 1.0)  # an eager decode step's call
             times = timed(fns, device, args.warmup, repeats)
             pairs = sk if sq == 1 else sq * (sk - sq) + sq * (sq + 1) // 2  # bottom-right causal
             flops = 4 * args.heads * args.head_dim * pairs
+            kv_bytes = 2 * k.numel() * k.element_size()  # a decode call reads K and V once
             for name, ms in times.items():
                 rows.append({"op": "attention", "impl": name, "sq": sq, "sk": sk, "ms": ms,
-                             "x_sdpa": ms / times["sdpa"], "tflops": flops / (ms * 1e-3) / 1e12})
+                             "x_sdpa": ms / times["sdpa"], "tflops": flops / (ms * 1e-3) / 1e12,
+                             "gb_s": kv_bytes / (ms * 1e-3) / 1e9 if sq == 1 else None})
             if on_rows is not None:
                 on_rows(rows)
     return rows
@@ -175,9 +184,10 @@ def main(argv=None):
     merge = bench_merge(args, device, dtype)
     print(f"# attention_with_lse vs SDPA  (B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
           f"{args.dtype}, {machine})")
-    print(f"{'impl':<11}{'Sq':>7}{'Sk':>8}{'ms':>11}{'TFLOP/s':>9}{'x SDPA':>9}")
+    print(f"{'impl':<20}{'Sq':>7}{'Sk':>8}{'ms':>11}{'TFLOP/s':>9}{'x SDPA':>9}{'KV GB/s':>9}")
     for r in attn:
-        print(f"{r['impl']:<11}{r['sq']:>7}{r['sk']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{r['x_sdpa']:>9.2f}")
+        gbs = "-" if r["gb_s"] is None else f"{r['gb_s']:.0f}"
+        print(f"{r['impl']:<20}{r['sq']:>7}{r['sk']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{r['x_sdpa']:>9.2f}{gbs:>9}")
     print(f"\n# merge_states (B=1, H={args.heads}, D={args.head_dim}, {args.dtype})")
     print(f"{'impl':<8}{'N':>4}{'S':>7}{'ms':>11}{'x torch':>9}")
     for r in merge:

@@ -520,8 +520,8 @@ def step_kernels(kit: Kit, shape: dict):
             record = json.loads(json_out.read_text()) if json_out.is_file() else None
         if record is None or not record["attention"]:
             return False, None, _tail(err or out), cmd
-        keep = ("impl", "sq", "sk", "ms", "tflops", "x_sdpa")
-        rows = [{f: r[f] for f in keep} for r in record["attention"]]
+        keep = ("impl", "sq", "sk", "ms", "tflops", "x_sdpa", "gb_s")
+        rows = [{f: r.get(f) for f in keep} for r in record["attention"]]
         return rc == 0, dict(machine=record["machine"], dtype=record["dtype"], torch=record["torch"], rows=rows,
                              complete=record.get("complete", True), measured_order=measured_order(rows)), \
             None if rc == 0 else _tail(err or out), cmd
@@ -864,10 +864,10 @@ def tables(report: dict) -> str:
             continue
         r = s["result"]
         lines += ["", f"{s['name']}{_cut(s)}: attention kernels, causal (Sq = Sk) and decode (Sq = 1), H 32 / 8 KV, "
-                      f"D 128, {r['dtype']}, {r['machine']}", "", "| backend | Sq | Sk | ms | TFLOP/s | x SDPA |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {x['impl']} | {x['sq']} | {x['sk']} | {x['ms']:.3f} | {x['tflops']:.1f} | {x['x_sdpa']:.2f} |"
-                  for x in r["rows"]]
+                      f"D 128, {r['dtype']}, {r['machine']}; a decode row's KV GB/s against the card's copy bandwidth",
+                  "", "| backend | Sq | Sk | ms | TFLOP/s | x SDPA | KV GB/s |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {x['impl']} | {x['sq']} | {x['sk']} | {x['ms']:.3f} | {x['tflops']:.1f} | {x['x_sdpa']:.2f} | "
+                  f"{'-' if x.get('gb_s') is None else format(x['gb_s'], '.0f')} |" for x in r["rows"]]
         lines += ["", "measured order (fastest first at the largest causal square; magnetar/ops/backends/measured.py's "
                       f"MEASURED for this card): {', '.join(r.get('measured_order', [])) or '-'}"]
     for s in report["steps"]:

@@ -58,6 +58,11 @@ def test_dry_run_passes_every_step_and_has_the_report_shape(dry_report):
     kern = steps["kernels_256"]["result"]["rows"]
     assert {(r["impl"], r["sq"]) for r in kern} >= {("sdpa", 1), ("sdpa", 256), ("cpu_flash", 256)}
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in kern)
+    # decode rows say the KV's GB/s, and the decode step's paged kernel is among them where it runs (on a card:
+    # triton_decode/pages)
+    assert all((r["gb_s"] > 0) == (r["sq"] == 1) for r in kern if r["gb_s"] is not None)
+    assert all(r["gb_s"] is not None for r in kern if r["sq"] == 1)
+    assert (("cpu_decode/pages", 1) in {(r["impl"], r["sq"]) for r in kern}) == RUNS
     order = steps["kernels_256"]["result"]["measured_order"]
     assert "cpu_flash" in order and "sdpa" not in order
     # the Nsight step: no ncu on the CPU machine, the workload (a Phase 1 and eager decode steps, ranges on) ran alone
