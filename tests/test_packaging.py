@@ -306,6 +306,7 @@ def test_op_report_json_cli():
         avx512 = HAS_AVX512_BF16 and os.environ.get("MAGNETAR_DECODE_AVX512") != "0"
         assert (f"decode: cpu_decode ({'AVX-512 BF16' if avx512 else 'AVX2'} pass)"
                 in report["environment"]["attention (auto)"]), report["environment"]["attention (auto)"]
+        assert report["environment"]["attention (auto)"].endswith("a decode step's pages: cpu_decode")
     res = subprocess.run([sys.executable, "-m", "magnetar.ops", "--bogus"], cwd=REPO, env=_clean_env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "python -m magnetar.ops: error: unrecognized arguments: --bogus" in res.stderr

@@ -88,7 +88,8 @@ def environment() -> dict[str, Optional[str]]:
 
 def _attention_choice() -> str:
     """The auto order, and what ``auto`` picks here for a bf16 causal prefill, a decode call (one token over every
-    key; cpu_decode's pass named) and a general position mask."""
+    key; cpu_decode's pass named), a general position mask, and a decode step's paged batch (cpu_decode on a CPU,
+    triton_decode on CUDA where Triton runs, else page by page)."""
     import torch
 
     from magnetar.ops.backends import AUTO_ORDER, select_backend
@@ -110,6 +111,10 @@ def _attention_choice() -> str:
 
             name += " (AVX-512 BF16 pass)" if DECODE_ATTENTION_OP.load("cpu").avx512_bf16() else " (AVX2 pass)"
         picks.append(f"{what}: {name}")
+    from magnetar.ops.pages import PageByPage, page_backend
+
+    paged = page_backend("auto", torch.device(dev))
+    picks.append(f"a decode step's pages: {'page by page' if isinstance(paged, PageByPage) else paged.name}")
     from magnetar.ops.backends import list_backends
     from magnetar.ops.backends.measured import preferred
 
