@@ -1,9 +1,12 @@
 """A decode step's context part read through a table of addresses (magnetar.ops.pointers): the table, the torch
-kernel every device runs and the Triton kernel a CUDA step (and its graph) runs -- each against the fp64 reference.
+kernel every device runs and the Triton kernel a CUDA step (and its graph) runs -- each against the fp64 reference --
+and the same Triton kernel serving an eager step's pages (magnetar.ops.pages), with the non-finite rule of
+magnetar.ops.nonfinite applied in the kernel (row by row against the front end's) and its fallback when it fails.
 
-The Triton kernel runs here through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors; float32 and float16:
-the interpreter computes bf16 dot products wrongly) where the ``triton`` package is installed, and on a card in the
-GPU kit's ``gpu`` tests (bf16 too, and replayed in a CUDA graph whose table changes between replays)."""
+The Triton kernel runs here through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors, a process of its own;
+float32 and float16: the interpreter computes bf16 dot products wrongly) and is compiled for sm_90 with Triton's own
+ptxas (no card needed), where the ``triton`` package is installed (the test extra); on a card it runs in the GPU
+kit's ``gpu`` tests (bf16 too, and replayed in a CUDA graph whose table changes between replays)."""
 from __future__ import annotations
 
 import importlib.util
