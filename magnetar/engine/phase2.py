@@ -206,14 +206,11 @@ class Phase2Context(LayerContext):
                 if cut < len(ctx):
                     pages[b].append(Page(ctx.k[:, :, cut:], ctx.v[:, :, cut:], ctx.keys_finite()))
         if self.gens is not None:  # the query rank: its own tokens, the new one last
-            for b in range(len(self.gens)):
-                g = self._own(layer, b, k, v)
-                cut = self._seen_from(b, g, window, own=True)
-                pages[b].append(Page(g.k[:, :, cut:], g.v[:, :, cut:]))
+            own = [(g.k, g.v) for g in (self._own(layer, b, k, v) for b in range(len(self.gens)))]
             self._stored = layer
-        for b, kv in enumerate(own or ()):  # own tokens held elsewhere (a static step's slots)
+        for b, kv in enumerate(own or ()):  # (or held elsewhere: a static step's slots)
             if kv is not None:
-                cut = 0 if window is None else max(kv[0].shape[2] - window, 0)
+                cut = _own_cut(kv[0].shape[2], window)
                 pages[b].append(Page(kv[0][:, :, cut:], kv[1][:, :, cut:]))
         return attend_pages(q, pages, scale, backend=self.backend)
 
@@ -227,7 +224,7 @@ class Phase2Context(LayerContext):
             return None
         n = len(kv)
         if own:
-            return 0 if window is None else max(n - window, 0)
+            return _own_cut(n, window)
         span = kv.span()
         if span is None or span[1] >= self.starts[b] or (window is not None and not span[2]):
             return None
@@ -276,7 +273,7 @@ class Phase2Context(LayerContext):
         if g is not None:  # the query rank: its own query/generated tokens, causally
             parts.append(self._attend_part(b, qb, pos, g, scale, window, own=True))
         if own is not None:  # a decode step's own tokens, held elsewhere: every one before the token, the window's
-            cut = 0 if window is None else max(own[0].shape[2] - window, 0)
+            cut = _own_cut(own[0].shape[2], window)
             parts.append(attention_with_lse(qb, own[0][:, :, cut:], own[1][:, :, cut:], causal=False, scale=scale,
                                             backend=self.backend))
         return [_padded(o, lse, S) for o, lse in parts] if trim else parts
@@ -293,6 +290,12 @@ class Phase2Context(LayerContext):
                                       backend=self.backend, k_finite=k_finite)
         return attention_with_lse(qb, kv.k, kv.v, q_pos=pos, k_pos=kv.pos, scale=scale, window=window,
                                   backend=self.backend, k_finite=k_finite)
+
+
+def _own_cut(n: int, window: Optional[int]) -> int:
+    """The first of a decode step's ``n`` own tokens (at consecutive positions ending at the new one) its row sees:
+    all of them, or under a window the last ``window``."""
+    return 0 if window is None else max(n - window, 0)
 
 
 def _padded(o: torch.Tensor, lse: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:

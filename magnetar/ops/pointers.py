@@ -73,8 +73,7 @@ class PointerTable:
             for j, (k, v, pos) in enumerate(pieces):
                 if k.shape[1] != self.hkv:
                     raise ValueError(f"PointerTable.put: {k.shape[1]} KV heads, the table's kernel reads {self.hkv}")
-                self.host[:, i, row, j] = torch.tensor((k.data_ptr(), v.data_ptr(), pos.data_ptr(), k.shape[2],
-                                                        k.stride(1), v.stride(1)))
+                self.host[:, i, row, j] = torch.tensor(_fields((k, v, pos)))
             held.append(pieces)
         self.pieces[row] = held
         self._dirty = True
@@ -87,9 +86,8 @@ class PointerTable:
         held = []
         for b, pieces in enumerate(rows):
             pieces = [_laid_out(p) for p in pieces]
-            for j, (k, v, pos) in enumerate(pieces):
-                vals[b * self.pages + j] = [k.data_ptr(), v.data_ptr(), pos.data_ptr(), k.shape[2], k.stride(1),
-                                            v.stride(1)]
+            for j, piece in enumerate(pieces):
+                vals[b * self.pages + j] = _fields(piece)
             held.append([pieces])
         self.host[:, 0] = torch.tensor(vals, dtype=torch.long).t().reshape(6, self.rows, self.pages)
         self.pieces = held + [None] * (self.rows - len(held))
@@ -116,8 +114,16 @@ class PointerTable:
         """Copy the host side to the device if it changed (queued: the host does not wait; the next step's kernels
         run after it)."""
         if self._dirty:
-            self.device.copy_(to_device(self.host.clone(), self.device.device))
+            # to_device's pinned copy is the copy's source: the host side may change before it runs
+            self.device.copy_(to_device(self.host, self.device.device))
             self._dirty = False
+
+
+def _fields(piece: Piece) -> list[int]:
+    """A piece's entry in the table: its keys', values' and positions' addresses, length, keys' and values' head
+    strides (the order of :data:`K` ... :data:`V_HEAD`)."""
+    k, v, pos = piece
+    return [k.data_ptr(), v.data_ptr(), pos.data_ptr(), k.shape[2], k.stride(1), v.stride(1)]
 
 
 def _laid_out(piece: Piece) -> Piece:
@@ -165,6 +171,6 @@ def pointer_backend(name: str, device, required: bool):
         return backend
     if torch.device(device).type == "cuda":
         triton = get_backend("triton_decode")
-        if triton.runs_here():
+        if triton.runs_here(device):
             return triton
     return get_backend("torch") if required else None
