@@ -345,10 +345,13 @@ class StaticDecode:
                 table.clear(row)
                 self._pointed.pop(row, None)
                 continue
-            shard = self.context[rid]
-            table.put(row, [[(lk.k, lk.v, lk.pos) for lk in segs] if len(segs) <= PAGES else
-                            [(shard.whole(i).k, shard.whole(i).v, shard.whole(i).pos)]
-                            for i, segs in enumerate(shard.segments(i) for i in range(shard.num_layers))])
+            shard, layers = self.context[rid], []
+            for i in range(shard.num_layers):
+                segs = shard.segments(i)
+                if len(segs) > PAGES:  # more pieces than a row holds: joined (a copy, once, on the request's view)
+                    segs = [shard.whole(i)]
+                layers.append([(lk.k, lk.v, lk.pos) for lk in segs])
+            table.put(row, layers)
             self._pointed[row] = rid
 
     def _planned(self, requests: int, need: int) -> Optional[tuple[int, int]]:
